@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Installs whatever is missing (scripts/setup.sh) and runs the full test suite.
+#   bash scripts/test.sh            # everything (GPU-only tests skip on a CPU machine)
+#   bash scripts/test.sh -k parity  # extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# shellcheck disable=SC1091
+. "${INFER_VENV:-.venv}/bin/activate"
+exec python -m pytest "$@"

@@ -1,0 +1,86 @@
+"""The attention-metadata object every forward receives.
+
+A step of the engine is one flattened batch: ``input_ids[T]`` and ``positions[T]`` hold the
+new tokens of every sequence, back to back, and this object says where each sequence starts
+and how long its context is. Prefill (many new tokens, empty cache), decode (one new token,
+long cache) and mixed steps are the same call; only these numbers differ. The same idea is
+``FlashAttentionMetadata`` in vLLM v1 and ``ForwardBatch`` in SGLang.
+
+Example: two sequences, the first prefilling 3 tokens, the second decoding its 6th token::
+
+    input_ids        = [a0 a1 a2 | b5]                T = 4
+    positions        = [0  1  2  | 5 ]
+    query_start_loc  = [0, 3, 4]                      (cu_seqlens_q, B + 1 entries)
+    seq_lens         = [3, 6]                         (context incl. the new tokens)
+    slot_mapping     = where each new token's K/V is written in the cache
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from infer.attention.kv_cache import KVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flattened batch to the attention backend.
+
+    Attributes:
+        query_start_loc: int32 ``[B + 1]`` on the device: offsets of each sequence's new
+            tokens in the flattened batch (``cu_seqlens_q``).
+        seq_lens: int32 ``[B]`` on the device: context length of each sequence *after* this
+            step's tokens are written (cached tokens + new tokens).
+        query_start_loc_cpu, seq_lens_cpu: the same numbers as Python lists, so the host
+            never has to synchronize with the device to read them.
+        kv_cache: the cache K/V are written to and read from, or ``None`` for a cache-less
+            forward over whole sequences (used by the parity gate and by scoring).
+        slot_mapping: int64 ``[T]``: the flat cache slot of every new token (only with a cache).
+        cache_rows: int64 ``[B]`` (contiguous cache only): the cache row of each sequence.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    kv_cache: KVCache | None = None
+    slot_mapping: torch.Tensor | None = None
+    cache_rows_cpu: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def query_lens_cpu(self) -> list[int]:
+        q = self.query_start_loc_cpu
+        return [q[i + 1] - q[i] for i in range(len(q) - 1)]
+
+    @property
+    def is_decode_only(self) -> bool:
+        """True when every sequence contributes exactly one new token."""
+        return all(n == 1 for n in self.query_lens_cpu)
+
+    @classmethod
+    def for_prefill(cls, seq_lens: list[int], device: torch.device | str) -> AttentionMetadata:
+        """Cache-less metadata for whole sequences (each attends only to itself, causally).
+
+        Args:
+            seq_lens: token count of each sequence, in the order they are flattened.
+            device: where the int32 tensors are created.
+        """
+        starts = [0]
+        for n in seq_lens:
+            if n <= 0:
+                raise ValueError(f"sequence lengths must be positive, got {seq_lens}")
+            starts.append(starts[-1] + n)
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=list(seq_lens),
+        )

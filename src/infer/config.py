@@ -1,0 +1,213 @@
+"""Configuration objects.
+
+Two kinds of configuration live here:
+
+* :class:`ModelConfig`: what a checkpoint *is* (layer count, head counts, rope bases, ...).
+  It is read from a Hugging Face ``config.json`` or from GGUF metadata by the loaders and
+  never set by a user.
+* :class:`EngineConfig`: how the engine *runs* it. Every optimization of the roadmap is a
+  field here, so that it can be switched on alone and measured alone (see
+  ``docs/phases/``). :meth:`EngineConfig.validate` rejects every combination that is not
+  supported, with a reason, instead of silently ignoring a flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+LayerType = Literal["full_attention", "sliding_attention"]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding parameters for one kind of layer.
+
+    ``theta`` is the base; ``scaling`` is ``None`` or a dict in Hugging Face's
+    ``rope_scaling`` format. Supported ``rope_type`` values: ``default``, ``linear``
+    and ``llama3`` (Meta's Llama 3.1 frequency-dependent scaling).
+    """
+
+    theta: float
+    scaling: dict[str, Any] | None = None
+
+    @property
+    def rope_type(self) -> str:
+        if not self.scaling:
+            return "default"
+        return self.scaling.get("rope_type", self.scaling.get("type", "default"))
+
+
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters of a decoder-only transformer.
+
+    Attributes mirror Hugging Face's names where one exists. ``layer_types[i]`` is
+    ``"full_attention"`` or ``"sliding_attention"`` (Gemma 3 interleaves them); sliding
+    layers attend to the last ``sliding_window`` positions (the query's own included) and use
+    ``rope_local`` instead of ``rope``.
+    """
+
+    architecture: str  # "llama" | "qwen3" | "gemma3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    attention_scale: float | None = None  # default head_dim ** -0.5
+    norm_unit_offset: bool = False  # Gemma: RMSNorm multiplies by (1 + w) in float32
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    final_logit_softcapping: float | None = None
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    rope_local: RopeConfig | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_layers
+        if self.attention_scale is None:
+            self.attention_scale = self.head_dim**-0.5
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """Sliding window (tokens) of a layer, or None for a full-attention layer."""
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 4 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V cached for one token across all layers."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def default_device() -> str:
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """float32 on CPU (bf16 matmuls are hundreds of times slower there), bfloat16 on CUDA."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """Turn ``"auto"``/``None``/a name/a torch dtype into a torch dtype.
+
+    Raises:
+        ValueError: for a name that is not a floating-point dtype infer supports.
+    """
+    if value is None or value == "auto":
+        return default_dtype(device)
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {value}; use one of float32, bfloat16, float16")
+        return value
+    try:
+        return _DTYPES[str(value).lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {value!r}; use one of auto, float32, bfloat16, float16"
+        ) from None
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the engine. Each optimization is one field, off by default.
+
+    Attributes:
+        model: a Hugging Face model directory, a ``.gguf`` file, or a short name of a shipped
+            model (``smollm2-135m``, ``gemma3-270m``; see :mod:`infer.loader.registry`).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (cuda when available).
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"``
+            or ``"float16"``.
+        max_model_len: longest sequence (prompt + output, tokens) the engine accepts; ``None``
+            means the model's ``max_position_embeddings`` capped at 8192 on CPU.
+        seed: seed of the engine's default random generator (requests may carry their own).
+    """
+
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def resolved_device(self) -> torch.device:
+        return torch.device(default_device() if self.device in (None, "auto") else self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype, self.resolved_device())
+
+    def validate(self) -> EngineConfig:
+        """Reject unsupported values and flag combinations.
+
+        Raises:
+            ValueError: naming the field and why it is rejected.
+        """
+        dev = self.resolved_device()
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: {self.device!r} is not supported (use cpu, cuda or auto)")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' was asked for but no CUDA GPU is visible")
+        self.resolved_dtype()  # raises on an unknown dtype
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        return self
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, rejecting unknown ones.
+
+        Raises:
+            TypeError: for an argument that is not an EngineConfig field.
+        """
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise TypeError(
+                f"unknown EngineConfig field(s): {', '.join(unknown)}; "
+                f"known fields are {', '.join(cls.field_names())}"
+            )
+        return cls(**kwargs)

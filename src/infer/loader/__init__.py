@@ -1,0 +1,151 @@
+"""From a checkpoint on disk to a model on its device: :func:`load_model`.
+
+Accepts a Hugging Face model directory, a ``.gguf`` file or a short name of a shipped model
+(:mod:`infer.loader.registry`). The model is built on the ``meta`` device (no memory, no
+random init), then each tensor is read, converted and copied straight to its device and
+dtype, one at a time, so the host never holds a float32 copy of the whole model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from infer.config import ModelConfig, default_device, parse_dtype
+from infer.errors import ModelLoadError
+from infer.loader.registry import DEFAULT_MODEL, SHIPPED_MODELS, resolve_model
+from infer.models import MODEL_CLASSES, CausalLM
+from infer.tokenizer import Tokenizer
+
+__all__ = ["DEFAULT_MODEL", "SHIPPED_MODELS", "LoadedModel", "ModelLoadError", "load_model", "resolve_model"]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for a forward, with its tokenizer.
+
+    Attributes:
+        model: the :class:`~infer.models.layers.CausalLM` (eval mode, no grad).
+        tokenizer: the :class:`~infer.tokenizer.Tokenizer`, or None when the directory has none.
+        config: the :class:`~infer.config.ModelConfig`.
+        path: the resolved file or directory.
+        format: ``"gguf"`` or ``"hf"``.
+        load_seconds: wall time of :func:`load_model`.
+    """
+
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    config: ModelConfig
+    path: Path
+    format: str
+    load_seconds: float = 0.0
+
+
+def materialize(
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, object]],
+    device: torch.device,
+    dtype: torch.dtype,
+    source: Path,
+    total: int | None = None,
+    progress: bool = True,
+) -> CausalLM:
+    """Build the model on ``meta`` and fill it from ``(hf_name, array)`` pairs.
+
+    Raises:
+        ModelLoadError: for a missing tensor, an unexpected one, or a shape mismatch.
+    """
+    with torch.device("meta"):
+        model = MODEL_CLASSES[cfg.architecture](cfg)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    tied = cfg.tie_word_embeddings
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    bar = tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor", disable=not progress,
+               leave=False)
+    for name, w in bar:
+        if tied and name == "lm_head.weight":
+            continue
+        if name not in expected:
+            if not name.endswith("rotary_emb.inv_freq"):
+                unexpected.append(name)
+            continue
+        t = torch.as_tensor(w) if isinstance(w, torch.Tensor) else torch.from_numpy(np.require(w, requirements="W"))
+        if tuple(t.shape) != tuple(expected[name]):
+            raise ModelLoadError(
+                source, f"tensor {name} has shape {tuple(t.shape)}, the config implies {tuple(expected[name])}"
+            )
+        # copy=True: never alias the (read-only) memory map of the checkpoint file
+        state[name] = t.to(device=device, dtype=dtype, copy=True)
+    if unexpected:
+        raise ModelLoadError(source, f"unexpected tensors for {cfg.architecture}: {unexpected[:5]}")
+    missing = sorted(set(expected) - set(state) - ({"lm_head.weight"} if tied else set()))
+    if missing:
+        raise ModelLoadError(source, f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.to(device)  # the rope buffers; parameters are already there
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_model(
+    model: str | Path = DEFAULT_MODEL,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a model and its tokenizer.
+
+    Args:
+        model: a short name (``smollm2-135m``, ``gemma3-270m``), a ``.gguf`` file, or a
+            Hugging Face model directory (config.json + safetensors + tokenizer files).
+        device: ``"cpu"``, ``"cuda"``...; default cuda when available.
+        dtype: torch dtype or name; default float32 on CPU, bfloat16 on CUDA.
+        progress: show a progress bar while tensors load.
+
+    Returns:
+        A :class:`LoadedModel` (its ``model`` has no attention backend set yet; the engine
+        chooses one, or call ``model.set_attention_backend``).
+
+    Raises:
+        ModelLoadError: naming the file and what is wrong with it.
+    """
+    start = time.perf_counter()
+    device = torch.device(device or default_device())
+    dtype = parse_dtype(dtype, device)
+    path = resolve_model(model)
+    if path.is_dir():
+        from infer.loader import hf
+
+        cfg, raw = hf.model_config_from_dir(path)
+        files = hf.safetensors_files(path)
+        tokenizer = Tokenizer.from_dir(path, raw) if (path / "tokenizer.json").is_file() else None
+        if not cfg.eos_token_ids and tokenizer is not None:
+            cfg.eos_token_ids = list(tokenizer.eos_token_ids)
+        net = materialize(cfg, hf.iter_safetensors(files), device, dtype, path, hf.count_tensors(files), progress)
+        fmt = "hf"
+    elif path.suffix == ".gguf" or path.is_file():
+        from infer.loader import gguf as g
+
+        reader = g.open_gguf(path)
+        meta = g.read_metadata(reader)
+        names = {t.name for t in reader.tensors}
+        cfg = g.model_config_from_gguf(meta, names, path)
+        tokenizer = g.gguf_tokenizer(meta, path)
+        net = materialize(cfg, g.iter_gguf_tensors(reader, cfg, path), device, dtype, path, len(reader.tensors),
+                          progress)
+        factors = g.rope_freq_factors(reader)
+        if factors is not None:
+            net.inv_freq_full_attention = net.inv_freq_full_attention / torch.from_numpy(factors).to(device)
+        fmt = "gguf"
+    else:  # pragma: no cover
+        raise ModelLoadError(path, "not a model directory or a .gguf file")
+    return LoadedModel(net, tokenizer, cfg, path, fmt, time.perf_counter() - start)

@@ -1,0 +1,275 @@
+"""Layers shared by every architecture: RMSNorm, rotary embeddings, attention, gated MLP,
+and the causal-LM skeleton (embeddings -> decoder layers -> final norm -> LM head).
+
+Every forward works on *flattened* tokens: ``hidden[T, hidden_size]`` where ``T`` is the
+number of new tokens of all sequences in the step (see :mod:`infer.attention.metadata`).
+Architecture files (``llama.py``, ``qwen3.py``, ``gemma3.py``) hold only what differs.
+
+Parameter names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight``), so a
+Hugging Face state dict loads without renaming.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.attention.metadata import AttentionMetadata
+from infer.config import ModelConfig, RopeConfig
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """Root-mean-square layer norm (Zhang & Sennrich, 2019, arXiv:1910.07467).
+
+    ``y = x / sqrt(mean(x^2, last dim) + eps) * w``, the statistics taken in float32.
+    Llama and Qwen cast the normalized value back to ``x.dtype`` before multiplying by ``w``;
+    Gemma multiplies by ``(1 + w)`` in float32 and casts last (``unit_offset=True``). Both
+    orders are kept exactly, because in bfloat16 they round differently.
+
+    Args:
+        x: ``[..., d]`` in any float dtype.
+        weight: ``[d]``.
+        eps: added to the mean square.
+        unit_offset: Gemma's ``(1 + w)`` form.
+
+    Returns:
+        ``[..., d]`` in ``x.dtype``.
+    """
+    # >>> EXERCISE rms_norm
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if unit_offset:
+        return (h * (1.0 + weight.float())).to(dtype)
+    return weight * h.to(dtype)
+    # <<< EXERCISE rms_norm
+
+
+class RMSNorm(nn.Module):
+    """:func:`rms_norm` with a learned ``weight[d]``."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32, CPU) of rotary embeddings.
+
+    ``inv_freq[i] = theta ** (-2i / head_dim)`` (Su et al., RoFormer, arXiv:2104.09864), then
+    scaled: ``linear`` divides every frequency by ``factor``; ``llama3`` (Meta, Llama 3.1)
+    divides only the low frequencies, keeps the high ones and interpolates in between.
+
+    Raises:
+        ValueError: for a rope type infer does not implement.
+    """
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    kind = rope.rope_type
+    if kind == "default":
+        return inv_freq
+    s = rope.scaling or {}
+    if kind == "linear":
+        return inv_freq / s["factor"]
+    if kind == "llama3":
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos and sin tables for ``positions``.
+
+    Args:
+        positions: int ``[T]``.
+        inv_freq: float32 ``[head_dim // 2]`` on the same device.
+        dtype: dtype of the returned tables (the model's compute dtype).
+
+    Returns:
+        ``(cos, sin)``, each ``[T, head_dim]``: the angle ``positions * inv_freq`` computed in
+        float32, duplicated over the two halves of the head (the "rotate half" layout).
+    """
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (``[T, heads, head_dim]``) by the angles in ``cos``/``sin`` (``[T, head_dim]``).
+
+    Uses the "rotate half" layout of GPT-NeoX and Hugging Face: dimension ``i`` of the first half
+    is paired with dimension ``i + head_dim/2``, and each pair is rotated by its angle:
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]``.
+    """
+    # >>> EXERCISE apply_rope
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    # <<< EXERCISE apply_rope
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped K/V heads (GQA, Ainslie et al., arXiv:2305.13245).
+
+    Optional per-head RMSNorm of q and k before RoPE (``qk_norm``: Qwen3, Gemma 3). The
+    attention itself (cache write + softmax(q k^T) v) is delegated to the model's attention
+    backend, so the cache layout and the kernel can change without touching this file.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = cfg.attention_scale
+        self.window = cfg.window_of(layer_idx)
+        self.backend = None  # set by CausalLM.set_attention_backend
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """``x[T, hidden]`` -> ``[T, hidden]``."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, self.window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``: SwiGLU for Llama/Qwen (Shazeer, arXiv:2002.05202),
+    GeGLU with tanh-approximated GELU for Gemma."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the decoder layers and the final norm (Hugging Face's ``model.*``)."""
+
+    def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([layer_cls(cfg, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over flattened tokens.
+
+    Subclasses set ``layer_cls`` (the decoder layer of their architecture) and may override
+    :meth:`embed`. Build it under ``torch.device("meta")`` and load weights with
+    :func:`infer.loader.load_model`, which puts every tensor straight on its device.
+    """
+
+    layer_cls: type[nn.Module]
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, self.layer_cls)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Rotary tables per layer type (Gemma 3: a local base for sliding layers). Built on the
+        # CPU explicitly so that meta-device construction still gets real values.
+        ropes = {"full_attention": cfg.rope, "sliding_attention": cfg.rope_local or cfg.rope}
+        for kind in sorted(set(cfg.layer_types)):
+            inv = rope_inv_freq(cfg.head_dim, ropes[kind]).to("cpu")
+            self.register_buffer(f"inv_freq_{kind}", inv, persistent=False)
+
+    def set_attention_backend(self, backend) -> None:
+        """Choose the attention implementation once, for every layer."""
+        self.attn_backend = backend
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Run the decoder over one flattened batch.
+
+        Args:
+            input_ids: int64 ``[T]``: new tokens of every sequence, back to back.
+            positions: int64 ``[T]``: each token's position in its sequence.
+            meta: where the sequences start, their context lengths, the KV cache.
+
+        Returns:
+            ``[T, hidden_size]`` final hidden states (after the final norm) in the model dtype.
+        """
+        h = self.embed(input_ids)
+        rope = {}
+        for kind in set(self.config.layer_types):
+            rope[kind] = rope_cos_sin(positions, getattr(self, f"inv_freq_{kind}"), h.dtype)
+        for layer, kind in zip(self.model.layers, self.config.layer_types):
+            cos, sin = rope[kind]
+            h = layer(h, cos, sin, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden[N, hidden_size]`` -> logits ``[N, vocab_size]`` in the model dtype."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,45 @@
+"""Test configuration shared by every test.
+
+* With no CUDA GPU, ``TRITON_INTERPRET=1`` is set *before* any kernel module is imported, so
+  Triton kernels run on CPU tensors under the interpreter (see ../shared/TOOLCHAIN.md).
+* Tests marked ``gpu`` skip cleanly on a machine without a GPU.
+* Real-model fixtures are session-scoped: each model is loaded once per test run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The shipped SmolLM2-135M (float32, CPU), loaded once."""
+    from infer.loader import load_model
+
+    return load_model("smollm2-135m", device="cpu", dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """The shipped Gemma 3 270M (float32, CPU), loaded once."""
+    from infer.loader import load_model
+
+    return load_model("gemma3-270m", device="cpu", dtype=torch.float32, progress=False)
