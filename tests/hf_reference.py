@@ -1,0 +1,76 @@
+"""Helpers that build Hugging Face reference models for the tests (transformers is a dev
+dependency; infer itself never imports it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from infer.attention import AttentionMetadata, TorchAttentionBackend
+
+
+def tiny_hf_model(kind: str, seed: int = 0, **overrides):
+    """A tiny random-init transformers model: ``kind`` in llama, llama3-scaled, qwen3, gemma3."""
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                  rms_norm_eps=1e-6)
+    if kind in ("llama", "llama3-scaled"):
+        cfg = dict(common, tie_word_embeddings=False, rope_theta=10000.0)
+        if kind == "llama3-scaled":
+            cfg.update(rope_theta=500000.0, tie_word_embeddings=True,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        cfg.update(overrides)
+        model = LlamaForCausalLM(LlamaConfig(**cfg))
+    elif kind == "qwen3":
+        cfg = dict(common, tie_word_embeddings=True, rope_theta=1e6)
+        cfg.update(overrides)
+        model = Qwen3ForCausalLM(Qwen3Config(**cfg))
+    elif kind == "gemma3":
+        cfg = dict(common, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=24,
+                   rope_theta=1e6, rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh")
+        cfg.update(overrides)
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**cfg))
+    else:
+        raise ValueError(kind)
+    # random (not default-init) norm weights, so that a wrong (1 + w) or a missing norm shows
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if kind == "gemma3" else 1.0, 0.1)
+    return model.eval()
+
+
+def save_hf(model, path: Path, **kwargs) -> Path:
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+def infer_logits(net, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Teacher-forced float32 logits ``[len, vocab]`` of each sequence, all in one flattened batch."""
+    if getattr(net, "attn_backend", None) is None:
+        net.set_attention_backend(TorchAttentionBackend())
+    device = next(net.parameters()).device
+    ids = torch.tensor([t for s in seqs for t in s], device=device)
+    pos = torch.cat([torch.arange(len(s), device=device) for s in seqs])
+    meta = AttentionMetadata.for_prefill([len(s) for s in seqs], device)
+    with torch.no_grad():
+        logits = net.compute_logits(net(ids, pos, meta)).float()
+    return list(torch.split(logits, [len(s) for s in seqs]))
+
+
+def hf_logits(model, seq: list[int]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return model(torch.tensor([seq], device=device)).logits[0].float()
