@@ -43,3 +43,23 @@ def gemma3():
     from infer.loader import load_model
 
     return load_model("gemma3-270m", device="cpu", dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2):
+    """HF transformers' model from the same SmolLM2 GGUF (the reference), float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2.path.parent, gguf_file=smollm2.path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gemma3):
+    """HF transformers' model from the same Gemma 3 GGUF (the reference), float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        gemma3.path.parent, gguf_file=gemma3.path.name, dtype=torch.float32
+    ).eval()

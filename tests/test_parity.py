@@ -51,24 +51,6 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     assert_parity(infer_logits(ours.model, [seq])[0], hf_logits(ref, seq))
 
 
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2.path.parent, gguf_file=smollm2.path.name, dtype=torch.float32
-    ).eval()
-
-
-@pytest.fixture(scope="module")
-def hf_gemma3(gemma3):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        gemma3.path.parent, gguf_file=gemma3.path.name, dtype=torch.float32
-    ).eval()
-
-
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n",

@@ -13,7 +13,9 @@ Two kinds of configuration live here:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -150,26 +152,28 @@ def parse_dtype(value: str | torch.dtype | None, device: str | torch.device) -> 
         ) from None
 
 
+def _flag(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field whose ``help`` text becomes the command-line flag's help."""
+    return field(default=default, metadata={"help": help, **kw})
+
+
 @dataclass
 class EngineConfig:
     """Every knob of the engine. Each optimization is one field, off by default.
 
-    Attributes:
-        model: a Hugging Face model directory, a ``.gguf`` file, or a short name of a shipped
-            model (``smollm2-135m``, ``gemma3-270m``; see :mod:`infer.loader.registry`).
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (cuda when available).
-        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"``
-            or ``"float16"``.
-        max_model_len: longest sequence (prompt + output, tokens) the engine accepts; ``None``
-            means the model's ``max_position_embeddings`` capped at 8192 on CPU.
-        seed: seed of the engine's default random generator (requests may carry their own).
+    The command-line flags of ``python -m infer.generate`` and ``python -m infer.server`` are
+    generated from these fields (:func:`add_engine_args`), so each field is a flag with the
+    same name (``max_model_len`` -> ``--max-model-len``) and the help text below.
     """
 
-    model: str = "smollm2-135m"
-    device: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
+    model: str = _flag("smollm2-135m", "model: a short name (smollm2-135m, gemma3-270m), a .gguf file or a "
+                       "Hugging Face model directory")
+    device: str = _flag("auto", "cpu, cuda, cuda:N or auto (cuda when a GPU is visible)")
+    dtype: str = _flag("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+    max_model_len: int | None = _flag(None, "longest sequence in tokens (prompt + output); default: the "
+                                      "model's context length, capped at 4096 on CPU and 32768 on CUDA")
+    max_num_seqs: int = _flag(8, "most sequences that hold KV-cache space at once (n > 1 counts n)")
+    seed: int = _flag(0, "seed of the engine's random stream (requests with their own seed ignore it)")
 
     def resolved_device(self) -> torch.device:
         return torch.device(default_device() if self.device in (None, "auto") else self.device)
@@ -183,15 +187,30 @@ class EngineConfig:
         Raises:
             ValueError: naming the field and why it is rejected.
         """
-        dev = self.resolved_device()
+        try:
+            dev = self.resolved_device()
+        except RuntimeError as e:
+            raise ValueError(f"device: {self.device!r} is not a device ({e})") from None
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"device: {self.device!r} is not supported (use cpu, cuda or auto)")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: 'cuda' was asked for but no CUDA GPU is visible")
         self.resolved_dtype()  # raises on an unknown dtype
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         return self
+
+    def default_max_model_len(self, model_max: int) -> int:
+        """``max_model_len``, or the model's context capped for this device."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        cap = 4096 if self.resolved_device().type == "cpu" else 32768
+        return min(model_max, cap)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -211,3 +230,24 @@ class EngineConfig:
                 f"known fields are {', '.join(cls.field_names())}"
             )
         return cls(**kwargs)
+
+
+def add_engine_args(parser) -> None:
+    """Add one ``--flag`` per :class:`EngineConfig` field to an ``argparse`` parser."""
+    group = parser.add_argument_group("engine (EngineConfig)")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if base is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        else:
+            group.add_argument(flag, type=base, default=f.default, help=help_text,
+                               choices=f.metadata.get("choices"))
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    """The :class:`EngineConfig` described by parsed ``argparse`` arguments."""
+    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()})

@@ -17,3 +17,15 @@ class ModelLoadError(Exception):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"{path}: {reason}")
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve as given (the server answers HTTP 400).
+
+    Attributes:
+        param: the offending field (OpenAI's ``error.param``), or None.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)

@@ -255,7 +255,7 @@ def rope_freq_factors(reader) -> np.ndarray | None:
 
 # ----------------------------------------------------------------------------- tokenizer cache
 
-TOKENIZER_CACHE_VERSION = 1
+TOKENIZER_CACHE_VERSION = 2  # 2: SentencePiece user-defined pieces matched after normalization
 
 
 def cache_dir() -> Path:

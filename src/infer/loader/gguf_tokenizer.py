@@ -64,14 +64,15 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
-def _add_special(tk: Tokenizer, tokens: list[str], types: list[int], keep=lambda t: True) -> None:
+def _add_special(tk: Tokenizer, tokens: list[str], types: list[int], keep=lambda t: True,
+                 user_normalized: bool = False) -> None:
     control = [
         AddedToken(t, special=True, normalized=False)
         for t, ty in zip(tokens, types)
         if ty == CONTROL and keep(t)
     ]
     user = [
-        AddedToken(t, special=False, normalized=False)
+        AddedToken(t, special=False, normalized=user_normalized)
         for t, ty in zip(tokens, types)
         if ty == USER_DEFINED and keep(t)
     ]
@@ -143,7 +144,9 @@ def sentencepiece_bpe(meta: dict[str, Any], source: str) -> Tokenizer:
         tk.normalizer = normalizers.Replace(" ", "\u2581")
         tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     tk.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-    _add_special(tk, tokens, types)
+    # User-defined pieces (Gemma's runs of spaces, "▁▁"...) are matched whole in the *normalized*
+    # text, where spaces are already "▁", as SentencePiece and llama.cpp match them.
+    _add_special(tk, tokens, types, user_normalized=True)
     return tk
 
 

@@ -1,0 +1,196 @@
+"""The engine loop: ``schedule() -> execute() -> process outputs``, one step at a time.
+
+This is nano-vllm's shape (and vLLM v1's ``EngineCore.step``): the scheduler decides what
+runs, the model runner runs it, the output processor turns sampled tokens into request
+output. :meth:`LLMEngine.step` is synchronous and knows nothing about HTTP or threads; the
+offline API (:class:`infer.llm.LLM`) and the server drive it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+from infer.config import EngineConfig
+from infer.detokenizer import IncrementalDetokenizer
+from infer.engine.model_runner import ModelRunner
+from infer.engine.output_processor import OutputProcessor
+from infer.engine.scheduler import Scheduler
+from infer.engine.sequence import Request, Sequence, SeqStatus
+from infer.errors import InvalidRequestError
+from infer.loader import LoadedModel, load_model
+from infer.outputs import RequestOutput
+from infer.sampling import SamplingParams
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15 & ((1 << 63) - 1)  # decorrelates the n sequences of a request
+
+
+class LLMEngine:
+    """Holds the model, the KV cache, the scheduler and every request in flight.
+
+    Args:
+        config: the :class:`EngineConfig` (validated here).
+        loaded: an already loaded model (skips loading ``config.model``).
+        progress: show a progress bar while loading.
+
+    Raises:
+        ValueError: for an invalid config; :class:`~infer.errors.ModelLoadError` for a model
+            that cannot be loaded.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress: bool = True) -> None:
+        self.config = config.validate()
+        self.loaded = loaded or load_model(
+            config.model, config.resolved_device(), config.resolved_dtype(), progress=progress
+        )
+        if self.loaded.tokenizer is None:
+            raise ValueError(f"{self.loaded.path}: the model has no tokenizer (tokenizer.json)")
+        self.tokenizer = self.loaded.tokenizer
+        mcfg = self.loaded.config
+        self.max_model_len = config.default_max_model_len(mcfg.max_position_embeddings)
+        self.eos_token_ids = list(dict.fromkeys(mcfg.eos_token_ids or self.tokenizer.eos_token_ids))
+        self.vocab_size = mcfg.vocab_size
+        self.runner = ModelRunner(self.loaded, self.max_model_len, config.max_num_seqs)
+        self.scheduler = Scheduler(config.max_num_seqs)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self._seq_ids = itertools.count()
+        self._req_ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt given as text or as token ids.
+
+        Raises:
+            InvalidRequestError: for an empty prompt, ids outside the vocabulary, wrong types.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
+            )
+        return None, list(prompt)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Request:
+        """Queue a request.
+
+        Args:
+            prompt: text, or token ids.
+            params: sampling parameters (default :class:`SamplingParams()`).
+            request_id: unique id; generated when omitted.
+
+        Raises:
+            InvalidRequestError: for an empty/oversized prompt, ``max_tokens`` past the
+                context, ``n`` above ``max_num_seqs`` or a duplicate id.
+        """
+        params = params or SamplingParams()
+        text, ids = self.tokenize_prompt(prompt)
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens "
+                f"(prompt + output), so at most {limit - 1} prompt tokens fit",
+                param="prompt",
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds the context "
+                f"of {limit} tokens; ask for at most {limit - len(ids)}",
+                param="max_tokens",
+            )
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}", param="n"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
+        if rid in self.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        req = Request(rid, text, ids, params)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        for i in range(params.n):
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            )
+            req.seqs.append(
+                Sequence(
+                    seq_id=next(self._seq_ids),
+                    request=req,
+                    index=i,
+                    token_ids=list(ids),
+                    seed=(base_seed + i * _SEED_STRIDE) % (1 << 63),
+                    detokenizer=detok,
+                    num_prompt_tokens=len(ids),
+                    logprobs=[] if params.logprobs is not None else None,
+                )
+            )
+        self.requests[rid] = req
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its cache rows. Returns False if it was unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(request_id)
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len({s.request.request_id for s in self.scheduler.running})
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self, stream: bool = True) -> list[RequestOutput]:
+        """Run one scheduler step.
+
+        Args:
+            stream: return an output for every request that made progress (deltas); when
+                False, only for requests that finished.
+
+        Returns:
+            :class:`RequestOutput` s, finished ones included once.
+        """
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        result = self.runner.execute(scheduled, self.eos_token_ids)
+        finished = self.output_processor.apply(result, scheduled)
+        now = time.perf_counter()
+        for seq in finished:
+            seq.status = SeqStatus.FINISHED
+            self.scheduler.free(seq)
+        outputs = []
+        for req in dict.fromkeys(item.seq.request for item in scheduled):
+            if req.is_finished:
+                req.finished_time = now
+                self.requests.pop(req.request_id, None)
+            out = self.output_processor.make_output(req, final_only=not stream)
+            if out is not None:
+                outputs.append(out)
+        return outputs

@@ -1,0 +1,155 @@
+"""The one place where sampled tokens become request output.
+
+For every sequence that sampled a token this step: append it, record its logprobs, feed the
+incremental detokenizer, and decide whether the sequence is finished (EOS, a stop token, a
+stop string, ``max_tokens``, the context limit). Every batching mode goes through here, so
+stop handling and streaming behave the same whatever the scheduler did.
+"""
+
+from __future__ import annotations
+
+import time
+
+from infer.engine.model_runner import StepResult
+from infer.engine.sequence import Request, Sequence
+from infer.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from infer.tokenizer import Tokenizer
+
+
+class OutputProcessor:
+    """Applies a :class:`StepResult` to the sequences and builds :class:`RequestOutput` s.
+
+    Args:
+        tokenizer: for the text of logprob tokens.
+        eos_token_ids: ids that end generation (unless ``ignore_eos``).
+        max_model_len: a sequence reaching it finishes with ``"length"``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def _token(self, token_id: int, logprob: float, rank: int | None) -> TokenLogprob:
+        return TokenLogprob(token_id, logprob, rank, self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def apply(self, result: StepResult, scheduled) -> list[Sequence]:
+        """Advance every scheduled sequence; returns those that finished this step."""
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+        finished: list[Sequence] = []
+        now = time.perf_counter()
+        for seq, (chosen, ranks, top_i, top_v) in (
+            (item.seq, result.prompt_logprobs[id(item.seq)])
+            for item in scheduled if id(item.seq) in result.prompt_logprobs
+        ):
+            self._add_prompt_logprobs(seq, chosen, ranks, top_i, top_v)
+        if result.sampler_output is None:
+            return finished
+        out = result.sampler_output
+        tokens = out.next_tokens.tolist()  # the step's one device -> host sync
+        need_lp = any(item.seq.params.logprobs is not None for item in result.sampled)
+        if need_lp:
+            chosen_lp = out.logprobs.tolist()
+            top_ids, top_lps = out.top_logprob_ids.tolist(), out.top_logprobs.tolist()
+        for i, (item, token) in enumerate(zip(result.sampled, tokens)):
+            seq = item.seq
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            seq.token_ids.append(token)
+            seq.pending_token_ids.append(token)
+            k = seq.params.logprobs
+            if k is not None:
+                ids, lps = top_ids[i][:k], top_lps[i][:k]
+                rank = ids.index(token) + 1 if token in ids else None
+                entry = PositionLogprobs(
+                    self._token(token, chosen_lp[i], rank),
+                    [self._token(t, v, r + 1) for r, (t, v) in enumerate(zip(ids, lps))],
+                )
+                seq.logprobs.append(entry)
+                seq.pending_logprobs.append(entry)
+                seq.cumulative_logprob += chosen_lp[i]
+            seq.pending_text += seq.detokenizer.add([token])
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                seq.finish_reason, seq.stop_reason = reason
+                if seq.detokenizer.stop_reason is None:
+                    seq.pending_text += seq.detokenizer.finish()
+                finished.append(seq)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
+        """``(finish_reason, stop_reason)`` if ``seq`` is done after appending ``token``."""
+        # >>> EXERCISE stop_check
+        p = seq.params
+        if token in self.eos and not p.ignore_eos:
+            return "stop", None
+        if token in p.stop_token_ids:
+            return "stop", token
+        if seq.detokenizer.stop_reason is not None:
+            return "stop", seq.detokenizer.stop_reason
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if len(seq.token_ids) >= self.max_model_len:
+            return "length", None
+        return None
+        # <<< EXERCISE stop_check
+
+    def _add_prompt_logprobs(self, seq: Sequence, chosen, ranks, top_i, top_v) -> None:
+        req = seq.request
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]  # nothing predicts the first prompt token
+        start = len(req.prompt_logprobs)
+        k = seq.params.prompt_logprobs
+        for j, (lp, rank) in enumerate(zip(chosen.tolist(), ranks.tolist())):
+            token = seq.token_ids[start + j]
+            top = [self._token(t, v, r + 1) for r, (t, v) in enumerate(zip(top_i[j].tolist()[:k],
+                                                                            top_v[j].tolist()[:k]))]
+            req.prompt_logprobs.append(PositionLogprobs(self._token(token, lp, rank), top))
+
+    @staticmethod
+    def make_output(req: Request, final_only: bool = False) -> RequestOutput | None:
+        """A :class:`RequestOutput` carrying what is new since the last one, or None if nothing is.
+
+        With ``final_only`` an output is made only when the request has finished.
+        """
+        finished = req.is_finished
+        if final_only and not finished:
+            return None
+        if not finished and not any(s.pending_token_ids or s.pending_text for s in req.seqs):
+            return None
+        outs = []
+        for s in req.seqs:
+            outs.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=s.detokenizer.output_text,
+                    token_ids=list(s.output_token_ids),
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    cumulative_logprob=s.cumulative_logprob,
+                    delta_text=s.pending_text,
+                    delta_token_ids=s.pending_token_ids,
+                    delta_logprobs=s.pending_logprobs if s.logprobs is not None else None,
+                )
+            )
+            s.pending_text, s.pending_token_ids, s.pending_logprobs = "", [], []
+        metrics = {"arrival": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token"] = req.first_token_time
+        if req.finished_time is not None:
+            metrics["finished"] = req.finished_time
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            prompt_logprobs=req.prompt_logprobs,
+            metrics=metrics,
+        )
+
+
+__all__ = ["OutputProcessor"]

@@ -1,0 +1,95 @@
+"""Requests and sequences: the engine's bookkeeping for what is being generated.
+
+A *request* (one prompt, one :class:`~infer.sampling.SamplingParams`) owns ``n``
+*sequences* (vLLM's terms). The scheduler moves sequences between states; the model runner
+reads ``token_ids[num_computed_tokens:]`` as the tokens to run next; the output processor
+appends sampled tokens and decides when a sequence is finished.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from infer.detokenizer import IncrementalDetokenizer
+from infer.outputs import PositionLogprobs
+from infer.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation of a prompt.
+
+    Attributes:
+        token_ids: prompt tokens followed by the generated ones (the model's input stream).
+        num_prompt_tokens: length of the prompt part of ``token_ids``.
+        num_computed_tokens: how many of ``token_ids`` have their K/V in the cache.
+        seed: the sequence's random stream (the request's seed, offset by ``index``).
+        cache_row: the contiguous-cache row it owns while running, else None.
+    """
+
+    seq_id: int
+    request: Request
+    index: int
+    token_ids: list[int]
+    seed: int
+    detokenizer: IncrementalDetokenizer
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    cache_row: int | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    # what was produced since the last output was handed out (streaming deltas)
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+    pending_logprobs: list[PositionLogprobs] = field(default_factory=list)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until the whole prompt has been run through the model."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt, its sampling parameters and its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,38 @@
+"""Sampling: per-request parameters and the batched sampler (phase 1).
+
+* :class:`SamplingParams`: what one request asks for (vLLM's fields), validated on creation.
+* :class:`SamplingTensors`: a batch's parameters as ``[B]`` device tensors.
+* :func:`sample`: ``[B, V]`` logits to ``[B]`` next tokens plus raw logprobs, one batched
+  pipeline for every row (see :mod:`infer.sampling.sampler` for the transforms and sources).
+"""
+
+from infer.sampling.params import MAX_LOGPROBS, SamplingParams
+from infer.sampling.sampler import (
+    SamplerOutput,
+    SamplingTensors,
+    apply_min_p,
+    apply_penalties,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    random_uniform,
+    sample,
+    sample_from_probs,
+    suppress_tokens,
+)
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "SamplerOutput",
+    "SamplingParams",
+    "SamplingTensors",
+    "apply_min_p",
+    "apply_penalties",
+    "apply_temperature",
+    "apply_top_k",
+    "apply_top_p",
+    "random_uniform",
+    "sample",
+    "sample_from_probs",
+    "suppress_tokens",
+]
