@@ -17,7 +17,7 @@ from infer.detokenizer import IncrementalDetokenizer
 from infer.engine.model_runner import ModelRunner
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.scheduler import Scheduler
-from infer.engine.sequence import Request, Sequence, SeqStatus
+from infer.engine.sequence import Request, SeqStatus, Sequence
 from infer.errors import InvalidRequestError
 from infer.loader import LoadedModel, load_model
 from infer.outputs import RequestOutput

@@ -125,7 +125,7 @@ class ModelRunner:
             k = seq.params.prompt_logprobs
             if k is None or seq.index != 0 or seq.num_computed_tokens >= seq.num_prompt_tokens:
                 continue
-            s, e = starts[i], starts[i + 1]
+            s = starts[i]
             first = seq.num_computed_tokens
             end = min(first + item.num_tokens, seq.num_prompt_tokens)
             # position p predicts token p + 1; the last prompt position predicts the first output

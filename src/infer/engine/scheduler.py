@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from infer.engine.sequence import Request, Sequence, SeqStatus
+from infer.engine.sequence import Request, SeqStatus, Sequence
 
 
 @dataclass
