@@ -1,8 +1,9 @@
 """The tokenizers infer rebuilds from GGUF metadata, against references.
 
 The reference is transformers' own GGUF conversion (``AutoTokenizer.from_pretrained(dir,
-gguf_file=...)``), built once per module. Where the two disagree, the test follows the model's
-original tokenizer (and llama.cpp, which wrote these files) and says why:
+gguf_file=...)``), run once per session in a separate process (see ``hf_job``). Where the two
+disagree, the test follows the model's original tokenizer (and llama.cpp, which wrote these
+files) and says why:
 
 * **SmolLM2, digits.** SmolLM2's tokenizer isolates every digit *before* the GPT-2 regex runs
   (its tokenizer.json: ``Digits(individual_digits=True)`` then ``ByteLevel(use_regex=True)``;
@@ -19,19 +20,22 @@ original tokenizer (and llama.cpp, which wrote these files) and says why:
   ``31 + 7``. transformers' conversion turns them into ordinary BPE merges, which gives
   ``16 + 22``. Up to 31 spaces both agree; beyond, we check SentencePiece's answer.
 
-Until this test, infer added those user-defined pieces (spelled ``"▁▁"``...) as added tokens
-matched against the *raw* text, where spaces are still spaces, so they never matched and
-``"    if"`` became four ``"▁"`` tokens instead of ``"▁▁▁▁" "if"``;
-:func:`infer.loader.gguf_tokenizer.sentencepiece_bpe` now matches them in the normalized text.
+infer used to add those user-defined pieces (spelled ``"▁▁"``...) as added tokens matched
+against the *raw* text, where spaces are still spaces, so they never matched and ``"    if"``
+became ``▁ ▁ ▁ ▁if`` instead of ``▁▁▁▁ if``; :func:`infer.loader.gguf_tokenizer.sentencepiece_bpe`
+now matches them in the normalized text (and the tokenizer cache version went to 2).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
-
-import infer.loader.gguf as g
-from infer.loader import gguf_tokenizer
 
 COMMON_TEXTS = [
     "Hello, world!",
@@ -69,12 +73,29 @@ DIGIT_TEXTS = [
 
 
 # ----------------------------------------------------------------------------- references
+#
+# transformers' conversion of the two GGUFs takes ~20 s on a small CPU, mostly parsing their
+# metadata. It runs in a fresh interpreter (this file run as a script: no infer code in it)
+# started before the models load, so that both overlap; that process writes, per model, the
+# ids transformers gives for every text, as soon as that model is done.
+
+SMOLLM2_SPECIAL = ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>after"]
+GEMMA3_TEXTS = [
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+    "<bos>already there",
+    "31 spaces:" + " " * 31 + "end",
+    "rare: 𠀀 𓀀 \U0001fae8 ᚠᛇᚻ ꙮ \u0378",
+]
+REFERENCE_TEXTS = {
+    "smollm2-135m": COMMON_TEXTS + SMOLLM2_SPECIAL,
+    "gemma3-270m": COMMON_TEXTS + DIGIT_TEXTS + GEMMA3_TEXTS,
+}
 
 
 class _FastReader:
     """``gguf.GGUFReader`` slicing a plain ndarray view of its memory map instead of the
-    ``numpy.memmap`` itself: identical bytes, a third of the time (see infer.loader.gguf._Reader).
-    Written out here so that the reference does not run infer's code."""
+    ``numpy.memmap`` itself: identical bytes, a third of the time (infer.loader.gguf._Reader
+    does the same). Written out here so that the reference runs none of infer's code."""
 
     def _get(self, offset, dtype, count=1, override_order=None):
         plain = self.__dict__.get("_plain_view")
@@ -86,25 +107,79 @@ class _FastReader:
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
 
-def hf_gguf_tokenizer(path):
-    """transformers' tokenizer converted from the GGUF (its reader sped up, nothing else)."""
+def _transformers_reference(jobs: dict[str, dict], out: Path) -> None:
+    """For each model: ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` (its GGUF reader
+    sped up, nothing else changed) and its ids for every text, to ``out/<model>.json``."""
     import gguf
     from transformers import AutoTokenizer
 
-    fast = type("FastGGUFReader", (_FastReader, gguf.GGUFReader), {})
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", fast)
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    gguf.GGUFReader = type("FastGGUFReader", (_FastReader, gguf.GGUFReader), {})
+    for name, job in jobs.items():
+        path = Path(job["path"])
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        result = {
+            "plain": [tok.encode(t, add_special_tokens=False) for t in job["texts"]],
+            "special": [tok.encode(t) for t in job["texts"]],
+            "backend": tok.backend_tokenizer.to_str(),
+        }
+        tmp = out / f"{name}.json.tmp"
+        tmp.write_text(json.dumps(result))
+        tmp.replace(out / f"{name}.json")
 
 
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2):
-    return hf_gguf_tokenizer(smollm2.path)
+class ReferenceIds:
+    """transformers' ids for the texts of :data:`REFERENCE_TEXTS`, with ``encode``'s signature."""
+
+    def __init__(self, texts: list[str], result: dict) -> None:
+        self.plain = dict(zip(texts, result["plain"]))
+        self.special = dict(zip(texts, result["special"]))
+        self.backend_json = result["backend"]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return (self.special if add_special_tokens else self.plain)[text]
 
 
-@pytest.fixture(scope="module")
-def hf_gemma3(gemma3):
-    return hf_gguf_tokenizer(gemma3.path)
+@pytest.fixture(scope="session")
+def hf_job(tmp_path_factory):
+    """Start transformers' conversions in a fresh interpreter (session scope: before the
+    session-scoped model fixtures, so that they load meanwhile)."""
+    from infer.loader.registry import shipped_model_path
+
+    out = tmp_path_factory.mktemp("hf_reference")
+    jobs = {name: {"path": str(shipped_model_path(name)), "texts": texts} for name, texts in REFERENCE_TEXTS.items()}
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    log = open(out / "stderr.txt", "wb")
+    proc = subprocess.Popen([sys.executable, __file__, str(out)], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=Path(__file__).parent.parent)
+    yield proc, out, jobs
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    log.close()
+
+
+def _reference(hf_job, name: str, loaded) -> ReferenceIds:
+    proc, out, jobs = hf_job
+    assert Path(jobs[name]["path"]) == loaded.path
+    result = out / f"{name}.json"
+    deadline = time.monotonic() + 600
+    while not result.is_file():
+        if proc.poll() is not None and not result.is_file():
+            raise RuntimeError(f"transformers reference failed:\n{(out / 'stderr.txt').read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"transformers reference for {name}: no result after 600 s")
+        time.sleep(0.05)
+    return ReferenceIds(jobs[name]["texts"], json.loads(result.read_text()))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(hf_job, smollm2):
+    return _reference(hf_job, "smollm2-135m", smollm2)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(hf_job, gemma3):
+    return _reference(hf_job, "gemma3-270m", gemma3)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +187,7 @@ def smollm2_original(hf_smollm2):
     """HF's vocabulary and merges for SmolLM2, with SmolLM2's real pre-tokenizer."""
     from tokenizers import Tokenizer, pre_tokenizers
 
-    tk = Tokenizer.from_str(hf_smollm2.backend_tokenizer.to_str())
+    tk = Tokenizer.from_str(hf_smollm2.backend_json)
     tk.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
@@ -127,11 +202,8 @@ def tokens(tok, ids: list[int]) -> list[str]:
 # ----------------------------------------------------------------------------- SmolLM2
 
 
-SMOLLM2_SPECIAL = ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>after"]
-
-
-@pytest.mark.parametrize("text", COMMON_TEXTS + SMOLLM2_SPECIAL)
-def test_smollm2_matches_transformers(smollm2, hf_smollm2, text):
+@pytest.mark.parametrize("text", REFERENCE_TEXTS["smollm2-135m"])
+def test_smollm2_matches_transformers(hf_smollm2, smollm2, text):
     ours = smollm2.tokenizer
     ids = ours.encode(text, add_special_tokens=False)
     assert ids == hf_smollm2.encode(text, add_special_tokens=False), tokens(ours, ids)
@@ -165,7 +237,9 @@ def test_smollm2_vocabulary_never_joins_a_digit(smollm2):
     numeric character next to anything else."""
     import unicodedata
 
-    byte_of = {c: b for b, c in gguf_tokenizer.bytes_to_unicode().items()}
+    from infer.loader.gguf_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
     tok = smollm2.tokenizer
     for i in range(tok.vocab_size):
         spelled = tok.id_to_token(i)
@@ -191,16 +265,8 @@ def test_smollm2_special_tokens_and_ids_from_metadata(smollm2):
 # ----------------------------------------------------------------------------- Gemma 3
 
 
-GEMMA3_TEXTS = [
-    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
-    "<bos>already there",
-    "31 spaces:" + " " * 31 + "end",
-    "rare: 𠀀 𓀀 \U0001fae8 ᚠᛇᚻ ꙮ \u0378",
-]
-
-
-@pytest.mark.parametrize("text", COMMON_TEXTS + DIGIT_TEXTS + GEMMA3_TEXTS)
-def test_gemma3_matches_transformers(gemma3, hf_gemma3, text):
+@pytest.mark.parametrize("text", REFERENCE_TEXTS["gemma3-270m"])
+def test_gemma3_matches_transformers(hf_gemma3, gemma3, text):
     ours = gemma3.tokenizer
     ids = ours.encode(text, add_special_tokens=False)
     assert ids == hf_gemma3.encode(text, add_special_tokens=False), tokens(ours, ids)
@@ -211,10 +277,18 @@ def test_gemma3_matches_transformers(gemma3, hf_gemma3, text):
 def test_gemma3_whitespace_runs_are_single_pieces(gemma3):
     tok = gemma3.tokenizer
     assert tokens(tok, tok.encode("    if x:", add_special_tokens=False)) == ["▁▁▁▁", "if", "▁x", ":"]
-    assert tok.encode("  ", add_special_tokens=False) == [138]
-    # SentencePiece: user-defined pieces are matched longest first (31 spaces is the longest)
-    assert tok.encode(" " * 38, add_special_tokens=False) == [138 + 29, 138 + 5]
-    assert tok.encode(" " * 62 + "x", add_special_tokens=False)[:2] == [167, 167]
+
+
+    def spaces(n: int) -> int:  # ids 138..167: runs of 2..31 spaces
+        assert 2 <= n <= 31
+        return 138 + n - 2
+
+    assert [tok.id_to_token(spaces(n)) for n in (2, 31)] == ["▁▁", "▁" * 31]
+    assert tok.encode("  ", add_special_tokens=False) == [spaces(2)]
+    assert tok.encode(" " * 31, add_special_tokens=False) == [spaces(31)]
+    # SentencePiece matches user-defined pieces longest first (HF's conversion: 16 + 22)
+    assert tok.encode(" " * 38, add_special_tokens=False) == [spaces(31), spaces(7)]
+    assert tok.encode("\n" + " " * 64 + "x", add_special_tokens=False)[:4] == [107, spaces(31), spaces(31), spaces(2)]
 
 
 def test_gemma3_byte_fallback(gemma3):
@@ -241,10 +315,15 @@ def test_gemma3_special_tokens_and_ids_from_metadata(gemma3):
 
 @pytest.fixture(scope="module")
 def smollm2_meta(smollm2):
+    from infer.loader import gguf as g
+
     return g.read_metadata(g.open_gguf(smollm2.path))
 
 
 def test_tokenizer_cache(smollm2, smollm2_meta, tmp_path, monkeypatch):
+    from infer.loader import gguf as g
+    from infer.loader import gguf_tokenizer
+
     monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
     path = smollm2.path
     cache = g.cached_path(path, "tokenizer.json")
@@ -270,18 +349,29 @@ def test_tokenizer_cache(smollm2, smollm2_meta, tmp_path, monkeypatch):
 
 
 def test_corrupt_cache_is_rebuilt(smollm2, smollm2_meta, tmp_path, monkeypatch):
+    from infer.loader import gguf as g
+    from infer.loader import gguf_tokenizer
+
     monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
     cache = g.cached_path(smollm2.path, "tokenizer.json")
     cache.parent.mkdir(parents=True)
     cache.write_text("{not json")
     tok = g.gguf_tokenizer(smollm2_meta, smollm2.path)
     assert tok.encode("Hello, world!") == smollm2.tokenizer.encode("Hello, world!")
-    g.gguf_tokenizer(smollm2_meta, smollm2.path)  # the rewritten file loads
     assert cache.read_text().startswith("{")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the rewritten cache file should have been used")
+
+    monkeypatch.setattr(gguf_tokenizer, "build_tokenizer", no_build)
+    again = g.gguf_tokenizer(smollm2_meta, smollm2.path)
+    assert again.encode("Hello, world!") == tok.encode("Hello, world!")
 
 
 def test_special_ids_follow_the_metadata(smollm2_meta, tmp_path, monkeypatch):
     """EOS/BOS come from the file, not from a table: change the metadata, they change."""
+    from infer.loader import gguf as g
+
     monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
     meta = {**smollm2_meta, "tokenizer.ggml.eos_token_id": 0, "tokenizer.ggml.eot_token_id": 2,
             "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.add_bos_token": True}
@@ -291,3 +381,8 @@ def test_special_ids_follow_the_metadata(smollm2_meta, tmp_path, monkeypatch):
     assert tok.eos_token_ids == [0, 2]
     assert tok.bos_token_id == 0 and tok.add_bos_token
     assert tok.encode("hi")[0] == 0
+
+
+if __name__ == "__main__":  # the reference process started by the hf_job fixture
+    out_dir = Path(sys.argv[1])
+    _transformers_reference(json.loads((out_dir / "jobs.json").read_text()), out_dir)

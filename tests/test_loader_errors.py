@@ -295,6 +295,14 @@ def test_gguf_unsupported_tensor_type(tmp_path, cache, qtype):
     assert any(cache.rglob("tokenizer.json")), "the error should come from the tensor, after the tokenizer"
 
 
+def test_gguf_truncated_tensor_data(tmp_path, cache):
+    f = write_gguf(tmp_path / "cut.gguf", "llama", llama_meta(),
+                   [("token_embd.weight", np.ones((len(TOKENS), HIDDEN), np.float32), None), *f32_tensors()])
+    data = f.read_bytes()
+    f.write_bytes(data[:-100])  # the header is whole, the last tensor is not
+    expect_error(f, str(f), "not a valid GGUF file", f"{len(data) - 100} bytes")
+
+
 def test_gguf_tensor_shape_mismatch(tmp_path, cache):
     f = write_gguf(tmp_path / "shape.gguf", "llama", llama_meta(),
                    [("token_embd.weight", np.zeros((len(TOKENS), HIDDEN // 2), np.float32), None)])

@@ -35,6 +35,7 @@ def test_tiny_random_models_match_hf(kind, tmp_path):
     path = save_hf(ref, tmp_path / kind)
     ours = load_model(path, device="cpu", dtype=torch.float32, progress=False)
     assert ours.config.architecture == {"llama3-scaled": "llama"}.get(kind, kind)
+    assert ours.config.num_params() == sum(p.numel() for p in ref.parameters())
     # lengths beyond gemma's window of 8 and beyond llama3's original context of 64
     prompts = _prompts(ref.config.vocab_size, [1, 5, 23, 90])
     for seq, logits in zip(prompts, infer_logits(ours.model, prompts)):

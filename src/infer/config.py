@@ -100,7 +100,8 @@ class ModelConfig:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         mlp = 3 * h * i
-        per_layer = attn + mlp + 4 * h
+        norms = (4 if self.norm_unit_offset else 2) * h + (2 * d if self.qk_norm else 0)
+        per_layer = attn + mlp + norms
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 

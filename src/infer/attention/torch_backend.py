@@ -49,12 +49,17 @@ def sdpa_attention(
     Returns:
         ``[Lq, num_heads, head_dim]`` in q's dtype.
     """
-    mask = causal_mask(q.shape[0], k.shape[0], window, q.device)
+    q_len, kv_len = q.shape[0], k.shape[0]
+    # A whole sequence with no effective window is plain causal attention, where SDPA's own
+    # (top-left) is_causal is right and lets it pick its fused kernels without building a mask.
+    plain_causal = q_len == kv_len and q_len > 1 and (window is None or kv_len <= window)
+    mask = None if plain_causal else causal_mask(q_len, kv_len, window, q.device)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
+        is_causal=plain_causal,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )

@@ -1,0 +1,145 @@
+"""Shared pieces of the benchmark programs (method: ../shared/BENCHMARKING.md, docs/benchmarks.md).
+
+* :func:`ceilings`: memory bandwidth (a large copy, bytes read + written) and matmul rate
+  (bf16 on GPU, fp32 on CPU, random data), measured in the same run as the benchmark.
+* :func:`environment`: commit, hardware, library versions: what every report records.
+* :func:`decode_floor_s`: the batch-1 decode floor (bytes one step must read / bandwidth).
+* :func:`write_report`: JSON + a Markdown table generated from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds (device synchronized around each call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def ceilings(device: str | torch.device, quick: bool = False) -> dict[str, float]:
+    """Measured memory bandwidth (GB/s, read + written) and matmul rate (TFLOP/s)."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    nbytes = (2 << 30) if cuda else (256 << 20)
+    if quick:
+        nbytes //= 4
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    t_copy = timed(lambda: dst.copy_(src), device, repeats=10 if cuda else 5, warmup=2)
+    del src, dst
+    n = 8192 if cuda else 2048
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t_mm = timed(lambda: a @ b, device, repeats=10 if cuda else 3, warmup=2)
+    return {
+        "bandwidth_gb_s": 2 * nbytes / t_copy / 1e9,
+        "matmul_tflops": 2 * n**3 / t_mm / 1e12,
+        "matmul_dtype": str(dtype).replace("torch.", ""),
+    }
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment(device: str | torch.device) -> dict[str, Any]:
+    device = torch.device(device)
+    env = {
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        env["transformers"] = None
+    return env
+
+
+def decode_floor_s(model_config, dtype: torch.dtype, context_len: int, bandwidth_gb_s: float) -> float:
+    """Seconds one batch-1 decode step must take at least: bytes read / bandwidth.
+
+    Bytes: every weight once (the embedding table only for its one row, unless it is tied to
+    the LM head, which reads it whole) plus the K/V of ``context_len`` cached tokens.
+    """
+    item = torch.empty((), dtype=dtype).element_size()
+    params = model_config.num_params()
+    if not model_config.tie_word_embeddings:
+        params -= model_config.vocab_size * model_config.hidden_size  # input embeddings: one row
+    kv = model_config.kv_bytes_per_token(dtype) * context_len
+    return (params * item + kv) / (bandwidth_gb_s * 1e9)
+
+
+def write_report(report: dict[str, Any], out: str | Path | None, table: str) -> None:
+    """Write ``report`` as JSON (and the Markdown ``table`` beside it) when ``out`` is given."""
+    print(table)
+    if out:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, default=str))
+        out.with_suffix(".md").write_text(table + "\n")
+        print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

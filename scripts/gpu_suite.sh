@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# The GPU suite: everything the GPU machine has to say, in one call of the `device` tool.
+#
+#   bash scripts/gpu_suite.sh                   # every section, in order
+#   bash scripts/gpu_suite.sh env parity        # only these sections
+#   SUITE_SKIP=tests bash scripts/gpu_suite.sh  # all but these
+#   PARITY_ARGS=--all bash scripts/gpu_suite.sh # extra arguments to both parity runs (+ llama3-8b)
+#
+# Runs in the repository root of the GPU machine, whose python3 has torch (CUDA), transformers,
+# safetensors, tokenizers, jinja2, pytest, tqdm, numpy but not gguf, fastapi, uvicorn,
+# outlines-core, sse-starlette or openai. infer is not pip-installed there: it is imported from
+# src/ (PYTHONPATH). Wheels of missing packages may be carried in .whl/ (see the device tool's
+# README); they are installed into /tmp/site without touching the image.
+#
+# What lands in $OUT (the device tool brings back at most 8 files, so keep it few):
+#   suite.log      everything every section printed, with a header per section;
+#   summary.json   each section's exit status and seconds (also at the end of suite.log);
+#   <report>.json  what sections write (parity.json, parity_fp32.json, ...).
+# Past 8 files, everything but suite.log and summary.json is packed into reports.tar.gz.
+# The suite goes on after a failed section and exits 1 if any failed. Measured on an H100
+# (2026-11-22): env + tests + parity + parity_fp32 take ~130 s; keep the whole within ~10 min.
+#
+# To add a section (later: benchmarks): write a function `section_<name>` and add <name> to
+# SECTIONS below. A section prints what a reader needs and writes its reports under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:-/tmp/gpu-suite-out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+MAX_OUT_FILES=8
+
+SECTIONS=(env tests parity parity_fp32)
+
+# ----------------------------------------------------------------------------- environment
+export PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1  # no network there
+export TOKENIZERS_PARALLELISM=false
+
+setup_python_path() {
+    if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
+        echo "installing carried wheels: $(cd .whl && ls -- *.whl | tr '\n' ' ')"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+            || echo "WARNING: installing .whl/*.whl failed"
+        export PYTHONPATH="/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    echo "PYTHONPATH=$PYTHONPATH"
+}
+
+# ----------------------------------------------------------------------------- sections
+
+section_env() {
+    nvidia-smi || echo "nvidia-smi failed"
+    "$PY" - <<'EOF'
+import platform, sys
+import torch
+print("python", platform.python_version(), sys.executable)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("gpu", torch.cuda.get_device_name(0), f"{p.total_memory / 2**30:.1f} GiB", "sm", f"{p.major}.{p.minor}",
+          "count", torch.cuda.device_count())
+for mod in ("triton", "transformers", "safetensors", "tokenizers", "numpy", "jinja2", "gguf", "fastapi"):
+    try:
+        m = __import__(mod)
+        print(mod, getattr(m, "__version__", "?"))
+    except ImportError:
+        print(mod, "MISSING")
+import infer, infer.loader, infer.attention, infer.models  # must work without gguf/fastapi
+print("infer", infer.__version__, "from", infer.__file__)
+sys.exit(0 if torch.cuda.is_available() else 1)
+EOF
+}
+
+section_tests() {
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests
+    local rc=$?
+    if [ "$rc" -eq 5 ]; then
+        echo "pytest: no tests selected by -m gpu (exit 5): OK"
+        return 0
+    fi
+    return "$rc"
+}
+
+# bf16, the serving dtype: infer vs HF sdpa, with HF eager vs HF sdpa as the noise floor.
+section_parity() {
+    # shellcheck disable=SC2086
+    "$PY" scripts/gpu_parity.py --out "$OUT/parity.json" ${PARITY_ARGS:-}
+}
+
+# float32 at the same real shapes: the exact check (max |dlogit| <= 1e-3, identical argmax).
+section_parity_fp32() {
+    # shellcheck disable=SC2086
+    "$PY" scripts/gpu_parity.py --dtype float32 --out "$OUT/parity_fp32.json" ${PARITY_ARGS:-}
+}
+
+# ----------------------------------------------------------------------------- driver
+
+run_all() {
+    local -a summary=()
+    local failed=0 suite_start name start rc secs
+    suite_start=$(date +%s)
+    setup_python_path
+    for name in "${SECTIONS[@]}"; do
+        if [[ " ${SUITE_SKIP:-} " == *" $name "* ]]; then
+            summary+=("$name skip 0")
+            continue
+        fi
+        if ! declare -F "section_$name" >/dev/null; then
+            echo "unknown section: $name (known: $(declare -F | sed -n 's/^declare -f section_//p' | tr '\n' ' '))"
+            summary+=("$name unknown 0")
+            failed=1
+            continue
+        fi
+        echo
+        echo "=================================================================== $name"
+        start=$(date +%s)
+        ( "section_$name" ) 2>&1
+        rc=$?
+        secs=$(( $(date +%s) - start ))
+        echo "=== $name: exit $rc in ${secs}s"
+        summary+=("$name $rc $secs")
+        [ "$rc" -ne 0 ] && failed=1
+    done
+
+    local total=$(( $(date +%s) - suite_start ))
+    echo
+    {
+        echo "section exit seconds"
+        printf '%s\n' "${summary[@]}"
+        echo "total $failed $total"
+    } | { if command -v column >/dev/null; then column -t; else cat; fi; }
+    {
+        echo "{\"failed\": $failed, \"seconds\": $total, \"sections\": ["
+        local sep="" s n r t
+        for s in "${summary[@]}"; do
+            read -r n r t <<<"$s"
+            [[ "$r" =~ ^[0-9]+$ ]] || r="\"$r\""
+            printf '%s{"name": "%s", "exit": %s, "seconds": %s}' "$sep" "$n" "$r" "$t"
+            sep=", "
+        done
+        echo "]}"
+    } >"$OUT/summary.json"
+    return "$failed"
+}
+
+pack_if_needed() {
+    local n
+    n=$(find "$OUT" -type f | wc -l)
+    if [ "$n" -gt "$MAX_OUT_FILES" ]; then
+        echo "$n files in \$OUT > $MAX_OUT_FILES: packing all but suite.log and summary.json into reports.tar.gz"
+        (cd "$OUT" && find . -type f ! -name suite.log ! -name summary.json ! -name reports.tar.gz -print0 \
+            | tar --null -czf reports.tar.gz --remove-files -T -)
+    fi
+}
+
+if [ "$#" -gt 0 ]; then
+    SECTIONS=("$@")
+fi
+run_all 2>&1 | tee "$OUT/suite.log"
+status=${PIPESTATUS[0]}
+pack_if_needed 2>&1 | tee -a "$OUT/suite.log"
+exit "$status"

@@ -1,0 +1,189 @@
+"""Classroom exercises: stub out real engine code, then grade it with the project's own tests.
+
+An exercise is a region of the engine's real code, between two comment markers::
+
+    # >>> EXERCISE rms_norm
+    ...the reference solution, exactly as the engine runs it...
+    # <<< EXERCISE rms_norm
+
+There is no second copy of the solution to keep in sync: :func:`prepare` copies the
+repository and replaces each chosen region with ``raise NotImplementedError(hint)``;
+:func:`grade` runs the tests listed for each exercise (the same tests CI runs) and prints a
+pass/fail table and a score.
+
+    python -m infer.exercises list
+    python -m infer.exercises prepare --phase 0 --out ~/infer-phase0     # a student workspace
+    python -m infer.exercises grade --phase 0 --root ~/infer-phase0      # grade it
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MARK = re.compile(r"^(?P<indent>[ \t]*)# (?P<kind>>>>|<<<) EXERCISE (?P<name>\w+)\s*$")
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise: where it is, what grades it, and what the student is told."""
+
+    name: str
+    phase: int
+    file: str  # relative to the repository root
+    tests: tuple[str, ...]  # pytest node ids, relative to the repository root
+    hint: str
+    minutes: int
+
+
+EXERCISES: dict[str, Exercise] = {
+    e.name: e
+    for e in [
+        Exercise(
+            "rms_norm", 0, "src/infer/models/layers.py",
+            ("tests/test_layers.py::test_rms_norm_matches_definition",
+             "tests/test_layers.py::test_rms_norm_rounds_like_hf"),
+            "x / sqrt(mean(x^2) + eps) in float32, then times w (Llama: cast to x.dtype first) or (1 + w) "
+            "(Gemma: in float32, cast last). Return x.dtype.",
+            15,
+        ),
+        Exercise(
+            "apply_rope", 0, "src/infer/models/layers.py",
+            ("tests/test_layers.py::test_apply_rope_is_a_rotation",
+             "tests/test_layers.py::test_rope_relative_position_property"),
+            "x is [T, heads, head_dim], cos/sin are [T, head_dim]. Pair dim i with i + head_dim/2: "
+            "x * cos + rotate_half(x) * sin, rotate_half([a, b]) = [-b, a].",
+            20,
+        ),
+        Exercise(
+            "top_p", 1, "src/infer/sampling/sampler.py",
+            ("tests/test_sampler.py::test_top_p_keeps_exact_sets", "tests/test_sampler.py::test_top_p_edges",
+             "tests/test_sampler.py::test_truncated_frequencies_match_distribution"),
+            "Per row: sort probabilities descending, keep the smallest prefix whose sum reaches top_p "
+            "(always the top token), write -inf into the logits of the rest. No Python loop over rows.",
+            30,
+        ),
+        Exercise(
+            "stop_check", 1, "src/infer/engine/output_processor.py",
+            ("tests/test_generation.py::test_stop_conditions",),
+            "Return (finish_reason, stop_reason) or None: EOS (unless ignore_eos) and stop_token_ids give "
+            "'stop', a matched stop string too (the detokenizer found it); max_tokens and the context "
+            "limit give 'length'.",
+            15,
+        ),
+    ]
+}
+
+
+def find_regions(text: str) -> dict[str, tuple[int, int, str]]:
+    """``name -> (first line inside, end-marker line, indent)`` of every exercise in ``text``.
+
+    Raises:
+        ValueError: for an unmatched or nested marker.
+    """
+    regions: dict[str, tuple[int, int, str]] = {}
+    open_name, start, indent = None, 0, ""
+    for i, line in enumerate(text.splitlines()):
+        m = MARK.match(line)
+        if not m:
+            continue
+        if m["kind"] == ">>>":
+            if open_name is not None:
+                raise ValueError(f"exercise {m['name']} starts inside {open_name}")
+            open_name, start, indent = m["name"], i + 1, m["indent"]
+        else:
+            if m["name"] != open_name:
+                raise ValueError(f"end marker of {m['name']} does not close {open_name}")
+            regions[open_name] = (start, i, indent)
+            open_name = None
+    if open_name is not None:
+        raise ValueError(f"exercise {open_name} is never closed")
+    return regions
+
+
+def stub(text: str, name: str, hint: str) -> str:
+    """``text`` with exercise ``name``'s region replaced by a ``NotImplementedError``."""
+    start, end, indent = find_regions(text)[name]
+    lines = text.splitlines(keepends=True)
+    msg = f"Exercise {name}: {hint}".replace("\\", "\\\\").replace('"', '\\"')
+    return "".join(lines[:start] + [f'{indent}raise NotImplementedError("{msg}")\n'] + lines[end:])
+
+
+def selected(phase: int | None, names: list[str] | None) -> list[Exercise]:
+    chosen = [e for e in EXERCISES.values() if (phase is None or e.phase == phase)]
+    if names:
+        unknown = sorted(set(names) - set(EXERCISES))
+        if unknown:
+            raise SystemExit(f"unknown exercise(s): {', '.join(unknown)}; see `python -m infer.exercises list`")
+        chosen = [e for e in chosen if e.name in names]
+    return chosen
+
+
+def prepare(out: Path, exercises: list[Exercise], root: Path = REPO) -> None:
+    """Copy the repository (without .git, .venv, caches) to ``out`` and stub the exercises."""
+    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", "site",
+                                    ".ruff_cache", ".whl")
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"{out} exists and is not empty")
+    shutil.copytree(root, out, ignore=ignore, dirs_exist_ok=True)
+    for e in exercises:
+        path = out / e.file
+        path.write_text(stub(path.read_text(), e.name, e.hint))
+    print(f"prepared {out} with {len(exercises)} exercise(s): {', '.join(e.name for e in exercises)}")
+
+
+def grade(root: Path, exercises: list[Exercise], quiet: bool = False) -> dict[str, bool]:
+    """Run each exercise's tests against the code under ``root``; print a table and the score."""
+    env = dict(os.environ, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
+    results: dict[str, bool] = {}
+    for e in exercises:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *e.tests],
+            cwd=root, env=env, capture_output=True, text=True,
+        )
+        results[e.name] = proc.returncode == 0
+        if not quiet and proc.returncode != 0:
+            print(f"--- {e.name}: failing output (last lines) ---")
+            print("\n".join(proc.stdout.splitlines()[-15:]))
+    width = max(len(n) for n in results) if results else 8
+    print(f"{'exercise'.ljust(width)}  phase  result")
+    for e in exercises:
+        print(f"{e.name.ljust(width)}  {e.phase:>5}  {'PASS' if results[e.name] else 'FAIL'}")
+    print(f"score: {sum(results.values())}/{len(results)}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m infer.exercises", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for cmd in ("list", "prepare", "grade"):
+        p = sub.add_parser(cmd)
+        p.add_argument("--phase", type=int, default=None, help="only this phase's exercises")
+        p.add_argument("--exercise", action="append", default=None, help="only this exercise (repeatable)")
+        if cmd == "prepare":
+            p.add_argument("--out", type=Path, required=True, help="new workspace directory")
+        if cmd == "grade":
+            p.add_argument("--root", type=Path, default=REPO, help="workspace to grade (default: this repo)")
+    args = ap.parse_args(argv)
+    chosen = selected(args.phase, args.exercise)
+    if args.cmd == "list":
+        for e in chosen:
+            print(f"phase {e.phase}  {e.name:<12} ~{e.minutes} min  {e.file}\n    {e.hint}")
+        return 0
+    if args.cmd == "prepare":
+        prepare(args.out.expanduser(), chosen)
+        return 0
+    results = grade(args.root.expanduser().resolve(), chosen)
+    return 0 if all(results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
