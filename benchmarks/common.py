@@ -47,10 +47,10 @@ def ceilings(device: str | torch.device, quick: bool = False) -> dict[str, float
     nbytes = (2 << 30) if cuda else (256 << 20)
     if quick:
         nbytes //= 4
-    src = torch.randn(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    t_copy = timed(lambda: dst.copy_(src), device, repeats=10 if cuda else 5, warmup=2)
-    del src, dst
+    bufs = [torch.randn(nbytes // 4, device=device)]
+    bufs.append(torch.empty_like(bufs[0]))
+    t_copy = timed(lambda: bufs[1].copy_(bufs[0]), device, repeats=10 if cuda else 5, warmup=2)
+    bufs.clear()
     n = 8192 if cuda else 2048
     dtype = torch.bfloat16 if cuda else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
