@@ -30,7 +30,8 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 MAX_OUT_FILES=8
 
-SECTIONS=(env tests parity parity_fp32)
+SECTIONS=(env tests parity parity_fp32 bench_single)
+CKPT="${CKPT:-/tmp/infer-ckpt}"  # synthetic checkpoints, shared by the sections
 
 # ----------------------------------------------------------------------------- environment
 export PYTHONUNBUFFERED=1
@@ -87,13 +88,26 @@ section_tests() {
 # bf16, the serving dtype: infer vs HF sdpa, with HF eager vs HF sdpa as the noise floor.
 section_parity() {
     # shellcheck disable=SC2086
-    "$PY" scripts/gpu_parity.py --out "$OUT/parity.json" ${PARITY_ARGS:-}
+    "$PY" scripts/gpu_parity.py --workdir "$CKPT" --reuse --out "$OUT/parity.json" ${PARITY_ARGS:-}
 }
 
 # float32 at the same real shapes: the exact check (max |dlogit| <= 1e-3, identical argmax).
 section_parity_fp32() {
     # shellcheck disable=SC2086
-    "$PY" scripts/gpu_parity.py --dtype float32 --out "$OUT/parity_fp32.json" ${PARITY_ARGS:-}
+    "$PY" scripts/gpu_parity.py --dtype float32 --workdir "$CKPT" --reuse --out "$OUT/parity_fp32.json" \
+        ${PARITY_ARGS:-}
+}
+
+# Phase 1: batch-1 TTFT/TPOT of infer next to HF eager and HF static-cache + torch.compile, bf16.
+section_bench_single() {
+    local preset rc=0
+    for preset in ${BENCH_PRESETS:-qwen3-0.6b qwen3-4b}; do
+        [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+        "$PY" benchmarks/single_stream.py --model "$CKPT/$preset" --device cuda --dtype bfloat16 \
+            --prompt-lens ${BENCH_PROMPTS:-128} --output-len 128 --repeats 3 --hf eager compiled \
+            --out "$OUT/single_$preset.json" || rc=1
+    done
+    return "$rc"
 }
 
 # ----------------------------------------------------------------------------- driver

@@ -91,8 +91,9 @@ class TorchAttentionBackend:
         cache = meta.kv_cache
         if cache is not None:
             cache.write(layer_idx, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
+        single = len(meta.seq_lens_cpu) == 1
+        out = None if single else torch.empty_like(q)
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             s, e = starts[i], starts[i + 1]
             if cache is None:
@@ -101,5 +102,8 @@ class TorchAttentionBackend:
                 k_i, v_i = k[s:e], v[s:e]
             else:
                 k_i, v_i = cache.read(layer_idx, meta.cache_rows_cpu[i], seq_len)
-            out[s:e] = sdpa_attention(q[s:e], k_i, v_i, scale, window)
+            o = sdpa_attention(q[s:e], k_i, v_i, scale, window)
+            if single:
+                return o
+            out[s:e] = o
         return out
