@@ -166,7 +166,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # one rotation for the query and key heads together
+        qk = apply_rope(torch.cat((q, k), dim=1), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, self.window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
