@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (phase 2): ``python -m infer.server``."""

@@ -1,0 +1,76 @@
+"""``python -m infer.server``: serve a model over an OpenAI-compatible HTTP API.
+
+    python -m infer.server                                  # smollm2-135m on 127.0.0.1:8000
+    python -m infer.server --model gemma3-270m --port 8001
+    python -m infer.server --help                           # every flag
+
+Every :class:`~infer.config.EngineConfig` field is a flag. SIGINT/SIGTERM shut down
+gracefully: in-flight requests end with ``finish_reason="abort"`` (streams get their final
+chunk and ``[DONE]``), then the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from infer.config import add_engine_args, engine_config_from_args
+from infer.errors import ModelLoadError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infer.server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the --model value)")
+    s.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests allowed to wait for admission before the server answers 503 (default: 256)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    from infer.engine import LLMEngine
+    from infer.server.app import build_app
+    from infer.server.async_engine import AsyncEngine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("infer.server")
+    start = time.perf_counter()
+    try:
+        config = engine_config_from_args(args)
+        engine = LLMEngine(config)
+    except (ValueError, TypeError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting_requests)
+    name = args.served_model_name or args.model
+    app = build_app(async_engine, name)
+    log.info("model %s loaded on %s in %.1f s; serving on http://%s:%d", name, engine.runner.device,
+             time.perf_counter() - start, args.host, args.port)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: end in-flight requests first
+            async_engine.shutdown(timeout=5.0)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown(timeout=5.0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,400 @@
+"""The OpenAI-compatible HTTP API (FastAPI).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics``. Response shapes are OpenAI's, so the official ``openai``
+client works unchanged; streaming is Server-Sent Events (``data: {...}`` chunks, then
+``data: [DONE]``). Every bad request gets a 4xx with OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}``; the engine never sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from infer.chat import apply_chat_template
+from infer.errors import InvalidRequestError
+from infer.outputs import PositionLogprobs, RequestOutput
+from infer.sampling import SamplingParams
+from infer.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from infer.server.metrics import Metrics
+from infer.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
+
+MAX_BODY_BYTES = 8 << 20
+MAX_N = 16
+
+
+def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
+
+
+def _param_of(exc: ValueError) -> str | None:
+    """SamplingParams' messages start with the field name ("temperature must be ...")."""
+    param = getattr(exc, "param", None)
+    if param:
+        return param
+    first = str(exc).split(" ", 1)[0].split("[", 1)[0]
+    return first if first.isidentifier() and first.islower() else None
+
+
+class _Reject(Exception):
+    def __init__(self, response: JSONResponse) -> None:
+        self.response = response
+
+
+def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI application serving ``engine`` under the model name ``model_name``."""
+    app = FastAPI(title="infer", description="OpenAI-compatible API of the infer engine")
+    metrics = Metrics(model_name)
+    engine.on_finished = metrics.request_finished
+    app.state.engine = engine
+    app.state.metrics = metrics
+    tokenizer = engine.engine.tokenizer
+    created = int(time.time())
+
+    # ------------------------------------------------------------------ errors
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON", None)
+        param = loc[0] if loc else None
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "extra_forbidden":
+            msg = f"unknown or unsupported field {'.'.join(loc)!r}"
+        elif loc:
+            msg = f"{'.'.join(loc)}: {msg}"
+        return error_response(400, msg, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), None,
+                              "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # never a bare 500 page
+        return error_response(500, f"internal error: {type(exc).__name__}", None, "internal_error")
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
+            return error_response(413, f"request body larger than {max_body_bytes} bytes", None)
+        return await call_next(request)
+
+    # ------------------------------------------------------------------ helpers
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise _Reject(error_response(404, f"model {name!r} does not exist; this server serves {model_name!r}",
+                                         "model", "not_found_error", "model_not_found"))
+
+    def sampling_or_reject(req) -> SamplingParams:
+        try:
+            params = req.sampling_params()
+        except UnsupportedField as e:
+            raise _Reject(error_response(400, str(e), e.param)) from None
+        except ValueError as e:
+            raise _Reject(error_response(400, str(e), _param_of(e))) from None
+        if params.n > MAX_N:
+            raise _Reject(error_response(400, f"n must be <= {MAX_N}, got {params.n}", "n"))
+        return params
+
+    async def start(prompt, params) -> tuple[AsyncIterator[RequestOutput], RequestOutput | None]:
+        """Submit and wait for the engine to accept; returns the stream and its first output."""
+        gen = engine.generate(prompt, params)
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except EngineOverloaded as e:
+            raise _Reject(error_response(503, str(e), None, "server_overloaded")) from None
+        except EngineDead as e:
+            raise _Reject(error_response(503, str(e), None, "server_unavailable")) from None
+        except (InvalidRequestError, ValueError) as e:
+            raise _Reject(error_response(400, str(e), _param_of(e))) from None
+        return gen, first
+
+    async def collect(streams, request: Request) -> list[RequestOutput]:
+        """Drain every stream to its final output; abort all if the client disconnects."""
+
+        async def drain(gen, first):
+            last = first
+            if last is not None and not last.finished:
+                async for out in gen:
+                    last = out
+            return last
+
+        tasks = [asyncio.create_task(drain(g, f)) for g, f in streams]
+        try:
+            while True:
+                done, _ = await asyncio.wait(tasks, timeout=0.25)
+                if len(done) == len(tasks):
+                    return [t.result() for t in tasks]
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            for g, _ in streams:
+                await g.aclose()  # aborts unfinished requests
+
+    async def submit_all(prompts, params) -> list:
+        streams = []
+        try:
+            for p in prompts:
+                streams.append(await start(p, params))
+        except BaseException:
+            for g, _ in streams:
+                await g.aclose()
+            raise
+        return streams
+
+    def usage(outs: list[RequestOutput]) -> dict[str, int]:
+        p = sum(len(o.prompt_token_ids) for o in outs)
+        c = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def sse(obj: Any) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def token_str(t) -> str:
+        return t.decoded
+
+    def completion_lp_block(prompt_ids: list[int] | None, prompt_lps, gen_lps, start_offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = start_offset
+
+        def add(text: str, lp, top):
+            nonlocal off
+            tokens.append(text)
+            token_lps.append(lp)
+            tops.append(top)
+            offsets.append(off)
+            off += len(text)
+
+        if prompt_ids is not None:
+            for i, tid in enumerate(prompt_ids):
+                e = prompt_lps[i] if prompt_lps and i < len(prompt_lps) else None
+                text = tokenizer.decode([tid], skip_special_tokens=False)
+                if e is None:
+                    add(text, None, None)
+                else:
+                    add(text, e.token.logprob, {token_str(t): t.logprob for t in e.top} or None)
+        for e in gen_lps or []:
+            add(token_str(e.token), e.token.logprob, {token_str(t): t.logprob for t in e.top})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_lp_block(entries: list[PositionLogprobs]) -> dict:
+        def one(t):
+            return {"token": t.decoded, "logprob": t.logprob, "bytes": list(t.decoded.encode("utf-8"))}
+
+        return {"content": [{**one(e.token), "top_logprobs": [one(t) for t in e.top]} for e in entries]}
+
+    # ------------------------------------------------------------------ endpoints
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            return error_response(503, "the engine is not running", None, "server_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "infer",
+            "max_model_len": engine.engine.max_model_len,
+        }]})
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        sched = engine.engine.scheduler
+        usage_frac = 1.0 - len(sched.free_rows) / max(sched.num_rows, 1)
+        body = metrics.render(engine.num_running, engine.num_waiting, usage_frac)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        try:
+            check_model(req.model)
+            params = sampling_or_reject(req)
+            try:
+                prompts = req.prompts()
+            except UnsupportedField as e:
+                raise _Reject(error_response(400, str(e), e.param)) from None
+            if len(prompts) * params.n > MAX_N:
+                raise _Reject(error_response(400, f"prompts x n must be <= {MAX_N}", "n"))
+            streams = await submit_all(prompts, params)
+        except _Reject as r:
+            return r.response
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        want_lp = req.logprobs is not None
+
+        def choice_index(i: int, j: int) -> int:
+            return i * params.n + j
+
+        if not req.stream:
+            outs = await collect(streams, request)
+            choices = []
+            for i, out in enumerate(outs):
+                prefix = (out.prompt or tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)) \
+                    if req.echo else ""
+                for c in out.outputs:
+                    lp = None
+                    if want_lp:
+                        lp = completion_lp_block(out.prompt_token_ids if req.echo else None, out.prompt_logprobs,
+                                                 c.logprobs, 0)
+                    choices.append({"index": choice_index(i, c.index), "text": prefix + c.text, "logprobs": lp,
+                                    "finish_reason": c.finish_reason})
+            choices.sort(key=lambda ch: ch["index"])
+            return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                                 "model": model_name, "choices": choices, "usage": usage(outs)})
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events():
+            finals: dict[int, RequestOutput] = {}
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i, gen, first):
+                try:
+                    if first is not None:
+                        await queue.put((i, first))
+                        if first.finished:
+                            return
+                    async for out in gen:
+                        await queue.put((i, out))
+                finally:
+                    await queue.put((i, None))
+
+            tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(streams)]
+            open_streams = len(tasks)
+            echoed: set[tuple[int, int]] = set()
+            ended: set[tuple[int, int]] = set()
+            try:
+                while open_streams:
+                    i, out = await queue.get()
+                    if out is None:
+                        open_streams -= 1
+                        continue
+                    for c in out.outputs:
+                        if (i, c.index) in ended:
+                            continue
+                        if c.finish_reason:
+                            ended.add((i, c.index))
+                        text = c.delta_text
+                        lp = None
+                        echo_ids = None
+                        if req.echo and (i, c.index) not in echoed:
+                            echoed.add((i, c.index))
+                            text = (out.prompt or tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)) \
+                                + text
+                            echo_ids = out.prompt_token_ids
+                        if want_lp:
+                            lp = completion_lp_block(echo_ids, out.prompt_logprobs, c.delta_logprobs, 0)
+                        if not text and not c.finish_reason and not c.delta_token_ids:
+                            continue
+                        yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                                   "model": model_name, "choices": [{"index": choice_index(i, c.index), "text": text,
+                                                                     "logprobs": lp,
+                                                                     "finish_reason": c.finish_reason}]})
+                    if out.finished:
+                        finals[i] = out
+                if include_usage:
+                    yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                               "model": model_name, "choices": [], "usage": usage(list(finals.values()))})
+                yield "data: [DONE]\n\n"
+            finally:
+                for t in tasks:
+                    t.cancel()
+                for g, _ in streams:
+                    await g.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        try:
+            check_model(req.model)
+            params = sampling_or_reject(req)
+            try:
+                text = apply_chat_template(tokenizer, req.message_dicts(), add_generation_prompt=req.add_generation_prompt,
+                                           **(req.chat_template_kwargs or {}))
+            except ValueError as e:
+                raise _Reject(error_response(400, str(e), "messages")) from None
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            streams = await submit_all([ids], params)
+        except _Reject as r:
+            return r.response
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+
+        if not req.stream:
+            outs = await collect(streams, request)
+            out = outs[0]
+            choices = [{"index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": chat_lp_block(c.logprobs) if req.logprobs else None,
+                        "finish_reason": c.finish_reason} for c in out.outputs]
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                                 "model": model_name, "choices": choices, "usage": usage(outs)})
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        gen, first = streams[0]
+
+        def chunk(choices: list[dict], **extra) -> str:
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                        "model": model_name, "choices": choices, **extra})
+
+        async def events():
+            try:
+                yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for j in range(params.n)])
+                last = None
+
+                async def outputs():
+                    if first is not None:
+                        yield first
+                        if first.finished:
+                            return
+                    async for o in gen:
+                        yield o
+
+                ended: set[int] = set()
+                async for out in outputs():
+                    last = out
+                    for c in out.outputs:
+                        if c.index in ended:
+                            continue
+                        if c.finish_reason:
+                            ended.add(c.index)
+                        if not c.delta_text and not c.finish_reason and not c.delta_token_ids:
+                            continue
+                        delta = {"content": c.delta_text} if (c.delta_text or not c.finish_reason) else {}
+                        yield chunk([{"index": c.index, "delta": delta,
+                                      "logprobs": chat_lp_block(c.delta_logprobs or []) if req.logprobs else None,
+                                      "finish_reason": c.finish_reason}])
+                if include_usage and last is not None:
+                    yield chunk([], usage=usage([last]))
+                yield "data: [DONE]\n\n"
+            finally:
+                await gen.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app

@@ -1,0 +1,229 @@
+"""A queue-based handle that runs :class:`~infer.engine.LLMEngine` in its own thread.
+
+The engine loop (``step()``: schedule, forward, sample, detokenize) is synchronous and can take
+tens of milliseconds; running it on the server's event loop would freeze every connection
+for that long. So it lives in a thread of its own, and talks to the event loop only through
+queues (vLLM's ``AsyncLLM`` does the same with a separate process):
+
+* the event loop puts commands (add a request, abort one) into ``inbox``, a thread-safe queue;
+  adding returns through a ``concurrent.futures.Future`` so a bad request is rejected (HTTP 400)
+  before anything is streamed;
+* the engine thread drains the inbox, runs a step, and hands each :class:`RequestOutput` to the
+  request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
+
+The engine object is touched by the engine thread only, so it needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from infer.engine import LLMEngine
+from infer.outputs import CompletionOutput, RequestOutput
+from infer.sampling import SamplingParams
+
+log = logging.getLogger("infer.server")
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full (HTTP 503)."""
+
+
+class EngineDead(Exception):
+    """The engine thread stopped (shutdown or a crash)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    """Run ``engine`` in a background thread; serve many concurrent requests from asyncio.
+
+    Args:
+        engine: the synchronous engine (owned by the thread from now on).
+        max_waiting: requests waiting for admission beyond which :meth:`generate` raises
+            :class:`EngineOverloaded`.
+        on_finished: optional callback ``(RequestOutput) -> None`` run on the engine thread
+            when a request finishes (metrics).
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256, on_finished=None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_finished = on_finished
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self._pending_adds = 0
+        self.error: BaseException | None = None
+        # numbers the event loop may read at any time (written by the engine thread)
+        self.num_running = 0
+        self.num_waiting = 0
+        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ event-loop side
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs (deltas) until it finishes.
+
+        Raises:
+            InvalidRequestError / ValueError: the engine rejected the request (before any output).
+            EngineOverloaded: too many requests are waiting.
+            EngineDead: the engine is shutting down or has crashed.
+
+        Closing the iterator early (a client that went away) aborts the request.
+        """
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        if self.num_waiting + self._pending_adds >= self.max_waiting:
+            raise EngineOverloaded(f"{self.num_waiting} requests are already waiting (max {self.max_waiting})")
+        rid = request_id or f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._pending_adds += 1
+        self._inbox.put(("add", (rid, prompt, params, stream), fut))
+        if not self._thread.is_alive() and not fut.done():  # raced with a shutdown
+            fut.set_exception(EngineDead("the engine is shutting down"))
+        try:
+            await asyncio.wrap_future(fut)
+        finally:
+            self._pending_adds -= 1
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, returns at once)."""
+        self._inbox.put(("abort", request_id, None))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Finish every in-flight request with ``finish_reason="abort"`` and stop the thread."""
+        if self._stopping.is_set():
+            return
+        self._inbox.put(("shutdown", None, None))
+        self._thread.join(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": self.num_running, "waiting": self.num_waiting, "alive": self.alive}
+
+    # ------------------------------------------------------------------ engine-thread side
+
+    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(rid)
+        if stream is None:
+            return
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed
+            self._streams.pop(rid, None)
+
+    def _handle(self, cmd: str, arg: Any, fut: concurrent.futures.Future | None) -> None:
+        eng = self.engine
+        if cmd == "add":
+            rid, prompt, params, stream = arg
+            try:
+                eng.add_request(prompt, params, request_id=rid)
+            except Exception as e:  # rejected: report to the caller, nothing is queued
+                fut.set_exception(e)
+                return
+            self._streams[rid] = stream
+            fut.set_result(rid)
+        elif cmd == "abort":
+            if eng.abort_request(arg):
+                self._streams.pop(arg, None)
+        elif cmd == "shutdown":
+            self._stopping.set()
+
+    def _finish_all(self, reason: str = "abort") -> None:
+        """End every open stream with a final output (used at shutdown)."""
+        for rid in list(self._streams):
+            req = self.engine.requests.get(rid)
+            self.engine.abort_request(rid)
+            outs = [
+                CompletionOutput(index=s.index, text=s.detokenizer.output_text, token_ids=list(s.output_token_ids),
+                                 finish_reason=s.finish_reason or reason)
+                for s in (req.seqs if req else [])
+            ]
+            final = RequestOutput(rid, req.prompt if req else None, req.prompt_token_ids if req else [], outs,
+                                  finished=True)
+            self._deliver(rid, final)
+            self._streams.pop(rid, None)
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stopping.is_set():
+                block = not eng.has_unfinished_requests()
+                try:
+                    cmd, arg, fut = self._inbox.get(block=block, timeout=0.5 if block else None)
+                    self._handle(cmd, arg, fut)
+                    while True:  # drain whatever else arrived
+                        cmd, arg, fut = self._inbox.get_nowait()
+                        self._handle(cmd, arg, fut)
+                except queue.Empty:
+                    pass
+                if self._stopping.is_set():
+                    break
+                if eng.has_unfinished_requests():
+                    outputs = eng.step(stream=True)
+                    now = time.perf_counter()
+                    for out in outputs:
+                        if out.finished:
+                            out.metrics.setdefault("finished", now)
+                            if self.on_finished is not None:
+                                try:
+                                    self.on_finished(out)
+                                except Exception:  # metrics must never kill the engine
+                                    log.exception("on_finished callback failed")
+                        self._deliver(out.request_id, out)
+                        if out.finished:
+                            self._streams.pop(out.request_id, None)
+                self.num_running, self.num_waiting = eng.num_running, eng.num_waiting
+        except BaseException as e:  # a crash: fail every open request instead of hanging it
+            log.exception("engine thread crashed")
+            self.error = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDead(f"the engine stopped: {e!r}"))
+        finally:
+            self._stopping.set()
+            self._finish_all()
+            self.num_running = self.num_waiting = 0
+            # reject adds that raced with the shutdown
+            while True:
+                try:
+                    cmd, arg, fut = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if fut is not None and not fut.done():
+                    fut.set_exception(EngineDead("the engine is shutting down"))

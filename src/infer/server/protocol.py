@@ -1,0 +1,174 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models.
+
+Field names, defaults and shapes follow OpenAI's API reference (``/v1/completions``,
+``/v1/chat/completions``), plus vLLM's sampling extras (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
+``skip_special_tokens``). Unknown fields are rejected (``extra="forbid"``), and so are OpenAI
+fields infer does not implement (``suffix``, ``best_of > n``, a non-empty ``logit_bias``,
+``tools``...), each with an HTTP 400 that names the field: a request is never half-served.
+Range checks live in :class:`~infer.sampling.SamplingParams` (one place for the library and
+the server).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from infer.sampling import SamplingParams
+
+
+class UnsupportedField(ValueError):
+    """An OpenAI field infer does not implement (HTTP 400 naming the field)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: StrictInt = 1
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+
+    def _check_common(self) -> None:
+        if self.logit_bias:
+            raise UnsupportedField("logit_bias", "logit_bias is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedField("stream_options", "stream_options is only allowed when stream is true")
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        """The :class:`SamplingParams` of this request (its ``ValueError`` names the field)."""
+        kw: dict[str, Any] = dict(
+            n=self.n,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        return SamplingParams(**kw)
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids).
+
+        Raises:
+            UnsupportedField: for an empty list.
+        """
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise UnsupportedField("prompt", "prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.suffix:
+            raise UnsupportedField("suffix", "suffix is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedField("best_of", "best_of different from n is not supported by this server")
+        prompt_lp = self.logprobs if (self.echo and self.logprobs is not None) else None
+        return self._sampling(self.max_tokens, self.logprobs, prompt_lp)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.tools:
+            raise UnsupportedField("tools", "tools are not supported by this server")
+        if self.tool_choice not in (None, "none"):
+            raise UnsupportedField("tool_choice", "tool_choice is not supported by this server")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise UnsupportedField("response_format", "response_format other than text is not supported yet")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedField("top_logprobs", "top_logprobs requires logprobs to be true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, None)
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        out = []
+        for m in self.messages:
+            d = m.model_dump(exclude_none=True)
+            if d["role"] == "developer":  # OpenAI's newer name for system
+                d["role"] = "system"
+            out.append(d)
+        return out
