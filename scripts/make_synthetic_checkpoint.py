@@ -159,15 +159,10 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode character table (byte-level BPE's alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from infer.loader.gguf_tokenizer import bytes_to_unicode as table
+
+    return table()
 
 
 def _byte_rank_order() -> list[int]:
