@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                                    timeout_graceful_shutdown=5))
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it has already handled gracefully
+        return 130
     finally:
         async_engine.shutdown(timeout=5.0)
     return 0

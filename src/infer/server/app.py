@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -54,6 +55,41 @@ class _Reject(Exception):
         self.response = response
 
 
+class _BodyLimit:
+    """ASGI middleware: HTTP 413 for a request body over ``max_bytes``.
+
+    A declared ``Content-Length`` is checked before anything is read; a body without one
+    (``Transfer-Encoding: chunked``) is counted as it arrives, and reading stops at the limit
+    (the 413 then comes from the ``HTTPException`` handler, which FastAPI lets through).
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        message = f"request body larger than {self.max_bytes} bytes"
+        size = dict(scope["headers"]).get(b"content-length")
+        if size is not None and (not size.isdigit() or int(size) > self.max_bytes):
+            await error_response(413, message, None)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise StarletteHTTPException(413, message)
+            return msg
+
+        await self.app(scope, limited_receive, send)
+
+
 def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``model_name``."""
     app = FastAPI(title="infer", description="OpenAI-compatible API of the infer engine")
@@ -90,12 +126,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # never a bare 500 page
         return error_response(500, f"internal error: {type(exc).__name__}", None, "internal_error")
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
-            return error_response(413, f"request body larger than {max_body_bytes} bytes", None)
-        return await call_next(request)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
 
     # ------------------------------------------------------------------ helpers
 
@@ -130,8 +161,22 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             raise _Reject(error_response(400, str(e), _param_of(e))) from None
         return gen, first
 
-    async def collect(streams, request: Request) -> list[RequestOutput]:
-        """Drain every stream to its final output; abort all if the client disconnects."""
+    async def close_streams(tasks: list[asyncio.Task], streams) -> None:
+        """Stop the tasks reading ``streams``, then close the streams (aborting unfinished requests).
+
+        The tasks are waited for before closing: closing a stream that a task is still iterating
+        raises "aclose(): asynchronous generator is already running". Shielded, because this runs
+        while a streaming response is being cancelled (its client went away).
+        """
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for g, _ in streams:
+                await g.aclose()
+
+    async def collect(streams, request: Request) -> list[RequestOutput] | None:
+        """Drain every stream to its final output; None (all aborted) if the client disconnects."""
 
         async def drain(gen, first):
             last = first
@@ -147,13 +192,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 if len(done) == len(tasks):
                     return [t.result() for t in tasks]
                 if await request.is_disconnected():
-                    raise asyncio.CancelledError
+                    return None
         finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
-            for g, _ in streams:
-                await g.aclose()  # aborts unfinished requests
+            await close_streams(tasks, streams)
 
     async def submit_all(prompts, params) -> list:
         streams = []
@@ -251,6 +292,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
 
         if not req.stream:
             outs = await collect(streams, request)
+            if outs is None:
+                return Response(status_code=499)  # the client closed the connection: nobody reads this
             choices = []
             for i, out in enumerate(outs):
                 prefix = (out.prompt or tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)) \
@@ -321,10 +364,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                                "model": model_name, "choices": [], "usage": usage(list(finals.values()))})
                 yield "data: [DONE]\n\n"
             finally:
-                for t in tasks:
-                    t.cancel()
-                for g, _ in streams:
-                    await g.aclose()
+                await close_streams(tasks, streams)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -346,6 +386,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
 
         if not req.stream:
             outs = await collect(streams, request)
+            if outs is None:
+                return Response(status_code=499)
             out = outs[0]
             choices = [{"index": c.index,
                         "message": {"role": "assistant", "content": c.text},
@@ -393,7 +435,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                     yield chunk([], usage=usage([last]))
                 yield "data: [DONE]\n\n"
             finally:
-                await gen.aclose()
+                await close_streams([], streams)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -158,27 +158,48 @@ class AsyncEngine:
                 fut.set_exception(e)
                 return
             self._streams[rid] = stream
+            self.num_waiting = eng.num_waiting  # visible to the 503 check before the next step
             fut.set_result(rid)
         elif cmd == "abort":
-            if eng.abort_request(arg):
-                self._streams.pop(arg, None)
+            self._abort(arg)
         elif cmd == "shutdown":
             self._stopping.set()
 
-    def _finish_all(self, reason: str = "abort") -> None:
+    def _record_finished(self, out: RequestOutput) -> None:
+        out.metrics.setdefault("finished", time.perf_counter())
+        if self.on_finished is not None:
+            try:
+                self.on_finished(out)
+            except Exception:  # metrics must never kill the engine
+                log.exception("on_finished callback failed")
+
+    def _abort(self, rid: str) -> None:
+        """Stop ``rid`` now (a client that went away, or shutdown): free it in the engine, count it
+        as finished with ``"abort"`` and end its stream with a final output. A request that has
+        already finished is left alone (its final output went out with its last step)."""
+        req = self.engine.requests.get(rid)
+        known = self.engine.abort_request(rid)
+        if not known and rid not in self._streams:
+            return
+        outs = [
+            CompletionOutput(index=s.index, text=s.detokenizer.output_text, token_ids=list(s.output_token_ids),
+                             finish_reason=s.finish_reason or "abort")
+            for s in (req.seqs if req else [])
+        ]
+        final = RequestOutput(rid, req.prompt if req else None, req.prompt_token_ids if req else [], outs,
+                              finished=True)
+        if known:
+            final.metrics["arrival"] = req.arrival_time
+            if req.first_token_time is not None:
+                final.metrics["first_token"] = req.first_token_time
+            self._record_finished(final)
+        self._deliver(rid, final)
+        self._streams.pop(rid, None)
+
+    def _finish_all(self) -> None:
         """End every open stream with a final output (used at shutdown)."""
         for rid in list(self._streams):
-            req = self.engine.requests.get(rid)
-            self.engine.abort_request(rid)
-            outs = [
-                CompletionOutput(index=s.index, text=s.detokenizer.output_text, token_ids=list(s.output_token_ids),
-                                 finish_reason=s.finish_reason or reason)
-                for s in (req.seqs if req else [])
-            ]
-            final = RequestOutput(rid, req.prompt if req else None, req.prompt_token_ids if req else [], outs,
-                                  finished=True)
-            self._deliver(rid, final)
-            self._streams.pop(rid, None)
+            self._abort(rid)
 
     def _run(self) -> None:
         eng = self.engine
@@ -196,16 +217,9 @@ class AsyncEngine:
                 if self._stopping.is_set():
                     break
                 if eng.has_unfinished_requests():
-                    outputs = eng.step(stream=True)
-                    now = time.perf_counter()
-                    for out in outputs:
+                    for out in eng.step(stream=True):
                         if out.finished:
-                            out.metrics.setdefault("finished", now)
-                            if self.on_finished is not None:
-                                try:
-                                    self.on_finished(out)
-                                except Exception:  # metrics must never kill the engine
-                                    log.exception("on_finished callback failed")
+                            self._record_finished(out)
                         self._deliver(out.request_id, out)
                         if out.finished:
                             self._streams.pop(out.request_id, None)

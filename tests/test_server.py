@@ -1,0 +1,639 @@
+"""Phase 2: the OpenAI-compatible server, end to end.
+
+A real ``python -m infer.server`` runs in a subprocess on 127.0.0.1 and is driven by the
+official ``openai`` client (the good requests) and by raw ``httpx`` (the bad ones, the
+disconnects, the queue limit). The answers are checked against the offline engine
+(:class:`infer.LLM`) running in this process on the same weights: greedy text and logprobs
+must be the ones the library computes.
+
+Two servers are started at once when the module begins (their loading overlaps):
+
+* ``server``: the default one (``--max-model-len 1024``), shared by most tests and stopped
+  with SIGINT by the last test of the file;
+* ``small_server``: ``--max-waiting-requests 1`` for the 503 test, then stopped with SIGTERM
+  by the graceful-shutdown test.
+
+The tests run in file order (pytest's default): the shutdown tests come last.
+
+Nothing waits on a fixed sleep: engine state is read from ``/metrics`` with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+import httpx  # noqa: E402
+
+from infer.llm import LLM  # noqa: E402
+from infer.sampling import SamplingParams  # noqa: E402
+from tests.server_fixture import ServerProcess, metric_value, wait_until  # noqa: E402
+
+MODEL = "smollm2-135m"
+MAX_MODEL_LEN = 1024
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+MSG = [{"role": "user", "content": "hi"}]
+CMPL, CHATP = "/v1/completions", "/v1/chat/completions"
+LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}  # a request that runs for a long while
+ABORTS = ("infer:request_success_total", {"finished_reason": "abort"})
+ANY = object()
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def _servers(tmp_path_factory):
+    """Start both servers now (they load in parallel); kill them at the end whatever happens."""
+    log_dir = tmp_path_factory.mktemp("server-logs")
+    # the same number of threads as this process: the same float reductions as the offline LLM
+    env = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    common = ["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu", "--log-level", "warning"]
+    started: dict[str, ServerProcess] = {}
+    try:
+        started["main"] = ServerProcess(log_dir, common, "main", env)
+        started["small"] = ServerProcess(log_dir, [*common, "--max-waiting-requests", "1"], "small", env)
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(_servers) -> ServerProcess:
+    srv = _servers["main"].wait_ready()
+    # a greedy answer recorded before anything else: the bad requests must not change it
+    srv.baseline = greedy_text(srv)
+    return srv
+
+
+@pytest.fixture(scope="module")
+def small_server(_servers) -> ServerProcess:
+    return _servers["small"].wait_ready()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    """The offline engine on the same weights (the reference for every answer)."""
+    return LLM(MODEL, progress=False, device="cpu", max_model_len=MAX_MODEL_LEN)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def greedy_text(srv: ServerProcess, prompt: str = PROMPT, max_tokens: int = 12) -> str:
+    r = httpx.post(f"{srv.url}/v1/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def offline(llm: LLM, prompts, **params):
+    outs = llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def assert_error(r: httpx.Response, status: int | tuple[int, ...], param=ANY) -> dict:
+    """``r`` has status ``status`` (a 4xx, or 503) and OpenAI's error body
+    ``{"error": {message, type, param, code}}``; ``param`` is checked unless ANY."""
+    statuses = status if isinstance(status, tuple) else (status,)
+    assert r.status_code in statuses, f"{r.status_code}: {r.text}"
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    assert err["param"] is None or isinstance(err["param"], str), err
+    assert err["code"] is None or isinstance(err["code"], (str, int)), err
+    if param is not ANY:
+        assert err["param"] == param, err
+    return err
+
+
+def sse_events(lines) -> list:
+    """The decoded ``data:`` payloads of a Server-Sent-Events stream (``"[DONE]"`` kept as is)."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def wait_idle(srv: ServerProcess, timeout: float = 30.0) -> str:
+    """Poll ``/metrics`` until no request is running or waiting in the engine."""
+    def idle():
+        text = srv.metrics()
+        running = metric_value(text, "infer:num_requests_running")
+        waiting = metric_value(text, "infer:num_requests_waiting")
+        return text if running == 0 and waiting == 0 else None
+
+    return wait_until(idle, timeout, "the engine to have no running or waiting request")
+
+
+# ---------------------------------------------------------------------------- basics
+
+
+def test_health_and_models(server, client):
+    r = httpx.get(f"{server.url}/health", timeout=10)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids == [MODEL]
+    assert models.data[0].object == "model"
+
+
+def test_completion_greedy_equals_offline(server, client, llm):
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    [choice] = resp.choices
+    assert choice.index == 0
+    assert choice.text == offline(llm, PROMPT, max_tokens=12, temperature=0)[0]
+    assert choice.text == server.baseline
+    assert choice.finish_reason in ("stop", "length")
+    n_prompt = len(llm.tokenizer.encode(PROMPT))
+    assert resp.usage.prompt_tokens == n_prompt
+    assert resp.usage.total_tokens == n_prompt + resp.usage.completion_tokens
+    assert resp.object == "text_completion" and resp.model == MODEL
+
+
+def test_completion_list_of_prompts(client, llm):
+    prompts = [PROMPT, "def fibonacci(n):", "Once upon a time"]
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.text for c in resp.choices] == offline(llm, prompts, max_tokens=8, temperature=0)
+
+
+def test_completion_token_id_prompts(server, client, llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert resp.choices[0].text == server.baseline
+    assert resp.usage.prompt_tokens == len(ids)
+    # a list of token-id prompts
+    other = llm.tokenizer.encode("Once upon a time")
+    resp = client.completions.create(model=MODEL, prompt=[ids, other], max_tokens=8, temperature=0)
+    assert [c.text for c in resp.choices] == offline(llm, [ids, other], max_tokens=8, temperature=0)
+
+
+def test_chat_greedy_equals_offline(client, llm):
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    [choice] = resp.choices
+    ref = llm.chat(CHAT, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == ref.outputs[0].text
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert resp.object == "chat.completion"
+
+
+# ---------------------------------------------------------------------------- streaming, seeds, n
+
+
+def test_completion_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.8, seed=1234)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert chunks, "no chunk"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices[0].finish_reason is not None
+
+
+def test_chat_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=16, temperature=0.8, seed=1234)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_stream_include_usage(client):
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 6
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_seed_reproducible(client):
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=8, temperature=1.0)
+    a = client.completions.create(**kw, seed=7).choices[0].text
+    b = client.completions.create(**kw, seed=7).choices[0].text
+    assert a == b
+    others = {client.completions.create(**kw, seed=s).choices[0].text for s in (8, 9, 10)}
+    assert len(others | {a}) > 1, "different seeds always gave the same text"
+    chat = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0, seed=7)
+    assert client.chat.completions.create(**chat).choices[0].message.content == \
+        client.chat.completions.create(**chat).choices[0].message.content
+
+
+def test_n_greater_than_one(client):
+    resp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0.9, n=3,
+                                     seed=11)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert len({c.text for c in resp.choices}) > 1  # each sequence has its own seed
+    assert 3 <= resp.usage.completion_tokens <= 3 * 8
+
+    # two prompts x n=2: indices 0..3, prompt-major
+    resp = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], max_tokens=4, n=2,
+                                     temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert resp.choices[0].text == resp.choices[1].text  # greedy: both sequences agree
+    assert resp.choices[2].text == resp.choices[3].text
+
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0.9, n=2, seed=3)
+    assert [c.index for c in resp.choices] == [0, 1]
+
+    # streaming with n=2: every index ends exactly once, and its text equals the non-streamed one
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0.9, n=2, seed=5)
+    full = client.completions.create(**kw)
+    texts, ends = {0: "", 1: ""}, {0: 0, 1: 0}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            ends[c.index] += c.finish_reason is not None
+    assert ends == {0: 1, 1: 1}
+    assert texts == {c.index: c.text for c in full.choices}
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+def test_completion_logprobs_match_offline(client, llm):
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    lp = resp.choices[0].logprobs
+    ref = llm.generate(PROMPT, SamplingParams(max_tokens=5, temperature=0, logprobs=2), use_tqdm=False)[0].outputs[0]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ref.token_ids)
+    assert "".join(lp.tokens) == resp.choices[0].text
+    for got, top, want in zip(lp.token_logprobs, lp.top_logprobs, ref.logprobs):
+        assert got == pytest.approx(want.token.logprob, abs=1e-4)
+        assert 1 <= len(top) <= 2
+        assert max(top.values()) == pytest.approx(got, abs=1e-4)  # greedy picks the top token
+        assert all(v <= 0 for v in top.values())
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_chat_logprobs(client, llm):
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    choice = resp.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    assert "".join(t.token for t in content) == choice.message.content
+    ref = llm.chat(CHAT, SamplingParams(max_tokens=5, temperature=0, logprobs=2), use_tqdm=False)[0].outputs[0]
+    for t, want in zip(content, ref.logprobs):
+        assert t.logprob == pytest.approx(want.token.logprob, abs=1e-4)
+        assert len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
+        assert t.bytes == list(t.token.encode("utf-8"))
+    # logprobs not asked for: none returned
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+    assert resp.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text", "token-ids"])
+def test_echo_logprobs_like_lm_eval(client, llm, as_ids):
+    """lm-eval-harness's loglikelihood request: ``echo=True, logprobs=1, max_tokens=1``."""
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = llm.tokenizer.encode(text)
+    resp = client.completions.create(model=MODEL, prompt=ids if as_ids else text, echo=True, logprobs=1,
+                                     max_tokens=1, temperature=0)
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    n = len(ids)
+    assert resp.usage.prompt_tokens == n
+    assert len(lp.tokens) == n + 1  # the prompt's tokens, then the generated one
+    assert choice.text.startswith(text)
+    assert "".join(lp.tokens[:n]) == text
+    assert lp.token_logprobs[0] is None  # nothing predicts the first prompt token
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.top_logprobs[0] is None
+
+    ref = llm.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)[0]
+    assert ref.prompt_logprobs[0] is None
+    want = [e.token.logprob for e in ref.prompt_logprobs[1:]]
+    assert lp.token_logprobs[1:n] == pytest.approx(want, abs=1e-4)
+    for got, e in zip(lp.top_logprobs[1:n], ref.prompt_logprobs[1:]):
+        assert list(got.values()) == pytest.approx([t.logprob for t in e.top], abs=1e-4)
+
+
+# ---------------------------------------------------------------------------- bad requests
+
+TOO_LONG_IDS = [42] * 2000
+
+ERROR_CASES = [
+    # id, method, path, body (dict: JSON; bytes: raw), status, param (ANY: not checked)
+    ("invalid-json", "POST", CMPL, b'{"prompt": "x",', 400, None),
+    ("invalid-json-chat", "POST", CHATP, b"{messages: []}", 400, None),
+    ("body-not-an-object", "POST", CMPL, b"[1, 2, 3]", 400, ANY),
+    ("temperature-str", "POST", CMPL, {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("max_tokens-str", "POST", CMPL, {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
+    ("stream-str", "POST", CMPL, {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("prompt-int", "POST", CMPL, {"prompt": 5}, 400, "prompt"),
+    ("missing-prompt", "POST", CMPL, {"max_tokens": 5}, 400, "prompt"),
+    ("missing-messages", "POST", CHATP, {"max_tokens": 5}, 400, "messages"),
+    ("empty-messages", "POST", CHATP, {"messages": []}, 400, "messages"),
+    ("empty-prompt", "POST", CMPL, {"prompt": ""}, 400, "prompt"),
+    ("empty-prompt-list", "POST", CMPL, {"prompt": []}, 400, "prompt"),
+    ("empty-prompt-in-list", "POST", CMPL, {"prompt": [[]]}, 400, "prompt"),
+    ("empty-string-in-list", "POST", CMPL, {"prompt": ["ok", ""]}, 400, "prompt"),
+    ("prompt-too-long-text", "POST", CMPL, {"prompt": "hello " * 2000}, 400, "prompt"),
+    ("prompt-too-long-ids", "POST", CMPL, {"prompt": TOO_LONG_IDS}, 400, "prompt"),
+    ("chat-too-long", "POST", CHATP, {"messages": [{"role": "user", "content": "hello " * 2000}]}, 400, ANY),
+    ("max_tokens-0", "POST", CMPL, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens-negative", "POST", CMPL, {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("max_tokens-past-context", "POST", CMPL, {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("chat-max_tokens-0", "POST", CHATP, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+    ("temperature-negative", "POST", CMPL, {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("temperature-nan", "POST", CMPL, b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("temperature-inf", "POST", CMPL, b'{"prompt": "x", "temperature": Infinity}', 400, "temperature"),
+    ("top_p-nan-chat", "POST", CHATP, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', 400,
+     "top_p"),
+    ("top_p-0", "POST", CMPL, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top_p-1.5", "POST", CMPL, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("top_k-minus-2", "POST", CMPL, {"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ("min_p-2", "POST", CMPL, {"prompt": "x", "min_p": 2}, 400, "min_p"),
+    ("presence_penalty-3", "POST", CMPL, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("repetition_penalty-0", "POST", CMPL, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("stop-empty-string", "POST", CMPL, {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("n-0", "POST", CMPL, {"prompt": "x", "n": 0}, 400, "n"),
+    ("n-1000", "POST", CMPL, {"prompt": "x", "n": 1000}, 400, "n"),
+    ("n-1000-chat", "POST", CHATP, {"messages": MSG, "n": 1000}, 400, "n"),
+    ("logprobs-50", "POST", CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("token-id-huge", "POST", CMPL, {"prompt": [1, 10**9]}, 400, "prompt"),
+    ("token-id-negative", "POST", CMPL, {"prompt": [-1]}, 400, "prompt"),
+    ("token-id-past-int64", "POST", CMPL, {"prompt": [2**70]}, 400, "prompt"),
+    ("unknown-model", "POST", CMPL, {"prompt": "x", "model": "gpt-4"}, (400, 404), "model"),
+    ("unknown-model-chat", "POST", CHATP, {"messages": MSG, "model": "gpt-4"}, (400, 404), "model"),
+    ("oversized-body", "POST", CMPL, {"prompt": "a" * ((8 << 20) + 4096)}, 413, ANY),
+    ("bad-role", "POST", CHATP, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("message-content-int", "POST", CHATP, {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ("unknown-field", "POST", CMPL, {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ("unknown-field-chat", "POST", CHATP, {"messages": MSG, "frobnicate": 1}, 400, "frobnicate"),
+    ("suffix", "POST", CMPL, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("best_of-3-n-1", "POST", CMPL, {"prompt": "x", "best_of": 3, "n": 1}, 400, "best_of"),
+    ("logit_bias", "POST", CMPL, {"prompt": "x", "logit_bias": {"42": 10}}, 400, "logit_bias"),
+    ("logit_bias-chat", "POST", CHATP, {"messages": MSG, "logit_bias": {"42": 10}}, 400, "logit_bias"),
+    ("tools", "POST", CHATP, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools"),
+    ("top_logprobs-without-logprobs", "POST", CHATP, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("stream_options-without-stream", "POST", CMPL,
+     {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("unknown-route", "GET", "/v1/nothing-here", None, 404, ANY),
+    ("wrong-method", "GET", CMPL, None, 405, ANY),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,param", [c[1:] for c in ERROR_CASES],
+                         ids=[c[0] for c in ERROR_CASES])
+def test_bad_request(server, method, path, body, status, param):
+    url = f"{server.url}{path}"
+    if body is None:
+        r = httpx.request(method, url, timeout=30)
+    elif isinstance(body, bytes):
+        r = httpx.request(method, url, content=body, headers={"content-type": "application/json"}, timeout=30)
+    else:
+        r = httpx.request(method, url, json=body, timeout=30)
+    assert_error(r, status, param)
+
+
+def test_oversized_chunked_body_is_rejected(server):
+    """A body sent without Content-Length (chunked) is limited too."""
+    def chunks():  # just over 8 MiB, so that little is left unsent when the server answers
+        yield b'{"prompt": "'
+        for _ in range(8):
+            yield b"a" * (1 << 20)
+        yield b"a" * 4096
+        yield b'"}'
+
+    r = httpx.post(f"{server.url}{CMPL}", content=chunks(), headers={"content-type": "application/json"}, timeout=60)
+    assert_error(r, 413)
+
+
+def test_openai_client_raises_on_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=-1)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=5)
+
+
+def test_same_answer_after_bad_requests(server):
+    assert greedy_text(server) == server.baseline
+    wait_idle(server)
+
+
+# ---------------------------------------------------------------------------- concurrency
+
+
+def test_concurrent_requests(server, llm):
+    prompts = [f"Here is fact number {i} about the number {i * 7}:" for i in range(16)]
+    want = offline(llm, prompts, max_tokens=5, temperature=0)
+
+    async def one(c: httpx.AsyncClient, i: int) -> str:
+        body = {"prompt": prompts[i], "max_tokens": 5, "temperature": 0}
+        if i % 4 == 3:  # a quarter of them stream
+            text = ""
+            async with c.stream("POST", f"{server.url}{CMPL}", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = [line async for line in r.aiter_lines()]
+            events = sse_events(lines)
+            assert events[-1] == "[DONE]"
+            for ev in events[:-1]:
+                text += ev["choices"][0]["text"]
+            return text
+        r = await c.post(f"{server.url}{CMPL}", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(len(prompts))))
+
+    got = asyncio.run(main())
+    assert got == want
+    wait_idle(server)
+
+
+# ---------------------------------------------------------------------------- disconnects
+
+
+@pytest.mark.parametrize("path", [CMPL, CHATP], ids=["completions", "chat"])
+def test_stream_disconnect_aborts_request(server, path):
+    aborts_before = server.metric(ABORTS[0], **ABORTS[1])
+    body = {"prompt": PROMPT} if path == CMPL else {"messages": CHAT}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{server.url}{path}", json={**body, "stream": True, **LONG}) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 2:
+                    break
+        # leaving the blocks closes the connection with the response half read
+    wait_idle(server, timeout=30)  # 900 tokens would take far longer: the request was aborted
+    wait_until(lambda: server.metric(ABORTS[0], **ABORTS[1]) >= aborts_before + 1, 10, "the abort to be counted")
+    assert greedy_text(server) == server.baseline
+
+
+@pytest.mark.parametrize("path", [CMPL, CHATP], ids=["completions", "chat"])
+def test_non_stream_disconnect_aborts_request(server, path):
+    aborts_before = server.metric(ABORTS[0], **ABORTS[1])
+    body = {"prompt": PROMPT} if path == CMPL else {"messages": CHAT}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}{path}", json={**body, **LONG}, timeout=httpx.Timeout(30, read=1.5))
+    wait_idle(server, timeout=30)
+    wait_until(lambda: server.metric(ABORTS[0], **ABORTS[1]) >= aborts_before + 1, 10, "the abort to be counted")
+    assert greedy_text(server) == server.baseline
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    text = wait_idle(server)
+    for name in ("infer:num_requests_running", "infer:num_requests_waiting", "infer:request_success_total",
+                 "infer:prompt_tokens_total", "infer:generation_tokens_total",
+                 "infer:time_to_first_token_seconds_bucket", "infer:time_per_output_token_seconds_bucket",
+                 "infer:e2e_request_latency_seconds_bucket", "infer:kv_cache_usage_perc"):
+        assert any(line.startswith(name) for line in text.splitlines()), f"{name} missing from /metrics"
+    done = sum(metric_value(text, "infer:request_success_total", finished_reason=r) for r in ("stop", "length"))
+    assert done >= 3
+    assert metric_value(text, "infer:prompt_tokens_total") > 0
+    assert metric_value(text, "infer:generation_tokens_total") > 0
+    assert metric_value(text, "infer:time_to_first_token_seconds_count") > 0
+    assert metric_value(text, "infer:e2e_request_latency_seconds_count") > 0
+    assert 0.0 <= metric_value(text, "infer:kv_cache_usage_perc") <= 1.0
+    assert metric_value(text, "infer:num_requests_running") == 0
+
+
+def test_main_server_log_has_no_traceback(server):
+    """After every test above (bad requests, disconnects) the server logged no traceback."""
+    assert server.proc.poll() is None, server.logs()
+    assert "Traceback" not in server.stderr(), server.logs()
+
+
+# ---------------------------------------------------------------------------- queue limit, shutdown
+
+
+def test_queue_full_returns_503(small_server):
+    srv = small_server
+    url = f"{srv.url}{CMPL}"
+
+    # deterministic: A runs, B waits (the one waiting place), so C is turned away
+    with httpx.Client(timeout=60) as ca:
+        with ca.stream("POST", url, json={"prompt": PROMPT, "stream": True, **LONG}) as ra:
+            assert ra.status_code == 200
+            lines_a = ra.iter_lines()  # keep it: a dropped line iterator closes the connection
+            next(line for line in lines_a if line.startswith("data: "))  # A is running
+            result_b = {}
+            tb = threading.Thread(target=lambda: result_b.update(r=httpx.post(
+                url, json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0}, timeout=60)))
+            tb.start()
+            wait_until(lambda: srv.metric("infer:num_requests_waiting") == 1, 30, "B to wait")
+            rc = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 5}, timeout=30)
+            err = assert_error(rc, 503)
+            assert err["type"] == "server_overloaded"
+            # the chat endpoint shares the queue
+            assert_error(httpx.post(f"{srv.url}{CHATP}", json={"messages": MSG, "max_tokens": 5}, timeout=30), 503)
+        # A's connection closed: A is aborted, B runs
+    tb.join(60)
+    assert result_b["r"].status_code == 200, result_b["r"].text
+    wait_idle(srv)
+
+    # a burst of long requests at once: at least one is turned away, the others complete
+    async def one(c, i):
+        return await c.post(url, json={"prompt": f"{PROMPT} {i}", "max_tokens": 24, "ignore_eos": True,
+                                       "temperature": 0})
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(6)))
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503}, codes
+    assert 503 in codes and 200 in codes, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert assert_error(r, 503)["type"] == "server_overloaded"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 24
+    wait_idle(srv)
+    # and the server still serves
+    r = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def check_graceful_shutdown(srv: ServerProcess, sig: int, path: str) -> int:
+    """Send ``sig`` while a long stream is open: the stream gets its final chunk (finish_reason
+    "abort") and ``[DONE]``, the process exits within 15 s and logs no traceback. Returns its
+    exit status."""
+    body = {"prompt": PROMPT} if path == CMPL else {"messages": CHAT}
+    lines: list[str] = []
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{srv.url}{path}", json={**body, "stream": True, **LONG}) as r:
+            assert r.status_code == 200
+            it = r.iter_lines()
+            for line in it:
+                lines.append(line)
+                if sum(x.startswith("data: ") for x in lines) == 3:
+                    break
+            t0 = time.monotonic()
+            srv.send_signal(sig)
+            lines.extend(it)  # the rest, to the end of the stream
+    events = sse_events(lines)
+    assert events[-1] == "[DONE]", events[-3:]
+    assert events[-2]["choices"][0]["finish_reason"] == "abort", events[-2]
+    assert all(ev["choices"][0]["finish_reason"] is None for ev in events[:-2])
+    try:
+        rc = srv.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not exit within 15 s of signal {sig}\n{srv.logs()}")
+    assert time.monotonic() - t0 < 15
+    assert "Traceback" not in srv.stderr(), srv.logs()
+    return rc
+
+
+def test_graceful_shutdown_on_sigterm(small_server):
+    rc = check_graceful_shutdown(small_server, signal.SIGTERM, CMPL)
+    assert rc in (0, -signal.SIGTERM), small_server.logs()  # uvicorn re-raises the signal it handled
+
+
+def test_graceful_shutdown_on_sigint(server):
+    """Ctrl-C on the main server, once every other test has used it (this one must stay last)."""
+    rc = check_graceful_shutdown(server, signal.SIGINT, CHATP)
+    assert rc in (0, 130), server.logs()
