@@ -42,8 +42,10 @@ class ContiguousKVCache(KVCache):
         device: torch.device | str,
     ) -> None:
         shape = (num_layers, num_rows, max_len, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Uninitialized: a slot is only ever read after it was written (attention reads the
+        # first seq_len slots of a row), and on the CPU untouched pages cost no memory.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.num_rows = num_rows
         self.max_len = max_len
 

@@ -8,6 +8,7 @@ dtype, one at a time, so the host never holds a float32 copy of the whole model.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,6 +48,27 @@ class LoadedModel:
     load_seconds: float = 0.0
 
 
+@contextlib.contextmanager
+def _skip_init():
+    """Make ``torch.nn.init`` a no-op while the model is built on ``meta``.
+
+    Random init is wasted work for weights that are about to be loaded; on ``meta`` it does no
+    arithmetic but still routes every call through PyTorch's Python reference kernels, whose
+    first use costs more than a second of imports (transformers' ``no_init_weights`` does the
+    same).
+    """
+    names = ["normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",
+             "xavier_normal_", "zeros_", "ones_", "constant_"]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def materialize(
     cfg: ModelConfig,
     tensors: Iterable[tuple[str, object]],
@@ -61,7 +83,7 @@ def materialize(
     Raises:
         ModelLoadError: for a missing tensor, an unexpected one, or a shape mismatch.
     """
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_init():
         model = MODEL_CLASSES[cfg.architecture](cfg)
     expected = {name: p.shape for name, p in model.named_parameters()}
     tied = cfg.tie_word_embeddings
