@@ -30,7 +30,7 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 MAX_OUT_FILES=8
 
-SECTIONS=(env tests parity parity_fp32 bench_single)
+SECTIONS=(env tests parity parity_fp32 bench_single server)
 CKPT="${CKPT:-/tmp/infer-ckpt}"  # synthetic checkpoints, shared by the sections
 
 # ----------------------------------------------------------------------------- environment
@@ -108,6 +108,13 @@ section_bench_single() {
             --out "$OUT/single_$preset.json" || rc=1
     done
     return "$rc"
+}
+
+# Phase 2: the OpenAI-compatible server on the GPU (needs fastapi/uvicorn/pydantic carried in .whl/).
+section_server() {
+    local preset=${SERVER_PRESET:-qwen3-0.6b}
+    [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+    "$PY" scripts/gpu_server_smoke.py "$CKPT/$preset"
 }
 
 # ----------------------------------------------------------------------------- driver
