@@ -10,7 +10,9 @@
 # safetensors, tokenizers, jinja2, pytest, tqdm, numpy but not gguf, fastapi, uvicorn,
 # outlines-core, sse-starlette or openai. infer is not pip-installed there: it is imported from
 # src/ (PYTHONPATH). Wheels of missing packages may be carried in .whl/ (see the device tool's
-# README); they are installed into /tmp/site without touching the image.
+# README); they are installed into /tmp/site without touching the image. The server section
+# needs fastapi, starlette, uvicorn, pydantic, pydantic-core, typing-inspection, annotated-types,
+# annotated-doc and opentelemetry-api (see benchmarks/reports/gpu-2026-11-22/NOTES.md).
 #
 # What lands in $OUT (the device tool brings back at most 8 files, so keep it few):
 #   suite.log      everything every section printed, with a header per section;
