@@ -76,3 +76,17 @@ def test_gemma3_matches_hf_across_sliding_window(gemma3, hf_gemma3):
     assert len(prompts[-1]) == 600
     for seq, logits in zip(prompts, infer_logits(gemma3.model, prompts)):
         assert_parity(logits, hf_logits(hf_gemma3, seq))
+
+
+def test_gemma3_transformers4_config_keeps_local_rope_unscaled():
+    """Hub configs written by transformers 4 spell the two bases as rope_theta and
+    rope_local_base_freq; the global scaling must not reach the sliding layers."""
+    from infer.models.gemma3 import gemma3_config
+
+    raw = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=6, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=4, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=512)
+    cfg = gemma3_config(raw, "config.json")
+    assert cfg.rope.theta == 1_000_000.0 and cfg.rope.rope_type == "linear"
+    assert cfg.rope_local.theta == 10_000.0 and cfg.rope_local.rope_type == "default"
+    assert cfg.layer_types[5] == "full_attention" and cfg.layer_types[0] == "sliding_attention"

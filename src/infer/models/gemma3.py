@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from infer.attention.metadata import AttentionMetadata
-from infer.config import ModelConfig
+from infer.config import ModelConfig, RopeConfig
 from infer.errors import ModelLoadError
 from infer.models.hf_config import common_fields, parse_rope
 from infer.models.layers import Attention, CausalLM, GatedMLP, RMSNorm
@@ -65,12 +65,17 @@ def gemma3_config(cfg: dict[str, Any], source: str) -> ModelConfig:
     layer_types = cfg.get("layer_types") or gemma3_layer_types(
         fields["num_layers"], int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
     )
-    local_theta = cfg.get("rope_local_base_freq", 10000.0)
+    if isinstance(cfg.get("rope_parameters"), dict) and "sliding_attention" in cfg["rope_parameters"]:
+        # transformers 5: one rope dict per layer type
+        rope_local = parse_rope(cfg, source, "sliding_attention", default_theta=10000.0)
+    else:
+        # transformers 4 (Hub configs): local layers use rope_local_base_freq and never the scaling
+        rope_local = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
     return ModelConfig(
         architecture="gemma3",
         **{**fields, "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True))},
         rope=parse_rope(cfg, source, "full_attention", default_theta=1_000_000.0),
-        rope_local=parse_rope(cfg, source, "sliding_attention", default_theta=local_theta),
+        rope_local=rope_local,
         hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
         qk_norm=True,
         norm_unit_offset=True,
