@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import platform
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see src/infer/__init__.py; before torch loads
+
+import platform  # noqa: E402
 import statistics
 import subprocess
 import time

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import httpx
 import psutil
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402  (after common: it sets OMP_WAIT_POLICY before torch loads)
 from common import environment, markdown_table, write_report  # noqa: E402
 
 

@@ -22,9 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402  (after common: it sets OMP_WAIT_POLICY before torch loads)
 from common import ceilings, decode_floor_s, environment, markdown_table, sync, write_report  # noqa: E402
 
 

@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${INFER_VENV:-.venv}/bin/activate"
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # see src/infer/__init__.py
 exec python -m pytest "$@"

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see src/infer/__init__.py; before torch loads
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,96 @@
+"""Prompt generation for the serving benchmarks, without a tokenizer (so any server will do).
+
+Text prompts are random words from :data:`WORDS`, joined by spaces. Every word is a short,
+common, lower-case English word, which BPE tokenizers with a vocabulary of 32k or more
+(GPT-2, Llama 2/3, SmolLM, Qwen, Gemma) encode as one token together with its leading space,
+so ``n`` words are approximately ``n`` tokens (plus a BOS token, and plus the chat template's
+tokens on ``/v1/chat/completions``). The benchmark records the server's own count
+(``usage.prompt_tokens``) whenever the server reports usage, so the approximation is checked
+in every report rather than trusted.
+
+Token-id prompts (``token_prompt``) are exact: ``n`` ids drawn uniformly from a range that
+is valid for every common vocabulary. Only ``/v1/completions`` accepts them (infer and vLLM do;
+OpenAI itself does not).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or "
+    "one had by but not what all were we when your can said there use an each which she do how their "
+    "if will up other about out many then them these so some her would make like him into time has "
+    "look two more write go see number no way could people my than first water been call who oil its "
+    "now find long down day did get come made may part over new sound take only little work know place "
+    "year live me back give most very after thing our just name good man think say great where help "
+    "through much before line right too mean old any same tell boy follow came want show also around "
+    "form three small set put end does another well large must big even such because turn here why ask "
+    "went men read need land different home us move try kind hand picture again change off play spell "
+    "air away animal house point page letter mother answer found study still learn should world high "
+    "every near add food between own below country plant last school father keep tree never start city "
+    "earth eye light thought head under story saw left few while along might close something seem next "
+    "hard open example begin life always those both paper together got group often run important until "
+    "children side feet car mile night walk white sea began grow took river four carry state once book "
+    "hear stop without second later miss idea enough eat face watch far really almost let above girl "
+    "sometimes mountain cut young talk soon list song being leave family"
+).split()
+
+
+def text_prompt(rng: random.Random, n_words: int) -> str:
+    """``n_words`` random words (about ``n_words`` tokens)."""
+    return " ".join(rng.choice(WORDS) for _ in range(max(n_words, 1)))
+
+
+def token_prompt(rng: random.Random, n_tokens: int, lo: int = 1000, hi: int = 20000) -> list[int]:
+    """``n_tokens`` token ids drawn uniformly from ``[lo, hi)``."""
+    return [rng.randrange(lo, hi) for _ in range(max(n_tokens, 1))]
+
+
+@dataclass
+class Request:
+    idx: int
+    prompt: str | list[int]
+    input_len: int  # the length asked for (words or token ids); the server's count is in usage
+    output_len: int
+    kind: str = "random"  # random | shared-prefix | short | long
+    extra: dict = field(default_factory=dict)
+
+
+def build_requests(workload: str, num_requests: int, input_len: int, output_len: int, seed: int, *,
+                   token_prompts: bool = False, prefix_len: int = 0, long_fraction: float = 0.1,
+                   long_len: int = 0, token_range: tuple[int, int] = (1000, 20000)) -> list[Request]:
+    """The requests of one workload, the same for every request rate of a sweep.
+
+    * ``random``: ``input_len`` random words (or token ids) each.
+    * ``shared-prefix``: one ``prefix_len`` prefix shared by all, then ``input_len`` unique words.
+    * ``long-prompt-interference``: ``round(long_fraction * num_requests)`` requests (at random
+      positions, never the first) have ``long_len`` prompts; the others ``input_len``.
+    """
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> str | list[int]:
+        return token_prompt(rng, n, *token_range) if token_prompts else text_prompt(rng, n)
+
+    reqs: list[Request] = []
+    if workload == "random":
+        reqs = [Request(i, prompt(input_len), input_len, output_len) for i in range(num_requests)]
+    elif workload == "shared-prefix":
+        prefix = prompt(prefix_len)
+        for i in range(num_requests):
+            suffix = prompt(input_len)
+            p = prefix + suffix if token_prompts else f"{prefix} {suffix}"
+            reqs.append(Request(i, p, prefix_len + input_len, output_len, "shared-prefix",
+                                {"prefix_len": prefix_len}))
+    elif workload == "long-prompt-interference":
+        n_long = round(long_fraction * num_requests)
+        if long_fraction > 0 and num_requests >= 2:
+            n_long = max(n_long, 1)
+        long_idx = set(rng.sample(range(1, num_requests), min(n_long, max(num_requests - 1, 0))))
+        for i in range(num_requests):
+            n = long_len if i in long_idx else input_len
+            reqs.append(Request(i, prompt(n), n, output_len, "long" if i in long_idx else "short"))
+    else:
+        raise ValueError(f"unknown workload {workload!r}")
+    return reqs
