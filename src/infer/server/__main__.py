@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 import time
 
 from infer.config import add_engine_args, engine_config_from_args
@@ -54,33 +52,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # The engine loop runs on this (the main) thread and the HTTP event loop on another: torch ops
-    # issued from the main thread measured up to 1.5x faster on our CPU (docs/phases/02-server.md).
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting_requests, start=False)
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting_requests)
     name = args.served_model_name or args.model
     app = build_app(async_engine, name)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
-    http = threading.Thread(target=server.run, name="infer-http", daemon=True)
-
-    def on_signal(sig, frame):  # SIGINT/SIGTERM: end in-flight requests first, then stop HTTP
-        async_engine.request_shutdown()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    http.start()
-    deadline = time.perf_counter() + 60
-    while not server.started:
-        if not http.is_alive() or time.perf_counter() > deadline:
-            print(f"error: the HTTP server could not start on {args.host}:{args.port}", file=sys.stderr)
-            return 1
-        time.sleep(0.05)
     log.info("model %s loaded on %s in %.1f s; serving on http://%s:%d", name, engine.runner.device,
              time.perf_counter() - start, args.host, args.port)
-    async_engine.run()  # until a signal (or a crash): in-flight requests get their final output
-    server.should_exit = True
-    http.join(15)
-    return 1 if async_engine.error is not None else 0
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: end in-flight requests first
+            async_engine.shutdown(timeout=5.0)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it has already handled gracefully
+        return 130
+    finally:
+        async_engine.shutdown(timeout=5.0)
+    return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

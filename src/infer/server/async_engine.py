@@ -59,7 +59,7 @@ class AsyncEngine:
             when a request finishes (metrics).
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256, on_finished=None, start: bool = True) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256, on_finished=None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_finished = on_finished
@@ -72,29 +72,14 @@ class AsyncEngine:
         # numbers the event loop may read at any time (written by the engine thread)
         self.num_running = 0
         self.num_waiting = 0
-        self._done = threading.Event()  # set when the loop has exited
-        self._loop_thread: threading.Thread | None = None
-        if start:
-            threading.Thread(target=self.run, name="infer-engine", daemon=True).start()
-
-    def run(self) -> None:
-        """Run the engine loop on the calling thread until :meth:`shutdown` (or a crash).
-
-        ``python -m infer.server`` calls this on the main thread and runs the HTTP event loop in
-        another: torch ops issued from the main thread ran up to 1.5x faster than the same ops
-        from a secondary thread on our 2-core CPU (see docs/phases/02-server.md).
-        """
-        self._loop_thread = threading.current_thread()
-        try:
-            self._run()
-        finally:
-            self._done.set()
+        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
+        self._thread.start()
 
     # ------------------------------------------------------------------ event-loop side
 
     @property
     def alive(self) -> bool:
-        return not self._done.is_set() and not self._stopping.is_set()
+        return self._thread.is_alive() and not self._stopping.is_set()
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -118,7 +103,7 @@ class AsyncEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._pending_adds += 1
         self._inbox.put(("add", (rid, prompt, params, stream), fut))
-        if self._done.is_set() and not fut.done():  # raced with a shutdown
+        if not self._thread.is_alive() and not fut.done():  # raced with a shutdown
             fut.set_exception(EngineDead("the engine is shutting down"))
         try:
             await asyncio.wrap_future(fut)
@@ -144,15 +129,10 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Finish every in-flight request with ``finish_reason="abort"`` and stop the thread."""
-        if self._stopping.is_set() or self._done.is_set():
+        if self._stopping.is_set():
             return
         self._inbox.put(("shutdown", None, None))
-        if self._loop_thread is not None and threading.current_thread() is not self._loop_thread:
-            self._done.wait(timeout)
-
-    def request_shutdown(self) -> None:
-        """Ask the loop to stop without waiting (safe from a signal handler)."""
-        self._inbox.put(("shutdown", None, None))
+        self._thread.join(timeout)
 
     def stats(self) -> dict[str, Any]:
         return {"running": self.num_running, "waiting": self.num_waiting, "alive": self.alive}
