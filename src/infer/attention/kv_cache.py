@@ -53,10 +53,6 @@ class ContiguousKVCache(KVCache):
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def slot(self, row: int, position: int) -> int:
-        """Flat slot index of ``position`` in ``row``."""
-        return row * self.max_len + position
-
     def slot_mapping(self, rows: list[int], starts: list[int], lengths: list[int], device) -> torch.Tensor:
         """int64 ``[sum(lengths)]``: slots for ``lengths[i]`` new tokens of ``rows[i]`` from ``starts[i]``."""
         slots: list[int] = []

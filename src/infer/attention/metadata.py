@@ -55,16 +55,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @property
-    def query_lens_cpu(self) -> list[int]:
-        q = self.query_start_loc_cpu
-        return [q[i + 1] - q[i] for i in range(len(q) - 1)]
-
-    @property
-    def is_decode_only(self) -> bool:
-        """True when every sequence contributes exactly one new token."""
-        return all(n == 1 for n in self.query_lens_cpu)
-
     @classmethod
     def for_prefill(cls, seq_lens: list[int], device: torch.device | str) -> AttentionMetadata:
         """Cache-less metadata for whole sequences (each attends only to itself, causally).
