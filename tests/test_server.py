@@ -598,6 +598,26 @@ def test_queue_full_returns_503(small_server):
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_queued_client_disconnect_frees_its_place(small_server):
+    """A client that leaves while its request still waits for admission gives its place back
+    at once (the request is aborted in the queue, not when it would have started)."""
+    srv = small_server
+    url = f"{srv.url}{CMPL}"
+    with httpx.Client(timeout=60) as ca:
+        with ca.stream("POST", url, json={"prompt": PROMPT, "stream": True, **LONG}) as ra:
+            assert ra.status_code == 200
+            lines_a = ra.iter_lines()
+            next(line for line in lines_a if line.startswith("data: "))  # A is running
+            with httpx.Client(timeout=60) as cb:
+                with cb.stream("POST", url, json={"prompt": PROMPT, "stream": True, **LONG}) as rb:
+                    assert rb.status_code == 200
+                    wait_until(lambda: srv.metric("infer:num_requests_waiting") == 1, 30, "B to wait")
+            # B's connection is gone while it waits: its place is free while A still runs
+            wait_until(lambda: srv.metric("infer:num_requests_waiting") == 0, 30, "B to leave the queue")
+            assert srv.metric("infer:num_requests_running") == 1
+    wait_idle(srv)
+
+
 def check_graceful_shutdown(srv: ServerProcess, sig: int, path: str) -> int:
     """Send ``sig`` while a long stream is open: the stream gets its final chunk (finish_reason
     "abort") and ``[DONE]``, the process exits within 15 s and logs no traceback. Returns its

@@ -147,12 +147,10 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         return params
 
     async def start(prompt, params) -> tuple[AsyncIterator[RequestOutput], RequestOutput | None]:
-        """Submit and wait for the engine to accept; returns the stream and its first output."""
-        gen = engine.generate(prompt, params)
+        """Submit and wait for the engine to accept (not to admit); returns ``(stream, None)``."""
+        first = None  # the first output is awaited by the response, which notices disconnects
         try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            first = None
+            gen = await engine.submit(prompt, params)
         except EngineOverloaded as e:
             raise _Reject(error_response(503, str(e), None, "server_overloaded")) from None
         except EngineDead as e:
@@ -180,7 +178,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
 
         async def drain(gen, first):
             last = first
-            if last is not None and not last.finished:
+            if last is None or not last.finished:
                 async for out in gen:
                     last = out
             return last

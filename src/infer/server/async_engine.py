@@ -48,6 +48,35 @@ class _Stream:
     queue: asyncio.Queue
 
 
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator (see :meth:`AsyncEngine.submit`)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
 class AsyncEngine:
     """Run ``engine`` in a background thread; serve many concurrent requests from asyncio.
 
@@ -81,17 +110,19 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
-    async def generate(
+    async def submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs (deltas) until it finishes.
+    ) -> RequestStream:
+        """Queue a request; return once the engine has accepted it (not when it is admitted).
 
         Raises:
-            InvalidRequestError / ValueError: the engine rejected the request (before any output).
+            InvalidRequestError / ValueError: the engine rejected the request (nothing is queued).
             EngineOverloaded: too many requests are waiting.
             EngineDead: the engine is shutting down or has crashed.
 
-        Closing the iterator early (a client that went away) aborts the request.
+        The returned :class:`RequestStream` yields the request's outputs (deltas); closing it
+        before the request finished (a client that went away, even while still queued) aborts
+        the request.
         """
         if not self.alive:
             raise EngineDead("the engine is not running")
@@ -107,21 +138,23 @@ class AsyncEngine:
             fut.set_exception(EngineDead("the engine is shutting down"))
         try:
             await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            self.abort(rid)  # the caller went away while the engine was accepting it
+            raise
         finally:
             self._pending_adds -= 1
-        finished = False
+        return RequestStream(self, rid, stream.queue)
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """:meth:`submit`, then yield the outputs until the request finishes."""
+        request = await self.submit(prompt, params, request_id)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for out in request:
+                yield out
         finally:
-            if not finished:
-                self.abort(rid)
+            await request.aclose()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, returns at once)."""
