@@ -40,6 +40,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def kv_cache_usage(self) -> float:
+        """Fraction (0-1) of the KV cache held by sequences: rows in use / rows."""
+        return 1.0 - len(self.free_rows) / self.num_rows
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -213,12 +213,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def token_str(t) -> str:
-        return t.decoded
-
-    def completion_lp_block(prompt_ids: list[int] | None, prompt_lps, gen_lps, start_offset: int) -> dict:
+    def completion_lp_block(prompt_ids: list[int] | None, prompt_lps, gen_lps) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
-        off = start_offset
+        off = 0
 
         def add(text: str, lp, top):
             nonlocal off
@@ -235,9 +232,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 if e is None:
                     add(text, None, None)
                 else:
-                    add(text, e.token.logprob, {token_str(t): t.logprob for t in e.top} or None)
+                    add(text, e.token.logprob, {t.decoded: t.logprob for t in e.top} or None)
         for e in gen_lps or []:
-            add(token_str(e.token), e.token.logprob, {token_str(t): t.logprob for t in e.top})
+            add(e.token.decoded, e.token.logprob, {t.decoded: t.logprob for t in e.top})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def chat_lp_block(entries: list[PositionLogprobs]) -> dict:
@@ -263,9 +260,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
 
     @app.get("/metrics")
     async def prom() -> Response:
-        sched = engine.engine.scheduler
-        usage_frac = 1.0 - len(sched.free_rows) / max(sched.num_rows, 1)
-        body = metrics.render(engine.num_running, engine.num_waiting, usage_frac)
+        body = metrics.render(engine.num_running, engine.num_waiting, engine.engine.scheduler.kv_cache_usage())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
@@ -300,7 +295,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                     lp = None
                     if want_lp:
                         lp = completion_lp_block(out.prompt_token_ids if req.echo else None, out.prompt_logprobs,
-                                                 c.logprobs, 0)
+                                                 c.logprobs)
                     choices.append({"index": choice_index(i, c.index), "text": prefix + c.text, "logprobs": lp,
                                     "finish_reason": c.finish_reason})
             choices.sort(key=lambda ch: ch["index"])
@@ -348,7 +343,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                                 + text
                             echo_ids = out.prompt_token_ids
                         if want_lp:
-                            lp = completion_lp_block(echo_ids, out.prompt_logprobs, c.delta_logprobs, 0)
+                            lp = completion_lp_block(echo_ids, out.prompt_logprobs, c.delta_logprobs)
                         if not text and not c.finish_reason and not c.delta_token_ids:
                             continue
                         yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),

@@ -167,9 +167,6 @@ class AsyncEngine:
         self._inbox.put(("shutdown", None, None))
         self._thread.join(timeout)
 
-    def stats(self) -> dict[str, Any]:
-        return {"running": self.num_running, "waiting": self.num_waiting, "alive": self.alive}
-
     # ------------------------------------------------------------------ engine-thread side
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
