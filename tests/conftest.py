@@ -40,6 +40,24 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny random-weight Llama checkpoint (scripts/make_synthetic_checkpoint.py), loaded once.
+
+    For engine mechanics (scheduling, batching, aborts) where real weights add only time.
+    """
+    import sys
+    from pathlib import Path
+
+    from infer.loader import load_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    path = make_checkpoint("tiny-llama", tmp_path_factory.mktemp("tiny-llama"), dtype="float32", device="cpu")
+    return load_model(str(path), device="cpu", dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
 def gemma3():
     """The shipped Gemma 3 270M (float32, CPU), loaded once."""
     from infer.loader import load_model

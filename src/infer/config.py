@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 
 LayerType = Literal["full_attention", "sliding_attention"]
+BATCHING_MODES = ("none", "static", "continuous")
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,19 @@ class EngineConfig:
                                       "model's context length, capped at 4096 on CPU and 32768 on CUDA")
     max_num_seqs: int = _flag(8, "most sequences that hold KV-cache space at once (n > 1 counts n)")
     seed: int = _flag(0, "seed of the engine's random stream (requests with their own seed ignore it)")
+    # ---- phases 3-4: batching
+    batching: str = _flag("none", "none: one request at a time; static: a batch of up to max_num_seqs runs until "
+                          "all of it finishes; continuous: admit and retire requests at every step (Orca)",
+                          choices=BATCHING_MODES, ablation=BATCHING_MODES)
+    max_num_batched_tokens: int | None = _flag(None, "per-step token budget (prefill + decode tokens in one "
+                                               "forward); default: max(max_model_len, 2048)")
+    batch_wait_timeout_ms: float = _flag(20.0, "static batching: how long the first waiting request waits for "
+                                         "others to fill a batch (ms)")
+    # ---- KV-cache sizing
+    kv_cache_memory_bytes: int | None = _flag(None, "KV-cache budget in bytes; default: room for max_num_seqs "
+                                              "full-length rows on CPU, gpu_memory_utilization on CUDA")
+    gpu_memory_utilization: float = _flag(0.9, "CUDA: fraction of GPU memory the engine may use (weights, "
+                                          "activations of the largest step, KV cache), as in vLLM")
 
     def resolved_device(self) -> torch.device:
         return torch.device(default_device() if self.device in (None, "auto") else self.device)
@@ -201,7 +215,47 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if (self.max_num_batched_tokens is not None and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len={self.max_model_len}: "
+                "without chunked prefill a prompt runs in one step, so the budget must hold the longest "
+                "sequence; raise max_num_batched_tokens or lower max_model_len"
+            )
+        if not self.batch_wait_timeout_ms >= 0:
+            raise ValueError(f"batch_wait_timeout_ms must be >= 0, got {self.batch_wait_timeout_ms}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         return self
+
+    def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
+        """The per-step token budget: the flag, or ``max(max_model_len, 2048)``.
+
+        Raises:
+            ValueError: when the budget cannot hold a ``max_model_len``-token prompt.
+        """
+        budget = self.max_num_batched_tokens or max(max_model_len, 2048)
+        if budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} < max_model_len={max_model_len}: without chunked prefill "
+                "a prompt runs in one step; raise max_num_batched_tokens or lower max_model_len"
+            )
+        return budget
+
+    @classmethod
+    def ablation_values(cls) -> dict[str, tuple[Any, ...]]:
+        """``{field: (off, ..., on)}`` for every optimization flag (the first value is "off").
+
+        The ablation harness (``benchmarks/ablate.py``) runs a workload once per value of one
+        flag with every other field left as given.
+        """
+        return {f.name: tuple(f.metadata["ablation"]) for f in dataclasses.fields(cls) if "ablation" in f.metadata}
 
     def default_max_model_len(self, model_max: int) -> int:
         """``max_model_len``, or the model's context capped for this device."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+_LAZY_ZERO_BYTES = 128 << 20  # CPU caches at least this big (k + v) come from fresh zero pages
+
 
 class KVCache:
     """What an attention backend needs from a cache (the interface phase 5 implements again)."""
@@ -42,10 +44,15 @@ class ContiguousKVCache(KVCache):
         device: torch.device | str,
     ) -> None:
         shape = (num_layers, num_rows, max_len, num_kv_heads, head_dim)
-        # Uninitialized: a slot is only ever read after it was written (attention reads the
-        # first seq_len slots of a row), and on the CPU untouched pages cost no memory.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # Zeroed: batched decode attention reads every row up to the longest context of the
+        # step and masks the rest, and a masked key must still be finite (NaN * 0 is NaN).
+        # On the CPU a large buffer is left to the OS, whose fresh pages read as zero and cost
+        # no memory until written (glibc serves allocations above 32 MiB with mmap); zeroing
+        # it would touch every page.
+        nbytes = 2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        alloc = torch.empty if torch.device(device).type == "cpu" and nbytes >= _LAZY_ZERO_BYTES else torch.zeros
+        self.k = alloc(shape, dtype=dtype, device=device)
+        self.v = alloc(shape, dtype=dtype, device=device)
         self.num_rows = num_rows
         self.max_len = max_len
 
@@ -60,6 +67,14 @@ class ContiguousKVCache(KVCache):
             base = row * self.max_len + start
             slots.extend(range(base, base + n))
         return torch.tensor(slots, dtype=torch.int64, device=device)
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` tokens of row ``src`` into row ``dst``, in every layer.
+
+        Used when a request with ``n > 1`` prefilled once (in ``src``) for all its sequences.
+        """
+        self.k[:, dst, :length] = self.k[:, src, :length]
+        self.v[:, dst, :length] = self.v[:, src, :length]
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store ``k``/``v`` (``[T, num_kv_heads, head_dim]``) at ``slot_mapping`` (int64 ``[T]``)."""

@@ -17,7 +17,7 @@ Example: two sequences, the first prefilling 3 tokens, the second decoding its 6
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,9 +51,43 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None
     cache_rows_cpu: list[int] | None = None
 
+    _decode: tuple | None = field(default=None, init=False, repr=False)
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def prefill_indices(self) -> list[int]:
+        """Indices of the sequences with more than one new token this step."""
+        q = self.query_start_loc_cpu
+        return [i for i in range(self.num_seqs) if q[i + 1] - q[i] > 1]
+
+    def decode_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None:
+        """The step's decode sequences (one new token each), built once and shared by all layers.
+
+        Returns:
+            ``(token_idx, rows, seq_lens, max_seq_len, max_row + 1)``: int64 ``[B]`` positions of
+            their tokens in the flattened batch, int64 ``[B]`` cache rows, int64 ``[B]`` context
+            lengths, the longest context and the rows spanned (host ints); or None when no
+            sequence decodes.
+        """
+        if self._decode is None:
+            q = self.query_start_loc_cpu
+            idx = [i for i in range(self.num_seqs) if q[i + 1] - q[i] == 1]
+            if not idx:
+                self._decode = ()
+            else:
+                dev = self.query_start_loc.device
+                lens = [self.seq_lens_cpu[i] for i in idx]
+                rows = [self.cache_rows_cpu[i] for i in idx]
+                self._decode = (
+                    torch.tensor([q[i] for i in idx], dtype=torch.int64, device=dev),
+                    torch.tensor(rows, dtype=torch.int64, device=dev),
+                    torch.tensor(lens, dtype=torch.int64, device=dev),
+                    max(lens),
+                    max(rows) + 1,
+                )
+        return self._decode or None
 
     @classmethod
     def for_prefill(cls, seq_lens: list[int], device: torch.device | str) -> AttentionMetadata:

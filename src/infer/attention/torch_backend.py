@@ -66,8 +66,64 @@ def sdpa_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """One new token per sequence, attending over its row of a contiguous cache; all in one SDPA.
+
+    Args:
+        q: ``[B, num_heads, head_dim]``, the new token of each sequence.
+        k_cache, v_cache: ``[R, L, num_kv_heads, head_dim]`` (a view of the cache's first R rows
+            and L positions): sequence ``b`` reads row ``rows[b]``, keys ``0 .. seq_lens[b] - 1``.
+            Positions past a sequence's length must hold finite values (the cache is zeroed).
+        rows: int64 ``[B]``, distinct, each ``< R``.
+        seq_lens: int64 ``[B]``, context lengths (``<= L``), the new token included.
+        window: sliding window in tokens, or None.
+
+    Returns:
+        ``[B, num_heads, head_dim]``.
+
+    GQA without repeating K/V: the ``G = num_heads / num_kv_heads`` query heads that share a KV
+    head become ``G`` query rows of that head (``q -> [B, num_kv_heads, G, head_dim]``). Keys past
+    a sequence's length are masked: they cost compute but add exactly zero weight. When the rows
+    in use fill at least half of ``R`` (the scheduler hands out the lowest free row, so they are
+    packed), every row of the view is attended in place and the unused rows' results dropped,
+    which avoids copying K/V; otherwise the used rows are gathered first.
+    """
+    b, h, d = q.shape
+    r, length, hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    in_place = 2 * b >= r
+    if in_place:
+        q = q.new_zeros(r, h, d).index_copy_(0, rows, q)
+        seq_lens = torch.ones(r, dtype=seq_lens.dtype, device=q.device).index_copy_(0, rows, seq_lens)
+        k, v = k_cache, v_cache
+    else:
+        k, v = k_cache.index_select(0, rows), v_cache.index_select(0, rows)
+    key_pos = torch.arange(length, device=q.device)
+    last = (seq_lens - 1)[:, None]
+    mask = key_pos[None, :] <= last
+    if window is not None:
+        mask &= (last - key_pos[None, :]) < window
+    n = q.shape[0]
+    out = F.scaled_dot_product_attention(
+        q.view(n, hkv, h // hkv, d), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
+        scale=scale,
+    ).reshape(n, h, d)
+    return out.index_select(0, rows) if in_place else out
+
+
 class TorchAttentionBackend:
-    """Plain-PyTorch attention over a contiguous KV cache (or no cache)."""
+    """Plain-PyTorch attention over a contiguous KV cache (or no cache).
+
+    Decode sequences (one new token) of a step are batched into one :func:`decode_attention`
+    call per layer; prefills run one :func:`sdpa_attention` each.
+    """
 
     name = "torch"
 
@@ -92,18 +148,24 @@ class TorchAttentionBackend:
         if cache is not None:
             cache.write(layer_idx, k, v, meta.slot_mapping)
         starts = meta.query_start_loc_cpu
-        single = len(meta.seq_lens_cpu) == 1
-        out = None if single else torch.empty_like(q)
-        for i, seq_len in enumerate(meta.seq_lens_cpu):
-            s, e = starts[i], starts[i + 1]
-            if cache is None:
+        if cache is None:
+            out = torch.empty_like(q)
+            for i, seq_len in enumerate(meta.seq_lens_cpu):
+                s, e = starts[i], starts[i + 1]
                 if e - s != seq_len:
                     raise ValueError("a cache-less forward needs whole sequences (query len == seq len)")
-                k_i, v_i = k[s:e], v[s:e]
-            else:
-                k_i, v_i = cache.read(layer_idx, meta.cache_rows_cpu[i], seq_len)
-            o = sdpa_attention(q[s:e], k_i, v_i, scale, window)
-            if single:
-                return o
-            out[s:e] = o
+                out[s:e] = sdpa_attention(q[s:e], k[s:e], v[s:e], scale, window)
+            return out
+        decode = meta.decode_batch()
+        out = torch.empty_like(q)
+        if decode is not None:
+            token_idx, rows, lens, max_len, num_rows = decode
+            out[token_idx] = decode_attention(
+                q[token_idx], cache.k[layer_idx, :num_rows, :max_len], cache.v[layer_idx, :num_rows, :max_len],
+                rows, lens, scale, window,
+            )
+        for i in meta.prefill_indices():
+            s, e = starts[i], starts[i + 1]
+            k_i, v_i = cache.read(layer_idx, meta.cache_rows_cpu[i], meta.seq_lens_cpu[i])
+            out[s:e] = sdpa_attention(q[s:e], k_i, v_i, scale, window)
         return out

@@ -9,12 +9,13 @@ offline API (:class:`infer.llm.LLM`) and the server drive it.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 
 from infer.config import EngineConfig
 from infer.detokenizer import IncrementalDetokenizer
-from infer.engine.model_runner import ModelRunner
+from infer.engine.model_runner import ModelRunner, kv_cache_rows
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.scheduler import Scheduler
 from infer.engine.sequence import Request, SeqStatus, Sequence
@@ -22,6 +23,8 @@ from infer.errors import InvalidRequestError
 from infer.loader import LoadedModel, load_model
 from infer.outputs import RequestOutput
 from infer.sampling import SamplingParams
+
+log = logging.getLogger("infer")
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15 & ((1 << 63) - 1)  # decorrelates the n sequences of a request
 
@@ -51,8 +54,19 @@ class LLMEngine:
         self.max_model_len = config.default_max_model_len(mcfg.max_position_embeddings)
         self.eos_token_ids = list(dict.fromkeys(mcfg.eos_token_ids or self.tokenizer.eos_token_ids))
         self.vocab_size = mcfg.vocab_size
-        self.runner = ModelRunner(self.loaded, self.max_model_len, config.max_num_seqs)
-        self.scheduler = Scheduler(config.max_num_seqs)
+        budget = config.resolved_max_num_batched_tokens(self.max_model_len)
+        num_rows = kv_cache_rows(self.loaded, self.max_model_len, config.max_num_seqs, budget,
+                                 config.kv_cache_memory_bytes, config.gpu_memory_utilization)
+        self.runner = ModelRunner(self.loaded, self.max_model_len, num_rows)
+        log.info("KV cache: %d rows x %d tokens (%.2f GiB), batching=%s, max_num_batched_tokens=%d", num_rows,
+                 self.max_model_len, self.runner.kv_cache.nbytes / 2**30, config.batching, budget)
+        self.scheduler = Scheduler(
+            num_rows,
+            policy=config.batching,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget,
+            batch_wait_timeout_s=config.batch_wait_timeout_ms / 1000,
+        )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
@@ -113,9 +127,10 @@ class LLMEngine:
                 f"of {limit} tokens; ask for at most {limit - len(ids)}",
                 param="max_tokens",
             )
-        if params.n > self.config.max_num_seqs:
+        if params.n > self.scheduler.max_num_seqs:
             raise InvalidRequestError(
-                f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}", param="n"
+                f"n={params.n} exceeds the {self.scheduler.max_num_seqs} sequences this engine can run at once "
+                f"(max_num_seqs={self.config.max_num_seqs}, KV-cache rows={self.scheduler.num_rows})", param="n"
             )
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.requests:

@@ -15,6 +15,7 @@ import torch
 
 from infer.attention import AttentionMetadata, ContiguousKVCache, TorchAttentionBackend
 from infer.engine.scheduler import ScheduledSeq
+from infer.engine.sequence import Sequence
 from infer.loader import LoadedModel
 from infer.sampling import SamplerOutput, SamplingTensors, sample
 
@@ -24,16 +25,84 @@ class StepResult:
     """What one forward produced.
 
     Attributes:
-        sampled: the scheduled sequences that sampled a token, in order.
+        sampled: the sequences that sampled a token, in the sampler's row order (a request's
+            forks sample right after the sequence that prefilled for them).
         sampler_output: their tokens and logprobs (device tensors).
-        prompt_logprobs: per sequence index in ``sampled`` order that asked for them:
-            ``(logprobs [L-1] f32, top_ids [L-1, K], top_logprobs [L-1, K])`` for the prompt
-            positions computed this step (CPU tensors).
+        prompt_logprobs: ``id(sequence) -> (chosen [L] f32, ranks [L], top_ids [L, K],
+            top_logprobs [L, K])`` for the prompt positions computed this step (CPU tensors),
+            for sequences that asked for prompt logprobs.
     """
 
-    sampled: list[ScheduledSeq]
+    sampled: list[Sequence]
     sampler_output: SamplerOutput | None
-    prompt_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    prompt_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def kv_cache_rows(
+    loaded: LoadedModel,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+) -> int:
+    """How many contiguous-cache rows (sequences of ``max_model_len`` tokens) to allocate.
+
+    The budget is ``kv_cache_memory_bytes`` if given; on CUDA otherwise, as vLLM does, the
+    memory left under ``gpu_memory_utilization`` of the GPU after the weights and a profiling
+    forward of ``max_num_batched_tokens`` tokens (the largest step's activations); on CPU
+    otherwise, room for ``max_num_seqs`` rows (pages are only touched when written).
+
+    Returns:
+        ``min(max_num_seqs, budget // row_bytes)``.
+
+    Raises:
+        ValueError: when not even one row fits, with the numbers.
+    """
+    cfg = loaded.config
+    p = next(loaded.model.parameters())
+    row_bytes = cfg.kv_bytes_per_token(p.dtype) * max_model_len
+    if kv_cache_memory_bytes is not None:
+        budget, where = kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    elif p.device.type == "cuda":
+        budget, where = _profile_free_gpu_memory(loaded, max_model_len, max_num_seqs, max_num_batched_tokens,
+                                                 gpu_memory_utilization), "gpu_memory_utilization"
+    else:
+        return max_num_seqs
+    rows = min(max_num_seqs, budget // row_bytes)
+    if rows < 1:
+        raise ValueError(
+            f"the KV cache budget ({where}: {budget / 2**30:.2f} GiB) cannot hold one sequence of "
+            f"max_model_len={max_model_len} tokens ({row_bytes / 2**30:.2f} GiB); lower max_model_len or "
+            f"raise the budget"
+        )
+    return int(rows)
+
+
+@torch.inference_mode()
+def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_seqs: int, num_tokens: int,
+                             utilization: float) -> int:
+    """Bytes left for the KV cache after a forward of ``num_tokens`` tokens (no cache)."""
+    model, cfg = loaded.model, loaded.config
+    dev = next(model.parameters()).device
+    model.set_attention_backend(TorchAttentionBackend())
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    lens = [max_model_len] * (num_tokens // max_model_len) + ([num_tokens % max_model_len] if num_tokens % max_model_len else [])
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=dev)
+    pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+    hidden = model(ids, pos, AttentionMetadata.for_prefill(lens, dev))
+    model.compute_logits(hidden[: max_num_seqs]).float().softmax(-1)  # the sampler's working set
+    del hidden
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(dev).total_memory
+    # memory held outside PyTorch's allocator (CUDA context, other processes) also counts
+    free, _ = torch.cuda.mem_get_info(dev)
+    outside = total - free - torch.cuda.memory_reserved(dev)
+    return max(0, int(total * utilization) - peak - outside)
 
 
 class ModelRunner:
@@ -42,7 +111,8 @@ class ModelRunner:
     Args:
         loaded: the model from :func:`infer.loader.load_model`.
         max_model_len: tokens per cache row.
-        num_rows: cache rows (sequences that can hold cache space at once).
+        num_rows: cache rows (sequences that can hold cache space at once); see
+            :func:`kv_cache_rows` for sizing it from a memory budget.
     """
 
     def __init__(self, loaded: LoadedModel, max_model_len: int, num_rows: int) -> None:
@@ -64,7 +134,7 @@ class ModelRunner:
         positions: list[int] = []
         starts, seq_lens, rows, firsts = [0], [], [], []
         sample_at: list[int] = []
-        sampled: list[ScheduledSeq] = []
+        sampled: list[Sequence] = []
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
             first = seq.num_computed_tokens
@@ -75,8 +145,9 @@ class ModelRunner:
             rows.append(seq.cache_row)
             firsts.append(first)
             if first + n >= seq.num_prompt_tokens:  # the prompt is complete: sample
-                sample_at.append(starts[-1] - 1)
-                sampled.append(item)
+                for s in (seq, *item.forks):
+                    sample_at.append(starts[-1] - 1)
+                    sampled.append(s)
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
@@ -91,14 +162,17 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
             meta,
         )
+        for item in scheduled:  # n > 1: the forks get a copy of the prompt's K/V
+            for fork in item.forks:
+                self.kv_cache.copy_row(item.seq.cache_row, fork.cache_row, item.seq.num_computed_tokens + item.num_tokens)
         prompt_lp = self._prompt_logprobs(scheduled, starts, hidden)
         if not sampled:
             return StepResult([], None, prompt_lp)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_at, device=dev)])
-        tensors = self._sampling_tensors([s.seq for s in sampled], eos_ids)
+        tensors = self._sampling_tensors(sampled, eos_ids)
         return StepResult(sampled, sample(logits, tensors), prompt_lp)
 
-    def _sampling_tensors(self, seqs, eos_ids: list[int]) -> SamplingTensors:
+    def _sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int]) -> SamplingTensors:
         suppress = []
         for seq in seqs:
             p = seq.params
@@ -106,12 +180,15 @@ class ModelRunner:
             if seq.num_output_tokens < p.min_tokens:
                 ban = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(eos_ids))
             suppress.append(ban)
+        # token histories only for rows with a penalty (building them is O(context) per row)
+        rep = [s.params.repetition_penalty != 1.0 for s in seqs]
+        pen = [r or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0 for r, s in zip(rep, seqs)]
         return SamplingTensors.from_params(
             [s.params for s in seqs],
             seeds=[s.seed for s in seqs],
             steps=[s.num_output_tokens for s in seqs],
-            prompt_ids_list=[s.token_ids[: s.num_prompt_tokens] for s in seqs],
-            output_ids_list=[s.output_token_ids for s in seqs],
+            prompt_ids_list=[s.token_ids[: s.num_prompt_tokens] if r else [] for s, r in zip(seqs, rep)],
+            output_ids_list=[s.output_token_ids if p else [] for s, p in zip(seqs, pen)],
             suppress_list=suppress,
             vocab_size=self.vocab_size,
             device=self.device,

@@ -37,6 +37,8 @@ class OutputProcessor:
         """Advance every scheduled sequence; returns those that finished this step."""
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_tokens
+            for fork in item.forks:  # they got a copy of the prompt's K/V this step
+                fork.num_computed_tokens = item.seq.num_computed_tokens
         finished: list[Sequence] = []
         now = time.perf_counter()
         for seq, (chosen, ranks, top_i, top_v) in (
@@ -48,12 +50,11 @@ class OutputProcessor:
             return finished
         out = result.sampler_output
         tokens = out.next_tokens.tolist()  # the step's one device -> host sync
-        need_lp = any(item.seq.params.logprobs is not None for item in result.sampled)
+        need_lp = any(seq.params.logprobs is not None for seq in result.sampled)
         if need_lp:
             chosen_lp = out.logprobs.tolist()
             top_ids, top_lps = out.top_logprob_ids.tolist(), out.top_logprobs.tolist()
-        for i, (item, token) in enumerate(zip(result.sampled, tokens)):
-            seq = item.seq
+        for i, (seq, token) in enumerate(zip(result.sampled, tokens)):
             req = seq.request
             if req.first_token_time is None:
                 req.first_token_time = now

@@ -91,5 +91,9 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)

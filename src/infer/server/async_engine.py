@@ -254,6 +254,8 @@ class AsyncEngine:
                         if out.finished:
                             self._streams.pop(out.request_id, None)
                 self.num_running, self.num_waiting = eng.num_running, eng.num_waiting
+                if self.num_waiting and not self.num_running:
+                    time.sleep(0.001)  # static batching is waiting for its batch to fill
         except BaseException as e:  # a crash: fail every open request instead of hanging it
             log.exception("engine thread crashed")
             self.error = e

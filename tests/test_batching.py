@@ -1,0 +1,237 @@
+"""Phases 3-4: static and continuous batching.
+
+The central property is *batch invariance*: in float32 on the CPU a request's greedy tokens
+(and its seeded samples) are the same whether it runs alone in the phase-1 engine or among
+many mixed-length requests arriving at random times, in every batching mode.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from infer.attention.torch_backend import decode_attention, sdpa_attention
+from infer.config import EngineConfig
+from infer.engine import LLMEngine
+from infer.errors import InvalidRequestError
+from infer.sampling import SamplingParams
+
+MODES = ["none", "static", "continuous"]
+
+
+def make_engine(loaded, **kw) -> LLMEngine:
+    kw.setdefault("max_model_len", 512)
+    return LLMEngine(EngineConfig(model=str(loaded.path), device="cpu", dtype="float32", **kw), loaded=loaded)
+
+
+def drive(engine: LLMEngine, arrivals: list[tuple[int, list[int], SamplingParams]], check=None) -> dict[str, list]:
+    """Run until done, adding ``(step, prompt, params)`` when the engine reaches ``step``.
+
+    Returns request id -> the finished output's token ids (one list per sequence).
+    ``check(engine)`` runs after every step (invariants).
+    """
+    pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
+    rid_of: dict[int, str] = {}
+    done: dict[str, list] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, params) = pending.pop(0)
+            rid_of[i] = engine.add_request(prompt, params, request_id=f"r{i}").request_id
+        for out in engine.step(stream=False):
+            done[out.request_id] = [o.token_ids for o in out.outputs]
+        if check is not None:
+            check(engine)
+        step += 1
+        assert step < 10_000, "the engine made no progress"
+    return {i: done[rid_of[i]] for i in rid_of}
+
+
+def mixed_workload(vocab_size: int, n: int, seed: int, sampled: bool = False):
+    """``n`` requests with prompts of 3-60 tokens, 1-12 outputs, arriving over ~20 steps."""
+    rng = random.Random(seed)
+    arrivals = []
+    for i in range(n):
+        prompt = [rng.randrange(100, vocab_size - 100) for _ in range(rng.randint(3, 60))]
+        if sampled:
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.7, 1.2]), seed=1000 + i,
+                top_k=rng.choice([-1, 20]), top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.05]),
+                repetition_penalty=rng.choice([1.0, 1.3]), presence_penalty=rng.choice([0.0, 0.5]),
+                logprobs=rng.choice([None, 2]), ignore_eos=True,
+            )
+        else:
+            params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.0, ignore_eos=True)
+        arrivals.append((rng.randint(0, 20), prompt, params))
+    return arrivals
+
+
+@pytest.fixture(scope="module")
+def alone_results(smollm2):
+    """Each request of the workloads, run alone in the phase-1 engine."""
+    eng = make_engine(smollm2, batching="none")
+    out = {}
+    for name, wl in (("greedy", mixed_workload(smollm2.config.vocab_size, 18, seed=1)),
+                     ("sampled", mixed_workload(smollm2.config.vocab_size, 18, seed=2, sampled=True))):
+        out[name] = (wl, [drive(eng, [(0, p, sp)])[0] for _, p, sp in wl])
+    return out
+
+
+def assert_pool_full(engine: LLMEngine) -> None:
+    s = engine.scheduler
+    assert not s.running and not s.waiting
+    assert sorted(s.free_rows) == list(range(s.num_rows)), "a cache row leaked"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("workload", ["greedy", "sampled"])
+def test_batch_invariance(smollm2, alone_results, mode, workload):
+    arrivals, alone = alone_results[workload]
+    eng = make_engine(smollm2, batching=mode, max_num_seqs=8, max_num_batched_tokens=512)
+    widths = []
+
+    def check(e):
+        widths.append(len(e.scheduler.running))
+        assert len(e.scheduler.running) <= 8
+
+    batched = drive(eng, arrivals, check)
+    for i, tokens in enumerate(alone):
+        assert batched[i] == tokens, f"request {i} differs in a {mode} batch"
+    if mode != "none":
+        assert max(widths) >= 4, "the workload never batched"
+    assert_pool_full(eng)
+
+
+def test_decode_attention_matches_per_sequence_reference():
+    """The batched decode path against :func:`sdpa_attention` run one sequence at a time."""
+    g = torch.Generator().manual_seed(0)
+    for num_rows, rows, window in [(6, [4, 0, 2, 5], None), (3, [2, 0, 1], None), (8, [7, 1], None), (5, [3, 0, 4], 7)]:
+        h, hkv, d, length = 8, 2, 16, 40
+        kc = torch.randn(num_rows, length, hkv, d, generator=g, dtype=torch.float64)
+        vc = torch.randn(num_rows, length, hkv, d, generator=g, dtype=torch.float64)
+        lens = [int(x) for x in torch.randint(1, length + 1, (len(rows),), generator=g)]
+        q = torch.randn(len(rows), h, d, generator=g, dtype=torch.float64)
+        out = decode_attention(q, kc, vc, torch.tensor(rows), torch.tensor(lens), 0.25, window)
+        for b, (r, n) in enumerate(zip(rows, lens)):
+            ref = sdpa_attention(q[b : b + 1], kc[r, :n], vc[r, :n], 0.25, window)
+            torch.testing.assert_close(out[b], ref[0], rtol=1e-10, atol=1e-10)
+
+
+def test_continuous_admits_at_every_step_and_static_waits_for_the_batch(tiny_llama):
+    long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for mode, admitted_midway in (("continuous", True), ("static", False)):
+        eng = make_engine(tiny_llama, batching=mode, max_num_seqs=4, batch_wait_timeout_ms=0)
+        eng.add_request([5, 6, 7], long, request_id="a")
+        eng.step()
+        eng.step()
+        eng.add_request([8, 9], long, request_id="b")
+        eng.step()
+        running = {s.request.request_id for s in eng.scheduler.running}
+        assert ("b" in running) is admitted_midway, mode
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert_pool_full(eng)
+
+
+def test_static_batch_waits_for_timeout_or_a_full_batch(tiny_llama):
+    p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    eng = make_engine(tiny_llama, batching="static", max_num_seqs=3, batch_wait_timeout_ms=60_000)
+    eng.add_request([5, 6], p)
+    eng.add_request([7, 8], p)
+    assert eng.step() == [] and not eng.scheduler.running  # 2 of 3: keep waiting
+    eng.add_request([9, 10], p)
+    eng.step()
+    assert len(eng.scheduler.running) == 3  # full: the batch starts at once
+
+
+def test_token_budget_is_respected(tiny_llama):
+    eng = make_engine(tiny_llama, batching="continuous", max_num_seqs=8, max_model_len=64,
+                      max_num_batched_tokens=64)
+    rng = random.Random(0)
+    for _ in range(10):
+        eng.add_request([rng.randrange(10, 200) for _ in range(rng.randint(20, 60))],
+                        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        scheduled = eng.scheduler.schedule()
+        assert sum(s.num_tokens for s in scheduled) <= 64
+        result = eng.runner.execute(scheduled, eng.eos_token_ids)
+        for seq in eng.output_processor.apply(result, scheduled):
+            eng.scheduler.free(seq)
+    assert_pool_full(eng)
+
+
+def test_n_sequences_share_one_prefill(smollm2):
+    eng = make_engine(smollm2, batching="continuous")
+    prompt = smollm2.tokenizer.encode("The three primary colors are")
+    prefill_tokens = []
+    orig = eng.runner.execute
+
+    def spy(scheduled, eos):
+        prefill_tokens.extend(s.num_tokens for s in scheduled if s.num_tokens > 1)
+        return orig(scheduled, eos)
+
+    eng.runner.execute = spy
+    out = drive(eng, [(0, prompt, SamplingParams(n=3, max_tokens=8, temperature=0.0))])[0]
+    assert prefill_tokens == [len(prompt)]  # one prefill for the three sequences
+    single = drive(eng, [(0, prompt, SamplingParams(max_tokens=8, temperature=0.0))])[0][0]
+    assert out == [single] * 3  # the copied K/V gives each fork the same greedy continuation
+    # seeded sampling: sequence 0 of n=3 is the n=1 request with the same seed
+    sampled = drive(eng, [(0, prompt, SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7))])[0]
+    alone = drive(eng, [(0, prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=7))])[0][0]
+    assert sampled[0] == alone and len({tuple(t) for t in sampled}) > 1
+    assert_pool_full(eng)
+
+
+@pytest.mark.parametrize("mode", ["static", "continuous"])
+def test_abort_mid_batch_frees_its_row_and_disturbs_nobody(tiny_llama, mode):
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = {f"r{i}": [10 + i, 20 + i, 30 + i] for i in range(4)}
+    ref = make_engine(tiny_llama, batching=mode, max_num_seqs=4, batch_wait_timeout_ms=0)
+    expected = {k: drive(ref, [(0, v, p)])[0] for k, v in prompts.items()}
+
+    eng = make_engine(tiny_llama, batching=mode, max_num_seqs=4, batch_wait_timeout_ms=0)
+    for rid, prompt in prompts.items():
+        eng.add_request(prompt, p, request_id=rid)
+    got = {}
+    for _ in range(4):
+        eng.step()
+    free_before = len(eng.scheduler.free_rows)
+    assert eng.abort_request("r1")
+    assert len(eng.scheduler.free_rows) == free_before + 1  # freed at once, not at the batch's end
+    while eng.has_unfinished_requests():
+        for out in eng.step(stream=False):
+            got[out.request_id] = [o.token_ids for o in out.outputs]
+    assert set(got) == {"r0", "r2", "r3"}
+    for rid in got:
+        assert got[rid] == expected[rid]
+    assert_pool_full(eng)
+
+
+def test_kv_memory_budget_sizes_the_cache(tiny_llama):
+    cfg = tiny_llama.config
+    row = cfg.kv_bytes_per_token(torch.float32) * 128
+    eng = make_engine(tiny_llama, max_model_len=128, max_num_seqs=8, kv_cache_memory_bytes=3 * row + 5)
+    assert eng.scheduler.num_rows == 3 and eng.runner.kv_cache.nbytes == 3 * row
+    with pytest.raises(InvalidRequestError, match="n=4"):
+        eng.add_request([1, 2, 3], SamplingParams(n=4))
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        make_engine(tiny_llama, max_model_len=128, kv_cache_memory_bytes=row - 1)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"batching": "dynamic"}, "batching must be one of"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1"),
+        ({"max_num_batched_tokens": 100, "max_model_len": 200}, "without chunked prefill"),
+        ({"batch_wait_timeout_ms": -1.0}, "batch_wait_timeout_ms"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ],
+)
+def test_invalid_batching_configs_are_rejected(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw).validate()
