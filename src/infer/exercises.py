@@ -78,6 +78,51 @@ EXERCISES: dict[str, Exercise] = {
             "limit give 'length'.",
             15,
         ),
+        Exercise(
+            "batch_ready", 3, "src/infer/engine/scheduler.py",
+            ("tests/test_batching.py::test_static_batch_waits_for_timeout_or_a_full_batch",
+             "tests/test_batching.py::test_continuous_admits_at_every_step_and_static_waits_for_the_batch"),
+            "Return True when nothing is running and the waiting requests' sequences fill max_num_seqs, or "
+            "the oldest waiting request (self.waiting[0].arrival_time, perf_counter seconds) has waited "
+            "batch_wait_timeout_s.",
+            10,
+        ),
+        Exercise(
+            "flatten_batch", 3, "src/infer/engine/model_runner.py",
+            ("tests/test_batching.py::test_abort_mid_batch_frees_its_row_and_disturbs_nobody[continuous]",
+             "tests/test_batching.py::test_n_sequences_share_one_prefill"),
+            "For each ScheduledSeq, append its num_tokens new tokens (token_ids from num_computed_tokens) and "
+            "their positions; query_start_loc is the running sum (starts at 0); seq_lens = first + n; when "
+            "first + n reaches the prompt length, the last new token is sampled, once for the sequence and "
+            "once for each fork.",
+            25,
+        ),
+        Exercise(
+            "admission", 4, "src/infer/engine/scheduler.py",
+            ("tests/test_batching.py::test_continuous_admits_at_every_step_and_static_waits_for_the_batch",
+             "tests/test_batching.py::test_token_budget_is_respected",
+             "tests/test_batching.py::test_abort_mid_batch_frees_its_row_and_disturbs_nobody"),
+            "FIFO over self.waiting while _has_room(request): stop at the first that does not fit the token "
+            "budget (static admits it anyway, it prefills later); _admit it, append ScheduledSeq(seq 0, "
+            "prompt_len, forks=the other seqs), subtract from the budget. 'none' admits one request into "
+            "an empty engine, 'static' only when _batch_ready().",
+            30,
+        ),
+        Exercise(
+            "decode_attention", 4, "src/infer/attention/torch_backend.py",
+            ("tests/test_batching.py::test_decode_attention_matches_per_sequence_reference",),
+            "Gather each sequence's cache row (or attend over every row in place), mask keys at positions >= "
+            "seq_len (and, with a window, <= seq_len - 1 - window), view q as [B, kv_heads, heads/kv_heads, "
+            "head_dim] for GQA, one F.scaled_dot_product_attention call, back to [B, heads, head_dim].",
+            40,
+        ),
+        Exercise(
+            "top_k", 4, "src/infer/sampling/sampler.py",
+            ("tests/test_sampler.py::test_top_k_keeps_exact_sets", "tests/test_sampler.py::test_top_k_ties_and_infs"),
+            "Per row b keep the top_k[b] largest logits (clamp k to [1, V]; ties with the k-th stay) and "
+            "write -inf elsewhere. Sort descending, gather the k-th value per row, compare. No loop over rows.",
+            20,
+        ),
     ]
 }
 

@@ -96,6 +96,7 @@ def decode_attention(
     packed), every row of the view is attended in place and the unused rows' results dropped,
     which avoids copying K/V; otherwise the used rows are gathered first.
     """
+    # >>> EXERCISE decode_attention
     b, h, d = q.shape
     r, length, hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     in_place = 2 * b >= r
@@ -116,6 +117,7 @@ def decode_attention(
         scale=scale,
     ).reshape(n, h, d)
     return out.index_select(0, rows) if in_place else out
+    # <<< EXERCISE decode_attention
 
 
 class TorchAttentionBackend:

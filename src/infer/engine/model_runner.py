@@ -130,24 +130,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], eos_ids: list[int]) -> StepResult:
         """Run one step over ``scheduled`` and sample the sequences that are ready to."""
-        ids: list[int] = []
-        positions: list[int] = []
-        starts, seq_lens, rows, firsts = [0], [], [], []
-        sample_at: list[int] = []
-        sampled: list[Sequence] = []
-        for item in scheduled:
-            seq, n = item.seq, item.num_tokens
-            first = seq.num_computed_tokens
-            ids.extend(seq.token_ids[first : first + n])
-            positions.extend(range(first, first + n))
-            starts.append(starts[-1] + n)
-            seq_lens.append(first + n)
-            rows.append(seq.cache_row)
-            firsts.append(first)
-            if first + n >= seq.num_prompt_tokens:  # the prompt is complete: sample
-                for s in (seq, *item.forks):
-                    sample_at.append(starts[-1] - 1)
-                    sampled.append(s)
+        ids, positions, starts, seq_lens, rows, firsts, sample_at, sampled = self._flatten(scheduled)
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
@@ -171,6 +154,39 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_at, device=dev)])
         tensors = self._sampling_tensors(sampled, eos_ids)
         return StepResult(sampled, sample(logits, tensors), prompt_lp)
+
+    @staticmethod
+    def _flatten(scheduled: list[ScheduledSeq]):
+        """The step as flat host lists (see :class:`~infer.attention.AttentionMetadata`).
+
+        Returns:
+            ``(input_ids [T], positions [T], query_start_loc [B + 1], seq_lens [B],
+            cache_rows [B], first new position of each sequence [B], sample_at, sampled)``:
+            ``sample_at`` are the flat indices whose logits are sampled, one per sequence in
+            ``sampled`` (a sequence whose prompt is complete after this step, then its forks,
+            which sample from the same position).
+        """
+        # >>> EXERCISE flatten_batch
+        ids: list[int] = []
+        positions: list[int] = []
+        starts, seq_lens, rows, firsts = [0], [], [], []
+        sample_at: list[int] = []
+        sampled: list[Sequence] = []
+        for item in scheduled:
+            seq, n = item.seq, item.num_tokens
+            first = seq.num_computed_tokens
+            ids.extend(seq.token_ids[first : first + n])
+            positions.extend(range(first, first + n))
+            starts.append(starts[-1] + n)
+            seq_lens.append(first + n)
+            rows.append(seq.cache_row)
+            firsts.append(first)
+            if first + n >= seq.num_prompt_tokens:  # the prompt is complete: sample
+                for s in (seq, *item.forks):
+                    sample_at.append(starts[-1] - 1)
+                    sampled.append(s)
+        return ids, positions, starts, seq_lens, rows, firsts, sample_at, sampled
+        # <<< EXERCISE flatten_batch
 
     def _sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int]) -> SamplingTensors:
         suppress = []

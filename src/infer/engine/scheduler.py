@@ -102,13 +102,19 @@ class Scheduler:
         return n <= len(self.free_rows) and len(self.running) + n <= self.max_num_seqs
 
     def _batch_ready(self) -> bool:
-        """Static batching: is it time to start a batch?"""
+        """Static batching: is it time to start a batch?
+
+        Yes when nothing runs and either the waiting requests' sequences fill a batch
+        (``max_num_seqs``) or the oldest has waited ``batch_wait_timeout_s``.
+        """
+        # >>> EXERCISE batch_ready
         if self.running or not self.waiting:
             return False
         queued = sum(len(r.seqs) for r in self.waiting)
         if queued >= self.max_num_seqs:
             return True
         return time.perf_counter() - self.waiting[0].arrival_time >= self.batch_wait_timeout_s
+        # <<< EXERCISE batch_ready
 
     def _admit(self, request: Request) -> None:
         for seq in request.seqs:
@@ -116,7 +122,6 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
 
-    # >>> EXERCISE admission
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         """Admit waiting requests (FIFO) while they fit; append their prefills to ``scheduled``.
 
@@ -126,6 +131,7 @@ class Scheduler:
         not fit this step's budget is admitted anyway and prefills in a later step);
         ``"continuous"`` admits at every step while rows, sequence slots and budget allow.
         """
+        # >>> EXERCISE admission
         if self.policy == "none" and self.running:
             return budget
         if self.policy == "static" and not self._batch_ready():
@@ -144,7 +150,7 @@ class Scheduler:
             if self.policy == "none":
                 break
         return budget
-    # <<< EXERCISE admission
+        # <<< EXERCISE admission
 
     # ------------------------------------------------------------------ the step
 

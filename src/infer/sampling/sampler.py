@@ -274,11 +274,13 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     Returns:
         A new ``[B, V]`` tensor with ``-inf`` at the removed tokens.
     """
+    # >>> EXERCISE top_k
     vocab_size = logits.shape[-1]
     k = top_k.clamp(min=1, max=vocab_size)
     sorted_logits = logits.sort(dim=-1, descending=True).values
     kth = sorted_logits.gather(1, (k - 1)[:, None])  # [B, 1], the k-th largest logit
     return logits.masked_fill(logits < kth, float("-inf"))
+    # <<< EXERCISE top_k
 
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
