@@ -62,7 +62,8 @@ def _servers(tmp_path_factory):
     common = ["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu", "--log-level", "warning"]
     started: dict[str, ServerProcess] = {}
     try:
-        started["main"] = ServerProcess(log_dir, common, "main", env)
+        # the main server batches (phase 4); the small one runs one request at a time (phase 1)
+        started["main"] = ServerProcess(log_dir, [*common, "--batching", "continuous"], "main", env)
         started["small"] = ServerProcess(log_dir, [*common, "--max-waiting-requests", "1"], "small", env)
         yield started
     finally:
