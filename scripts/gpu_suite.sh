@@ -32,7 +32,7 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 MAX_OUT_FILES=8
 
-SECTIONS=(env tests parity parity_fp32 bench_single server)
+SECTIONS=(env tests parity parity_fp32 bench_single server bench_offline bench_serve)
 CKPT="${CKPT:-/tmp/infer-ckpt}"  # synthetic checkpoints, shared by the sections
 
 # ----------------------------------------------------------------------------- environment
@@ -117,6 +117,38 @@ section_server() {
     local preset=${SERVER_PRESET:-qwen3-0.6b}
     [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
     "$PY" scripts/gpu_server_smoke.py "$CKPT/$preset"
+}
+
+# Phases 3-4: the nano-vllm offline workload (256 requests, lengths 100-1024), infer static and
+# continuous batching next to HF transformers' padded batched generate and its continuous
+# batching (generate_batch), bf16, in one run. OFFLINE_ARGS adds flags (e.g. --scale 0.25).
+section_bench_offline() {
+    local preset rc=0
+    for preset in ${OFFLINE_PRESETS:-qwen3-0.6b}; do
+        [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+        # shellcheck disable=SC2086
+        "$PY" benchmarks/offline_throughput.py --model "$CKPT/$preset" --device cuda --dtype bfloat16 \
+            --max-num-seqs 256 --max-num-batched-tokens 16384 \
+            --engines "${OFFLINE_ENGINES:-infer,hf,hf-cb}" --hf-batch-size "${HF_BATCH:-128}" \
+            --infer-configs "${OFFLINE_CONFIGS:-batching=static;batching=continuous}" --no-progress \
+            --out "$OUT/offline_$preset.json" --plot "$OUT/offline_$preset.png" ${OFFLINE_ARGS:-} || rc=1
+    done
+    return "$rc"
+}
+
+# Phases 3-4 online: Poisson arrivals through the HTTP server, static vs continuous batching
+# (needs the server wheels in .whl/).
+section_bench_serve() {
+    local preset=${SERVE_PRESET:-qwen3-0.6b} mode rc=0
+    [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+    for mode in static continuous; do
+        # shellcheck disable=SC2086
+        "$PY" benchmarks/serve_bench.py --launch --server-args "--model $CKPT/$preset --device cuda \
+            --max-model-len 2048 --max-num-seqs 128 --max-num-batched-tokens 8192 --batching $mode" \
+            --token-prompts --num-requests ${SERVE_N:-200} --request-rates ${SERVE_RATES:-4 16 64} \
+            --input-len 512 --output-len 256 --no-progress --out "$OUT/serve_$mode.json" ${SERVE_ARGS:-} || rc=1
+    done
+    return "$rc"
 }
 
 # ----------------------------------------------------------------------------- driver

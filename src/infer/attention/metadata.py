@@ -52,6 +52,8 @@ class AttentionMetadata:
     cache_rows_cpu: list[int] | None = None
 
     _decode: tuple | None = field(default=None, init=False, repr=False)
+    # per-step values an attention backend builds once and reuses in every layer
+    scratch: dict = field(default_factory=dict, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

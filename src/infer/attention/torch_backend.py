@@ -66,6 +66,16 @@ def sdpa_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+def decode_mask(seq_lens: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """bool ``[B, length]``: which of ``length`` cached keys each decode token may attend to."""
+    key_pos = torch.arange(length, device=seq_lens.device)
+    last = (seq_lens - 1)[:, None]
+    mask = key_pos[None, :] <= last
+    if window is not None:
+        mask &= (last - key_pos[None, :]) < window
+    return mask
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -74,6 +84,7 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence, attending over its row of a contiguous cache; all in one SDPA.
 
@@ -85,6 +96,7 @@ def decode_attention(
         rows: int64 ``[B]``, distinct, each ``< R``.
         seq_lens: int64 ``[B]``, context lengths (``<= L``), the new token included.
         window: sliding window in tokens, or None.
+        mask: :func:`decode_mask` of ``seq_lens`` if already built (all layers of a step share it).
 
     Returns:
         ``[B, num_heads, head_dim]``.
@@ -102,15 +114,15 @@ def decode_attention(
     in_place = 2 * b >= r
     if in_place:
         q = q.new_zeros(r, h, d).index_copy_(0, rows, q)
-        seq_lens = torch.ones(r, dtype=seq_lens.dtype, device=q.device).index_copy_(0, rows, seq_lens)
         k, v = k_cache, v_cache
     else:
         k, v = k_cache.index_select(0, rows), v_cache.index_select(0, rows)
-    key_pos = torch.arange(length, device=q.device)
-    last = (seq_lens - 1)[:, None]
-    mask = key_pos[None, :] <= last
-    if window is not None:
-        mask &= (last - key_pos[None, :]) < window
+    if mask is None:
+        mask = decode_mask(seq_lens, length, window)
+    if in_place:  # unused rows attend to their first key only (any finite result, dropped)
+        full = torch.zeros(r, length, dtype=torch.bool, device=q.device)
+        full[:, 0] = True
+        mask = full.index_copy_(0, rows, mask)
     n = q.shape[0]
     out = F.scaled_dot_product_attention(
         q.view(n, hkv, h // hkv, d), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
@@ -159,14 +171,25 @@ class TorchAttentionBackend:
                 out[s:e] = sdpa_attention(q[s:e], k[s:e], v[s:e], scale, window)
             return out
         decode = meta.decode_batch()
+        prefills = meta.prefill_indices()
+        if decode is not None and len(decode[1]) == 1 and not prefills:
+            # batch 1 (a single stream): read the row directly, no padding, no mask
+            k_i, v_i = cache.read(layer_idx, meta.cache_rows_cpu[0], meta.seq_lens_cpu[0])
+            return sdpa_attention(q, k_i, v_i, scale, window)
         out = torch.empty_like(q)
         if decode is not None:
             token_idx, rows, lens, max_len, num_rows = decode
-            out[token_idx] = decode_attention(
-                q[token_idx], cache.k[layer_idx, :num_rows, :max_len], cache.v[layer_idx, :num_rows, :max_len],
-                rows, lens, scale, window,
+            masks = meta.scratch.setdefault("decode_masks", {})
+            if window not in masks:  # built once per step, shared by the layers
+                masks[window] = decode_mask(lens, max_len, window)
+            o = decode_attention(
+                q if not prefills else q[token_idx], cache.k[layer_idx, :num_rows, :max_len],
+                cache.v[layer_idx, :num_rows, :max_len], rows, lens, scale, window, masks[window],
             )
-        for i in meta.prefill_indices():
+            if not prefills:  # a decode-only step: the tokens are the sequences, in order
+                return o
+            out[token_idx] = o
+        for i in prefills:
             s, e = starts[i], starts[i + 1]
             k_i, v_i = cache.read(layer_idx, meta.cache_rows_cpu[i], meta.seq_lens_cpu[i])
             out[s:e] = sdpa_attention(q[s:e], k_i, v_i, scale, window)
