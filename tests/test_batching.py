@@ -235,3 +235,45 @@ def test_kv_memory_budget_sizes_the_cache(tiny_llama):
 def test_invalid_batching_configs_are_rejected(kw, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kw).validate()
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_decode_attention_on_gpu_real_shapes():
+    """bf16 on the GPU at Qwen3 shapes (head_dim 128, GQA 2:1), ragged contexts up to 2048, both the
+    in-place and the gathered path, against the per-sequence float64 reference."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, hkv, d, length = 16, 8, 128, 2048
+    for num_rows, batch in [(64, 64), (64, 48), (64, 8)]:
+        kc = torch.randn(num_rows, length, hkv, d, generator=g, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn(num_rows, length, hkv, d, generator=g, device="cuda", dtype=torch.bfloat16)
+        rows = torch.randperm(num_rows, generator=g, device="cuda")[:batch]
+        lens = torch.randint(1, length + 1, (batch,), generator=g, device="cuda")
+        q = torch.randn(batch, h, d, generator=g, device="cuda", dtype=torch.bfloat16)
+        out = decode_attention(q, kc, vc, rows, lens, d**-0.5, None)
+        for b in range(0, batch, 7):
+            r, n = int(rows[b]), int(lens[b])
+            ref = sdpa_attention(q[b : b + 1].double(), kc[r, :n].double(), vc[r, :n].double(), d**-0.5, None)
+            torch.testing.assert_close(out[b].double(), ref[0], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_continuous_batching_on_gpu_matches_alone(tiny_llama):
+    """float32 on the GPU: each request's greedy tokens alone and in a continuous batch."""
+    from infer.loader import load_model
+
+    loaded = load_model(str(tiny_llama.path), device="cuda", dtype=torch.float32, progress=False)
+    arrivals = mixed_workload(loaded.config.vocab_size, 24, seed=3)
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig(model=str(loaded.path), device="cuda", dtype="float32", max_model_len=512,
+                                      **kw), loaded=loaded)
+
+    single = engine()
+    alone = [drive(single, [(0, p, sp)])[0] for _, p, sp in arrivals]
+    eng = engine(batching="continuous", max_num_seqs=16)
+    batched = drive(eng, arrivals)
+    assert [batched[i] for i in range(len(arrivals))] == alone
+    assert_pool_full(eng)
