@@ -67,6 +67,10 @@ def ceilings(device: str | torch.device, quick: bool = False) -> dict[str, float
 
 
 def git_commit() -> str:
+    """The short commit of the code measured; ``$INFER_COMMIT`` wins (the GPU machine gets a copy of
+    the working tree whose ``.git`` may lag behind, so the suite is told the commit)."""
+    if os.environ.get("INFER_COMMIT"):
+        return os.environ["INFER_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True, cwd=Path(__file__).parent).stdout.strip()
@@ -146,3 +150,30 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- helpers of the
+# throughput programs (offline_throughput.py, ablate.py)
+
+
+def percentiles_ms(xs: list[float], name: str) -> dict[str, float | None]:
+    """``{name_mean_ms, name_p50_ms, name_p90_ms, name_p99_ms}`` of durations given in seconds."""
+    keys = ("mean", "p50", "p90", "p99")
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return {f"{name}_{k}_ms": None for k in keys}
+    import numpy as np
+
+    a = 1e3 * np.asarray(xs, dtype=float)
+    vals = (a.mean(), *np.percentile(a, [50, 90, 99]))
+    return {f"{name}_{k}_ms": float(v) for k, v in zip(keys, vals)}
+
+
+def free_device_memory() -> None:
+    """Collect garbage and give cached CUDA memory back (between engines run in one process)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

@@ -1,0 +1,203 @@
+"""The throughput benchmark programs (benchmarks/offline_throughput.py, benchmarks/ablate.py), at tiny sizes.
+
+These check what the programs count and write, never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ablate  # noqa: E402
+import offline_throughput as ot  # noqa: E402
+
+# ---------------------------------------------------------------------------------- workload
+
+
+def test_scaled_sizes_follow_nano_vllm_and_explicit_values_win():
+    assert ot.scaled_sizes() == {"num_requests": 256, "min_len": 100, "max_len": 1024,
+                                 "min_output_len": 100, "max_output_len": 1024}
+    assert ot.scaled_sizes(0.1) == {"num_requests": 26, "min_len": 10, "max_len": 102,
+                                    "min_output_len": 10, "max_output_len": 102}
+    s = ot.scaled_sizes(0.1, num_requests=3, max_len=8, min_output_len=2)  # the scaled min_len 10 is clipped to 8
+    assert s == {"num_requests": 3, "min_len": 8, "max_len": 8, "min_output_len": 2, "max_output_len": 8}
+    assert ot.scaled_sizes(1.0, min_len=2000)["max_len"] == 2000
+    with pytest.raises(ValueError):
+        ot.scaled_sizes(0.1, min_len=20, max_len=8)
+    assert ot.scaled_sizes(0.001)["num_requests"] >= 1 and ot.scaled_sizes(0.001)["min_len"] >= 1
+
+
+def test_workload_lengths_are_in_range_and_deterministic():
+    w = ot.build_workload(200, 10, 20, vocab_size=500, seed=3, min_output_len=2, max_output_len=5)
+    assert w.num_requests == 200
+    assert all(10 <= len(p) <= 20 for p in w.prompts)
+    assert all(2 <= o <= 5 for o in w.output_lens)
+    assert {len(p) for p in w.prompts} == set(range(10, 21))  # uniform over the whole range
+    assert all(0 <= t <= 499 for p in w.prompts for t in p)  # capped at the vocabulary
+    again = ot.build_workload(200, 10, 20, vocab_size=500, seed=3, min_output_len=2, max_output_len=5)
+    assert (again.prompts, again.output_lens) == (w.prompts, w.output_lens)
+    other = ot.build_workload(200, 10, 20, vocab_size=500, seed=4, min_output_len=2, max_output_len=5)
+    assert other.prompts != w.prompts
+    assert w.prompt_tokens == sum(map(len, w.prompts)) and w.output_tokens == sum(w.output_lens)
+    assert w.max_seq_len == max(len(p) + o for p, o in zip(w.prompts, w.output_lens))
+
+
+def test_workload_at_scale_1_is_nano_vllms():
+    # nano-vllm bench.py: seed(0); prompts, then SamplingParams(max_tokens=randint(100, 1024))
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+    outs = [rng.randint(100, 1024) for _ in range(256)]
+    s = ot.scaled_sizes(1.0)
+    w = ot.build_workload(s["num_requests"], s["min_len"], s["max_len"], 151936, 0,
+                          s["min_output_len"], s["max_output_len"])
+    assert w.prompts == prompts and w.output_lens == outs
+
+
+def test_engine_overrides_parse_to_field_types_and_round_trip():
+    ov = ot.parse_overrides("batching=continuous, max_num_seqs=16,max-model-len=none,gpu_memory_utilization=0.5")
+    assert ov == {"batching": "continuous", "max_num_seqs": 16, "max_model_len": None,
+                  "gpu_memory_utilization": 0.5}
+    assert ot.parse_overrides(ot.format_overrides(ov)) == ov
+    assert ot.parse_overrides("batching=none") == {"batching": "none"}  # a string field keeps "none"
+    assert ot.parse_infer_configs("batching=none;batching=static") == [{"batching": "none"}, {"batching": "static"}]
+    assert ot.parse_infer_configs(None) == [{}]
+    with pytest.raises(ValueError, match="not an EngineConfig field"):
+        ot.parse_overrides("warp_speed=9")
+    with pytest.raises(ValueError):
+        ot.parse_overrides("batching")
+
+
+# ---------------------------------------------------------------------------------- HF padded batches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_hf_padded_batches_count_only_each_requests_own_tokens(compiled):
+    from tests.hf_reference import tiny_hf_model
+
+    model = tiny_hf_model("llama").eval()
+    wl = ot.build_workload(5, 2, 6, vocab_size=384, seed=1)
+    wl.output_lens = [3, 7, 2, 5, 4]
+    widths = [max(len(p) for p in wl.prompts[i:i + 2]) for i in (0, 2, 4)]
+    assert ot.hf_static_cache_len(wl, 2) == max(w + o for w, o in zip(widths, [7, 5, 4]))
+    r = ot.hf_padded_batches(model, wl, batch_size=2, temperature=0.0, compiled=compiled)
+    # batches [3, 7] -> 7 each, [2, 5] -> 5 each, [4] -> 4 (static cache: a dummy row, not counted)
+    assert r["generated_tokens"] == 2 * 7 + 2 * 5 + 4
+    assert r["output_tokens"] == 21 and r["padding_waste_tokens"] == 7
+    assert [q["tokens"] for q in r["requests"]] == wl.output_lens and r["tokens_ok"]
+    assert r["hf_batches"] == 3 and r["prompt_tokens"] == wl.prompt_tokens
+    assert r["output_tok_per_s"] == pytest.approx(21 / r["wall_s"])
+    assert r["total_tok_per_s"] == pytest.approx((21 + wl.prompt_tokens) / r["wall_s"])
+    e2e = [q["e2e_ms"] for q in r["requests"]]
+    assert e2e[0] == e2e[1] < e2e[2] == e2e[3] < e2e[4]  # a batch answers together, batches in order
+    assert all(0 < q["ttft_ms"] <= q["e2e_ms"] for q in r["requests"])
+
+
+# ---------------------------------------------------------------------------------- ablation plan
+
+
+def test_ablation_configs_are_all_off_each_value_all_on_without_duplicates():
+    values = {"a": (False, True), "b": ("x", "y", "z")}
+    cs = ablate.ablation_configs(values)
+    assert [c["name"] for c in cs] == ["all-off", "a=true", "b=y", "b=z", "all-on"]
+    assert [c["overrides"] for c in cs] == [
+        {"a": False, "b": "x"}, {"a": True, "b": "x"}, {"a": False, "b": "y"}, {"a": False, "b": "z"},
+        {"a": True, "b": "z"},
+    ]
+    keys = [tuple(sorted(c["overrides"].items())) for c in cs]
+    assert len(keys) == len(set(keys))
+
+    one = ablate.ablation_configs({"batching": ("none", "static", "continuous")})
+    assert [ablate.display_name(c) for c in one] == ["all-off", "batching=static", "batching=continuous = all-on"]
+
+    picked = ablate.ablation_configs(values, ["b"])  # a is not varied: off everywhere
+    assert [c["name"] for c in picked] == ["all-off", "b=y", "b=z"] and picked[2]["aliases"] == ["all-on"]
+    assert all(c["overrides"]["a"] is False for c in picked)
+    with pytest.raises(ValueError, match="not ablation flags"):
+        ablate.ablation_configs(values, ["c"])
+
+
+def test_ablation_configs_the_engine_rejects_are_skipped_with_the_reason():
+    values = {"batching": ("none", "continuous"), "max_num_seqs": (4, 0)}  # max_num_seqs=0 is invalid
+    cs = ablate.ablation_configs(values)
+    ablate.validate_configs(cs, {"model": "smollm2-135m", "device": "cpu"})
+    status = {c["name"]: c["status"] for c in cs}
+    assert status == {"all-off": "pending", "batching=continuous": "pending", "max_num_seqs=0": "skipped",
+                      "all-on": "skipped"}
+    assert all("max_num_seqs" in c["reason"] for c in cs if c["status"] == "skipped")
+    assert cs[1]["engine_config"]["batching"] == "continuous" and cs[1]["engine_config"]["max_num_seqs"] == 4
+
+
+def test_ablate_passes_engine_flags_on_and_refuses_an_ablated_one(capsys):
+    given, rest = ablate.split_engine_args(["--max-num-seqs", "16", "--temperature", "0", "--device", "cpu"])
+    assert given == {"max_num_seqs": 16, "device": "cpu"} and rest == ["--temperature", "0"]
+    assert ablate.server_flags({"batching": "static", "max_model_len": None, "max_num_seqs": 4}) == [
+        "--batching", "static", "--max-num-seqs", "4"]
+    assert ablate.main(["--dry-run", "--device", "cpu"]) == 0
+    names = capsys.readouterr().out
+    assert "all-off" in names and "all-on" in names
+    with pytest.raises(SystemExit):
+        ablate.main(["--dry-run", "--batching", "static"])
+
+
+# ---------------------------------------------------------------------------------- end to end
+
+
+def _check_report(rep: dict, engines: list[str]) -> None:
+    for key in ("env", "model", "dtype", "engine_config", "engine_configs", "workload", "ceilings", "results",
+                "rows", "skipped"):
+        assert key in rep, key
+    assert rep["env"]["commit"] and rep["env"]["torch"]
+    w = rep["workload"]
+    assert {"seed", "num_requests", "min_len", "max_len", "temperature", "ignore_eos"} <= set(w)
+    assert [r["engine"] for r in rep["results"]] == engines
+    for r in rep["results"]:
+        assert r["tokens_ok"] and len(r["requests"]) == w["num_requests"]
+        for q in r["requests"]:
+            assert q["tokens"] == q["output_len"]
+            assert w["min_len"] <= q["prompt_len"] <= w["max_len"]
+            assert w["min_output_len"] <= q["output_len"] <= w["max_output_len"]
+            assert q["ttft_ms"] is not None and q["e2e_ms"] >= q["ttft_ms"]
+        assert r["output_tokens"] == sum(q["output_len"] for q in r["requests"])
+        assert r["output_tok_per_s"] > 0 and r["total_tok_per_s"] > r["output_tok_per_s"]
+
+
+@pytest.mark.slow
+def test_offline_throughput_end_to_end_on_smollm2(tmp_path):
+    out = tmp_path / "ot.json"
+    rc = ot.main(["--engines", "infer", "--num-requests", "3", "--min-len", "4", "--max-len", "8",
+                  "--device", "cpu", "--no-progress", "--no-ceilings", "--temperature", "0", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    _check_report(rep, ["infer"])
+    assert rep["ceilings"] is None  # --no-ceilings (they take seconds on this CPU)
+    longest = max(q["prompt_len"] + q["output_len"] for q in rep["results"][0]["requests"])
+    assert rep["engine_configs"]["infer"]["max_model_len"] == longest  # the KV cache is sized for the workload
+    assert out.with_suffix(".md").read_text().count("| infer |") == 1
+
+
+@pytest.mark.slow
+def test_offline_throughput_infer_and_hf_on_the_same_checkpoint(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    model = make_checkpoint("tiny-llama", tmp_path / "tiny", dtype="float32", device="cpu")
+    out, png = tmp_path / "ot.json", tmp_path / "ot.png"
+    rc = ot.main(["--engines", "infer,hf,hf-compiled", "--model", str(model), "--num-requests", "3", "--min-len", "2",
+                  "--max-len", "6", "--hf-batch-size", "2", "--device", "cpu", "--no-progress", "--no-ceilings",
+                  "--infer-configs", "max_num_seqs=2", "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    _check_report(rep, ["infer", "hf"])
+    assert rep["results"][0]["label"] == "infer[max_num_seqs=2]"
+    assert rep["engine_configs"]["infer[max_num_seqs=2]"]["max_num_seqs"] == 2
+    assert [s["label"] for s in rep["skipped"]] == ["hf-compiled"]  # GPU only
+    assert rep["results"][1]["hf_batches"] == 2 and rep["baseline"] == "hf"
+    assert png.stat().st_size > 0
