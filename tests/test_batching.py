@@ -82,7 +82,9 @@ def alone_results(smollm2):
 def assert_pool_full(engine: LLMEngine) -> None:
     s = engine.scheduler
     assert not s.running and not s.waiting
-    assert sorted(s.free_rows) == list(range(s.num_rows)), "a cache row leaked"
+    pool = engine.kv_manager.pool
+    assert sorted(pool.free_blocks) == list(range(pool.num_blocks)), "a KV-cache block leaked"
+    assert all(c == 0 for c in pool.ref_counts)
 
 
 @pytest.mark.slow
@@ -198,9 +200,9 @@ def test_abort_mid_batch_frees_its_row_and_disturbs_nobody(tiny_llama, mode):
     got = {}
     for _ in range(4):
         eng.step()
-    free_before = len(eng.scheduler.free_rows)
+    free_before = eng.kv_manager.num_free_blocks
     assert eng.abort_request("r1")
-    assert len(eng.scheduler.free_rows) == free_before + 1  # freed at once, not at the batch's end
+    assert eng.kv_manager.num_free_blocks == free_before + 1  # freed at once, not at the batch's end
     while eng.has_unfinished_requests():
         for out in eng.step(stream=False):
             got[out.request_id] = [o.token_ids for o in out.outputs]
@@ -214,7 +216,7 @@ def test_kv_memory_budget_sizes_the_cache(tiny_llama):
     cfg = tiny_llama.config
     row = cfg.kv_bytes_per_token(torch.float32) * 128
     eng = make_engine(tiny_llama, max_model_len=128, max_num_seqs=8, kv_cache_memory_bytes=3 * row + 5)
-    assert eng.scheduler.num_rows == 3 and eng.runner.kv_cache.nbytes == 3 * row
+    assert eng.kv_manager.num_blocks == 3 and eng.runner.kv_cache.nbytes == 3 * row
     with pytest.raises(InvalidRequestError, match="n=4"):
         eng.add_request([1, 2, 3], SamplingParams(n=4))
     with pytest.raises(ValueError, match="cannot hold one sequence"):

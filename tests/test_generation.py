@@ -86,7 +86,7 @@ def test_n_sequences_differ_and_share_prompt(smollm2):
     final = outs[-1]
     assert [o.index for o in final.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in final.outputs}) > 1
-    assert not eng.scheduler.running and len(eng.scheduler.free_rows) == eng.config.max_num_seqs
+    assert not eng.scheduler.running and eng.kv_manager.num_free_blocks == eng.config.max_num_seqs
 
 
 def test_stop_conditions(smollm2):
@@ -174,5 +174,5 @@ def test_abort_frees_the_row(smollm2):
     eng.step()
     assert eng.scheduler.running
     assert eng.abort_request(req.request_id)
-    assert not eng.scheduler.running and len(eng.scheduler.free_rows) == eng.config.max_num_seqs
+    assert not eng.scheduler.running and eng.kv_manager.num_free_blocks == eng.config.max_num_seqs
     assert not eng.has_unfinished_requests()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,6 +24,8 @@ import torch
 
 LayerType = Literal["full_attention", "sliding_attention"]
 BATCHING_MODES = ("none", "static", "continuous")
+KV_CACHE_LAYOUTS = ("contiguous", "paged")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,14 @@ class EngineConfig:
                                                "forward); default: max(max_model_len, 2048)")
     batch_wait_timeout_ms: float = _flag(20.0, "static batching: how long the first waiting request waits for "
                                          "others to fill a batch (ms)")
+    # ---- phase 5: paged KV cache
+    kv_cache: str = _flag("contiguous", "contiguous: one max_model_len row per sequence, reserved at admission; "
+                          "paged: blocks of block_size tokens taken as a sequence grows, preemption (recompute) when "
+                          "they run out (vLLM's PagedAttention)", choices=KV_CACHE_LAYOUTS, ablation=KV_CACHE_LAYOUTS)
+    block_size: int = _flag(16, "paged KV cache: tokens per block")
+    attention_backend: str = _flag("auto", "auto (triton on CUDA, torch on CPU), torch (plain PyTorch, the "
+                                   "reference) or triton (the Triton kernels; on a CPU only under TRITON_INTERPRET=1)",
+                                   choices=ATTENTION_BACKENDS, ablation=("torch", "triton"))
     # ---- KV-cache sizing
     kv_cache_memory_bytes: int | None = _flag(None, "KV-cache budget in bytes; default: room for max_num_seqs "
                                               "full-length rows on CPU, gpu_memory_utilization on CUDA")
@@ -226,6 +237,19 @@ class EngineConfig:
                 "without chunked prefill a prompt runs in one step, so the budget must hold the longest "
                 "sequence; raise max_num_batched_tokens or lower max_model_len"
             )
+        if self.kv_cache not in KV_CACHE_LAYOUTS:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_LAYOUTS)}, got {self.kv_cache!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' on the CPU needs the Triton interpreter (set TRITON_INTERPRET=1 before "
+                "infer is imported; it is slow, meant for tests); use 'torch' or 'auto'"
+            )
         if not self.batch_wait_timeout_ms >= 0:
             raise ValueError(f"batch_wait_timeout_ms must be >= 0, got {self.batch_wait_timeout_ms}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -233,6 +257,12 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         return self
+
+    def resolved_attention_backend(self) -> str:
+        """``"torch"`` or ``"triton"``: ``auto`` is triton on CUDA, torch on the CPU."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.resolved_device().type == "cuda" else "torch"
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: the flag, or ``max(max_model_len, 2048)``.

@@ -1,7 +1,7 @@
 """Attention: the metadata object, KV caches and backends (see docs/phases/)."""
 
-from infer.attention.kv_cache import ContiguousKVCache, KVCache
+from infer.attention.kv_cache import KVCache
 from infer.attention.metadata import AttentionMetadata
 from infer.attention.torch_backend import TorchAttentionBackend
 
-__all__ = ["AttentionMetadata", "ContiguousKVCache", "KVCache", "TorchAttentionBackend"]
+__all__ = ["AttentionMetadata", "KVCache", "TorchAttentionBackend"]

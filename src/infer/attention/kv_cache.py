@@ -1,11 +1,19 @@
-"""KV caches.
+"""The KV cache tensors: a pool of blocks per layer.
 
-Phase 1's cache is *contiguous*: every sequence owns one row of ``max_len`` token slots per
-layer, allocated up front and written in place. A token's K/V lives at flat slot
-``row * max_len + position``, so writing a step's new K/V is one ``index_copy_`` with a
-slot mapping, exactly the shape the paged cache (phase 5) will use with blocks instead of
-rows. The cost of this layout is fragmentation: a row is sized for the longest possible
-sequence whatever the sequence really needs (measured in docs/phases/05-paged-kv.md).
+Every layer's keys and values live in ``[num_blocks, block_size, num_kv_heads, head_dim]``
+tensors (vLLM v1's and FlashAttention's layout). A token's K/V is at flat *slot*
+``block * block_size + offset``; which blocks a sequence owns (its *block table*) is decided by
+the scheduler's :class:`~infer.engine.kv_cache_manager.KVCacheManager`, and writing a step's
+new K/V is one scatter through the *slot mapping* (``reshape_and_cache`` in vLLM's terms).
+
+Two layouts, one class (``EngineConfig.kv_cache``):
+
+* ``"contiguous"`` (phases 1-4): ``block_size = max_model_len``, one block ("row") per
+  sequence, reserved whole at admission. Simple, and the attention can read a sequence's
+  context as one slice; the cost is fragmentation, every row being sized for the longest
+  possible sequence (measured in docs/phases/05-paged-kv.md).
+* ``"paged"`` (phase 5, PagedAttention, Kwon et al., SOSP 2023): small blocks (16 tokens by
+  default) taken as a sequence grows; the attention walks the block table.
 """
 
 from __future__ import annotations
@@ -16,72 +24,100 @@ _LAZY_ZERO_BYTES = 128 << 20  # CPU caches at least this big (k + v) come from f
 
 
 class KVCache:
-    """What an attention backend needs from a cache (the interface phase 5 implements again)."""
+    """``num_blocks`` blocks of ``block_size`` token slots, for every layer.
 
-    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        raise NotImplementedError
+    Storage: ``k`` and ``v`` of shape ``[num_layers, num_blocks, block_size, num_kv_heads,
+    head_dim]`` in ``dtype`` on ``device``; ``2 * num_layers * num_blocks * block_size *
+    num_kv_heads * head_dim * itemsize`` bytes (:attr:`nbytes`).
 
-    def read(self, layer_idx: int, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-
-class ContiguousKVCache(KVCache):
-    """``num_rows`` preallocated rows of ``max_len`` tokens, for every layer.
-
-    Storage: ``k`` and ``v`` of shape ``[num_layers, num_rows, max_len, num_kv_heads, head_dim]``
-    in ``dtype`` on ``device``. Memory: ``2 * num_layers * num_rows * max_len * num_kv_heads *
-    head_dim * itemsize`` bytes.
+    Args:
+        contiguous: True when every sequence owns exactly one block (the contiguous cache); the
+            plain-PyTorch attention then reads a sequence's context as one slice.
     """
 
     def __init__(
         self,
         num_layers: int,
-        num_rows: int,
-        max_len: int,
+        num_blocks: int,
+        block_size: int,
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        contiguous: bool = False,
     ) -> None:
-        shape = (num_layers, num_rows, max_len, num_kv_heads, head_dim)
-        # Zeroed: batched decode attention reads every row up to the longest context of the
-        # step and masks the rest, and a masked key must still be finite (NaN * 0 is NaN).
-        # On the CPU a large buffer is left to the OS, whose fresh pages read as zero and cost
-        # no memory until written (glibc serves allocations above 32 MiB with mmap); zeroing
-        # it would touch every page.
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeroed: the plain-PyTorch attention reads whole blocks and masks the slots past a
+        # sequence's length, and a masked value must still be finite (0 * NaN is NaN). On the CPU
+        # a large buffer is left to the OS, whose fresh pages read as zero and cost no memory until
+        # written (glibc serves allocations above 32 MiB with mmap); zeroing it would touch every page.
         nbytes = 2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         alloc = torch.empty if torch.device(device).type == "cpu" and nbytes >= _LAZY_ZERO_BYTES else torch.zeros
         self.k = alloc(shape, dtype=dtype, device=device)
         self.v = alloc(shape, dtype=dtype, device=device)
-        self.num_rows = num_rows
-        self.max_len = max_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.contiguous = contiguous
 
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def slot_mapping(self, rows: list[int], starts: list[int], lengths: list[int], device) -> torch.Tensor:
-        """int64 ``[sum(lengths)]``: slots for ``lengths[i]`` new tokens of ``rows[i]`` from ``starts[i]``."""
-        slots: list[int] = []
-        for row, start, n in zip(rows, starts, lengths):
-            base = row * self.max_len + start
-            slots.extend(range(base, base + n))
-        return torch.tensor(slots, dtype=torch.int64, device=device)
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` of one layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return self.k[layer_idx], self.v[layer_idx]
 
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` tokens of row ``src`` into row ``dst``, in every layer.
+    # >>> EXERCISE slot_mapping
+    def slot_mapping(self, block_tables: list[list[int]], starts: list[int], lengths: list[int]) -> list[int]:
+        """Flat slots of ``lengths[i]`` new tokens of sequence ``i``, from position ``starts[i]`` on.
 
-        Used when a request with ``n > 1`` prefilled once (in ``src``) for all its sequences.
+        Position ``p`` of a sequence with block table ``t`` is slot
+        ``t[p // block_size] * block_size + p % block_size``.
+
+        Returns:
+            ``sum(lengths)`` ints (the model runner makes an int64 tensor of them).
         """
-        self.k[:, dst, :length] = self.k[:, src, :length]
-        self.v[:, dst, :length] = self.v[:, src, :length]
+        bs = self.block_size
+        slots: list[int] = []
+        for table, start, n in zip(block_tables, starts, lengths):
+            p, end = start, start + n
+            while p < end:  # one run of consecutive slots per block touched
+                block, offset = divmod(p, bs)
+                run = min(bs - offset, end - p)
+                base = table[block] * bs + offset
+                slots.extend(range(base, base + run))
+                p += run
+        return slots
+    # <<< EXERCISE slot_mapping
+
+    def copy_block_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the first ``num_tokens`` slots of block ``src`` into block ``dst``, in every layer.
+
+        Used when a request with ``n > 1`` prefilled once: the forks share the prompt's full
+        blocks and each gets its own copy of the last, partly filled one (copy-on-write).
+        """
+        self.k[:, dst, :num_tokens] = self.k[:, src, :num_tokens]
+        self.v[:, dst, :num_tokens] = self.v[:, src, :num_tokens]
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store ``k``/``v`` (``[T, num_kv_heads, head_dim]``) at ``slot_mapping`` (int64 ``[T]``)."""
+        """Store ``k``/``v`` (``[T, num_kv_heads, head_dim]``) at ``slot_mapping`` (int64 ``[T]``).
+
+        The plain-PyTorch ``reshape_and_cache``: one ``index_copy_`` per tensor into the cache
+        seen as ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+        """
         kl, vl = self.k[layer_idx], self.v[layer_idx]
         kl.view(-1, *kl.shape[2:]).index_copy_(0, slot_mapping, k.to(kl.dtype))
         vl.view(-1, *vl.shape[2:]).index_copy_(0, slot_mapping, v.to(vl.dtype))
 
-    def read(self, layer_idx: int, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``length`` cached tokens of ``row``: two ``[length, num_kv_heads, head_dim]`` views."""
-        return self.k[layer_idx, row, :length], self.v[layer_idx, row, :length]
+    def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` cached tokens of a sequence: two ``[length, num_kv_heads, head_dim]``.
+
+        A view when the sequence's tokens sit in one block (the contiguous cache), else a copy
+        gathered through the block table.
+        """
+        kl, vl = self.k[layer_idx], self.v[layer_idx]
+        n = -(-length // self.block_size)
+        if n == 1:
+            return kl[block_table[0], :length], vl[block_table[0], :length]
+        idx = torch.tensor(block_table[:n], device=kl.device)
+        return (kl.index_select(0, idx).flatten(0, 1)[:length], vl.index_select(0, idx).flatten(0, 1)[:length])

@@ -12,12 +12,17 @@ Example: two sequences, the first prefilling 3 tokens, the second decoding its 6
     positions        = [0  1  2  | 5 ]
     query_start_loc  = [0, 3, 4]                      (cu_seqlens_q, B + 1 entries)
     seq_lens         = [3, 6]                         (context incl. the new tokens)
-    slot_mapping     = where each new token's K/V is written in the cache
+    block_tables     = [[7, -], [2, 9]]               (block_size 4: b0-b3 in block 2, b4-b5 in 9)
+    slot_mapping     = [28, 29, 30, 37]               (block * block_size + offset of each new token)
+
+The model runner puts the decode sequences (one new token each) first, so an attention backend
+can hand ``q[:num_decodes]`` to a decode kernel and the rest to a prefill kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,7 +45,10 @@ class AttentionMetadata:
         kv_cache: the cache K/V are written to and read from, or ``None`` for a cache-less
             forward over whole sequences (used by the parity gate and by scoring).
         slot_mapping: int64 ``[T]``: the flat cache slot of every new token (only with a cache).
-        cache_rows: int64 ``[B]`` (contiguous cache only): the cache row of each sequence.
+        block_tables: int32 ``[B, W]`` on the device: the KV blocks of each sequence, padded
+            with 0 to the widest table of the step (only with a cache).
+        block_tables_cpu: the same as lists of ints, unpadded.
+        num_decodes: the first ``num_decodes`` sequences have exactly one new token.
     """
 
     query_start_loc: torch.Tensor
@@ -49,7 +57,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     kv_cache: KVCache | None = None
     slot_mapping: torch.Tensor | None = None
-    cache_rows_cpu: list[int] | None = None
+    block_tables: torch.Tensor | None = None
+    block_tables_cpu: list[list[int]] | None = None
+    num_decodes: int = 0
 
     _decode: tuple | None = field(default=None, init=False, repr=False)
     # per-step values an attention backend builds once and reuses in every layer
@@ -58,6 +68,12 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @cached_property
+    def max_query_len(self) -> int:
+        """The most new tokens of one sequence in this step (host int)."""
+        q = self.query_start_loc_cpu
+        return max((q[i + 1] - q[i] for i in range(self.num_seqs)), default=0)
 
     def prefill_indices(self) -> list[int]:
         """Indices of the sequences with more than one new token this step."""
@@ -69,9 +85,9 @@ class AttentionMetadata:
 
         Returns:
             ``(token_idx, rows, seq_lens, max_seq_len, max_row + 1)``: int64 ``[B]`` positions of
-            their tokens in the flattened batch, int64 ``[B]`` cache rows, int64 ``[B]`` context
-            lengths, the longest context and the rows spanned (host ints); or None when no
-            sequence decodes.
+            their tokens in the flattened batch, int64 ``[B]`` cache rows (the first block of each
+            sequence: its only one in the contiguous cache), int64 ``[B]`` context lengths, the
+            longest context and the rows spanned (host ints); or None when no sequence decodes.
         """
         if self._decode is None:
             q = self.query_start_loc_cpu
@@ -81,7 +97,7 @@ class AttentionMetadata:
             else:
                 dev = self.query_start_loc.device
                 lens = [self.seq_lens_cpu[i] for i in idx]
-                rows = [self.cache_rows_cpu[i] for i in idx]
+                rows = [self.block_tables_cpu[i][0] for i in idx]
                 self._decode = (
                     torch.tensor([q[i] for i in idx], dtype=torch.int64, device=dev),
                     torch.tensor(rows, dtype=torch.int64, device=dev),

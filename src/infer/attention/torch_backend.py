@@ -1,6 +1,8 @@
-"""Reference attention in plain PyTorch (``F.scaled_dot_product_attention``).
+"""Attention in plain PyTorch (``F.scaled_dot_product_attention``): the CPU backend.
 
-It is the backend on the CPU and the reference every Triton kernel is tested against.
+For the paged cache it runs the references of the Triton kernels
+(:mod:`infer.attention.paged_reference`); for the contiguous cache and cache-less forwards,
+the functions below.
 For each sequence of the flattened batch it reads the sequence's context (from the KV cache,
 or the step's own K/V when there is no cache) and attends with an explicit
 *bottom-right-aligned* causal mask: query ``i`` of a sequence with ``Lq`` new tokens and
@@ -132,11 +134,62 @@ def decode_attention(
     # <<< EXERCISE decode_attention
 
 
-class TorchAttentionBackend:
-    """Plain-PyTorch attention over a contiguous KV cache (or no cache).
+def cacheless_attention(q, k, v, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    """Attention of whole sequences with no cache (the parity gate, scoring, memory profiling).
 
-    Decode sequences (one new token) of a step are batched into one :func:`decode_attention`
-    call per layer; prefills run one :func:`sdpa_attention` each.
+    Every sequence attends causally to its own new tokens only; one :func:`sdpa_attention` each.
+
+    Raises:
+        ValueError: when a sequence's query length differs from its length (a cached prefix).
+    """
+    starts = meta.query_start_loc_cpu
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        s, e = starts[i], starts[i + 1]
+        if e - s != seq_len:
+            raise ValueError("a cache-less forward needs whole sequences (query len == seq len)")
+        out[s:e] = sdpa_attention(q[s:e], k[s:e], v[s:e], scale, window)
+    return out
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None,
+                    decode_fn, prefill_fn, num_splits: int | None = None) -> torch.Tensor:
+    """Attention of one step over one layer's paged cache: decodes, then prefills.
+
+    The model runner puts the ``meta.num_decodes`` decode sequences first, so their queries are
+    ``q[:num_decodes]`` and go to ``decode_fn`` (:func:`~infer.attention.paged_reference.
+    paged_decode_attention` or its Triton twin) in one call; the remaining sequences (prefills,
+    with or without a cached prefix) go to ``prefill_fn`` in one call.
+
+    Args:
+        q: ``[T, num_heads, head_dim]``; k_cache, v_cache: ``[num_blocks, block_size,
+            num_kv_heads, head_dim]``, with this step's K/V already written.
+        num_splits: split-KV factor for the decode kernel (None: the kernel's choice).
+
+    Returns:
+        ``[T, num_heads, head_dim]``.
+    """
+    nd, b = meta.num_decodes, meta.num_seqs
+    if nd == b:  # a decode-only step: one query per sequence, in order
+        return decode_fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window,
+                         num_splits=num_splits)
+    out = torch.empty_like(q)
+    if nd:
+        decode_fn(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, window,
+                  out=out[:nd], num_splits=num_splits)
+    prefill_fn(q, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:], meta.seq_lens[nd:],
+               meta.max_query_len, scale, window, out=out)
+    return out
+
+
+class TorchAttentionBackend:
+    """Plain-PyTorch attention over the KV cache (or no cache); the CPU default.
+
+    * Contiguous cache (one block per sequence): the decode sequences of a step are batched
+      into one :func:`decode_attention` call per layer over the rows; prefills run one
+      :func:`sdpa_attention` each over their row.
+    * Paged cache: the references of the Triton kernels
+      (:mod:`infer.attention.paged_reference`) through :func:`paged_attention`.
     """
 
     name = "torch"
@@ -159,22 +212,21 @@ class TorchAttentionBackend:
             ``[T, num_heads, head_dim]``.
         """
         cache = meta.kv_cache
-        if cache is not None:
-            cache.write(layer_idx, k, v, meta.slot_mapping)
-        starts = meta.query_start_loc_cpu
         if cache is None:
-            out = torch.empty_like(q)
-            for i, seq_len in enumerate(meta.seq_lens_cpu):
-                s, e = starts[i], starts[i + 1]
-                if e - s != seq_len:
-                    raise ValueError("a cache-less forward needs whole sequences (query len == seq len)")
-                out[s:e] = sdpa_attention(q[s:e], k[s:e], v[s:e], scale, window)
-            return out
+            return cacheless_attention(q, k, v, meta, scale, window)
+        cache.write(layer_idx, k, v, meta.slot_mapping)
+        if not cache.contiguous:
+            from infer.attention import paged_reference as ref
+
+            k_cache, v_cache = cache.layer(layer_idx)
+            return paged_attention(q, k_cache, v_cache, meta, scale, window, ref.paged_decode_attention,
+                                   ref.paged_prefill_attention)
+        starts = meta.query_start_loc_cpu
         decode = meta.decode_batch()
         prefills = meta.prefill_indices()
         if decode is not None and len(decode[1]) == 1 and not prefills:
             # batch 1 (a single stream): read the row directly, no padding, no mask
-            k_i, v_i = cache.read(layer_idx, meta.cache_rows_cpu[0], meta.seq_lens_cpu[0])
+            k_i, v_i = cache.read(layer_idx, meta.block_tables_cpu[0], meta.seq_lens_cpu[0])
             return sdpa_attention(q, k_i, v_i, scale, window)
         out = torch.empty_like(q)
         if decode is not None:
@@ -191,6 +243,6 @@ class TorchAttentionBackend:
             out[token_idx] = o
         for i in prefills:
             s, e = starts[i], starts[i + 1]
-            k_i, v_i = cache.read(layer_idx, meta.cache_rows_cpu[i], meta.seq_lens_cpu[i])
+            k_i, v_i = cache.read(layer_idx, meta.block_tables_cpu[i], meta.seq_lens_cpu[i])
             out[s:e] = sdpa_attention(q[s:e], k_i, v_i, scale, window)
         return out

@@ -15,7 +15,8 @@ import time
 
 from infer.config import EngineConfig
 from infer.detokenizer import IncrementalDetokenizer
-from infer.engine.model_runner import ModelRunner, kv_cache_rows
+from infer.engine.kv_cache_manager import KVCacheManager
+from infer.engine.model_runner import ModelRunner, num_kv_blocks
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.scheduler import Scheduler
 from infer.engine.sequence import Request, SeqStatus, Sequence
@@ -55,15 +56,21 @@ class LLMEngine:
         self.eos_token_ids = list(dict.fromkeys(mcfg.eos_token_ids or self.tokenizer.eos_token_ids))
         self.vocab_size = mcfg.vocab_size
         budget = config.resolved_max_num_batched_tokens(self.max_model_len)
-        num_rows = kv_cache_rows(self.loaded, self.max_model_len, config.max_num_seqs, budget,
-                                 config.kv_cache_memory_bytes, config.gpu_memory_utilization)
-        self.runner = ModelRunner(self.loaded, self.max_model_len, num_rows)
-        log.info("KV cache: %d rows x %d tokens (%.2f GiB), batching=%s, max_num_batched_tokens=%d", num_rows,
-                 self.max_model_len, self.runner.kv_cache.nbytes / 2**30, config.batching, budget)
+        paged = config.kv_cache == "paged"
+        block_size = config.block_size if paged else self.max_model_len  # contiguous: one block per sequence
+        num_blocks = num_kv_blocks(self.loaded, block_size, self.max_model_len, config.max_num_seqs, budget,
+                                   config.kv_cache_memory_bytes, config.gpu_memory_utilization)
+        backend = config.resolved_attention_backend()
+        self.runner = ModelRunner(self.loaded, num_blocks, block_size, contiguous=not paged,
+                                  attention_backend=backend)
+        log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, batching=%s, "
+                 "max_num_batched_tokens=%d", config.kv_cache, num_blocks, block_size,
+                 self.runner.kv_cache.nbytes / 2**30, backend, config.batching, budget)
+        self.kv_manager = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(
-            num_rows,
+            self.kv_manager,
             policy=config.batching,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.max_num_seqs if paged else min(config.max_num_seqs, num_blocks),
             max_num_batched_tokens=budget,
             batch_wait_timeout_s=config.batch_wait_timeout_ms / 1000,
         )
@@ -130,7 +137,17 @@ class LLMEngine:
         if params.n > self.scheduler.max_num_seqs:
             raise InvalidRequestError(
                 f"n={params.n} exceeds the {self.scheduler.max_num_seqs} sequences this engine can run at once "
-                f"(max_num_seqs={self.config.max_num_seqs}, KV-cache rows={self.scheduler.num_rows})", param="n"
+                f"(max_num_seqs={self.config.max_num_seqs}, KV-cache blocks={self.kv_manager.num_blocks})", param="n"
+            )
+        # every sequence at its longest must fit the cache together, or preempting everybody else
+        # would still not let this request finish
+        longest = min(limit, len(ids) + (params.max_tokens if params.max_tokens is not None else limit))
+        need = params.n * self.kv_manager.blocks_for(longest)
+        if need > self.kv_manager.num_blocks:
+            raise InvalidRequestError(
+                f"n={params.n} sequences of up to {longest} tokens need {need} KV-cache blocks; the cache has "
+                f"{self.kv_manager.num_blocks} blocks of {self.kv_manager.block_size} tokens; lower n or max_tokens",
+                param="n",
             )
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.requests:
@@ -158,7 +175,7 @@ class LLMEngine:
         return req
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its cache rows. Returns False if it was unknown."""
+        """Stop a request now and free its KV-cache blocks. Returns False if it was unknown."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
@@ -178,6 +195,11 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Requests preempted so far (the KV cache ran out of blocks; see the scheduler)."""
+        return self.scheduler.num_preemptions
 
     # ------------------------------------------------------------------ the loop
 

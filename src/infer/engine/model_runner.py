@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.attention import AttentionMetadata, ContiguousKVCache, TorchAttentionBackend
+from infer.attention import AttentionMetadata, KVCache, TorchAttentionBackend
 from infer.engine.scheduler import ScheduledSeq
 from infer.engine.sequence import Sequence
 from infer.loader import LoadedModel
@@ -38,45 +38,52 @@ class StepResult:
     prompt_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def kv_cache_rows(
+def num_kv_blocks(
     loaded: LoadedModel,
+    block_size: int,
     max_model_len: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
     kv_cache_memory_bytes: int | None = None,
     gpu_memory_utilization: float = 0.9,
 ) -> int:
-    """How many contiguous-cache rows (sequences of ``max_model_len`` tokens) to allocate.
+    """How many KV-cache blocks of ``block_size`` tokens to allocate.
 
     The budget is ``kv_cache_memory_bytes`` if given; on CUDA otherwise, as vLLM does, the
     memory left under ``gpu_memory_utilization`` of the GPU after the weights and a profiling
     forward of ``max_num_batched_tokens`` tokens (the largest step's activations); on CPU
-    otherwise, room for ``max_num_seqs`` rows (pages are only touched when written).
+    otherwise, room for ``max_num_seqs`` sequences of ``max_model_len`` tokens (pages are only
+    touched when written).
 
     Returns:
-        ``min(max_num_seqs, budget // row_bytes)``.
+        ``min(budget // block_bytes, max_num_seqs * ceil(max_model_len / block_size))``: more
+        blocks than ``max_num_seqs`` full-length sequences can hold would sit idle. For the
+        contiguous cache (``block_size = max_model_len``) that is the number of rows.
 
     Raises:
-        ValueError: when not even one row fits, with the numbers.
+        ValueError: when not even one ``max_model_len``-token sequence fits, with the numbers.
     """
     cfg = loaded.config
     p = next(loaded.model.parameters())
-    row_bytes = cfg.kv_bytes_per_token(p.dtype) * max_model_len
+    block_bytes = cfg.kv_bytes_per_token(p.dtype) * block_size
+    per_seq = -(-max_model_len // block_size)
+    cap = max_num_seqs * per_seq
     if kv_cache_memory_bytes is not None:
         budget, where = kv_cache_memory_bytes, "kv_cache_memory_bytes"
     elif p.device.type == "cuda":
         budget, where = _profile_free_gpu_memory(loaded, max_model_len, max_num_seqs, max_num_batched_tokens,
                                                  gpu_memory_utilization), "gpu_memory_utilization"
     else:
-        return max_num_seqs
-    rows = min(max_num_seqs, budget // row_bytes)
-    if rows < 1:
+        return cap
+    blocks = min(cap, budget // block_bytes)
+    if blocks < per_seq:
+        seq_bytes = per_seq * block_bytes
         raise ValueError(
             f"the KV cache budget ({where}: {budget / 2**30:.2f} GiB) cannot hold one sequence of "
-            f"max_model_len={max_model_len} tokens ({row_bytes / 2**30:.2f} GiB); lower max_model_len or "
+            f"max_model_len={max_model_len} tokens ({seq_bytes / 2**30:.2f} GiB); lower max_model_len or "
             f"raise the budget"
         )
-    return int(rows)
+    return int(blocks)
 
 
 @torch.inference_mode()
@@ -105,32 +112,46 @@ def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_se
     return max(0, int(total * utilization) - peak - outside)
 
 
+def make_attention_backend(name: str, device: torch.device):
+    """The attention backend called ``name`` (``"torch"`` or ``"triton"``), chosen once per engine."""
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from infer.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(device)
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
 class ModelRunner:
-    """Owns the model on its device and the KV cache.
+    """Owns the model on its device, the KV cache and the attention backend.
 
     Args:
         loaded: the model from :func:`infer.loader.load_model`.
-        max_model_len: tokens per cache row.
-        num_rows: cache rows (sequences that can hold cache space at once); see
-            :func:`kv_cache_rows` for sizing it from a memory budget.
+        num_blocks, block_size: the KV cache's blocks (see :func:`num_kv_blocks`).
+        contiguous: one block per sequence (``block_size = max_model_len``): the contiguous cache.
+        attention_backend: ``"torch"`` or ``"triton"``.
     """
 
-    def __init__(self, loaded: LoadedModel, max_model_len: int, num_rows: int) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
+                 attention_backend: str = "torch") -> None:
         self.model = loaded.model
         cfg = loaded.config
         self.config = cfg
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.kv_cache = ContiguousKVCache(
-            cfg.num_layers, num_rows, max_model_len, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
-        )
-        self.model.set_attention_backend(TorchAttentionBackend())
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                self.device, contiguous=contiguous)
+        self.attention_backend = make_attention_backend(attention_backend, self.device)
+        self.model.set_attention_backend(self.attention_backend)
         self.vocab_size = cfg.vocab_size
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], eos_ids: list[int]) -> StepResult:
         """Run one step over ``scheduled`` and sample the sequences that are ready to."""
-        ids, positions, starts, seq_lens, rows, firsts, sample_at, sampled = self._flatten(scheduled)
+        # decodes first (stable), so the attention gets them as one slice (AttentionMetadata)
+        scheduled = sorted(scheduled, key=lambda item: item.num_tokens != 1)
+        ids, positions, starts, seq_lens, tables, firsts, sample_at, sampled = self._flatten(scheduled)
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
@@ -138,16 +159,25 @@ class ModelRunner:
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
             kv_cache=self.kv_cache,
-            slot_mapping=self.kv_cache.slot_mapping(rows, firsts, [s.num_tokens for s in scheduled], dev),
-            cache_rows_cpu=rows,
+            slot_mapping=torch.tensor(
+                self.kv_cache.slot_mapping(tables, firsts, [s.num_tokens for s in scheduled]), dtype=torch.int64,
+                device=dev,
+            ),
+            block_tables=self._block_table_tensor(tables),
+            block_tables_cpu=tables,
+            num_decodes=sum(1 for s in scheduled if s.num_tokens == 1),
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
             meta,
         )
-        for item in scheduled:  # n > 1: the forks get a copy of the prompt's K/V
+        bs = self.kv_cache.block_size
+        for item in scheduled:  # n > 1: each fork gets its copy of the prompt's last, partly filled block
+            n = item.seq.num_computed_tokens + item.num_tokens
             for fork in item.forks:
-                self.kv_cache.copy_row(item.seq.cache_row, fork.cache_row, item.seq.num_computed_tokens + item.num_tokens)
+                src, dst = item.seq.block_table[-1], fork.block_table[-1]
+                if src != dst:
+                    self.kv_cache.copy_block_prefix(src, dst, n - (len(item.seq.block_table) - 1) * bs)
         prompt_lp = self._prompt_logprobs(scheduled, starts, hidden)
         if not sampled:
             return StepResult([], None, prompt_lp)
@@ -155,13 +185,22 @@ class ModelRunner:
         tensors = self._sampling_tensors(sampled, eos_ids)
         return StepResult(sampled, sample(logits, tensors), prompt_lp)
 
+    def _block_table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
+        """int32 ``[B, W]`` on the device: the block tables, padded with 0 to the widest."""
+        width = max(len(t) for t in tables)
+        if width == 1:
+            flat = [t[0] for t in tables]
+        else:
+            flat = [b for t in tables for b in (t + [0] * (width - len(t)))]
+        return torch.tensor(flat, dtype=torch.int32).view(len(tables), width).to(self.device, non_blocking=True)
+
     @staticmethod
     def _flatten(scheduled: list[ScheduledSeq]):
         """The step as flat host lists (see :class:`~infer.attention.AttentionMetadata`).
 
         Returns:
             ``(input_ids [T], positions [T], query_start_loc [B + 1], seq_lens [B],
-            cache_rows [B], first new position of each sequence [B], sample_at, sampled)``:
+            block_tables [B][*], first new position of each sequence [B], sample_at, sampled)``:
             ``sample_at`` are the flat indices whose logits are sampled, one per sequence in
             ``sampled`` (a sequence whose prompt is complete after this step, then its forks,
             which sample from the same position).
@@ -169,7 +208,7 @@ class ModelRunner:
         # >>> EXERCISE flatten_batch
         ids: list[int] = []
         positions: list[int] = []
-        starts, seq_lens, rows, firsts = [0], [], [], []
+        starts, seq_lens, tables, firsts = [0], [], [], []
         sample_at: list[int] = []
         sampled: list[Sequence] = []
         for item in scheduled:
@@ -179,13 +218,13 @@ class ModelRunner:
             positions.extend(range(first, first + n))
             starts.append(starts[-1] + n)
             seq_lens.append(first + n)
-            rows.append(seq.cache_row)
+            tables.append(seq.block_table)
             firsts.append(first)
             if first + n >= seq.num_prompt_tokens:  # the prompt is complete: sample
                 for s in (seq, *item.forks):
                     sample_at.append(starts[-1] - 1)
                     sampled.append(s)
-        return ids, positions, starts, seq_lens, rows, firsts, sample_at, sampled
+        return ids, positions, starts, seq_lens, tables, firsts, sample_at, sampled
         # <<< EXERCISE flatten_batch
 
     def _sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int]) -> SamplingTensors:
@@ -218,6 +257,9 @@ class ModelRunner:
             k = seq.params.prompt_logprobs
             if k is None or seq.index != 0 or seq.num_computed_tokens >= seq.num_prompt_tokens:
                 continue
+            done = seq.request.prompt_logprobs
+            if done is not None and len(done) >= seq.num_prompt_tokens:
+                continue  # recomputed after a preemption: already reported
             s = starts[i]
             first = seq.num_computed_tokens
             end = min(first + item.num_tokens, seq.num_prompt_tokens)

@@ -2,7 +2,9 @@
 
 It never touches tensors. Its output is a list of :class:`ScheduledSeq` (a sequence and its
 number of new tokens); the model runner turns that into one flattened forward, prefill and
-decode alike.
+decode alike. KV-cache space is handed out in blocks by a
+:class:`~infer.engine.kv_cache_manager.KVCacheManager` (one block of ``max_model_len`` tokens
+per sequence for the contiguous cache, ``block_size``-token blocks for the paged one).
 
 Three admission policies share everything else (``EngineConfig.batching``):
 
@@ -17,23 +19,28 @@ Three admission policies share everything else (``EngineConfig.batching``):
 
 Each step is built the same way whatever the policy (vLLM v1's scheduler order):
 
-1. running sequences first: one decode token each, or their whole prompt if they were
-   admitted but their prefill did not fit an earlier step's budget;
+1. running sequences first: one decode token each, or all their uncomputed tokens if they
+   were admitted but their prefill did not fit an earlier step's budget. A sequence that
+   crosses a block boundary takes a new block; when none is free, the most recently admitted
+   request is *preempted* (phase 5, recompute): its blocks are freed, it goes back to the
+   front of the waiting queue, and when it is admitted again it prefills its prompt and the
+   tokens it had generated, then carries on where it stopped (vLLM's default policy);
 2. then admission (policy above), FIFO, stopping at the first request that does not fit,
    so no request is overtaken forever.
 
-A request with ``n > 1`` holds ``n`` cache rows but prefills once: its sequence 0 runs the
-prompt with the others attached as ``forks``; the model runner copies the prompt's K/V to
-the forks' rows and samples every fork's first token from the same logits.
+A request with ``n > 1`` prefills once: its sequence 0 runs the prompt with the others
+attached as ``forks``, which share the prompt's full blocks and get a copy of its last,
+partly filled block (the model runner copies it after the forward); every fork samples its
+first token from the same logits.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from infer.engine.kv_cache_manager import KVCacheManager
 from infer.engine.sequence import Request, SeqStatus, Sequence
 
 
@@ -42,7 +49,8 @@ class ScheduledSeq:
     """``num_tokens`` tokens of ``seq`` run this step, from ``seq.num_computed_tokens`` on.
 
     ``forks``: sibling sequences (same request, ``n > 1``) that share this prefill; after the
-    step they hold a copy of the prompt's K/V and a first token of their own.
+    step they hold the prompt's K/V (shared blocks plus a copy of the last one) and a first
+    token of their own.
     """
 
     seq: Sequence
@@ -51,45 +59,46 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    """FIFO admission into a fixed number of KV-cache rows under a per-step token budget.
+    """FIFO admission into a block-managed KV cache under a per-step token budget.
 
     Args:
-        num_rows: rows of the contiguous KV cache (the most sequences that hold cache space).
+        kv: the block manager of the KV cache.
         policy: ``"none"``, ``"static"`` or ``"continuous"`` (module docstring).
         max_num_seqs: the most sequences running at once.
         max_num_batched_tokens: the most tokens (prefill + decode) in one step.
         batch_wait_timeout_s: static batching: the longest the oldest request waits for a
             batch to fill.
+
+    Attributes:
+        num_preemptions: requests preempted so far (``infer:num_preemptions_total``).
     """
 
     def __init__(
         self,
-        num_rows: int,
+        kv: KVCacheManager,
         policy: str = "none",
-        max_num_seqs: int | None = None,
+        max_num_seqs: int = 8,
         max_num_batched_tokens: int = 1 << 62,
         batch_wait_timeout_s: float = 0.0,
     ) -> None:
         if policy not in ("none", "static", "continuous"):
             raise ValueError(f"unknown batching policy {policy!r}")
         self.policy = policy
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []
-        # a min-heap: the lowest free row is handed out first, so rows in use stay packed at
-        # the bottom of the cache (the decode attention reads rows [0, highest used row])
-        self.free_rows: list[int] = list(range(num_rows))
-        self.num_rows = num_rows
-        self.max_num_seqs = min(max_num_seqs or num_rows, num_rows)
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.batch_wait_timeout_s = batch_wait_timeout_s
         self.num_steps = 0
+        self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
     def kv_cache_usage(self) -> float:
-        """Fraction (0-1) of the KV cache held by sequences: rows in use / rows."""
-        return 1.0 - len(self.free_rows) / self.num_rows
+        """Fraction (0-1) of the KV cache held by sequences: blocks in use / blocks."""
+        return self.kv.usage()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -97,9 +106,9 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
 
     def _has_room(self, request: Request) -> bool:
-        """Are there cache rows and sequence slots for all of ``request``'s sequences?"""
-        n = len(request.seqs)
-        return n <= len(self.free_rows) and len(self.running) + n <= self.max_num_seqs
+        """Are there KV blocks and sequence slots for all of ``request``'s unfinished sequences?"""
+        n = len(request.unfinished_seqs)
+        return len(self.running) + n <= self.max_num_seqs and self.kv.can_admit(request)
 
     def _batch_ready(self) -> bool:
         """Static batching: is it time to start a batch?
@@ -116,11 +125,29 @@ class Scheduler:
         return time.perf_counter() - self.waiting[0].arrival_time >= self.batch_wait_timeout_s
         # <<< EXERCISE batch_ready
 
-    def _admit(self, request: Request) -> None:
-        for seq in request.seqs:
-            seq.cache_row = heapq.heappop(self.free_rows)
+    @staticmethod
+    def _first_prefill(request: Request) -> int:
+        """Tokens of the first prefill an admitted request runs (its prompt, or after a
+        preemption its first unfinished sequence's prompt and generated tokens)."""
+        return request.prompt_len if request.shares_prefill else len(request.unfinished_seqs[0].token_ids)
+
+    def _admit(self, request: Request, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        """Give ``request`` its KV blocks, make it running, and schedule the prefills that fit
+        ``budget`` (the others run in later steps). Returns the budget left."""
+        self.kv.admit(request)
+        seqs = request.unfinished_seqs
+        for seq in seqs:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+        if request.shares_prefill:  # one prefill for all n sequences
+            items = [ScheduledSeq(seqs[0], request.prompt_len, seqs[1:])]
+        else:
+            items = [ScheduledSeq(s, s.num_uncomputed_tokens) for s in seqs]
+        for item in items:
+            if item.num_tokens <= budget:
+                scheduled.append(item)
+                budget -= item.num_tokens
+        return budget
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         """Admit waiting requests (FIFO) while they fit; append their prefills to ``scheduled``.
@@ -129,7 +156,7 @@ class Scheduler:
         (later ones never overtake it). ``"none"`` admits one request into an empty engine;
         ``"static"`` admits a whole batch when :meth:`_batch_ready` (a member whose prompt does
         not fit this step's budget is admitted anyway and prefills in a later step);
-        ``"continuous"`` admits at every step while rows, sequence slots and budget allow.
+        ``"continuous"`` admits at every step while KV blocks, sequence slots and budget allow.
         """
         # >>> EXERCISE admission
         if self.policy == "none" and self.running:
@@ -138,15 +165,10 @@ class Scheduler:
             return budget
         while self.waiting and self._has_room(self.waiting[0]):
             request = self.waiting[0]
-            fits_budget = request.prompt_len <= budget
-            if not fits_budget and self.policy != "static":
+            if self._first_prefill(request) > budget and self.policy != "static":
                 break
             self.waiting.popleft()
-            self._admit(request)
-            if fits_budget:
-                first, *forks = request.seqs
-                scheduled.append(ScheduledSeq(first, request.prompt_len, forks))
-                budget -= request.prompt_len
+            budget = self._admit(request, budget, scheduled)
             if self.policy == "none":
                 break
         return budget
@@ -154,38 +176,69 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
 
+    @staticmethod
+    def _waits_for_shared_prefill(seq: Sequence) -> bool:
+        """A fork of a fresh request: its sequence 0 prefills for it."""
+        return seq.index > 0 and seq.num_computed_tokens == 0 and seq.request.shares_prefill
+
     def schedule(self) -> list[ScheduledSeq]:
         """The sequences that run this step and how many new tokens each contributes."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        for seq in self.running:
-            if seq.in_prefill:
-                # a fork waits for its sequence 0, which prefills for it
-                if seq.index > 0 and seq.num_computed_tokens == 0:
-                    continue
-                n = len(seq.token_ids) - seq.num_computed_tokens
-                if n > budget:
-                    continue
-                forks = [s for s in seq.request.seqs[1:] if s.num_computed_tokens == 0] if seq.index == 0 else []
-                scheduled.append(ScheduledSeq(seq, n, forks))
-            else:
-                if budget < 1:
-                    break
-                scheduled.append(ScheduledSeq(seq, 1))
-                n = 1
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or self._waits_for_shared_prefill(seq):
+                continue  # preempted earlier in this step, or a fork
+            n = seq.num_uncomputed_tokens
+            if n > budget:
+                if n == 1:
+                    break  # the budget is spent
+                continue  # a prefill that does not fit this step; smaller work may
+            if not self._reserve_blocks(seq, n, scheduled):
+                budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
+                continue  # seq itself was preempted
+            forks = [s for s in seq.request.seqs[1:] if self._waits_for_shared_prefill(s)] if seq.index == 0 else []
+            scheduled.append(ScheduledSeq(seq, n, forks))
             budget -= n
         self._admit_waiting(budget, scheduled)
         if scheduled:
             self.num_steps += 1
         return scheduled
 
+    # ------------------------------------------------------------------ preemption
+
+    def _reserve_blocks(self, seq: Sequence, n: int, scheduled: list[ScheduledSeq]) -> bool:
+        """Make room in the cache for ``n`` new tokens of ``seq``, preempting if need be.
+
+        While the pool is short, the request of the last running sequence (the most recently
+        admitted) is preempted. Returns False if that was ``seq``'s own request.
+        """
+        # >>> EXERCISE preemption
+        while not self.kv.allocate_slots(seq, n):
+            victim = self.running[-1].request
+            self.preempt(victim)
+            scheduled[:] = [s for s in scheduled if s.seq.request is not victim]
+            if victim is seq.request:
+                return False
+        return True
+        # <<< EXERCISE preemption
+
+    def preempt(self, request: Request) -> None:
+        """Preempt by recompute: free ``request``'s blocks and put it back at the front of the
+        waiting queue. Its sequences keep their tokens; readmitted, they recompute their K/V."""
+        for seq in request.seqs:
+            if seq.status is SeqStatus.RUNNING:
+                self.kv.free(seq)
+                self.running.remove(seq)
+                seq.status = SeqStatus.WAITING
+                seq.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
     # ------------------------------------------------------------------ leaving
 
     def free(self, seq: Sequence) -> None:
-        """Release a finished (or aborted) sequence's cache row at once."""
-        if seq.cache_row is not None:
-            heapq.heappush(self.free_rows, seq.cache_row)
-            seq.cache_row = None
+        """Release a finished (or aborted) sequence's KV blocks at once."""
+        self.kv.free(seq)
         if seq in self.running:
             self.running.remove(seq)
 
@@ -194,6 +247,8 @@ class Scheduler:
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
+                for seq in req.seqs:
+                    self.kv.free(seq)  # nothing held unless a bug; keep the pool exact
                 return req
         found = None
         for seq in list(self.running):

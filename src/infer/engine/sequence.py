@@ -32,7 +32,9 @@ class Sequence:
         num_prompt_tokens: length of the prompt part of ``token_ids``.
         num_computed_tokens: how many of ``token_ids`` have their K/V in the cache.
         seed: the sequence's random stream (the request's seed, offset by ``index``).
-        cache_row: the contiguous-cache row it owns while running, else None.
+        block_table: the KV-cache blocks it holds while running, in order (empty otherwise):
+            token ``p`` is in block ``block_table[p // block_size]`` (see
+            :mod:`infer.engine.kv_cache_manager`).
     """
 
     seq_id: int
@@ -44,7 +46,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
-    cache_row: int | None = None
+    block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[PositionLogprobs] | None = None
@@ -75,6 +77,12 @@ class Sequence:
         """True until the whole prompt has been run through the model."""
         return self.num_computed_tokens < self.num_prompt_tokens
 
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V is not in the cache yet: 1 when decoding; the prompt before the
+        prefill; the prompt and every generated token after a preemption (recompute)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
 
 @dataclass(eq=False)
 class Request:
@@ -97,3 +105,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    @property
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def shares_prefill(self) -> bool:
+        """True while no sequence has generated a token: sequence 0's prefill serves them all.
+
+        (After a preemption, sequences that already generated tokens each recompute their own.)
+        """
+        return all(s.num_output_tokens == 0 for s in self.seqs)
