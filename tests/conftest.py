@@ -58,6 +58,21 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory):
+    """A tiny random-weight Gemma 3 (sliding window 32, head_dim 32), loaded once."""
+    import sys
+    from pathlib import Path
+
+    from infer.loader import load_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    path = make_checkpoint("tiny-gemma3", tmp_path_factory.mktemp("tiny-gemma3"), dtype="float32", device="cpu")
+    return load_model(str(path), device="cpu", dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
 def gemma3():
     """The shipped Gemma 3 270M (float32, CPU), loaded once."""
     from infer.loader import load_model
