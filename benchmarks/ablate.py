@@ -116,6 +116,43 @@ def validate_configs(configs: list[dict[str, Any]], base: dict[str, Any]) -> Non
             c["status"], c["reason"] = "skipped", str(e)
 
 
+def usable_all_on(configs: list[dict[str, Any]], values: dict[str, tuple], flags: list[str] | None,
+                  base: dict[str, Any]) -> None:
+    """When ``all-on`` is rejected here (``attention_backend=triton`` on a CPU, say), add the all-on
+    of what is usable: each flag at its last value whose one-flag configuration validated, the
+    others off (in place, after :func:`validate_configs`; the new configuration is named
+    ``all-on`` and its ``note`` names the flags left off)."""
+    from infer.config import EngineConfig
+
+    flags = list(values) if flags is None else list(flags)
+    old = next(c for c in configs if c["name"] == "all-on" or "all-on" in c["aliases"])
+    if old["status"] != "skipped":
+        return
+    off = {f: vals[0] for f, vals in values.items()}
+    overrides, left_off = dict(off), []
+    for f in flags:
+        ok = [c["overrides"][f] for c in configs
+              if c["status"] == "pending" and c["overrides"] == {**off, f: c["overrides"][f]} and c["overrides"][f] != off[f]]
+        if ok:
+            overrides[f] = ok[-1]
+        elif len(values[f]) > 1:
+            left_off.append(f)
+    if old["name"] == "all-on":
+        old["name"] = "all-on (as asked)"
+    else:
+        old["aliases"].remove("all-on")
+    if any(c["overrides"] == overrides for c in configs):
+        next(c for c in configs if c["overrides"] == overrides)["aliases"].append("all-on")
+        return
+    new = {"name": "all-on", "overrides": overrides, "aliases": [], "status": "pending",
+           "note": f"all-on without {', '.join(left_off)} (rejected here)"}
+    try:
+        new["engine_config"] = EngineConfig.from_kwargs(**{**base, **overrides}).validate().to_dict()
+    except (TypeError, ValueError) as e:
+        new["status"], new["reason"] = "skipped", str(e)
+    configs.append(new)
+
+
 def split_engine_args(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
     """``(EngineConfig kwargs given explicitly, the other tokens)`` of the passed-on arguments."""
     from infer.config import add_engine_args
@@ -323,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{', '.join(clash)} is ablated here; do not pass it (use --flags to pick flags)")
     base = {**given, "model": args.model}
     validate_configs(configs, base)
+    usable_all_on(configs, values, flags, base)
     for c in configs:
         extra = f"  SKIPPED: {c['reason']}" if c["status"] == "skipped" else ""
         print(f"  {display_name(c):40s} {format_overrides(c['overrides'])}{extra}", flush=True)

@@ -330,6 +330,7 @@ def run_infer(llm, wl: Workload, temperature: float, progress: bool = True, warm
         w = warmup_workload(wl)
         llm.generate(w.prompts, [params(o) for o in w.output_lens], use_tqdm=False)
     sps = [params(o) for o in wl.output_lens]
+    llm.engine.scheduler.reset_stats()
     sync(device)
     t0 = time.perf_counter()
     outs = llm.generate(wl.prompts, sps, use_tqdm=progress)
@@ -345,7 +346,8 @@ def run_infer(llm, wl: Workload, temperature: float, progress: bool = True, warm
         ttft.append(None if first is None else first - start)
         e2e.append(None if fin is None else fin - start)
         tpot.append((fin - first) / (n - 1) if first is not None and fin is not None and n > 1 else None)
-    return summarize("infer", label, wl, wall, tokens, ttft, e2e, tpot)
+    # steps, preemptions, widest batch, KV utilization, cache size
+    return summarize("infer", label, wl, wall, tokens, ttft, e2e, tpot, extra=llm.engine.stats())
 
 
 def make_llm(model: str, engine_kwargs: dict[str, Any], wl: Workload, progress: bool):
@@ -541,7 +543,8 @@ def run_hf_cb(model, wl: Workload, temperature: float, progress: bool = True, wa
 
 
 COLUMNS = ["label", "output_tok_per_s", "total_tok_per_s", "req_per_s", "wall_s", "ttft_p50_ms", "ttft_p99_ms",
-           "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "mfu", "tokens_ok", "speedup"]
+           "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "mfu", "max_running_seqs", "num_preemptions",
+           "mean_kv_utilization", "tokens_ok", "speedup"]
 
 
 def plot_throughput(rows: list[dict[str, Any]], path: str | Path, title: str) -> None:

@@ -32,7 +32,7 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 MAX_OUT_FILES=8
 
-SECTIONS=(env tests parity parity_fp32 bench_single server bench_offline bench_serve)
+SECTIONS=(env tests parity parity_fp32 bench_kernels bench_single bench_paged server bench_offline bench_serve)
 CKPT="${CKPT:-/tmp/infer-ckpt}"  # synthetic checkpoints, shared by the sections
 
 # ----------------------------------------------------------------------------- environment
@@ -110,6 +110,25 @@ section_bench_single() {
             --out "$OUT/single_$preset.json" || rc=1
     done
     return "$rc"
+}
+
+# Phase 5: the paged decode/prefill kernels against PyTorch SDPA over gathered K/V, bf16, Qwen3-4B shapes.
+section_bench_kernels() {
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/paged_attention.py --out "$OUT/kernels.json" --plot "$OUT/kernels.png" ${KERNEL_ARGS:-}
+}
+
+# Phase 5 end to end: the same KV memory budget, contiguous rows vs paged blocks (concurrency, throughput,
+# preemptions, KV utilization), on a half-scale nano-vllm workload (128 requests, lengths 50-512), bf16.
+section_bench_paged() {
+    local preset=${PAGED_PRESET:-qwen3-4b}
+    [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/offline_throughput.py --model "$CKPT/$preset" --device cuda --dtype bfloat16 \
+        --scale "${PAGED_SCALE:-0.5}" --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --kv-cache-memory-bytes "${PAGED_KV_BYTES:-4294967296}" --engines infer --no-progress \
+        --infer-configs "batching=continuous,kv_cache=contiguous;batching=continuous,kv_cache=paged" \
+        --out "$OUT/paged_$preset.json" --plot "$OUT/paged_$preset.png" ${PAGED_ARGS:-}
 }
 
 # Phase 2: the OpenAI-compatible server on the GPU (needs fastapi/uvicorn/pydantic carried in .whl/).

@@ -133,6 +133,10 @@ def test_ablation_configs_the_engine_rejects_are_skipped_with_the_reason():
                       "all-on": "skipped"}
     assert all("max_num_seqs" in c["reason"] for c in cs if c["status"] == "skipped")
     assert cs[1]["engine_config"]["batching"] == "continuous" and cs[1]["engine_config"]["max_num_seqs"] == 4
+    # all-on is then made of the flags usable here: batching on, max_num_seqs left at its first value
+    ablate.usable_all_on(cs, values, None, {"model": "smollm2-135m", "device": "cpu"})
+    assert cs[-1]["name"] == "all-on (as asked)" and cs[-1]["status"] == "skipped"
+    assert "all-on" in cs[1]["aliases"]  # = batching=continuous
 
 
 def test_ablate_passes_engine_flags_on_and_refuses_an_ablated_one(capsys):

@@ -251,3 +251,32 @@ def test_triton_backend_engine_matches_the_torch_backend(tiny_gemma3, kv_cache):
     assert eng.runner.attention_backend.name == "triton"
     assert drive(eng, arrivals) == ref
     assert_pool_full(eng)
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache", ["paged", "contiguous"])
+def test_triton_engine_on_gpu_matches_the_torch_backend(tiny_llama, kv_cache):
+    """float32 on the GPU (the kernels' dots in IEEE fp32): the Triton backend's greedy tokens equal
+    the plain-PyTorch backend's, request by request, in a continuous batch with preemptions."""
+    from infer.loader import load_model
+
+    loaded = load_model(str(tiny_llama.path), device="cuda", dtype=torch.float32, progress=False)
+    arrivals = mixed_workload(loaded.config.vocab_size, 24, seed=3)
+
+    def run(backend, **kw):
+        eng = LLMEngine(EngineConfig(model=str(loaded.path), device="cuda", dtype="float32", max_model_len=128,
+                                     batching="continuous", max_num_seqs=16, attention_backend=backend, **kw),
+                        loaded=loaded)
+        out = drive(eng, arrivals)
+        assert_pool_full(eng)
+        return out, eng
+
+    ref, _ = run("torch")
+    budget = 40 * 16 * loaded.config.kv_bytes_per_token(torch.float32) if kv_cache == "paged" else None
+    got, eng = run("triton", kv_cache=kv_cache, kv_cache_memory_bytes=budget)
+    assert got == ref
+    if kv_cache == "paged":
+        assert eng.num_preemptions > 0

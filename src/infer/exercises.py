@@ -123,6 +123,37 @@ EXERCISES: dict[str, Exercise] = {
             "write -inf elsewhere. Sort descending, gather the k-th value per row, compare. No loop over rows.",
             20,
         ),
+        Exercise(
+            "slot_mapping", 5, "src/infer/attention/kv_cache.py",
+            ("tests/test_paged.py::test_slot_mapping_walks_the_block_table",
+             "tests/test_paged.py::test_paged_engine_matches_contiguous_with_forks_and_aborts"),
+            "For each sequence, positions start .. start + n - 1: position p lives in block "
+            "table[p // block_size] at offset p % block_size, so its slot is block * block_size + offset. "
+            "Return the slots of all sequences, in order, as one list of ints.",
+            10,
+        ),
+        Exercise(
+            "block_free", 5, "src/infer/engine/kv_cache_manager.py",
+            ("tests/test_paged.py::test_block_pool_hands_out_lowest_first_and_counts_holders",
+             "tests/test_paged.py::test_block_pool_rejects_misuse",
+             "tests/test_paged.py::test_block_pool_random_walk_keeps_its_invariants",
+             "tests/test_paged.py::test_forks_share_full_blocks_and_own_a_copy_of_the_last"),
+            "Each block has a reference count (self.ref_counts[b], the number of sequences holding it). Drop "
+            "one holder per block; a block whose count reaches 0 goes back on the free list (a min-heap: "
+            "heapq.heappush(self.free_blocks, b)). Freeing a block whose count is already 0 raises "
+            "RuntimeError('... double free').",
+            15,
+        ),
+        Exercise(
+            "preemption", 5, "src/infer/engine/scheduler.py",
+            ("tests/test_paged.py::test_preemption_frees_blocks_requeues_at_the_front_and_resumes",
+             "tests/test_paged.py::test_prompt_logprobs_are_not_repeated_after_a_preemption"),
+            "Loop while self.kv.allocate_slots(seq, n) fails: take the request of the last running sequence "
+            "(self.running[-1].request, the most recently admitted), self.preempt() it, drop its sequences "
+            "from `scheduled` (in place), and return False if it was seq's own request. Return True once "
+            "the blocks are allocated.",
+            25,
+        ),
     ]
 }
 

@@ -67,7 +67,6 @@ class KVCache:
         """``(k, v)`` of one layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
         return self.k[layer_idx], self.v[layer_idx]
 
-    # >>> EXERCISE slot_mapping
     def slot_mapping(self, block_tables: list[list[int]], starts: list[int], lengths: list[int]) -> list[int]:
         """Flat slots of ``lengths[i]`` new tokens of sequence ``i``, from position ``starts[i]`` on.
 
@@ -77,6 +76,7 @@ class KVCache:
         Returns:
             ``sum(lengths)`` ints (the model runner makes an int64 tensor of them).
         """
+        # >>> EXERCISE slot_mapping
         bs = self.block_size
         slots: list[int] = []
         for table, start, n in zip(block_tables, starts, lengths):
@@ -88,7 +88,7 @@ class KVCache:
                 slots.extend(range(base, base + run))
                 p += run
         return slots
-    # <<< EXERCISE slot_mapping
+        # <<< EXERCISE slot_mapping
 
     def copy_block_prefix(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` slots of block ``src`` into block ``dst``, in every layer.

@@ -54,7 +54,6 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free_blocks)
 
-    # >>> EXERCISE block_pool
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (lowest ids first), each with reference count 1.
 
@@ -77,14 +76,19 @@ class BlockPool:
             self.ref_counts[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one holder of each of ``blocks``; a block nobody holds returns to the free list."""
+        """Drop one holder of each of ``blocks``; a block nobody holds returns to the free list.
+
+        Raises:
+            RuntimeError: a block that is already free (a double free).
+        """
+        # >>> EXERCISE block_free
         for b in blocks:
             if self.ref_counts[b] < 1:
                 raise RuntimeError(f"block {b} is already free (double free)")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 heapq.heappush(self.free_blocks, b)
-    # <<< EXERCISE block_pool
+        # <<< EXERCISE block_free
 
 
 class KVCacheManager:

@@ -196,6 +196,11 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def stats(self) -> dict[str, float]:
+        """The scheduler's totals (:meth:`Scheduler.stats`) and the KV cache's size."""
+        return {**self.scheduler.stats(), "kv_cache_blocks": self.kv_manager.num_blocks,
+                "kv_block_size": self.kv_manager.block_size, "kv_cache_bytes": self.runner.kv_cache.nbytes}
+
     @property
     def num_preemptions(self) -> int:
         """Requests preempted so far (the KV cache ran out of blocks; see the scheduler)."""
