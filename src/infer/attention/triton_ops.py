@@ -1,0 +1,672 @@
+"""Triton kernels of the paged KV cache (phase 5): writing K/V into blocks, decode and prefill attention.
+
+The cache of one layer is ``k_cache``, ``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` (vLLM v1's and FlashAttention's layout). Token ``p`` of a sequence lives in block
+``block_table[p // block_size]`` at offset ``p % block_size``; its flat *slot* is ``block *
+block_size + offset``. Three operations, each a Triton kernel and a Python wrapper that checks its
+inputs (:mod:`infer.attention.paged_reference` holds plain-PyTorch versions with the same
+signatures, which the tests compare against and the CPU backend runs):
+
+* :func:`reshape_and_cache`: scatter a step's new K/V into their slots (vLLM's ``reshape_and_cache``).
+* :func:`paged_decode_attention`: one new token per sequence attends over its whole paged context.
+  PagedAttention (Kwon et al., SOSP 2023, arXiv:2309.06180) walks the block table key tile by key
+  tile; flash-decoding (Dao, Haziza, Massa, Sizov, 2023) splits a long context across several
+  programs and combines their partial results with their log-sum-exp, so that a small batch still
+  fills the GPU. GQA-aware: one program serves the ``G`` query heads that share a KV head, so each
+  K/V tile is read from memory once, not ``G`` times.
+* :func:`paged_prefill_attention`: variable-length "extend" attention, every sequence of the step in
+  one launch, causal (bottom-right aligned) over the cached prefix and the new tokens, with the
+  online softmax of FlashAttention-2 (Dao, 2023, arXiv:2307.08691).
+
+No recompilation when the batch changes: the batch is a grid dimension, and the block-table width,
+the number of splits and the window are runtime integers listed in ``do_not_specialize``. What is
+compiled per variant (``tl.constexpr``) is what a model fixes: head_dim, the GQA group, the block
+size, the dtype.
+
+Importing this module works on any machine; launching needs a CUDA tensor, or CPU tensors with
+``TRITON_INTERPRET=1`` set before Triton is imported (the tests' conftest does it). The interpreter
+runs bf16 arithmetic on raw integers, so under it every bf16 load is converted to float32 first
+(``UPCAST``); tiles are small there (each program instance costs milliseconds).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
+_LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # "no sliding window": farther back than any context
+
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "reshape_and_cache", "decode_num_splits"]
+
+
+# ============================================================================ reshape_and_cache
+
+
+@triton.jit(do_not_specialize_on_alignment=["key_ptr", "value_ptr", "slot_ptr"])
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ct, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # One program per new token: copy its [num_kv_heads, head_dim] keys and values into its slot.
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding token (vLLM's convention): nothing to write
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    t64 = t.to(tl.int64)
+    src_k = key_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    src_v = value_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    dst = block * stride_cb + offset * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, tl.load(src_k, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(src_v, mask=mask), mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each new token's K/V into its cache slot (vLLM's ``reshape_and_cache``, Kwon et al. 2023).
+
+    Args:
+        key, value: ``[T, num_kv_heads, head_dim]``, the cache's dtype; may be strided views (e.g.
+            slices of a fused qkv output), only the last dimension must be contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same shape, dtype and
+            strides, last dimension contiguous. Written in place.
+        slot_mapping: int64 ``[T]``: ``key[t]`` goes to flat slot ``slot_mapping[t]`` (block ``slot //
+            block_size``, offset ``slot % block_size``); negative slots are skipped (padding).
+
+    Raises:
+        ValueError: wrong rank, shapes, dtypes or devices, a non-contiguous last dimension, or
+            ``slot_mapping`` not int64.
+    """
+    _check_cache(k_cache, v_cache)
+    for name, x in (("key", key), ("value", value)):
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be [T, num_kv_heads, head_dim], got shape {tuple(x.shape)}")
+        if tuple(x.shape[1:]) != tuple(k_cache.shape[2:]):
+            raise ValueError(f"{name} heads/head_dim {tuple(x.shape[1:])} do not match the cache "
+                             f"{tuple(k_cache.shape[2:])}")
+        if x.dtype != k_cache.dtype:
+            raise ValueError(f"{name} dtype {x.dtype} differs from the cache dtype {k_cache.dtype}")
+        if x.device != k_cache.device:
+            raise ValueError(f"{name} is on {x.device}, the cache on {k_cache.device}")
+        if x.shape[2] > 1 and x.stride(2) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride {x.stride()})")
+    if key.shape[0] != value.shape[0]:
+        raise ValueError(f"key has {key.shape[0]} tokens, value {value.shape[0]}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping must be [T={key.shape[0]}], got shape {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    if slot_mapping.device != k_cache.device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device}, the cache on {k_cache.device}")
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    _check_launchable(k_cache)
+    _, block_size, hkv, d = k_cache.shape
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, H_PAD=triton.next_power_of_2(hkv), D_PAD=triton.next_power_of_2(d),
+        BLOCK_SIZE=block_size, num_warps=4 if hkv * d >= 1024 else 1,
+    )
+
+
+# ============================================================================ paged decode attention
+
+
+@triton.jit(
+    do_not_specialize=["window", "num_splits", "stride_bt"],
+    do_not_specialize_on_alignment=["q_ptr", "out_ptr", "block_tables_ptr", "seq_lens_ptr"],
+)
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, window, num_splits,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_cb, stride_ct, stride_ch, stride_bt,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # Grid (B, num_kv_heads, num_splits). Program (b, kvh, split) computes, for the GROUP query heads
+    # that share KV head kvh, attention over one contiguous slice of sequence b's keys.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    # The new token sits at position seq_len - 1 and sees keys [lo, seq_len): all of them, or the last
+    # `window` (window = 2**30 when the layer has none).
+    lo = tl.maximum(seq_len - window, 0)
+    # Flash-decoding: cut [lo, seq_len) into num_splits slices of a whole number of key tiles. A short
+    # sequence leaves its last splits empty; they write an empty result that the combine ignores.
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * keys_per_split
+    end = tl.minimum(start + keys_per_split, seq_len)
+
+    # The query tile: GROUP real rows (the query heads of this KV head) padded to GROUP_PAD >= 16 rows
+    # of zeros so that tl.dot has a legal shape; head_dim padded to D_PAD (a power of two) the same way.
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Online softmax state per query row (FlashAttention-2), in the log2 domain (qk_scale holds
+    # scale * log2(e), so exp2 replaces exp): running max m_i, running sum l_i, unnormalized output acc.
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    bt_row = block_tables_ptr + b64 * stride_bt  # this sequence's block table
+    k_head = k_cache_ptr + kvh * stride_ch  # this KV head's column of the cache
+    v_head = v_cache_ptr + kvh * stride_ch
+
+    for start_n in range(start, end, BLOCK_N):
+        # >>> EXERCISE paged_decode_inner_loop
+        # 1. Where the BLOCK_N keys of this tile live: key at position `tok` is in physical block
+        #    block_table[tok // BLOCK_SIZE], row tok % BLOCK_SIZE of it. Looking the block up per key
+        #    works for any block size (16, 32, or one block per sequence). Keys past `end` are masked:
+        #    their table entries may be garbage and are never read.
+        tok = start_n + offs_n
+        valid = tok < end
+        page = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0)
+        row = page.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct  # [BLOCK_N] element offsets
+        kv_mask = valid[:, None] & d_mask[None, :]
+        # 2. The K tile [BLOCK_N, D_PAD]: each key's head_dim elements are contiguous (coalesced loads).
+        k = tl.load(k_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        # 3. Scores of all GROUP query heads against the tile at once: [GROUP_PAD, BLOCK_N], log2 units.
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # 4. Online softmax: raise the running max, rescale what was accumulated under the old max by
+        #    alpha = 2^(m_old - m_new). Every tile holds >= 1 valid key, so m_new is finite here.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # 5. The V tile (same rows as K) and the weighted sum, P cast to the cache dtype for the MMA.
+        v = tl.load(v_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+        # <<< EXERCISE paged_decode_inner_loop
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if num_splits == 1:  # the whole context in one program: write the normalized output directly
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # a partial result: normalized output and log2-sum-exp of this slice (-inf when empty)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        part = (b64 * NUM_Q_HEADS + heads) * num_splits + split  # [GROUP_PAD] rows of [B, Hq, S]
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
+                 mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["out_ptr"])
+def _decode_combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    # Grid (B, num_q_heads): merge the num_splits partial results of one query head. Partial s holds
+    # o_s = softmax-weighted mean of its keys and lse_s = log2(sum of its exp2 scores); the full result
+    # is sum_s 2^(lse_s) o_s / sum_s 2^(lse_s), computed with a running max for stability (the same
+    # online softmax, one split at a time).
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    first = (b * NUM_Q_HEADS + h) * num_splits
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    for s in range(num_splits):
+        lse = tl.load(part_lse_ptr + first + s)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no non-empty split yet
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)  # 0 for an empty split
+        o = tl.load(part_out_ptr + (first + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        acc = acc * alpha + w * o
+        total = total * alpha + w
+        m = m_new
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, (acc / total).to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """The automatic flash-decoding split count: enough programs to fill the GPU, but long splits.
+
+    ``B * num_kv_heads`` programs already run without splitting; if that is under ``4 x SM count``,
+    each sequence is cut into more slices, though never into slices shorter than 512 keys (the
+    combine would then cost more than it gains) and never into more than 64.
+
+    Args:
+        max_context: an upper bound of the context lengths, known on the host (block-table width x
+            block size, or the window), so that choosing never reads the device.
+    """
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 2
+    programs = batch * num_kv_heads
+    target = 4 * sms
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_context, 512), 64))
+
+
+def _decode_config(head_dim_pad: int, dtype: torch.dtype) -> dict:
+    """Key tile and launch options of the decode kernel (chosen on an H100; tiny under the interpreter)."""
+    if INTERPRET:
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    wide = head_dim_pad * (4 if dtype == torch.float32 else 2)  # bytes of one key row
+    block_n = 64 if wide <= 256 else 32
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3 if wide <= 256 else 2}
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over a paged KV cache: one new token per sequence (PagedAttention + flash-decoding).
+
+    Sequence ``b``'s query sits at position ``seq_lens[b] - 1`` and attends keys ``j`` in ``[0,
+    seq_lens[b])`` (only ``(seq_lens[b] - 1) - j < window`` with a sliding window), whose K/V, the new
+    token's included, are already in the cache. The kernel walks the block table one key tile at a
+    time (Kwon et al., SOSP 2023, arXiv:2309.06180), keeps a FlashAttention-2 online softmax per query
+    head, serves all ``G = Hq / Hkv`` query heads of a KV head in one program (GQA: each K/V tile is
+    read once), and splits long contexts over several programs whose partial results a second kernel
+    merges by their log-sum-exp (flash-decoding, Dao et al. 2023).
+
+    Args:
+        q: ``[B, Hq, D]`` (may be a row-slice view of a bigger tensor; last dimension contiguous).
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype (fp32, fp16 or bf16).
+        block_tables: int32 ``[B, W]`` with ``W >= ceil(seq_lens[b] / block_size)``; entries past a
+            sequence's need are never read.
+        seq_lens: int32 ``[B]``, each >= 1: context lengths including the new token.
+        scale: multiplier of ``q . k`` (usually ``D ** -0.5``).
+        window: sliding window in tokens (>= 1), or None.
+        out: optional ``[B, Hq, D]`` in q's dtype to write into (may be a view).
+        num_splits: key slices per sequence; None chooses with :func:`decode_num_splits`.
+
+    Returns:
+        ``out`` (allocated like q if None): ``[B, Hq, D]``.
+
+    Raises:
+        ValueError: wrong ranks or shapes, ``Hq`` not a multiple of ``Hkv``, mismatched dtypes or
+            devices, index tensors not int32, a non-contiguous last dimension, ``window < 1``,
+            ``num_splits < 1``.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    _check_cache(k_cache, v_cache)
+    batch, hq, hkv, d = _check_query(q, k_cache, "q")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [B={batch}, W], got shape {tuple(block_tables.shape)}")
+    _check_index(block_tables, "block_tables", k_cache)
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens must be [B={batch}], got shape {tuple(seq_lens.shape)}")
+    _check_index(seq_lens, "seq_lens", k_cache)
+    _check_window(window)
+    out = _check_out(out, q, (batch, hq, d))
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if batch == 0:
+        return out
+    _check_launchable(q)
+    block_size = k_cache.shape[1]
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        if window is not None:
+            max_context = min(max_context, window)
+        num_splits = decode_num_splits(batch, hkv, max_context, q.device)
+    group = hq // hkv
+    d_pad = max(16, triton.next_power_of_2(d))
+    cfg = _decode_config(d_pad, q.dtype)
+    if num_splits > 1:
+        part_out = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device)
+    else:  # unused by the kernel, which writes `out` directly (fp32 like the real ones: no new variant)
+        part_out = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(batch, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * _LOG2E, window if window is not None else _NO_WINDOW, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
+        UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _decode_combine_kernel[(batch, hq)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=hq, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2,
+        )
+    return out
+
+
+# ============================================================================ paged prefill attention
+
+
+@triton.jit
+def _prefill_tiles(
+    acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, offs_n, offs_d, d_mask,
+    lo, hi, kv_end, window, qk_scale, stride_cb, stride_ct,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Key tiles ``[lo, hi)`` (multiples of BLOCK_N) of one query tile; masks only when MASK is set."""
+    for start_n in range(lo, hi, BLOCK_N):
+        tok = start_n + offs_n  # key positions of this tile
+        # Physical row of each key: block_table[tok // BLOCK_SIZE], offset tok % BLOCK_SIZE. Keys at
+        # or past kv_end (the last query's position + 1) may be in blocks the sequence does not own.
+        if MASK:
+            in_range = tok < kv_end
+            page = tl.load(bt_row + tok // BLOCK_SIZE, mask=in_range, other=0)
+            kv_mask = in_range[:, None] & d_mask[None, :]
+        else:
+            page = tl.load(bt_row + tok // BLOCK_SIZE)
+            kv_mask = d_mask[None, :]
+        row = page.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct
+        k = tl.load(k_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if MASK:
+            # causal (key at or before the query) and sliding window (fewer than `window` back)
+            keep = (tok[None, :] <= q_pos[:, None]) & (q_pos[:, None] - tok[None, :] < window)
+            s = tl.where(keep & in_range[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no valid key yet keeps m = -inf; exponentiate against 0 instead, so
+            # that 2^(-inf - -inf) = NaN never happens (its p and alpha are then exactly 0).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(
+    do_not_specialize=["window", "stride_bt"],
+    do_not_specialize_on_alignment=["q_ptr", "out_ptr", "block_tables_ptr", "query_start_loc_ptr",
+                                    "seq_lens_ptr"],
+)
+def _paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    qk_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ct, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Grid (cdiv(max_query_len, BLOCK_M), B, Hq): program (i, b, h) computes BLOCK_M queries of
+    # sequence b, query head h. The last query tiles (the most keys) are started first.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    if m_block * BLOCK_M >= q_len:  # this sequence has fewer query tiles
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    kvh = h // GROUP
+
+    # The new tokens are the sequence's last q_len positions (bottom-right aligned causal mask).
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    row_mask = offs_m < q_len
+    q_pos = seq_len - q_len + offs_m
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Which key tiles matter: from the first query's window start to the last query's position.
+    first_pos = seq_len - q_len + m_block * BLOCK_M
+    last_pos = tl.minimum(first_pos + BLOCK_M - 1, seq_len - 1)
+    kv_end = last_pos + 1
+    lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    hi = tl.cdiv(kv_end, BLOCK_N) * BLOCK_N
+    # Tiles in [full_lo, full_hi) are visible to every query of the tile (inside every window, before
+    # every query), so they skip the mask; those around them (window edge, diagonal) are masked.
+    full_lo = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+    full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
+    mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kvh * stride_ch
+    v_head = v_cache_ptr + kvh * stride_ch
+    acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, offs_n, offs_d, d_mask,
+                                   lo, mid_lo, kv_end, window, qk_scale, stride_cb, stride_ct,
+                                   BLOCK_SIZE, BLOCK_N, True, UPCAST)
+    acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, offs_n, offs_d, d_mask,
+                                   mid_lo, mid_hi, kv_end, window, qk_scale, stride_cb, stride_ct,
+                                   BLOCK_SIZE, BLOCK_N, False, UPCAST)
+    acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, offs_n, offs_d, d_mask,
+                                   mid_hi, hi, kv_end, window, qk_scale, stride_cb, stride_ct,
+                                   BLOCK_SIZE, BLOCK_N, True, UPCAST)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # only padding rows (not stored) can have l = 0
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def _prefill_config(head_dim_pad: int, dtype: torch.dtype) -> dict:
+    """Query/key tiles and launch options of the prefill kernel (H100; tiny under the interpreter)."""
+    if INTERPRET:
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    wide = head_dim_pad * (4 if dtype == torch.float32 else 2)  # bytes of one row
+    if wide <= 128:  # head_dim 64 in 16 bits
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    if wide <= 256:  # head_dim 128 in 16 bits, 64 in fp32
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Variable-length causal "extend" attention over a paged KV cache, every sequence in one launch.
+
+    Sequence ``b`` has ``query_len_b = query_start_loc[b+1] - query_start_loc[b]`` new tokens, its last
+    ones: query ``i`` sits at position ``seq_lens[b] - query_len_b + i`` and attends keys ``j <=`` its
+    position (bottom-right aligned causal mask), only ``position - j < window`` with a sliding window.
+    All K/V, the cached prefix and the new tokens, are read from the cache through the block table
+    (PagedAttention, Kwon et al., SOSP 2023). Each program computes one tile of queries of one head
+    with the online softmax of FlashAttention-2 (Dao, 2023), skipping key tiles the mask hides entirely
+    and masking only the tiles on the diagonal or the window's edge.
+
+    Args:
+        q: ``[T, Hq, D]`` (last dimension contiguous).
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype.
+        block_tables: int32 ``[B, W]``, ``W >= ceil(seq_lens[b] / block_size)``.
+        query_start_loc: int32 ``[B + 1]``: absolute, non-decreasing row offsets into q and out
+            (``query_start_loc[0]`` may be > 0).
+        seq_lens: int32 ``[B]``, each >= its query length >= 1.
+        max_query_len: host int, the largest query length (sets the grid).
+        scale: multiplier of ``q . k``.
+        window: sliding window in tokens (>= 1), or None.
+        out: optional ``[T, Hq, D]`` in q's dtype; only rows ``query_start_loc[0] ..
+            query_start_loc[B] - 1`` are written.
+
+    Returns:
+        ``out`` (``torch.empty_like(q)`` if None).
+
+    Raises:
+        ValueError: wrong ranks or shapes, ``Hq`` not a multiple of ``Hkv``, mismatched dtypes or
+            devices, index tensors not int32, a non-contiguous last dimension, ``window < 1``,
+            ``max_query_len < 1`` with sequences to compute.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    _check_cache(k_cache, v_cache)
+    _, hq, hkv, d = _check_query(q, k_cache, "q")
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
+        raise ValueError(f"query_start_loc must be [B + 1], got shape {tuple(query_start_loc.shape)}")
+    batch = query_start_loc.shape[0] - 1
+    _check_index(query_start_loc, "query_start_loc", k_cache)
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens must be [B={batch}], got shape {tuple(seq_lens.shape)}")
+    _check_index(seq_lens, "seq_lens", k_cache)
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [B={batch}, W], got shape {tuple(block_tables.shape)}")
+    _check_index(block_tables, "block_tables", k_cache)
+    _check_window(window)
+    out = _check_out(out, q, tuple(q.shape))
+    if batch == 0:
+        return out
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+    _check_launchable(q)
+    d_pad = max(16, triton.next_power_of_2(d))
+    cfg = _prefill_config(d_pad, q.dtype)
+    grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), batch, hq)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        scale * _LOG2E, window if window is not None else _NO_WINDOW,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=hq // hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+# ============================================================================ input checks
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}")
+    if v_cache.device != k_cache.device:
+        raise ValueError(f"v_cache is on {v_cache.device}, k_cache on {k_cache.device}")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache and v_cache must have the same strides ({k_cache.stride()} vs "
+                         f"{v_cache.stride()})")
+    if k_cache.shape[3] > 1 and k_cache.stride(3) != 1:
+        raise ValueError(f"k_cache/v_cache must have a contiguous last dimension (strides {k_cache.stride()})")
+    if k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"cache dtype must be float32, float16 or bfloat16, got {k_cache.dtype}")
+
+
+def _check_query(q: torch.Tensor, k_cache: torch.Tensor, name: str) -> tuple[int, int, int, int]:
+    if q.dim() != 3:
+        raise ValueError(f"{name} must be [tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if d != k_cache.shape[3]:
+        raise ValueError(f"{name} head_dim {d} differs from the cache's {k_cache.shape[3]}")
+    if hq % hkv != 0:
+        raise ValueError(f"{name} has {hq} heads, not a multiple of the cache's {hkv} KV heads")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"{name} dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
+    if q.device != k_cache.device:
+        raise ValueError(f"{name} is on {q.device}, the cache on {k_cache.device}")
+    if d > 1 and q.stride(2) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (strides {q.stride()})")
+    return n, hq, hkv, d
+
+
+def _check_index(x: torch.Tensor, name: str, k_cache: torch.Tensor) -> None:
+    if x.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {x.dtype}")
+    if x.device != k_cache.device:
+        raise ValueError(f"{name} is on {x.device}, the cache on {k_cache.device}")
+    if x.dim() == 2 and x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{name} rows must be contiguous (strides {x.stride()})")
+    if x.dim() == 1 and x.shape[0] > 1 and x.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (stride {x.stride()})")
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+
+
+def _check_out(out: torch.Tensor | None, q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=q.dtype, device=q.device)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+    if out.dtype != q.dtype:
+        raise ValueError(f"out dtype {out.dtype} differs from q's {q.dtype}")
+    if out.device != q.device:
+        raise ValueError(f"out is on {out.device}, q on {q.device}")
+    if shape[-1] > 1 and out.stride(-1) != 1:
+        raise ValueError(f"out must have a contiguous last dimension (strides {out.stride()})")
+    return out
+
+
+def _check_launchable(x: torch.Tensor) -> None:
+    if x.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
+                           f"imported to run them on the CPU (got a {x.device} tensor)")
+
