@@ -71,6 +71,25 @@ class Rotating:
         return self.fn(self.i)
 
 
+def bench_gpu_time(fn, n: int, device: torch.device) -> float:
+    """Median seconds of one ``fn(i)``, GPU time alone: ``fn(0) .. fn(n-1)`` captured in one CUDA graph and
+    replayed (as an engine that captures its decode steps would run them), so Python's launch overhead,
+    which dominates small calls, is left out. Wall time of the same calls on the CPU."""
+    if device.type != "cuda":
+        return bench(Rotating(fn, n), device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for i in range(n):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            fn(i)
+    return bench(graph.replay, device) / n
+
+
 def make_pool(num_blocks: int, shape: dict, device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random K and V caches ``[num_blocks, block_size, Hkv, D]`` (random, never zeros)."""
     dims = (num_blocks, shape["block_size"], shape["num_kv_heads"], shape["head_dim"])
@@ -123,11 +142,13 @@ def decode_row(ops, batch: int, ctx: int, shape: dict, device, ceil: dict, gen, 
     def triton_call(i):
         ops.paged_decode_attention(q, k_cache, v_cache, tables[i], seq_lens, scale, out=out, num_splits=num_splits)
 
-    t = bench(Rotating(triton_call, n_tables), device)
+    t = bench_gpu_time(triton_call, n_tables, device)
+    t_call = bench(Rotating(triton_call, n_tables), device)
     splits = num_splits or (ops.decode_num_splits(batch, hkv, per_seq * bs, device) if device.type == "cuda"
                             else "auto")
     row = {"batch": batch, "context": ctx, "num_splits": splits, "kv_mb": kv_bytes / 1e6,
-           "triton_us": 1e6 * t, "triton_gb_s": kv_bytes / t / 1e9, "triton_frac": kv_bytes / t / 1e9 / bw}
+           "triton_us": 1e6 * t, "triton_gb_s": kv_bytes / t / 1e9, "triton_frac": kv_bytes / t / 1e9 / bw,
+           "triton_call_us": 1e6 * t_call}
     if not with_sdpa:
         return row
 
@@ -153,9 +174,9 @@ def decode_row(ops, batch: int, ctx: int, shape: dict, device, ceil: dict, gen, 
             ref = sdpa(0).view(batch, hq, d).float()
             triton_call(0)
             row["max_abs_diff_vs_sdpa"] = (out.float() - ref).abs().max().item()
-            t_sdpa = bench(Rotating(sdpa, n_tables), device)
+            t_sdpa = bench_gpu_time(sdpa, n_tables, device)
             gathered.clear()
-            t_gs = bench(Rotating(gather_sdpa, n_tables), device)
+            t_gs = bench_gpu_time(gather_sdpa, n_tables, device)
     except torch.OutOfMemoryError:
         row["sdpa_note"] = "out of memory"
         return row
@@ -165,7 +186,8 @@ def decode_row(ops, batch: int, ctx: int, shape: dict, device, ceil: dict, gen, 
     return row
 
 
-def prefill_row(ops, batch: int, q_len: int, prefix: int, shape: dict, device, ceil: dict, gen) -> dict:
+def prefill_row(ops, batch: int, q_len: int, prefix: int, shape: dict, device, ceil: dict, gen,
+                with_sdpa: bool = True) -> dict:
     """One prefill (prefix 0) or extend measurement; SDPA is_causal beside it when there is no prefix."""
     hq, hkv, d, bs = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"], shape["block_size"]
     dtype = DTYPES[shape["dtype"]]
@@ -186,7 +208,7 @@ def prefill_row(ops, batch: int, q_len: int, prefix: int, shape: dict, device, c
               device)
     row = {"batch": batch, "new_tokens": q_len, "prefix": prefix, "triton_ms": 1e3 * t,
            "triton_tflops": flops / t / 1e12, "triton_mfu": flops / t / 1e12 / peak}
-    if prefix == 0:
+    if prefix == 0 and with_sdpa:
         tl_ = table.long()
         k = k_cache[tl_].view(batch, per_seq * bs, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
         v = v_cache[tl_].view(batch, per_seq * bs, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
@@ -202,29 +224,51 @@ def prefill_row(ops, batch: int, q_len: int, prefix: int, shape: dict, device, c
 
 
 def tune(ops, shape: dict, device, ceil: dict, gen) -> list[dict]:
-    """Sweep the decode kernel's tile options and split counts at the two headline shapes."""
+    """Sweep the decode kernel's split counts and tiles, and the prefill kernel's tiles (how the defaults were chosen)."""
     rows = []
+
+    def note(row):
+        rows.append(row)
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+    for batch, ctx in ((1, 4096), (1, 32768), (8, 4096), (8, 32768), (32, 1024), (32, 4096), (32, 32768),
+                       (64, 1024), (64, 4096), (128, 1024)):
+        for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+            if splits * 256 > ctx:
+                continue
+            r = decode_row(ops, batch, ctx, shape, device, ceil, gen, num_splits=splits, with_sdpa=False)
+            note({"kernel": "decode", **r})
     original = ops._decode_config
     try:
         for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (1, 2, 3, 4):
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4):
                     ops._decode_config = lambda *_a, c={"BLOCK_N": block_n, "num_warps": warps,
                                                         "num_stages": stages}: c
-                    for batch, ctx in ((64, 4096), (8, 32768)):
+                    for batch, ctx, splits in ((64, 4096, 1), (8, 32768, 16)):
                         try:
-                            r = decode_row(ops, batch, ctx, shape, device, ceil, gen, with_sdpa=False)
+                            r = decode_row(ops, batch, ctx, shape, device, ceil, gen, num_splits=splits,
+                                           with_sdpa=False)
                         except Exception as e:  # noqa: BLE001 (a config that does not compile: note it)
                             r = {"batch": batch, "context": ctx, "error": type(e).__name__}
-                        rows.append({"BLOCK_N": block_n, "warps": warps, "stages": stages, **r})
-                        print(rows[-1], flush=True)
+                        note({"kernel": "decode", "BLOCK_N": block_n, "warps": warps, "stages": stages, **r})
     finally:
         ops._decode_config = original
-    for batch, ctx in ((64, 4096), (8, 32768), (1, 32768), (128, 1024)):
-        for splits in (1, 2, 4, 8, 16, 32):
-            r = decode_row(ops, batch, ctx, shape, device, ceil, gen, num_splits=splits, with_sdpa=False)
-            rows.append({"BLOCK_N": "default", **r})
-            print(rows[-1], flush=True)
+    original = ops._prefill_config
+    try:
+        for block_m, block_n in ((64, 64), (128, 32), (128, 64), (128, 128), (64, 128)):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    ops._prefill_config = lambda *_a, c={"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps,
+                                                         "num_stages": stages}: c
+                    try:
+                        r = prefill_row(ops, 8, 2048, 0, shape, device, ceil, gen, with_sdpa=False)
+                    except Exception as e:  # noqa: BLE001
+                        r = {"error": type(e).__name__}
+                    note({"kernel": "prefill", "BLOCK_M": block_m, "BLOCK_N": block_n, "warps": warps,
+                          "stages": stages, **r})
+    finally:
+        ops._prefill_config = original
     return rows
 
 
@@ -336,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.perf_counter() - start,
     }
     table = "### Decode\n\n" + markdown_table(decode, [
-        "batch", "context", "num_splits", "kv_mb", "triton_us", "triton_gb_s", "triton_frac", "sdpa_us", "sdpa_frac",
-        "gather_sdpa_us", "gather_sdpa_frac", "speedup_vs_gather_sdpa"])
+        "batch", "context", "num_splits", "kv_mb", "triton_us", "triton_gb_s", "triton_frac", "triton_call_us",
+        "sdpa_us", "sdpa_frac", "gather_sdpa_us", "gather_sdpa_frac", "speedup_vs_gather_sdpa"])
     table += "\n\n### Prefill\n\n" + markdown_table(prefill, [
         "batch", "new_tokens", "prefix", "triton_ms", "triton_tflops", "triton_mfu", "sdpa_ms", "sdpa_tflops",
         "sdpa_mfu"])

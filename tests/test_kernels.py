@@ -374,8 +374,8 @@ def test_runtime_ints_are_not_specialized():
 def test_auto_num_splits():
     cpu = torch.device("cpu")
     assert ops.decode_num_splits(64, 8, 4096, cpu) == 1  # enough programs already
-    assert ops.decode_num_splits(1, 1, 32768, cpu) == 8  # 4 x "2 SMs" on the CPU
-    assert ops.decode_num_splits(1, 1, 600, cpu) == 2  # never slices under 512 keys
+    assert ops.decode_num_splits(1, 1, 32768, cpu) == 4  # 2 x "2 SMs" on the CPU
+    assert ops.decode_num_splits(1, 1, 300, cpu) == 2  # never slices under 256 keys
 
 
 @pytest.mark.skipif(not ops.INTERPRET, reason="the CPU smoke run needs the Triton interpreter")
@@ -548,7 +548,7 @@ def test_gpu_no_recompilation_across_batches_widths_and_splits():
     def decode(b, w, splits, window=None):
         q = gpu_randn(case, b, hq, d)
         table = torch.zeros(b, w, dtype=torch.int32, device="cuda")
-        table[:, :big.shape[1]] = big[:b]
+        table[:, :min(w, big.shape[1])] = big[:b, :w]
         ops.paged_decode_attention(q, case.k_cache, case.v_cache, table, case.seq_lens[:b], case.scale,
                                    window=window, num_splits=splits)
 
@@ -556,7 +556,7 @@ def test_gpu_no_recompilation_across_batches_widths_and_splits():
         qsl = torch.arange(b + 1, dtype=torch.int32, device="cuda") * q_len + 3
         q = gpu_randn(case, b * q_len + 3, hq, d)
         table = torch.zeros(b, w, dtype=torch.int32, device="cuda")
-        table[:, :big.shape[1]] = big[:b]
+        table[:, :min(w, big.shape[1])] = big[:b, :w]
         ops.paged_prefill_attention(q, case.k_cache, case.v_cache, table, qsl, case.seq_lens[:b], q_len,
                                     case.scale, window=window)
 

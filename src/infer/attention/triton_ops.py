@@ -135,7 +135,7 @@ def reshape_and_cache(
 
 @triton.jit(
     do_not_specialize=["window", "num_splits", "stride_bt"],
-    do_not_specialize_on_alignment=["q_ptr", "out_ptr", "block_tables_ptr", "seq_lens_ptr"],
+    do_not_specialize_on_alignment=["q_ptr", "out_ptr", "block_tables_ptr", "seq_lens_ptr", "part_lse_ptr"],
 )
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -231,7 +231,7 @@ def _paged_decode_kernel(
                  mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["out_ptr"])
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["out_ptr", "part_lse_ptr"])
 def _decode_combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -270,9 +270,12 @@ def _sm_count(device_index: int) -> int:
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """The automatic flash-decoding split count: enough programs to fill the GPU, but long splits.
 
-    ``B * num_kv_heads`` programs already run without splitting; if that is under ``4 x SM count``,
-    each sequence is cut into more slices, though never into slices shorter than 512 keys (the
-    combine would then cost more than it gains) and never into more than 64.
+    ``B * num_kv_heads`` programs run without splitting; when that is under ``2 x SM count``, each
+    sequence is cut into ``ceil(2 x SMs / programs)`` slices, though never into slices shorter than 256
+    keys (the combine would then cost more than it gains) nor into more than 64. Measured on an H100
+    (benchmarks/paged_attention.py --tune, Qwen3-4B shapes): batch 64 x 4k runs best unsplit (99% of the
+    copy bandwidth; 2 splits 97%), batch 8 x 32k best with 4-8 splits (96-98%; unsplit 45%), batch 1 x 32k
+    with 24-64 (74-80%; unsplit 6%).
 
     Args:
         max_context: an upper bound of the context lengths, known on the host (block-table width x
@@ -281,14 +284,23 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 2
     programs = batch * num_kv_heads
-    target = 4 * sms
+    target = 2 * sms
     if programs >= target:
         return 1
-    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_context, 512), 64))
+    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_context, 256), 64))
+
+
+@functools.cache
+def _dummy(device: torch.device) -> torch.Tensor:
+    return torch.empty(16, dtype=torch.float32, device=device)
 
 
 def _decode_config(head_dim_pad: int, dtype: torch.dtype) -> dict:
-    """Key tile and launch options of the decode kernel (chosen on an H100; tiny under the interpreter)."""
+    """Key tile and launch options of the decode kernel (tiny under the interpreter).
+
+    Chosen on an H100 at Qwen3-4B shapes (--tune): 64 keys x 4 warps x 3 stages reads at 97-99% of the
+    copy bandwidth; 32 keys with 4 warps or 128 keys with 2 warps lose up to 20% at some shapes.
+    """
     if INTERPRET:
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     wide = head_dim_pad * (4 if dtype == torch.float32 else 2)  # bytes of one key row
@@ -361,11 +373,12 @@ def paged_decode_attention(
     group = hq // hkv
     d_pad = max(16, triton.next_power_of_2(d))
     cfg = _decode_config(d_pad, q.dtype)
-    if num_splits > 1:
-        part_out = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device)
+    if num_splits > 1:  # one allocation: [B, Hq, S, D] partial outputs, then [B, Hq, S] log-sum-exps
+        rows = batch * hq * num_splits
+        scratch = torch.empty(rows * (d + 1), dtype=torch.float32, device=q.device)
+        part_out, part_lse = scratch[:rows * d], scratch[rows * d:]
     else:  # unused by the kernel, which writes `out` directly (fp32 like the real ones: no new variant)
-        part_out = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
+        part_out = part_lse = _dummy(q.device)
     _paged_decode_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E, window if window is not None else _NO_WINDOW, num_splits,
@@ -506,14 +519,18 @@ def _paged_prefill_kernel(
 
 
 def _prefill_config(head_dim_pad: int, dtype: torch.dtype) -> dict:
-    """Query/key tiles and launch options of the prefill kernel (H100; tiny under the interpreter)."""
+    """Query/key tiles and launch options of the prefill kernel (tiny under the interpreter).
+
+    Chosen on an H100 (--tune, 8 x 2048 tokens, head_dim 128, bf16): 64 x 64 tiles with 4 warps and
+    128 x 128 with 8 warps both reach ~38% of the matmul rate; 128 x 64 with 8 warps 33%, with 4 warps
+    19%. The smaller query tile wastes less on short extends. head_dim 256 (and fp32 rows of 512 bytes)
+    take 32-key tiles to stay within shared memory.
+    """
     if INTERPRET:
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     wide = head_dim_pad * (4 if dtype == torch.float32 else 2)  # bytes of one row
-    if wide <= 128:  # head_dim 64 in 16 bits
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    if wide <= 256:  # head_dim 128 in 16 bits, 64 in fp32
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    if wide <= 256:  # head_dim <= 128 in 16 bits, <= 64 in fp32
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
