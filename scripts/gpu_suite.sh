@@ -115,7 +115,7 @@ section_bench_single() {
 # Phase 5: the paged decode/prefill kernels against PyTorch SDPA over gathered K/V, bf16, Qwen3-4B shapes.
 section_bench_kernels() {
     # shellcheck disable=SC2086
-    "$PY" benchmarks/paged_attention.py --out "$OUT/kernels.json" --plot "$OUT/kernels.png" ${KERNEL_ARGS:-}
+    "$PY" benchmarks/paged_attention.py --out "$OUT" ${KERNEL_ARGS:-}
 }
 
 # Phase 5 end to end: the same KV memory budget, contiguous rows vs paged blocks (concurrency, throughput,

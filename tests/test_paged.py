@@ -275,8 +275,8 @@ def test_triton_engine_on_gpu_matches_the_torch_backend(tiny_llama, kv_cache):
         return out, eng
 
     ref, _ = run("torch")
-    budget = 40 * 16 * loaded.config.kv_bytes_per_token(torch.float32) if kv_cache == "paged" else None
-    got, eng = run("triton", kv_cache=kv_cache, kv_cache_memory_bytes=budget)
+    paged = dict(block_size=4, kv_cache_memory_bytes=36 * 4 * loaded.config.kv_bytes_per_token(torch.float32))
+    got, eng = run("triton", kv_cache=kv_cache, **(paged if kv_cache == "paged" else {}))
     assert got == ref
     if kv_cache == "paged":
         assert eng.num_preemptions > 0

@@ -154,6 +154,19 @@ EXERCISES: dict[str, Exercise] = {
             "the blocks are allocated.",
             25,
         ),
+        Exercise(
+            "paged_decode_inner_loop", 5, "src/infer/attention/triton_ops.py",
+            ("tests/test_kernels.py::test_decode_matches_reference",
+             "tests/test_kernels.py::test_decode_splits_agree_with_each_other"),
+            "One key tile of the Triton paged decode kernel (runs under TRITON_INTERPRET=1 on a CPU): "
+            "tok = start_n + offs_n; load each key's physical block from the block table (bt_row + tok // "
+            "BLOCK_SIZE, masked where tok >= end), its row offset page * stride_cb + (tok % BLOCK_SIZE) * "
+            "stride_ct; load the K tile [BLOCK_N, D_PAD]; s = tl.dot(q, tl.trans(k)) * qk_scale (log2 "
+            "units), -inf where masked; online softmax: m_new = max(m_i, rowmax(s)), alpha = exp2(m_i - "
+            "m_new), p = exp2(s - m_new), l_i = l_i * alpha + rowsum(p); load the V tile; acc = acc * alpha "
+            "+ tl.dot(p, v); m_i = m_new. Remember the UPCAST (bf16 under the interpreter) casts.",
+            60,
+        ),
     ]
 }
 

