@@ -529,7 +529,8 @@ def test_metrics(server, client):
     for name in ("infer:num_requests_running", "infer:num_requests_waiting", "infer:request_success_total",
                  "infer:prompt_tokens_total", "infer:generation_tokens_total",
                  "infer:time_to_first_token_seconds_bucket", "infer:time_per_output_token_seconds_bucket",
-                 "infer:e2e_request_latency_seconds_bucket", "infer:kv_cache_usage_perc"):
+                 "infer:e2e_request_latency_seconds_bucket", "infer:kv_cache_usage_perc",
+                 "infer:num_preemptions_total"):
         assert any(line.startswith(name) for line in text.splitlines()), f"{name} missing from /metrics"
     done = sum(metric_value(text, "infer:request_success_total", finished_reason=r) for r in ("stop", "length"))
     assert done >= 3
@@ -539,6 +540,18 @@ def test_metrics(server, client):
     assert metric_value(text, "infer:e2e_request_latency_seconds_count") > 0
     assert 0.0 <= metric_value(text, "infer:kv_cache_usage_perc") <= 1.0
     assert metric_value(text, "infer:num_requests_running") == 0
+
+
+def test_preemption_counter_follows_the_engine():
+    """``infer:num_preemptions_total`` advances by what the engine's cumulative count gained since the
+    last scrape (no server needed: ``Metrics`` alone)."""
+    from infer.server.metrics import Metrics
+
+    m = Metrics("m")
+    assert metric_value(m.render(0, 0, 0.0).decode(), "infer:num_preemptions_total", model_name="m") == 0
+    for engine_count, exposed in ((2, 2), (2, 2), (5, 5), (0, 5)):  # 0: an engine without the attribute
+        text = m.render(0, 0, 0.0, engine_count).decode()
+        assert metric_value(text, "infer:num_preemptions_total", model_name="m") == exposed
 
 
 def test_main_server_log_has_no_traceback(server):

@@ -101,6 +101,7 @@ class AsyncEngine:
         # numbers the event loop may read at any time (written by the engine thread)
         self.num_running = 0
         self.num_waiting = 0
+        self.num_preemptions = 0  # cumulative (the engine's ``num_preemptions``, where it has one)
         self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
         self._thread.start()
 
@@ -254,6 +255,7 @@ class AsyncEngine:
                         if out.finished:
                             self._streams.pop(out.request_id, None)
                 self.num_running, self.num_waiting = eng.num_running, eng.num_waiting
+                self.num_preemptions = getattr(eng, "num_preemptions", 0)
                 if self.num_waiting and not self.num_running:
                     time.sleep(0.001)  # static batching is waiting for its batch to fill
         except BaseException as e:  # a crash: fail every open request instead of hanging it

@@ -31,6 +31,8 @@ class Metrics:
         self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("infer:generation_tokens", "Tokens generated", labels, registry=r)
         self.preemptions = Counter("infer:num_preemptions", "Preempted sequences", labels, registry=r)
+        self.preemptions.labels(model_name)  # exposed as 0 before the first preemption
+        self._preemptions_seen = 0
         self.ttft = Histogram("infer:time_to_first_token_seconds", "Time to first token", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("infer:time_per_output_token_seconds", "Time per output token after the first",
@@ -54,9 +56,15 @@ class Metrics:
         if "finished" in t:
             self.e2e.labels(m).observe(t["finished"] - t["arrival"])
 
-    def render(self, running: int, waiting: int, kv_usage: float) -> bytes:
+    def render(self, running: int, waiting: int, kv_usage: float, num_preemptions: int = 0) -> bytes:
+        """The text exposition; ``num_preemptions`` is the engine's cumulative count of preempted
+        sequences (``LLMEngine.num_preemptions``): the counter advances by what is new since the
+        last scrape."""
         m = self.model_name
         self.running.labels(m).set(running)
         self.waiting.labels(m).set(waiting)
         self.kv_usage.labels(m).set(kv_usage)
+        if num_preemptions > self._preemptions_seen:
+            self.preemptions.labels(m).inc(num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = num_preemptions
         return generate_latest(self.registry)
