@@ -48,11 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         config = engine_config_from_args(args)
-        engine = LLMEngine(config)
+        # built on the engine thread, which then steps it: one OpenMP pool in the process (see
+        # async_engine.py's docstring for what a second one costs)
+        async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=args.max_waiting_requests)
     except (ValueError, TypeError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting_requests)
+    engine = async_engine.engine
     name = args.served_model_name or args.model
     app = build_app(async_engine, name)
     log.info("model %s loaded on %s in %.1f s; serving on http://%s:%d", name, engine.runner.device,

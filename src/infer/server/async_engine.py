@@ -12,6 +12,18 @@ queues (vLLM's ``AsyncLLM`` does the same with a separate process):
   request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
 
 The engine object is touched by the engine thread only, so it needs no locks.
+
+**Build the engine on the engine thread** (pass a factory, as ``python -m infer.server`` does).
+On the CPU, torch runs its parallel regions on OpenMP (libgomp), and every thread that enters one
+gets a pool of worker threads of its own that lives as long as the thread. An engine built on
+the main thread (loading and dequantizing the weights run parallel ops) and stepped on this
+thread leaves the process with two pools: four OpenMP threads on a 2-core machine. libgomp then
+counts more threads than CPUs and cuts the spin-wait of idle workers to almost nothing, so
+under a spinning ``OMP_WAIT_POLICY`` every parallel region pays for waking its worker from
+sleep: measured here, a decode step went from 47 to 90 ms as soon as a second, idle pool existed
+in the process, and back when its thread exited. With the engine built and stepped on one
+thread, the server's engine runs like the offline ``LLM`` in a main thread. (With
+``OMP_WAIT_POLICY=PASSIVE``, infer's default, workers always sleep and both cases pay the same.)
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,15 +93,18 @@ class AsyncEngine:
     """Run ``engine`` in a background thread; serve many concurrent requests from asyncio.
 
     Args:
-        engine: the synchronous engine (owned by the thread from now on).
+        engine: the synchronous engine (owned by the thread from now on), or better a
+            zero-argument callable that builds it: it is then called on the engine thread, so
+            that all of torch's work happens on one thread (see the module docstring).
+            ``__init__`` returns once the engine is built and re-raises what building it raised.
         max_waiting: requests waiting for admission beyond which :meth:`generate` raises
             :class:`EngineOverloaded`.
         on_finished: optional callback ``(RequestOutput) -> None`` run on the engine thread
             when a request finishes (metrics).
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256, on_finished=None) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int = 256,
+                 on_finished=None) -> None:
         self.max_waiting = max_waiting
         self.on_finished = on_finished
         self._inbox: queue.Queue = queue.Queue()
@@ -102,8 +117,10 @@ class AsyncEngine:
         self.num_running = 0
         self.num_waiting = 0
         self.num_preemptions = 0  # cumulative (the engine's ``num_preemptions``, where it has one)
-        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(engine, built), name="infer-engine", daemon=True)
         self._thread.start()
+        self.engine: LLMEngine = built.result()  # the build's exception, if any, is raised here
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -232,8 +249,14 @@ class AsyncEngine:
         for rid in list(self._streams):
             self._abort(rid)
 
-    def _run(self) -> None:
-        eng = self.engine
+    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
+        try:
+            eng = engine() if callable(engine) and not isinstance(engine, LLMEngine) else engine
+        except BaseException as e:  # reported to __init__, which raises it
+            self._stopping.set()
+            built.set_exception(e)
+            return
+        built.set_result(eng)
         try:
             while not self._stopping.is_set():
                 block = not eng.has_unfinished_requests()
