@@ -554,6 +554,37 @@ def test_preemption_counter_follows_the_engine():
         assert metric_value(text, "infer:num_preemptions_total", model_name="m") == exposed
 
 
+class _IdleEngine:
+    """The little of ``LLMEngine`` that an idle engine loop touches."""
+
+    num_running = num_waiting = 0
+
+    def __init__(self) -> None:
+        self.built_on = threading.current_thread().name
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+
+def test_engine_is_built_on_the_engine_thread():
+    """A factory passed to ``AsyncEngine`` runs on the engine thread (so torch's OpenMP pool is the
+    one of the thread that steps the engine), and what it raises comes out of the constructor."""
+    from infer.server.async_engine import AsyncEngine
+
+    eng = AsyncEngine(_IdleEngine)
+    try:
+        assert eng.engine.built_on == "infer-engine" and eng.alive
+    finally:
+        eng.shutdown()
+    assert not eng.alive
+
+    def broken():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(broken)
+
+
 def test_main_server_log_has_no_traceback(server):
     """After every test above (bad requests, disconnects) the server logged no traceback."""
     assert server.proc.poll() is None, server.logs()
