@@ -33,6 +33,7 @@ Next to the client-side numbers, each HTTP run also records where the time went:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "server_latency",
         "env": environment("cpu" if not torch.cuda.is_available() else "cuda"),
         "model": args.model,
+        "engine_config": dataclasses.asdict(llm.config),  # the server's too: same flags, same defaults
         "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len, "pairs": args.repeats,
                      "greedy": True, "ignore_eos": True, "client": "one httpx.Client, kept-alive connection"},
         "startup": {"ready_s": ready, "first_answer_s": first_answer, "idle_rss_mb": idle_rss},
