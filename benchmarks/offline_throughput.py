@@ -64,7 +64,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch  # noqa: E402  (after common: it sets OMP_WAIT_POLICY before torch loads)
+import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
+import torch  # noqa: E402
 from common import (  # noqa: E402
     ceilings,
     environment,

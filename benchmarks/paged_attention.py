@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch  # noqa: E402  (after common: it sets OMP_WAIT_POLICY before torch loads)
+import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
+import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from common import ceilings, environment, markdown_table, sync, timed, write_report  # noqa: E402
 

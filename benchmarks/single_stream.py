@@ -10,7 +10,8 @@ TTFT is the time to the first token, TPOT the mean time per later token. TPOT is
 fraction of the batch-1 decode floor (weights + KV bytes / measured bandwidth). HF
 transformers runs the same weights in the same process: ``eager`` is its default
 ``generate``; ``compiled`` uses ``cache_implementation="static"``, with which transformers compiles its
-forward with ``torch.compile`` (GPU only).
+forward with ``torch.compile`` (GPU only). ``--infer-configs "kv_cache=contiguous;kv_cache=paged"``
+runs one infer per ``;``-separated set of EngineConfig overrides (as in offline_throughput.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch  # noqa: E402  (after common: it sets OMP_WAIT_POLICY before torch loads)
+import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
+import torch  # noqa: E402
 from common import ceilings, decode_floor_s, environment, markdown_table, sync, write_report  # noqa: E402
 
 
@@ -105,32 +107,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median)")
     ap.add_argument("--hf", nargs="*", default=["eager"], choices=["eager", "compiled"],
                     help="HF transformers configurations to measure beside infer (none: --hf)")
+    ap.add_argument("--infer-configs", default=None,
+                    help='";"-separated EngineConfig overrides, one infer run each, e.g. '
+                         '"attention_backend=torch;attention_backend=triton" (default: one run, defaults)')
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON report here (and a .md beside it)")
     args = ap.parse_args(argv)
 
+    from offline_throughput import infer_label, parse_infer_configs
+
     from infer.llm import LLM
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=True,
-              max_model_len=max(args.prompt_lens) + args.output_len + 8)
-    cfg = llm.engine.loaded.config
-    device = str(llm.engine.runner.device)
-    dtype = llm.engine.runner.dtype
-    print(f"measuring ceilings on {device} ...", flush=True)
-    ceil = ceilings(device)
     rows = []
     results = {}
-    for plen in args.prompt_lens:
-        prompt = random_prompt(cfg.vocab_size, plen, args.seed)
-        floor_ms = 1e3 * decode_floor_s(cfg, dtype, plen + args.output_len // 2, ceil["bandwidth_gb_s"])
-        print(f"infer: prompt {plen} ...", flush=True)
-        r = bench_infer(llm, prompt, args.output_len, args.repeats)
-        results[f"infer/{plen}"] = r
-        rows.append({"engine": "infer", "prompt": plen, **r, "floor_ms": floor_ms,
-                     "tok_s": 1e3 / r["tpot_ms"], "floor_frac": floor_ms / r["tpot_ms"]})
-    path = llm.engine.loaded.path
-    del llm
-    gc.collect()
+    engine_configs = {}
+    ceil = None
+    for ov in parse_infer_configs(args.infer_configs):
+        label = infer_label(ov)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=True,
+                  **{"max_model_len": max(args.prompt_lens) + args.output_len + 8, **ov})
+        engine_configs[label] = llm.config.to_dict()
+        cfg = llm.engine.loaded.config
+        device = str(llm.engine.runner.device)
+        dtype = llm.engine.runner.dtype
+        if ceil is None:
+            print(f"measuring ceilings on {device} ...", flush=True)
+            ceil = ceilings(device)
+        for plen in args.prompt_lens:
+            prompt = random_prompt(cfg.vocab_size, plen, args.seed)
+            floor_ms = 1e3 * decode_floor_s(cfg, dtype, plen + args.output_len // 2, ceil["bandwidth_gb_s"])
+            print(f"{label}: prompt {plen} ...", flush=True)
+            r = bench_infer(llm, prompt, args.output_len, args.repeats)
+            results[f"{label}/{plen}"] = r
+            rows.append({"engine": label, "prompt": plen, **r, "floor_ms": floor_ms,
+                         "tok_s": 1e3 / r["tpot_ms"], "floor_frac": floor_ms / r["tpot_ms"]})
+            print(f"  ttft {r['ttft_ms']:.2f} ms, tpot {r['tpot_ms']:.3f} ms ({floor_ms / r['tpot_ms']:.0%} of floor)",
+                  flush=True)
+        path = llm.engine.loaded.path
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     for mode in args.hf or []:
         if mode == "compiled" and torch.device(device).type != "cuda":
             print("skipping HF compiled on CPU")
@@ -157,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": environment(device),
         "model": str(path),
         "dtype": str(dtype),
-        "engine_config": {"model": args.model, "device": device, "dtype": str(dtype)},
+        "engine_config": engine_configs,
         "workload": {"prompt_lens": args.prompt_lens, "output_len": args.output_len, "seed": args.seed,
                      "ignore_eos": True, "greedy": True, "repeats": args.repeats},
         "ceilings": ceil,

@@ -100,14 +100,15 @@ section_parity_fp32() {
         ${PARITY_ARGS:-}
 }
 
-# Phase 1: batch-1 TTFT/TPOT of infer next to HF eager and HF static-cache + torch.compile, bf16.
+# Phase 1: batch-1 TTFT/TPOT of infer (contiguous and paged KV, Triton attention) next to HF eager and
+# HF static-cache + torch.compile, bf16. SINGLE_CONFIGS / SINGLE_HF / BENCH_PROMPTS override.
 section_bench_single() {
     local preset rc=0
     for preset in ${BENCH_PRESETS:-qwen3-0.6b qwen3-4b}; do
         [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
         "$PY" benchmarks/single_stream.py --model "$CKPT/$preset" --device cuda --dtype bfloat16 \
-            --prompt-lens ${BENCH_PROMPTS:-128} --output-len 128 --repeats 3 --hf eager compiled \
-            --out "$OUT/single_$preset.json" || rc=1
+            --prompt-lens ${BENCH_PROMPTS:-128} --output-len 128 --repeats 3 --hf ${SINGLE_HF:-eager compiled} \
+            --infer-configs "${SINGLE_CONFIGS:-kv_cache=contiguous;kv_cache=paged}" --out "$OUT/single_$preset.json" || rc=1
     done
     return "$rc"
 }
