@@ -544,7 +544,7 @@ def run_hf_cb(model, wl: Workload, temperature: float, progress: bool = True, wa
 
 
 COLUMNS = ["label", "output_tok_per_s", "total_tok_per_s", "req_per_s", "wall_s", "ttft_p50_ms", "ttft_p99_ms",
-           "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "mfu", "max_running_seqs", "num_preemptions",
+           "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "mfu", "max_running_seqs", "mean_running_seqs", "num_preemptions",
            "mean_kv_utilization", "tokens_ok", "speedup"]
 
 

@@ -183,6 +183,22 @@ def test_continuous_admits_at_every_step_and_static_waits_for_the_batch(tiny_lla
         assert_pool_full(eng)
 
 
+def test_scheduler_stats_count_steps_and_batch_width(tiny_llama):
+    # by hand: a (2 tokens) and b (4 tokens) prefill together in step 1 and sample their first
+    # tokens; step 2 decodes both (a is done), steps 3-4 decode b alone: widths 2, 2, 1, 1
+    eng = make_engine(tiny_llama, batching="static", max_num_seqs=2, batch_wait_timeout_ms=0)
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    eng.add_request([8, 9, 10], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    stats = eng.stats()
+    assert stats["num_steps"] == 4 and stats["max_running_seqs"] == 2
+    assert stats["mean_running_seqs"] == pytest.approx(6 / 4)
+    assert stats["num_preemptions"] == 0
+    eng.scheduler.reset_stats()
+    assert eng.stats()["num_steps"] == 0 and eng.stats()["mean_running_seqs"] == 0.0
+
+
 def test_static_batch_waits_for_timeout_or_a_full_batch(tiny_llama):
     p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     eng = make_engine(tiny_llama, batching="static", max_num_seqs=3, batch_wait_timeout_ms=60_000)

@@ -71,7 +71,7 @@ class Scheduler:
 
     Attributes:
         num_preemptions: requests preempted so far (``infer:num_preemptions_total``).
-        num_steps, max_running, kv_utilization_sum: for :meth:`stats`.
+        num_steps, max_running, running_sum, kv_utilization_sum: for :meth:`stats`.
     """
 
     def __init__(
@@ -94,6 +94,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.max_running = 0
+        self.running_sum = 0
         self.kv_utilization_sum = 0.0
 
     def add_request(self, request: Request) -> None:
@@ -211,24 +212,27 @@ class Scheduler:
         """Per-step statistics: batch width and how full the reserved KV slots are."""
         self.num_steps += 1
         self.max_running = max(self.max_running, len(self.running))
+        self.running_sum += len(self.running)
         reserved = (self.kv.num_blocks - self.kv.num_free_blocks) * self.kv.block_size
         if reserved:
             held = sum(s.num_computed_tokens for s in self.running) + sum(s.num_tokens for s in scheduled)
             self.kv_utilization_sum += min(1.0, held / reserved)
 
     def reset_stats(self) -> None:
-        self.num_steps = self.num_preemptions = self.max_running = 0
+        self.num_steps = self.num_preemptions = self.max_running = self.running_sum = 0
         self.kv_utilization_sum = 0.0
 
     def stats(self) -> dict[str, float]:
-        """Totals since start: steps, preemptions, the widest batch, and the mean KV utilization
-        (tokens whose K/V is cached / token slots reserved in blocks, averaged over steps; the
-        contiguous cache reserves ``max_model_len`` slots per sequence, a paged one rounds each
-        sequence up to a block)."""
+        """Totals since start: steps, preemptions, the widest batch, the mean batch (running
+        sequences per step: static batching's shrinking batches show here), and the mean KV
+        utilization (tokens whose K/V is cached / token slots reserved in blocks, averaged over
+        steps; the contiguous cache reserves ``max_model_len`` slots per sequence, a paged one
+        rounds each sequence up to a block)."""
         return {
             "num_steps": self.num_steps,
             "num_preemptions": self.num_preemptions,
             "max_running_seqs": self.max_running,
+            "mean_running_seqs": self.running_sum / self.num_steps if self.num_steps else 0.0,
             "mean_kv_utilization": self.kv_utilization_sum / self.num_steps if self.num_steps else 0.0,
         }
 
