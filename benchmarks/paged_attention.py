@@ -19,7 +19,7 @@ layout for free), and the gather (``k_cache[block_table]``) + SDPA that a paged 
 
 Prefill (``paged_prefill_attention``): 8 sequences x 2048 new tokens, causal, FLOP rate and MFU
 against the measured bf16 matmul rate, next to SDPA with ``is_causal`` on contiguous inputs (FlashAttention
-on a GPU); and an extend step (512 new tokens after a 3584-token cached prefix) for the kernel alone.
+on a GPU); and an extend step (512 new tokens after a 1536-token cached prefix) for the kernel alone.
 
 Writes ``paged_attention.json`` (commit, hardware, versions, ceilings, every row), ``paged_attention.md``
 (the tables) and, when matplotlib is installed, ``paged_attention.png`` (bandwidth fraction vs context,

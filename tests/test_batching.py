@@ -29,7 +29,8 @@ def make_engine(loaded, **kw) -> LLMEngine:
 def drive(engine: LLMEngine, arrivals: list[tuple[int, list[int], SamplingParams]], check=None) -> dict[str, list]:
     """Run until done, adding ``(step, prompt, params)`` when the engine reaches ``step``.
 
-    Returns request id -> the finished output's token ids (one list per sequence).
+    Returns arrival index -> the finished output's token ids (one list per sequence), or None
+    for a request that never finished (aborted by ``check``).
     ``check(engine)`` runs after every step (invariants).
     """
     pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
@@ -46,7 +47,7 @@ def drive(engine: LLMEngine, arrivals: list[tuple[int, list[int], SamplingParams
             check(engine)
         step += 1
         assert step < 10_000, "the engine made no progress"
-    return {i: done[rid_of[i]] for i in rid_of}
+    return {i: done.get(rid_of[i]) for i in rid_of}  # None: aborted
 
 
 def mixed_workload(vocab_size: int, n: int, seed: int, sampled: bool = False):

@@ -154,8 +154,20 @@ def test_paged_engine_matches_contiguous_with_forks_and_aborts(tiny_llama):
                                                                            seed=3)))
     ref = drive(make_engine(tiny_llama, batching="continuous", max_num_seqs=8), arrivals)
     eng = paged_engine(tiny_llama, batching="continuous", max_num_seqs=8)
-    got = drive(eng, arrivals)
-    assert got == ref
+    assert drive(eng, arrivals) == ref
+    assert_pool_full(eng)
+    # again, aborting the n=3 request (decoding, its prompt blocks shared by 3 sequences) and the
+    # n=2 one (just admitted) after step 4: the others' tokens do not change, no block leaks
+    steps = []
+
+    def abort_two(e):
+        steps.append(len(steps))
+        if len(steps) == 5:
+            assert e.abort_request("r12") and e.abort_request("r13")
+
+    got = drive(eng, arrivals, abort_two)
+    assert got.pop(12) is None and got.pop(13) is None
+    assert got == {i: tokens for i, tokens in ref.items() if i not in (12, 13)}
     assert_pool_full(eng)
 
 

@@ -1,8 +1,9 @@
 """Attention in plain PyTorch (``F.scaled_dot_product_attention``): the CPU backend.
 
-For the paged cache it runs the references of the Triton kernels
-(:mod:`infer.attention.paged_reference`); for the contiguous cache and cache-less forwards,
-the functions below.
+The same code serves the contiguous and the paged cache: decodes are one batched SDPA over
+rows (the cache's own rows, or each sequence's blocks gathered into one), prefills one SDPA
+each. (:mod:`infer.attention.paged_reference` holds the plain-PyTorch twins of the Triton
+kernels, for their tests; :func:`paged_attention` dispatches a step to such a pair.)
 For each sequence of the flattened batch it reads the sequence's context (from the KV cache,
 or the step's own K/V when there is no cache) and attends with an explicit
 *bottom-right-aligned* causal mask: query ``i`` of a sequence with ``Lq`` new tokens and
@@ -182,14 +183,33 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     return out
 
 
+def _paged_decode_slots(meta: AttentionMetadata, block_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per step, shared by the layers: int64 ``[B * length]`` cache slots of the decode sequences'
+    first ``length`` positions (through their block tables; past a sequence's end, whatever slot its
+    table's padding names: finite, and masked) and their rows ``0 .. B - 1`` in the gathered K/V."""
+    cached = meta.scratch.get("paged_decode_slots")
+    if cached is None:
+        q = meta.query_start_loc_cpu
+        which = [i for i in range(meta.num_seqs) if q[i + 1] - q[i] == 1]  # the decode sequences
+        tables = meta.block_tables.index_select(0, torch.tensor(which, device=meta.block_tables.device))
+        n_blocks = -(-length // block_size)
+        offsets = torch.arange(block_size, device=tables.device)
+        slots = (tables[:, :n_blocks].long()[:, :, None] * block_size + offsets).flatten(1)[:, :length]
+        cached = (slots.reshape(-1), torch.arange(len(which), device=tables.device))
+        meta.scratch["paged_decode_slots"] = cached
+    return cached
+
+
 class TorchAttentionBackend:
     """Plain-PyTorch attention over the KV cache (or no cache); the CPU default.
 
     * Contiguous cache (one block per sequence): the decode sequences of a step are batched
       into one :func:`decode_attention` call per layer over the rows; prefills run one
       :func:`sdpa_attention` each over their row.
-    * Paged cache: the references of the Triton kernels
-      (:mod:`infer.attention.paged_reference`) through :func:`paged_attention`.
+    * Paged cache: the same, after gathering each decode sequence's blocks into a row (the slots
+      are computed once per step from the block tables and shared by the layers); prefills read
+      their context through :meth:`KVCache.read`. :mod:`infer.attention.paged_reference` holds
+      the plain-PyTorch twins of the Triton kernels, same signatures, for the kernel tests.
     """
 
     name = "torch"
@@ -215,17 +235,11 @@ class TorchAttentionBackend:
         if cache is None:
             return cacheless_attention(q, k, v, meta, scale, window)
         cache.write(layer_idx, k, v, meta.slot_mapping)
-        if not cache.contiguous:
-            from infer.attention import paged_reference as ref
-
-            k_cache, v_cache = cache.layer(layer_idx)
-            return paged_attention(q, k_cache, v_cache, meta, scale, window, ref.paged_decode_attention,
-                                   ref.paged_prefill_attention)
         starts = meta.query_start_loc_cpu
         decode = meta.decode_batch()
         prefills = meta.prefill_indices()
         if decode is not None and len(decode[1]) == 1 and not prefills:
-            # batch 1 (a single stream): read the row directly, no padding, no mask
+            # batch 1 (a single stream): read the context directly, no padding, no mask
             k_i, v_i = cache.read(layer_idx, meta.block_tables_cpu[0], meta.seq_lens_cpu[0])
             return sdpa_attention(q, k_i, v_i, scale, window)
         out = torch.empty_like(q)
@@ -234,10 +248,16 @@ class TorchAttentionBackend:
             masks = meta.scratch.setdefault("decode_masks", {})
             if window not in masks:  # built once per step, shared by the layers
                 masks[window] = decode_mask(lens, max_len, window)
-            o = decode_attention(
-                q if not prefills else q[token_idx], cache.k[layer_idx, :num_rows, :max_len],
-                cache.v[layer_idx, :num_rows, :max_len], rows, lens, scale, window, masks[window],
-            )
+            if cache.contiguous:  # attend over the rows of the cache itself
+                k_rows, v_rows = cache.k[layer_idx, :num_rows, :max_len], cache.v[layer_idx, :num_rows, :max_len]
+            else:  # gather each sequence's blocks into a row first, then the same attention
+                slots, rows = _paged_decode_slots(meta, cache.block_size, max_len)
+                kl, vl = cache.layer(layer_idx)
+                shape = (len(lens), max_len, *kl.shape[2:])
+                k_rows = kl.flatten(0, 1).index_select(0, slots).view(shape)
+                v_rows = vl.flatten(0, 1).index_select(0, slots).view(shape)
+            o = decode_attention(q if not prefills else q[token_idx], k_rows, v_rows, rows, lens, scale, window,
+                                 masks[window])
             if not prefills:  # a decode-only step: the tokens are the sequences, in order
                 return o
             out[token_idx] = o

@@ -30,7 +30,8 @@ class Metrics:
                                labels + ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("infer:generation_tokens", "Tokens generated", labels, registry=r)
-        self.preemptions = Counter("infer:num_preemptions", "Preempted sequences", labels, registry=r)
+        self.preemptions = Counter("infer:num_preemptions", "Preempted requests (blocks freed, recomputed later)",
+                                   labels, registry=r)
         self.preemptions.labels(model_name)  # exposed as 0 before the first preemption
         self._preemptions_seen = 0
         self.ttft = Histogram("infer:time_to_first_token_seconds", "Time to first token", labels,
@@ -58,7 +59,7 @@ class Metrics:
 
     def render(self, running: int, waiting: int, kv_usage: float, num_preemptions: int = 0) -> bytes:
         """The text exposition; ``num_preemptions`` is the engine's cumulative count of preempted
-        sequences (``LLMEngine.num_preemptions``): the counter advances by what is new since the
+        requests (``LLMEngine.num_preemptions``): the counter advances by what is new since the
         last scrape."""
         m = self.model_name
         self.running.labels(m).set(running)
