@@ -27,7 +27,8 @@ def test_stubs_are_valid_python():
         assert "NotImplementedError" in text and f"# >>> EXERCISE {e.name}" in text
 
 
-LEAF = {0: "rms_norm", 1: "top_p", 3: "batch_ready", 4: "top_k", 5: "paged_decode_inner_loop"}
+LEAF = {0: "rms_norm", 1: "top_p", 2: "abort_request", 3: "batch_ready", 4: "top_k",
+        5: "paged_decode_inner_loop"}
 
 
 def test_every_phase_has_a_leaf_exercise():

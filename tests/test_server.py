@@ -140,12 +140,17 @@ def sse_events(lines) -> list:
 
 
 def wait_idle(srv: ServerProcess, timeout: float = 30.0) -> str:
-    """Poll ``/metrics`` until no request is running or waiting in the engine."""
+    """Poll ``/metrics`` until no request is running or waiting in the engine; fail at once, with the
+    server's log, if the engine thread has stopped (``/health`` answers 503)."""
     def idle():
         text = srv.metrics()
         running = metric_value(text, "infer:num_requests_running")
         waiting = metric_value(text, "infer:num_requests_waiting")
-        return text if running == 0 and waiting == 0 else None
+        if running == 0 and waiting == 0:
+            return text
+        if httpx.get(f"{srv.url}/health", timeout=10).status_code == 503:
+            raise AssertionError(f"the engine thread has stopped\n{srv.logs()}")
+        return None
 
     return wait_until(idle, timeout, "the engine to have no running or waiting request")
 
@@ -287,6 +292,42 @@ def test_n_greater_than_one(client):
             ends[c.index] += c.finish_reason is not None
     assert ends == {0: 1, 1: 1}
     assert texts == {c.index: c.text for c in full.choices}
+
+
+def test_chat_stream_n_logprobs_usage_and_done(server, client):
+    """A streamed chat with n=2, logprobs and include_usage, read as raw SSE: a first chunk gives
+    both choices their role; then one choice per chunk, each index ending exactly once and
+    never appearing after (the engine's outputs keep listing a finished sequence while the other
+    runs); its text and logprobs are the non-streamed answer's; the usage chunk (empty choices)
+    comes last, then ``data: [DONE]``."""
+    kw = dict(messages=CHAT, max_tokens=8, temperature=0.9, n=2, seed=5, stop=[" "], logprobs=True, top_logprobs=1)
+    full = client.chat.completions.create(model=MODEL, **kw)
+    lengths = [len(ch.logprobs.content) for ch in full.choices]
+    assert lengths[0] != lengths[1], f"both choices end at the same step ({lengths}): pick another seed"
+    with httpx.Client(timeout=120) as c:
+        with c.stream("POST", f"{server.url}{CHATP}",
+                      json={**kw, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    first, *deltas, last = events[:-1]
+    assert all(ev["object"] == "chat.completion.chunk" and ev["model"] == MODEL for ev in events[:-1])
+    assert [(ch["index"], ch["delta"].get("role")) for ch in first["choices"]] == [(0, "assistant"), (1, "assistant")]
+    texts, tokens, ends = {0: "", 1: ""}, {0: [], 1: []}, {0: 0, 1: 0}
+    for ev in deltas:
+        assert ev.get("usage") is None and len(ev["choices"]) == 1, ev
+        ch = ev["choices"][0]
+        assert ends[ch["index"]] == 0, f"a chunk for choice {ch['index']} after its finish_reason: {ev}"
+        assert "role" not in ch["delta"], ev
+        texts[ch["index"]] += ch["delta"].get("content") or ""
+        tokens[ch["index"]] += [t["token"] for t in (ch["logprobs"] or {}).get("content", [])]
+        ends[ch["index"]] += ch["finish_reason"] is not None
+    assert ends == {0: 1, 1: 1}
+    assert texts == {ch.index: ch.message.content for ch in full.choices}
+    assert tokens == {ch.index: [t.token for t in ch.logprobs.content] for ch in full.choices}
+    assert last["choices"] == [] and last["usage"] == {
+        "prompt_tokens": full.usage.prompt_tokens, "completion_tokens": full.usage.completion_tokens,
+        "total_tokens": full.usage.total_tokens}
 
 
 # ---------------------------------------------------------------------------- logprobs

@@ -79,6 +79,48 @@ EXERCISES: dict[str, Exercise] = {
             15,
         ),
         Exercise(
+            "sampling_or_reject", 2, "src/infer/server/app.py",
+            ("tests/test_server.py::test_bad_request[temperature-negative]",
+             "tests/test_server.py::test_bad_request[stop-empty-string]",
+             "tests/test_server.py::test_bad_request[n-1000]",
+             "tests/test_server.py::test_bad_request[n-1000-chat]",
+             "tests/test_server.py::test_bad_request[suffix]",
+             "tests/test_server.py::test_bad_request[tools]",
+             "tests/test_server.py::test_bad_request[top_logprobs-without-logprobs]",
+             "tests/test_server.py::test_openai_client_raises_on_bad_request",
+             "tests/test_server.py::test_same_answer_after_bad_requests"),
+            "Return req.sampling_params(), unless it raises: an UnsupportedField (e.param names the field) or "
+            "any other ValueError (_param_of(e) finds the field in SamplingParams' message) becomes raise "
+            "_Reject(error_response(400, str(e), param)) from None. More than MAX_N sequences (params.n) is a "
+            "400 naming 'n'.",
+            10,
+        ),
+        Exercise(
+            "chat_sse", 2, "src/infer/server/app.py",
+            ("tests/test_server.py::test_chat_stream_equals_non_stream",
+             "tests/test_server.py::test_stream_include_usage",
+             "tests/test_server.py::test_chat_stream_n_logprobs_usage_and_done"),
+            "async for out in outputs; for each c in out.outputs (one per sequence, finished ones included): "
+            "skip an index that already ended; yield chunk([{'index': c.index, 'delta': {'content': "
+            "c.delta_text} (or {} on a final chunk without text), 'logprobs': chat_lp_block(c.delta_logprobs "
+            "or []) if req.logprobs else None, 'finish_reason': c.finish_reason}]). Then, if include_usage, "
+            "chunk([], usage=usage([last output])); last 'data: [DONE]\\n\\n'.",
+            25,
+        ),
+        Exercise(
+            "abort_request", 2, "src/infer/server/async_engine.py",
+            ("tests/test_server.py::test_stream_disconnect_aborts_request",
+             "tests/test_server.py::test_queued_client_disconnect_frees_its_place",
+             "tests/test_server.py::test_graceful_shutdown_on_sigterm"),
+            "Engine thread. req = self.engine.requests.get(rid) before self.engine.abort_request(rid) (True if "
+            "it was running or waiting; frees it); nothing to do if unknown and rid has no stream. Build the "
+            "final RequestOutput(rid, prompt, prompt_token_ids, [CompletionOutput(index, text so far "
+            "(s.detokenizer.output_text), token ids, finish_reason=s.finish_reason or 'abort') per seq], "
+            "finished=True); if known, metrics 'arrival' (+ 'first_token') and self._record_finished(final); "
+            "then self._deliver(rid, final) and drop rid from self._streams.",
+            30,
+        ),
+        Exercise(
             "batch_ready", 3, "src/infer/engine/scheduler.py",
             ("tests/test_batching.py::test_static_batch_waits_for_timeout_or_a_full_batch",
              "tests/test_batching.py::test_continuous_admits_at_every_step_and_static_waits_for_the_batch"),

@@ -10,6 +10,7 @@ client works unchanged; streaming is Server-Sent Events (``data: {...}`` chunks,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -136,6 +137,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                                          "model", "not_found_error", "model_not_found"))
 
     def sampling_or_reject(req) -> SamplingParams:
+        """The request's :class:`SamplingParams`, or :class:`_Reject` with a 400 naming the bad field."""
+        # >>> EXERCISE sampling_or_reject
         try:
             params = req.sampling_params()
         except UnsupportedField as e:
@@ -145,6 +148,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         if params.n > MAX_N:
             raise _Reject(error_response(400, f"n must be <= {MAX_N}, got {params.n}", "n"))
         return params
+        # <<< EXERCISE sampling_or_reject
 
     async def start(prompt, params) -> tuple[AsyncIterator[RequestOutput], RequestOutput | None]:
         """Submit and wait for the engine to accept (not to admit); returns ``(stream, None)``."""
@@ -397,37 +401,52 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             return sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                         "model": model_name, "choices": choices, **extra})
 
+        async def request_outputs() -> AsyncIterator[RequestOutput]:
+            """The request's outputs (deltas), as the engine thread hands them over."""
+            if first is not None:
+                yield first
+                if first.finished:
+                    return
+            async for o in gen:
+                yield o
+
+        async def chat_sse(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+            """The SSE lines of a streamed chat completion, from the request's outputs.
+
+            First a chunk giving each of the ``n`` choices its role; then, per output and per
+            sequence with something new, a chunk with that choice's ``delta`` (its new text) and, on
+            its last chunk, its ``finish_reason`` (each index ends once); with
+            ``stream_options.include_usage`` a chunk with empty ``choices`` and ``usage``; then
+            ``data: [DONE]``.
+            """
+            yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for j in range(params.n)])
+            # >>> EXERCISE chat_sse
+            last = None
+            ended: set[int] = set()
+            async for out in outputs:
+                last = out
+                for c in out.outputs:
+                    if c.index in ended:
+                        continue
+                    if c.finish_reason:
+                        ended.add(c.index)
+                    if not c.delta_text and not c.finish_reason and not c.delta_token_ids:
+                        continue
+                    delta = {"content": c.delta_text} if (c.delta_text or not c.finish_reason) else {}
+                    yield chunk([{"index": c.index, "delta": delta,
+                                  "logprobs": chat_lp_block(c.delta_logprobs or []) if req.logprobs else None,
+                                  "finish_reason": c.finish_reason}])
+            if include_usage and last is not None:
+                yield chunk([], usage=usage([last]))
+            yield "data: [DONE]\n\n"
+            # <<< EXERCISE chat_sse
+
         async def events():
             try:
-                yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for j in range(params.n)])
-                last = None
-
-                async def outputs():
-                    if first is not None:
-                        yield first
-                        if first.finished:
-                            return
-                    async for o in gen:
-                        yield o
-
-                ended: set[int] = set()
-                async for out in outputs():
-                    last = out
-                    for c in out.outputs:
-                        if c.index in ended:
-                            continue
-                        if c.finish_reason:
-                            ended.add(c.index)
-                        if not c.delta_text and not c.finish_reason and not c.delta_token_ids:
-                            continue
-                        delta = {"content": c.delta_text} if (c.delta_text or not c.finish_reason) else {}
-                        yield chunk([{"index": c.index, "delta": delta,
-                                      "logprobs": chat_lp_block(c.delta_logprobs or []) if req.logprobs else None,
-                                      "finish_reason": c.finish_reason}])
-                if include_usage and last is not None:
-                    yield chunk([], usage=usage([last]))
-                yield "data: [DONE]\n\n"
+                async with contextlib.aclosing(chat_sse(request_outputs())) as lines:
+                    async for line in lines:
+                        yield line
             finally:
                 await close_streams([], streams)
 

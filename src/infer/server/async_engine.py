@@ -226,6 +226,7 @@ class AsyncEngine:
         """Stop ``rid`` now (a client that went away, or shutdown): free it in the engine, count it
         as finished with ``"abort"`` and end its stream with a final output. A request that has
         already finished is left alone (its final output went out with its last step)."""
+        # >>> EXERCISE abort_request
         req = self.engine.requests.get(rid)
         known = self.engine.abort_request(rid)
         if not known and rid not in self._streams:
@@ -244,6 +245,7 @@ class AsyncEngine:
             self._record_finished(final)
         self._deliver(rid, final)
         self._streams.pop(rid, None)
+        # <<< EXERCISE abort_request
 
     def _finish_all(self) -> None:
         """End every open stream with a final output (used at shutdown)."""
