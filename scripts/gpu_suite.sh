@@ -174,6 +174,11 @@ section_bench_serve() {
 # ----------------------------------------------------------------------------- driver
 
 run_all() {
+    if [ -z "${INFER_COMMIT:-}" ]; then
+        # the GPU machine's copy of the working tree may carry a stale .git: the reports would name
+        # an old commit. Call the suite as INFER_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_suite.sh
+        echo "WARNING: INFER_COMMIT is not set; reports will name $(git rev-parse --short HEAD 2>/dev/null || echo 'no') commit"
+    fi
     local -a summary=()
     local failed=0 suite_start name start rc secs
     suite_start=$(date +%s)
