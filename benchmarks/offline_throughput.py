@@ -55,6 +55,7 @@ every request) and ``X.md``; ``--out DIR`` (no ``.json``) writes ``DIR/offline_t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import random
 import sys
@@ -470,7 +471,35 @@ def run_hf(model, wl: Workload, batch_size: int, temperature: float, compiled: b
 
 
 def hf_cb_available(model) -> bool:
-    return hasattr(model, "generate_batch") and hasattr(model, "continuous_batching_context_manager")
+    """Whether this transformers has continuous batching (``generate_batch`` and a manager)."""
+    return hasattr(model, "generate_batch") and (
+        hasattr(model, "continuous_batching_context_manager") or hasattr(model, "init_continuous_batching"))
+
+
+@contextlib.contextmanager
+def hf_cb_manager(model, **kwargs):
+    """transformers' continuous-batching manager, started, and stopped on exit.
+
+    Newer transformers have ``continuous_batching_context_manager``; older ones (5.17, the GPU
+    image's) only ``init_continuous_batching`` + ``start``/``stop``. Keyword arguments that the
+    installed version does not accept (``workload_hints``) are dropped.
+    """
+    import inspect
+
+    has_cm = hasattr(model, "continuous_batching_context_manager")
+    factory = model.continuous_batching_context_manager if has_cm else model.init_continuous_batching
+    accepts = set(inspect.signature(factory).parameters)
+    kwargs = {k: v for k, v in kwargs.items() if k in accepts}
+    if has_cm:
+        with factory(**kwargs) as man:
+            yield man
+        return
+    man = factory(**kwargs)
+    man.start()
+    try:
+        yield man
+    finally:
+        man.stop(block=True)
 
 
 def run_hf_cb(model, wl: Workload, temperature: float, progress: bool = True, warmup: bool = True,
@@ -496,7 +525,7 @@ def run_hf_cb(model, wl: Workload, temperature: float, progress: bool = True, wa
     except ImportError:
         pass
     device = next(model.parameters()).device
-    with model.continuous_batching_context_manager(**cm_kwargs) as man:
+    with hf_cb_manager(model, **cm_kwargs) as man:
         accepts = set(inspect.signature(man.add_request).parameters)
         extra = {k: v for k, v in (("eos_token_id", -1), ("record_timestamps", True)) if k in accepts}
 

@@ -32,7 +32,7 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 MAX_OUT_FILES=8
 
-SECTIONS=(env tests parity parity_fp32 bench_kernels bench_single bench_paged server bench_offline bench_serve)
+SECTIONS=(env tests parity parity_fp32 bench_kernels bench_single bench_paged server bench_offline bench_serve bench_step)
 CKPT="${CKPT:-/tmp/infer-ckpt}"  # synthetic checkpoints, shared by the sections
 
 # ----------------------------------------------------------------------------- environment
@@ -169,6 +169,18 @@ section_bench_serve() {
             --input-len 512 --output-len 256 --no-progress --out "$OUT/serve_$mode.json" ${SERVE_ARGS:-} || rc=1
     done
     return "$rc"
+}
+
+# Where a step's time goes (host vs device, top kernels), contiguous vs paged KV, on the
+# offline workload's steady decode batch (benchmarks/step_profile.py).
+section_bench_step() {
+    local preset=${STEP_PRESET:-qwen3-0.6b}
+    [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/step_profile.py --model "$CKPT/$preset" --device cuda --dtype bfloat16 --max-num-seqs 256 \
+        --max-num-batched-tokens 16384 --no-progress \
+        --infer-configs "${STEP_CONFIGS:-batching=continuous;batching=continuous,kv_cache=paged}" \
+        --out "$OUT/step_$preset.json" ${STEP_ARGS:-}
 }
 
 # ----------------------------------------------------------------------------- driver

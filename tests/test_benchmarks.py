@@ -1,4 +1,4 @@
-"""The throughput benchmark programs (benchmarks/offline_throughput.py, benchmarks/ablate.py), at tiny sizes.
+"""The throughput benchmark programs (offline_throughput.py, ablate.py, step_profile.py), at tiny sizes.
 
 These check what the programs count and write, never how fast anything is.
 """
@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import ablate  # noqa: E402
 import offline_throughput as ot  # noqa: E402
+import step_profile  # noqa: E402
 
 # ---------------------------------------------------------------------------------- workload
 
@@ -98,6 +99,37 @@ def test_hf_padded_batches_count_only_each_requests_own_tokens(compiled):
     e2e = [q["e2e_ms"] for q in r["requests"]]
     assert e2e[0] == e2e[1] < e2e[2] == e2e[3] < e2e[4]  # a batch answers together, batches in order
     assert all(0 < q["ttft_ms"] <= q["e2e_ms"] for q in r["requests"])
+
+
+class _OlderTransformers:
+    """A model seen through an older transformers (5.17): no ``continuous_batching_context_manager``."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        if name == "continuous_batching_context_manager":
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("older", [False, True], ids=["context-manager", "init-start-stop"])
+def test_hf_continuous_batching_gives_each_request_its_own_length(older):
+    from tests.hf_reference import tiny_hf_model
+
+    model = tiny_hf_model("llama").eval()
+    if not ot.hf_cb_available(model):
+        pytest.skip("this transformers has no continuous batching")
+    if older:
+        model = _OlderTransformers(model)
+        assert not hasattr(model, "continuous_batching_context_manager") and ot.hf_cb_available(model)
+    wl = ot.build_workload(5, 2, 6, vocab_size=384, seed=1)
+    wl.output_lens = [3, 7, 2, 5, 4]
+    r = ot.run_hf_cb(model, wl, temperature=0.0, progress=False, warmup=False)
+    assert r["errors"] == [] and r["tokens_ok"]
+    assert [q["tokens"] for q in r["requests"]] == wl.output_lens  # no padding: each stops at its own length
+    assert r["output_tokens"] == sum(wl.output_lens)
 
 
 # ---------------------------------------------------------------------------------- ablation plan
@@ -205,3 +237,26 @@ def test_offline_throughput_infer_and_hf_on_the_same_checkpoint(tmp_path):
     assert [s["label"] for s in rep["skipped"]] == ["hf-compiled"]  # GPU only
     assert rep["results"][1]["hf_batches"] == 2 and rep["baseline"] == "hf"
     assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+def test_step_profile_times_the_steady_decode_batch_and_leaks_no_blocks(tmp_path, kv_cache):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    model = make_checkpoint("tiny-llama", tmp_path / "tiny", dtype="float32", device="cpu")
+    out = tmp_path / "step.json"
+    # 4 requests of 4-8 prompt tokens, 20 output tokens each: step 1 prefills all four (one
+    # token budget), steps 2-4 are decodes of 4 sequences, 4 tokens; 2 more run under the profiler
+    rc = step_profile.main(["--model", str(model), "--device", "cpu", "--num-requests", "4", "--min-len", "4",
+                            "--max-len", "8", "--min-output-len", "20", "--max-output-len", "20", "--skip", "1",
+                            "--steps", "3", "--profile-steps", "2", "--no-progress", "--out", str(out),
+                            "--infer-configs", f"batching=continuous,kv_cache={kv_cache}"])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["label"] == f"infer[batching=continuous,kv_cache={kv_cache}]"
+    assert row["steps_timed"] == 3 and row["seqs_per_step"] == 4 and row["tokens_per_step"] == 4
+    assert row["step_ms"] == pytest.approx(row["schedule_ms"] + row["execute_ms"] + row["output_ms"])
+    assert row["execute_ms"] > 0 and row["profiled_steps"] == 2 and row["device_busy_ms"] is None  # CPU
+    assert row["kv_blocks_leaked"] == 0  # the aborted rest gave every block back
+    assert any(op["op"] == "aten::mm" or op["op"] == "aten::addmm" for op in row["top_host_ops"])

@@ -1,0 +1,197 @@
+"""Where one engine step's time goes: host work vs device work, and the top kernels.
+
+    python benchmarks/step_profile.py --scale 0.05                         # CPU, smollm2
+    python benchmarks/step_profile.py --model /tmp/infer-ckpt/qwen3-0.6b --device cuda \\
+        --dtype bfloat16 --max-num-seqs 256 \\
+        --infer-configs "batching=continuous;batching=continuous,kv_cache=paged" --out reports/step.json
+
+The offline workload of ``offline_throughput.py`` (nano-vllm's, ``--scale`` to shrink it) is
+submitted at once; the engine runs ``--skip`` steps (the prefills, so the window below sees
+the steady decode batch), then ``--steps`` steps are timed phase by phase, with the device
+synchronized at each boundary:
+
+* ``schedule``: the scheduler (admission, KV blocks for the step; host only);
+* ``execute``: the model runner (input tensors, forward, sampling; host and device);
+* ``output``: the output processor (stop checks, detokenization; host only).
+
+Then ``--profile-steps`` more steps run under ``torch.profiler``: the device's busy time per
+step (the sum of its kernels' times) against the step's wall time says whether the step is
+device-bound (busy ~ wall) or host-bound (busy << wall: the GPU waits for Python), and the
+top kernels and host ops say where the time goes. Synchronizing at every boundary costs some
+overlap, so the per-phase times add up to a little more than an unsynchronized step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402, F401  (sets the OMP policy before torch loads)
+import offline_throughput as ot  # noqa: E402
+import torch  # noqa: E402
+from common import environment, free_device_memory, markdown_table, sync, write_report  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+
+def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None = None) -> int:
+    """Run up to ``num_steps`` engine steps; with ``phases``, time each phase (synchronized)."""
+    from infer.engine.sequence import SeqStatus
+
+    done = 0
+    for _ in range(num_steps):
+        if not engine.has_unfinished_requests():
+            break
+        if phases is None:
+            engine.step(stream=False)
+            done += 1
+            continue
+        sync(device)
+        t0 = time.perf_counter()
+        scheduled = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        if not scheduled:
+            break
+        result = engine.runner.execute(scheduled, engine.eos_token_ids)
+        sync(device)
+        t2 = time.perf_counter()
+        finished = engine.output_processor.apply(result, scheduled)
+        for seq in finished:
+            seq.status = SeqStatus.FINISHED
+            engine.scheduler.free(seq)
+        for req in dict.fromkeys(item.seq.request for item in scheduled):
+            if req.is_finished:
+                engine.requests.pop(req.request_id, None)
+            engine.output_processor.make_output(req, final_only=True)
+        t3 = time.perf_counter()
+        phases["schedule"].append(t1 - t0)
+        phases["execute"].append(t2 - t1)
+        phases["output"].append(t3 - t2)
+        phases["seqs"].append(len(scheduled))
+        phases["tokens"].append(sum(item.num_tokens for item in scheduled))
+        done += 1
+    return done
+
+
+def _kernel_table(prof, device_type: str, top: int) -> tuple[float, list[dict[str, Any]], list[dict[str, Any]]]:
+    """(device busy seconds, top device kernels, top host ops) from a finished profiler."""
+    events = prof.key_averages()
+    dev_attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    busy_us = sum(getattr(e, dev_attr, 0.0) for e in events) if device_type == "cuda" else 0.0
+    kernels = sorted((e for e in events if getattr(e, dev_attr, 0.0) > 0), key=lambda e: -getattr(e, dev_attr))
+    host = sorted(events, key=lambda e: -e.self_cpu_time_total)
+    dev_rows = [{"kernel": e.key[:70], "calls": e.count, "device_ms": getattr(e, dev_attr) / 1e3,
+                 "share": getattr(e, dev_attr) / busy_us if busy_us else None} for e in kernels[:top]]
+    host_rows = [{"op": e.key[:70], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in host[:top]]
+    return busy_us / 1e6, dev_rows, host_rows
+
+
+def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str, Any]:
+    from infer import SamplingParams
+
+    llm = ot.make_llm(model, {**args.engine_kwargs, **overrides}, wl, progress=not args.no_progress)
+    engine, device = llm.engine, llm.config.resolved_device()
+    # warm up (kernels compiled, allocator primed) on the small workload, as offline_throughput does
+    w = ot.warmup_workload(wl)
+    llm.generate(w.prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for o in w.output_lens], use_tqdm=False)
+    for p, o in zip(wl.prompts, wl.output_lens):
+        engine.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True, temperature=args.temperature))
+    _drive(engine, args.skip, device)
+    phases: dict[str, list[float]] = {k: [] for k in ("schedule", "execute", "output", "seqs", "tokens")}
+    _drive(engine, args.steps, device, phases)
+    n = len(phases["schedule"])
+    if n == 0:
+        raise SystemExit(f"no steps left after --skip {args.skip}: lower it or raise --scale")
+    mean = {k: sum(v) / n for k, v in phases.items()}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        prof_steps = _drive(engine, args.profile_steps, device)
+        sync(device)
+    prof_wall = time.perf_counter() - t0
+    busy, dev_rows, host_rows = _kernel_table(prof, device.type, args.top)
+    for rid in list(engine.requests):  # the rest is not measured: abort it (frees every KV block)
+        engine.abort_request(rid)
+    kv = engine.scheduler.kv
+    row = {
+        "label": ot.infer_label(overrides), "steps_timed": n,
+        "seqs_per_step": mean["seqs"], "tokens_per_step": mean["tokens"],
+        "schedule_ms": mean["schedule"] * 1e3, "execute_ms": mean["execute"] * 1e3, "output_ms": mean["output"] * 1e3,
+        "step_ms": (mean["schedule"] + mean["execute"] + mean["output"]) * 1e3,
+        "profiled_steps": prof_steps, "kv_blocks_leaked": kv.num_blocks - kv.num_free_blocks,
+        "profiled_step_ms": prof_wall / max(prof_steps, 1) * 1e3,
+        "device_busy_ms": busy / max(prof_steps, 1) * 1e3 if device.type == "cuda" else None,
+    }
+    if row["device_busy_ms"] is not None:
+        row["device_busy_share"] = row["device_busy_ms"] / row["profiled_step_ms"]
+    row["top_kernels"], row["top_host_ops"] = dev_rows, host_rows
+    del llm, engine
+    return row
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default=None, help="cuda if available, else cpu")
+    ap.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on GPU (the engine's default)")
+    ap.add_argument("--scale", type=float, default=1.0, help="shrinks the nano-vllm workload (0.05 on a CPU)")
+    for name in ("num-requests", "min-len", "max-len", "min-output-len", "max-output-len"):
+        ap.add_argument(f"--{name}", type=int, default=None, help="overrides the scaled value")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--infer-configs", default="batching=continuous;batching=continuous,kv_cache=paged",
+                    help="';'-separated EngineConfig overrides, one profile each")
+    ap.add_argument("--skip", type=int, default=20, help="steps before the timed window (prefills) [20]")
+    ap.add_argument("--steps", type=int, default=30, help="steps timed phase by phase [30]")
+    ap.add_argument("--profile-steps", type=int, default=5, help="steps under torch.profiler [5]")
+    ap.add_argument("--top", type=int, default=12, help="rows of the kernel and host-op tables [12]")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON report (and .md beside it)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    model, cfg = ot.model_info(args.model)
+    model = str(model)
+    sizes = ot.scaled_sizes(args.scale, args.num_requests, args.min_len, args.max_len, args.min_output_len,
+                            args.max_output_len)
+    wl = ot.build_workload(sizes["num_requests"], sizes["min_len"], sizes["max_len"], cfg.vocab_size, args.seed,
+                           min_output_len=sizes["min_output_len"], max_output_len=sizes["max_output_len"])
+    args.engine_kwargs = {k: v for k, v in (("device", args.device), ("dtype", args.dtype),
+                                            ("max_num_seqs", args.max_num_seqs),
+                                            ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    rows = []
+    configs = ot.parse_infer_configs(args.infer_configs)
+    for overrides in tqdm(configs, desc="configs", disable=args.no_progress):
+        rows.append(profile_config(model, overrides, wl, args))
+        free_device_memory()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cols = ["label", "seqs_per_step", "tokens_per_step", "schedule_ms", "execute_ms", "output_ms", "step_ms",
+            "profiled_step_ms", "device_busy_ms", "device_busy_share"]
+    table = (f"step profile: {args.model} on {device}, workload scale {args.scale} "
+             f"({wl.num_requests} requests), steps {args.skip + 1}-{args.skip + args.steps} timed, "
+             f"{args.profile_steps} profiled\n\n" + markdown_table(rows, cols))
+    for r in rows:
+        if r["top_kernels"]:
+            table += f"\n\ntop device kernels, {r['label']}:\n\n" + markdown_table(r["top_kernels"],
+                                                                                  ["kernel", "calls", "device_ms", "share"])
+        table += f"\n\ntop host ops (self CPU), {r['label']}:\n\n" + markdown_table(r["top_host_ops"],
+                                                                                 ["op", "calls", "self_cpu_ms"])
+    report = {"benchmark": "step_profile", "model": args.model, "environment": environment(device),
+              "workload": {"num_requests": wl.num_requests, **sizes, "seed": args.seed},
+              "args": {k: v for k, v in vars(args).items() if k != "engine_kwargs"}, "results": rows}
+    write_report(report, args.out, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
