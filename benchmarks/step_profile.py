@@ -83,10 +83,12 @@ def _kernel_table(prof, device_type: str, top: int) -> tuple[float, list[dict[st
     events = prof.key_averages()
     dev_attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     # the kernels themselves (device events); the host ops that launched them carry the same time again
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and getattr(e, dev_attr, 0.0) > 0]
+    # (not the profiler's own step ranges, which span the whole step on the device timeline)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and getattr(e, dev_attr, 0.0) > 0
+               and not e.key.startswith("ProfilerStep")]
     kernels.sort(key=lambda e: -getattr(e, dev_attr))
     busy_us = sum(getattr(e, dev_attr) for e in kernels)
-    host = sorted(events, key=lambda e: -e.self_cpu_time_total)
+    host = sorted((e for e in events if not e.key.startswith("ProfilerStep")), key=lambda e: -e.self_cpu_time_total)
     dev_rows = [{"kernel": e.key[:70], "calls": e.count, "device_ms": getattr(e, dev_attr) / 1e3,
                  "share": getattr(e, dev_attr) / busy_us if busy_us else None} for e in kernels[:top]]
     host_rows = [{"op": e.key[:70], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in host[:top]]
