@@ -141,8 +141,8 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
         "profiled_step_ms": prof_wall / max(prof_steps, 1) * 1e3,
         "device_busy_ms": busy / max(prof_steps, 1) * 1e3 if device.type == "cuda" else None,
     }
-    if row["device_busy_ms"] is not None:
-        row["device_busy_share"] = row["device_busy_ms"] / row["profiled_step_ms"]
+    if row["device_busy_ms"] is not None:  # of an unprofiled (phase-timed) step: the profiler slows the host
+        row["device_busy_share"] = row["device_busy_ms"] / row["step_ms"]
     row["top_kernels"], row["top_host_ops"] = dev_rows, host_rows
     del llm, engine
     return row
