@@ -38,41 +38,53 @@ from tqdm import tqdm  # noqa: E402
 
 
 def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None = None) -> int:
-    """Run up to ``num_steps`` engine steps; with ``phases``, time each phase (synchronized)."""
-    from infer.engine.sequence import SeqStatus
+    """Run up to ``num_steps`` engine steps (:meth:`LLMEngine.step`); with ``phases``, time each phase.
 
+    The phases are timed inside the engine's own step: its scheduler's ``schedule`` and its
+    runner's ``execute`` are wrapped on this engine (the device synchronized after each), and
+    what follows ``execute`` until the step returns is ``output``.
+    """
+    marks: dict[str, Any] = {}
+    if phases is not None:
+        schedule, execute = engine.scheduler.schedule, engine.runner.execute
+
+        def timed_schedule():
+            marks["scheduled"] = out = schedule()
+            marks["scheduled_at"] = time.perf_counter()
+            return out
+
+        def timed_execute(*args):
+            result = execute(*args)
+            sync(device)
+            marks["executed_at"] = time.perf_counter()
+            return result
+
+        engine.scheduler.schedule, engine.runner.execute = timed_schedule, timed_execute
     done = 0
-    for _ in range(num_steps):
-        if not engine.has_unfinished_requests():
-            break
-        if phases is None:
+    try:
+        for _ in range(num_steps):
+            if not engine.has_unfinished_requests():
+                break
+            if phases is None:
+                engine.step(stream=False)
+                done += 1
+                continue
+            marks.clear()
+            sync(device)
+            t0 = time.perf_counter()
             engine.step(stream=False)
+            t3 = time.perf_counter()
+            if "executed_at" not in marks:  # nothing was scheduled
+                break
+            phases["schedule"].append(marks["scheduled_at"] - t0)
+            phases["execute"].append(marks["executed_at"] - marks["scheduled_at"])
+            phases["output"].append(t3 - marks["executed_at"])
+            phases["seqs"].append(len(marks["scheduled"]))
+            phases["tokens"].append(sum(item.num_tokens for item in marks["scheduled"]))
             done += 1
-            continue
-        sync(device)
-        t0 = time.perf_counter()
-        scheduled = engine.scheduler.schedule()
-        t1 = time.perf_counter()
-        if not scheduled:
-            break
-        result = engine.runner.execute(scheduled, engine.eos_token_ids)
-        sync(device)
-        t2 = time.perf_counter()
-        finished = engine.output_processor.apply(result, scheduled)
-        for seq in finished:
-            seq.status = SeqStatus.FINISHED
-            engine.scheduler.free(seq)
-        for req in dict.fromkeys(item.seq.request for item in scheduled):
-            if req.is_finished:
-                engine.requests.pop(req.request_id, None)
-            engine.output_processor.make_output(req, final_only=True)
-        t3 = time.perf_counter()
-        phases["schedule"].append(t1 - t0)
-        phases["execute"].append(t2 - t1)
-        phases["output"].append(t3 - t2)
-        phases["seqs"].append(len(scheduled))
-        phases["tokens"].append(sum(item.num_tokens for item in scheduled))
-        done += 1
+    finally:
+        if phases is not None:  # back to the classes' own methods
+            del engine.scheduler.schedule, engine.runner.execute
     return done
 
 
@@ -144,7 +156,6 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
     if row["device_busy_ms"] is not None:  # of an unprofiled (phase-timed) step: the profiler slows the host
         row["device_busy_share"] = row["device_busy_ms"] / row["step_ms"]
     row["top_kernels"], row["top_host_ops"] = dev_rows, host_rows
-    del llm, engine
     return row
 
 
