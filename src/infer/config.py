@@ -200,6 +200,17 @@ class EngineConfig:
                                               "full-length rows on CPU, gpu_memory_utilization on CUDA")
     gpu_memory_utilization: float = _flag(0.9, "CUDA: fraction of GPU memory the engine may use (weights, "
                                           "activations of the largest step, KV cache), as in vLLM")
+    # ---- phase 8: fused kernels
+    fused_kernels: bool = _flag(False, "merge the Q/K/V and gate/up projections into one GEMM each and run "
+                                "RMSNorm + residual add, QK-norm + RoPE and SiLU/GELU(gate) * up as one kernel "
+                                "each (Triton with the triton attention backend, the same fused functions in "
+                                "plain PyTorch with the torch one)", ablation=(False, True))
+    # ---- phase 9: CUDA graphs
+    cuda_graphs: bool = _flag(False, "CUDA: capture decode-only steps as CUDA graphs, one per batch-size bucket, "
+                              "and replay them (one launch per step instead of one per kernel); needs the "
+                              "triton attention backend", ablation=(False, True))
+    cuda_graph_max_batch_size: int = _flag(256, "cuda_graphs: the largest decode batch captured (buckets 1, 2, "
+                                           "4, 8, then steps of 8 up to this); larger decode steps run eagerly")
 
     def resolved_device(self) -> torch.device:
         return torch.device(default_device() if self.device in (None, "auto") else self.device)
@@ -256,6 +267,16 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cuda_graphs:
+            if dev.type != "cuda":
+                raise ValueError("cuda_graphs needs a CUDA device: graphs capture GPU kernel launches, and on the "
+                                 f"CPU ({self.device!r}) there are none to capture")
+            if self.resolved_attention_backend() != "triton":
+                raise ValueError("cuda_graphs needs attention_backend='triton' (or 'auto' on CUDA): the torch "
+                                 "backend reads the batch's context lengths on the host and builds tensors of "
+                                 "data-dependent shapes, which a captured graph cannot replay")
+        if self.cuda_graph_max_batch_size < 1:
+            raise ValueError(f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}")
         return self
 
     def resolved_attention_backend(self) -> str:

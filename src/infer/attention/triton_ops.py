@@ -219,7 +219,8 @@ def _paged_decode_kernel(
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if num_splits == 1:  # the whole context in one program: write the normalized output directly
-        o = acc / l_i[:, None]
+        # (a padding row of a CUDA graph, seq_len 0, read no key: it writes zeros, not 0 / 0)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # a partial result: normalized output and log2-sum-exp of this slice (-inf when empty)
@@ -258,6 +259,7 @@ def _decode_combine_kernel(
         acc = acc * alpha + w * o
         total = total * alpha + w
         m = m_new
+    total = tl.where(total > 0, total, 1.0)  # every split empty (a padding row): zeros
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, (acc / total).to(out_ptr.dtype.element_ty),
              mask=d_mask)
 
@@ -334,7 +336,8 @@ def paged_decode_attention(
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype (fp32, fp16 or bf16).
         block_tables: int32 ``[B, W]`` with ``W >= ceil(seq_lens[b] / block_size)``; entries past a
             sequence's need are never read.
-        seq_lens: int32 ``[B]``, each >= 1: context lengths including the new token.
+        seq_lens: int32 ``[B]``: context lengths including the new token; a row with 0 (padding of a
+            CUDA-graph bucket) reads no key and gets zeros.
         scale: multiplier of ``q . k`` (usually ``D ** -0.5``).
         window: sliding window in tokens (>= 1), or None.
         out: optional ``[B, Hq, D]`` in q's dtype to write into (may be a view).

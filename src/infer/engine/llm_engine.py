@@ -16,7 +16,7 @@ import time
 from infer.config import EngineConfig
 from infer.detokenizer import IncrementalDetokenizer
 from infer.engine.kv_cache_manager import KVCacheManager
-from infer.engine.model_runner import ModelRunner, num_kv_blocks
+from infer.engine.model_runner import ModelRunner, fused_ops, num_kv_blocks
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.scheduler import Scheduler
 from infer.engine.sequence import Request, SeqStatus, Sequence
@@ -58,14 +58,21 @@ class LLMEngine:
         budget = config.resolved_max_num_batched_tokens(self.max_model_len)
         paged = config.kv_cache == "paged"
         block_size = config.block_size if paged else self.max_model_len  # contiguous: one block per sequence
-        num_blocks = num_kv_blocks(self.loaded, block_size, self.max_model_len, config.max_num_seqs, budget,
-                                   config.kv_cache_memory_bytes, config.gpu_memory_utilization)
         backend = config.resolved_attention_backend()
+        # the forward that will run is the one the memory profile measures
+        self.loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, self.max_model_len)
+        graph_bs = min(config.cuda_graph_max_batch_size, config.max_num_seqs) if config.cuda_graphs else 0
+        num_blocks = num_kv_blocks(self.loaded, block_size, self.max_model_len, config.max_num_seqs, budget,
+                                   config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs)
         self.runner = ModelRunner(self.loaded, num_blocks, block_size, contiguous=not paged,
-                                  attention_backend=backend)
+                                  attention_backend=backend, fused_kernels=config.fused_kernels,
+                                  max_model_len=self.max_model_len, cuda_graphs=config.cuda_graphs,
+                                  cuda_graph_max_batch_size=graph_bs or 1)
         log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, batching=%s, "
-                 "max_num_batched_tokens=%d", config.kv_cache, num_blocks, block_size,
-                 self.runner.kv_cache.nbytes / 2**30, backend, config.batching, budget)
+                 "max_num_batched_tokens=%d, fused_kernels=%s, cuda_graphs=%s", config.kv_cache, num_blocks,
+                 block_size, self.runner.kv_cache.nbytes / 2**30, backend, config.batching, budget,
+                 config.fused_kernels, config.cuda_graphs)
+        self.runner.capture_cuda_graphs(progress)
         self.kv_manager = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(
             self.kv_manager,

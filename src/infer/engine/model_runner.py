@@ -9,6 +9,7 @@ sequence whose prompt is complete), and samples all of them in one batched call.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,8 @@ from infer.engine.scheduler import ScheduledSeq
 from infer.engine.sequence import Sequence
 from infer.loader import LoadedModel
 from infer.sampling import SamplerOutput, SamplingTensors, sample
+
+log = logging.getLogger("infer")
 
 
 @dataclass
@@ -47,14 +50,17 @@ def num_kv_blocks(
     max_num_batched_tokens: int,
     kv_cache_memory_bytes: int | None = None,
     gpu_memory_utilization: float = 0.9,
+    cuda_graph_batch_size: int = 0,
 ) -> int:
     """How many KV-cache blocks of ``block_size`` tokens to allocate.
 
     The budget is ``kv_cache_memory_bytes`` if given; on CUDA otherwise, as vLLM does, the
     memory left under ``gpu_memory_utilization`` of the GPU after the weights and a profiling
-    forward of ``max_num_batched_tokens`` tokens (the largest step's activations); on CPU
-    otherwise, room for ``max_num_seqs`` sequences of ``max_model_len`` tokens (pages are only
-    touched when written).
+    forward of ``max_num_batched_tokens`` tokens (the largest step's activations), and, with CUDA
+    graphs (``cuda_graph_batch_size`` > 0, the largest bucket), the memory their shared pool will
+    keep: the peak of a decode forward + LM head of that many sequences; on CPU otherwise, room
+    for ``max_num_seqs`` sequences of ``max_model_len`` tokens (pages are only touched when
+    written).
 
     Returns:
         ``min(budget // block_bytes, max_num_seqs * ceil(max_model_len / block_size))``: more
@@ -73,7 +79,8 @@ def num_kv_blocks(
         budget, where = kv_cache_memory_bytes, "kv_cache_memory_bytes"
     elif p.device.type == "cuda":
         budget, where = _profile_free_gpu_memory(loaded, max_model_len, max_num_seqs, max_num_batched_tokens,
-                                                 gpu_memory_utilization), "gpu_memory_utilization"
+                                                 gpu_memory_utilization, cuda_graph_batch_size), \
+            "gpu_memory_utilization"
     else:
         return cap
     blocks = min(cap, budget // block_bytes)
@@ -89,8 +96,10 @@ def num_kv_blocks(
 
 @torch.inference_mode()
 def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_seqs: int, num_tokens: int,
-                             utilization: float) -> int:
-    """Bytes left for the KV cache after a forward of ``num_tokens`` tokens (no cache)."""
+                             utilization: float, graph_batch_size: int = 0) -> int:
+    """Bytes left for the KV cache after a forward of ``num_tokens`` tokens (no cache) and, when
+    ``graph_batch_size`` > 0, the CUDA graphs' memory pool (estimated by an eager decode forward of
+    that many sequences, the largest graph's working set: the pool is shared by all graphs)."""
     model, cfg = loaded.model, loaded.config
     dev = next(model.parameters()).device
     model.set_attention_backend(TorchAttentionBackend())
@@ -105,12 +114,31 @@ def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_se
     del hidden
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev)
+    graph_bytes = 0
+    if graph_batch_size:
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        n = graph_batch_size
+        logits = model.compute_logits(model(ids[:n], torch.zeros_like(ids[:n]), AttentionMetadata.for_prefill([1] * n, dev)))
+        del logits
+        torch.cuda.synchronize(dev)
+        graph_bytes = torch.cuda.max_memory_allocated(dev) - base
+        log.info("CUDA graphs: %.0f MiB kept for their memory pool (decode batch %d)", graph_bytes / 2**20, n)
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(dev).total_memory
     # memory held outside PyTorch's allocator (CUDA context, other processes) also counts
     free, _ = torch.cuda.mem_get_info(dev)
     outside = total - free - torch.cuda.memory_reserved(dev)
-    return max(0, int(total * utilization) - peak - outside)
+    return max(0, int(total * utilization) - peak - outside - graph_bytes)
+
+
+def block_table_array(tables: list[list[int]], width: int, out: np.ndarray | None = None) -> np.ndarray:
+    """int32 ``[B, width]`` block tables padded with 0 (into ``out``'s first rows if given): one C-level
+    copy per row, 6x faster than building a flat list."""
+    rows = np.zeros((len(tables), width), dtype=np.int32) if out is None else out
+    for i, t in enumerate(tables):
+        rows[i, : len(t)] = t
+    return rows
 
 
 def make_attention_backend(name: str, device: torch.device):
@@ -124,6 +152,18 @@ def make_attention_backend(name: str, device: torch.device):
     raise ValueError(f"unknown attention backend {name!r}")
 
 
+def fused_ops(attention_backend: str):
+    """The module of fused operations (phase 8) that goes with an attention backend: the Triton
+    kernels with ``"triton"``, their plain-PyTorch twins (the same functions) with ``"torch"``."""
+    if attention_backend == "triton":
+        from infer.kernels import fused_triton
+
+        return fused_triton
+    from infer.kernels import fused_reference
+
+    return fused_reference
+
+
 class ModelRunner:
     """Owns the model on its device, the KV cache and the attention backend.
 
@@ -132,10 +172,17 @@ class ModelRunner:
         num_blocks, block_size: the KV cache's blocks (see :func:`num_kv_blocks`).
         contiguous: one block per sequence (``block_size = max_model_len``): the contiguous cache.
         attention_backend: ``"torch"`` or ``"triton"``.
+        fused_kernels: run the model's fused forward (phase 8; :meth:`CausalLM.set_fused_ops`).
+        max_model_len: the longest sequence (tokens): sizes the rotary tables of the fused forward
+            and the block-table buffers of the CUDA graphs.
+        cuda_graphs: capture decode-only steps up to ``cuda_graph_max_batch_size`` sequences as
+            CUDA graphs (phase 9; :class:`~infer.engine.cuda_graphs.CUDAGraphRunner`); call
+            :meth:`capture_cuda_graphs` once the runner exists.
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: str = "torch", fused_kernels: bool = False, max_model_len: int = 0,
+                 cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256) -> None:
         self.model = loaded.model
         cfg = loaded.config
         self.config = cfg
@@ -145,7 +192,27 @@ class ModelRunner:
                                 self.device, contiguous=contiguous)
         self.attention_backend = make_attention_backend(attention_backend, self.device)
         self.model.set_attention_backend(self.attention_backend)
+        max_model_len = max_model_len or cfg.max_position_embeddings
+        self.model.set_fused_ops(fused_ops(attention_backend) if fused_kernels else None, max_model_len)
         self.vocab_size = cfg.vocab_size
+        self.graphs = None
+        if cuda_graphs:
+            from infer.engine.cuda_graphs import CUDAGraphRunner
+
+            self.graphs = CUDAGraphRunner(self.model, self.kv_cache, cuda_graph_max_batch_size,
+                                          -(-max_model_len // block_size), max_model_len)
+
+    def capture_cuda_graphs(self, progress: bool = True) -> float:
+        """Capture the decode graphs (``cuda_graphs``); returns the seconds it took (0 without)."""
+        return self.graphs.capture(progress) if self.graphs is not None else 0.0
+
+    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A host list of ints as a tensor on the device: one copy through pinned memory on CUDA
+        (no pageable staging, and the host does not wait for it)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], eos_ids: list[int]) -> StepResult:
@@ -153,25 +220,24 @@ class ModelRunner:
         # decodes first (stable), so the attention gets them as one slice (AttentionMetadata)
         scheduled = sorted(scheduled, key=lambda item: item.num_tokens != 1)
         ids, positions, starts, seq_lens, tables, firsts, sample_at, sampled = self._flatten(scheduled)
-        dev = self.device
+        slots = self.kv_cache.slot_mapping(tables, firsts, [s.num_tokens for s in scheduled])
+        num_decodes = sum(1 for s in scheduled if s.num_tokens == 1)
+        if self.graphs is not None and self.graphs.can_run(len(ids), num_decodes):
+            # a decode-only step: replay the captured graph of its bucket (forward + logits of every row)
+            logits = self.graphs.replay(ids, positions, slots, seq_lens, tables)
+            return StepResult(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=self._to_device(starts, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
             kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(
-                self.kv_cache.slot_mapping(tables, firsts, [s.num_tokens for s in scheduled]), dtype=torch.int64,
-                device=dev,
-            ),
+            slot_mapping=self._to_device(slots, torch.int64),
             block_tables=self._block_table_tensor(tables),
             block_tables_cpu=tables,
-            num_decodes=sum(1 for s in scheduled if s.num_tokens == 1),
+            num_decodes=num_decodes,
         )
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
-        )
+        hidden = self.model(self._to_device(ids, torch.int64), self._to_device(positions, torch.int64), meta)
         bs = self.kv_cache.block_size
         for item in scheduled:  # n > 1: each fork gets its copy of the prompt's last, partly filled block
             n = item.seq.num_computed_tokens + item.num_tokens
@@ -182,7 +248,7 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(scheduled, starts, hidden)
         if not sampled:
             return StepResult([], None, prompt_lp)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_at, device=dev)])
+        logits = self.model.compute_logits(hidden[self._to_device(sample_at, torch.int64)])
         tensors = self._sampling_tensors(sampled, eos_ids)
         return StepResult(sampled, sample(logits, tensors), prompt_lp)
 
@@ -190,11 +256,10 @@ class ModelRunner:
         """int32 ``[B, W]`` on the device: the block tables, padded with 0 to the widest."""
         width = max(len(t) for t in tables)
         if width == 1:
-            return torch.tensor([t[0] for t in tables], dtype=torch.int32).view(-1, 1).to(self.device)
-        rows = np.zeros((len(tables), width), dtype=np.int32)  # one C-level copy per row (6x a flat list)
-        for i, t in enumerate(tables):
-            rows[i, : len(t)] = t
-        return torch.from_numpy(rows).to(self.device)
+            return self._to_device([t[0] for t in tables], torch.int32).view(-1, 1)
+        rows = block_table_array(tables, width)
+        t = torch.from_numpy(rows)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     @staticmethod
     def _flatten(scheduled: list[ScheduledSeq]):

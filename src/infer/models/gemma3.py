@@ -42,6 +42,23 @@ class Gemma3DecoderLayer(nn.Module):
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, meta))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, meta: AttentionMetadata, ops):
+        """:meth:`forward` with fused ops, ``(h, residual)`` in and out as in Llama's layer. The
+        sandwich norms after attention and after the MLP stay plain RMSNorms; the adds ride with
+        the norms before attention and before the MLP."""
+        pre_attn, post_attn = self.input_layernorm, self.post_attention_layernorm
+        pre_ff, post_ff = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        if residual is None:
+            x, residual = ops.rms_norm(h, pre_attn.weight, pre_attn.eps, True), h
+        else:
+            x, residual = ops.fused_add_rms_norm(h, residual, pre_attn.weight, pre_attn.eps, True)
+        a = self.self_attn.forward_fused(x, positions, cos_sin_cache, meta, ops)
+        a = ops.rms_norm(a, post_attn.weight, post_attn.eps, True)
+        x, residual = ops.fused_add_rms_norm(a, residual, pre_ff.weight, pre_ff.eps, True)
+        m = self.mlp.forward_fused(x, ops)
+        return ops.rms_norm(m, post_ff.weight, post_ff.eps, True), residual
+
 
 class Gemma3ForCausalLM(CausalLM):
     layer_cls = Gemma3DecoderLayer

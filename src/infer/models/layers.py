@@ -172,6 +172,55 @@ class Attention(nn.Module):
         o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, self.window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
+    # ------------------------------------------------------------------ fused_kernels (phase 8)
+
+    def merge_qkv(self) -> None:
+        """Give the module one ``qkv_proj`` whose output rows are q's, then k's, then v's.
+
+        One GEMM reads ``x`` once and launches once instead of three times; its output
+        ``[T, (Hq + 2 * Hkv) * D]`` is what :func:`~infer.kernels.fused_reference.qk_norm_rope`
+        takes. ``q_proj``, ``k_proj`` and ``v_proj`` become views into the merged weight (no extra
+        memory), so the unfused forward still works. The loaders keep Hugging Face's names; the
+        merge happens after loading. Idempotent.
+        """
+        if not hasattr(self, "qkv_proj"):
+            self.qkv_proj = _merge_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                      meta: AttentionMetadata, ops) -> torch.Tensor:
+        """:meth:`forward` with the merged projection and one QK-norm + RoPE kernel."""
+        t = x.shape[0]
+        qn, kn = self.q_norm, self.k_norm
+        q, k, v = ops.qk_norm_rope(
+            self.qkv_proj(x), positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+            qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+            qn.eps if qn is not None else 1e-6, qn.unit_offset if qn is not None else False,
+        )
+        o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, self.window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+def _merge_linears(*parts: nn.Linear) -> nn.Linear:
+    """One ``nn.Linear`` whose output rows are ``parts``' rows, in order (all take the same input).
+
+    Each part's weight (and bias) is re-pointed at its rows of the merged tensor, so the parts
+    keep working and the merge costs no memory beyond the copy it replaces.
+    """
+    weight = torch.cat([p.weight for p in parts], dim=0)
+    bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None
+    merged = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    merged.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        merged.bias = nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for p in parts:
+        n = p.weight.shape[0]
+        p.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        if bias is not None:
+            p.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        start += n
+    return merged
+
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -193,9 +242,19 @@ class GatedMLP(nn.Module):
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
         self.act = ACTIVATIONS[cfg.hidden_act]
+        self.act_name = "silu" if cfg.hidden_act == "silu" else "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+    def merge_gate_up(self) -> None:
+        """Give the module one ``gate_up_proj`` (gate rows first); the parts become views of it."""
+        if not hasattr(self, "gate_up_proj"):
+            self.gate_up_proj = _merge_linears(self.gate_proj, self.up_proj)
+
+    def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """One GEMM for gate and up, one kernel for ``act(gate) * up``, then ``down_proj``."""
+        return self.down_proj(ops.act_and_mul(self.gate_up_proj(x), self.act_name))
 
 
 # ----------------------------------------------------------------------------- the model
@@ -232,6 +291,38 @@ class CausalLM(nn.Module):
         for kind in sorted(set(cfg.layer_types)):
             inv = rope_inv_freq(cfg.head_dim, ropes[kind]).to("cpu")
             self.register_buffer(f"inv_freq_{kind}", inv, persistent=False)
+        self.ops = None  # the fused ops module (set_fused_ops), or None: the reference forward
+        self.cos_sin_caches: dict[str, torch.Tensor] = {}
+
+    def set_fused_ops(self, ops, max_positions: int = 0) -> None:
+        """Choose the fused forward (``EngineConfig.fused_kernels``, phase 8) or the reference one.
+
+        Args:
+            ops: the module of fused operations, :mod:`infer.kernels.fused_triton` or its
+                plain-PyTorch twin :mod:`infer.kernels.fused_reference` (the same functions), or
+                None for the unfused forward.
+            max_positions: the longest sequence the forward will see (tokens): the float32
+                cos/sin table ``[max_positions, head_dim]`` of each rotary base is precomputed.
+
+        The first call merges every layer's Q/K/V and gate/up projections (the separate ones
+        become views, so both forwards stay available: an engine chooses per model, as with
+        :meth:`set_attention_backend`).
+        """
+        self.ops = ops
+        if ops is None:
+            return
+        from infer.kernels.fused_reference import build_cos_sin_cache
+
+        for layer in self.model.layers:
+            layer.self_attn.merge_qkv()
+            layer.mlp.merge_gate_up()
+        have = next(iter(self.cos_sin_caches.values())).shape[0] if self.cos_sin_caches else 0
+        if have < max_positions:
+            device = self.model.embed_tokens.weight.device
+            self.cos_sin_caches = {
+                kind: build_cos_sin_cache(getattr(self, f"inv_freq_{kind}"), max_positions, device)
+                for kind in set(self.config.layer_types)
+            }
 
     def set_attention_backend(self, backend) -> None:
         """Choose the attention implementation once, for every layer."""
@@ -259,6 +350,8 @@ class CausalLM(nn.Module):
         Returns:
             ``[T, hidden_size]`` final hidden states (after the final norm) in the model dtype.
         """
+        if self.ops is not None:
+            return self.forward_fused(input_ids, positions, meta)
         h = self.embed(input_ids)
         rope = {}
         for kind in set(self.config.layer_types):
@@ -267,6 +360,21 @@ class CausalLM(nn.Module):
             cos, sin = rope[kind]
             h = layer(h, cos, sin, meta)
         return self.model.norm(h)
+
+    def forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """:meth:`forward` through the fused ops (see :meth:`set_fused_ops`); the same values.
+
+        The residual stream travels beside the hidden state (vLLM's layout): each layer returns
+        ``(h, residual)`` and the next one starts with ``fused_add_rms_norm(h, residual)``, which
+        adds them and normalizes the sum in one pass; the final norm closes the last sum.
+        """
+        ops = self.ops
+        h, residual = self.embed(input_ids), None
+        for layer, kind in zip(self.model.layers, self.config.layer_types):
+            h, residual = layer.forward_fused(h, residual, positions, self.cos_sin_caches[kind], meta, ops)
+        norm = self.model.norm
+        return ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden[N, hidden_size]`` -> logits ``[N, vocab_size]`` in the model dtype."""

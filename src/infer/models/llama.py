@@ -33,6 +33,20 @@ class LlamaDecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, meta: AttentionMetadata, ops):
+        """:meth:`forward` with fused ops: takes and returns ``(h, residual)``, where the layer's
+        input is ``h + residual`` (``residual`` is None for the first layer), so each add rides
+        with the norm that follows it (see :meth:`CausalLM.forward_fused`)."""
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            x, residual = ops.rms_norm(h, norm.weight, norm.eps), h
+        else:
+            x, residual = ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = self.self_attn.forward_fused(x, positions, cos_sin_cache, meta, ops)
+        x, residual = ops.fused_add_rms_norm(h, residual, post.weight, post.eps)
+        return self.mlp.forward_fused(x, ops), residual
+
 
 class LlamaForCausalLM(CausalLM):
     layer_cls = LlamaDecoderLayer

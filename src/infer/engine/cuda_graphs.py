@@ -1,0 +1,217 @@
+"""CUDA graphs for decode steps (phase 9, ``EngineConfig.cuda_graphs``).
+
+A decode step of a small model is hundreds of tiny kernels; launched one by one from Python,
+each costs the host 5-50 µs, far more than the GPU needs to run it, so the GPU idles between
+kernels. A CUDA graph records the launches of one forward once (*capture*) and replays them
+all with one call (*replay*): the host cost of a step becomes one launch.
+
+A graph replays exactly what was captured: the same kernels, the same grid sizes, the same
+memory addresses. So (nano-vllm's ``capture_cudagraph``, vLLM's ``CUDAGraphRunner``,
+mini-sglang's ``GraphRunner`` all do this):
+
+* **Static buffers.** Every input of the forward lives in a buffer allocated once, sized for
+  the largest batch: input ids, positions, slot mapping, context lengths, block tables (padded
+  to the widest table a sequence can have: ``ceil(max_model_len / block_size)`` columns). Before
+  a replay the runner copies the step's values into them in place.
+* **Buckets.** One graph per batch size would be too many; graphs are captured for batch sizes
+  1, 2, 4, 8, then every multiple of 8 up to ``cuda_graph_max_batch_size`` (vLLM's list). A step
+  of ``B`` sequences replays the smallest bucket ``>= B``; the rows past ``B`` are *padding*:
+  slot -1 (the cache write skips it), context length 0 (the attention reads no key and writes
+  zeros), token 0 at position 0. Their logits are computed and dropped.
+* **Graph-safe kernels.** The decode attention's launch grid depends on the number of
+  flash-decoding splits, chosen on the host: under a graph it is fixed per bucket for the
+  longest context (``max_model_len``), and splits that fall past a sequence's end exit at once.
+  Nothing inside the forward may read the device from the host (no ``.item()``), allocate with
+  data-dependent shapes, or compile a kernel: each bucket runs eagerly once (warm-up, which
+  compiles the Triton kernels) before it is captured.
+* **One memory pool.** Tensors a graph allocates while it is captured stay reserved for its
+  replays. All graphs share one pool and are captured largest first, so the smaller ones reuse
+  the largest one's memory (they never run at the same time). The engine counts this memory
+  before it sizes the KV cache (:func:`~infer.engine.model_runner.num_kv_blocks`).
+
+Prefill and mixed steps, and decode steps wider than the largest bucket, run eagerly. Sampling
+runs eagerly after the replay, on the graph's logits: its randomness comes from each
+sequence's own ``(seed, step)`` counter (:mod:`infer.sampling.sampler`), so no random state is
+frozen into a graph and replaying never repeats the same draws.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from infer.attention import AttentionMetadata, KVCache
+from infer.engine.model_runner import block_table_array
+
+log = logging.getLogger("infer")
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """The captured batch sizes: 1, 2, 4, 8, then multiples of 8 up to ``max_batch_size``
+    (included even when it is not a multiple of 8), ascending.
+
+    Raises:
+        ValueError: ``max_batch_size < 1``.
+    """
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    # >>> EXERCISE graph_buckets
+    sizes = [b for b in (1, 2, 4) if b < max_batch_size]
+    sizes += list(range(8, max_batch_size, 8))
+    sizes.append(max_batch_size)
+    return sizes
+    # <<< EXERCISE graph_buckets
+
+
+def bucket_for(batch_size: int, sizes: list[int]) -> int | None:
+    """The smallest captured size ``>= batch_size``, or None when the batch is wider than all.
+
+    ``sizes`` is ascending (:func:`graph_batch_sizes`).
+    """
+    # >>> EXERCISE bucket_for
+    for size in sizes:
+        if size >= batch_size:
+            return size
+    return None
+    # <<< EXERCISE bucket_for
+
+
+class CUDAGraphRunner:
+    """Captures and replays the model's decode forward (+ LM head) per batch-size bucket.
+
+    Args:
+        model: the :class:`~infer.models.layers.CausalLM` (attention backend already set; it must
+            be graph-safe: the Triton one).
+        kv_cache: the cache the graphs read and write (its tensors' addresses are captured).
+        max_batch_size: the largest bucket.
+        max_blocks_per_seq: width of the static block-table buffer.
+        max_model_len: the longest context (tokens): sizes the decode kernel's split count.
+    """
+
+    def __init__(self, model, kv_cache: KVCache, max_batch_size: int, max_blocks_per_seq: int,
+                 max_model_len: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sizes = graph_batch_sizes(max_batch_size)
+        self.max_model_len = max_model_len
+        dev = kv_cache.k.device
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        # Pinned host staging, reused every step: ids/positions/slots, context lengths, and the block
+        # tables packed [B, width] (only the columns in use travel; a device-side copy spreads them into
+        # the [n, max_blocks_per_seq] buffer). Reuse is safe because every step ends with a host sync
+        # (the sampled tokens), so the previous step's copies have finished.
+        self._host64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)
+        self._host_lens = torch.zeros(n, dtype=torch.int32, pin_memory=True)
+        self._host_tables = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        self._tables_dev = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.pool_bytes = 0
+
+    def can_run(self, num_tokens: int, num_decodes: int) -> bool:
+        """Is this step decode-only and no wider than the largest captured bucket?"""
+        return bool(self.graphs) and num_tokens == num_decodes and num_tokens <= self.sizes[-1]
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        """Metadata over the static buffers' first ``bs`` rows. Its host fields are what the
+        backend reads while the graph is captured: every row a decode, contexts up to
+        ``max_model_len`` (so the split count covers the longest sequence)."""
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            query_start_loc_cpu=list(range(bs + 1)),
+            seq_lens_cpu=[self.max_model_len] * bs,
+            kv_cache=self.kv_cache,
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            block_tables_cpu=None,
+            num_decodes=bs,
+        )
+
+    def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self, progress: bool = True) -> float:
+        """Capture one graph per bucket, largest first, into one shared memory pool.
+
+        The static buffers hold padding while capturing (slot -1, length 0): the warm-up and
+        capture runs write nothing to the cache and read nothing from it.
+
+        Returns:
+            Seconds spent (also in :attr:`capture_seconds`; the pool's bytes in :attr:`pool_bytes`).
+        """
+        start = time.perf_counter()
+        dev = self.input_ids.device
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_reserved(dev)
+        stream = torch.cuda.Stream(dev)
+        for bs in tqdm(sorted(self.sizes, reverse=True), desc="capturing CUDA graphs", unit="graph",
+                       disable=not progress, leave=False):
+            meta = self._meta(bs)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                self._forward(bs, meta)  # warm-up: compiles the kernels of this shape
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[bs] = self._forward(bs, self._meta(bs))
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(dev)
+        self.pool_bytes = torch.cuda.memory_reserved(dev) - before
+        self.capture_seconds = time.perf_counter() - start
+        log.info("captured %d CUDA graphs (decode batch %d..%d) in %.1f s, %.0f MiB", len(self.graphs),
+                 self.sizes[0], self.sizes[-1], self.capture_seconds, self.pool_bytes / 2**20)
+        return self.capture_seconds
+
+    def replay(self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+               tables: list[list[int]]) -> torch.Tensor:
+        """Run a decode step of ``B = len(ids)`` sequences through its bucket's graph.
+
+        Args:
+            ids, positions, slots, seq_lens: one int per sequence (its new token, its position,
+                its cache slot, its context length including the new token).
+            tables: each sequence's block table.
+
+        Returns:
+            Logits ``[B, vocab_size]`` (a view of the graph's output buffer, valid until the next
+            replay).
+        """
+        b = len(ids)
+        bs = bucket_for(b, self.sizes)
+        h64 = self._host64
+        h64[0, :b] = torch.as_tensor(ids)
+        h64[1, :b] = torch.as_tensor(positions)
+        h64[2, :b] = torch.as_tensor(slots)
+        h64[0:2, b:bs] = 0
+        h64[2, b:bs] = -1  # padding rows write nothing to the cache...
+        lens = self._host_lens
+        lens[:b] = torch.as_tensor(seq_lens)
+        lens[b:bs] = 0  # ... and read nothing from it
+        width = max(len(t) for t in tables)
+        packed = self._host_tables[: b * width]
+        block_table_array(tables, width, packed.numpy().reshape(b, width))
+        self.input_ids[:bs].copy_(h64[0, :bs], non_blocking=True)
+        self.positions[:bs].copy_(h64[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(h64[2, :bs], non_blocking=True)
+        self.seq_lens[:bs].copy_(lens[:bs], non_blocking=True)
+        staged = self._tables_dev[: b * width]
+        staged.copy_(packed, non_blocking=True)
+        self.block_tables[:b, :width].copy_(staged.view(b, width))
+        self.graphs[bs].replay()
+        return self.logits[bs][:b]
+
