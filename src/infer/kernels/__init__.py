@@ -1,0 +1,30 @@
+"""Fused operations of the decoder layers (phase 8, the ``fused_kernels`` flag).
+
+Two modules with the same functions, signatures and in-place behaviour:
+
+* :mod:`infer.kernels.fused_triton`: Triton kernels (CUDA tensors; CPU tensors under
+  ``TRITON_INTERPRET=1``, for tests).
+* :mod:`infer.kernels.fused_reference`: plain PyTorch, the fewest ops that give exactly the values of
+  the unfused code in :mod:`infer.models.layers` in float32 (what runs on the CPU).
+
+The operations: ``rms_norm``, ``fused_add_rms_norm``, ``qk_norm_rope`` (with ``build_cos_sin_cache``)
+and ``act_and_mul``. :func:`fused_ops` picks the module for a device.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+
+def fused_ops(device: torch.device | str) -> ModuleType:
+    """The module implementing the fused operations on ``device``: the Triton kernels on a CUDA device,
+    the plain-PyTorch references elsewhere (on the CPU, the interpreter would be far slower)."""
+    if torch.device(device).type == "cuda":
+        from infer.kernels import fused_triton
+
+        return fused_triton
+    from infer.kernels import fused_reference
+
+    return fused_reference

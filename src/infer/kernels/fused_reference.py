@@ -1,0 +1,354 @@
+"""Plain-PyTorch versions of the fused operations of :mod:`infer.kernels.fused_triton`.
+
+Same names, same signatures, same in-place behaviour: the tests compare each Triton kernel against
+the function of the same name here, and a model with ``fused_kernels`` on calls these where Triton
+cannot run (the CPU). Each is written with the fewest PyTorch operations that give
+
+* in float32, *exactly* the values of the unfused code in :mod:`infer.models.layers` (bit for bit;
+  the tests check it), and
+* in bfloat16/float16, the same rounding steps as that code, except where a docstring says otherwise
+  (the rotary embedding is computed in float32 and rounded once).
+
+The operations (vLLM's names and semantics, Kwon et al., SOSP 2023):
+
+* :func:`rms_norm`: RMSNorm, Llama's or Gemma's ``(1 + w)`` form, optionally into ``out``.
+* :func:`fused_add_rms_norm`: ``residual += x`` then ``x = rms_norm(residual)``, both in place.
+* :func:`qk_norm_rope`: split a merged QKV projection, per-head RMSNorm of q and k (Qwen3, Gemma 3),
+  rotary embedding from a precomputed cos/sin cache (:func:`build_cos_sin_cache`), in place.
+* :func:`act_and_mul`: ``act(gate) * up`` of a merged gate/up projection (SwiGLU, GeGLU).
+
+One caveat on exactness, a property of PyTorch's CPU kernels and not of the fusion: an element-wise
+``exp`` over a row whose length is not a multiple of 16 computes the last elements of each row with
+the scalar libm function instead of the vectorized one (they may differ by 1 float32 ulp). The gate
+of :func:`act_and_mul` is a strided view (one row segment per token) while the unfused code's gate is
+a contiguous tensor, so for an intermediate size not a multiple of 16 a few elements can differ by 1
+ulp in float32. Every real model's intermediate size is a multiple of 16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache",
+           "ACTIVATION_NAMES"]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: Activation names :func:`act_and_mul` accepts -> the kernel's activation. The names of
+#: ``infer.models.layers.ACTIVATIONS`` (Hugging Face's ``hidden_act`` values) are all here.
+ACTIVATION_NAMES = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+# ============================================================================ RMSNorm
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Root-mean-square layer norm (Zhang & Sennrich, 2019, arXiv:1910.07467) of each row.
+
+    ``y = x / sqrt(mean(x^2) + eps) * w`` with the statistics in float32, exactly as
+    :func:`infer.models.layers.rms_norm`: Llama/Qwen cast the normalized row to ``x.dtype`` and then
+    multiply by ``w`` in ``x.dtype``; Gemma (``unit_offset=True``) multiplies by ``(1 + w)`` in float32
+    and casts last.
+
+    Args:
+        x: ``[T, d]``, float32, float16 or bfloat16; rows may be strided, the last dimension must be
+            contiguous.
+        weight: ``[d]``, ``x``'s dtype and device.
+        eps: added to the mean square.
+        unit_offset: Gemma's ``(1 + w)`` form.
+        out: optional ``[T, d]`` in ``x``'s dtype (last dimension contiguous); may be ``x`` itself.
+
+    Returns:
+        ``out`` (a new tensor if None), ``[T, d]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: wrong rank or shapes, unsupported or mismatched dtypes, different devices, a
+            non-contiguous last dimension.
+    """
+    check_rms_norm(x, weight, out)
+    # F.rms_norm on float32 without a weight is bit-identical to the pow/mean/add/rsqrt/mul of
+    # layers.rms_norm (checked by the tests), in one operation instead of five.
+    h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    if unit_offset:
+        # float32 product, rounded once when stored into x.dtype
+        if out is None:
+            return h.mul_(1.0 + weight.float()).to(x.dtype)
+        return torch.mul(h, 1.0 + weight.float(), out=out)
+    y = h.to(x.dtype)  # the rounding step of Llama's order (a no-op in float32)
+    if out is None:
+        return y.mul_(weight)
+    return torch.mul(y, weight, out=out)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add fused with the next RMSNorm, in place (vLLM's ``fused_add_rms_norm``).
+
+    ``residual <- x + residual`` rounded to ``x.dtype`` (exactly what ``h = h + attn_out`` gives), then
+    ``x <- rms_norm(residual, weight, eps, unit_offset)`` (:func:`rms_norm`'s numerics). Both
+    buffers are overwritten: after the call ``x`` holds the normalized rows and ``residual`` the new
+    residual stream.
+
+    Args:
+        x: ``[T, d]`` (e.g. the attention or MLP output), float32/float16/bfloat16, last dimension
+            contiguous. Overwritten with the normalized rows.
+        residual: ``[T, d]``, ``x``'s dtype and device, not overlapping ``x``. Overwritten with
+            ``x + residual``.
+        weight: ``[d]``, ``x``'s dtype.
+        eps, unit_offset: as in :func:`rms_norm`.
+
+    Returns:
+        ``(x, residual)``: the same tensor objects, now ``(normed, new_residual)``.
+
+    Raises:
+        ValueError: as :func:`rms_norm`, plus a residual of another shape, dtype or device, or one
+            that shares memory with ``x``.
+    """
+    check_add_rms_norm(x, residual, weight)
+    residual.add_(x)
+    rms_norm(residual, weight, eps, unit_offset, out=x)
+    return x, residual
+
+
+# ============================================================================ QK-norm + RoPE
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, device: torch.device | str) -> torch.Tensor:
+    """The rotary table of :func:`qk_norm_rope`: float32 ``[max_positions, head_dim]``.
+
+    Row ``p`` holds ``cos(p * inv_freq)`` in its first ``head_dim / 2`` columns and ``sin(p * inv_freq)``
+    in the last ``head_dim / 2``, the angle computed in float32 exactly as
+    :func:`infer.models.layers.rope_cos_sin` computes it (so that the values are bit-identical to its
+    tables on the same device). Gemma 3 needs one table per RoPE base (local and global layers).
+
+    Args:
+        inv_freq: float32 ``[head_dim / 2]`` (:func:`infer.models.layers.rope_inv_freq`).
+        max_positions: number of rows (positions ``0 .. max_positions - 1``), >= 1.
+        device: where the table is built and lives.
+
+    Raises:
+        ValueError: ``inv_freq`` not 1-D float32, ``max_positions < 1``.
+    """
+    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32:
+        raise ValueError(f"inv_freq must be float32 [head_dim / 2], got {inv_freq.dtype} {tuple(inv_freq.shape)}")
+    if not isinstance(max_positions, int) or max_positions < 1:
+        raise ValueError(f"max_positions must be a positive int, got {max_positions!r}")
+    positions = torch.arange(max_positions, device=device, dtype=torch.int64)
+    freqs = positions.float()[:, None] * inv_freq.to(device)[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a merged QKV projection, RMS-normalize q and k per head, rotate them (RoPE), in place.
+
+    ``qkv[t] = [q heads | k heads | v heads]`` (``num_heads``, ``num_kv_heads``, ``num_kv_heads`` heads of
+    ``head_dim``). With ``q_weight``/``k_weight`` (Qwen3's and Gemma 3's QK-norm), each q and k head is
+    normalized as :func:`rms_norm` does (same rounding steps to ``qkv.dtype``). Then both are rotated
+    in the "rotate half" layout of GPT-NeoX and Hugging Face (Su et al., RoFormer, arXiv:2104.09864):
+    for ``i < head_dim / 2`` and ``c, s = cos, sin(position * inv_freq[i])``::
+
+        x'[i]        = x[i] * c - x[i + D/2] * s
+        x'[i + D/2]  = x[i + D/2] * c + x[i] * s
+
+    computed in float32 and rounded once to ``qkv.dtype``. In float32 this is bit-identical to
+    :func:`infer.models.layers.apply_rope`; in bfloat16 that function rounds cos/sin to bfloat16 and
+    rounds each product and the sum (four roundings), so the two differ by a few bf16 ulps at most
+    (docs: notes on the measured difference), the float32 form being the more accurate.
+
+    The q and k columns of ``qkv`` are overwritten with the result; v is not touched.
+
+    Args:
+        qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]``, float32/float16/bfloat16, last
+            dimension contiguous (rows may be strided).
+        positions: int64 or int32 ``[T]``, each in ``[0, max_positions)``. Out of range is a caller
+            error: here it raises IndexError (on the CPU; an asynchronous device assert on a GPU); the
+            Triton kernel reads the nearest valid row instead (it cannot check without a host sync).
+        cos_sin_cache: float32 ``[max_positions, head_dim]`` from :func:`build_cos_sin_cache`, contiguous.
+        num_heads, num_kv_heads, head_dim: the layout of ``qkv``; ``head_dim`` even.
+        q_weight, k_weight: ``[head_dim]`` in ``qkv``'s dtype, both or neither.
+        eps, unit_offset: as in :func:`rms_norm`.
+
+    Returns:
+        ``(q, k, v)``: views of ``qkv``, ``[T, num_heads, head_dim]``, ``[T, num_kv_heads, head_dim]``,
+        ``[T, num_kv_heads, head_dim]`` (strided: row stride ``qkv.stride(0)``).
+
+    Raises:
+        ValueError: shapes that do not match the head counts, an odd ``head_dim``, unsupported or
+            mismatched dtypes or devices, a non-contiguous last dimension or cache, one norm weight
+            without the other.
+    """
+    check_qk_norm_rope(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_weight, k_weight)
+    t, hq, hkv, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
+    half = d // 2
+    qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+    if q_weight is not None:
+        h = F.rms_norm(qk.float(), (d,), eps=eps)
+        w = torch.cat((q_weight.expand(hq, d), k_weight.expand(hkv, d)))  # [Hq + Hkv, D]
+        if unit_offset:
+            x = h.mul_(1.0 + w.float()).to(qkv.dtype).float()
+        else:
+            x = h.to(qkv.dtype).mul_(w).float()
+    else:
+        x = qk.float()  # float32 input: x *is* qk, but every product below is taken before any write
+    cs = cos_sin_cache[positions]  # [T, D] float32
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    a, b = x1 * cos, x2 * sin
+    c, e = x2 * cos, x1 * sin
+    torch.sub(a, b, out=qk[..., :half])  # float32 results, rounded once into qkv's dtype
+    torch.add(c, e, out=qk[..., half:])
+    return _split_qkv(qkv, hq, hkv, d)
+
+
+def _split_qkv(qkv: torch.Tensor, hq: int, hkv: int, d: int):
+    t = qkv.shape[0]
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    return q, k, v
+
+
+# ============================================================================ act(gate) * up
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` of a merged gate/up projection: SwiGLU (Shazeer, arXiv:2002.05202) with
+    ``activation="silu"``, GeGLU with tanh-approximated GELU (``"gelu_tanh"``, also
+    ``"gelu_pytorch_tanh"``) for Gemma.
+
+    Here exactly ``F.silu(gate) * up`` / ``F.gelu(gate, approximate="tanh") * up`` in ``gate_up.dtype``
+    (two roundings in 16-bit dtypes, as in the unfused MLP). The Triton kernel rounds once.
+
+    Args:
+        gate_up: ``[T, 2 * I]``, gate in the first ``I`` columns, up in the last ``I``;
+            float32/float16/bfloat16, last dimension contiguous.
+        activation: ``"silu"``, ``"gelu_tanh"`` or ``"gelu_pytorch_tanh"``.
+
+    Returns:
+        A new ``[T, I]`` tensor in ``gate_up.dtype``.
+
+    Raises:
+        ValueError: an unknown activation, a rank other than 2, an odd last dimension, an unsupported
+            dtype, a non-contiguous last dimension.
+    """
+    kind = check_act_and_mul(gate_up, activation)
+    i = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :i], gate_up[:, i:]
+    act = F.silu(gate) if kind == "silu" else F.gelu(gate, approximate="tanh")
+    return act.mul_(up)
+
+
+# ============================================================================ input checks (shared
+# with fused_triton, so that both raise the same errors)
+
+
+def _check_float(x: torch.Tensor, name: str) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+
+
+def _check_rows(x: torch.Tensor, name: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be [T, d], got shape {tuple(x.shape)}")
+    _check_float(x, name)
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (strides {x.stride()})")
+
+
+def _check_like(y: torch.Tensor, x: torch.Tensor, name: str, xname: str, shape=None) -> None:
+    shape = tuple(x.shape) if shape is None else shape
+    if tuple(y.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(y.shape)}")
+    if y.dtype != x.dtype:
+        raise ValueError(f"{name} dtype {y.dtype} differs from {xname}'s {x.dtype}")
+    if y.device != x.device:
+        raise ValueError(f"{name} is on {y.device}, {xname} on {x.device}")
+
+
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> None:
+    _check_rows(x, "x")
+    _check_like(weight, x, "weight", "x", (x.shape[1],))
+    if out is not None:
+        _check_like(out, x, "out", "x")
+        if out.shape[1] > 1 and out.stride(1) != 1:
+            raise ValueError(f"out must have a contiguous last dimension (strides {out.stride()})")
+
+
+def check_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    check_rms_norm(x, weight, None)
+    _check_like(residual, x, "residual", "x")
+    if residual.shape[1] > 1 and residual.stride(1) != 1:
+        raise ValueError(f"residual must have a contiguous last dimension (strides {residual.stride()})")
+    if x.numel() and residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        lo_x, lo_r = x.data_ptr(), residual.data_ptr()
+        span_x = (x.shape[0] - 1) * x.stride(0) * x.element_size() + x.shape[1] * x.element_size()
+        span_r = (residual.shape[0] - 1) * residual.stride(0) * x.element_size() + x.shape[1] * x.element_size()
+        if lo_x < lo_r + span_r and lo_r < lo_x + span_x:
+            raise ValueError("x and residual must not overlap (both are written)")
+
+
+def check_qk_norm_rope(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_weight, k_weight):
+    _check_rows(qkv, "qkv")
+    for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for the rotary embedding, got {head_dim}")
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.shape[1] != width:
+        raise ValueError(f"qkv must be [T, (num_heads + 2 * num_kv_heads) * head_dim = {width}], got shape "
+                         f"{tuple(qkv.shape)}")
+    if positions.dim() != 1 or positions.shape[0] != qkv.shape[0]:
+        raise ValueError(f"positions must be [T={qkv.shape[0]}], got shape {tuple(positions.shape)}")
+    if positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"positions must be int64 or int32, got {positions.dtype}")
+    if positions.device != qkv.device:
+        raise ValueError(f"positions is on {positions.device}, qkv on {qkv.device}")
+    if positions.shape[0] > 1 and positions.stride(0) != 1:
+        raise ValueError(f"positions must be contiguous (stride {positions.stride()})")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.shape[0] < 1:
+        raise ValueError(f"cos_sin_cache must be [max_positions, head_dim={head_dim}], got shape "
+                         f"{tuple(cos_sin_cache.shape)}")
+    if cos_sin_cache.dtype != torch.float32:
+        raise ValueError(f"cos_sin_cache must be float32, got {cos_sin_cache.dtype}")
+    if cos_sin_cache.device != qkv.device:
+        raise ValueError(f"cos_sin_cache is on {cos_sin_cache.device}, qkv on {qkv.device}")
+    if not cos_sin_cache.is_contiguous():
+        raise ValueError("cos_sin_cache must be contiguous")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight go together: pass both (QK-norm) or neither")
+    if q_weight is not None:
+        _check_like(q_weight, qkv, "q_weight", "qkv", (head_dim,))
+        _check_like(k_weight, qkv, "k_weight", "qkv", (head_dim,))
+
+
+def check_act_and_mul(gate_up: torch.Tensor, activation: str) -> str:
+    if activation not in ACTIVATION_NAMES:
+        raise ValueError(f"unsupported activation {activation!r} (supported: {', '.join(ACTIVATION_NAMES)})")
+    _check_rows(gate_up, "gate_up")
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [T, 2 * I] (gate, then up), got an odd width {gate_up.shape[1]}")
+    return ACTIVATION_NAMES[activation]

@@ -1,0 +1,382 @@
+"""Triton kernels of the fused operations (phase 8): each replaces a chain of small PyTorch ops.
+
+Same names, signatures, in-place behaviour and input errors as :mod:`infer.kernels.fused_reference`
+(the plain-PyTorch versions the tests compare against):
+
+* :func:`rms_norm`: one pass per row (RMSNorm, Zhang & Sennrich, arXiv:1910.07467), Llama's or
+  Gemma's ``(1 + w)`` rounding order.
+* :func:`fused_add_rms_norm`: ``residual += x; x = rms_norm(residual)`` in one pass (vLLM's
+  ``fused_add_rms_norm``): the residual add no longer writes a tensor that the norm reads again.
+* :func:`qk_norm_rope`: per-head RMSNorm of q and k (Qwen3, Gemma 3) and the rotary embedding
+  (RoFormer, arXiv:2104.09864, "rotate half" layout) read from a float32 cos/sin cache, in place in
+  the merged QKV projection's output.
+* :func:`act_and_mul`: ``act(gate) * up`` (SwiGLU / GeGLU with tanh GELU) of a merged gate/up output.
+
+Design, the same for all four: every value is loaded once, converted to float32 right away, the math
+is done in float32 and the result stored once (the intermediate roundings of the unfused code that
+change the result, such as Llama's cast before the weight multiply, are reproduced explicitly). The
+number of tokens ``T`` is a grid dimension only: a new batch size compiles nothing (what is compiled,
+``tl.constexpr``, is what a model fixes: the row width, head counts, head_dim, the norm variant and
+the dtype). No autotuning (it breaks the interpreter and CUDA-graph capture), no host
+synchronization, no allocation besides the outputs: every launch can be captured in a CUDA graph.
+``num_warps`` is chosen from the row width.
+
+Importing this module works on any machine; launching needs CUDA tensors, or CPU tensors with
+``TRITON_INTERPRET=1`` set before Triton is imported (the tests do that; each program instance then
+costs milliseconds, so keep shapes tiny). The interpreter runs bf16 arithmetic on raw integers, which
+the conversion to float32 right after every load avoids.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels.fused_reference import (
+    build_cos_sin_cache,
+    check_act_and_mul,
+    check_add_rms_norm,
+    check_qk_norm_rope,
+    check_rms_norm,
+)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
+_MAX_ROW = 1 << 16  # widest row the single-pass norm kernels take (registers: 64k fp32 per program)
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache"]
+
+
+def _num_warps(elements: int) -> int:
+    """Warps for a program over ``elements`` values: about 256 per warp (8 per thread), 1 to 8 warps."""
+    return max(1, min(8, elements // 256))
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """float32 ``x`` rounded to ``DTYPE`` (to nearest, ties to even), as a ``DTYPE`` tensor.
+
+    On a GPU this is ``x.to(DTYPE)`` (``cvt.rn``). The interpreter truncates float32 -> bfloat16
+    instead, so under it (``MANUAL_BF16``) the rounding is done on the bits: add ``0x7FFF`` plus the
+    lowest kept bit, keep the upper 16 bits (NaN payloads aside, which these kernels never produce).
+    """
+    if MANUAL_BF16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+def _manual_bf16(x: torch.Tensor) -> bool:
+    return INTERPRET and x.dtype == torch.bfloat16
+
+
+# ============================================================================ RMSNorm (+ residual add)
+
+
+@triton.jit
+def _rms_norm_row(x, w_ptr, offs, mask, eps, N: tl.constexpr, UNIT_OFFSET: tl.constexpr, DTYPE: tl.constexpr,
+                  MANUAL_BF16: tl.constexpr):
+    """float32 row ``x`` -> the normalized row rounded to DTYPE."""
+    r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = x * r
+    if UNIT_OFFSET:  # Gemma: (1 + w) in float32, one rounding
+        y = h * (1.0 + w)
+    else:  # Llama: round the normalized row first, then the product (exact in fp32) rounds again
+        y = _round(h, DTYPE, MANUAL_BF16).to(tl.float32) * w
+    return _round(y, DTYPE, MANUAL_BF16)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr, MANUAL_BF16: tl.constexpr,
+):
+    # One program per row: load it once, reduce, scale, store.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    y = _rms_norm_row(x, w_ptr, offs, mask, eps, N, UNIT_OFFSET, out_ptr.dtype.element_ty, MANUAL_BF16)
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, stride_x, stride_r, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr, MANUAL_BF16: tl.constexpr,
+):
+    # One program per row: s = x + residual rounded to the dtype (stored as the new residual), then the
+    # norm of that rounded s (stored over x). Each program reads its row before writing it.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    s = _round(x + r, res_ptr.dtype.element_ty, MANUAL_BF16)
+    tl.store(res_ptr + row * stride_r + offs, s, mask=mask)
+    y = _rms_norm_row(s.to(tl.float32), w_ptr, offs, mask, eps, N, UNIT_OFFSET, x_ptr.dtype.element_ty,
+                      MANUAL_BF16)
+    tl.store(x_ptr + row * stride_x + offs, y, mask=mask)
+
+
+def _row_block(d: int) -> int:
+    if d > _MAX_ROW:
+        raise ValueError(f"rows wider than {_MAX_ROW} elements are not supported by the single-pass kernel, got {d}")
+    return triton.next_power_of_2(d)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm of each row in one pass (see :func:`infer.kernels.fused_reference.rms_norm`).
+
+    Args:
+        x: ``[T, d]``, float32/float16/bfloat16, last dimension contiguous (rows may be strided).
+        weight: ``[d]``, ``x``'s dtype.
+        eps: added to the mean square.
+        unit_offset: Gemma's ``(1 + w)`` form (float32 product, cast last); else Llama's order (cast the
+            normalized row to ``x.dtype``, then multiply by ``w``).
+        out: optional ``[T, d]`` in ``x``'s dtype; may be ``x`` itself (in place).
+
+    Returns:
+        ``out`` (a new tensor if None).
+
+    Raises:
+        ValueError: as the reference; rows wider than 65536.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    check_rms_norm(x, weight, out)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    t, d = x.shape
+    if t == 0:
+        return out
+    block = _row_block(d)
+    _check_launchable(x)
+    _rms_norm_kernel[(t,)](
+        x, weight, out, x.stride(0), out.stride(0), eps,
+        N=d, BLOCK=block, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(x), num_warps=_num_warps(block),
+    )
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual <- x + residual``; ``x <- rms_norm(residual)``, one pass, in place (vLLM's
+    ``fused_add_rms_norm``; see :func:`infer.kernels.fused_reference.fused_add_rms_norm`).
+
+    Args:
+        x: ``[T, d]``, overwritten with the normalized rows.
+        residual: ``[T, d]``, same dtype/device, not overlapping ``x``; overwritten with ``x + residual``
+            rounded to the dtype.
+        weight: ``[d]``; eps, unit_offset: as in :func:`rms_norm`.
+
+    Returns:
+        ``(x, residual)``: the same tensors, now ``(normed, new_residual)``.
+
+    Raises:
+        ValueError: as the reference; rows wider than 65536.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    check_add_rms_norm(x, residual, weight)
+    t, d = x.shape
+    if t == 0:
+        return x, residual
+    block = _row_block(d)
+    _check_launchable(x)
+    _add_rms_norm_kernel[(t,)](
+        x, residual, weight, x.stride(0), residual.stride(0), eps,
+        N=d, BLOCK=block, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(x), num_warps=_num_warps(block),
+    )
+    return x, residual
+
+
+# ============================================================================ QK-norm + RoPE
+
+
+@triton.jit(do_not_specialize=["max_positions"])
+def _qk_norm_rope_kernel(
+    qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, stride_t, max_positions, eps,
+    NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    MANUAL_BF16: tl.constexpr,
+):
+    # Grid (T, cdiv(Hq + Hkv, BLOCK_H)): program (t, j) rewrites BLOCK_H of token t's q/k heads (q heads
+    # first, then k heads, as they lie in qkv). Each head is loaded as its two halves [BLOCK_H, HALF],
+    # the pairs that the rotation mixes, so no shuffle is needed.
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, HALF_PAD)
+    h_mask = heads < NUM_HEADS
+    d_mask = offs < HALF
+    mask = h_mask[:, None] & d_mask[None, :]
+    ptr1 = qkv_ptr + t * stride_t + heads[:, None] * HEAD_DIM + offs[None, :]
+    ptr2 = ptr1 + HALF
+    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr2, mask=mask, other=0.0).to(tl.float32)
+    dtype = qkv_ptr.dtype.element_ty
+    if HAS_NORM:
+        # per-head RMSNorm over both halves, q heads with q_weight, k heads with k_weight
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+        is_q = (heads < NUM_Q_HEADS)[:, None]
+        w1 = tl.where(is_q, tl.load(qw_ptr + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+        # the rounding steps of rms_norm (the normalized head is rounded before the rotation)
+        if UNIT_OFFSET:
+            x1 = _round(x1 * r * (1.0 + w1), dtype, MANUAL_BF16).to(tl.float32)
+            x2 = _round(x2 * r * (1.0 + w2), dtype, MANUAL_BF16).to(tl.float32)
+        else:
+            x1 = _round(_round(x1 * r, dtype, MANUAL_BF16).to(tl.float32) * w1, dtype, MANUAL_BF16).to(tl.float32)
+            x2 = _round(_round(x2 * r, dtype, MANUAL_BF16).to(tl.float32) * w2, dtype, MANUAL_BF16).to(tl.float32)
+    # The cache row of this token's position (clamped: a bad position reads the nearest row rather than
+    # memory outside the table; the reference raises instead).
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    pos = tl.minimum(tl.maximum(pos, 0), max_positions - 1)
+    cos = tl.load(cs_ptr + pos * HEAD_DIM + offs, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(cs_ptr + pos * HEAD_DIM + HALF + offs, mask=d_mask, other=0.0)[None, :]
+    tl.store(ptr1, _round(x1 * cos - x2 * sin, dtype, MANUAL_BF16), mask=mask)
+    tl.store(ptr2, _round(x2 * cos + x1 * sin, dtype, MANUAL_BF16), mask=mask)
+
+
+def _qk_rope_config(num_heads: int, head_dim: int) -> tuple[int, int]:
+    """(heads per program, warps): about 512 elements per program (4 heads of 128, 2 of 256), so that
+    batch-1 decode still spreads over several SMs and a 2048-token prefill has no tiny programs."""
+    half_pad = triton.next_power_of_2(head_dim // 2)
+    block_h = max(1, min(triton.next_power_of_2(num_heads), 256 // half_pad))
+    return block_h, _num_warps(2 * block_h * half_pad)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (optional) and RoPE, in place in the merged QKV output
+    (see :func:`infer.kernels.fused_reference.qk_norm_rope` for the exact numerics).
+
+    Args:
+        qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]``, last dimension contiguous; its q and k
+            columns are overwritten.
+        positions: int64/int32 ``[T]``, each in ``[0, max_positions)`` (the kernel clamps bad ones).
+        cos_sin_cache: float32 ``[max_positions, head_dim]``, cos then sin (:func:`build_cos_sin_cache`).
+        num_heads, num_kv_heads, head_dim: the layout; head_dim even.
+        q_weight, k_weight: ``[head_dim]`` in qkv's dtype, both or neither (QK-norm).
+        eps, unit_offset: as in :func:`rms_norm`.
+
+    Returns:
+        ``(q, k, v)`` views of ``qkv``: ``[T, Hq, D]``, ``[T, Hkv, D]``, ``[T, Hkv, D]``.
+
+    Raises:
+        ValueError: as the reference.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    check_qk_norm_rope(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_weight, k_weight)
+    t = qkv.shape[0]
+    heads = num_heads + num_kv_heads
+    if t > 0:
+        _check_launchable(qkv)
+        block_h, warps = _qk_rope_config(heads, head_dim)
+        has_norm = q_weight is not None
+        _qk_norm_rope_kernel[(t, triton.cdiv(heads, block_h))](
+            qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
+            qkv.stride(0), cos_sin_cache.shape[0], eps,
+            NUM_Q_HEADS=num_heads, NUM_HEADS=heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
+            HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h, HAS_NORM=has_norm,
+            UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(qkv), num_warps=warps,
+        )
+    q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : heads * head_dim].view(t, num_kv_heads, head_dim)
+    v = qkv[:, heads * head_dim :].view(t, num_kv_heads, head_dim)
+    return q, k, v
+
+
+# ============================================================================ act(gate) * up
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    gu_ptr, out_ptr, stride_gu, stride_o,
+    I: tl.constexpr, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, MANUAL_BF16: tl.constexpr,
+):
+    # Grid (T, cdiv(I, BLOCK)): program (t, j) computes BLOCK outputs of token t from the gate and up
+    # values at the same columns of the two halves.
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0).to(tl.float32)
+    if GELU_TANH:
+        # 0.5 g (1 + tanh(y)) = g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3): tanh through exp,
+        # safe at both ends (exp overflows to inf for very negative g: the result is then -0)
+        y = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        a = g / (1.0 + tl.exp(-2.0 * y))
+    else:
+        a = g / (1.0 + tl.exp(-g))  # silu(g) = g * sigmoid(g)
+    tl.store(out_ptr + t * stride_o + offs, _round(a * u, out_ptr.dtype.element_ty, MANUAL_BF16), mask=mask)
+
+
+def _act_block(i: int) -> int:
+    return min(1024, triton.next_power_of_2(i))
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` in one pass: float32 math, one rounding (see
+    :func:`infer.kernels.fused_reference.act_and_mul`, which rounds twice in 16-bit dtypes, as the
+    unfused MLP does: the two differ by at most about one ulp of the dtype).
+
+    Args:
+        gate_up: ``[T, 2 * I]`` (gate columns, then up columns), float32/float16/bfloat16, last
+            dimension contiguous.
+        activation: ``"silu"``, ``"gelu_tanh"`` or ``"gelu_pytorch_tanh"``.
+
+    Returns:
+        A new ``[T, I]`` tensor in ``gate_up.dtype``.
+
+    Raises:
+        ValueError: as the reference.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    kind = check_act_and_mul(gate_up, activation)
+    t, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((t, i), dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0 or i == 0:
+        return out
+    _check_launchable(gate_up)
+    block = _act_block(i)
+    _act_and_mul_kernel[(t, triton.cdiv(i, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0),
+        I=i, BLOCK=block, GELU_TANH=kind == "gelu_tanh", MANUAL_BF16=_manual_bf16(gate_up),
+        num_warps=_num_warps(block),
+    )
+    return out
+
+
+def _check_launchable(x: torch.Tensor) -> None:
+    if x.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
+                           f"imported to run them on the CPU (got a {x.device} tensor)")
