@@ -4,13 +4,14 @@ The plain-PyTorch pipeline of :mod:`infer.sampling.sampler` makes many passes ov
 logits, and its counter-based random numbers (:func:`~infer.sampling.sampler.random_uniform`)
 materialise several ``[B, V]`` int64 tensors (8 bytes per element each, written and read back):
 at 256 rows x 151,936 vocabulary that is gigabytes of memory traffic per step. Two kernels replace
-it, one program per row, each walking the row in tiles of ``BLOCK`` elements:
+it, each walking the row in tiles of ``BLOCK`` elements:
 
-* :func:`row_stats`: the row's maximum and its *first* index (greedy's argmax, ``torch.argmax``'s
-  tie rule), the log-sum-exp (the raw logprobs' normaliser), and the softmax normaliser of the
+* :func:`row_stats` (one program per row, two or three passes over it): the row's maximum and
+  its *first* index (greedy's argmax, ``torch.argmax``'s tie rule), the log-sum-exp (the raw logprobs' normaliser), and the softmax normaliser of the
   temperature-scaled row ``y = x / T``: ``m = max(y)`` and ``s = sum(exp(y - m))``; with min-p, also
   the sum ``s_kept`` over the tokens that min-p keeps.
-* :func:`exponential_race`: ``argmax_v p[v] / -log(u[v])`` with ``p`` computed on the fly from the
+* :func:`exponential_race` (one program per tile of a row, then an exact combine of the tiles'
+  winners): ``argmax_v p[v] / -log(u[v])`` with ``p`` computed on the fly from the
   logits (``p = exp(y - m) / s_kept`` on the kept tokens, 0 elsewhere) and the uniforms ``u``
   hashed in registers from ``(seed, step, v)``, exactly as ``random_uniform`` does with int64
   tensors (splitmix64 in uint64 arithmetic, whose multiplies wrap modulo 2**64 like int64's do).
@@ -28,9 +29,9 @@ accumulated (PyTorch's reduction tree vs this kernel's lanes), so ``s`` may diff
 bit, and with it some ``p[v]``. A token can therefore differ from the reference only when the two
 best race scores of a row are within about two float32 ulps of each other (a relative gap below
 ~2.4e-7): for an exponential race that happens with probability of the order of 1e-7 per token.
-The same goes for a min-p threshold that falls within an ulp of a token's probability. The kernel
-is deterministic and each row is computed by one program in a fixed order that depends on ``V``
-only, so a seeded request's tokens never depend on the batch.
+The same goes for a min-p threshold that falls within an ulp of a token's probability. The kernels
+are deterministic and a row's reductions run in an order that depends on ``V`` only, so a seeded
+request's tokens never depend on the batch.
 
 Importing works anywhere; launching needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``
 set before Triton is imported (the tests' conftest does it). Under the interpreter the kernels use
@@ -241,50 +242,57 @@ def row_stats(
 
 @triton.jit(do_not_specialize=["V", "stride_x"])
 def _race_kernel(
-    x_ptr, stride_x, V, temp_ptr, min_p_ptr, m_ptr, s_ptr, s_kept_ptr, seeds_ptr, steps_ptr, out_ptr,
+    x_ptr, stride_x, V, temp_ptr, min_p_ptr, m_ptr, s_ptr, s_kept_ptr, seeds_ptr, steps_ptr,
+    best_ptr, best_i_ptr, num_tiles,
     FROM_PROBS: tl.constexpr, SCALED: tl.constexpr, MIN_P: tl.constexpr, EXACT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # One program per (row, tile of BLOCK columns): the race is compute-bound (a 64-bit hash, a log
+    # and divisions per column), so even one row spreads over many SMs. The tiling depends on V
+    # only, never on the batch, and combining the tiles' winners is exact.
     row = tl.program_id(0)
-    base = x_ptr + row.to(tl.int64) * stride_x
-    offs = tl.arange(0, BLOCK)
+    tile = tl.program_id(1)
+    idx = tile * BLOCK + tl.arange(0, BLOCK)
+    valid = idx < V
+    ptrs = x_ptr + row.to(tl.int64) * stride_x + idx
 
     # the row's stream key, random_uniform's mix(mix(seed + golden) ^ step) in uint64
     seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
     step = tl.load(steps_ptr + row).to(tl.uint64, bitcast=True)
     key = _mix64(_mix64(seed + 0x9E3779B97F4A7C15) ^ step)
 
-    if not FROM_PROBS:
-        m = tl.load(m_ptr + row)
-        s = tl.load(s_ptr + row)
-        s_kept = tl.load(s_kept_ptr + row)
+    if FROM_PROBS:
+        p = tl.load(ptrs, mask=valid, other=0.0).to(tl.float32)
+    else:
+        y = tl.load(ptrs, mask=valid, other=float("-inf")).to(tl.float32)
         if SCALED:
-            t = tl.load(temp_ptr + row)
+            y = tl.div_rn(y, tl.load(temp_ptr + row))
+        e = _exp(y - tl.load(m_ptr + row), EXACT)
         if MIN_P:
+            s = tl.load(s_ptr + row)
             threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s)
+            e = tl.where(tl.div_rn(e, s) >= threshold, e, 0.0)
+        p = tl.div_rn(e, tl.load(s_kept_ptr + row))
+    exp1 = -_log(_uniform(key, idx), EXACT)  # Exponential(1), > 0
+    score = tl.where(valid, tl.div_rn(p, exp1), -1.0)  # scores are >= 0: any real column beats -1
+    best, best_i = _first_argmax(score, idx, V)
+    tl.store(best_ptr + row * num_tiles + tile, best)
+    tl.store(best_i_ptr + row * num_tiles + tile, best_i.to(tl.int64))
 
-    best = tl.full([BLOCK], -1.0, tl.float32)  # scores are >= 0: any real column beats -1
-    best_i = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        valid = idx < V
-        if FROM_PROBS:
-            p = tl.load(base + idx, mask=valid, other=0.0).to(tl.float32)
-        else:
-            y = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
-            if SCALED:
-                y = tl.div_rn(y, t)
-            e = _exp(y - m, EXACT)
-            if MIN_P:
-                e = tl.where(tl.div_rn(e, s) >= threshold, e, 0.0)
-            p = tl.div_rn(e, s_kept)
-        exp1 = -_log(_uniform(key, idx), EXACT)  # Exponential(1), > 0
-        score = tl.where(valid, tl.div_rn(p, exp1), -1.0)
-        better = score > best
-        best = tl.where(better, score, best)
-        best_i = tl.where(better, idx, best_i)
-    _, arg = _first_argmax(best, best_i, V)
-    tl.store(out_ptr + row, arg.to(tl.int64))
+
+def _launch_race(x, temp, min_p, m, s, s_kept, seeds, steps, *, from_probs, scaled, use_min_p) -> torch.Tensor:
+    b, v = x.shape
+    block = _block(v)
+    num_tiles = triton.cdiv(v, block)
+    best = torch.empty(b, num_tiles, dtype=torch.float32, device=x.device)
+    best_i = torch.empty(b, num_tiles, dtype=torch.int64, device=x.device)
+    _race_kernel[(b, num_tiles)](
+        x, x.stride(0), v, temp, min_p, m, s, s_kept, seeds, steps, best, best_i, num_tiles,
+        FROM_PROBS=from_probs, SCALED=scaled, MIN_P=use_min_p, EXACT=not INTERPRET, BLOCK=block,
+        num_warps=8,
+    )
+    # the first tile holding the row's best score (argmax takes the first maximum), then its column
+    return best_i.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
 
 
 def _check_rng(seeds: torch.Tensor, steps: torch.Tensor, b: int) -> None:
@@ -323,18 +331,13 @@ def exponential_race(
     _check(x)
     b, v = x.shape
     _check_rng(seeds, steps, b)
-    out = torch.empty(b, dtype=torch.int64, device=x.device)
     if b == 0:
-        return out
-    _race_kernel[(b,)](
-        x, x.stride(0), v,
-        temperature if temperature is not None else stats.m,
-        min_p if min_p is not None else stats.m,
-        stats.m, stats.s, stats.s_kept, seeds, steps, out,
-        FROM_PROBS=False, SCALED=temperature is not None, MIN_P=min_p is not None, EXACT=not INTERPRET,
-        BLOCK=_block(v), num_warps=8,
+        return torch.empty(0, dtype=torch.int64, device=x.device)
+    return _launch_race(
+        x, temperature if temperature is not None else stats.m, min_p if min_p is not None else stats.m,
+        stats.m, stats.s, stats.s_kept, seeds, steps,
+        from_probs=False, scaled=temperature is not None, use_min_p=min_p is not None,
     )
-    return out
 
 
 def race_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -354,11 +357,7 @@ def race_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tenso
     _check(probs)
     b, v = probs.shape
     _check_rng(seeds, steps, b)
-    out = torch.empty(b, dtype=torch.int64, device=probs.device)
     if b == 0:
-        return out
-    _race_kernel[(b,)](
-        probs, probs.stride(0), v, probs, probs, probs, probs, probs, seeds, steps, out,
-        FROM_PROBS=True, SCALED=False, MIN_P=False, EXACT=not INTERPRET, BLOCK=_block(v), num_warps=8,
-    )
-    return out
+        return torch.empty(0, dtype=torch.int64, device=probs.device)
+    return _launch_race(probs, probs, probs, probs, probs, probs, seeds, steps,
+                        from_probs=True, scaled=False, use_min_p=False)
