@@ -107,6 +107,33 @@ def test_exponential_race_is_the_reference_choice(dtype):
             assert torch.equal(got, want), f"trial {trial}, min_p {mp is not None}"
 
 
+@needs_triton
+def test_exponential_race_with_top_k_floor():
+    """Top-k as a floor (the k-th largest of x / T) after min-p, in the kernels = the PyTorch masks."""
+    g = torch.Generator().manual_seed(7)
+    b, vocab = 6, 2100
+    x = torch.randint(-40, 40, (b, vocab), generator=g).float() / 8  # many ties at the k-th value
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.9, 2.0, 1.0])
+    top_k = torch.tensor([1, 5, 50, vocab, 300, 2])
+    min_p = torch.tensor([0.0, 0.3, 0.05, 0.1, 0.9, 0.0])  # row 4: min-p removes the k-th token
+    seeds, steps = _seeds_steps(b, g)
+    y = x / temperature[:, None]
+    kth = y.sort(-1, descending=True).values.gather(1, (top_k - 1)[:, None]).squeeze(1)
+    floor = torch.where(top_k < vocab, kth, float("-inf"))
+    for mp in (None, min_p):
+        masked = apply_min_p(y, mp) if mp is not None else y
+        masked = apply_top_k(masked, top_k)
+        want = sample_from_probs(torch.softmax(masked, -1), seeds, steps)
+        stats = row_stats(x, temperature, mp, floor)
+        kept = masked > NEG_INF
+        e = torch.exp(y - stats.m[:, None])
+        torch.testing.assert_close(stats.s_kept, (e * kept).sum(-1), rtol=1e-5, atol=0)
+        got = exponential_race(x, stats, seeds, steps, temperature, mp, top_k=True)
+        assert torch.equal(got, want), f"min_p {mp is not None}"
+        # every drawn token survived the masks
+        assert kept[torch.arange(b), got].all()
+
+
 # ----------------------------------------------------------------------------- truncation helpers
 
 
@@ -137,6 +164,8 @@ MIXES = {
     "temperature": [SamplingParams(temperature=t, seed=i) for i, t in enumerate([0.5, 0.9, 1.0, 1.7])],
     "temperature_logprobs": [SamplingParams(temperature=0.8, seed=i, logprobs=i) for i in range(4)],
     "top_k": [SamplingParams(top_k=k, seed=k) for k in (1, 5, 50, -1)],
+    "top_k_min_p": [SamplingParams(top_k=k, min_p=m, temperature=0.9, seed=k) for k, m in
+                    ((3, 0.5), (40, 0.01), (200, 0.2), (-1, 0.1))],
     "top_p": [SamplingParams(temperature=1.1, top_p=p, seed=7) for p in (0.9, 1.0, 0.5, 0.95)],
     "min_p": [SamplingParams(min_p=m, temperature=1.5, seed=3) for m in (0.0, 0.05, 0.2, 0.9)],
     "penalties": [

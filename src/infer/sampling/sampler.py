@@ -793,6 +793,20 @@ def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     return _output(raw, _merge_greedy(t, greedy, random_tokens), log_z, t)
 
 
+def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor) -> torch.Tensor:
+    """``[B]`` float32: the k-th largest of ``x / T`` per row (``-inf`` where top-k is off).
+
+    ``torch.topk`` to the batch's largest k on ``x`` as it is (bf16 values upcast exactly), then
+    one division: the k-th largest of ``x / T`` is the k-th largest of ``x``, divided by ``T``
+    (rounding is monotone), the very value :func:`apply_top_k` finds after the temperature.
+    """
+    vocab_size = x.shape[-1]
+    k_cap = t.max_top_k if 0 < t.max_top_k < vocab_size else vocab_size
+    largest = x.topk(k_cap, dim=-1).values
+    kth = largest.gather(1, (t.top_k.clamp(min=1, max=k_cap) - 1)[:, None]).squeeze(1).float()
+    return torch.where(t.top_k <= k_cap, kth / temperature, float("-inf"))
+
+
 def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """The Triton path: row statistics + the fused exponential race (:mod:`infer.sampling.triton_sampler`)."""
     raw = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -801,17 +815,19 @@ def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         stats = row_stats(x)
         log_z = stats.lse if x is raw else row_stats(raw).lse
         return _output(raw, stats.argmax, log_z, t)
-    if t.do_top_k or t.do_top_p:
-        # truncation in PyTorch (topk / sorts of the rows that need them), then the race with T = 1
+    if t.do_top_p:
+        # top-p needs sorted probabilities: truncation in PyTorch (sorting only the rows that need
+        # it), then the race on the masked, temperature-scaled logits
         stats = row_stats(x)
         y = _truncate(x, t)
         random_tokens = exponential_race(y, row_stats(y), t.seeds, t.steps)
     else:
-        # temperature (and min-p) fused: nothing of size [B, V] is written
+        # temperature, min-p and top-k fused: nothing of size [B, V] is written
         temperature = t.temperature.clamp(min=1e-6)
         min_p = t.min_p if t.do_min_p else None
-        stats = row_stats(x, temperature, min_p)
-        random_tokens = exponential_race(x, stats, t.seeds, t.steps, temperature, min_p)
+        floor = _top_k_floor(x, t, temperature) if t.do_top_k else None
+        stats = row_stats(x, temperature, min_p, floor)
+        random_tokens = exponential_race(x, stats, t.seeds, t.steps, temperature, min_p, top_k=floor is not None)
     log_z = stats.lse if x is raw else row_stats(raw).lse
     return _output(raw, _merge_greedy(t, stats.argmax, random_tokens), log_z, t)
 

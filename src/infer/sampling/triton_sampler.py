@@ -8,11 +8,13 @@ it, each walking the row in tiles of ``BLOCK`` elements:
 
 * :func:`row_stats` (one program per row, two or three passes over it): the row's maximum and
   its *first* index (greedy's argmax, ``torch.argmax``'s tie rule), the log-sum-exp (the raw logprobs' normaliser), and the softmax normaliser of the
-  temperature-scaled row ``y = x / T``: ``m = max(y)`` and ``s = sum(exp(y - m))``; with min-p, also
-  the sum ``s_kept`` over the tokens that min-p keeps.
+  temperature-scaled row ``y = x / T``: ``m = max(y)`` and ``s = sum(exp(y - m))``; with min-p
+  and/or top-k, also the sum ``s_kept`` over the tokens they keep (top-k arrives as the k-th
+  largest value, from ``torch.topk`` to the batch's largest k).
 * :func:`exponential_race` (one program per tile of a row, then an exact combine of the tiles'
   winners): ``argmax_v p[v] / -log(u[v])`` with ``p`` computed on the fly from the
-  logits (``p = exp(y - m) / s_kept`` on the kept tokens, 0 elsewhere) and the uniforms ``u``
+  logits (``p = exp(y - m) / s_kept`` on the kept tokens, 0 elsewhere: top-p, which needs a
+  sort, is applied before, in PyTorch) and the uniforms ``u``
   hashed in registers from ``(seed, step, v)``, exactly as ``random_uniform`` does with int64
   tensors (splitmix64 in uint64 arithmetic, whose multiplies wrap modulo 2**64 like int64's do).
   Nothing of size ``[B, V]`` is written.
@@ -105,9 +107,10 @@ def _first_argmax(best, best_i, n):
 
 @triton.jit(do_not_specialize=["V", "stride_x"])
 def _row_stats_kernel(
-    x_ptr, stride_x, V, temp_ptr, min_p_ptr,
-    argmax_ptr, lse_ptr, m_ptr, s_ptr, s_kept_ptr,
-    SCALED: tl.constexpr, MIN_P: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, stride_x, V, temp_ptr, min_p_ptr, floor_ptr,
+    argmax_ptr, lse_ptr, m_ptr, s_ptr, s_kept_ptr, floor_out_ptr,
+    SCALED: tl.constexpr, MIN_P: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
@@ -147,10 +150,20 @@ def _row_stats_kernel(
     else:
         s_y = s_x
 
-    # pass 3 (min-p): the normaliser over the kept tokens, p >= min_p * max(p), max(p) = 1 / s.
+    # pass 3 (min-p and/or top-k): the normaliser over the kept tokens. Min-p keeps
+    # p >= min_p * max(p) with max(p) = exp(0) / s = 1 / s; top-k keeps y >= floor (the k-th
+    # largest y), except when min-p removed that k-th token: then fewer than k survive min-p,
+    # and top-k (applied after min-p) keeps all of them.
     s_kept = s_y
+    floor = float("-inf")
     if MIN_P:
         threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s_y)
+    if FLOOR:
+        floor = tl.load(floor_ptr + row)
+        if MIN_P:
+            floor_kept = tl.div_rn(_exp(floor - m_y, EXACT), s_y) >= threshold
+            floor = tl.where(floor_kept, floor, float("-inf"))
+    if MIN_P or FLOOR:
         acc_k = tl.zeros([BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             idx = start + offs
@@ -158,7 +171,11 @@ def _row_stats_kernel(
             if SCALED:
                 x = tl.div_rn(x, t)
             e = _exp(x - m_y, EXACT)
-            acc_k += tl.where(tl.div_rn(e, s_y) >= threshold, e, 0.0)
+            if MIN_P:
+                e = tl.where(tl.div_rn(e, s_y) >= threshold, e, 0.0)
+            if FLOOR:
+                e = tl.where(x >= floor, e, 0.0)
+            acc_k += e
         s_kept = tl.sum(acc_k, axis=0)
 
     tl.store(argmax_ptr + row, arg.to(tl.int64))
@@ -166,6 +183,7 @@ def _row_stats_kernel(
     tl.store(m_ptr + row, m_y)
     tl.store(s_ptr + row, s_y)
     tl.store(s_kept_ptr + row, s_kept)
+    tl.store(floor_out_ptr + row, floor)
 
 
 class RowStats(NamedTuple):
@@ -175,7 +193,8 @@ class RowStats(NamedTuple):
     lse: torch.Tensor  # float32, log(sum(exp(x)))
     m: torch.Tensor  # float32, max(x / T)
     s: torch.Tensor  # float32, sum(exp(x / T - m))
-    s_kept: torch.Tensor  # float32, the same sum over the tokens min-p keeps (= s without min-p)
+    s_kept: torch.Tensor  # float32, the same sum over the tokens min-p and top-k keep (= s without them)
+    floor: torch.Tensor  # float32, top-k keeps x / T >= floor (-inf: no top-k cut, after min-p)
 
 
 def _block(vocab_size: int) -> int:
@@ -195,19 +214,24 @@ def _check(x: torch.Tensor) -> None:
 
 
 def row_stats(
-    x: torch.Tensor, temperature: torch.Tensor | None = None, min_p: torch.Tensor | None = None
+    x: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    top_k_floor: torch.Tensor | None = None,
 ) -> RowStats:
     """One program per row: argmax, log-sum-exp, and the softmax normaliser of ``x / T``.
 
     Plain-PyTorch equivalent (up to the order of the sums): ``argmax = x.argmax(-1)``,
     ``lse = x.float().logsumexp(-1)``, ``y = x.float() / temperature[:, None]``, ``m = y.amax(-1)``,
-    ``s = exp(y - m).sum(-1)``, and with min-p ``s_kept = (e * (e / s >= min_p / s)).sum(-1)``
-    with ``e = exp(y - m)`` (the ``softmax`` / :func:`~infer.sampling.apply_min_p` formulas).
+    ``s = exp(y - m).sum(-1)``, and ``s_kept`` the same sum over the tokens that survive
+    :func:`~infer.sampling.apply_min_p` then :func:`~infer.sampling.apply_top_k` on ``y``.
 
     Args:
         x: ``[B, V]`` float32/bf16/fp16 logits (read in place; the last dimension contiguous).
         temperature: ``[B]`` float32, > 0 (clamped by the caller), or ``None`` for ``T = 1``.
         min_p: ``[B]`` float32 in [0, 1], or ``None`` for no min-p.
+        top_k_floor: ``[B]`` float32, the k-th largest value of ``x / T`` (``-inf`` for rows
+            without top-k), or ``None`` for no top-k.
 
     Returns:
         :class:`RowStats`.
@@ -221,7 +245,7 @@ def row_stats(
     dev = x.device
     out = RowStats(
         torch.empty(b, dtype=torch.int64, device=dev),
-        *(torch.empty(b, dtype=torch.float32, device=dev) for _ in range(4)),
+        *(torch.empty(b, dtype=torch.float32, device=dev) for _ in range(5)),
     )
     if b == 0:
         return out
@@ -230,9 +254,10 @@ def row_stats(
         x, x.stride(0), v,
         temperature if temperature is not None else dummy,
         min_p if min_p is not None else dummy,
+        top_k_floor if top_k_floor is not None else dummy,
         *out,
-        SCALED=temperature is not None, MIN_P=min_p is not None, EXACT=not INTERPRET, BLOCK=_block(v),
-        num_warps=8,
+        SCALED=temperature is not None, MIN_P=min_p is not None, FLOOR=top_k_floor is not None,
+        EXACT=not INTERPRET, BLOCK=_block(v), num_warps=8,
     )
     return out
 
@@ -242,10 +267,10 @@ def row_stats(
 
 @triton.jit(do_not_specialize=["V", "stride_x"])
 def _race_kernel(
-    x_ptr, stride_x, V, temp_ptr, min_p_ptr, m_ptr, s_ptr, s_kept_ptr, seeds_ptr, steps_ptr,
+    x_ptr, stride_x, V, temp_ptr, min_p_ptr, m_ptr, s_ptr, s_kept_ptr, floor_ptr, seeds_ptr, steps_ptr,
     best_ptr, best_i_ptr, num_tiles,
-    FROM_PROBS: tl.constexpr, SCALED: tl.constexpr, MIN_P: tl.constexpr, EXACT: tl.constexpr,
-    BLOCK: tl.constexpr,
+    FROM_PROBS: tl.constexpr, SCALED: tl.constexpr, MIN_P: tl.constexpr, FLOOR: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # One program per (row, tile of BLOCK columns): the race is compute-bound (a 64-bit hash, a log
     # and divisions per column), so even one row spreads over many SMs. The tiling depends on V
@@ -272,6 +297,8 @@ def _race_kernel(
             s = tl.load(s_ptr + row)
             threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s)
             e = tl.where(tl.div_rn(e, s) >= threshold, e, 0.0)
+        if FLOOR:
+            e = tl.where(y >= tl.load(floor_ptr + row), e, 0.0)
         p = tl.div_rn(e, tl.load(s_kept_ptr + row))
     exp1 = -_log(_uniform(key, idx), EXACT)  # Exponential(1), > 0
     score = tl.where(valid, tl.div_rn(p, exp1), -1.0)  # scores are >= 0: any real column beats -1
@@ -280,16 +307,17 @@ def _race_kernel(
     tl.store(best_i_ptr + row * num_tiles + tile, best_i.to(tl.int64))
 
 
-def _launch_race(x, temp, min_p, m, s, s_kept, seeds, steps, *, from_probs, scaled, use_min_p) -> torch.Tensor:
+def _launch_race(x, temp, min_p, stats, seeds, steps, *, from_probs, scaled, use_min_p, use_floor) -> torch.Tensor:
     b, v = x.shape
     block = _block(v)
     num_tiles = triton.cdiv(v, block)
     best = torch.empty(b, num_tiles, dtype=torch.float32, device=x.device)
     best_i = torch.empty(b, num_tiles, dtype=torch.int64, device=x.device)
     _race_kernel[(b, num_tiles)](
-        x, x.stride(0), v, temp, min_p, m, s, s_kept, seeds, steps, best, best_i, num_tiles,
-        FROM_PROBS=from_probs, SCALED=scaled, MIN_P=use_min_p, EXACT=not INTERPRET, BLOCK=block,
-        num_warps=8,
+        x, x.stride(0), v, temp, min_p, stats.m, stats.s, stats.s_kept, stats.floor, seeds, steps,
+        best, best_i, num_tiles,
+        FROM_PROBS=from_probs, SCALED=scaled, MIN_P=use_min_p, FLOOR=use_floor, EXACT=not INTERPRET,
+        BLOCK=block, num_warps=8,
     )
     # the first tile holding the row's best score (argmax takes the first maximum), then its column
     return best_i.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
@@ -308,19 +336,21 @@ def exponential_race(
     steps: torch.Tensor,
     temperature: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    top_k: bool = False,
 ) -> torch.Tensor:
-    """Draw one token per row from ``softmax(x / T)`` (min-p applied) by the exponential race.
+    """Draw one token per row from ``softmax(x / T)`` (min-p, top-k applied) by the exponential race.
 
-    Plain-PyTorch equivalent: ``sample_from_probs(softmax(apply_min_p(x.float() / T, min_p)), seeds,
-    steps)`` (:func:`~infer.sampling.sample_from_probs`); rows of ``x`` that hold ``-inf`` (masked by
-    top-k / top-p beforehand) have probability 0 there.
+    Plain-PyTorch equivalent: ``sample_from_probs(softmax(apply_top_k(apply_min_p(x.float() / T,
+    min_p), k)), seeds, steps)`` (:func:`~infer.sampling.sample_from_probs`); columns of ``x`` that
+    hold ``-inf`` (masked beforehand) have probability 0.
 
     Args:
         x: ``[B, V]`` float logits (the last dimension contiguous).
-        stats: :func:`row_stats` of ``x`` with the same ``temperature`` and ``min_p``.
+        stats: :func:`row_stats` of ``x`` with the same ``temperature``, ``min_p`` and top-k floor.
         seeds, steps: ``[B]`` int64 (see :func:`~infer.sampling.random_uniform`).
         temperature: ``[B]`` float32 > 0, or ``None`` for ``T = 1``.
         min_p: ``[B]`` float32, or ``None``.
+        top_k: whether ``stats`` was computed with a ``top_k_floor``.
 
     Returns:
         ``[B]`` int64 token ids.
@@ -335,8 +365,8 @@ def exponential_race(
         return torch.empty(0, dtype=torch.int64, device=x.device)
     return _launch_race(
         x, temperature if temperature is not None else stats.m, min_p if min_p is not None else stats.m,
-        stats.m, stats.s, stats.s_kept, seeds, steps,
-        from_probs=False, scaled=temperature is not None, use_min_p=min_p is not None,
+        stats, seeds, steps, from_probs=False, scaled=temperature is not None, use_min_p=min_p is not None,
+        use_floor=top_k,
     )
 
 
@@ -359,5 +389,6 @@ def race_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tenso
     _check_rng(seeds, steps, b)
     if b == 0:
         return torch.empty(0, dtype=torch.int64, device=probs.device)
-    return _launch_race(probs, probs, probs, probs, probs, probs, seeds, steps,
-                        from_probs=True, scaled=False, use_min_p=False)
+    none = RowStats(probs, probs, probs, probs, probs, probs)
+    return _launch_race(probs, probs, probs, none, seeds, steps,
+                        from_probs=True, scaled=False, use_min_p=False, use_floor=False)
