@@ -3,7 +3,8 @@
 * :class:`SamplingParams`: what one request asks for (vLLM's fields), validated on creation.
 * :class:`SamplingTensors`: a batch's parameters as ``[B]`` device tensors.
 * :func:`sample`: ``[B, V]`` logits to ``[B]`` next tokens plus raw logprobs, one batched
-  pipeline for every row (see :mod:`infer.sampling.sampler` for the transforms and sources).
+  pipeline for every row (see :mod:`infer.sampling.sampler` for the transforms and sources);
+  on the GPU it runs the Triton kernels of :mod:`infer.sampling.triton_sampler` (phase 8).
 """
 
 from infer.sampling.params import MAX_LOGPROBS, SamplingParams
@@ -14,10 +15,13 @@ from infer.sampling.sampler import (
     apply_penalties,
     apply_temperature,
     apply_top_k,
+    apply_top_k_partial,
     apply_top_p,
+    apply_top_p_rows,
     random_uniform,
     sample,
     sample_from_probs,
+    sample_reference,
     suppress_tokens,
 )
 
@@ -30,9 +34,12 @@ __all__ = [
     "apply_penalties",
     "apply_temperature",
     "apply_top_k",
+    "apply_top_k_partial",
     "apply_top_p",
+    "apply_top_p_rows",
     "random_uniform",
     "sample",
     "sample_from_probs",
+    "sample_reference",
     "suppress_tokens",
 ]

@@ -71,9 +71,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from infer.sampling.params import SamplingParams
+from infer.sampling.triton_sampler import exponential_race, row_stats, triton_usable
 
 __all__ = [
     "SamplerOutput",
@@ -82,10 +84,13 @@ __all__ = [
     "apply_penalties",
     "apply_temperature",
     "apply_top_k",
+    "apply_top_k_partial",
     "apply_top_p",
+    "apply_top_p_rows",
     "random_uniform",
     "sample",
     "sample_from_probs",
+    "sample_reference",
     "suppress_tokens",
 ]
 
@@ -311,16 +316,85 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     # <<< EXERCISE top_p
 
 
+def apply_top_k_partial(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """:func:`apply_top_k` without sorting the vocabulary: ``torch.topk`` to the batch's largest k.
+
+    The k-th largest logit is the same value whether it comes from a full ``sort`` or from
+    ``topk(max_k)`` (both list the largest values in decreasing order; ties only permute equal
+    values), so the kept set is exactly :func:`apply_top_k`'s for every row with
+    ``top_k <= max_k``. Rows with ``top_k > max_k`` are left unchanged: :meth:`SamplingTensors.from_params`
+    sets ``max_k`` to the largest k among the rows that truncate, so those rows are disabled
+    (``top_k = V``) or greedy (their token does not depend on truncation).
+
+    Args:
+        logits: ``[B, V]`` float32.
+        top_k: ``[B]`` int64.
+        max_k: host int, ``1 <= max_k``; ``max_k >= V`` falls back to :func:`apply_top_k`.
+
+    Returns:
+        A new ``[B, V]`` tensor with ``-inf`` at the removed tokens.
+    """
+    vocab_size = logits.shape[-1]
+    if max_k >= vocab_size or max_k < 1:
+        return apply_top_k(logits, top_k)
+    largest = logits.topk(max_k, dim=-1).values  # [B, max_k], decreasing
+    kth = largest.gather(1, (top_k.clamp(min=1, max=max_k) - 1)[:, None])  # [B, 1]
+    remove = (logits < kth) & (top_k <= max_k)[:, None]
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def apply_top_p_rows(logits: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """:func:`apply_top_p` on the rows that need it only (the others are returned unchanged).
+
+    The vocabulary sort of top-p is the most expensive step of the sampler; rows with
+    ``top_p = 1`` (and greedy rows) skip it. A row's result does not depend on the other rows,
+    so this equals :func:`apply_top_p` on every row that needs it.
+
+    Args:
+        logits: ``[B, V]`` float32.
+        top_p: ``[B]`` float32.
+        rows: ``[R]`` int64 row indices (on ``logits.device``), or ``None`` for every row.
+
+    Returns:
+        A new ``[B, V]`` tensor.
+    """
+    if rows is None:
+        return apply_top_p(logits, top_p)
+    part = apply_top_p(logits.index_select(0, rows), top_p.index_select(0, rows))
+    return logits.index_copy(0, rows, part)
+
+
 # ----------------------------------------------------------------------------- batch tensors
 
 
-def _pad(rows: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
-    """Ragged lists of ids -> ``[B, max_len]`` int64 padded with -1 (``max_len`` may be 0)."""
-    width = max((len(r) for r in rows), default=0)
-    if width == 0:
-        return torch.empty(len(rows), 0, dtype=torch.int64, device=device)
-    padded = [list(r) + [-1] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.int64).to(device)
+def _pad(rows: Sequence[Sequence[int]], vocab_size: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged lists of ids -> (``[B, max_len]`` int64 padded with -1, ``[B]`` lengths), on the host.
+
+    Raises:
+        ValueError: an id is outside ``[0, vocab_size)`` (the message names ``name[row]``).
+    """
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    width = int(lengths.max(initial=0))
+    padded = np.full((len(rows), width), -1, dtype=np.int64)
+    if width:
+        for i, r in enumerate(rows):
+            if lengths[i]:
+                padded[i, : lengths[i]] = r
+        real = np.arange(width)[None, :] < lengths[:, None]
+        bad = real & ((padded < 0) | (padded >= vocab_size))
+        if bad.any():
+            i = int(bad.any(axis=1).argmax())
+            raise ValueError(f"{name}[{i}] has token ids outside [0, {vocab_size}): {padded[i][bad[i]][:5].tolist()}")
+    return padded, lengths
+
+
+def _to_device(padded: np.ndarray, lengths: np.ndarray, keep: np.ndarray | None, device) -> torch.Tensor:
+    """The rows of ``padded`` where ``keep`` (all if ``None``), others emptied, trimmed, on ``device``."""
+    if keep is not None:
+        padded[~keep] = -1
+        lengths = np.where(keep, lengths, 0)
+    width = int(lengths.max(initial=0))
+    return torch.from_numpy(np.ascontiguousarray(padded[:, :width])).to(device)
 
 
 @dataclass
@@ -328,9 +402,10 @@ class SamplingTensors:
     """The sampling parameters of a batch, one row per sequence, as device tensors.
 
     Build it with :meth:`from_params`; building it by hand is fine too (the shapes and dtypes
-    are checked, the values are not). The ``do_*`` and ``all_greedy`` host flags let
-    :func:`sample` skip a transform that no row needs; ``True`` (the default) is always
-    correct, since a row whose parameter disables a transform passes through it unchanged.
+    are checked, the values are not). The host flags let :func:`sample` skip work that no row
+    needs; their defaults (``do_* = True``, ``any_greedy = True``, ``max_top_k = 0``,
+    ``top_p_rows = None``) are always correct, since a row whose parameter disables a transform
+    passes through it unchanged.
 
     Attributes:
         temperature: ``[B]`` float32, >= 0 (0 = greedy).
@@ -349,6 +424,12 @@ class SamplingTensors:
         max_num_logprobs: host int, the largest ``logprobs`` (top-N) asked for in the batch.
         all_greedy: host bool, every row has ``temperature == 0``.
         do_penalties, do_min_p, do_top_k, do_top_p: host bools, some row needs the transform.
+        any_greedy: host bool, some row has ``temperature == 0``.
+        max_top_k: host int, the largest ``top_k`` among the rows that truncate with it (top-k
+            then needs ``torch.topk`` to that k, not a sort); 0 means "unknown: sort".
+        top_p_rows: ``[R]`` int64, the rows that need top-p, or ``None`` for "every row".
+        use_triton: host bool, :func:`sample` runs the Triton kernels (CUDA tensors, or CPU
+            tensors under ``TRITON_INTERPRET=1``) instead of the plain-PyTorch path.
     """
 
     temperature: torch.Tensor
@@ -369,6 +450,10 @@ class SamplingTensors:
     do_min_p: bool = True
     do_top_k: bool = True
     do_top_p: bool = True
+    any_greedy: bool = True
+    max_top_k: int = 0
+    top_p_rows: torch.Tensor | None = None
+    use_triton: bool = False
 
     def __post_init__(self) -> None:
         b = self.temperature.shape[0] if self.temperature.dim() == 1 else -1
@@ -399,10 +484,22 @@ class SamplingTensors:
                 )
         if not isinstance(self.max_num_logprobs, int) or self.max_num_logprobs < 0:
             raise ValueError(f"max_num_logprobs must be an int >= 0, got {self.max_num_logprobs!r}")
+        if not isinstance(self.max_top_k, int) or self.max_top_k < 0:
+            raise ValueError(f"max_top_k must be an int >= 0, got {self.max_top_k!r}")
+        if self.top_p_rows is not None and (self.top_p_rows.dim() != 1 or self.top_p_rows.dtype != torch.int64):
+            raise ValueError(
+                f"SamplingTensors.top_p_rows must be None or a [R] int64 tensor, got "
+                f"{tuple(self.top_p_rows.shape)} {self.top_p_rows.dtype}"
+            )
 
     @property
     def batch_size(self) -> int:
         return self.temperature.shape[0]
+
+    @property
+    def greedy_fast_path(self) -> bool:
+        """Every row is greedy and nothing edits the logits first: :func:`sample` is an argmax."""
+        return self.all_greedy and not self.do_penalties and self.suppress_ids.shape[1] == 0
 
     @classmethod
     def from_params(
@@ -415,8 +512,14 @@ class SamplingTensors:
         suppress_list: Sequence[Sequence[int]] | None,
         vocab_size: int,
         device: torch.device | str = "cpu",
+        use_triton: bool | None = None,
     ) -> SamplingTensors:
-        """Build the batch tensors on the host, then move each to ``device`` once.
+        """Build the batch on the host (NumPy), then move it to ``device`` in one copy.
+
+        The nine ``[B]`` parameters travel in one packed buffer (one host-to-device copy; the
+        tensors are views of it), and the token histories in one copy each, only when some row
+        needs them. Rows that share one :class:`SamplingParams` object (an ``LLM.generate``
+        call's prompts) are read once.
 
         Args:
             params_list: B :class:`SamplingParams`, one per row (sequence).
@@ -432,9 +535,12 @@ class SamplingTensors:
                 EOS + ``stop_token_ids`` for rows that have not reached ``min_tokens``.
             vocab_size: V, the width of the logits.
             device: where the tensors live.
+            use_triton: run :func:`sample`'s Triton kernels; ``None`` picks them on a CUDA
+                device (``True`` on a CPU device needs ``TRITON_INTERPRET=1``).
 
         Raises:
-            ValueError: a list's length is not B, or a token id is outside ``[0, V)``.
+            ValueError: a list's length is not B, a token id is outside ``[0, V)``, or
+                ``use_triton=True`` where Triton cannot run.
         """
         batch = len(params_list)
         if vocab_size < 1:
@@ -448,64 +554,113 @@ class SamplingTensors:
         ):
             if lst is not None and len(lst) != batch:
                 raise ValueError(f"{name} has {len(lst)} entries, expected one per row ({batch})")
-        empty: list[list[int]] = [[] for _ in range(batch)]
-        prompts = list(prompt_ids_list) if prompt_ids_list is not None else empty
-        outputs = list(output_ids_list) if output_ids_list is not None else empty
-        suppress = list(suppress_list) if suppress_list is not None else empty
-        for name, rows in (
-            ("prompt_ids_list", prompts),
-            ("output_ids_list", outputs),
-            ("suppress_list", suppress),
-        ):
-            for i, row in enumerate(rows):
-                bad = [tok for tok in row if not (0 <= tok < vocab_size)]
-                if bad:
-                    raise ValueError(f"{name}[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
+        if use_triton is None:
+            use_triton = torch.device(device).type == "cuda"
+        elif use_triton and not triton_usable(device):
+            raise ValueError(f"use_triton=True on {device} needs TRITON_INTERPRET=1 set before triton is imported")
 
-        row_seeds: list[int] = []
-        row_steps: list[int] = []
-        for i, p in enumerate(params_list):
-            s = seeds[i] if seeds is not None else None
-            if s is None:
-                s = p.seed if p.seed is not None else random.getrandbits(64)
-            row_seeds.append(_signed64(int(s)))
-            row_steps.append(int(steps[i]) if steps is not None else len(outputs[i]))
+        # One tuple of values per distinct params object.
+        distinct: dict[int, SamplingParams] = {}
+        for p in params_list:
+            distinct.setdefault(id(p), p)
+        values = {
+            key: (
+                p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                p.top_k if 0 < p.top_k < vocab_size else vocab_size,
+            )
+            for key, p in distinct.items()
+        }
+        rows = [values[id(p)] for p in params_list]
+        uniq = list(distinct.values())
+        sampled = [p for p in uniq if not p.greedy]
 
         # Histories are only needed by rows with a penalty; others get an empty (all -1) row,
-        # which is equivalent and keeps the padded width small.
-        needs_rep = [p.repetition_penalty != 1.0 for p in params_list]
-        needs_out = [
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            for p in params_list
-        ]
-        prompt_rows = [prompts[i] if needs_rep[i] else [] for i in range(batch)]
-        output_rows = [outputs[i] if needs_out[i] else [] for i in range(batch)]
+        # which is equivalent and keeps the padded width small. Every given list is validated.
+        empty: list[list[int]] = [[] for _ in range(batch)]
+        outputs = list(output_ids_list) if output_ids_list is not None else empty
+        prompt_np, prompt_len = _pad(prompt_ids_list if prompt_ids_list is not None else empty, vocab_size,
+                                     "prompt_ids_list")
+        output_np, output_len = _pad(outputs, vocab_size, "output_ids_list")
+        suppress_np, suppress_len = _pad(suppress_list if suppress_list is not None else empty, vocab_size,
+                                         "suppress_list")
+        rep = [p.repetition_penalty != 1.0 for p in uniq]
+        pen = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for r, p in zip(rep, uniq)]
+        do_penalties = any(pen)
+        if do_penalties:
+            needs_rep = {id(p) for p, r in zip(uniq, rep) if r}
+            needs_out = {id(p) for p, r in zip(uniq, pen) if r}
+            keep_prompt = np.fromiter((id(p) in needs_rep for p in params_list), dtype=bool, count=batch)
+            keep_output = np.fromiter((id(p) in needs_out for p in params_list), dtype=bool, count=batch)
+            prompt_ids = _to_device(prompt_np, prompt_len, keep_prompt, device)
+            output_ids = _to_device(output_np, output_len, keep_output, device)
+        else:
+            prompt_ids = output_ids = torch.empty(batch, 0, dtype=torch.int64, device=device)
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(device)
+        try:  # the engine passes one int64 seed per row: one C-level conversion
+            row_seeds = np.asarray(seeds, dtype=np.int64) if seeds is not None else None
+        except (TypeError, OverflowError, ValueError):
+            row_seeds = None
+        if row_seeds is None or row_seeds.shape != (batch,):
+            row_seeds = np.empty(batch, dtype=np.int64)
+            for i, p in enumerate(params_list):
+                s = seeds[i] if seeds is not None else None
+                if s is None:
+                    s = p.seed if p.seed is not None else random.getrandbits(64)
+                row_seeds[i] = _signed64(int(s))
+        if steps is not None:
+            row_steps = np.asarray(steps, dtype=np.int64)
+        else:
+            row_steps = np.fromiter((len(o) for o in outputs), dtype=np.int64, count=batch)
 
-        def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device)
+        # the nine [B] parameters packed into one buffer: 6 float32 rows, then 3 int64 rows
+        nf = 6 * batch * 4
+        buf = np.empty(nf + 3 * batch * 8, dtype=np.uint8)
+        floats = buf[:nf].view(np.float32).reshape(6, batch)
+        ints = buf[nf:].view(np.int64).reshape(3, batch)
+        if batch:
+            table = np.asarray(rows, dtype=np.float64)  # [B, 7]
+            floats[:] = table[:, :6].T
+            ints[0] = table[:, 6]
+        ints[1] = row_seeds
+        ints[2] = row_steps
+        if batch:
+            packed = torch.from_numpy(buf).to(device)  # the one host-to-device copy
+            f32 = packed[:nf].view(torch.float32).view(6, batch)
+            i64 = packed[nf:].view(torch.int64).view(3, batch)
+        else:
+            f32 = torch.empty(6, 0, dtype=torch.float32, device=device)
+            i64 = torch.empty(3, 0, dtype=torch.int64, device=device)
+
+        truncating_k = [p.top_k for p in sampled if 0 < p.top_k < vocab_size]
+        top_p_rows = None
+        if any(p.top_p < 1.0 for p in sampled):
+            need = [i for i, p in enumerate(params_list) if p.top_p < 1.0 and not p.greedy]
+            if len(need) < batch:
+                top_p_rows = torch.tensor(need, dtype=torch.int64).to(device)
 
         return cls(
-            temperature=f32([p.temperature for p in params_list]),
-            top_k=i64([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params_list]),
-            top_p=f32([p.top_p for p in params_list]),
-            min_p=f32([p.min_p for p in params_list]),
-            repetition_penalty=f32([p.repetition_penalty for p in params_list]),
-            presence_penalty=f32([p.presence_penalty for p in params_list]),
-            frequency_penalty=f32([p.frequency_penalty for p in params_list]),
-            seeds=i64(row_seeds),
-            steps=i64(row_steps),
-            prompt_ids=_pad(prompt_rows, device),
-            output_ids=_pad(output_rows, device),
-            suppress_ids=_pad(suppress, device),
-            max_num_logprobs=max((p.logprobs or 0 for p in params_list), default=0),
-            all_greedy=all(p.greedy for p in params_list),
-            do_penalties=any(needs_out),
-            do_min_p=any(p.min_p > 0.0 and not p.greedy for p in params_list),
-            do_top_k=any(0 < p.top_k < vocab_size and not p.greedy for p in params_list),
-            do_top_p=any(p.top_p < 1.0 and not p.greedy for p in params_list),
+            temperature=f32[0],
+            top_p=f32[1],
+            min_p=f32[2],
+            repetition_penalty=f32[3],
+            presence_penalty=f32[4],
+            frequency_penalty=f32[5],
+            top_k=i64[0],
+            seeds=i64[1],
+            steps=i64[2],
+            prompt_ids=prompt_ids,
+            output_ids=output_ids,
+            suppress_ids=_to_device(suppress_np, suppress_len, None, device),
+            max_num_logprobs=max((p.logprobs or 0 for p in uniq), default=0),
+            all_greedy=not sampled,
+            do_penalties=do_penalties,
+            do_min_p=any(p.min_p > 0.0 for p in sampled),
+            do_top_k=bool(truncating_k),
+            do_top_p=any(p.top_p < 1.0 for p in sampled),
+            any_greedy=len(sampled) < len(uniq),
+            max_top_k=max(truncating_k, default=0),
+            top_p_rows=top_p_rows,
+            use_triton=bool(use_triton),
         )
 
 
@@ -532,27 +687,39 @@ class SamplerOutput:
     top_logprobs: torch.Tensor
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-    """Pick the next token of every row (the pipeline of the module docstring).
-
-    No host synchronisation happens here: every decision that depends on values is a tensor
-    operation, and the only host-side branches read :class:`SamplingTensors`' host flags.
-
-    Args:
-        logits: ``[B, V]``, any floating dtype, on the same device as ``t``'s tensors.
-        t: the batch's parameters (``B`` rows).
-
-    Returns:
-        :class:`SamplerOutput`.
-
-    Raises:
-        ValueError: ``logits`` is not ``[B, V]`` floating point with ``B == t.batch_size``.
-    """
+def _check_logits(logits: torch.Tensor, t: SamplingTensors) -> None:
     if logits.dim() != 2 or logits.shape[0] != t.batch_size or not logits.is_floating_point():
         raise ValueError(
             f"logits must be a floating [B, V] tensor with B = {t.batch_size}, "
             f"got shape {tuple(logits.shape)} {logits.dtype}"
         )
+
+
+def _output(raw: torch.Tensor, next_tokens: torch.Tensor, log_z: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    """The chosen tokens' raw logprobs and the top-K raw logprobs (``log_z``: ``[B]`` log-sum-exp)."""
+    chosen_logprobs = raw.gather(1, next_tokens[:, None]).squeeze(1).float() - log_z
+    k = t.max_num_logprobs
+    if k > 0:
+        top = raw.topk(min(k, raw.shape[-1]), dim=-1)  # on the model's dtype: upcasting keeps the order
+        top_ids, top_lps = top.indices, top.values.float() - log_z[:, None]
+    else:
+        top_ids = torch.empty(t.batch_size, 0, dtype=torch.int64, device=raw.device)
+        top_lps = torch.empty(t.batch_size, 0, dtype=torch.float32, device=raw.device)
+    return SamplerOutput(
+        next_tokens=next_tokens, logprobs=chosen_logprobs, top_logprob_ids=top_ids, top_logprobs=top_lps
+    )
+
+
+def sample_reference(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    """The whole pipeline of the module docstring in plain PyTorch, one ``[B, V]`` pass per step.
+
+    The reference that :func:`sample`'s fast paths are tested against (and the baseline of
+    ``benchmarks/sampler.py``). It reads only the ``do_*``, ``all_greedy`` and
+    ``max_num_logprobs`` host flags; every transform sorts or materialises the full vocabulary.
+
+    Args, Returns, Raises: as :func:`sample`.
+    """
+    _check_logits(logits, t)
     # 1. upcast (out of place from here on: the caller's tensor is never modified)
     logits = logits.float()
 
@@ -584,15 +751,111 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         probs = torch.softmax(logits, dim=-1)
         random_tokens = sample_from_probs(probs, t.seeds, t.steps)
         next_tokens = torch.where(t.temperature == 0, greedy_tokens, random_tokens)
+    return _output(raw_logits, next_tokens, log_z[:, 0], t)
 
-    chosen_logprobs = (raw_logits.gather(1, next_tokens[:, None]) - log_z).squeeze(1)
-    k = t.max_num_logprobs
-    if k > 0:
-        top = raw_logits.topk(min(k, raw_logits.shape[-1]), dim=-1)
-        top_ids, top_lps = top.indices, top.values - log_z
+
+def _edit_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Steps 3-5 (suppression, penalties) on a float32 copy; ``logits`` itself if none applies."""
+    if t.suppress_ids.shape[1] == 0 and not t.do_penalties:
+        return logits
+    x = suppress_tokens(logits.float(), t.suppress_ids)
+    if t.do_penalties:
+        x = apply_penalties(x, t.prompt_ids, t.output_ids, t.repetition_penalty, t.presence_penalty, t.frequency_penalty)
+    return x
+
+
+def _truncate(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Steps 7-10 (temperature, min-p, top-k, top-p) in PyTorch, skipping what no row needs."""
+    x = apply_temperature(x.float(), t.temperature)
+    if t.do_min_p:
+        x = apply_min_p(x, t.min_p)
+    if t.do_top_k:
+        x = apply_top_k_partial(x, t.top_k, t.max_top_k)
+    if t.do_top_p:
+        x = apply_top_p_rows(x, t.top_p, t.top_p_rows)
+    return x
+
+
+def _merge_greedy(t: SamplingTensors, greedy: torch.Tensor, random_tokens: torch.Tensor) -> torch.Tensor:
+    return torch.where(t.temperature == 0, greedy, random_tokens) if t.any_greedy else random_tokens
+
+
+def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    """The plain-PyTorch path: the reference pipeline minus the work no row needs."""
+    raw = logits.float()
+    log_z = torch.logsumexp(raw, dim=-1)
+    x = _edit_logits(raw, t)
+    if t.all_greedy:  # the greedy fast path: an argmax (and the log-sum-exp for the logprob)
+        return _output(raw, x.argmax(dim=-1), log_z, t)
+    probs = torch.softmax(_truncate(x, t), dim=-1)
+    random_tokens = sample_from_probs(probs, t.seeds, t.steps)
+    greedy = x.argmax(dim=-1) if t.any_greedy else random_tokens
+    return _output(raw, _merge_greedy(t, greedy, random_tokens), log_z, t)
+
+
+def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor) -> torch.Tensor:
+    """``[B]`` float32: the k-th largest of ``x / T`` per row (``-inf`` where top-k is off).
+
+    ``torch.topk`` to the batch's largest k on ``x`` as it is (bf16 values upcast exactly), then
+    one division: the k-th largest of ``x / T`` is the k-th largest of ``x``, divided by ``T``
+    (rounding is monotone), the very value :func:`apply_top_k` finds after the temperature.
+    """
+    vocab_size = x.shape[-1]
+    k_cap = t.max_top_k if 0 < t.max_top_k < vocab_size else vocab_size
+    largest = x.topk(k_cap, dim=-1).values
+    kth = largest.gather(1, (t.top_k.clamp(min=1, max=k_cap) - 1)[:, None]).squeeze(1).float()
+    return torch.where(t.top_k <= k_cap, kth / temperature, float("-inf"))
+
+
+def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    """The Triton path: row statistics + the fused exponential race (:mod:`infer.sampling.triton_sampler`)."""
+    raw = logits if logits.stride(-1) == 1 else logits.contiguous()
+    x = _edit_logits(raw, t)
+    if t.all_greedy:  # argmax + log-sum-exp in one kernel (two reads of the row)
+        stats = row_stats(x)
+        log_z = stats.lse if x is raw else row_stats(raw).lse
+        return _output(raw, stats.argmax, log_z, t)
+    if t.do_top_p:
+        # top-p needs sorted probabilities: truncation in PyTorch (sorting only the rows that need
+        # it), then the race on the masked, temperature-scaled logits
+        stats = row_stats(x)
+        y = _truncate(x, t)
+        random_tokens = exponential_race(y, row_stats(y), t.seeds, t.steps)
     else:
-        top_ids = torch.empty(t.batch_size, 0, dtype=torch.int64, device=logits.device)
-        top_lps = torch.empty(t.batch_size, 0, dtype=torch.float32, device=logits.device)
-    return SamplerOutput(
-        next_tokens=next_tokens, logprobs=chosen_logprobs, top_logprob_ids=top_ids, top_logprobs=top_lps
-    )
+        # temperature, min-p and top-k fused: nothing of size [B, V] is written
+        temperature = t.temperature.clamp(min=1e-6)
+        min_p = t.min_p if t.do_min_p else None
+        floor = _top_k_floor(x, t, temperature) if t.do_top_k else None
+        stats = row_stats(x, temperature, min_p, floor)
+        random_tokens = exponential_race(x, stats, t.seeds, t.steps, temperature, min_p, top_k=floor is not None)
+    log_z = stats.lse if x is raw else row_stats(raw).lse
+    return _output(raw, _merge_greedy(t, stats.argmax, random_tokens), log_z, t)
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    """Pick the next token of every row (the pipeline of the module docstring).
+
+    No host synchronisation happens here: every decision that depends on values is a tensor
+    operation, and the only host-side branches read :class:`SamplingTensors`' host flags.
+    Two implementations, chosen by ``t.use_triton`` (decided once, in
+    :meth:`SamplingTensors.from_params`): the Triton kernels of
+    :mod:`infer.sampling.triton_sampler`, or plain PyTorch. Both skip the steps no row needs;
+    an all-greedy batch without penalties or suppression is one argmax (and a log-sum-exp for
+    the logprob). Both choose the same tokens as :func:`sample_reference` for the same seeds
+    (the Triton path up to float32 near-ties of the race, see that module).
+
+    Args:
+        logits: ``[B, V]``, any floating dtype, on the same device as ``t``'s tensors.
+        t: the batch's parameters (``B`` rows).
+
+    Returns:
+        :class:`SamplerOutput`.
+
+    Raises:
+        ValueError: ``logits`` is not ``[B, V]`` floating point with ``B == t.batch_size``.
+        RuntimeError: ``t.use_triton`` with CPU tensors and no ``TRITON_INTERPRET=1``.
+    """
+    _check_logits(logits, t)
+    if t.use_triton:
+        return _sample_triton(logits, t)
+    return _sample_torch(logits, t)

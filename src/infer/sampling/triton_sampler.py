@@ -1,0 +1,394 @@
+"""Triton kernels of the sampler (phase 8): row statistics and the fused exponential race.
+
+The plain-PyTorch pipeline of :mod:`infer.sampling.sampler` makes many passes over the ``[B, V]``
+logits, and its counter-based random numbers (:func:`~infer.sampling.sampler.random_uniform`)
+materialise several ``[B, V]`` int64 tensors (8 bytes per element each, written and read back):
+at 256 rows x 151,936 vocabulary that is gigabytes of memory traffic per step. Two kernels replace
+it, each walking the row in tiles of ``BLOCK`` elements:
+
+* :func:`row_stats` (one program per row, two or three passes over it): the row's maximum and
+  its *first* index (greedy's argmax, ``torch.argmax``'s tie rule), the log-sum-exp (the raw logprobs' normaliser), and the softmax normaliser of the
+  temperature-scaled row ``y = x / T``: ``m = max(y)`` and ``s = sum(exp(y - m))``; with min-p
+  and/or top-k, also the sum ``s_kept`` over the tokens they keep (top-k arrives as the k-th
+  largest value, from ``torch.topk`` to the batch's largest k).
+* :func:`exponential_race` (one program per tile of a row, then an exact combine of the tiles'
+  winners): ``argmax_v p[v] / -log(u[v])`` with ``p`` computed on the fly from the
+  logits (``p = exp(y - m) / s_kept`` on the kept tokens, 0 elsewhere: top-p, which needs a
+  sort, is applied before, in PyTorch) and the uniforms ``u``
+  hashed in registers from ``(seed, step, v)``, exactly as ``random_uniform`` does with int64
+  tensors (splitmix64 in uint64 arithmetic, whose multiplies wrap modulo 2**64 like int64's do).
+  Nothing of size ``[B, V]`` is written.
+
+Same tokens as the reference
+----------------------------
+Every value the kernels compute is the same float32 operation as the reference's: ``x / T``
+(IEEE division, ``div_rn``; Triton's plain ``/`` is an approximate division on NVIDIA GPUs),
+``exp(y - m)``, ``e / s``, ``-log(u)``, ``p / E``, with libdevice's correctly-rounded-to-1-ulp
+``expf``/``logf`` on the GPU (the functions CUDA's ``expf``/``logf`` are, which PyTorch calls; Triton's
+``tl.exp``/``tl.log`` are faster approximations). The uniforms are bit-identical (integer
+hashing, then an exact conversion). One thing differs: the order in which the row sum ``s`` is
+accumulated (PyTorch's reduction tree vs this kernel's lanes), so ``s`` may differ in its last
+bit, and with it some ``p[v]``. A token can therefore differ from the reference only when the two
+best race scores of a row are within about two float32 ulps of each other (a relative gap below
+~2.4e-7): for an exponential race that happens with probability of the order of 1e-7 per token.
+The same goes for a min-p threshold that falls within an ulp of a token's probability. The kernels
+are deterministic and a row's reductions run in an order that depends on ``V`` only, so a seeded
+request's tokens never depend on the batch.
+
+Importing works anywhere; launching needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``
+set before Triton is imported (the tests' conftest does it). Under the interpreter the kernels use
+``tl.exp``/``tl.log`` (NumPy's), since libdevice does not run there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
+
+__all__ = ["INTERPRET", "RowStats", "exponential_race", "race_from_probs", "row_stats", "triton_usable"]
+
+
+def triton_usable(device: torch.device | str) -> bool:
+    """Whether the sampler's Triton kernels can run on ``device``: CUDA, or the CPU interpreter."""
+    return torch.device(device).type == "cuda" or INTERPRET
+
+
+# ----------------------------------------------------------------------------- device helpers
+
+
+@triton.jit
+def _exp(x, EXACT: tl.constexpr):
+    if EXACT:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _log(x, EXACT: tl.constexpr):
+    if EXACT:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _mix64(z):
+    """splitmix64's finaliser on uint64 (multiplies wrap modulo 2**64, shifts are logical)."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _uniform(key, idx):
+    """``random_uniform``'s value at column ``idx`` of the row whose stream key is ``key``."""
+    counter = (idx + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+    z = _mix64(key + counter)
+    return ((z >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # exact: (k + 0.5) / 2**24
+
+
+@triton.jit
+def _first_argmax(best, best_i, n):
+    """Row max of per-lane maxima, and the smallest index that attains it (``torch.argmax``'s rule)."""
+    top = tl.max(best, axis=0)
+    return top, tl.min(tl.where(best == top, best_i, n), axis=0)
+
+
+# ----------------------------------------------------------------------------- row statistics
+
+
+@triton.jit(do_not_specialize=["V", "stride_x"])
+def _row_stats_kernel(
+    x_ptr, stride_x, V, temp_ptr, min_p_ptr, floor_ptr,
+    argmax_ptr, lse_ptr, m_ptr, s_ptr, s_kept_ptr, floor_out_ptr,
+    SCALED: tl.constexpr, MIN_P: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride_x
+    offs = tl.arange(0, BLOCK)
+
+    # pass 1: the maximum and its first index. Each lane sees its indices in increasing order and
+    # only a strictly larger value replaces its best, so it keeps its first maximum.
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        better = x > best
+        best = tl.where(better, x, best)
+        best_i = tl.where(better, idx, best_i)
+    m_x, arg = _first_argmax(best, best_i, V)
+
+    # pass 2: sum(exp(x - max)) for the log-sum-exp, and the scaled row's softmax normaliser.
+    # max(x / T) = max(x) / T exactly: rounding is monotone.
+    if SCALED:
+        t = tl.load(temp_ptr + row)
+        m_y = tl.div_rn(m_x, t)
+    else:
+        t = 1.0
+        m_y = m_x
+    acc_x = tl.zeros([BLOCK], tl.float32)
+    acc_y = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        acc_x += _exp(x - m_x, EXACT)
+        if SCALED:
+            acc_y += _exp(tl.div_rn(x, t) - m_y, EXACT)
+    s_x = tl.sum(acc_x, axis=0)
+    if SCALED:
+        s_y = tl.sum(acc_y, axis=0)
+    else:
+        s_y = s_x
+
+    # pass 3 (min-p and/or top-k): the normaliser over the kept tokens. Min-p keeps
+    # p >= min_p * max(p) with max(p) = exp(0) / s = 1 / s; top-k keeps y >= floor (the k-th
+    # largest y), except when min-p removed that k-th token: then fewer than k survive min-p,
+    # and top-k (applied after min-p) keeps all of them.
+    s_kept = s_y
+    floor = float("-inf")
+    if MIN_P:
+        threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s_y)
+    if FLOOR:
+        floor = tl.load(floor_ptr + row)
+        if MIN_P:
+            floor_kept = tl.div_rn(_exp(floor - m_y, EXACT), s_y) >= threshold
+            floor = tl.where(floor_kept, floor, float("-inf"))
+    if MIN_P or FLOOR:
+        acc_k = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            if SCALED:
+                x = tl.div_rn(x, t)
+            e = _exp(x - m_y, EXACT)
+            if MIN_P:
+                e = tl.where(tl.div_rn(e, s_y) >= threshold, e, 0.0)
+            if FLOOR:
+                e = tl.where(x >= floor, e, 0.0)
+            acc_k += e
+        s_kept = tl.sum(acc_k, axis=0)
+
+    tl.store(argmax_ptr + row, arg.to(tl.int64))
+    tl.store(lse_ptr + row, m_x + _log(s_x, EXACT))
+    tl.store(m_ptr + row, m_y)
+    tl.store(s_ptr + row, s_y)
+    tl.store(s_kept_ptr + row, s_kept)
+    tl.store(floor_out_ptr + row, floor)
+
+
+class RowStats(NamedTuple):
+    """Per-row statistics of ``[B, V]`` logits ``x`` (all ``[B]``), see :func:`row_stats`."""
+
+    argmax: torch.Tensor  # int64, first index of max(x)
+    lse: torch.Tensor  # float32, log(sum(exp(x)))
+    m: torch.Tensor  # float32, max(x / T)
+    s: torch.Tensor  # float32, sum(exp(x / T - m))
+    s_kept: torch.Tensor  # float32, the same sum over the tokens min-p and top-k keep (= s without them)
+    floor: torch.Tensor  # float32, top-k keeps x / T >= floor (-inf: no top-k cut, after min-p)
+
+
+def _block(vocab_size: int) -> int:
+    if INTERPRET:
+        return min(1024, triton.next_power_of_2(vocab_size))
+    return min(4096, triton.next_power_of_2(vocab_size))
+
+
+def _check(x: torch.Tensor) -> None:
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating [B, V] tensor, got {tuple(x.shape)} {x.dtype}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"x must have a contiguous last dimension (strides {x.stride()})")
+    if not triton_usable(x.device):
+        raise RuntimeError("the sampler's Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
+                           f"triton is imported to run them on the CPU (got a {x.device} tensor)")
+
+
+def row_stats(
+    x: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    top_k_floor: torch.Tensor | None = None,
+) -> RowStats:
+    """One program per row: argmax, log-sum-exp, and the softmax normaliser of ``x / T``.
+
+    Plain-PyTorch equivalent (up to the order of the sums): ``argmax = x.argmax(-1)``,
+    ``lse = x.float().logsumexp(-1)``, ``y = x.float() / temperature[:, None]``, ``m = y.amax(-1)``,
+    ``s = exp(y - m).sum(-1)``, and ``s_kept`` the same sum over the tokens that survive
+    :func:`~infer.sampling.apply_min_p` then :func:`~infer.sampling.apply_top_k` on ``y``.
+
+    Args:
+        x: ``[B, V]`` float32/bf16/fp16 logits (read in place; the last dimension contiguous).
+        temperature: ``[B]`` float32, > 0 (clamped by the caller), or ``None`` for ``T = 1``.
+        min_p: ``[B]`` float32 in [0, 1], or ``None`` for no min-p.
+        top_k_floor: ``[B]`` float32, the k-th largest value of ``x / T`` (``-inf`` for rows
+            without top-k), or ``None`` for no top-k.
+
+    Returns:
+        :class:`RowStats`.
+
+    Raises:
+        ValueError: ``x`` is not a floating ``[B, V]`` tensor with a contiguous last dimension.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    _check(x)
+    b, v = x.shape
+    dev = x.device
+    out = RowStats(
+        torch.empty(b, dtype=torch.int64, device=dev),
+        *(torch.empty(b, dtype=torch.float32, device=dev) for _ in range(5)),
+    )
+    if b == 0:
+        return out
+    dummy = out.m
+    _row_stats_kernel[(b,)](
+        x, x.stride(0), v,
+        temperature if temperature is not None else dummy,
+        min_p if min_p is not None else dummy,
+        top_k_floor if top_k_floor is not None else dummy,
+        *out,
+        SCALED=temperature is not None, MIN_P=min_p is not None, FLOOR=top_k_floor is not None,
+        EXACT=not INTERPRET, BLOCK=_block(v), num_warps=8,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- the race
+
+
+@triton.jit(do_not_specialize=["V", "stride_x"])
+def _race_kernel(
+    x_ptr, stride_x, V, temp_ptr, min_p_ptr, m_ptr, s_ptr, s_kept_ptr, floor_ptr, seeds_ptr, steps_ptr,
+    best_ptr, best_i_ptr, num_tiles,
+    FROM_PROBS: tl.constexpr, SCALED: tl.constexpr, MIN_P: tl.constexpr, FLOOR: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per (row, tile of BLOCK columns): the race is compute-bound (a 64-bit hash, a log
+    # and divisions per column), so even one row spreads over many SMs. The tiling depends on V
+    # only, never on the batch, and combining the tiles' winners is exact.
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    idx = tile * BLOCK + tl.arange(0, BLOCK)
+    valid = idx < V
+    ptrs = x_ptr + row.to(tl.int64) * stride_x + idx
+
+    # the row's stream key, random_uniform's mix(mix(seed + golden) ^ step) in uint64
+    seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
+    step = tl.load(steps_ptr + row).to(tl.uint64, bitcast=True)
+    key = _mix64(_mix64(seed + 0x9E3779B97F4A7C15) ^ step)
+
+    if FROM_PROBS:
+        p = tl.load(ptrs, mask=valid, other=0.0).to(tl.float32)
+    else:
+        y = tl.load(ptrs, mask=valid, other=float("-inf")).to(tl.float32)
+        if SCALED:
+            y = tl.div_rn(y, tl.load(temp_ptr + row))
+        e = _exp(y - tl.load(m_ptr + row), EXACT)
+        if MIN_P:
+            s = tl.load(s_ptr + row)
+            threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s)
+            e = tl.where(tl.div_rn(e, s) >= threshold, e, 0.0)
+        if FLOOR:
+            e = tl.where(y >= tl.load(floor_ptr + row), e, 0.0)
+        p = tl.div_rn(e, tl.load(s_kept_ptr + row))
+    exp1 = -_log(_uniform(key, idx), EXACT)  # Exponential(1), > 0
+    score = tl.where(valid, tl.div_rn(p, exp1), -1.0)  # scores are >= 0: any real column beats -1
+    best, best_i = _first_argmax(score, idx, V)
+    tl.store(best_ptr + row * num_tiles + tile, best)
+    tl.store(best_i_ptr + row * num_tiles + tile, best_i.to(tl.int64))
+
+
+def _launch_race(x, temp, min_p, stats, seeds, steps, *, from_probs, scaled, use_min_p, use_floor) -> torch.Tensor:
+    b, v = x.shape
+    block = _block(v)
+    num_tiles = triton.cdiv(v, block)
+    best = torch.empty(b, num_tiles, dtype=torch.float32, device=x.device)
+    best_i = torch.empty(b, num_tiles, dtype=torch.int64, device=x.device)
+    _race_kernel[(b, num_tiles)](
+        x, x.stride(0), v, temp, min_p, stats.m, stats.s, stats.s_kept, stats.floor, seeds, steps,
+        best, best_i, num_tiles,
+        FROM_PROBS=from_probs, SCALED=scaled, MIN_P=use_min_p, FLOOR=use_floor, EXACT=not INTERPRET,
+        BLOCK=block, num_warps=8,
+    )
+    # the first tile holding the row's best score (argmax takes the first maximum), then its column
+    return best_i.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+def _check_rng(seeds: torch.Tensor, steps: torch.Tensor, b: int) -> None:
+    for name, t in (("seeds", seeds), ("steps", steps)):
+        if t.dtype != torch.int64 or t.shape != (b,):
+            raise ValueError(f"{name} must be a [{b}] int64 tensor, got {tuple(t.shape)} {t.dtype}")
+
+
+def exponential_race(
+    x: torch.Tensor,
+    stats: RowStats,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    top_k: bool = False,
+) -> torch.Tensor:
+    """Draw one token per row from ``softmax(x / T)`` (min-p, top-k applied) by the exponential race.
+
+    Plain-PyTorch equivalent: ``sample_from_probs(softmax(apply_top_k(apply_min_p(x.float() / T,
+    min_p), k)), seeds, steps)`` (:func:`~infer.sampling.sample_from_probs`); columns of ``x`` that
+    hold ``-inf`` (masked beforehand) have probability 0.
+
+    Args:
+        x: ``[B, V]`` float logits (the last dimension contiguous).
+        stats: :func:`row_stats` of ``x`` with the same ``temperature``, ``min_p`` and top-k floor.
+        seeds, steps: ``[B]`` int64 (see :func:`~infer.sampling.random_uniform`).
+        temperature: ``[B]`` float32 > 0, or ``None`` for ``T = 1``.
+        min_p: ``[B]`` float32, or ``None``.
+        top_k: whether ``stats`` was computed with a ``top_k_floor``.
+
+    Returns:
+        ``[B]`` int64 token ids.
+
+    Raises:
+        ValueError: bad shapes or dtypes. RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    _check(x)
+    b, v = x.shape
+    _check_rng(seeds, steps, b)
+    if b == 0:
+        return torch.empty(0, dtype=torch.int64, device=x.device)
+    return _launch_race(
+        x, temperature if temperature is not None else stats.m, min_p if min_p is not None else stats.m,
+        stats, seeds, steps, from_probs=False, scaled=temperature is not None, use_min_p=min_p is not None,
+        use_floor=top_k,
+    )
+
+
+def race_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """:func:`~infer.sampling.sample_from_probs` in one pass: ``argmax(probs / -log(u))``, ``u`` hashed in registers.
+
+    Bit-identical to the reference's choice on the same ``probs`` (the same float32 operations on
+    the same uniforms), up to ``logf`` itself: on the GPU it is libdevice's, the function PyTorch's
+    CUDA ``log`` calls.
+
+    Args:
+        probs: ``[B, V]`` float32 (the last dimension contiguous).
+        seeds, steps: ``[B]`` int64.
+
+    Returns:
+        ``[B]`` int64 token ids.
+    """
+    _check(probs)
+    b, v = probs.shape
+    _check_rng(seeds, steps, b)
+    if b == 0:
+        return torch.empty(0, dtype=torch.int64, device=probs.device)
+    none = RowStats(probs, probs, probs, probs, probs, probs)
+    return _launch_race(probs, probs, probs, none, seeds, steps,
+                        from_probs=True, scaled=False, use_min_p=False, use_floor=False)
