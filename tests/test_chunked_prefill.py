@@ -210,6 +210,40 @@ def test_decodes_go_first_and_prefill_chunks_fill_the_rest(tiny_llama):
     assert_pool_full(eng)
 
 
+def test_decodes_go_first_even_behind_an_older_prefill(tiny_llama):
+    """The long prompt is admitted first (running[0]); the 4 sequences of a request admitted after it
+    still get their decode token in every step before the long prompt's next chunk takes the rest."""
+    eng = make_engine(tiny_llama, chunked_prefill=True, max_num_batched_tokens=10, long_prefill_token_threshold=8,
+                      **KW)
+    eng.add_request(list(range(100, 200)), SamplingParams(max_tokens=2, temperature=0.0), request_id="long")
+    # admitted in the 2 tokens the long prompt's first chunk leaves; then 4 sequences decode
+    eng.add_request([20, 30], SamplingParams(n=4, seed=1, max_tokens=20, temperature=1.0, ignore_eos=True))
+    steps = 0
+    while eng.has_unfinished_requests():
+        decoding = {s for s in eng.scheduler.running if not s.in_prefill}
+        items = eng.scheduler.schedule()
+        assert decoding <= {s.seq for s in items}  # no decode skipped
+        assert sum(s.num_tokens for s in items) <= 10
+        result = eng.runner.execute(items, eng.eos_token_ids)
+        for seq in eng.output_processor.apply(result, items):
+            eng.scheduler.free(seq)
+        steps += 1
+    assert_pool_full(eng)
+
+
+def test_forks_share_one_chunked_prefill(tiny_llama, refs):
+    """n = 3 under a budget of 16: the prompt runs once (40 prefill tokens in all), the forks get
+    their copy of the prompt's K/V after its last chunk, and sample what chunking off samples."""
+    params = SamplingParams(n=3, max_tokens=4, seed=5, temperature=1.0, ignore_eos=True)
+    arrivals = [(0, list(range(10, 50)), params)]
+    ref = run(make_engine(tiny_llama, kv_cache="paged", **KW), arrivals)
+    for kv in ("contiguous", "paged"):
+        eng = make_engine(tiny_llama, kv_cache=kv, chunked_prefill=True, max_num_batched_tokens=16, **KW)
+        assert_same(run(eng, arrivals, check=assert_blocks_consistent), ref)
+        assert eng.stats()["num_prefill_tokens"] == 40
+        assert_pool_full(eng)
+
+
 def test_long_prefill_token_threshold_shares_the_budget(tiny_llama):
     eng = make_engine(tiny_llama, chunked_prefill=True, max_num_batched_tokens=64, long_prefill_token_threshold=8,
                       **KW)
