@@ -192,7 +192,7 @@ async def run_rate(reqs: list[Request], rate: float, args, base_url: str, model:
     rng = random.Random(f"{args.seed}-{rate}")
     offsets = arrival_times(len(reqs), rate, args.arrival, rng)
     if args.workload == "decode-interference":  # fixed offsets: streams at 0, long prompts later
-        offsets = [r.extra["arrival_s"] for r in reqs]
+        offsets = [r.extra.get("arrival_s", 0.0) for r in reqs]
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     bar = tqdm(total=len(reqs), desc=desc or f"rate {rate:g}", unit="req", disable=args.no_progress)
