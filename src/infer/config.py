@@ -282,7 +282,7 @@ class EngineConfig:
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: the flag, or ``max(max_model_len, 2048)`` (2048 with
-        chunked prefill, vLLM's default for online serving: prompts longer than that run in chunks).
+        chunked prefill: prompts longer than that run in chunks; see docs/phases/06-chunked-prefill.md).
 
         Raises:
             ValueError: without chunked prefill, when the budget cannot hold a
