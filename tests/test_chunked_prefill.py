@@ -347,3 +347,39 @@ def test_chunked_prefill_config(tiny_llama):
     # a prompt longer than the budget runs, in chunks
     eng = make_engine(tiny_llama, chunked_prefill=True, max_num_batched_tokens=16, **KW)
     assert eng.scheduler.max_num_batched_tokens == 16
+
+
+def test_server_echo_logprobs_and_metrics_with_chunking(tiny_llama, tmp_path):
+    """Through ``python -m infer.server --chunked-prefill`` with a budget of 8: an ``echo`` request with
+    logprobs (lm-eval's loglikelihood shape) gets the prompt logprobs and tokens of the in-process
+    engine with chunking off, and ``/metrics`` shows the chunked steps."""
+    import httpx
+
+    from tests.server_fixture import ServerProcess, metric_value
+
+    ids = [(7 * i + 11) % 1000 for i in range(40)]
+    ref_eng = make_engine(tiny_llama, **KW)
+    ref = ref_eng.add_request(ids, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=1))
+    while ref_eng.has_unfinished_requests():
+        ref_eng.step()
+    srv = ServerProcess(tmp_path, ["--model", str(tiny_llama.path), "--device", "cpu", "--batching", "continuous",
+                                   "--chunked-prefill", "--max-num-batched-tokens", "8", "--max-model-len", "128",
+                                   "--log-level", "warning"],
+                        env={"OMP_NUM_THREADS": str(torch.get_num_threads())})
+    try:
+        srv.wait_ready()
+        model = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0,
+                "ignore_eos": True}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 3 and lp["token_logprobs"][0] is None
+        want = [p.token.logprob for p in ref.prompt_logprobs[1:]]
+        assert lp["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=1e-4)
+        assert r.json()["usage"]["completion_tokens"] == 3
+        text = srv.metrics()
+        assert metric_value(text, "infer:num_chunked_prefill_steps_total") >= 4  # 40 tokens in chunks of 8
+        assert metric_value(text, "infer:iteration_prefill_tokens_sum") == 40
+    finally:
+        srv.stop()
