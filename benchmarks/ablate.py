@@ -5,6 +5,10 @@
         --out reports/ablation-offline
     python benchmarks/ablate.py --workload serve --scale 0.05 --request-rates 1 4 inf --out /tmp/abl-serve
     python benchmarks/ablate.py --workload offline --flags batching --dry-run        # list the configurations
+    # chunked prefill alone, on its own workload: 4 decode streams, a 3000-token prompt arriving
+    python benchmarks/ablate.py --workload serve --serve-workload decode-interference --flags chunked_prefill \
+        --batching continuous --max-model-len 4096 --num-requests 4 --input-len 32 --output-len 200 \
+        --long-len 3000 --out /tmp/abl-chunked
 
 The flags and their values come from ``EngineConfig.ablation_values()``: ``{field: (off, ...,
 on)}`` (``--flags`` picks some; default: all). The base configuration has *every* flag at its
@@ -28,10 +32,13 @@ CUDA-graph state of one run reaches the next:
 * ``--workload serve``: ``benchmarks/serve_bench.py --launch`` (a ``python -m infer.server`` with
   the configuration's flags), Poisson arrivals at ``--request-rates``, token-id prompts of
   ``--input-len`` tokens and ``--output-len`` output tokens (defaults: 200 requests, 512 and 256
-  tokens, times ``--scale``); other serve_bench flags are passed on.
+  tokens, times ``--scale``); other serve_bench flags are passed on. ``--serve-workload`` picks
+  serve_bench's ``--workload`` (``decode-interference`` for chunked prefill: decode streams and
+  long prompts arriving; its stream ITL p99, largest gap and long-prompt TTFT are reported too).
 
 Arguments this program does not know are passed on: EngineConfig flags (``--device cuda
---max-num-seqs 64``) fix the rest of the configuration for every run (to the server for
+--max-num-seqs 64``, or an ablation flag that ``--flags`` does not vary, such as ``--batching
+continuous`` beside ``--flags chunked_prefill``) fix the rest of the configuration for every run (to the server for
 ``serve``); the others go to the workload program. The ceilings (bandwidth, matmul rate) are
 measured once, here, after the runs.
 
@@ -236,6 +243,8 @@ def serve_command(c: dict[str, Any], args, given: dict[str, Any], rest: list[str
     srv = ["--model", args.model, *server_flags(given), *server_flags(c["overrides"])]
     if "max_model_len" not in given:
         srv += ["--max-model-len", str(inp + outl + 16)]
+    if args.serve_workload != "random":
+        rest = ["--workload", args.serve_workload, *rest]
     cmd = [sys.executable, str(SERVE), "--launch", "--server-args", shlex.join(srv), "--token-prompts",
            "--num-requests", str(n), "--input-len", str(inp), "--output-len", str(outl),
            "--request-rates", *[format_value(r) for r in args.request_rates], "--out", str(out)]
@@ -254,7 +263,8 @@ def offline_figures(rep: dict[str, Any]) -> dict[str, Any]:
 
 def serve_figures(rep: dict[str, Any]) -> dict[str, Any]:
     keys = ["rate", "completed", "failed", "output_tok_per_s", "total_tok_per_s", "req_per_s", "ttft_p50_ms",
-            "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms"]
+            "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+            "stream_itl_p50_ms", "stream_itl_p99_ms", "stream_itl_max_ms", "long_ttft_p50_ms"]
     rates = [{k: a.get(k) for k in keys} for a in rep["rates"]]
     top = rates[-1] if rates else {}
     return {**{k: v for k, v in top.items() if k != "rate"}, "rate_of_summary": top.get("rate"), "rates": rates}
@@ -334,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="smollm2-135m", help="short name, .gguf or HF directory (default: %(default)s)")
     ap.add_argument("--scale", type=float, default=None,
                     help="workload scale (offline: see offline_throughput.py; serve: requests and lengths)")
+    ap.add_argument("--serve-workload", default="random",
+                    choices=["random", "long-prompt-interference", "decode-interference"],
+                    help="serve: serve_bench's --workload (default: random)")
     ap.add_argument("--request-rates", type=float, nargs="+", default=[1.0, 4.0, 16.0, math.inf],
                     help="serve: offered request rates, inf = all at once (default: 1 4 16 inf)")
     ap.add_argument("--out", default="ablation", help="output directory (default: ./ablation)")
@@ -355,9 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     given, rest = split_engine_args(passthrough)
-    clash = sorted(set(given) & set(values))
+    clash = sorted(set(given) & set(values if flags is None else flags))
     if clash:
         ap.error(f"{', '.join(clash)} is ablated here; do not pass it (use --flags to pick flags)")
+    for c in configs:  # an ablation flag that is not varied may be fixed (--batching continuous)
+        c["overrides"].update({f: v for f, v in given.items() if f in values})
     base = {**given, "model": args.model}
     validate_configs(configs, base)
     usable_all_on(configs, values, flags, base)
@@ -415,18 +430,20 @@ def main(argv: list[str] | None = None) -> int:
         ceil = ceilings(device, quick=torch.device(device).type == "cpu")
 
     ref = next((c for c in configs if c["name"] == "all-off" and c["status"].startswith("ok")), None)
+    interference = ["stream_itl_p50_ms", "stream_itl_p99_ms", "stream_itl_max_ms", "long_ttft_p50_ms"] \
+        if args.workload == "serve" and args.serve_workload == "decode-interference" else []
     rows = []
     for c in configs:
         row = {"config": display_name(c), "status": c["status"].split(" ")[0]}
         if c["status"].startswith("ok"):
             for k in ("output_tok_per_s", "total_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-                      "tpot_p99_ms"):
+                      "tpot_p99_ms", *interference):
                 row[k] = c.get(k) if c.get(k) is not None else ""
             if ref and c.get("output_tok_per_s") and ref.get("output_tok_per_s"):
                 c["speedup_vs_all_off"] = row["speedup"] = c["output_tok_per_s"] / ref["output_tok_per_s"]
         rows.append(row)
     columns = ["config", "status", "output_tok_per_s", "total_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
-               "tpot_p50_ms", "tpot_p99_ms", "speedup"]
+               "tpot_p50_ms", "tpot_p99_ms", *interference, "speedup"]
     env = environment(device)
     model = args.model
     head = f"ablation ({args.workload}): {model} on {env.get('gpu') or env['cpu']}, commit {env['commit']}"

@@ -8,6 +8,13 @@
     python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000/v1 --request-rates 1 2 4 inf
     python benchmarks/serve_bench.py --workload shared-prefix --prefix-len 1024 --input-len 32
     python benchmarks/serve_bench.py --workload long-prompt-interference --long-fraction 0.1 --long-len 4096
+    # chunked prefill (phase 6): 4 decode streams, a 3000-token prompt arriving 2 s in; one server
+    # per configuration, the streams' inter-token gaps compared
+    python benchmarks/serve_bench.py --launch --workload decode-interference --token-prompts \
+        --num-requests 4 --input-len 32 --output-len 200 --long-len 3000 \
+        --server-args "--batching continuous --max-model-len 4096" \
+        --server-configs "off=" "chunked-512=--chunked-prefill --max-num-batched-tokens 512" \
+        --out /tmp/di.json --plot /tmp/di.png
 
 For each request rate of ``--request-rates`` the same ``--num-requests`` requests are sent
 with Poisson arrivals (exponential gaps of mean 1/rate; ``inf`` = all at once), each streamed
@@ -25,7 +32,15 @@ Per rate: request throughput, output tok/s, total tok/s (prompt + output tokens 
 duration, from its first send to its last answer), TTFT/TPOT/ITL/E2E mean, p50, p90, p99,
 failures. ``long-prompt-interference`` also reports the short requests' ITL/TTFT separately
 (the decodes that long prefills interrupt); ``shared-prefix`` the TTFT of the sweep's first
-request (cold prefix) beside the others'.
+request (cold prefix) beside the others'. ``decode-interference`` sends ``--num-requests``
+decode streams at once and ``--long-prompts`` long prompts at fixed offsets while they decode
+(``--long-start-s``, ``--long-interval-s``; the request rate plays no part) and reports the
+streams' ITL p50/p99 and largest gap, and the long prompts' TTFT: the stall a prefill puts on
+running decodes, which chunked prefill bounds.
+
+``--server-configs LABEL=ARGS ...`` (with ``--launch``): one server per configuration, its
+``ARGS`` appended to ``--server-args``, the same workload against each; the table, report and
+plot have one row (per rate) per configuration.
 
 Prompts: random common words, about one token each (see workloads.py); the server's
 ``usage.prompt_tokens`` is recorded to check that. ``--token-prompts`` sends token ids instead
@@ -176,6 +191,8 @@ async def run_rate(reqs: list[Request], rate: float, args, base_url: str, model:
                    desc: str | None = None) -> list[dict]:
     rng = random.Random(f"{args.seed}-{rate}")
     offsets = arrival_times(len(reqs), rate, args.arrival, rng)
+    if args.workload == "decode-interference":  # fixed offsets: streams at 0, long prompts later
+        offsets = [r.extra.get("arrival_s", 0.0) for r in reqs]
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     bar = tqdm(total=len(reqs), desc=desc or f"rate {rate:g}", unit="req", disable=args.no_progress)
@@ -252,6 +269,16 @@ def aggregate(recs: list[dict], rate: float, workload: str) -> dict[str, Any]:
         agg.update(stats_ms([g for r in short for g in r["itl"]], "short_itl"))
         agg.update(stats_ms([r["ttft"] for r in short], "short_ttft"))
         agg.update(stats_ms([r["ttft"] for r in long_], "long_ttft"))
+    if workload == "decode-interference":
+        streams = [r for r in ok if r["kind"] == "stream"]
+        long_ = [r for r in ok if r["kind"] == "long"]
+        gaps = [g for r in streams for g in r["itl"]]
+        agg["stream_completed"], agg["long_completed"] = len(streams), len(long_)
+        agg.update(stats_ms(gaps, "stream_itl"))
+        agg["stream_itl_max_ms"] = 1e3 * max(gaps) if gaps else None
+        agg.update(stats_ms([r["tpot"] for r in streams if r["tpot"] is not None], "stream_tpot"))
+        agg.update(stats_ms([r["ttft"] for r in long_], "long_ttft"))
+        agg.update(stats_ms([r["e2e"] for r in long_], "long_e2e"))
     if workload == "shared-prefix" and ok:
         first = min(ok, key=lambda r: r["send_s"])
         agg["ttft_first_ms"] = 1e3 * first["ttft"]
@@ -384,6 +411,66 @@ def plot(aggs: list[dict], path: str, title: str) -> None:
     print(f"wrote {path}")
 
 
+def plot_interference(runs: list[dict], path: str, title: str) -> None:
+    """decode-interference: each configuration's stream inter-token gaps over time (left; the long
+    prompts' arrivals marked) and its stream ITL p50/p99/max and long-prompt TTFT (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+    for run in runs:
+        ts, gs = [], []
+        for r in run["requests"]:
+            if r["kind"] != "stream" or not r["success"]:
+                continue
+            t = r["send_s"] + r["ttft"]
+            for g in r["itl"]:
+                t += g
+                ts.append(t)
+                gs.append(1e3 * g)
+        order = np.argsort(ts)
+        ax.plot(np.asarray(ts)[order], np.asarray(gs)[order], ".", ms=3, label=run["label"] or "default")
+    for r in runs[0]["requests"] if runs else []:
+        if r["kind"] == "long":
+            ax.axvline(r["arrival_s"], color="grey", ls=":", lw=1)
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=1.0)  # tokens delivered back to back (one read of the socket) sit at ~0 ms
+    ax.set_xlabel("time since the streams started (s); dotted: a long prompt arrives")
+    ax.set_ylabel("stream inter-token gap (ms)")
+    ax.set_title("decode streams' inter-token gaps")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, markerscale=3)
+    labels = [run["label"] or "default" for run in runs]
+    x = np.arange(len(runs))
+    keys = [("stream_itl_p50_ms", "stream ITL p50"), ("stream_itl_p99_ms", "stream ITL p99"),
+            ("stream_itl_max_ms", "stream largest gap"), ("long_ttft_p50_ms", "long prompt TTFT")]
+    w = 0.8 / len(keys)
+    for i, (k, lab) in enumerate(keys):
+        vals = [run["agg"].get(k) or np.nan for run in runs]
+        bx.bar(x + (i - (len(keys) - 1) / 2) * w, vals, w, label=lab)
+    bx.set_xticks(x, labels, rotation=15, fontsize=8)
+    bx.set_yscale("log")
+    bx.set_ylabel("ms")
+    bx.set_title("per configuration")
+    bx.grid(alpha=0.3, axis="y", which="both")
+    bx.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def parse_config(s: str) -> tuple[str, str]:
+    label, sep, extra = s.partition("=")
+    if not sep or not label:
+        raise argparse.ArgumentTypeError(f"--server-configs takes LABEL=ARGS, got {s!r}")
+    return label, extra
+
+
 def parse_rate(s: str) -> float:
     r = float(s)
     if r <= 0:
@@ -406,13 +493,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start `python -m infer.server` on a free port, wait for /health, run, stop it (SIGTERM)")
     s.add_argument("--server-args", default="",
                    help='extra arguments for the launched server, one string, e.g. "--max-model-len 512"')
+    s.add_argument("--server-configs", type=parse_config, nargs="+", default=None, metavar="LABEL=ARGS",
+                   help='with --launch: one server per configuration, ARGS appended to --server-args, e.g. '
+                        '"off=" "chunked-512=--chunked-prefill --max-num-batched-tokens 512"')
     s.add_argument("--launch-timeout", type=float, default=600, help="seconds to wait for /health (default: 600)")
     s.add_argument("--server-log", default=None, help="file for the launched server's output (default: a temp file)")
 
     w = ap.add_argument_group("workload")
-    w.add_argument("--workload", choices=["random", "shared-prefix", "long-prompt-interference"], default="random",
+    w.add_argument("--workload", choices=["random", "shared-prefix", "long-prompt-interference", "decode-interference"],
+                   default="random",
                    help="random: independent prompts; shared-prefix: --prefix-len shared words + --input-len unique; "
-                        "long-prompt-interference: --input-len prompts with a --long-fraction of --long-len ones")
+                        "long-prompt-interference: --input-len prompts with a --long-fraction of --long-len ones; "
+                        "decode-interference: --num-requests decode streams, --long-prompts --long-len prompts "
+                        "arriving while they decode")
     w.add_argument("--num-requests", type=int, default=100, help="requests per rate (default: 100)")
     w.add_argument("--request-rates", type=parse_rate, nargs="+", default=[float("inf")],
                    help="offered request rates (req/s) to sweep; inf = all requests at once (default: inf)")
@@ -429,6 +522,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="long-prompt-interference: fraction of long requests (at least one) (default: 0.1)")
     w.add_argument("--long-len", type=int, default=2048,
                    help="long-prompt-interference: long prompt length (default: 2048)")
+    w.add_argument("--long-prompts", type=int, default=1,
+                   help="decode-interference: long prompts sent while the streams decode (default: 1)")
+    w.add_argument("--long-output-len", type=int, default=16,
+                   help="decode-interference: max_tokens of the long prompts (default: 16)")
+    w.add_argument("--long-start-s", type=float, default=2.0,
+                   help="decode-interference: when the first long prompt is sent, s after the streams (default: 2)")
+    w.add_argument("--long-interval-s", type=float, default=5.0,
+                   help="decode-interference: seconds between long prompts (default: 5)")
     w.add_argument("--token-prompts", action="store_true",
                    help="send token ids instead of text (exact lengths; completions endpoint of infer/vLLM only)")
     w.add_argument("--token-range", type=int, nargs=2, default=[1000, 20000], metavar=("LO", "HI"),
@@ -460,41 +561,53 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.token_prompts and args.endpoint == "chat":
         raise SystemExit("--token-prompts needs --endpoint completions")
-    rates = [float("inf")] if args.arrival == "burst" else args.request_rates
-    proc = None
-    server_cmd = None
-    try:
-        base_url = args.base_url.rstrip("/")
-        if args.launch:
-            proc, base_url, server_cmd, _ = launch_server(args)
-        models = server_models(base_url, args)
-        model = args.model or models["data"][0]["id"]
-        reqs = build_requests(args.workload, args.num_requests, args.input_len, args.output_len, args.seed,
-                              token_prompts=args.token_prompts, prefix_len=args.prefix_len,
-                              long_fraction=args.long_fraction, long_len=args.long_len,
-                              token_range=tuple(args.token_range))
-        print(f"model {model} at {base_url}: {args.workload}, {len(reqs)} requests x rates "
-              f"{[f'{r:g}' for r in rates]}", flush=True)
-        if args.warmup:
-            warm = build_requests("random", args.warmup, min(args.input_len, 16), min(args.output_len, 4),
-                                  args.seed + 12345, token_prompts=args.token_prompts,
-                                  token_range=tuple(args.token_range))
-            wrecs = asyncio.run(run_rate(warm, float("inf"), args, base_url, model, desc="warm-up"))
-            bad = [r["error"] for r in wrecs if not r["success"]]
-            if bad:
-                print(f"warning: warm-up failed: {bad[0]}", flush=True)
-        aggs, raw = [], []
-        for rate in rates:
-            recs = asyncio.run(run_rate(reqs, rate, args, base_url, model))
-            agg = aggregate(recs, rate, args.workload)
-            aggs.append(agg)
-            raw.append({"rate": agg["rate"], "requests": recs})
-            if agg["failed"]:
-                print(f"rate {rate:g}: {agg['failed']} failed: {agg['errors']}", flush=True)
-    finally:
-        if proc is not None:
-            stop_server(proc)
-            print(f"server stopped (exit code {proc.returncode})", flush=True)
+    if args.server_configs and not args.launch:
+        raise SystemExit("--server-configs needs --launch")
+    rates = [float("inf")] if args.arrival == "burst" or args.workload == "decode-interference" else args.request_rates
+    configs = args.server_configs or [("", "")]
+    base_server_args = args.server_args
+    aggs, raw, server_cmds = [], [], []
+    reqs = build_requests(args.workload, args.num_requests, args.input_len, args.output_len, args.seed,
+                          token_prompts=args.token_prompts, prefix_len=args.prefix_len,
+                          long_fraction=args.long_fraction, long_len=args.long_len,
+                          token_range=tuple(args.token_range), long_prompts=args.long_prompts,
+                          long_output_len=args.long_output_len, long_start_s=args.long_start_s,
+                          long_interval_s=args.long_interval_s)
+    for label, extra in configs:
+        proc = None
+        server_cmd = None
+        try:
+            base_url = args.base_url.rstrip("/")
+            if args.launch:
+                args.server_args = f"{base_server_args} {extra}".strip()
+                proc, base_url, server_cmd, _ = launch_server(args)
+            models = server_models(base_url, args)
+            model = args.model or models["data"][0]["id"]
+            print(f"model {model} at {base_url}{f' ({label})' if label else ''}: {args.workload}, {len(reqs)} "
+                  f"requests x rates {[f'{r:g}' for r in rates]}", flush=True)
+            if args.warmup:
+                warm = build_requests("random", args.warmup, min(args.input_len, 16), min(args.output_len, 4),
+                                      args.seed + 12345, token_prompts=args.token_prompts,
+                                      token_range=tuple(args.token_range))
+                wrecs = asyncio.run(run_rate(warm, float("inf"), args, base_url, model, desc="warm-up"))
+                bad = [r["error"] for r in wrecs if not r["success"]]
+                if bad:
+                    print(f"warning: warm-up failed: {bad[0]}", flush=True)
+            for rate in rates:
+                recs = asyncio.run(run_rate(reqs, rate, args, base_url, model))
+                agg = aggregate(recs, rate, args.workload)
+                if args.server_configs:
+                    agg = {"config": label, **agg}
+                aggs.append(agg)
+                raw.append({"config": label, "rate": agg["rate"], "requests": recs})
+                if agg["failed"]:
+                    print(f"rate {rate:g}: {agg['failed']} failed: {agg['errors']}", flush=True)
+        finally:
+            if proc is not None:
+                stop_server(proc)
+                print(f"server stopped (exit code {proc.returncode})", flush=True)
+        server_cmds.append(server_cmd)
+    args.server_args = base_server_args
 
     try:
         import torch
@@ -509,20 +622,30 @@ def main(argv: list[str] | None = None) -> int:
         "base_url": base_url,
         "model": model,
         "server_models": models,
-        "server_command": server_cmd,
+        "server_command": server_cmds[0] if len(server_cmds) == 1 else None,
+        "server_commands": {label: cmd for (label, _), cmd in zip(configs, server_cmds)} if args.server_configs
+        else None,
         "args": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf") for k, v in vars(args).items()
                  if k not in ("api_key",)},
         "workload": {"name": args.workload, "num_requests": args.num_requests, "input_len": args.input_len,
                      "output_len": args.output_len, "prefix_len": args.prefix_len if args.workload == "shared-prefix"
                      else None, "long_fraction": args.long_fraction, "long_len": args.long_len,
                      "token_prompts": args.token_prompts, "arrival": args.arrival, "seed": args.seed,
+                     "long_prompts": args.long_prompts if args.workload == "decode-interference" else None,
+                     "long_output_len": args.long_output_len if args.workload == "decode-interference" else None,
+                     "long_start_s": args.long_start_s if args.workload == "decode-interference" else None,
+                     "long_interval_s": args.long_interval_s if args.workload == "decode-interference" else None,
                      "endpoint": args.endpoint, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
                      "max_concurrency": args.max_concurrency, "prompt_note": "text prompts: random common words, "
                      "~1 token each; see mean_prompt_tokens (server usage) per rate"},
         "rates": aggs,
         "raw": raw,
     }
-    columns = list(COLUMNS)
+    columns = (["config"] if args.server_configs else []) + list(COLUMNS)
+    if args.workload == "decode-interference":
+        columns = (["config"] if args.server_configs else []) + [
+            "completed", "failed", "duration_s", "stream_itl_p50_ms", "stream_itl_p99_ms", "stream_itl_max_ms",
+            "stream_tpot_mean_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "output_tok_per_s"]
     if args.workload == "long-prompt-interference":
         columns += ["short_itl_p50_ms", "short_itl_p99_ms", "short_ttft_p50_ms", "long_ttft_p50_ms"]
     if args.workload == "shared-prefix":
@@ -533,11 +656,19 @@ def main(argv: list[str] | None = None) -> int:
              f"input {args.input_len}" + (f" + prefix {args.prefix_len}" if args.workload == "shared-prefix" else "")
              + (f", long {args.long_len} x {args.long_fraction:g}" if args.workload == "long-prompt-interference"
                 else "")
+             + (f", {args.long_prompts} x long {args.long_len} (out {args.long_output_len}) from "
+                f"{args.long_start_s:g} s every {args.long_interval_s:g} s" if args.workload == "decode-interference"
+                else "")
              + f", output {args.output_len}, {args.arrival} arrivals, seed {args.seed}"
              + (f"; server-counted prompt tokens: mean {mp:.1f}" if mp is not None else "") + "\n\n"
              + markdown_table(rows, columns))
     write_report(report, args.out, table)
-    if args.plot:
+    if args.plot and args.workload == "decode-interference":
+        runs = [{"label": r["config"] or "", "requests": r["requests"], "agg": a} for r, a in zip(raw, aggs)]
+        plot_interference(runs, args.plot, f"{model}: {args.num_requests} decode streams (in {args.input_len}, out "
+                          f"{args.output_len}) + {args.long_prompts} x {args.long_len}-token prompt "
+                          f"(commit {report['env']['commit']})")
+    elif args.plot:
         plot(aggs, args.plot, f"{model}: {args.workload}, in {args.input_len} / out {args.output_len}, "
                               f"{args.num_requests} req/rate, {args.arrival} (commit {report['env']['commit']})")
     return 0 if all(a["completed"] for a in aggs) else 1

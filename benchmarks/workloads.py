@@ -54,19 +54,26 @@ class Request:
     prompt: str | list[int]
     input_len: int  # the length asked for (words or token ids); the server's count is in usage
     output_len: int
-    kind: str = "random"  # random | shared-prefix | short | long
+    kind: str = "random"  # random | shared-prefix | short | long | stream
     extra: dict = field(default_factory=dict)
 
 
 def build_requests(workload: str, num_requests: int, input_len: int, output_len: int, seed: int, *,
                    token_prompts: bool = False, prefix_len: int = 0, long_fraction: float = 0.1,
-                   long_len: int = 0, token_range: tuple[int, int] = (1000, 20000)) -> list[Request]:
+                   long_len: int = 0, token_range: tuple[int, int] = (1000, 20000), long_prompts: int = 1,
+                   long_output_len: int = 16, long_start_s: float = 2.0,
+                   long_interval_s: float = 5.0) -> list[Request]:
     """The requests of one workload, the same for every request rate of a sweep.
 
     * ``random``: ``input_len`` random words (or token ids) each.
     * ``shared-prefix``: one ``prefix_len`` prefix shared by all, then ``input_len`` unique words.
     * ``long-prompt-interference``: ``round(long_fraction * num_requests)`` requests (at random
       positions, never the first) have ``long_len`` prompts; the others ``input_len``.
+    * ``decode-interference`` (chunked prefill, phase 6): ``num_requests`` decode *streams*
+      (``input_len`` prompts, ``output_len`` tokens, sent at once), then ``long_prompts`` requests
+      with ``long_len`` prompts and ``long_output_len`` tokens, sent ``long_start_s``,
+      ``long_start_s + long_interval_s``, ... seconds later, while the streams decode. The send
+      offset of each request is ``extra["arrival_s"]``.
     """
     rng = random.Random(seed)
 
@@ -91,6 +98,12 @@ def build_requests(workload: str, num_requests: int, input_len: int, output_len:
         for i in range(num_requests):
             n = long_len if i in long_idx else input_len
             reqs.append(Request(i, prompt(n), n, output_len, "long" if i in long_idx else "short"))
+    elif workload == "decode-interference":
+        for i in range(num_requests):
+            reqs.append(Request(i, prompt(input_len), input_len, output_len, "stream", {"arrival_s": 0.0}))
+        for k in range(long_prompts):
+            reqs.append(Request(num_requests + k, prompt(long_len), long_len, long_output_len, "long",
+                                {"arrival_s": long_start_s + k * long_interval_s}))
     else:
         raise ValueError(f"unknown workload {workload!r}")
     return reqs

@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import ablate  # noqa: E402
 import offline_throughput as ot  # noqa: E402
+import serve_bench  # noqa: E402
 import step_profile  # noqa: E402
 
 # ---------------------------------------------------------------------------------- workload
@@ -130,6 +131,28 @@ def test_hf_continuous_batching_gives_each_request_its_own_length(older):
     assert r["errors"] == [] and r["tokens_ok"]
     assert [q["tokens"] for q in r["requests"]] == wl.output_lens  # no padding: each stops at its own length
     assert r["output_tokens"] == sum(wl.output_lens)
+
+
+def test_decode_interference_streams_then_long_prompts_at_fixed_offsets():
+    from workloads import build_requests
+
+    reqs = build_requests("decode-interference", 3, 8, 50, seed=0, token_prompts=True, long_len=300,
+                          long_prompts=2, long_output_len=4, long_start_s=1.5, long_interval_s=2.0)
+    assert [(r.kind, r.input_len, r.output_len, r.extra["arrival_s"]) for r in reqs] == [
+        ("stream", 8, 50, 0.0)] * 3 + [("long", 300, 4, 1.5), ("long", 300, 4, 3.5)]
+    assert [len(r.prompt) for r in reqs] == [8, 8, 8, 300, 300]
+
+    def rec(kind, ttft, itl):
+        return {"success": True, "kind": kind, "ttft": ttft, "itl": itl, "e2e": ttft + sum(itl), "send_s": 0.0,
+                "end_s": ttft + sum(itl), "output_tokens": len(itl) + 1, "prompt_tokens": 8, "input_len": 8,
+                "tpot": sum(itl) / len(itl) if itl else None, "error": None}
+
+    agg = serve_bench.aggregate([rec("stream", 0.1, [0.01, 0.02, 0.5]), rec("stream", 0.1, [0.01, 0.01]),
+                                 rec("long", 0.7, [0.03])], float("inf"), "decode-interference")
+    assert agg["stream_completed"] == 2 and agg["long_completed"] == 1
+    assert agg["stream_itl_max_ms"] == pytest.approx(500.0)  # the long prefill's stall, streams only
+    assert agg["stream_itl_p50_ms"] == pytest.approx(10.0)
+    assert agg["long_ttft_p50_ms"] == pytest.approx(700.0)
 
 
 # ---------------------------------------------------------------------------------- ablation plan

@@ -28,7 +28,7 @@ def test_stubs_are_valid_python():
 
 
 LEAF = {0: "rms_norm", 1: "top_p", 2: "abort_request", 3: "batch_ready", 4: "top_k",
-        5: "paged_decode_inner_loop"}
+        5: "paged_decode_inner_loop", 6: "chunk_schedule"}
 
 
 def test_every_phase_has_a_leaf_exercise():

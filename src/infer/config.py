@@ -184,7 +184,16 @@ class EngineConfig:
                           "all of it finishes; continuous: admit and retire requests at every step (Orca)",
                           choices=BATCHING_MODES, ablation=BATCHING_MODES)
     max_num_batched_tokens: int | None = _flag(None, "per-step token budget (prefill + decode tokens in one "
-                                               "forward); default: max(max_model_len, 2048)")
+                                               "forward); default: max(max_model_len, 2048), or 2048 with "
+                                               "chunked_prefill")
+    # ---- phase 6: chunked prefill
+    chunked_prefill: bool = _flag(False, "split prompts into chunks under max_num_batched_tokens and run them in the "
+                                  "same steps as the running decodes (decode tokens first, prefill chunks fill the rest "
+                                  "of the budget; Sarathi-Serve, vLLM's default); lets max_num_batched_tokens be "
+                                  "smaller than max_model_len", ablation=(False, True))
+    long_prefill_token_threshold: int | None = _flag(None, "chunked prefill: the most prompt tokens one request "
+                                                     "may prefill in one step, so several long prompts share the "
+                                                     "budget (vLLM's name); default: no per-request cap")
     batch_wait_timeout_ms: float = _flag(20.0, "static batching: how long the first waiting request waits for "
                                          "others to fill a batch (ms)")
     # ---- phase 5: paged KV cache
@@ -241,13 +250,20 @@ class EngineConfig:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if (self.max_num_batched_tokens is not None and self.max_model_len is not None
+        if (not self.chunked_prefill and self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len={self.max_model_len}: "
                 "without chunked prefill a prompt runs in one step, so the budget must hold the longest "
-                "sequence; raise max_num_batched_tokens or lower max_model_len"
+                "sequence; raise max_num_batched_tokens, lower max_model_len or turn on chunked_prefill"
             )
+        if self.long_prefill_token_threshold is not None:
+            if self.long_prefill_token_threshold < 1:
+                raise ValueError(
+                    f"long_prefill_token_threshold must be >= 1, got {self.long_prefill_token_threshold}")
+            if not self.chunked_prefill:
+                raise ValueError("long_prefill_token_threshold caps a prompt's chunk per step, so it needs "
+                                 "chunked_prefill=True")
         if self.kv_cache not in KV_CACHE_LAYOUTS:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_LAYOUTS)}, got {self.kv_cache!r}")
         if self.block_size < 1:
@@ -286,11 +302,15 @@ class EngineConfig:
         return "triton" if self.resolved_device().type == "cuda" else "torch"
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
-        """The per-step token budget: the flag, or ``max(max_model_len, 2048)``.
+        """The per-step token budget: the flag, or ``max(max_model_len, 2048)`` (2048 with
+        chunked prefill: prompts longer than that run in chunks; see docs/phases/06-chunked-prefill.md).
 
         Raises:
-            ValueError: when the budget cannot hold a ``max_model_len``-token prompt.
+            ValueError: without chunked prefill, when the budget cannot hold a
+                ``max_model_len``-token prompt.
         """
+        if self.chunked_prefill:
+            return self.max_num_batched_tokens or 2048
         budget = self.max_num_batched_tokens or max(max_model_len, 2048)
         if budget < max_model_len:
             raise ValueError(

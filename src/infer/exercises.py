@@ -133,9 +133,9 @@ EXERCISES: dict[str, Exercise] = {
             "flatten_batch", 3, "src/infer/engine/model_runner.py",
             ("tests/test_batching.py::test_abort_mid_batch_frees_its_row_and_disturbs_nobody[continuous]",
              "tests/test_batching.py::test_n_sequences_share_one_prefill"),
-            "For each ScheduledSeq, append its num_tokens new tokens (token_ids from num_computed_tokens) and "
-            "their positions; query_start_loc is the running sum (starts at 0); seq_lens = first + n; when "
-            "first + n reaches the prompt length, the last new token is sampled, once for the sequence and "
+            "For each ScheduledSeq, first, kv_len, samples = chunk_extent(seq, n); append its n new tokens "
+            "(token_ids[first:first + n]) and their positions; query_start_loc is the running sum (starts at "
+            "0); seq_lens gets kv_len; when samples, the last new token is sampled, once for the sequence and "
             "once for each fork.",
             25,
         ),
@@ -208,6 +208,32 @@ EXERCISES: dict[str, Exercise] = {
             "m_new), p = exp2(s - m_new), l_i = l_i * alpha + rowsum(p); load the V tile; acc = acc * alpha "
             "+ tl.dot(p, v); m_i = m_new. Remember the UPCAST (bf16 under the interpreter) casts.",
             60,
+        ),
+        Exercise(
+            "chunk_schedule", 6, "src/infer/engine/scheduler.py",
+            ("tests/test_chunked_prefill.py::test_chunked_matches_unchunked[llama-paged-7]",
+             "tests/test_chunked_prefill.py::test_chunked_matches_unchunked[gemma3-contiguous-32]",
+             "tests/test_chunked_prefill.py::test_decodes_go_first_and_prefill_chunks_fill_the_rest",
+             "tests/test_chunked_prefill.py::test_decodes_go_first_even_behind_an_older_prefill",
+             "tests/test_chunked_prefill.py::test_forks_share_one_chunked_prefill",
+             "tests/test_chunked_prefill.py::test_long_prefill_token_threshold_shares_the_budget",
+             "tests/test_chunked_prefill.py::test_preempted_half_prefilled_and_recomputed_sequences"),
+            "The running sequences' part of a step. With self.chunked_prefill, visit decodes (1 uncomputed "
+            "token) before prefills (a stable sort of self.running). Skip sequences no longer RUNNING and "
+            "forks waiting for a shared prefill. n = self._chunk(num_uncomputed_tokens, budget); 0 means stop "
+            "(the budget is spent) or, without chunking, skip a prefill that does not fit. Reserve blocks with "
+            "self._reserve_blocks (if it returns False, seq was preempted: recompute budget from what is still "
+            "scheduled and go on). Attach the waiting forks (seq.index == 0) only to the chunk that completes "
+            "the prompt. Append ScheduledSeq(seq, n, forks) and spend n.",
+            30,
+        ),
+        Exercise(
+            "chunk_key_length", 6, "src/infer/engine/model_runner.py",
+            ("tests/test_chunked_prefill.py::test_chunk_extent_by_hand",),
+            "Return (first, kv_len, samples): first = the tokens already cached; kv_len = the keys the chunk "
+            "attends over (cached prefix + the chunk, not the whole prompt); samples only when every token of "
+            "the sequence (prompt and, after a preemption, generated tokens) is computed after this step.",
+            10,
         ),
     ]
 }

@@ -69,9 +69,9 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, cuda_graphs=config.cuda_graphs,
                                   cuda_graph_max_batch_size=graph_bs or 1)
         log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, batching=%s, "
-                 "max_num_batched_tokens=%d, fused_kernels=%s, cuda_graphs=%s", config.kv_cache, num_blocks,
-                 block_size, self.runner.kv_cache.nbytes / 2**30, backend, config.batching, budget,
-                 config.fused_kernels, config.cuda_graphs)
+                 "max_num_batched_tokens=%d, chunked_prefill=%s, fused_kernels=%s, cuda_graphs=%s",
+                 config.kv_cache, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**30, backend,
+                 config.batching, budget, config.chunked_prefill, config.fused_kernels, config.cuda_graphs)
         self.runner.capture_cuda_graphs(progress)
         self.kv_manager = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(
@@ -80,6 +80,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs if paged else min(config.max_num_seqs, num_blocks),
             max_num_batched_tokens=budget,
             batch_wait_timeout_s=config.batch_wait_timeout_ms / 1000,
+            chunked_prefill=config.chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}

@@ -4,7 +4,14 @@ Input: the scheduler's ``[(sequence, num_new_tokens), ...]``. It flattens every 
 new tokens into ``input_ids[T]`` / ``positions[T]``, builds the attention metadata (where
 each sequence starts, its context length, the KV slots its new tokens go to), runs one
 forward, computes logits only where a token will be sampled (the last new token of each
-sequence whose prompt is complete), and samples all of them in one batched call.
+sequence whose tokens are all in the cache after this step), and samples all of them in one
+batched call.
+
+With chunked prefill (phase 6) a scheduled sequence may run only a *chunk* of its prompt:
+tokens ``first .. first + n - 1`` with ``first = num_computed_tokens``. Nothing else changes
+here: the chunk's keys are the cached prefix plus the chunk (:func:`chunk_extent`), the
+attention backends already read a cached prefix through the block table, and a sequence
+samples only after its last chunk.
 """
 
 from __future__ import annotations
@@ -164,6 +171,24 @@ def fused_ops(attention_backend: str):
     return fused_reference
 
 
+def chunk_extent(seq: Sequence, num_new_tokens: int) -> tuple[int, int, bool]:
+    """Where a step's ``num_new_tokens`` tokens of ``seq`` sit, for prefill chunks and decodes alike.
+
+    Returns:
+        ``(first, kv_len, samples)``: the position of the first new token (the tokens whose K/V
+        is cached already), the number of keys the new tokens attend over after this step writes
+        theirs (the cached prefix plus the chunk: never the whole prompt, whose later tokens are
+        not in the cache yet), and whether the sequence samples a token this step (only when
+        every one of its tokens is computed: after the last chunk of a prompt, or of the prompt
+        and generated tokens recomputed after a preemption).
+    """
+    # >>> EXERCISE chunk_key_length
+    first = seq.num_computed_tokens
+    kv_len = first + num_new_tokens
+    return first, kv_len, kv_len == len(seq.token_ids)
+    # <<< EXERCISE chunk_key_length
+
+
 class ModelRunner:
     """Owns the model on its device, the KV cache and the attention backend.
 
@@ -280,14 +305,14 @@ class ModelRunner:
         sampled: list[Sequence] = []
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
-            first = seq.num_computed_tokens
+            first, kv_len, samples = chunk_extent(seq, n)
             ids.extend(seq.token_ids[first : first + n])
             positions.extend(range(first, first + n))
             starts.append(starts[-1] + n)
-            seq_lens.append(first + n)
+            seq_lens.append(kv_len)
             tables.append(seq.block_table)
             firsts.append(first)
-            if first + n >= seq.num_prompt_tokens:  # the prompt is complete: sample
+            if samples:  # every token is in the cache after this step: sample the next one
                 for s in (seq, *item.forks):
                     sample_at.append(starts[-1] - 1)
                     sampled.append(s)
@@ -327,9 +352,10 @@ class ModelRunner:
             done = seq.request.prompt_logprobs
             if done is not None and len(done) >= seq.num_prompt_tokens:
                 continue  # recomputed after a preemption: already reported
-            s = starts[i]
-            first = seq.num_computed_tokens
-            end = min(first + item.num_tokens, seq.num_prompt_tokens)
+            # after a preemption mid-prefill (chunked), positions before len(done) - 1 were reported
+            first = max(seq.num_computed_tokens, len(done) - 1 if done else 0)
+            s = starts[i] + first - seq.num_computed_tokens
+            end = min(seq.num_computed_tokens + item.num_tokens, seq.num_prompt_tokens)
             # position p predicts token p + 1; the last prompt position predicts the first output
             n_pred = end - first - (1 if end == seq.num_prompt_tokens else 0)
             if n_pred <= 0:

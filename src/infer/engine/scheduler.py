@@ -32,16 +32,31 @@ A request with ``n > 1`` prefills once: its sequence 0 runs the prompt with the 
 attached as ``forks``, which share the prompt's full blocks and get a copy of its last,
 partly filled block (the model runner copies it after the forward); every fork samples its
 first token from the same logits.
+
+Chunked prefill (phase 6, ``chunked_prefill=True``; Sarathi-Serve, Agrawal et al., OSDI 2024,
+and vLLM v1's scheduler): a prefill no longer has to fit one step. Each step spends the
+budget on the running decodes first (one token each: *decode-maximal* batching), then hands
+what is left to prefills, in admission order, as *chunks* of at most the budget left (and at
+most ``long_prefill_token_threshold`` tokens per request). A sequence whose prefill is cut
+carries on with its next chunk in the next step; it samples only after its last chunk (the
+model runner samples a sequence once all its tokens are computed), and a request's forks
+(``n > 1``) are attached to that last chunk only, so their copy of the prompt's last block
+is made once the whole prompt is in the cache. Admission still reserves the blocks of the
+whole prompt, so a half-prefilled sequence needs no new block until it decodes.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from infer.engine.kv_cache_manager import KVCacheManager
 from infer.engine.sequence import Request, SeqStatus, Sequence
+
+#: upper bounds (inclusive) of the prefill-tokens-per-step histogram (``infer:iteration_prefill_tokens``)
+PREFILL_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -68,10 +83,19 @@ class Scheduler:
         max_num_batched_tokens: the most tokens (prefill + decode) in one step.
         batch_wait_timeout_s: static batching: the longest the oldest request waits for a
             batch to fill.
+        chunked_prefill: split prefills into chunks under the budget, decodes first (module
+            docstring); without it a prefill that does not fit the budget left waits.
+        long_prefill_token_threshold: with chunked prefill, the most tokens one sequence's
+            prefill takes in one step (None: no cap but the budget).
 
     Attributes:
         num_preemptions: requests preempted so far (``infer:num_preemptions_total``).
         num_steps, max_running, running_sum, kv_utilization_sum: for :meth:`stats`.
+        num_prefill_tokens, num_chunked_steps, prefill_tokens_buckets: prefill tokens run so far,
+            steps that ran a partial prefill (a chunk that left some of its sequence's tokens for
+            a later step), and a histogram of prefill tokens per step (counts per bucket of
+            :data:`PREFILL_TOKEN_BUCKETS`, the last counting steps above the largest bound; only
+            steps with prefill tokens are counted).
     """
 
     def __init__(
@@ -81,6 +105,8 @@ class Scheduler:
         max_num_seqs: int = 8,
         max_num_batched_tokens: int = 1 << 62,
         batch_wait_timeout_s: float = 0.0,
+        chunked_prefill: bool = False,
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
         if policy not in ("none", "static", "continuous"):
             raise ValueError(f"unknown batching policy {policy!r}")
@@ -91,6 +117,13 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.batch_wait_timeout_s = batch_wait_timeout_s
+        self.chunked_prefill = chunked_prefill
+        if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
+            raise ValueError(f"long_prefill_token_threshold must be >= 1, got {long_prefill_token_threshold}")
+        self.long_prefill_token_threshold = long_prefill_token_threshold if chunked_prefill else None
+        self.num_prefill_tokens = 0
+        self.num_chunked_steps = 0
+        self.prefill_tokens_buckets = [0] * (len(PREFILL_TOKEN_BUCKETS) + 1)
         self.num_steps = 0
         self.num_preemptions = 0
         self.max_running = 0
@@ -135,9 +168,18 @@ class Scheduler:
         preemption its first unfinished sequence's prompt and generated tokens)."""
         return request.prompt_len if request.shares_prefill else len(request.unfinished_seqs[0].token_ids)
 
+    def _chunk(self, num_tokens: int, budget: int) -> int:
+        """Tokens of a ``num_tokens``-token prefill to run this step with ``budget`` tokens left:
+        all of it, or nothing when it does not fit; with chunked prefill, as many as the budget
+        and ``long_prefill_token_threshold`` allow (0 when the budget is spent)."""
+        if not self.chunked_prefill:
+            return num_tokens if num_tokens <= budget else 0
+        return min(num_tokens, budget, self.long_prefill_token_threshold or num_tokens)
+
     def _admit(self, request: Request, budget: int, scheduled: list[ScheduledSeq]) -> int:
-        """Give ``request`` its KV blocks, make it running, and schedule the prefills that fit
-        ``budget`` (the others run in later steps). Returns the budget left."""
+        """Give ``request`` its KV blocks, make it running, and schedule the prefills (or, with
+        chunked prefill, their first chunks) that fit ``budget`` (the others run in later steps).
+        Returns the budget left."""
         self.kv.admit(request)
         seqs = request.unfinished_seqs
         for seq in seqs:
@@ -148,9 +190,12 @@ class Scheduler:
         else:
             items = [ScheduledSeq(s, s.num_uncomputed_tokens) for s in seqs]
         for item in items:
-            if item.num_tokens <= budget:
+            n = self._chunk(item.num_tokens, budget)
+            if n:
+                if n < item.num_tokens:  # a first chunk: the forks join the last one
+                    item = ScheduledSeq(item.seq, n)
                 scheduled.append(item)
-                budget -= item.num_tokens
+                budget -= n
         return budget
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
@@ -169,7 +214,8 @@ class Scheduler:
             return budget
         while self.waiting and self._has_room(self.waiting[0]):
             request = self.waiting[0]
-            if self._first_prefill(request) > budget and self.policy != "static":
+            need = 1 if self.chunked_prefill else self._first_prefill(request)  # chunked: any room starts it
+            if need > budget and self.policy != "static":
                 break
             self.waiting.popleft()
             budget = self._admit(request, budget, scheduled)
@@ -189,20 +235,27 @@ class Scheduler:
         """The sequences that run this step and how many new tokens each contributes."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        for seq in list(self.running):
+        # >>> EXERCISE chunk_schedule
+        order = list(self.running)
+        if self.chunked_prefill:  # decode-maximal batching: every decode before any prefill chunk
+            order.sort(key=lambda s: s.num_uncomputed_tokens > 1)  # stable: admission order otherwise
+        for seq in order:
             if seq.status is not SeqStatus.RUNNING or self._waits_for_shared_prefill(seq):
                 continue  # preempted earlier in this step, or a fork
-            n = seq.num_uncomputed_tokens
-            if n > budget:
-                if n == 1:
+            want = seq.num_uncomputed_tokens
+            n = self._chunk(want, budget)
+            if n == 0:
+                if want == 1 or self.chunked_prefill:
                     break  # the budget is spent
                 continue  # a prefill that does not fit this step; smaller work may
             if not self._reserve_blocks(seq, n, scheduled):
                 budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
                 continue  # seq itself was preempted
-            forks = [s for s in seq.request.seqs[1:] if self._waits_for_shared_prefill(s)] if seq.index == 0 else []
+            last = n == want  # the forks join the chunk that completes the shared prompt
+            forks = [s for s in seq.request.seqs[1:] if self._waits_for_shared_prefill(s)] if seq.index == 0 and last else []
             scheduled.append(ScheduledSeq(seq, n, forks))
             budget -= n
+        # <<< EXERCISE chunk_schedule
         self._admit_waiting(budget, scheduled)
         if scheduled:
             self._record(scheduled)
@@ -213,6 +266,13 @@ class Scheduler:
         self.num_steps += 1
         self.max_running = max(self.max_running, len(self.running))
         self.running_sum += len(self.running)
+        prefill = [s for s in scheduled if s.num_tokens > 1 or s.seq.in_prefill]
+        if prefill:
+            tokens = sum(s.num_tokens for s in prefill)
+            self.num_prefill_tokens += tokens
+            self.prefill_tokens_buckets[bisect.bisect_left(PREFILL_TOKEN_BUCKETS, tokens)] += 1
+            if any(s.num_tokens < s.seq.num_uncomputed_tokens for s in prefill):
+                self.num_chunked_steps += 1
         reserved = (self.kv.num_blocks - self.kv.num_free_blocks) * self.kv.block_size
         if reserved:
             held = sum(s.num_computed_tokens for s in self.running) + sum(s.num_tokens for s in scheduled)
@@ -220,6 +280,8 @@ class Scheduler:
 
     def reset_stats(self) -> None:
         self.num_steps = self.num_preemptions = self.max_running = self.running_sum = 0
+        self.num_prefill_tokens = self.num_chunked_steps = 0
+        self.prefill_tokens_buckets = [0] * (len(PREFILL_TOKEN_BUCKETS) + 1)
         self.kv_utilization_sum = 0.0
 
     def stats(self) -> dict[str, float]:
@@ -227,13 +289,18 @@ class Scheduler:
         sequences per step: static batching's shrinking batches show here), and the mean KV
         utilization (tokens whose K/V is cached / token slots reserved in blocks, averaged over
         steps; the contiguous cache reserves ``max_model_len`` slots per sequence, a paged one
-        rounds each sequence up to a block)."""
+        rounds each sequence up to a block), prefill tokens (all of them, and per step with any)
+        and the steps that ran a partial prefill chunk (chunked prefill)."""
+        steps_with_prefill = sum(self.prefill_tokens_buckets)
         return {
             "num_steps": self.num_steps,
             "num_preemptions": self.num_preemptions,
             "max_running_seqs": self.max_running,
             "mean_running_seqs": self.running_sum / self.num_steps if self.num_steps else 0.0,
             "mean_kv_utilization": self.kv_utilization_sum / self.num_steps if self.num_steps else 0.0,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "mean_prefill_tokens_per_step": self.num_prefill_tokens / steps_with_prefill if steps_with_prefill else 0.0,
+            "num_chunked_prefill_steps": self.num_chunked_steps,
         }
 
     # ------------------------------------------------------------------ preemption

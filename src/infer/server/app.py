@@ -265,7 +265,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     @app.get("/metrics")
     async def prom() -> Response:
         body = metrics.render(engine.num_running, engine.num_waiting, engine.engine.scheduler.kv_cache_usage(),
-                              engine.num_preemptions)
+                              engine.num_preemptions, scheduler=engine.engine.scheduler)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")

@@ -7,6 +7,7 @@ registry, so tests can start several.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from infer.outputs import RequestOutput
 
@@ -57,11 +58,16 @@ class Metrics:
         if "finished" in t:
             self.e2e.labels(m).observe(t["finished"] - t["arrival"])
 
-    def render(self, running: int, waiting: int, kv_usage: float, num_preemptions: int = 0) -> bytes:
+    def render(self, running: int, waiting: int, kv_usage: float, num_preemptions: int = 0,
+               scheduler=None) -> bytes:
         """The text exposition; ``num_preemptions`` is the engine's cumulative count of preempted
         requests (``LLMEngine.num_preemptions``): the counter advances by what is new since the
-        last scrape."""
+        last scrape. With the engine's ``scheduler``, its per-step prefill statistics are exposed
+        too (:class:`SchedulerCollector`)."""
         m = self.model_name
+        if scheduler is not None and not hasattr(self, "_scheduler_collector"):
+            self._scheduler_collector = SchedulerCollector(scheduler, m)
+            self.registry.register(self._scheduler_collector)
         self.running.labels(m).set(running)
         self.waiting.labels(m).set(waiting)
         self.kv_usage.labels(m).set(kv_usage)
@@ -69,3 +75,34 @@ class Metrics:
             self.preemptions.labels(m).inc(num_preemptions - self._preemptions_seen)
             self._preemptions_seen = num_preemptions
         return generate_latest(self.registry)
+
+
+class SchedulerCollector:
+    """Chunked prefill (phase 6), read from a :class:`~infer.engine.scheduler.Scheduler` at scrape time.
+
+    * ``infer:iteration_prefill_tokens``: histogram of prefill tokens per engine step (steps that
+      ran any; vLLM's ``vllm:iteration_tokens_total`` counts all tokens of a step the same way);
+    * ``infer:num_chunked_prefill_steps_total``: steps that ran a prefill chunk leaving part of
+      its sequence for a later step.
+    """
+
+    def __init__(self, scheduler, model_name: str) -> None:
+        self.scheduler, self.model_name = scheduler, model_name
+
+    def collect(self):
+        from infer.engine.scheduler import PREFILL_TOKEN_BUCKETS
+
+        s = self.scheduler
+        counts = list(s.prefill_tokens_buckets)  # a copy: the engine thread may add a step meanwhile
+        cum, buckets = 0, []
+        for bound, c in zip([*map(float, PREFILL_TOKEN_BUCKETS), "+Inf"], counts):
+            cum += c
+            buckets.append((str(bound), cum))
+        h = HistogramMetricFamily("infer:iteration_prefill_tokens", "Prefill tokens per engine step (steps with any)",
+                                  labels=["model_name"])
+        h.add_metric([self.model_name], buckets, sum_value=s.num_prefill_tokens)
+        yield h
+        c = CounterMetricFamily("infer:num_chunked_prefill_steps", "Steps that ran a partial prefill chunk",
+                                labels=["model_name"])
+        c.add_metric([self.model_name], s.num_chunked_steps)
+        yield c
