@@ -250,6 +250,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(len(ids), num_decodes):
             # a decode-only step: replay the captured graph of its bucket (forward + logits of every row)
             logits = self.graphs.replay(ids, positions, slots, seq_lens, tables)
+            if len(sample_at) != len(ids):  # a one-token prefill chunk among the decodes samples nothing
+                logits = logits[self._to_device(sample_at, torch.int64)]
             return StepResult(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
         meta = AttentionMetadata(
             query_start_loc=self._to_device(starts, torch.int32),
