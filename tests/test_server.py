@@ -411,6 +411,13 @@ ERROR_CASES = [
     ("empty-prompt-list", "POST", CMPL, {"prompt": []}, 400, "prompt"),
     ("empty-prompt-in-list", "POST", CMPL, {"prompt": [[]]}, 400, "prompt"),
     ("empty-string-in-list", "POST", CMPL, {"prompt": ["ok", ""]}, 400, "prompt"),
+    # control characters that SmolLM2's tokenizer encodes to no token at all (once a crash that
+    # stopped the engine for good: a zero-token prompt reached the model runner)
+    ("zero-token-prompt", "POST", CMPL, {"prompt": "\u0006", "max_tokens": 4}, 400, "prompt"),
+    ("zero-token-prompt-stream", "POST", CMPL, {"prompt": "\u0004", "max_tokens": 4, "stream": True}, 400,
+     "prompt"),
+    ("zero-token-prompt-in-list", "POST", CMPL, {"prompt": ["ok", "\u0006\u0014"], "max_tokens": 4}, 400,
+     "prompt"),
     ("prompt-too-long-text", "POST", CMPL, {"prompt": "hello " * 2000}, 400, "prompt"),
     ("prompt-too-long-ids", "POST", CMPL, {"prompt": TOO_LONG_IDS}, 400, "prompt"),
     ("chat-too-long", "POST", CHATP, {"messages": [{"role": "user", "content": "hello " * 2000}]}, 400, ANY),
@@ -469,6 +476,19 @@ def test_bad_request(server, method, path, body, status, param):
     else:
         r = httpx.request(method, url, json=body, timeout=30)
     assert_error(r, status, param)
+
+
+def test_zero_token_prompt_offline(llm):
+    """The offline API refuses a prompt that encodes to zero tokens, and queues nothing."""
+    from infer.errors import InvalidRequestError
+
+    assert llm.tokenizer.encode("\u0006") == []  # the premise: SmolLM2 has no token for it
+    for prompts in ("\u0006", ["ok", "\u0006"]):
+        with pytest.raises(InvalidRequestError, match="zero tokens") as e:
+            llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert e.value.param == "prompt"
+        assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert offline(llm, "ok", max_tokens=2, temperature=0)  # and it still generates
 
 
 def test_oversized_chunked_body_is_rejected(server):

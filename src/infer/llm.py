@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from infer.chat import apply_chat_template
 from infer.config import EngineConfig
 from infer.engine import LLMEngine
+from infer.errors import InvalidRequestError
 from infer.outputs import RequestOutput
 from infer.sampling import SamplingParams
 
@@ -134,6 +135,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt_ids(self, messages, add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-        """Token ids of a rendered conversation (the template writes its own BOS if any)."""
+        """Token ids of a rendered conversation (the template writes its own BOS if any).
+
+        Raises:
+            ValueError: see :meth:`chat`; :class:`~infer.errors.InvalidRequestError` when the
+                rendered text encodes to zero tokens.
+        """
         text = apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise InvalidRequestError("the chat template rendered these messages to zero tokens", param="messages")
+        return ids

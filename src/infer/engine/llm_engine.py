@@ -86,12 +86,18 @@ class LLMEngine:
         """``(text or None, token ids)`` of a prompt given as text or as token ids.
 
         Raises:
-            InvalidRequestError: for an empty prompt, ids outside the vocabulary, wrong types.
+            InvalidRequestError: for an empty prompt (text that encodes to zero tokens included),
+                ids outside the vocabulary, wrong types.
         """
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if not ids:  # e.g. a lone control character that the vocabulary has no token for
+                raise InvalidRequestError(
+                    f"prompt {prompt[:32]!r} encodes to zero tokens with this model's tokenizer; "
+                    "a prompt needs at least one token", param="prompt")
+            return prompt, ids
         if not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):

@@ -377,6 +377,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             except ValueError as e:
                 raise _Reject(error_response(400, str(e), "messages")) from None
             ids = tokenizer.encode(text, add_special_tokens=False)
+            if not ids:
+                raise _Reject(error_response(400, "the chat template rendered these messages to zero tokens",
+                                             "messages"))
             streams = await submit_all([ids], params)
         except _Reject as r:
             return r.response
