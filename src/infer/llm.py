@@ -73,6 +73,8 @@ class LLM:
         Raises:
             InvalidRequestError: for a prompt or parameter the engine cannot serve; no request
                 is queued in that case.
+            EngineStepError: a step failed (a bug, a device error); this call's other requests
+                are aborted too, and the engine stays usable.
         """
         items = self._normalize(prompts)
         if isinstance(sampling_params, (list, tuple)):
@@ -91,11 +93,17 @@ class LLM:
             raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step(stream=False):
-                done[out.request_id] = out
-                bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step(stream=False):
+                    done[out.request_id] = out
+                    bar.update(1)
+        except BaseException:  # EngineStepError, KeyboardInterrupt: leave nothing of this call queued
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
         return [done[r] for r in ids]
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:

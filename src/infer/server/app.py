@@ -27,7 +27,7 @@ from infer.chat import apply_chat_template
 from infer.errors import InvalidRequestError
 from infer.outputs import PositionLogprobs, RequestOutput
 from infer.sampling import SamplingParams
-from infer.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from infer.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed
 from infer.server.metrics import Metrics
 from infer.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
 
@@ -35,11 +35,38 @@ MAX_BODY_BYTES = 8 << 20
 MAX_N = 16
 
 
+def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    """OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
                    code: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        status_code=status, content={"error": {"message": message, "type": type_, "param": param, "code": code}}
-    )
+    return JSONResponse(status_code=status, content=error_body(message, param, type_, code))
+
+
+# what a request's stream may end with instead of a final output
+ENGINE_FAILURES = (RequestFailed, EngineDead)
+
+
+def failure_status_and_body(exc: BaseException) -> tuple[int, dict]:
+    """A request the engine failed: 500 (its step failed; the engine serves on) or 503 (the
+    engine stopped)."""
+    if isinstance(exc, EngineDead):
+        return 503, error_body(str(exc), None, "server_unavailable")
+    return 500, error_body(str(exc), None, "internal_error")
+
+
+def failure_response(exc: BaseException) -> JSONResponse:
+    status, body = failure_status_and_body(exc)
+    return JSONResponse(status_code=status, content=body)
+
+
+def failure_event(exc: BaseException) -> str:
+    """The last SSE event of a stream whose request failed (vLLM's shape: the error body, then
+    ``data: [DONE]``); the ``openai`` client raises ``APIError`` on it."""
+    return f"data: {json.dumps(failure_status_and_body(exc)[1])}\n\n"
 
 
 def _param_of(exc: ValueError) -> str | None:
@@ -178,7 +205,11 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 await g.aclose()
 
     async def collect(streams, request: Request) -> list[RequestOutput] | None:
-        """Drain every stream to its final output; None (all aborted) if the client disconnects."""
+        """Drain every stream to its final output; None (all aborted) if the client disconnects.
+
+        Raises:
+            RequestFailed / EngineDead: a stream ended with it (the others are aborted).
+        """
 
         async def drain(gen, first):
             last = first
@@ -191,6 +222,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         try:
             while True:
                 done, _ = await asyncio.wait(tasks, timeout=0.25)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()
                 if len(done) == len(tasks):
                     return [t.result() for t in tasks]
                 if await request.is_disconnected():
@@ -289,7 +323,10 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             return i * params.n + j
 
         if not req.stream:
-            outs = await collect(streams, request)
+            try:
+                outs = await collect(streams, request)
+            except ENGINE_FAILURES as e:
+                return failure_response(e)
             if outs is None:
                 return Response(status_code=499)  # the client closed the connection: nobody reads this
             choices = []
@@ -321,6 +358,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                             return
                     async for out in gen:
                         await queue.put((i, out))
+                except ENGINE_FAILURES as e:
+                    await queue.put((i, e))
                 finally:
                     await queue.put((i, None))
 
@@ -328,12 +367,16 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             open_streams = len(tasks)
             echoed: set[tuple[int, int]] = set()
             ended: set[tuple[int, int]] = set()
+            failed = None
             try:
                 while open_streams:
                     i, out = await queue.get()
                     if out is None:
                         open_streams -= 1
                         continue
+                    if isinstance(out, BaseException):
+                        failed = out
+                        break
                     for c in out.outputs:
                         if (i, c.index) in ended:
                             continue
@@ -357,7 +400,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                                                                      "finish_reason": c.finish_reason}]})
                     if out.finished:
                         finals[i] = out
-                if include_usage:
+                if failed is not None:
+                    yield failure_event(failed)
+                elif include_usage:
                     yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
                                "model": model_name, "choices": [], "usage": usage(list(finals.values()))})
                 yield "data: [DONE]\n\n"
@@ -386,7 +431,10 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 
         if not req.stream:
-            outs = await collect(streams, request)
+            try:
+                outs = await collect(streams, request)
+            except ENGINE_FAILURES as e:
+                return failure_response(e)
             if outs is None:
                 return Response(status_code=499)
             out = outs[0]
@@ -450,6 +498,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 async with contextlib.aclosing(chat_sse(request_outputs())) as lines:
                     async for line in lines:
                         yield line
+            except ENGINE_FAILURES as e:
+                yield failure_event(e)
+                yield "data: [DONE]\n\n"
             finally:
                 await close_streams([], streams)
 
