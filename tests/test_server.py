@@ -210,6 +210,26 @@ def test_chat_greedy_equals_offline(client, llm):
     assert resp.object == "chat.completion"
 
 
+def test_chat_content_parts_and_tool_call_history(client, llm):
+    """Text parts reach SmolLM2's string template joined with a newline (vLLM's rule), and an
+    assistant turn with ``content: null`` and ``tool_calls`` in the history renders."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    resp = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
+    ref = llm.chat([{"role": "user", "content": "What is the capital\nof France?"}],
+                   SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+               {"role": "tool", "content": "21 C", "tool_call_id": "c1"},
+               {"role": "user", "content": "So?"}]
+    resp = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+    ref = llm.chat(history, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+    assert resp.choices[0].message.content == ref.outputs[0].text
+
+
 # ---------------------------------------------------------------------------- streaming, seeds, n
 
 
