@@ -35,6 +35,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
+from infer.chat import apply_chat_template  # noqa: E402
 from infer.llm import LLM  # noqa: E402
 from infer.sampling import SamplingParams  # noqa: E402
 from tests.server_fixture import ServerProcess, metric_value, wait_until  # noqa: E402
@@ -228,6 +229,36 @@ def test_chat_content_parts_and_tool_call_history(client, llm):
     resp = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
     ref = llm.chat(history, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
     assert resp.choices[0].message.content == ref.outputs[0].text
+
+
+def test_tokenizer_endpoints(server, llm):
+    """vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` agree with the offline
+    tokenizer (what lm-eval's remote tokenizer needs, and what it checks to pick it)."""
+    tok = llm.tokenizer
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == tok.special_tokens["eos_token"] and info["bos_token"] == tok.special_tokens["bos_token"]
+    assert info["chat_template"] == tok.chat_template and info["model_max_length"] == MAX_MODEL_LEN
+
+    def post(path, body):
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    assert post("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}) == {
+        "count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None}
+    got = post("/tokenize", {"prompt": PROMPT, "return_token_strs": True, "model": MODEL})
+    assert got["tokens"] == tok.encode(PROMPT) and got["token_strs"] == [tok.id_to_token(t) for t in got["tokens"]]
+    eos = info["eos_token"]
+    assert post("/tokenize", {"prompt": eos, "add_special_tokens": False})["tokens"] == [tok.token_to_id(eos)]
+    chat_ids = llm.chat_prompt_ids(CHAT)
+    assert post("/tokenize", {"messages": CHAT})["tokens"] == chat_ids
+    assert post("/detokenize", {"tokens": ids}) == {"prompt": PROMPT}
+    assert post("/detokenize", {"tokens": chat_ids})["prompt"] == apply_chat_template(tok, CHAT)  # specials kept
+
+    from lm_eval.utils import check_remote_tokenizer_support
+
+    assert check_remote_tokenizer_support(f"{server.url}/v1/completions")
 
 
 # ---------------------------------------------------------------------------- streaming, seeds, n
@@ -480,6 +511,13 @@ ERROR_CASES = [
     ("top_logprobs-without-logprobs", "POST", CHATP, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     ("stream_options-without-stream", "POST", CMPL,
      {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("tokenize-prompt-int", "POST", "/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("tokenize-neither", "POST", "/tokenize", {}, 400, ANY),
+    ("tokenize-unknown-model", "POST", "/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("tokenize-bad-role", "POST", "/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("detokenize-outside-vocab", "POST", "/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("detokenize-negative", "POST", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("detokenize-str", "POST", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ("unknown-route", "GET", "/v1/nothing-here", None, 404, ANY),
     ("wrong-method", "GET", CMPL, None, 405, ANY),
 ]

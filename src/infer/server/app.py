@@ -29,7 +29,14 @@ from infer.outputs import PositionLogprobs, RequestOutput
 from infer.sampling import SamplingParams
 from infer.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed
 from infer.server.metrics import Metrics
-from infer.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
+from infer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    UnsupportedField,
+)
 
 MAX_BODY_BYTES = 8 << 20
 MAX_N = 16
@@ -134,7 +141,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        # "body" and the names of a union's members (TokenizeChatRequest...) are not fields
+        loc = [str(p) for p in first.get("loc", []) if p != "body" and not str(p)[:1].isupper()]
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", None)
         param = loc[0] if loc else None
@@ -281,6 +289,13 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
 
         return {"content": [{**one(e.token), "top_logprobs": [one(t) for t in e.top]} for e in entries]}
 
+    def render_chat(messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> str:
+        try:
+            return apply_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                       **(kwargs or {}))
+        except ValueError as e:
+            raise _Reject(error_response(400, str(e), "messages")) from None
+
     # ------------------------------------------------------------------ endpoints
 
     @app.get("/health")
@@ -295,6 +310,47 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             "id": model_name, "object": "model", "created": created, "owned_by": "infer",
             "max_model_len": engine.engine.max_model_len,
         }]})
+
+    # vLLM's tokenizer endpoints (lm-eval's remote tokenizer uses them)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> JSONResponse:
+        try:
+            check_model(req.model)
+            if isinstance(req, TokenizeChatRequest):
+                text = render_chat(req.message_dicts(), req.add_generation_prompt, req.chat_template_kwargs)
+            else:
+                text = req.prompt
+        except _Reject as r:
+            return r.response
+        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        strs = [tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
+        try:
+            check_model(req.model)
+        except _Reject as r:
+            return r.response
+        vocab = engine.engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            return error_response(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return JSONResponse({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        specials = getattr(tokenizer, "special_tokens", None) or {}
+        return JSONResponse({
+            "tokenizer_class": type(tokenizer).__name__,
+            **{k: specials.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")},
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "add_bos_token": bool(getattr(tokenizer, "add_bos_token", False)),
+            "model_max_length": engine.engine.max_model_len,
+            "vocab_size": engine.engine.vocab_size,
+        })
 
     @app.get("/metrics")
     async def prom() -> Response:
@@ -416,11 +472,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         try:
             check_model(req.model)
             params = sampling_or_reject(req)
-            try:
-                text = apply_chat_template(tokenizer, req.message_dicts(), add_generation_prompt=req.add_generation_prompt,
-                                           **(req.chat_template_kwargs or {}))
-            except ValueError as e:
-                raise _Reject(error_response(400, str(e), "messages")) from None
+            text = render_chat(req.message_dicts(), req.add_generation_prompt, req.chat_template_kwargs)
             ids = tokenizer.encode(text, add_special_tokens=False)
             if not ids:
                 raise _Reject(error_response(400, "the chat template rendered these messages to zero tokens",

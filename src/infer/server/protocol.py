@@ -12,9 +12,9 @@ the server).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag
 
 from infer.sampling import SamplingParams
 
@@ -165,10 +165,64 @@ class ChatCompletionRequest(_Common):
         return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, None)
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            d = m.model_dump(exclude_none=True)
-            if d["role"] == "developer":  # OpenAI's newer name for system
-                d["role"] = "system"
-            out.append(d)
-        return out
+        return _message_dicts(self.messages)
+
+
+def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as plain dicts for the chat template (``developer`` is OpenAI's newer name
+    for ``system``)."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":
+            d["role"] = "system"
+        out.append(d)
+    return out
+
+
+# ---------------------------------------------------------------------------- vLLM's tokenizer endpoints
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a text prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with chat messages, rendered by the model's chat template (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: StrictBool = False
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return _message_dicts(self.messages)
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def _tokenize_kind(body: Any) -> str:
+    has_messages = isinstance(body, dict) and "messages" in body or hasattr(body, "messages")
+    return "Chat" if has_messages else "Completion"
+
+
+#: ``POST /tokenize``'s body: a chat request when it has ``messages``, else a text one.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("Completion")] | Annotated[TokenizeChatRequest, Tag("Chat")],
+    Discriminator(_tokenize_kind),
+]
