@@ -188,6 +188,25 @@ def test_completion_list_of_prompts(client, llm):
     assert [c.text for c in resp.choices] == offline(llm, prompts, max_tokens=8, temperature=0)
 
 
+def test_completion_many_prompts_queue(server, llm):
+    """More prompts than max_num_seqs (8) and than the old limit of 16: what does not fit waits
+    in the engine's queue; the answers are the offline ones, in prompt order. Past 1,024
+    sequences the request is refused naming ``prompt``; a bad prompt is named by its index."""
+    prompts = [f"Item {i}:" for i in range(24)]
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": prompts, "max_tokens": 2, "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(24))
+    assert [c["text"] for c in choices] == offline(llm, prompts, max_tokens=2, temperature=0)
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": [[1]] * 1025, "max_tokens": 1}, timeout=30)
+    assert "1024" in assert_error(r, 400, "prompt")["message"]
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": [[1]] * 513, "max_tokens": 1, "n": 2}, timeout=30)
+    assert_error(r, 400, "prompt")
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": ["ok"] * 20 + ["\u0006"], "max_tokens": 1}, timeout=30)
+    assert assert_error(r, 400, "prompt")["message"].startswith("prompt[20]: ")
+    wait_idle(server)
+
+
 def test_completion_token_id_prompts(server, client, llm):
     ids = llm.tokenizer.encode(PROMPT)
     resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
@@ -711,6 +730,16 @@ def test_main_server_log_has_no_traceback(server):
 
 
 # ---------------------------------------------------------------------------- queue limit, shutdown
+
+
+def test_many_prompts_are_one_unit_of_the_waiting_limit(small_server):
+    """``--max-waiting-requests 1``, one request at a time: a request with three prompts is
+    accepted (the limit counts HTTP requests) and its prompts run one after the other."""
+    r = httpx.post(f"{small_server.url}{CMPL}", json={"prompt": [PROMPT, "Once", "Twice"], "max_tokens": 2,
+                                                      "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+    wait_idle(small_server)
 
 
 def test_queue_full_returns_503(small_server):

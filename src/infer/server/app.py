@@ -40,6 +40,9 @@ from infer.server.protocol import (
 
 MAX_BODY_BYTES = 8 << 20
 MAX_N = 16
+#: Sequences (prompts x n) one completions request may carry; what does not fit ``max_num_seqs``
+#: waits in the engine's queue (evaluation harnesses send hundreds of prompts per request).
+MAX_SEQS_PER_REQUEST = 1024
 
 
 def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error",
@@ -185,18 +188,19 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         return params
         # <<< EXERCISE sampling_or_reject
 
-    async def start(prompt, params) -> tuple[AsyncIterator[RequestOutput], RequestOutput | None]:
-        """Submit and wait for the engine to accept (not to admit); returns ``(stream, None)``."""
-        first = None  # the first output is awaited by the response, which notices disconnects
+    async def submit_all(prompts, params) -> list[tuple[AsyncIterator[RequestOutput], None]]:
+        """Submit every prompt and wait for the engine to accept them (not to admit them);
+        returns ``(stream, None)`` per prompt (the first output is awaited by the response, which
+        notices disconnects). Nothing stays queued if one is rejected."""
         try:
-            gen = await engine.submit(prompt, params)
+            gens = await engine.submit_many(prompts, params)
         except EngineOverloaded as e:
             raise _Reject(error_response(503, str(e), None, "server_overloaded")) from None
         except EngineDead as e:
             raise _Reject(error_response(503, str(e), None, "server_unavailable")) from None
         except (InvalidRequestError, ValueError) as e:
             raise _Reject(error_response(400, str(e), _param_of(e))) from None
-        return gen, first
+        return [(g, None) for g in gens]
 
     async def close_streams(tasks: list[asyncio.Task], streams) -> None:
         """Stop the tasks reading ``streams``, then close the streams (aborting unfinished requests).
@@ -239,17 +243,6 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                     return None
         finally:
             await close_streams(tasks, streams)
-
-    async def submit_all(prompts, params) -> list:
-        streams = []
-        try:
-            for p in prompts:
-                streams.append(await start(p, params))
-        except BaseException:
-            for g, _ in streams:
-                await g.aclose()
-            raise
-        return streams
 
     def usage(outs: list[RequestOutput]) -> dict[str, int]:
         p = sum(len(o.prompt_token_ids) for o in outs)
@@ -367,8 +360,10 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 prompts = req.prompts()
             except UnsupportedField as e:
                 raise _Reject(error_response(400, str(e), e.param)) from None
-            if len(prompts) * params.n > MAX_N:
-                raise _Reject(error_response(400, f"prompts x n must be <= {MAX_N}", "n"))
+            if len(prompts) * params.n > MAX_SEQS_PER_REQUEST:
+                raise _Reject(error_response(
+                    400, f"a request may carry at most {MAX_SEQS_PER_REQUEST} sequences (prompts x n); got "
+                    f"{len(prompts)} prompts x n={params.n}: split the prompt list", "prompt"))
             streams = await submit_all(prompts, params)
         except _Reject as r:
             return r.response

@@ -178,6 +178,53 @@ class AsyncEngine:
             self._pending_adds -= 1
         return RequestStream(self, rid, stream.queue)
 
+    async def submit_many(self, prompts: list[str | list[int]], params: SamplingParams) -> list[RequestStream]:
+        """Queue several prompts (one HTTP request's) as one unit; return once all are accepted.
+
+        The ``max_waiting`` limit is checked once, for the unit: a request carrying more prompts
+        than ``max_num_seqs`` queues the rest instead of being refused. All adds go to the
+        engine thread at once (one round trip, not one step per prompt).
+
+        Raises:
+            InvalidRequestError / ValueError: the engine rejected a prompt (nothing stays
+                queued); its message starts with ``prompt[i]:`` when there are several.
+            EngineOverloaded, EngineDead: as :meth:`submit`.
+        """
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        if self.num_waiting + self._pending_adds >= self.max_waiting:
+            raise EngineOverloaded(f"{self.num_waiting} requests are already waiting (max {self.max_waiting})")
+        loop = asyncio.get_running_loop()
+        adds = []
+        for prompt in prompts:
+            rid = f"req-{next(self._ids)}"
+            stream = _Stream(loop, asyncio.Queue())
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            adds.append((rid, stream, fut))
+            self._inbox.put(("add", (rid, prompt, params, stream), fut))
+        self._pending_adds += len(adds)
+        if not self._thread.is_alive():  # raced with a shutdown
+            for _, _, fut in adds:
+                if not fut.done():
+                    fut.set_exception(EngineDead("the engine is shutting down"))
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for _, _, f in adds), return_exceptions=True)
+        except asyncio.CancelledError:
+            for rid, _, _ in adds:
+                self.abort(rid)
+            raise
+        finally:
+            self._pending_adds -= len(adds)
+        errors = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if errors:
+            for rid, _, _ in adds:
+                self.abort(rid)
+            i, e = errors[0]
+            if len(prompts) > 1 and isinstance(e, ValueError):
+                e.args = (f"prompt[{i}]: {e}", *e.args[1:])
+            raise e
+        return [RequestStream(self, rid, stream.queue) for rid, stream, _ in adds]
+
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
