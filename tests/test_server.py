@@ -461,6 +461,108 @@ def test_echo_logprobs_like_lm_eval(client, llm, as_ids):
         assert list(got.values()) == pytest.approx([t.logprob for t in e.top], abs=1e-4)
 
 
+# ---------------------------------------------------------------------------- OpenAI details
+
+
+def test_completion_max_tokens_null_means_16(server):
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": PROMPT, "max_tokens": None, "ignore_eos": True,
+                                                "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_echo_max_tokens_0_scores_the_prompt(server, llm, stream):
+    """Legacy API: ``echo`` with ``max_tokens: 0`` returns the prompt and its logprobs, nothing
+    generated; the logprobs are the offline engine's prompt logprobs."""
+    ids = llm.tokenizer.encode(PROMPT)
+    body = {"prompt": PROMPT, "echo": True, "max_tokens": 0, "logprobs": 1, "stream": stream}
+    r = httpx.post(f"{server.url}{CMPL}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = sse_events(r.text.splitlines())
+        assert events[-1] == "[DONE]"
+        chs = [ev["choices"][0] for ev in events[:-1]]
+        text = "".join(c["text"] for c in chs)
+        tokens = [t for c in chs for t in c["logprobs"]["tokens"]]
+        lps = [v for c in chs for v in c["logprobs"]["token_logprobs"]]
+        finish = chs[-1]["finish_reason"]
+    else:
+        body = r.json()
+        ch = body["choices"][0]
+        text, tokens, lps, finish = ch["text"], ch["logprobs"]["tokens"], ch["logprobs"]["token_logprobs"], \
+            ch["finish_reason"]
+        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert text == PROMPT and len(tokens) == len(ids) and finish == "length"
+    ref = llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    assert lps[0] is None
+    assert lps[1:] == pytest.approx([e.token.logprob for e in ref.prompt_logprobs[1:]], abs=1e-4)
+    assert_error(httpx.post(f"{server.url}{CMPL}", json={"prompt": PROMPT, "max_tokens": 0}, timeout=30), 400,
+                 "max_tokens")
+
+
+def test_retrieve_model(server, client):
+    m = client.models.retrieve(MODEL)
+    assert m.id == MODEL and m.object == "model"
+    r = httpx.get(f"{server.url}/v1/models/gpt-4", timeout=10)
+    assert assert_error(r, 404, "model")["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("echo", [False, True], ids=["generated", "echo"])
+def test_streamed_logprobs_continue_text_offset(server, echo):
+    """Streamed chunks carry ``text_offset`` counted from the start of the choice's text (as the
+    non-streamed answer does), and ``top_logprobs`` is a dict at every position that has a
+    logprob (None only for the first echoed token)."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 0, "echo": echo}
+    full = httpx.post(f"{server.url}{CMPL}", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    r = httpx.post(f"{server.url}{CMPL}", json={**body, "stream": True}, timeout=60)
+    events = sse_events(r.text.splitlines())[:-1]
+    streamed = {k: [v for ev in events for v in ev["choices"][0]["logprobs"][k]]
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert streamed["text_offset"] == full["text_offset"] == \
+        [sum(len(t) for t in full["tokens"][:i]) for i in range(len(full["tokens"]))]
+    assert streamed["tokens"] == full["tokens"]
+    for lp in (full, streamed):
+        assert all((top is None) == (v is None) for v, top in zip(lp["token_logprobs"], lp["top_logprobs"]))
+        assert all(isinstance(top, dict) for top in lp["top_logprobs"][1:])
+    assert (full["top_logprobs"][0] is None) is echo
+
+
+def test_405_carries_allow(server):
+    r = httpx.get(f"{server.url}{CMPL}", timeout=10)
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize("path", [CMPL, CHATP], ids=["completions", "chat"])
+def test_continuous_usage_stats(server, path):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk has the usage so far; the
+    last usage is the final one. Without ``include_usage`` it is refused, not ignored."""
+    body = {"prompt": PROMPT} if path == CMPL else {"messages": CHAT}
+    body.update(max_tokens=5, temperature=0, ignore_eos=True, stream=True)
+    r = httpx.post(f"{server.url}{path}", timeout=60,
+                   json={**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = sse_events(r.text.splitlines())
+    assert events[-1] == "[DONE]"
+    *chunks, final = events[:-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5
+    done = [ev["usage"]["completion_tokens"] for ev in chunks]
+    assert done == sorted(done) and done[-1] == 5
+    assert all(ev["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for ev in chunks)
+    r = httpx.post(f"{server.url}{path}", timeout=60, json={**body, "stream_options": {"continuous_usage_stats": True}})
+    assert_error(r, 400, "stream_options")
+
+
+def test_fields_without_effect_are_accepted(server):
+    """``store``, ``metadata``, ``user``, ``service_tier`` are accepted and change nothing."""
+    extra = {"store": False, "metadata": {"k": "v"}, "user": "u1", "service_tier": "auto"}
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0, **extra},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == server.baseline
+    r = httpx.post(f"{server.url}{CHATP}", json={"messages": CHAT, "max_tokens": 2, **extra}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 # ---------------------------------------------------------------------------- bad requests
 
 TOO_LONG_IDS = [42] * 2000

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,6 +38,8 @@ from infer.server.protocol import (
     TokenizeRequest,
     UnsupportedField,
 )
+
+log = logging.getLogger("infer.server")
 
 MAX_BODY_BYTES = 8 << 20
 MAX_N = 16
@@ -158,8 +161,10 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), None,
-                              "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        r = error_response(exc.status_code, str(exc.detail), None,
+                           "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        r.headers.update(exc.headers or {})  # 405: Allow
+        return r
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # never a bare 500 page
@@ -244,17 +249,22 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         finally:
             await close_streams(tasks, streams)
 
-    def usage(outs: list[RequestOutput]) -> dict[str, int]:
+    def usage(outs: list[RequestOutput], score_only: bool = False) -> dict[str, int]:
+        """Token counts of ``outs`` (cumulative outputs); ``score_only``: nothing was generated."""
         p = sum(len(o.prompt_token_ids) for o in outs)
-        c = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        c = 0 if score_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def completion_lp_block(prompt_ids: list[int] | None, prompt_lps, gen_lps) -> dict:
+    def completion_lp_block(prompt_ids: list[int] | None, prompt_lps, gen_lps, start: int = 0) -> dict:
+        """The legacy ``logprobs`` object: the echoed prompt's tokens (``prompt_ids``), then the
+        generated ones. ``top_logprobs[i]`` is a dict wherever ``token_logprobs[i]`` is a number,
+        None where it is None (the first prompt token); ``text_offset`` counts characters from
+        ``start`` (a stream's earlier chunks)."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        off = 0
+        off = start
 
         def add(text: str, lp, top):
             nonlocal off
@@ -271,7 +281,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 if e is None:
                     add(text, None, None)
                 else:
-                    add(text, e.token.logprob, {t.decoded: t.logprob for t in e.top} or None)
+                    add(text, e.token.logprob, {t.decoded: t.logprob for t in e.top})
         for e in gen_lps or []:
             add(e.token.decoded, e.token.logprob, {t.decoded: t.logprob for t in e.top})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -297,12 +307,21 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             return error_response(503, "the engine is not running", None, "server_unavailable")
         return JSONResponse({"status": "ok"})
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "infer",
+                "max_model_len": engine.engine.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "infer",
-            "max_model_len": engine.engine.max_model_len,
-        }]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        try:
+            check_model(model_id)
+        except _Reject as r:
+            return r.response
+        return JSONResponse(model_card())
 
     # vLLM's tokenizer endpoints (lm-eval's remote tokenizer uses them)
 
@@ -369,6 +388,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             return r.response
         rid = f"cmpl-{uuid.uuid4().hex}"
         want_lp = req.logprobs is not None
+        score_only = req.score_only  # echo with max_tokens 0: the generated token is dropped
+        if req.ignored_fields():
+            log.debug("%s: ignoring %s (no effect on generation)", rid, ", ".join(req.ignored_fields()))
 
         def choice_index(i: int, j: int) -> int:
             return i * params.n + j
@@ -388,14 +410,14 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                     lp = None
                     if want_lp:
                         lp = completion_lp_block(out.prompt_token_ids if req.echo else None, out.prompt_logprobs,
-                                                 c.logprobs)
-                    choices.append({"index": choice_index(i, c.index), "text": prefix + c.text, "logprobs": lp,
-                                    "finish_reason": c.finish_reason})
+                                                 None if score_only else c.logprobs)
+                    choices.append({"index": choice_index(i, c.index), "text": prefix + ("" if score_only else c.text),
+                                    "logprobs": lp, "finish_reason": c.finish_reason})
             choices.sort(key=lambda ch: ch["index"])
             return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                                 "model": model_name, "choices": choices, "usage": usage(outs)})
+                                 "model": model_name, "choices": choices, "usage": usage(outs, score_only)})
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous_usage = req.include_usage, req.continuous_usage
 
         async def events():
             finals: dict[int, RequestOutput] = {}
@@ -418,6 +440,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             open_streams = len(tasks)
             echoed: set[tuple[int, int]] = set()
             ended: set[tuple[int, int]] = set()
+            offsets: dict[tuple[int, int], int] = {}  # text_offset reached by each choice
             failed = None
             try:
                 while open_streams:
@@ -433,29 +456,34 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                             continue
                         if c.finish_reason:
                             ended.add((i, c.index))
-                        text = c.delta_text
+                        key = (i, c.index)
+                        text = "" if score_only else c.delta_text
                         lp = None
                         echo_ids = None
-                        if req.echo and (i, c.index) not in echoed:
-                            echoed.add((i, c.index))
+                        if req.echo and key not in echoed:
+                            echoed.add(key)
                             text = (out.prompt or tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)) \
                                 + text
                             echo_ids = out.prompt_token_ids
                         if want_lp:
-                            lp = completion_lp_block(echo_ids, out.prompt_logprobs, c.delta_logprobs)
-                        if not text and not c.finish_reason and not c.delta_token_ids:
+                            lp = completion_lp_block(echo_ids, out.prompt_logprobs,
+                                                     None if score_only else c.delta_logprobs, offsets.get(key, 0))
+                            offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp["tokens"])
+                        if not text and not c.finish_reason and not (c.delta_token_ids and not score_only):
                             continue
+                        extra = {"usage": usage([out], score_only)} if continuous_usage else {}
                         yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
                                    "model": model_name, "choices": [{"index": choice_index(i, c.index), "text": text,
                                                                      "logprobs": lp,
-                                                                     "finish_reason": c.finish_reason}]})
+                                                                     "finish_reason": c.finish_reason}], **extra})
                     if out.finished:
                         finals[i] = out
                 if failed is not None:
                     yield failure_event(failed)
                 elif include_usage:
                     yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                               "model": model_name, "choices": [], "usage": usage(list(finals.values()))})
+                               "model": model_name, "choices": [],
+                               "usage": usage(list(finals.values()), score_only)})
                 yield "data: [DONE]\n\n"
             finally:
                 await close_streams(tasks, streams)
@@ -476,6 +504,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         except _Reject as r:
             return r.response
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.ignored_fields():
+            log.debug("%s: ignoring %s (no effect on generation)", rid, ", ".join(req.ignored_fields()))
 
         if not req.stream:
             try:
@@ -492,12 +522,20 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                                  "model": model_name, "choices": choices, "usage": usage(outs)})
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous_usage = req.include_usage, req.continuous_usage
         gen, first = streams[0]
 
         def chunk(choices: list[dict], **extra) -> str:
             return sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                         "model": model_name, "choices": choices, **extra})
+
+        def usage_so_far(out: RequestOutput | None) -> dict:
+            """``stream_options.continuous_usage_stats``: the usage up to this chunk, in every chunk."""
+            if not continuous_usage:
+                return {}
+            if out is None:
+                return {"usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}}
+            return {"usage": usage([out])}
 
         async def request_outputs() -> AsyncIterator[RequestOutput]:
             """The request's outputs (deltas), as the engine thread hands them over."""
@@ -518,7 +556,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             ``data: [DONE]``.
             """
             yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for j in range(params.n)])
+                          "finish_reason": None} for j in range(params.n)], **usage_so_far(None))
             # >>> EXERCISE chat_sse
             last = None
             ended: set[int] = set()
@@ -534,7 +572,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                     delta = {"content": c.delta_text} if (c.delta_text or not c.finish_reason) else {}
                     yield chunk([{"index": c.index, "delta": delta,
                                   "logprobs": chat_lp_block(c.delta_logprobs or []) if req.logprobs else None,
-                                  "finish_reason": c.finish_reason}])
+                                  "finish_reason": c.finish_reason}], **usage_so_far(out))
             if include_usage and last is not None:
                 yield chunk([], usage=usage([last]))
             yield "data: [DONE]\n\n"
