@@ -12,7 +12,7 @@ import pytest
 import tokenizers
 from tokenizers.models import WordLevel
 
-from infer.chat import ChatTemplateError, apply_chat_template, render_chat_template
+from infer.chat import ChatTemplateError, apply_chat_template, content_format, render_chat_template
 
 QWEN3_TEMPLATE = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -345,13 +345,52 @@ def test_smollm2_prompt_layout(smollm2):
     )
 
 
-def test_smollm2_text_parts_fail_like_transformers(smollm2):
-    # SmolLM2's template does `'...' + message['content']`, which cannot add a list: both fail.
+def joined(messages):
+    """The reference for string templates (vLLM's rule): text parts joined with a newline, a
+    missing content as ""."""
+    out = []
+    for m in messages:
+        c = m.get("content")
+        out.append({**m, "content": "" if c is None else c if isinstance(c, str)
+                    else "\n".join(p["text"] for p in c)})
+    return out
+
+
+def test_content_format_detection(smollm2):
+    """Templates that loop over a message's content get parts; the others a string (vLLM)."""
+    assert content_format(smollm2.tokenizer.chat_template) == "string"
+    assert content_format(QWEN3_TEMPLATE) == "string"  # content is string, else ''
+    assert content_format(LLAMA31_TEMPLATE) == "string"
+    assert content_format(GEMMA3_IT_TEMPLATE) == "openai"  # loop_messages = messages[1:] ... for item in content
+    assert content_format("{% for m in messages %}{% for p in m['content'] | list %}{{ p.text }}"
+                          "{% endfor %}{% endfor %}") == "openai"
+    assert content_format("{% for m in messages %}{{ m.content }}{% endfor %}") == "string"
+
+
+def test_smollm2_text_parts_are_joined(smollm2):
+    # SmolLM2's template does `'...' + message['content']`, which cannot add a list (transformers
+    # raises TypeError): the parts are joined first, as vLLM does.
     template = smollm2.tokenizer.chat_template
     with pytest.raises(TypeError):
         hf_render(template, CONVERSATIONS["text-parts"], True, {})
-    with pytest.raises(ChatTemplateError):
-        render_chat_template(template, CONVERSATIONS["text-parts"])
+    ours = render_chat_template(template, CONVERSATIONS["text-parts"])
+    assert ours == hf_render(template, joined(CONVERSATIONS["text-parts"]), True, {})
+    assert "<|im_start|>user\nHello\n world<|im_end|>" in ours
+
+
+def test_smollm2_tool_call_history_renders(smollm2):
+    """An assistant turn with ``content: null`` and ``tool_calls`` (what OpenAI clients send
+    back) renders with an empty content instead of failing the template."""
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function",
+                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "content": "21 C", "tool_call_id": "c1"},
+                {"role": "user", "content": "Thanks"}]
+    ours = apply_chat_template(smollm2.tokenizer, messages)
+    specials = {k: v for k, v in smollm2.tokenizer.special_tokens.items() if v is not None}
+    assert ours == hf_render(smollm2.tokenizer.chat_template, joined(messages), True, specials)
+    assert "<|im_start|>assistant\n<|im_end|>" in ours
 
 
 # ------------------------------------------------------------------ official templates
@@ -364,7 +403,9 @@ def test_smollm2_text_parts_fail_like_transformers(smollm2):
 def test_official_templates_match_transformers(family, template, conv, gen):
     messages = CONVERSATIONS[conv]
     specials = SPECIALS[family]
-    expected = hf_render(template, messages, gen, specials)
+    # text parts: as given to templates that read them, joined for string templates (vLLM)
+    expected = hf_render(template, joined(messages) if content_format(template) == "string" else messages, gen,
+                         specials)
     assert render_chat_template(template, messages, add_generation_prompt=gen, **specials) == expected
 
 

@@ -35,6 +35,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
+from infer.chat import apply_chat_template  # noqa: E402
 from infer.llm import LLM  # noqa: E402
 from infer.sampling import SamplingParams  # noqa: E402
 from tests.server_fixture import ServerProcess, metric_value, wait_until  # noqa: E402
@@ -187,6 +188,25 @@ def test_completion_list_of_prompts(client, llm):
     assert [c.text for c in resp.choices] == offline(llm, prompts, max_tokens=8, temperature=0)
 
 
+def test_completion_many_prompts_queue(server, llm):
+    """More prompts than max_num_seqs (8) and than the old limit of 16: what does not fit waits
+    in the engine's queue; the answers are the offline ones, in prompt order. Past 1,024
+    sequences the request is refused naming ``prompt``; a bad prompt is named by its index."""
+    prompts = [f"Item {i}:" for i in range(24)]
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": prompts, "max_tokens": 2, "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(24))
+    assert [c["text"] for c in choices] == offline(llm, prompts, max_tokens=2, temperature=0)
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": [[1]] * 1025, "max_tokens": 1}, timeout=30)
+    assert "1024" in assert_error(r, 400, "prompt")["message"]
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": [[1]] * 513, "max_tokens": 1, "n": 2}, timeout=30)
+    assert_error(r, 400, "prompt")
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": ["ok"] * 20 + ["\u0006"], "max_tokens": 1}, timeout=30)
+    assert assert_error(r, 400, "prompt")["message"].startswith("prompt[20]: ")
+    wait_idle(server)
+
+
 def test_completion_token_id_prompts(server, client, llm):
     ids = llm.tokenizer.encode(PROMPT)
     resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
@@ -208,6 +228,56 @@ def test_chat_greedy_equals_offline(client, llm):
     assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
     assert resp.object == "chat.completion"
+
+
+def test_chat_content_parts_and_tool_call_history(client, llm):
+    """Text parts reach SmolLM2's string template joined with a newline (vLLM's rule), and an
+    assistant turn with ``content: null`` and ``tool_calls`` in the history renders."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    resp = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
+    ref = llm.chat([{"role": "user", "content": "What is the capital\nof France?"}],
+                   SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+               {"role": "tool", "content": "21 C", "tool_call_id": "c1"},
+               {"role": "user", "content": "So?"}]
+    resp = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+    ref = llm.chat(history, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+    assert resp.choices[0].message.content == ref.outputs[0].text
+
+
+def test_tokenizer_endpoints(server, llm):
+    """vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` agree with the offline
+    tokenizer (what lm-eval's remote tokenizer needs, and what it checks to pick it)."""
+    tok = llm.tokenizer
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == tok.special_tokens["eos_token"] and info["bos_token"] == tok.special_tokens["bos_token"]
+    assert info["chat_template"] == tok.chat_template and info["model_max_length"] == MAX_MODEL_LEN
+
+    def post(path, body):
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    assert post("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}) == {
+        "count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None}
+    got = post("/tokenize", {"prompt": PROMPT, "return_token_strs": True, "model": MODEL})
+    assert got["tokens"] == tok.encode(PROMPT) and got["token_strs"] == [tok.id_to_token(t) for t in got["tokens"]]
+    eos = info["eos_token"]
+    assert post("/tokenize", {"prompt": eos, "add_special_tokens": False})["tokens"] == [tok.token_to_id(eos)]
+    chat_ids = llm.chat_prompt_ids(CHAT)
+    assert post("/tokenize", {"messages": CHAT})["tokens"] == chat_ids
+    assert post("/detokenize", {"tokens": ids}) == {"prompt": PROMPT}
+    assert post("/detokenize", {"tokens": chat_ids})["prompt"] == apply_chat_template(tok, CHAT)  # specials kept
+
+    from lm_eval.utils import check_remote_tokenizer_support
+
+    assert check_remote_tokenizer_support(f"{server.url}/v1/completions")
 
 
 # ---------------------------------------------------------------------------- streaming, seeds, n
@@ -391,6 +461,108 @@ def test_echo_logprobs_like_lm_eval(client, llm, as_ids):
         assert list(got.values()) == pytest.approx([t.logprob for t in e.top], abs=1e-4)
 
 
+# ---------------------------------------------------------------------------- OpenAI details
+
+
+def test_completion_max_tokens_null_means_16(server):
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": PROMPT, "max_tokens": None, "ignore_eos": True,
+                                                "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_echo_max_tokens_0_scores_the_prompt(server, llm, stream):
+    """Legacy API: ``echo`` with ``max_tokens: 0`` returns the prompt and its logprobs, nothing
+    generated; the logprobs are the offline engine's prompt logprobs."""
+    ids = llm.tokenizer.encode(PROMPT)
+    body = {"prompt": PROMPT, "echo": True, "max_tokens": 0, "logprobs": 1, "stream": stream}
+    r = httpx.post(f"{server.url}{CMPL}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = sse_events(r.text.splitlines())
+        assert events[-1] == "[DONE]"
+        chs = [ev["choices"][0] for ev in events[:-1]]
+        text = "".join(c["text"] for c in chs)
+        tokens = [t for c in chs for t in c["logprobs"]["tokens"]]
+        lps = [v for c in chs for v in c["logprobs"]["token_logprobs"]]
+        finish = chs[-1]["finish_reason"]
+    else:
+        body = r.json()
+        ch = body["choices"][0]
+        text, tokens, lps, finish = ch["text"], ch["logprobs"]["tokens"], ch["logprobs"]["token_logprobs"], \
+            ch["finish_reason"]
+        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert text == PROMPT and len(tokens) == len(ids) and finish == "length"
+    ref = llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    assert lps[0] is None
+    assert lps[1:] == pytest.approx([e.token.logprob for e in ref.prompt_logprobs[1:]], abs=1e-4)
+    assert_error(httpx.post(f"{server.url}{CMPL}", json={"prompt": PROMPT, "max_tokens": 0}, timeout=30), 400,
+                 "max_tokens")
+
+
+def test_retrieve_model(server, client):
+    m = client.models.retrieve(MODEL)
+    assert m.id == MODEL and m.object == "model"
+    r = httpx.get(f"{server.url}/v1/models/gpt-4", timeout=10)
+    assert assert_error(r, 404, "model")["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("echo", [False, True], ids=["generated", "echo"])
+def test_streamed_logprobs_continue_text_offset(server, echo):
+    """Streamed chunks carry ``text_offset`` counted from the start of the choice's text (as the
+    non-streamed answer does), and ``top_logprobs`` is a dict at every position that has a
+    logprob (None only for the first echoed token)."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 0, "echo": echo}
+    full = httpx.post(f"{server.url}{CMPL}", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    r = httpx.post(f"{server.url}{CMPL}", json={**body, "stream": True}, timeout=60)
+    events = sse_events(r.text.splitlines())[:-1]
+    streamed = {k: [v for ev in events for v in ev["choices"][0]["logprobs"][k]]
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert streamed["text_offset"] == full["text_offset"] == \
+        [sum(len(t) for t in full["tokens"][:i]) for i in range(len(full["tokens"]))]
+    assert streamed["tokens"] == full["tokens"]
+    for lp in (full, streamed):
+        assert all((top is None) == (v is None) for v, top in zip(lp["token_logprobs"], lp["top_logprobs"]))
+        assert all(isinstance(top, dict) for top in lp["top_logprobs"][1:])
+    assert (full["top_logprobs"][0] is None) is echo
+
+
+def test_405_carries_allow(server):
+    r = httpx.get(f"{server.url}{CMPL}", timeout=10)
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize("path", [CMPL, CHATP], ids=["completions", "chat"])
+def test_continuous_usage_stats(server, path):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk has the usage so far; the
+    last usage is the final one. Without ``include_usage`` it is refused, not ignored."""
+    body = {"prompt": PROMPT} if path == CMPL else {"messages": CHAT}
+    body.update(max_tokens=5, temperature=0, ignore_eos=True, stream=True)
+    r = httpx.post(f"{server.url}{path}", timeout=60,
+                   json={**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = sse_events(r.text.splitlines())
+    assert events[-1] == "[DONE]"
+    *chunks, final = events[:-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5
+    done = [ev["usage"]["completion_tokens"] for ev in chunks]
+    assert done == sorted(done) and done[-1] == 5
+    assert all(ev["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for ev in chunks)
+    r = httpx.post(f"{server.url}{path}", timeout=60, json={**body, "stream_options": {"continuous_usage_stats": True}})
+    assert_error(r, 400, "stream_options")
+
+
+def test_fields_without_effect_are_accepted(server):
+    """``store``, ``metadata``, ``user``, ``service_tier`` are accepted and change nothing."""
+    extra = {"store": False, "metadata": {"k": "v"}, "user": "u1", "service_tier": "auto"}
+    r = httpx.post(f"{server.url}{CMPL}", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0, **extra},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == server.baseline
+    r = httpx.post(f"{server.url}{CHATP}", json={"messages": CHAT, "max_tokens": 2, **extra}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 # ---------------------------------------------------------------------------- bad requests
 
 TOO_LONG_IDS = [42] * 2000
@@ -411,6 +583,13 @@ ERROR_CASES = [
     ("empty-prompt-list", "POST", CMPL, {"prompt": []}, 400, "prompt"),
     ("empty-prompt-in-list", "POST", CMPL, {"prompt": [[]]}, 400, "prompt"),
     ("empty-string-in-list", "POST", CMPL, {"prompt": ["ok", ""]}, 400, "prompt"),
+    # control characters that SmolLM2's tokenizer encodes to no token at all (once a crash that
+    # stopped the engine for good: a zero-token prompt reached the model runner)
+    ("zero-token-prompt", "POST", CMPL, {"prompt": "\u0006", "max_tokens": 4}, 400, "prompt"),
+    ("zero-token-prompt-stream", "POST", CMPL, {"prompt": "\u0004", "max_tokens": 4, "stream": True}, 400,
+     "prompt"),
+    ("zero-token-prompt-in-list", "POST", CMPL, {"prompt": ["ok", "\u0006\u0014"], "max_tokens": 4}, 400,
+     "prompt"),
     ("prompt-too-long-text", "POST", CMPL, {"prompt": "hello " * 2000}, 400, "prompt"),
     ("prompt-too-long-ids", "POST", CMPL, {"prompt": TOO_LONG_IDS}, 400, "prompt"),
     ("chat-too-long", "POST", CHATP, {"messages": [{"role": "user", "content": "hello " * 2000}]}, 400, ANY),
@@ -453,6 +632,13 @@ ERROR_CASES = [
     ("top_logprobs-without-logprobs", "POST", CHATP, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     ("stream_options-without-stream", "POST", CMPL,
      {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("tokenize-prompt-int", "POST", "/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("tokenize-neither", "POST", "/tokenize", {}, 400, ANY),
+    ("tokenize-unknown-model", "POST", "/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("tokenize-bad-role", "POST", "/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("detokenize-outside-vocab", "POST", "/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("detokenize-negative", "POST", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("detokenize-str", "POST", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ("unknown-route", "GET", "/v1/nothing-here", None, 404, ANY),
     ("wrong-method", "GET", CMPL, None, 405, ANY),
 ]
@@ -469,6 +655,19 @@ def test_bad_request(server, method, path, body, status, param):
     else:
         r = httpx.request(method, url, json=body, timeout=30)
     assert_error(r, status, param)
+
+
+def test_zero_token_prompt_offline(llm):
+    """The offline API refuses a prompt that encodes to zero tokens, and queues nothing."""
+    from infer.errors import InvalidRequestError
+
+    assert llm.tokenizer.encode("\u0006") == []  # the premise: SmolLM2 has no token for it
+    for prompts in ("\u0006", ["ok", "\u0006"]):
+        with pytest.raises(InvalidRequestError, match="zero tokens") as e:
+            llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert e.value.param == "prompt"
+        assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert offline(llm, "ok", max_tokens=2, temperature=0)  # and it still generates
 
 
 def test_oversized_chunked_body_is_rejected(server):
@@ -633,6 +832,16 @@ def test_main_server_log_has_no_traceback(server):
 
 
 # ---------------------------------------------------------------------------- queue limit, shutdown
+
+
+def test_many_prompts_are_one_unit_of_the_waiting_limit(small_server):
+    """``--max-waiting-requests 1``, one request at a time: a request with three prompts is
+    accepted (the limit counts HTTP requests) and its prompts run one after the other."""
+    r = httpx.post(f"{small_server.url}{CMPL}", json={"prompt": [PROMPT, "Once", "Twice"], "max_tokens": 2,
+                                                      "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+    wait_idle(small_server)
 
 
 def test_queue_full_returns_503(small_server):

@@ -23,6 +23,13 @@ What "exactly as transformers" means here:
   to ``tool_calls``), and a message's reasoning is also given as ``reasoning_content`` /
   ``thinking`` when it came under another of those names.
 
+One departure, vLLM's (``_detect_content_format`` in ``vllm/entrypoints/chat_utils.py``): a
+template that never loops over a message's ``content`` expects a string (SmolLM2's does
+``'...' + message['content']``), so OpenAI's content parts ``[{"type": "text", "text": ...}]``
+are joined with ``"\n"`` for it, and a missing content (an assistant turn that only made tool
+calls) becomes ``""``. Templates that loop over the parts (Gemma 3's) get them as given.
+transformers passes parts unchanged, which makes string templates fail or drop the text.
+
 The rendered string already holds the control tokens (BOS included, for templates that write
 ``bos_token``), so encode it with ``add_special_tokens=False``.
 """
@@ -40,7 +47,8 @@ import jinja2.ext
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplateError", "apply_chat_template", "render_chat_template", "validate_messages"]
+__all__ = ["ChatTemplateError", "apply_chat_template", "content_format", "render_chat_template",
+           "validate_messages"]
 
 ROLES = ("system", "user", "assistant", "tool")
 # Names a message's reasoning may come under; templates read the first one (gpt-oss: "thinking").
@@ -114,6 +122,64 @@ def _compile(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"the chat template is not valid Jinja2: {e} (line {e.lineno})") from e
 
 
+# ---------------------------------------------------------------------------- content format
+
+
+def _accesses(node: jinja2.nodes.Node, names: set[str], key: str | None = None) -> bool:
+    """``node`` reads one of the variables ``names`` (``key``: its ``[key]`` / ``.key`` item),
+    possibly through filters, tests or a slice (``messages[1:]``, ``message.content | list``)."""
+    while True:
+        if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+            node = node.node
+        else:
+            break
+    if key is None:
+        return isinstance(node, jinja2.nodes.Name) and node.name in names
+    if isinstance(node, jinja2.nodes.Getitem):
+        hit = isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == key
+    elif isinstance(node, jinja2.nodes.Getattr):
+        hit = node.attr == key
+    else:
+        return False
+    return hit and isinstance(node.node, jinja2.nodes.Name) and node.node.name in names
+
+
+@lru_cache(maxsize=32)
+def content_format(template: str) -> str:
+    """``"openai"`` if ``template`` loops over a message's ``content`` (it reads a list of parts),
+    else ``"string"``: vLLM's detection, from the template's syntax tree.
+
+    Aliases of ``messages`` (``{% set loop_messages = messages[1:] %}``) are followed.
+    A template that does not parse counts as ``"string"`` (rendering it reports the error).
+    """
+    try:
+        root = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    lists = {"messages"}
+    for a in root.find_all(jinja2.nodes.Assign):
+        if isinstance(a.target, jinja2.nodes.Name) and _accesses(a.node, lists):
+            lists.add(a.target.name)
+    loops = list(root.find_all(jinja2.nodes.For))
+    messages = {f.target.name for f in loops if isinstance(f.target, jinja2.nodes.Name) and _accesses(f.iter, lists)}
+    return "openai" if any(_accesses(f.iter, messages, "content") for f in loops) else "string"
+
+
+def _join_text_parts(messages: list[dict]) -> list[dict]:
+    """For string templates: text parts joined with ``"\n"``, a missing content as ``""``."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if content is None:
+            m = {**m, "content": ""}
+        elif not isinstance(content, str):
+            m = {**m, "content": "\n".join(part["text"] for part in content)}
+        out.append(m)
+    return out
+
+
 # ---------------------------------------------------------------------------- messages
 
 
@@ -185,7 +251,7 @@ def render_chat_template(
     Args:
         template: the Jinja2 chat template source.
         messages: OpenAI-style messages (see :func:`validate_messages`); content parts are
-            passed to the template as given.
+            joined for templates that expect a string (see :func:`content_format`).
         add_generation_prompt: end with the header that opens the assistant's turn.
         **kwargs: variables for the template: ``bos_token``, ``eos_token``, ``tools`` (JSON
             schemas), ``documents``, ``enable_thinking``, ``date_string``...
@@ -197,6 +263,8 @@ def render_chat_template(
     """
     validate_messages(messages)
     compiled = _compile(template)
+    if content_format(template) == "string":
+        messages = _join_text_parts(list(messages))
     tools = kwargs.pop("tools", None)
     documents = kwargs.pop("documents", None)
     if documents is not None and not all(isinstance(d, Mapping) for d in documents):

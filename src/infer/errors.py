@@ -29,3 +29,20 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         self.param = param
         super().__init__(message)
+
+
+class EngineStepError(RuntimeError):
+    """A step of the engine failed (a bug, a device error): raised by ``LLMEngine.step``.
+
+    The engine has already aborted every request that was in the failed step and freed its
+    KV-cache blocks, so it stays usable: the requests that were not in the step carry on at
+    the next step. The original exception is ``__cause__``.
+
+    Attributes:
+        request_ids: the requests that were in the step (now aborted, ``finish_reason="error"``).
+    """
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        self.request_ids = request_ids
+        super().__init__(f"an engine step failed with {type(cause).__name__}: {cause}; "
+                         f"its {len(request_ids)} request(s) were aborted")

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from infer.chat import apply_chat_template
 from infer.config import EngineConfig
 from infer.engine import LLMEngine
+from infer.errors import InvalidRequestError
 from infer.outputs import RequestOutput
 from infer.sampling import SamplingParams
 
@@ -72,6 +73,8 @@ class LLM:
         Raises:
             InvalidRequestError: for a prompt or parameter the engine cannot serve; no request
                 is queued in that case.
+            EngineStepError: a step failed (a bug, a device error); this call's other requests
+                are aborted too, and the engine stays usable.
         """
         items = self._normalize(prompts)
         if isinstance(sampling_params, (list, tuple)):
@@ -90,11 +93,17 @@ class LLM:
             raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step(stream=False):
-                done[out.request_id] = out
-                bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step(stream=False):
+                    done[out.request_id] = out
+                    bar.update(1)
+        except BaseException:  # EngineStepError, KeyboardInterrupt: leave nothing of this call queued
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
         return [done[r] for r in ids]
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -134,6 +143,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt_ids(self, messages, add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-        """Token ids of a rendered conversation (the template writes its own BOS if any)."""
+        """Token ids of a rendered conversation (the template writes its own BOS if any).
+
+        Raises:
+            ValueError: see :meth:`chat`; :class:`~infer.errors.InvalidRequestError` when the
+                rendered text encodes to zero tokens.
+        """
         text = apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise InvalidRequestError("the chat template rendered these messages to zero tokens", param="messages")
+        return ids

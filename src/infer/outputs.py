@@ -45,7 +45,8 @@ class CompletionOutput:
         text: generated text so far (stop strings cut per ``include_stop_str_in_output``).
         token_ids: generated token ids so far.
         finish_reason: None while running, then ``"stop"`` (EOS, stop token or stop string),
-            ``"length"`` (max_tokens or the context limit) or ``"abort"``.
+            ``"length"`` (max_tokens or the context limit), ``"abort"``, or ``"error"`` (a
+            failed engine step: see :class:`~infer.errors.EngineStepError`).
         stop_reason: the stop string or stop token id that ended it, if any.
         logprobs: per generated token, when the request asked for ``logprobs``.
         cumulative_logprob: sum of the chosen tokens' logprobs.

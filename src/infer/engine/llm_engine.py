@@ -20,7 +20,7 @@ from infer.engine.model_runner import ModelRunner, fused_ops, num_kv_blocks
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.scheduler import Scheduler
 from infer.engine.sequence import Request, SeqStatus, Sequence
-from infer.errors import InvalidRequestError
+from infer.errors import EngineStepError, InvalidRequestError
 from infer.loader import LoadedModel, load_model
 from infer.outputs import RequestOutput
 from infer.sampling import SamplingParams
@@ -95,12 +95,18 @@ class LLMEngine:
         """``(text or None, token ids)`` of a prompt given as text or as token ids.
 
         Raises:
-            InvalidRequestError: for an empty prompt, ids outside the vocabulary, wrong types.
+            InvalidRequestError: for an empty prompt (text that encodes to zero tokens included),
+                ids outside the vocabulary, wrong types.
         """
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if not ids:  # e.g. a lone control character that the vocabulary has no token for
+                raise InvalidRequestError(
+                    f"prompt {prompt[:32]!r} encodes to zero tokens with this model's tokenizer; "
+                    "a prompt needs at least one token", param="prompt")
+            return prompt, ids
         if not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -183,15 +189,18 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return req
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its KV-cache blocks. Returns False if it was unknown."""
+    def abort_request(self, request_id: str, finish_reason: str = "abort") -> bool:
+        """Stop a request now and free its KV-cache blocks. Returns False if it was unknown.
+
+        Its unfinished sequences end with ``finish_reason`` (``"error"`` after a failed step).
+        """
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
         self.scheduler.abort(request_id)
         for seq in req.seqs:
             if not seq.is_finished:
-                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, finish_reason
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -226,12 +235,24 @@ class LLMEngine:
 
         Returns:
             :class:`RequestOutput` s, finished ones included once.
+
+        Raises:
+            EngineStepError: the forward or the output processing raised (a bug, a device
+                error). Only the requests scheduled in this step are affected: they are aborted
+                (``finish_reason="error"``) and their KV-cache blocks freed before this is raised,
+                so the engine can step on for the others. Their partial results are dropped.
         """
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        result = self.runner.execute(scheduled, self.eos_token_ids)
-        finished = self.output_processor.apply(result, scheduled)
+        try:
+            result = self.runner.execute(scheduled, self.eos_token_ids)
+            finished = self.output_processor.apply(result, scheduled)
+        except Exception as e:
+            failed = list(dict.fromkeys(item.seq.request.request_id for item in scheduled))
+            for rid in failed:
+                self.abort_request(rid, finish_reason="error")
+            raise EngineStepError(failed, e) from e
         now = time.perf_counter()
         for seq in finished:
             seq.status = SeqStatus.FINISHED

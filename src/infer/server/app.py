@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,19 +28,58 @@ from infer.chat import apply_chat_template
 from infer.errors import InvalidRequestError
 from infer.outputs import PositionLogprobs, RequestOutput
 from infer.sampling import SamplingParams
-from infer.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from infer.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed
 from infer.server.metrics import Metrics
-from infer.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
+from infer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    UnsupportedField,
+)
+
+log = logging.getLogger("infer.server")
 
 MAX_BODY_BYTES = 8 << 20
 MAX_N = 16
+#: Sequences (prompts x n) one completions request may carry; what does not fit ``max_num_seqs``
+#: waits in the engine's queue (evaluation harnesses send hundreds of prompts per request).
+MAX_SEQS_PER_REQUEST = 1024
+
+
+def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    """OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
                    code: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        status_code=status, content={"error": {"message": message, "type": type_, "param": param, "code": code}}
-    )
+    return JSONResponse(status_code=status, content=error_body(message, param, type_, code))
+
+
+# what a request's stream may end with instead of a final output
+ENGINE_FAILURES = (RequestFailed, EngineDead)
+
+
+def failure_status_and_body(exc: BaseException) -> tuple[int, dict]:
+    """A request the engine failed: 500 (its step failed; the engine serves on) or 503 (the
+    engine stopped)."""
+    if isinstance(exc, EngineDead):
+        return 503, error_body(str(exc), None, "server_unavailable")
+    return 500, error_body(str(exc), None, "internal_error")
+
+
+def failure_response(exc: BaseException) -> JSONResponse:
+    status, body = failure_status_and_body(exc)
+    return JSONResponse(status_code=status, content=body)
+
+
+def failure_event(exc: BaseException) -> str:
+    """The last SSE event of a stream whose request failed (vLLM's shape: the error body, then
+    ``data: [DONE]``); the ``openai`` client raises ``APIError`` on it."""
+    return f"data: {json.dumps(failure_status_and_body(exc)[1])}\n\n"
 
 
 def _param_of(exc: ValueError) -> str | None:
@@ -107,7 +147,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        # "body" and the names of a union's members (TokenizeChatRequest...) are not fields
+        loc = [str(p) for p in first.get("loc", []) if p != "body" and not str(p)[:1].isupper()]
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", None)
         param = loc[0] if loc else None
@@ -120,8 +161,10 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), None,
-                              "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        r = error_response(exc.status_code, str(exc.detail), None,
+                           "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        r.headers.update(exc.headers or {})  # 405: Allow
+        return r
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # never a bare 500 page
@@ -150,18 +193,19 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         return params
         # <<< EXERCISE sampling_or_reject
 
-    async def start(prompt, params) -> tuple[AsyncIterator[RequestOutput], RequestOutput | None]:
-        """Submit and wait for the engine to accept (not to admit); returns ``(stream, None)``."""
-        first = None  # the first output is awaited by the response, which notices disconnects
+    async def submit_all(prompts, params) -> list[tuple[AsyncIterator[RequestOutput], None]]:
+        """Submit every prompt and wait for the engine to accept them (not to admit them);
+        returns ``(stream, None)`` per prompt (the first output is awaited by the response, which
+        notices disconnects). Nothing stays queued if one is rejected."""
         try:
-            gen = await engine.submit(prompt, params)
+            gens = await engine.submit_many(prompts, params)
         except EngineOverloaded as e:
             raise _Reject(error_response(503, str(e), None, "server_overloaded")) from None
         except EngineDead as e:
             raise _Reject(error_response(503, str(e), None, "server_unavailable")) from None
         except (InvalidRequestError, ValueError) as e:
             raise _Reject(error_response(400, str(e), _param_of(e))) from None
-        return gen, first
+        return [(g, None) for g in gens]
 
     async def close_streams(tasks: list[asyncio.Task], streams) -> None:
         """Stop the tasks reading ``streams``, then close the streams (aborting unfinished requests).
@@ -178,7 +222,11 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 await g.aclose()
 
     async def collect(streams, request: Request) -> list[RequestOutput] | None:
-        """Drain every stream to its final output; None (all aborted) if the client disconnects."""
+        """Drain every stream to its final output; None (all aborted) if the client disconnects.
+
+        Raises:
+            RequestFailed / EngineDead: a stream ended with it (the others are aborted).
+        """
 
         async def drain(gen, first):
             last = first
@@ -191,6 +239,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         try:
             while True:
                 done, _ = await asyncio.wait(tasks, timeout=0.25)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()
                 if len(done) == len(tasks):
                     return [t.result() for t in tasks]
                 if await request.is_disconnected():
@@ -198,28 +249,22 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         finally:
             await close_streams(tasks, streams)
 
-    async def submit_all(prompts, params) -> list:
-        streams = []
-        try:
-            for p in prompts:
-                streams.append(await start(p, params))
-        except BaseException:
-            for g, _ in streams:
-                await g.aclose()
-            raise
-        return streams
-
-    def usage(outs: list[RequestOutput]) -> dict[str, int]:
+    def usage(outs: list[RequestOutput], score_only: bool = False) -> dict[str, int]:
+        """Token counts of ``outs`` (cumulative outputs); ``score_only``: nothing was generated."""
         p = sum(len(o.prompt_token_ids) for o in outs)
-        c = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        c = 0 if score_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def completion_lp_block(prompt_ids: list[int] | None, prompt_lps, gen_lps) -> dict:
+    def completion_lp_block(prompt_ids: list[int] | None, prompt_lps, gen_lps, start: int = 0) -> dict:
+        """The legacy ``logprobs`` object: the echoed prompt's tokens (``prompt_ids``), then the
+        generated ones. ``top_logprobs[i]`` is a dict wherever ``token_logprobs[i]`` is a number,
+        None where it is None (the first prompt token); ``text_offset`` counts characters from
+        ``start`` (a stream's earlier chunks)."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        off = 0
+        off = start
 
         def add(text: str, lp, top):
             nonlocal off
@@ -236,7 +281,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 if e is None:
                     add(text, None, None)
                 else:
-                    add(text, e.token.logprob, {t.decoded: t.logprob for t in e.top} or None)
+                    add(text, e.token.logprob, {t.decoded: t.logprob for t in e.top})
         for e in gen_lps or []:
             add(e.token.decoded, e.token.logprob, {t.decoded: t.logprob for t in e.top})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -247,6 +292,13 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
 
         return {"content": [{**one(e.token), "top_logprobs": [one(t) for t in e.top]} for e in entries]}
 
+    def render_chat(messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> str:
+        try:
+            return apply_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                       **(kwargs or {}))
+        except ValueError as e:
+            raise _Reject(error_response(400, str(e), "messages")) from None
+
     # ------------------------------------------------------------------ endpoints
 
     @app.get("/health")
@@ -255,12 +307,62 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             return error_response(503, "the engine is not running", None, "server_unavailable")
         return JSONResponse({"status": "ok"})
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "infer",
+                "max_model_len": engine.engine.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "infer",
-            "max_model_len": engine.engine.max_model_len,
-        }]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        try:
+            check_model(model_id)
+        except _Reject as r:
+            return r.response
+        return JSONResponse(model_card())
+
+    # vLLM's tokenizer endpoints (lm-eval's remote tokenizer uses them)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> JSONResponse:
+        try:
+            check_model(req.model)
+            if isinstance(req, TokenizeChatRequest):
+                text = render_chat(req.message_dicts(), req.add_generation_prompt, req.chat_template_kwargs)
+            else:
+                text = req.prompt
+        except _Reject as r:
+            return r.response
+        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        strs = [tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
+        try:
+            check_model(req.model)
+        except _Reject as r:
+            return r.response
+        vocab = engine.engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            return error_response(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return JSONResponse({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        specials = getattr(tokenizer, "special_tokens", None) or {}
+        return JSONResponse({
+            "tokenizer_class": type(tokenizer).__name__,
+            **{k: specials.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")},
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "add_bos_token": bool(getattr(tokenizer, "add_bos_token", False)),
+            "model_max_length": engine.engine.max_model_len,
+            "vocab_size": engine.engine.vocab_size,
+        })
 
     @app.get("/metrics")
     async def prom() -> Response:
@@ -277,19 +379,27 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 prompts = req.prompts()
             except UnsupportedField as e:
                 raise _Reject(error_response(400, str(e), e.param)) from None
-            if len(prompts) * params.n > MAX_N:
-                raise _Reject(error_response(400, f"prompts x n must be <= {MAX_N}", "n"))
+            if len(prompts) * params.n > MAX_SEQS_PER_REQUEST:
+                raise _Reject(error_response(
+                    400, f"a request may carry at most {MAX_SEQS_PER_REQUEST} sequences (prompts x n); got "
+                    f"{len(prompts)} prompts x n={params.n}: split the prompt list", "prompt"))
             streams = await submit_all(prompts, params)
         except _Reject as r:
             return r.response
         rid = f"cmpl-{uuid.uuid4().hex}"
         want_lp = req.logprobs is not None
+        score_only = req.score_only  # echo with max_tokens 0: the generated token is dropped
+        if req.ignored_fields():
+            log.debug("%s: ignoring %s (no effect on generation)", rid, ", ".join(req.ignored_fields()))
 
         def choice_index(i: int, j: int) -> int:
             return i * params.n + j
 
         if not req.stream:
-            outs = await collect(streams, request)
+            try:
+                outs = await collect(streams, request)
+            except ENGINE_FAILURES as e:
+                return failure_response(e)
             if outs is None:
                 return Response(status_code=499)  # the client closed the connection: nobody reads this
             choices = []
@@ -300,14 +410,14 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                     lp = None
                     if want_lp:
                         lp = completion_lp_block(out.prompt_token_ids if req.echo else None, out.prompt_logprobs,
-                                                 c.logprobs)
-                    choices.append({"index": choice_index(i, c.index), "text": prefix + c.text, "logprobs": lp,
-                                    "finish_reason": c.finish_reason})
+                                                 None if score_only else c.logprobs)
+                    choices.append({"index": choice_index(i, c.index), "text": prefix + ("" if score_only else c.text),
+                                    "logprobs": lp, "finish_reason": c.finish_reason})
             choices.sort(key=lambda ch: ch["index"])
             return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                                 "model": model_name, "choices": choices, "usage": usage(outs)})
+                                 "model": model_name, "choices": choices, "usage": usage(outs, score_only)})
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous_usage = req.include_usage, req.continuous_usage
 
         async def events():
             finals: dict[int, RequestOutput] = {}
@@ -321,6 +431,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                             return
                     async for out in gen:
                         await queue.put((i, out))
+                except ENGINE_FAILURES as e:
+                    await queue.put((i, e))
                 finally:
                     await queue.put((i, None))
 
@@ -328,38 +440,50 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             open_streams = len(tasks)
             echoed: set[tuple[int, int]] = set()
             ended: set[tuple[int, int]] = set()
+            offsets: dict[tuple[int, int], int] = {}  # text_offset reached by each choice
+            failed = None
             try:
                 while open_streams:
                     i, out = await queue.get()
                     if out is None:
                         open_streams -= 1
                         continue
+                    if isinstance(out, BaseException):
+                        failed = out
+                        break
                     for c in out.outputs:
                         if (i, c.index) in ended:
                             continue
                         if c.finish_reason:
                             ended.add((i, c.index))
-                        text = c.delta_text
+                        key = (i, c.index)
+                        text = "" if score_only else c.delta_text
                         lp = None
                         echo_ids = None
-                        if req.echo and (i, c.index) not in echoed:
-                            echoed.add((i, c.index))
+                        if req.echo and key not in echoed:
+                            echoed.add(key)
                             text = (out.prompt or tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)) \
                                 + text
                             echo_ids = out.prompt_token_ids
                         if want_lp:
-                            lp = completion_lp_block(echo_ids, out.prompt_logprobs, c.delta_logprobs)
-                        if not text and not c.finish_reason and not c.delta_token_ids:
+                            lp = completion_lp_block(echo_ids, out.prompt_logprobs,
+                                                     None if score_only else c.delta_logprobs, offsets.get(key, 0))
+                            offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp["tokens"])
+                        if not text and not c.finish_reason and not (c.delta_token_ids and not score_only):
                             continue
+                        extra = {"usage": usage([out], score_only)} if continuous_usage else {}
                         yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
                                    "model": model_name, "choices": [{"index": choice_index(i, c.index), "text": text,
                                                                      "logprobs": lp,
-                                                                     "finish_reason": c.finish_reason}]})
+                                                                     "finish_reason": c.finish_reason}], **extra})
                     if out.finished:
                         finals[i] = out
-                if include_usage:
+                if failed is not None:
+                    yield failure_event(failed)
+                elif include_usage:
                     yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                               "model": model_name, "choices": [], "usage": usage(list(finals.values()))})
+                               "model": model_name, "choices": [],
+                               "usage": usage(list(finals.values()), score_only)})
                 yield "data: [DONE]\n\n"
             finally:
                 await close_streams(tasks, streams)
@@ -371,19 +495,23 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         try:
             check_model(req.model)
             params = sampling_or_reject(req)
-            try:
-                text = apply_chat_template(tokenizer, req.message_dicts(), add_generation_prompt=req.add_generation_prompt,
-                                           **(req.chat_template_kwargs or {}))
-            except ValueError as e:
-                raise _Reject(error_response(400, str(e), "messages")) from None
+            text = render_chat(req.message_dicts(), req.add_generation_prompt, req.chat_template_kwargs)
             ids = tokenizer.encode(text, add_special_tokens=False)
+            if not ids:
+                raise _Reject(error_response(400, "the chat template rendered these messages to zero tokens",
+                                             "messages"))
             streams = await submit_all([ids], params)
         except _Reject as r:
             return r.response
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.ignored_fields():
+            log.debug("%s: ignoring %s (no effect on generation)", rid, ", ".join(req.ignored_fields()))
 
         if not req.stream:
-            outs = await collect(streams, request)
+            try:
+                outs = await collect(streams, request)
+            except ENGINE_FAILURES as e:
+                return failure_response(e)
             if outs is None:
                 return Response(status_code=499)
             out = outs[0]
@@ -394,12 +522,20 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                                  "model": model_name, "choices": choices, "usage": usage(outs)})
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous_usage = req.include_usage, req.continuous_usage
         gen, first = streams[0]
 
         def chunk(choices: list[dict], **extra) -> str:
             return sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                         "model": model_name, "choices": choices, **extra})
+
+        def usage_so_far(out: RequestOutput | None) -> dict:
+            """``stream_options.continuous_usage_stats``: the usage up to this chunk, in every chunk."""
+            if not continuous_usage:
+                return {}
+            if out is None:
+                return {"usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}}
+            return {"usage": usage([out])}
 
         async def request_outputs() -> AsyncIterator[RequestOutput]:
             """The request's outputs (deltas), as the engine thread hands them over."""
@@ -420,7 +556,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             ``data: [DONE]``.
             """
             yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for j in range(params.n)])
+                          "finish_reason": None} for j in range(params.n)], **usage_so_far(None))
             # >>> EXERCISE chat_sse
             last = None
             ended: set[int] = set()
@@ -436,7 +572,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                     delta = {"content": c.delta_text} if (c.delta_text or not c.finish_reason) else {}
                     yield chunk([{"index": c.index, "delta": delta,
                                   "logprobs": chat_lp_block(c.delta_logprobs or []) if req.logprobs else None,
-                                  "finish_reason": c.finish_reason}])
+                                  "finish_reason": c.finish_reason}], **usage_so_far(out))
             if include_usage and last is not None:
                 yield chunk([], usage=usage([last]))
             yield "data: [DONE]\n\n"
@@ -447,6 +583,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 async with contextlib.aclosing(chat_sse(request_outputs())) as lines:
                     async for line in lines:
                         yield line
+            except ENGINE_FAILURES as e:
+                yield failure_event(e)
+                yield "data: [DONE]\n\n"
             finally:
                 await close_streams([], streams)
 

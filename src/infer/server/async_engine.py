@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infer.engine import LLMEngine
+from infer.errors import EngineStepError
 from infer.outputs import CompletionOutput, RequestOutput
 from infer.sampling import SamplingParams
 
@@ -52,7 +53,11 @@ class EngineOverloaded(Exception):
 
 
 class EngineDead(Exception):
-    """The engine thread stopped (shutdown or a crash)."""
+    """The engine thread stopped (shutdown or a crash): HTTP 503."""
+
+
+class RequestFailed(Exception):
+    """The engine step that ran this request failed (HTTP 500); the engine serves on."""
 
 
 @dataclass
@@ -102,11 +107,20 @@ class AsyncEngine:
             :class:`EngineOverloaded`.
         on_finished: optional callback ``(RequestOutput) -> None`` run on the engine thread
             when a request finishes (metrics).
+        max_step_failures: consecutive failed steps after which the engine is declared dead.
+
+    Faults: a step that raises :class:`~infer.errors.EngineStepError` (the engine has already
+    aborted that step's requests and freed their blocks) ends those requests' streams with
+    :class:`RequestFailed`, logs the traceback once, and the loop goes on for everybody else.
+    ``max_step_failures`` failures in a row (a device that is gone fails every step), or any other
+    exception out of the engine, stop the thread: :attr:`alive` turns False (``/health`` says
+    503) and every open stream ends with :class:`EngineDead`.
     """
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int = 256,
-                 on_finished=None) -> None:
+                 on_finished=None, max_step_failures: int = 3) -> None:
         self.max_waiting = max_waiting
+        self.max_step_failures = max_step_failures
         self.on_finished = on_finished
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -163,6 +177,53 @@ class AsyncEngine:
         finally:
             self._pending_adds -= 1
         return RequestStream(self, rid, stream.queue)
+
+    async def submit_many(self, prompts: list[str | list[int]], params: SamplingParams) -> list[RequestStream]:
+        """Queue several prompts (one HTTP request's) as one unit; return once all are accepted.
+
+        The ``max_waiting`` limit is checked once, for the unit: a request carrying more prompts
+        than ``max_num_seqs`` queues the rest instead of being refused. All adds go to the
+        engine thread at once (one round trip, not one step per prompt).
+
+        Raises:
+            InvalidRequestError / ValueError: the engine rejected a prompt (nothing stays
+                queued); its message starts with ``prompt[i]:`` when there are several.
+            EngineOverloaded, EngineDead: as :meth:`submit`.
+        """
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        if self.num_waiting + self._pending_adds >= self.max_waiting:
+            raise EngineOverloaded(f"{self.num_waiting} requests are already waiting (max {self.max_waiting})")
+        loop = asyncio.get_running_loop()
+        adds = []
+        for prompt in prompts:
+            rid = f"req-{next(self._ids)}"
+            stream = _Stream(loop, asyncio.Queue())
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            adds.append((rid, stream, fut))
+            self._inbox.put(("add", (rid, prompt, params, stream), fut))
+        self._pending_adds += len(adds)
+        if not self._thread.is_alive():  # raced with a shutdown
+            for _, _, fut in adds:
+                if not fut.done():
+                    fut.set_exception(EngineDead("the engine is shutting down"))
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for _, _, f in adds), return_exceptions=True)
+        except asyncio.CancelledError:
+            for rid, _, _ in adds:
+                self.abort(rid)
+            raise
+        finally:
+            self._pending_adds -= len(adds)
+        errors = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if errors:
+            for rid, _, _ in adds:
+                self.abort(rid)
+            i, e = errors[0]
+            if len(prompts) > 1 and isinstance(e, ValueError):
+                e.args = (f"prompt[{i}]: {e}", *e.args[1:])
+            raise e
+        return [RequestStream(self, rid, stream.queue) for rid, stream, _ in adds]
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -247,6 +308,19 @@ class AsyncEngine:
         self._streams.pop(rid, None)
         # <<< EXERCISE abort_request
 
+    def _fail_step(self, e: EngineStepError, failures: int) -> None:
+        """A step failed: log it once, end its requests' streams with :class:`RequestFailed`
+        (the engine has aborted them), and re-raise ``e`` after ``max_step_failures`` in a row."""
+        cause = e.__cause__ or e
+        log.error("engine step failed (%d in a row); failing its requests %s", failures, ", ".join(e.request_ids),
+                  exc_info=cause)
+        if failures >= self.max_step_failures:
+            raise e
+        for rid in e.request_ids:
+            self._deliver(rid, RequestFailed(f"internal error while running this request: "
+                                             f"{type(cause).__name__}: {cause}"))
+            self._streams.pop(rid, None)
+
     def _finish_all(self) -> None:
         """End every open stream with a final output (used at shutdown)."""
         for rid in list(self._streams):
@@ -260,6 +334,7 @@ class AsyncEngine:
             built.set_exception(e)
             return
         built.set_result(eng)
+        failures = 0  # consecutive failed steps
         try:
             while not self._stopping.is_set():
                 block = not eng.has_unfinished_requests()
@@ -274,7 +349,14 @@ class AsyncEngine:
                 if self._stopping.is_set():
                     break
                 if eng.has_unfinished_requests():
-                    for out in eng.step(stream=True):
+                    try:
+                        outs = eng.step(stream=True)
+                        failures = 0
+                    except EngineStepError as e:
+                        failures += 1
+                        self._fail_step(e, failures)
+                        outs = []
+                    for out in outs:
                         if out.finished:
                             self._record_finished(out)
                         self._deliver(out.request_id, out)
@@ -285,7 +367,10 @@ class AsyncEngine:
                 if self.num_waiting and not self.num_running:
                     time.sleep(0.001)  # static batching is waiting for its batch to fill
         except BaseException as e:  # a crash: fail every open request instead of hanging it
-            log.exception("engine thread crashed")
+            if isinstance(e, EngineStepError):  # its traceback is logged already
+                log.error("%d engine steps failed in a row: the engine stops", failures)
+            else:
+                log.exception("engine thread crashed")
             self.error = e
             for rid in list(self._streams):
                 self._deliver(rid, EngineDead(f"the engine stopped: {e!r}"))

@@ -12,9 +12,9 @@ the server).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag
 
 from infer.sampling import SamplingParams
 
@@ -25,6 +25,13 @@ class UnsupportedField(ValueError):
     def __init__(self, param: str, message: str) -> None:
         self.param = param
         super().__init__(message)
+
+
+#: OpenAI request fields that do not change what is generated.
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key")
+
+#: ``max_tokens`` of a completions request that leaves it out or sends null (OpenAI's legacy API).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class StreamOptions(BaseModel):
@@ -48,8 +55,14 @@ class _Common(BaseModel):
     frequency_penalty: float | None = 0.0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI fields that do not change what is generated: accepted and ignored
+    user: str | None = None
+    store: StrictBool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # vLLM's extras
     top_k: StrictInt | None = None
     min_p: float | None = None
@@ -60,11 +73,27 @@ class _Common(BaseModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
 
+    def ignored_fields(self) -> list[str]:
+        """The fields given that do not change generation (the server logs them at debug level)."""
+        return [f for f in IGNORED_FIELDS if getattr(self, f) is not None]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def _check_common(self) -> None:
         if self.logit_bias:
             raise UnsupportedField("logit_bias", "logit_bias is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedField("stream_options", "stream_options is only allowed when stream is true")
+        if self.continuous_usage and not self.include_usage:
+            raise UnsupportedField("stream_options", "stream_options.continuous_usage_stats requires include_usage "
+                                   "to be true (as in vLLM)")
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The :class:`SamplingParams` of this request (its ``ValueError`` names the field)."""
@@ -121,7 +150,18 @@ class CompletionRequest(_Common):
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedField("best_of", "best_of different from n is not supported by this server")
         prompt_lp = self.logprobs if (self.echo and self.logprobs is not None) else None
-        return self._sampling(self.max_tokens, self.logprobs, prompt_lp)
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        if max_tokens == 0:
+            if not self.echo:
+                raise UnsupportedField("max_tokens", "max_tokens must be >= 1 (0 is allowed with echo: true, "
+                                       "which scores the prompt without generating)")
+            max_tokens = 1  # one token is generated and dropped from the response (see score_only)
+        return self._sampling(max_tokens, self.logprobs, prompt_lp)
+
+    @property
+    def score_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0`` (legacy API): the prompt, and its logprobs, only."""
+        return self.echo and self.max_tokens == 0
 
 
 class ChatMessage(BaseModel):
@@ -165,10 +205,64 @@ class ChatCompletionRequest(_Common):
         return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, None)
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            d = m.model_dump(exclude_none=True)
-            if d["role"] == "developer":  # OpenAI's newer name for system
-                d["role"] = "system"
-            out.append(d)
-        return out
+        return _message_dicts(self.messages)
+
+
+def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as plain dicts for the chat template (``developer`` is OpenAI's newer name
+    for ``system``)."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":
+            d["role"] = "system"
+        out.append(d)
+    return out
+
+
+# ---------------------------------------------------------------------------- vLLM's tokenizer endpoints
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a text prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with chat messages, rendered by the model's chat template (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: StrictBool = False
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return _message_dicts(self.messages)
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def _tokenize_kind(body: Any) -> str:
+    has_messages = isinstance(body, dict) and "messages" in body or hasattr(body, "messages")
+    return "Chat" if has_messages else "Completion"
+
+
+#: ``POST /tokenize``'s body: a chat request when it has ``messages``, else a text one.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("Completion")] | Annotated[TokenizeChatRequest, Tag("Chat")],
+    Discriminator(_tokenize_kind),
+]
