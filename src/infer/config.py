@@ -218,6 +218,9 @@ class EngineConfig:
     cuda_graphs: bool = _flag(False, "CUDA: capture decode-only steps as CUDA graphs, one per batch-size bucket, "
                               "and replay them (one launch per step instead of one per kernel); needs the "
                               "triton attention backend", ablation=(False, True))
+    async_scheduling: bool = _flag(False, "schedule and prepare step N + 1 and process step N - 1's tokens "
+                                   "(stop checks, detokenization, streaming) while the device runs step N; the "
+                                   "same outputs, one step later", ablation=(False, True))
     cuda_graph_max_batch_size: int = _flag(256, "cuda_graphs: the largest decode batch captured (buckets 1, 2, "
                                            "4, 8, then steps of 8 up to this); larger decode steps run eagerly")
 

@@ -105,13 +105,15 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        # Pinned host staging, reused every step: ids/positions/slots, context lengths, and the block
-        # tables packed [B, width] (only the columns in use travel; a device-side copy spreads them into
-        # the [n, max_blocks_per_seq] buffer). Reuse is safe because every step ends with a host sync
-        # (the sampled tokens), so the previous step's copies have finished.
-        self._host64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)
-        self._host_lens = torch.zeros(n, dtype=torch.int32, pin_memory=True)
-        self._host_tables = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        # Pinned host staging: ids/positions/slots, context lengths, and the block tables packed
+        # [B, width] (only the columns in use travel; a device-side copy spreads them into the
+        # [n, max_blocks_per_seq] buffer). Two sets, used in turn: when the host fills one for step N,
+        # the copies of step N - 2 from it are done (the host waited for step N - 1's tokens, enqueued
+        # after them), while step N - 1's copies may still be pending under async scheduling.
+        self._staging = [(torch.zeros(3, n, dtype=torch.int64, pin_memory=True),
+                          torch.zeros(n, dtype=torch.int32, pin_memory=True),
+                          torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)) for _ in range(2)]
+        self._turn = 0
         self._tables_dev = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -179,13 +181,15 @@ class CUDAGraphRunner:
         return self.capture_seconds
 
     def replay(self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-               tables: list[list[int]]) -> torch.Tensor:
+               tables: list[list[int]], patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run a decode step of ``B = len(ids)`` sequences through its bucket's graph.
 
         Args:
             ids, positions, slots, seq_lens: one int per sequence (its new token, its position,
                 its cache slot, its context length including the new token).
             tables: each sequence's block table.
+            patch: async scheduling: ``(positions, tokens)``, device tensors of input ids to
+                overwrite (tokens the previous step sampled, not yet seen by the host).
 
         Returns:
             Logits ``[B, vocab_size]`` (a view of the graph's output buffer, valid until the next
@@ -193,17 +197,17 @@ class CUDAGraphRunner:
         """
         b = len(ids)
         bs = bucket_for(b, self.sizes)
-        h64 = self._host64
+        h64, lens, host_tables = self._staging[self._turn]
+        self._turn ^= 1
         h64[0, :b] = torch.as_tensor(ids)
         h64[1, :b] = torch.as_tensor(positions)
         h64[2, :b] = torch.as_tensor(slots)
         h64[0:2, b:bs] = 0
         h64[2, b:bs] = -1  # padding rows write nothing to the cache...
-        lens = self._host_lens
         lens[:b] = torch.as_tensor(seq_lens)
         lens[b:bs] = 0  # ... and read nothing from it
         width = max(len(t) for t in tables)
-        packed = self._host_tables[: b * width]
+        packed = host_tables[: b * width]
         block_table_array(tables, width, packed.numpy().reshape(b, width))
         self.input_ids[:bs].copy_(h64[0, :bs], non_blocking=True)
         self.positions[:bs].copy_(h64[1, :bs], non_blocking=True)
@@ -212,6 +216,8 @@ class CUDAGraphRunner:
         staged = self._tables_dev[: b * width]
         staged.copy_(packed, non_blocking=True)
         self.block_tables[:b, :width].copy_(staged.view(b, width))
+        if patch is not None:
+            self.input_ids.index_copy_(0, *patch)
         self.graphs[bs].replay()
         return self.logits[bs][:b]
 

@@ -8,6 +8,7 @@ offline API (:class:`infer.llm.LLM`) and the server drive it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
@@ -16,10 +17,10 @@ import time
 from infer.config import EngineConfig
 from infer.detokenizer import IncrementalDetokenizer
 from infer.engine.kv_cache_manager import KVCacheManager
-from infer.engine.model_runner import ModelRunner, fused_ops, num_kv_blocks
+from infer.engine.model_runner import ModelRunner, StepResult, fused_ops, num_kv_blocks
 from infer.engine.output_processor import OutputProcessor
-from infer.engine.scheduler import Scheduler
-from infer.engine.sequence import Request, SeqStatus, Sequence
+from infer.engine.scheduler import ScheduledSeq, Scheduler
+from infer.engine.sequence import PLACEHOLDER, Request, SeqStatus, Sequence
 from infer.errors import EngineStepError, InvalidRequestError
 from infer.loader import LoadedModel, load_model
 from infer.outputs import RequestOutput
@@ -85,6 +86,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self._in_flight: tuple[list[ScheduledSeq], StepResult] | None = None  # async scheduling
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -204,7 +206,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -242,27 +244,101 @@ class LLMEngine:
                 (``finish_reason="error"``) and their KV-cache blocks freed before this is raised,
                 so the engine can step on for the others. Their partial results are dropped.
         """
+        if self.config.async_scheduling:
+            return self._step_async(stream)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        try:
+        with self._failing_requests_abort(scheduled):
             result = self.runner.execute(scheduled, self.eos_token_ids)
             finished = self.output_processor.apply(result, scheduled)
+        return self._finish(scheduled, finished, stream)
+
+    @contextlib.contextmanager
+    def _failing_requests_abort(self, *steps: list[ScheduledSeq]):
+        """An exception in the forward or the output processing aborts the steps' requests
+        (``finish_reason="error"``, blocks freed) and becomes an :class:`EngineStepError`."""
+        try:
+            yield
         except Exception as e:
-            failed = list(dict.fromkeys(item.seq.request.request_id for item in scheduled))
+            if self._in_flight is not None:
+                steps = (*steps, self._in_flight[0])
+                self._in_flight = None
+            failed = list(dict.fromkeys(item.seq.request.request_id for sched in steps for item in sched))
             for rid in failed:
                 self.abort_request(rid, finish_reason="error")
             raise EngineStepError(failed, e) from e
+
+    def _finish(self, scheduled: list[ScheduledSeq], finished: list[Sequence], stream: bool) -> list[RequestOutput]:
+        """Free what finished and build the step's outputs (one per request that took part)."""
         now = time.perf_counter()
         for seq in finished:
             seq.status = SeqStatus.FINISHED
             self.scheduler.free(seq)
         outputs = []
         for req in dict.fromkeys(item.seq.request for item in scheduled):
+            if req.request_id not in self.requests:
+                continue  # aborted while its step ran (async scheduling): its final output went out then
             if req.is_finished:
                 req.finished_time = now
                 self.requests.pop(req.request_id, None)
+                self.scheduler.abort(req.request_id)  # async: it may have been preempted meanwhile
             out = self.output_processor.make_output(req, final_only=not stream)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _step_async(self, stream: bool) -> list[RequestOutput]:
+        """One step with async scheduling (``EngineConfig.async_scheduling``; vLLM's name, the
+        overlap loop of mini-sglang and SGLang's "zero-overhead" scheduler).
+
+        The device runs step N while the host processes step N - 1's tokens (stop checks,
+        detokenization, streaming) and schedules step N + 1::
+
+            schedule N -> launch N -> [wait for N-1's tokens] process N-1 -> mark N's placeholders
+                          (device: ......... step N runs .........)
+
+        The scheduler decides step N before step N - 1's tokens reach the host, so each sequence
+        that sampled in step N - 1 holds a *placeholder* token (:data:`PLACEHOLDER`) that counts as
+        one uncomputed token; the model runner replaces it on the device with the sampled token
+        (a gather from step N - 1's output). A sequence that turns out to have finished in step
+        N - 1 ran one step too many: its step-N token is dropped. Freeing its blocks at once is safe
+        although step N still writes them: every step runs on one stream, so the next owner's
+        writes come later. Outputs are the same as without the flag, one call of ``step`` later.
+        A request with penalties needs its previous token on the host to build the next step's
+        sampling tensors: while one runs, the engine waits for each step before the next (no
+        overlap, same results).
+        """
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self._needs_host_tokens(self._in_flight[1]):
+            outputs = self._process_in_flight(stream)
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs + self._process_in_flight(stream)
+        prev = self._in_flight[1] if self._in_flight is not None else None
+        with self._failing_requests_abort(scheduled):
+            result = self.runner.execute(scheduled, self.eos_token_ids, prev)
+            self.output_processor.advance(scheduled)
+            outputs += self._process_in_flight(stream)
+        for seq in result.sampled:  # their tokens are on the device: the next step reads them there
+            if not seq.is_finished:
+                seq.token_ids.append(PLACEHOLDER)
+        self._in_flight = (scheduled, result)
+        return outputs
+
+    def _process_in_flight(self, stream: bool) -> list[RequestOutput]:
+        """Wait for the step in flight's tokens and apply them (async scheduling)."""
+        if self._in_flight is None:
+            return []
+        scheduled, result = self._in_flight
+        self._in_flight = None
+        with self._failing_requests_abort(scheduled):
+            finished = self.output_processor.apply(result, scheduled, advanced=True)
+        return self._finish(scheduled, finished, stream)
+
+    @staticmethod
+    def _needs_host_tokens(result) -> bool:
+        """Does a sequence of this step need its new token on the host before the next step is
+        built? (The penalties count the generated tokens when the sampling tensors are built.)"""
+        return any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0
+                   or s.params.frequency_penalty != 0.0 for s in result.sampled)

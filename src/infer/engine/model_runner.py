@@ -24,7 +24,7 @@ import torch
 
 from infer.attention import AttentionMetadata, KVCache, TorchAttentionBackend
 from infer.engine.scheduler import ScheduledSeq
-from infer.engine.sequence import Sequence
+from infer.engine.sequence import PLACEHOLDER, Sequence
 from infer.loader import LoadedModel
 from infer.sampling import SamplerOutput, SamplingTensors, sample
 
@@ -47,6 +47,34 @@ class StepResult:
     sampled: list[Sequence]
     sampler_output: SamplerOutput | None
     prompt_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    _host: tuple[torch.Tensor, ...] | None = None
+    _ready: torch.cuda.Event | None = None
+
+    def start_copy_to_host(self) -> None:
+        """Start copying the sampled tokens (and logprobs) to pinned host memory, in stream order,
+        without waiting: :meth:`host_outputs` waits for this copy only, not for work enqueued after
+        it (async scheduling enqueues the next step's forward before reading this one's tokens)."""
+        out = self.sampler_output
+        if out is None or self._host is not None:
+            return
+        need_lp = any(s.params.logprobs is not None for s in self.sampled)
+        tensors = [out.next_tokens] + ([out.logprobs, out.top_logprob_ids, out.top_logprobs] if need_lp else [])
+        if out.next_tokens.device.type != "cuda":
+            self._host = tuple(tensors)
+            return
+        self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                           for t in tensors)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def host_outputs(self) -> tuple[list, list | None, list | None, list | None]:
+        """``(tokens, chosen logprobs, top ids, top logprobs)`` as host lists (the logprob ones None
+        when no sampled sequence asked for logprobs); waits for :meth:`start_copy_to_host`'s copy."""
+        self.start_copy_to_host()
+        if self._ready is not None:
+            self._ready.synchronize()
+        lists = [t.tolist() for t in self._host]
+        return (lists[0], *(lists[1:] if len(lists) > 1 else (None, None, None)))
 
 
 def num_kv_blocks(
@@ -239,20 +267,54 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
+    @staticmethod
+    def _placeholders(scheduled: list[ScheduledSeq], starts: list[int], prev: StepResult) -> tuple[list, list]:
+        """Async scheduling: where this step's input holds tokens the previous step sampled and the
+        host has not seen yet (:data:`~infer.engine.sequence.PLACEHOLDER`).
+
+        Returns:
+            ``(flat positions in input_ids, rows of prev's sampled tokens)``, one pair per placeholder
+            (a sequence holds at most one: the previous step's token is its last).
+        """
+        row_of = {id(s): r for r, s in enumerate(prev.sampled)}
+        flat, rows = [], []
+        for k, item in enumerate(scheduled):
+            seq = item.seq
+            last = len(seq.token_ids) - 1
+            if seq.token_ids[last] == PLACEHOLDER and seq.num_computed_tokens <= last:
+                flat.append(starts[k] + last - seq.num_computed_tokens)
+                rows.append(row_of[id(seq)])
+        return flat, rows
+
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], eos_ids: list[int]) -> StepResult:
-        """Run one step over ``scheduled`` and sample the sequences that are ready to."""
+    def execute(self, scheduled: list[ScheduledSeq], eos_ids: list[int], prev: StepResult | None = None) -> StepResult:
+        """Run one step over ``scheduled`` and sample the sequences that are ready to.
+
+        Args:
+            prev: async scheduling: the previous step, whose sampled tokens (still on the device)
+                replace the placeholders in this step's input ids, on the device.
+
+        Returns:
+            The :class:`StepResult`, its tokens still on the device (:meth:`StepResult.host_outputs`
+            reads them; their copy to the host is already started).
+        """
         # decodes first (stable), so the attention gets them as one slice (AttentionMetadata)
         scheduled = sorted(scheduled, key=lambda item: item.num_tokens != 1)
         ids, positions, starts, seq_lens, tables, firsts, sample_at, sampled = self._flatten(scheduled)
         slots = self.kv_cache.slot_mapping(tables, firsts, [s.num_tokens for s in scheduled])
         num_decodes = sum(1 for s in scheduled if s.num_tokens == 1)
+        patch = None
+        if prev is not None and prev.sampler_output is not None:
+            flat, rows = self._placeholders(scheduled, starts, prev)
+            if flat:
+                patch = (self._to_device(flat, torch.int64),
+                         prev.sampler_output.next_tokens[self._to_device(rows, torch.int64)])
         if self.graphs is not None and self.graphs.can_run(len(ids), num_decodes):
             # a decode-only step: replay the captured graph of its bucket (forward + logits of every row)
-            logits = self.graphs.replay(ids, positions, slots, seq_lens, tables)
+            logits = self.graphs.replay(ids, positions, slots, seq_lens, tables, patch)
             if len(sample_at) != len(ids):  # a one-token prefill chunk among the decodes samples nothing
                 logits = logits[self._to_device(sample_at, torch.int64)]
-            return StepResult(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
+            return self._result(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
         meta = AttentionMetadata(
             query_start_loc=self._to_device(starts, torch.int32),
             seq_lens=self._to_device(seq_lens, torch.int32),
@@ -264,7 +326,10 @@ class ModelRunner:
             block_tables_cpu=tables,
             num_decodes=num_decodes,
         )
-        hidden = self.model(self._to_device(ids, torch.int64), self._to_device(positions, torch.int64), meta)
+        input_ids = self._to_device(ids, torch.int64)
+        if patch is not None:
+            input_ids.index_copy_(0, *patch)
+        hidden = self.model(input_ids, self._to_device(positions, torch.int64), meta)
         bs = self.kv_cache.block_size
         for item in scheduled:  # n > 1: each fork gets its copy of the prompt's last, partly filled block
             n = item.seq.num_computed_tokens + item.num_tokens
@@ -277,7 +342,13 @@ class ModelRunner:
             return StepResult([], None, prompt_lp)
         logits = self.model.compute_logits(hidden[self._to_device(sample_at, torch.int64)])
         tensors = self._sampling_tensors(sampled, eos_ids)
-        return StepResult(sampled, sample(logits, tensors), prompt_lp)
+        return self._result(sampled, sample(logits, tensors), prompt_lp)
+
+    @staticmethod
+    def _result(sampled, sampler_output, prompt_lp) -> StepResult:
+        result = StepResult(sampled, sampler_output, prompt_lp)
+        result.start_copy_to_host()
+        return result
 
     def _block_table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
         """int32 ``[B, W]`` on the device: the block tables, padded with 0 to the widest."""

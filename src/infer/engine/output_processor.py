@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from infer.engine.model_runner import StepResult
-from infer.engine.sequence import Request, Sequence
+from infer.engine.sequence import PLACEHOLDER, Request, Sequence
 from infer.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from infer.tokenizer import Tokenizer
 
@@ -33,12 +33,24 @@ class OutputProcessor:
     def _token(self, token_id: int, logprob: float, rank: int | None) -> TokenLogprob:
         return TokenLogprob(token_id, logprob, rank, self.tokenizer.decode([token_id], skip_special_tokens=False))
 
-    def apply(self, result: StepResult, scheduled) -> list[Sequence]:
-        """Advance every scheduled sequence; returns those that finished this step."""
+    @staticmethod
+    def advance(scheduled) -> None:
+        """Count the step's tokens as computed (their K/V is in the cache once the step ran)."""
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             for fork in item.forks:  # they got a copy of the prompt's K/V this step
                 fork.num_computed_tokens = item.seq.num_computed_tokens
+
+    def apply(self, result: StepResult, scheduled, advanced: bool = False) -> list[Sequence]:
+        """Advance every scheduled sequence (unless ``advanced``: :meth:`advance` already ran) and
+        append the sampled tokens; returns the sequences that finished this step.
+
+        With async scheduling (:class:`~infer.engine.llm_engine.LLMEngine`), a sampled sequence
+        already holds a placeholder (-1) where its token goes, which the token replaces; a sequence
+        that finished (or was aborted) while this step ran is skipped: its token is dropped.
+        """
+        if not advanced:
+            self.advance(scheduled)
         finished: list[Sequence] = []
         now = time.perf_counter()
         for seq, (chosen, ranks, top_i, top_v) in (
@@ -48,17 +60,17 @@ class OutputProcessor:
             self._add_prompt_logprobs(seq, chosen, ranks, top_i, top_v)
         if result.sampler_output is None:
             return finished
-        out = result.sampler_output
-        tokens = out.next_tokens.tolist()  # the step's one device -> host sync
-        need_lp = any(seq.params.logprobs is not None for seq in result.sampled)
-        if need_lp:
-            chosen_lp = out.logprobs.tolist()
-            top_ids, top_lps = out.top_logprob_ids.tolist(), out.top_logprobs.tolist()
+        tokens, chosen_lp, top_ids, top_lps = result.host_outputs()  # the step's one device -> host wait
         for i, (seq, token) in enumerate(zip(result.sampled, tokens)):
+            if seq.is_finished:
+                continue  # async scheduling: it finished (or was aborted) while this step ran
             req = seq.request
             if req.first_token_time is None:
                 req.first_token_time = now
-            seq.token_ids.append(token)
+            if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
+                seq.token_ids[-1] = token
+            else:
+                seq.token_ids.append(token)
             seq.pending_token_ids.append(token)
             k = seq.params.logprobs
             if k is not None:

@@ -16,6 +16,8 @@ from infer.detokenizer import IncrementalDetokenizer
 from infer.outputs import PositionLogprobs
 from infer.sampling import SamplingParams
 
+PLACEHOLDER = -1  # async scheduling: a sampled token still on the device (see LLMEngine)
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
