@@ -315,7 +315,7 @@ def qk_norm_rope(
 
 # ============================================================================ act(gate) * up
 
-_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a constexpr: jitted code reads no plain globals
 
 
 @triton.jit
