@@ -170,6 +170,8 @@ def test_qk_norm_rope_matches_reference(dtype, norm, shape, t):
     hq, hkv, d = shape
     g = torch.Generator().manual_seed(hash((str(dtype), norm, shape, t)) % 10000)
     qkv, pos, cache, (qw, kw) = qk_case(g, t, hq, hkv, d, dtype, norm, pad=2 if t > 1 else 0)
+    if t > 1:
+        pos = pos.to(torch.int32)  # both index dtypes
     a, b = qkv.clone(), qkv.clone()
     q, k, v = ops.qk_norm_rope(a, pos, cache, hq, hkv, d, qw, kw, EPS, norm == "gemma")
     qr, kr, vr = ref.qk_norm_rope(b, pos, cache, hq, hkv, d, qw, kw, EPS, norm == "gemma")
