@@ -2,6 +2,7 @@
 
     python benchmarks/fused_kernels.py --out benchmarks/reports/gpu-DATE        # H100/H200, ~1-2 min
     python benchmarks/fused_kernels.py --models qwen3-4b --tokens 1 2048        # a subset
+    python benchmarks/fused_kernels.py --tune --tokens 1 256 2048               # + launch-choice sweep
     TRITON_INTERPRET=1 python benchmarks/fused_kernels.py --device cpu --out /tmp/fk  # smoke test
 
 The four operations of ``infer.kernels`` at Qwen3-0.6B (hidden 1024, 16 q / 8 kv heads, head_dim 128,
@@ -195,6 +196,49 @@ def run_row(op: str, name: str, m: dict, t: int, dtype, device, ceil: dict, gen)
     return row
 
 
+def tune(name: str, m: dict, tokens: list[int], dtype, device, ceil: dict, gen, gpu: bool) -> list[dict]:
+    """Sweep the launch choices of the fused kernels (how the defaults were chosen): num_warps for every
+    kernel, heads per program (BLOCK_H) for qk_norm_rope, columns per program (BLOCK) for act_and_mul.
+    Only the fused variant is timed; each choice compiles its own variant."""
+    import triton
+
+    from infer.kernels import fused_triton as ft
+
+    saved = (ft._num_warps, ft._qk_rope_config, ft._act_block)
+    warps_list = (1, 2, 4, 8, 16) if gpu else (1, 4)
+    rows = []
+    item = torch.empty((), dtype=dtype).element_size()
+    try:
+        for op in OPS:
+            for t in tokens:
+                nbytes = op_bytes(op, t, m, item)
+                n = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / nbytes))) if gpu else 1
+                case = Case(op, t, m, n, dtype, device, gen)
+                extra = {"qk_norm_rope": ("block_h", (1, 2, 4, 8)), "act_and_mul": ("block", (512, 1024, 2048, 4096))}
+                key, values = extra.get(op, (None, (None,)))
+                for warps in warps_list:
+                    for v in values:
+                        ft._num_warps = lambda _e, w=warps: w
+                        if op == "qk_norm_rope":
+                            ft._qk_rope_config = lambda h, _d, bh=v, w=warps: (min(bh, triton.next_power_of_2(h)), w)
+                        if op == "act_and_mul":
+                            ft._act_block = lambda i, b=v: min(b, triton.next_power_of_2(i))
+                        try:
+                            sec = bench_graph(lambda i, c=case: c.call("fused", i), n, device)
+                            row = {"op": op, "model": name, "tokens": t, "num_warps": warps, "fused_us": 1e6 * sec,
+                                   "fused_frac": nbytes / sec / 1e9 / ceil["bandwidth_gb_s"]}
+                        except Exception as e:  # noqa: BLE001 (a choice that does not compile: note it)
+                            row = {"op": op, "model": name, "tokens": t, "num_warps": warps, "error": type(e).__name__}
+                        if key:
+                            row[key] = v
+                        rows.append(row)
+                        print({k: round(x, 3) if isinstance(x, float) else x for k, x in row.items()}, flush=True)
+                case.sets.clear()
+    finally:
+        ft._num_warps, ft._qk_rope_config, ft._act_block = saved
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto", help="cuda, cpu (needs TRITON_INTERPRET=1) or auto")
@@ -204,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=None,
                     help=f"numbers of tokens T (default {GPU_TOKENS} on a GPU, {CPU_TOKENS} on the CPU)")
     ap.add_argument("--ops", nargs="+", default=OPS, choices=OPS, help="operations to measure (default: all)")
+    ap.add_argument("--tune", action="store_true",
+                    help="also sweep num_warps / heads per program / block size of the fused kernels")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -231,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                     row = run_row(op, name, m, t, dtype, device, ceil, gen)
                     rows.append(row)
                     print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        tuned = [r for name, m in models.items() for r in tune(name, m, tokens, dtype, device, ceil, gen, gpu)] \
+            if args.tune else None
     sync(device)
     report = {
         "benchmark": "fused_kernels",
@@ -242,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                   "cleared per replay), time / n; fused_gb_s = minimal bytes of the op / fused time; fused_frac "
                   "= that / the copy bandwidth (read + write) measured in the same run",
         "rows": rows,
+        "tune": tuned,
         "seconds": time.perf_counter() - start,
     }
     table = markdown_table(rows, ["op", "model", "tokens", "bytes", "fused_us", "reference_us", "unfused_us",

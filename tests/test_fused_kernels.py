@@ -485,13 +485,17 @@ def test_benchmark_smoke(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import fused_kernels
 
-    assert fused_kernels.main(["--device", "cpu", "--tokens", "1", "3", "--out", str(tmp_path)]) == 0
+    assert fused_kernels.main(["--device", "cpu", "--tokens", "1", "3", "--tune", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "fused_kernels.json").read_text())
     rows_ = report["rows"]
     assert {r["op"] for r in rows_} == {"rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul"}
     assert all(r["fused_us"] > 0 and r["reference_us"] > 0 and r["unfused_us"] > 0 for r in rows_)
     assert all(r["max_abs_diff_fused_vs_unfused"] < 1e-4 for r in rows_)
     assert (tmp_path / "fused_kernels.md").exists()
+    tuned = report["tune"]
+    assert {r["op"] for r in tuned} == set(fused_kernels.OPS) and all(r["fused_us"] > 0 for r in tuned)
+    assert {r["num_warps"] for r in tuned} == {1, 4} and {r["block_h"] for r in tuned if "block_h" in r} == {1, 2, 4, 8}
+    assert fused_kernels.tune is not None and ops._num_warps(4096) == 8  # the defaults are restored
 
 
 # ---------------------------------------------------------------------------------- GPU, real shapes
