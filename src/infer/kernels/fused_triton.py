@@ -208,7 +208,7 @@ def fused_add_rms_norm(
 # ============================================================================ QK-norm + RoPE
 
 
-@triton.jit(do_not_specialize=["max_positions"])
+@triton.jit(do_not_specialize=["max_positions"], do_not_specialize_on_alignment=["pos_ptr"])
 def _qk_norm_rope_kernel(
     qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, stride_t, max_positions, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
@@ -315,7 +315,7 @@ def qk_norm_rope(
 
 # ============================================================================ act(gate) * up
 
-_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a constexpr: jitted code reads no plain globals
 
 
 @triton.jit
@@ -331,12 +331,13 @@ def _act_and_mul_kernel(
     g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0).to(tl.float32)
     if GELU_TANH:
-        # 0.5 g (1 + tanh(y)) = g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3): tanh through exp,
-        # safe at both ends (exp overflows to inf for very negative g: the result is then -0)
+        # 0.5 g (1 + tanh(y)) = g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3): tanh through exp
+        # (libdevice's tanh does not run in the interpreter). The exponent is capped at 80 so that exp
+        # never overflows: for g that negative the result is ~g * 1e-35 either way.
         y = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        a = g / (1.0 + tl.exp(-2.0 * y))
+        a = g / (1.0 + tl.exp(tl.minimum(-2.0 * y, 80.0)))
     else:
-        a = g / (1.0 + tl.exp(-g))  # silu(g) = g * sigmoid(g)
+        a = g / (1.0 + tl.exp(tl.minimum(-g, 80.0)))  # silu(g) = g * sigmoid(g)
     tl.store(out_ptr + t * stride_o + offs, _round(a * u, out_ptr.dtype.element_ty, MANUAL_BF16), mask=mask)
 
 
