@@ -143,11 +143,12 @@ def test_torch_backend_with_cuda_graphs_is_rejected():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True])
-def test_cuda_graphs_give_the_eager_tokens(tiny_llama_cuda, fused):
+@pytest.mark.parametrize("fused, overlap", [(False, False), (True, False), (True, True)])
+def test_cuda_graphs_give_the_eager_tokens(tiny_llama_cuda, fused, overlap):
     """Greedy and seeded-sampled requests arriving over time (batch widths cross buckets 1..16,
     prefills mixed in run eagerly, a small paged cache preempts): the same tokens with graphs
-    on and off, and every block back in the pool (padding rows wrote nothing)."""
+    on and off (and with async scheduling: the previous step's tokens gathered on the device into
+    the graph's input), and every block back in the pool (padding rows wrote nothing)."""
     loaded = tiny_llama_cuda
     arrivals = mixed_workload(loaded.config.vocab_size, 24, seed=3) + \
         mixed_workload(loaded.config.vocab_size, 8, seed=4, sampled=True)
@@ -155,7 +156,8 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_llama_cuda, fused):
                  kv_cache_memory_bytes=40 * 4 * loaded.config.kv_bytes_per_token(torch.float32))
     try:
         ref = drive(_gpu_engine(loaded, fused_kernels=fused, **paged), arrivals)
-        eng = _gpu_engine(loaded, fused_kernels=fused, cuda_graphs=True, cuda_graph_max_batch_size=12, **paged)
+        eng = _gpu_engine(loaded, fused_kernels=fused, cuda_graphs=True, cuda_graph_max_batch_size=12,
+                          async_scheduling=overlap, **paged)
         assert sorted(eng.runner.graphs.graphs) == [1, 2, 4, 8, 12]
         replays = 0
         real_replay = eng.runner.graphs.replay

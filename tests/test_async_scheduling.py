@@ -1,0 +1,123 @@
+"""Phase 9: async scheduling (``EngineConfig.async_scheduling``) gives exactly the outputs of the
+synchronous loop: tokens, texts, finish reasons, logprobs, stop strings, n > 1, aborts,
+preemption, chunked prefill and penalties (which wait for their step), and every KV block back.
+
+On the CPU nothing overlaps (CPU tensors are computed as they are issued), but every path of the
+loop runs: placeholders, the device-side gather of the previous step's tokens, sequences that
+finished while their next step ran, requests preempted or aborted with a step in flight.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from infer.engine.sequence import PLACEHOLDER
+from infer.sampling import SamplingParams
+from tests.test_batching import assert_pool_full, drive, make_engine, mixed_workload
+
+
+def _full(engine, arrivals, abort_at: dict[int, str] | None = None) -> dict[str, tuple]:
+    """Run ``arrivals`` (``(step, prompt, params)``); returns request id -> every output field that
+    matters, and the streamed deltas joined (they must add up to the final text)."""
+    pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
+    done, streamed = {}, {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, params) = pending.pop(0)
+            engine.add_request(prompt, params, request_id=f"r{i}")
+        if abort_at and step in abort_at:
+            engine.abort_request(abort_at[step])
+        for out in engine.step(stream=True):
+            for c in out.outputs:
+                streamed[(out.request_id, c.index)] = streamed.get((out.request_id, c.index), "") + c.delta_text
+            if out.finished:
+                done[out.request_id] = tuple(
+                    (c.text, tuple(c.token_ids), c.finish_reason, c.stop_reason,
+                     None if c.logprobs is None else tuple(round(e.token.logprob, 4) for e in c.logprobs))
+                    for c in out.outputs)
+        step += 1
+        assert step < 5000
+    for (rid, idx), text in streamed.items():
+        if rid in done:
+            assert text == done[rid][idx][0], "the streamed deltas do not add up to the final text"
+    return done
+
+
+def _workload(vocab: int, n: int, seed: int):
+    rng = random.Random(seed)
+    arrivals = []
+    for i in range(n):
+        prompt = [rng.randrange(100, vocab - 100) for _ in range(rng.randint(3, 40))]
+        kind = i % 5
+        if kind == 0:
+            params = SamplingParams(max_tokens=rng.randint(1, 14), temperature=0.0, ignore_eos=True)
+        elif kind == 1:
+            params = SamplingParams(max_tokens=12, temperature=0.8, seed=i, top_k=30, logprobs=2, ignore_eos=True)
+        elif kind == 2:
+            params = SamplingParams(max_tokens=10, temperature=0.7, seed=i, n=2, ignore_eos=True)
+        elif kind == 3:  # a penalty: the engine waits for this request's steps
+            params = SamplingParams(max_tokens=9, temperature=0.9, seed=i, repetition_penalty=1.3,
+                                    presence_penalty=0.4, ignore_eos=True)
+        else:  # ends on a stop token id sampled with some luck, else on max_tokens
+            params = SamplingParams(max_tokens=11, temperature=1.0, seed=i, stop_token_ids=[rng.randrange(100, 400)])
+        arrivals.append((rng.randint(0, 12), prompt, params))
+    return arrivals
+
+
+@pytest.mark.parametrize("kw", [
+    dict(kv_cache="contiguous"),
+    dict(kv_cache="paged", block_size=4),
+    dict(kv_cache="paged", block_size=4, chunked_prefill=True, max_num_batched_tokens=24),
+], ids=["contiguous", "paged", "chunked"])
+def test_async_scheduling_gives_the_synchronous_outputs(tiny_llama, kw):
+    arrivals = _workload(tiny_llama.config.vocab_size, 15, seed=1)
+    base = dict(batching="continuous", max_model_len=64, max_num_seqs=6, **kw)
+    ref = _full(make_engine(tiny_llama, **base), arrivals)
+    eng = make_engine(tiny_llama, async_scheduling=True, **base)
+    assert _full(eng, arrivals) == ref
+    assert_pool_full(eng)
+    assert eng._in_flight is None
+
+
+def test_async_scheduling_under_preemption_and_aborts(tiny_llama):
+    """A cache so small that sequences are preempted while their step is in flight, and requests
+    aborted mid-run: the same outputs as the synchronous loop, and no block leaks."""
+    arrivals = mixed_workload(tiny_llama.config.vocab_size, 20, seed=9) + \
+        mixed_workload(tiny_llama.config.vocab_size, 6, seed=10, sampled=True)
+    kw = dict(batching="continuous", max_model_len=96, max_num_seqs=8, kv_cache="paged", block_size=4,
+              kv_cache_memory_bytes=30 * 4 * tiny_llama.config.kv_bytes_per_token(torch.float32))
+    aborts = {6: "r3", 9: "r11", 14: "r0"}
+    ref_eng = make_engine(tiny_llama, **kw)
+    ref = _full(ref_eng, arrivals, aborts)
+    eng = make_engine(tiny_llama, async_scheduling=True, **kw)
+    assert _full(eng, arrivals, aborts) == ref
+    assert eng.num_preemptions > 0
+    assert_pool_full(eng)
+
+
+@pytest.mark.parametrize("mode", ["none", "static"])
+def test_async_scheduling_with_other_batching_policies(tiny_llama, mode):
+    arrivals = mixed_workload(tiny_llama.config.vocab_size, 8, seed=3)
+    kw = dict(batching=mode, max_model_len=96, max_num_seqs=4, batch_wait_timeout_ms=0)
+    ref = drive(make_engine(tiny_llama, **kw), arrivals)
+    eng = make_engine(tiny_llama, async_scheduling=True, **kw)
+    assert drive(eng, arrivals) == ref
+    assert_pool_full(eng)
+
+
+def test_a_sequence_holds_one_placeholder_while_its_step_runs(tiny_llama):
+    eng = make_engine(tiny_llama, batching="continuous", max_model_len=64, async_scheduling=True)
+    eng.add_request([11, 12, 13], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), request_id="a")
+    assert eng.step() == []  # the prefill is in flight: nothing to report yet
+    seq = eng.requests["a"].seqs[0]
+    assert seq.token_ids == [11, 12, 13, PLACEHOLDER]
+    outs = eng.step()  # launches the first decode, then applies the prefill's token
+    assert [o.outputs[0].token_ids for o in outs] == [seq.token_ids[3:4]]
+    assert seq.token_ids[-1] == PLACEHOLDER and PLACEHOLDER not in seq.token_ids[:-1]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert PLACEHOLDER not in seq.token_ids and len(seq.token_ids) == 8
