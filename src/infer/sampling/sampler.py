@@ -388,13 +388,22 @@ def _pad(rows: Sequence[Sequence[int]], vocab_size: int, name: str) -> tuple[np.
     return padded, lengths
 
 
+def _upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory without waiting: a copy from
+    pageable memory would make the host wait for every kernel already queued (the forward), which
+    async scheduling relies on not doing."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _to_device(padded: np.ndarray, lengths: np.ndarray, keep: np.ndarray | None, device) -> torch.Tensor:
     """The rows of ``padded`` where ``keep`` (all if ``None``), others emptied, trimmed, on ``device``."""
     if keep is not None:
         padded[~keep] = -1
         lengths = np.where(keep, lengths, 0)
     width = int(lengths.max(initial=0))
-    return torch.from_numpy(np.ascontiguousarray(padded[:, :width])).to(device)
+    return _upload(torch.from_numpy(np.ascontiguousarray(padded[:, :width])), device)
 
 
 @dataclass
@@ -624,7 +633,7 @@ class SamplingTensors:
         ints[1] = row_seeds
         ints[2] = row_steps
         if batch:
-            packed = torch.from_numpy(buf).to(device)  # the one host-to-device copy
+            packed = _upload(torch.from_numpy(buf), device)  # the one host-to-device copy
             f32 = packed[:nf].view(torch.float32).view(6, batch)
             i64 = packed[nf:].view(torch.int64).view(3, batch)
         else:
@@ -636,7 +645,7 @@ class SamplingTensors:
         if any(p.top_p < 1.0 for p in sampled):
             need = [i for i, p in enumerate(params_list) if p.top_p < 1.0 and not p.greedy]
             if len(need) < batch:
-                top_p_rows = torch.tensor(need, dtype=torch.int64).to(device)
+                top_p_rows = _upload(torch.tensor(need, dtype=torch.int64), device)
 
         return cls(
             temperature=f32[0],
