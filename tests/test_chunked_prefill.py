@@ -135,6 +135,17 @@ def test_chunked_matches_unchunked(request, refs, model, kv_cache, budget):
     assert_pool_full(eng)
 
 
+@pytest.mark.parametrize("policy", ["none", "static"])
+def test_chunked_under_the_other_batching_policies(tiny_llama, refs, policy):
+    """One request at a time, and static batches (admitted whole, prefilled in chunks over several
+    steps): each request's tokens and prompt logprobs are still chunking off's (batch invariance)."""
+    eng = make_engine(tiny_llama, kv_cache="paged", chunked_prefill=True, max_num_batched_tokens=7,
+                      **{**KW, "batching": policy, "batch_wait_timeout_ms": 0})
+    got = run(eng, workload(tiny_llama.config.vocab_size, refs["stop", "llama"]), check=assert_blocks_consistent)
+    assert_same(got, refs["llama", "paged"])
+    assert_pool_full(eng)
+
+
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
 def test_chunked_with_the_triton_backend(tiny_gemma3, refs, kv_cache):
     """The Triton prefill/extend kernel (interpreted) reads the cached part of the prompt; the cut at
