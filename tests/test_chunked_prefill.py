@@ -75,9 +75,9 @@ def assert_same(got: dict, ref: dict) -> None:
             assert a[0] == b[0] and a[1] == pytest.approx(b[1], abs=1e-4) and a[2] == b[2], rid
 
 
-def workload(vocab: int, seed: int = 0):
+def workload(vocab: int, stop: int | None = None, seed: int = 0):
     """Decoding requests with long prompts arriving while they decode; prompt logprobs, n = 2
-    (seeded samples) and a stop token among them."""
+    (seeded samples) and a request stopped by ``stop`` (a token id) among them."""
     rng = random.Random(seed)
 
     def prompt(n):
@@ -89,7 +89,7 @@ def workload(vocab: int, seed: int = 0):
         (0, prompt(45), SamplingParams(max_tokens=6, prompt_logprobs=2, **greedy)),
         (2, prompt(70), SamplingParams(max_tokens=5, prompt_logprobs=0, **greedy)),
         (3, prompt(33), SamplingParams(n=2, max_tokens=5, seed=11, temperature=1.0, ignore_eos=True)),
-        (5, prompt(20), SamplingParams(max_tokens=8, stop_token_ids=[rng.randrange(10, vocab)], **greedy)),
+        (5, prompt(20), SamplingParams(max_tokens=8, stop_token_ids=[] if stop is None else [stop], **greedy)),
     ]
 
 
@@ -101,9 +101,13 @@ def refs(tiny_llama, tiny_gemma3):
     """Chunking off (one step per prompt) on each model and KV cache."""
     out = {}
     for name, loaded in (("llama", tiny_llama), ("gemma3", tiny_gemma3)):
+        # the stop token: the 4th token the last request generates without one
+        alone = run(make_engine(loaded, **KW), workload(loaded.config.vocab_size)[-1:])
+        out["stop", name] = stop = alone["r0"]["tokens"][0][3]
         for kv in ("contiguous", "paged"):
             eng = make_engine(loaded, kv_cache=kv, **KW)
-            out[name, kv] = run(eng, workload(loaded.config.vocab_size))
+            out[name, kv] = run(eng, workload(loaded.config.vocab_size, stop))
+            assert len(out[name, kv]["r4"]["tokens"][0]) <= 4  # the stop token ended it
             assert_pool_full(eng)
             assert eng.stats()["num_chunked_prefill_steps"] == 0
     return out
@@ -124,10 +128,21 @@ def test_chunked_matches_unchunked(request, refs, model, kv_cache, budget):
         return items
 
     eng.scheduler.schedule = schedule
-    got = run(eng, workload(loaded.config.vocab_size), check=assert_blocks_consistent)
+    got = run(eng, workload(loaded.config.vocab_size, refs["stop", model]), check=assert_blocks_consistent)
     assert_same(got, refs[model, kv_cache])
     assert max(widths) <= budget
     assert eng.stats()["num_chunked_prefill_steps"] > 0
+    assert_pool_full(eng)
+
+
+@pytest.mark.parametrize("policy", ["none", "static"])
+def test_chunked_under_the_other_batching_policies(tiny_llama, refs, policy):
+    """One request at a time, and static batches (admitted whole, prefilled in chunks over several
+    steps): each request's tokens and prompt logprobs are still chunking off's (batch invariance)."""
+    eng = make_engine(tiny_llama, kv_cache="paged", chunked_prefill=True, max_num_batched_tokens=7,
+                      **{**KW, "batching": policy, "batch_wait_timeout_ms": 0})
+    got = run(eng, workload(tiny_llama.config.vocab_size, refs["stop", "llama"]), check=assert_blocks_consistent)
+    assert_same(got, refs["llama", "paged"])
     assert_pool_full(eng)
 
 
