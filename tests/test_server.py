@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -823,6 +826,39 @@ def test_engine_is_built_on_the_engine_thread():
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(broken)
+
+
+# ---------------------------------------------------------------------------- third-party clients
+
+FUZZ_EXAMPLES = 30
+
+
+@pytest.mark.thirdparty
+def test_schemathesis_fuzz(server, tmp_path):
+    """schemathesis 4 generates requests from the server's OpenAPI schema (valid ones and
+    schema-violating ones, 30 per operation, fixed seed; generated work capped by
+    tests/schemathesis_hooks.py) and checks every response: no 5xx, status codes, content types,
+    headers and bodies as the schema documents them, schema-violating requests rejected, 405 with
+    ``Allow``. Left out: ``positive_data_acceptance`` (cross-field rules such as ``min_tokens <=
+    max_tokens`` or ``best_of == n`` cannot be stated in the schema) and the coverage phase (its
+    boundary cases, 1,024 prompts x 16 tokens, skip the hooks and take minutes on a CPU). Then
+    the server is healthy and gives the greedy answer it gave before."""
+    pytest.importorskip("schemathesis")
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           "INFER_FUZZ_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "INFER_FUZZ_MAX_N": "8"}
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json",
+           "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+           "--phases", "examples,fuzzing,stateful", "--max-examples", str(FUZZ_EXAMPLES), "--seed", "1",
+           "--workers", "1", "--generation-database", "none", "--request-timeout", "60", "--no-color",
+           "--output-sanitize", "false", "--continue-on-failure", "--report", "junit",
+           "--report-dir", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{run.stdout[-8000:]}\n{run.stderr[-2000:]}\n{server.logs()}"
+    assert "No issues found" in run.stdout, run.stdout[-4000:]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    wait_idle(server)
+    assert greedy_text(server) == server.baseline
 
 
 def test_main_server_log_has_no_traceback(server):
