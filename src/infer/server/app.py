@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP API (FastAPI).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. Response shapes are OpenAI's, so the official ``openai``
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and vLLM's ``POST /tokenize``,
+``POST /detokenize``, ``GET /tokenizer_info``. Response shapes are OpenAI's, so the official ``openai``
 client works unchanged; streaming is Server-Sent Events (``data: {...}`` chunks, then
 ``data: [DONE]``). Every bad request gets a 4xx with OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}``; the engine never sees it.
+``{"error": {"message", "type", "param", "code"}}``; the engine never sees it. A request whose
+engine step failed gets a 500 (a stream: a last error event), and 503 once the engine has
+stopped (see ``async_engine.py``). ``GET /openapi.json`` types every request and response.
 """
 
 from __future__ import annotations
