@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -823,6 +826,143 @@ def test_engine_is_built_on_the_engine_thread():
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(broken)
+
+
+# ---------------------------------------------------------------------------- third-party clients
+
+FUZZ_EXAMPLES = 30
+
+
+@pytest.mark.thirdparty
+def test_schemathesis_fuzz(server, tmp_path):
+    """schemathesis 4 generates requests from the server's OpenAPI schema (valid ones and
+    schema-violating ones, 30 per operation, fixed seed; generated work capped by
+    tests/schemathesis_hooks.py) and checks every response: no 5xx, status codes, content types,
+    headers and bodies as the schema documents them, schema-violating requests rejected, 405 with
+    ``Allow``. Left out: ``positive_data_acceptance`` (cross-field rules such as ``min_tokens <=
+    max_tokens`` or ``best_of == n`` cannot be stated in the schema) and the coverage phase (its
+    boundary cases, 1,024 prompts x 16 tokens, skip the hooks and take minutes on a CPU). Then
+    the server is healthy and gives the greedy answer it gave before."""
+    pytest.importorskip("schemathesis")
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           "INFER_FUZZ_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "INFER_FUZZ_MAX_N": "8"}
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json",
+           "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+           "--phases", "examples,fuzzing,stateful", "--max-examples", str(FUZZ_EXAMPLES), "--seed", "1",
+           "--workers", "1", "--generation-database", "none", "--request-timeout", "60", "--no-color",
+           "--output-sanitize", "false", "--continue-on-failure", "--report", "junit",
+           "--report-dir", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{run.stdout[-8000:]}\n{run.stderr[-2000:]}\n{server.logs()}"
+    assert "No issues found" in run.stdout, run.stdout[-4000:]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    wait_idle(server)
+    assert greedy_text(server) == server.baseline
+
+
+LM_EVAL_MC = [  # (question, choices, answer index): 5 items x 4 choices = 20 loglikelihood requests
+    ("The capital of France is", ["Paris", "London", "Rome", "Berlin"], 0),
+    ("Two plus two equals", ["four", "five", "three", "seven"], 0),
+    ("The opposite of hot is", ["cold", "warm", "red", "tall"], 0),
+    ("Water freezes at zero degrees", ["Celsius", "Fahrenheit", "Kelvin", "Rankine"], 0),
+    ("The sun rises in the", ["east", "west", "north", "south"], 0),
+]
+
+
+def lm_eval_tasks(tmp_path: Path) -> Path:
+    """A multiple-choice task and a generate_until task from local JSONL files (no hub)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    mc, gen = tmp_path / "mc.jsonl", tmp_path / "gen.jsonl"
+    mc.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in LM_EVAL_MC))
+    gen.write_text(json.dumps({"question": "Q: What is the capital of France?\nA:", "answer": " Paris"}) + "\n")
+    (tmp_path / "infer_smoke_mc.yaml").write_text(f"""task: infer_smoke_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {mc}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+""")
+    (tmp_path / "infer_smoke_gen.yaml").write_text(f"""task: infer_smoke_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {gen}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: answer
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""")
+    return tmp_path
+
+
+@pytest.mark.thirdparty
+def test_lm_eval_smoke(server, llm, tmp_path, monkeypatch):
+    """lm-eval 0.4.13's ``local-completions`` against the server with its default tokenizer
+    settings (it finds ``/tokenizer_info`` and ``/tokenize`` and uses the server's tokenizer: no
+    files) and a batch of 32 (all 20 loglikelihood requests in one request of 20 prompts). Each
+    log-likelihood equals the sum of the offline engine's prompt logprobs over the continuation's
+    tokens, for the token ids lm-eval builds (context ids + continuation ids, as its
+    ``_encode_pair``); the generate_until answer is the offline greedy one. The hub is switched
+    off: had lm-eval not found the server's tokenizer, it would fail to download one."""
+    pytest.importorskip("lm_eval")
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tasks_dir = lm_eval_tasks(tmp_path / "tasks")
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": f"{server.url}/v1/completions", "model": MODEL, "num_concurrent": 1,
+                    "max_retries": 1, "timeout": 120},
+        tasks=["infer_smoke_mc", "infer_smoke_gen"], batch_size=32, log_samples=True,
+        task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
+    )
+    tok = llm.tokenizer
+
+    def encode_pair(context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's ``TemplateLM._encode_pair``: trailing spaces move to the continuation; the
+        continuation's ids are the whole string's past the context's."""
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:
+            continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
+        whole = tok.encode(context + continuation, add_special_tokens=False)
+        ctx = tok.encode(context, add_special_tokens=False)
+        return ctx, whole[len(ctx):]
+
+    samples = results["samples"]["infer_smoke_mc"]
+    assert len(samples) == len(LM_EVAL_MC)
+    for sample in samples:
+        for args, resp in zip(sample["arguments"], sample["resps"]):
+            context, continuation = args[:2]
+            ctx, cont = encode_pair(context, continuation)
+            ref = llm.generate(ctx + cont, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+            want = sum(e.token.logprob for e in ref.prompt_logprobs[len(ctx):])
+            got = resp[0][0]
+            assert got == pytest.approx(want, abs=1e-3), (context, continuation)
+    acc = results["results"]["infer_smoke_mc"]["acc,none"]
+    assert 0.0 <= acc <= 1.0
+
+    [sample] = results["samples"]["infer_smoke_gen"]
+    question = "Q: What is the capital of France?\nA:"
+    want = offline(llm, [tok.encode(question, add_special_tokens=False)], max_tokens=8, temperature=0,
+                   stop=["\n"])[0]
+    assert sample["resps"][0][0] == want
+    wait_idle(server)
 
 
 def test_main_server_log_has_no_traceback(server):

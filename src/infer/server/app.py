@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP API (FastAPI).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. Response shapes are OpenAI's, so the official ``openai``
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and vLLM's ``POST /tokenize``,
+``POST /detokenize``, ``GET /tokenizer_info``. Response shapes are OpenAI's, so the official ``openai``
 client works unchanged; streaming is Server-Sent Events (``data: {...}`` chunks, then
 ``data: [DONE]``). Every bad request gets a 4xx with OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}``; the engine never sees it.
+``{"error": {"message", "type", "param", "code"}}``; the engine never sees it. A request whose
+engine step failed gets a 500 (a stream: a last error event), and 503 once the engine has
+stopped (see ``async_engine.py``). ``GET /openapi.json`` types every request and response.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer.chat import apply_chat_template
@@ -31,21 +35,72 @@ from infer.sampling import SamplingParams
 from infer.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed
 from infer.server.metrics import Metrics
 from infer.server.protocol import (
+    MAX_N,
+    MAX_SEQS_PER_REQUEST,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
     TokenizeChatRequest,
     TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
     UnsupportedField,
 )
 
 log = logging.getLogger("infer.server")
 
 MAX_BODY_BYTES = 8 << 20
-MAX_N = 16
-#: Sequences (prompts x n) one completions request may carry; what does not fit ``max_num_seqs``
-#: waits in the engine's queue (evaluation harnesses send hundreds of prompts per request).
-MAX_SEQS_PER_REQUEST = 1024
+# MAX_SEQS_PER_REQUEST: sequences (prompts x n) one completions request may carry; what does not
+# fit max_num_seqs waits in the engine's queue (evaluation harnesses send hundreds of prompts)
+
+_ERROR_DOCS = {
+    400: "Invalid request: OpenAI's error body, `param` names the field",
+    404: "Unknown model (`code`: model_not_found)",
+    405: "Method not allowed on this path (the `Allow` header lists the allowed one)",
+    413: "Request body larger than the limit (8 MiB)",
+    500: "The engine step that ran this request failed; the server serves on",
+    503: "The waiting queue is full (`server_overloaded`) or the engine stopped (`server_unavailable`)",
+}
+# One Server-Sent Event (Open API 3.1: a text/event-stream ``schema`` describes each event)
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "description": "with `stream: true`: one event per chunk (the JSON of a chunk, shaped like the 200 body with "
+                   "one choice: `text` or `delta`), an error body as the last event if the request failed, then "
+                   "`[DONE]`",
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, an error body, or [DONE]"},
+                   "event": {"type": "string"}}}}}
+
+
+def _responses(ok_model, ok_description: str, *errors: int, stream: bool = False) -> dict:
+    """FastAPI ``responses=`` for the OpenAPI schema: the 200 body and the documented errors."""
+    ok: dict[str, Any] = {"model": ok_model, "description": ok_description}
+    if stream:
+        ok["content"] = _SSE
+    return {200: ok, **{c: {"model": ErrorResponse, "description": _ERROR_DOCS[c]} for c in (*errors, 405)}}
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's union tags in an error's loc
+
+
+def _fill_limits(node: Any, limits: dict[str, int]) -> None:
+    """Replace the ``x-infer-limit`` markers of the request models (protocol.py) by the served
+    model's bounds: ``maximum`` for an integer, ``maxItems`` for an array."""
+    if isinstance(node, dict):
+        kind = node.pop("x-infer-limit", None)
+        if kind is not None:
+            node["maxItems" if node.get("type") == "array" else "maximum"] = limits[kind]
+        for v in node.values():
+            _fill_limits(v, limits)
+    elif isinstance(node, list):
+        for v in node:
+            _fill_limits(v, limits)
 
 
 def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error",
@@ -134,6 +189,24 @@ class _BodyLimit:
 def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``model_name``."""
     app = FastAPI(title="infer", description="OpenAI-compatible API of the infer engine")
+    eng = engine.engine
+    limits = {"vocab": eng.vocab_size - 1, "context": eng.max_model_len - 1,
+              "n": min(MAX_N, eng.scheduler.max_num_seqs)}
+
+    def openapi() -> dict:
+        """FastAPI's schema, minus its 422 (this server answers 400), with the model's bounds."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version="1.0", description=app.description, routes=app.routes)
+            for path in schema["paths"].values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            _fill_limits(schema, limits)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     metrics = Metrics(model_name)
     engine.on_finished = metrics.request_finished
     app.state.engine = engine
@@ -146,9 +219,12 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
-        first = errs[0] if errs else {}
-        # "body" and the names of a union's members (TokenizeChatRequest...) are not fields
-        loc = [str(p) for p in first.get("loc", []) if p != "body" and not str(p)[:1].isupper()]
+        # for a union (prompt: str | list...), a value of the right shape but out of range says more
+        # than "Input should be a valid string" from the first member
+        first = next((e for e in errs if not e.get("type", "").endswith("_type")), errs[0] if errs else {})
+        # "body" and the union members' tags ("list[str]", "Chat"...) are not fields
+        loc = [str(p) for p in first.get("loc", []) if isinstance(p, int) or (
+            p != "body" and p.isidentifier() and p[:1].islower() and p not in _TYPE_TAGS)]
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", None)
         param = loc[0] if loc else None
@@ -298,10 +374,13 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                                        **(kwargs or {}))
         except ValueError as e:
             raise _Reject(error_response(400, str(e), "messages")) from None
+        except TypeError as e:  # chat_template_kwargs clashing with the renderer's own arguments
+            raise _Reject(error_response(400, f"chat_template_kwargs: {e}", "chat_template_kwargs")) from None
 
     # ------------------------------------------------------------------ endpoints
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthResponse, "description": "The engine is running"},
+                                   503: {"model": ErrorResponse, "description": "The engine stopped"}})
     async def health() -> Response:
         if not engine.alive:
             return error_response(503, "the engine is not running", None, "server_unavailable")
@@ -311,11 +390,11 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         return {"id": model_name, "object": "model", "created": created, "owned_by": "infer",
                 "max_model_len": engine.engine.max_model_len}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_responses(ModelList, "The served model"))
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [model_card()]})
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_responses(ModelCard, "The model", 404))
     async def model(model_id: str) -> JSONResponse:
         try:
             check_model(model_id)
@@ -325,7 +404,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
 
     # vLLM's tokenizer endpoints (lm-eval's remote tokenizer uses them)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_responses(TokenizeResponse, "The prompt's token ids", 400, 404, 413))
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         try:
             check_model(req.model)
@@ -340,7 +419,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         return JSONResponse({"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids,
                              "token_strs": strs})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_responses(DetokenizeResponse, "The text of the token ids", 400, 404, 413))
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         try:
             check_model(req.model)
@@ -352,7 +431,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             return error_response(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
         return JSONResponse({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
-    @app.get("/tokenizer_info")
+    @app.get("/tokenizer_info", responses=_responses(TokenizerInfoResponse, "The tokenizer's special tokens, "
+                                                     "chat template and lengths"))
     async def tokenizer_info() -> JSONResponse:
         specials = getattr(tokenizer, "special_tokens", None) or {}
         return JSONResponse({
@@ -364,13 +444,16 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             "vocab_size": engine.engine.vocab_size,
         })
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prom() -> Response:
         body = metrics.render(engine.num_running, engine.num_waiting, engine.engine.scheduler.kv_cache_usage(),
                               engine.num_preemptions, scheduler=engine.engine.scheduler)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_responses(CompletionResponse, "The completion", 400, 404, 413, 500,
+                                                      503, stream=True))
     async def completions(req: CompletionRequest, request: Request):
         try:
             check_model(req.model)
@@ -490,7 +573,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse, "The chat completion", 400, 404,
+                                                           413, 500, 503, stream=True))
     async def chat(req: ChatCompletionRequest, request: Request):
         try:
             check_model(req.model)

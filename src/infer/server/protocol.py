@@ -7,16 +7,33 @@ Field names, defaults and shapes follow OpenAI's API reference (``/v1/completion
 fields infer does not implement (``suffix``, ``best_of > n``, a non-empty ``logit_bias``,
 ``tools``...), each with an HTTP 400 that names the field: a request is never half-served.
 Range checks live in :class:`~infer.sampling.SamplingParams` (one place for the library and
-the server).
+the server); the fields below carry the same ranges, so that the OpenAPI schema states them
+and a schema-valid request is not refused for a range. Limits that depend on the served model
+(the vocabulary, the context, ``max_num_seqs``) are marked ``x-infer-limit`` and filled in by
+the app when it builds its schema.
+
+The response models at the end only document the responses (the OpenAPI schema); the
+endpoints build their JSON directly.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    Tag,
+)
 
 from infer.sampling import SamplingParams
+from infer.sampling.params import MAX_LOGPROBS
 
 
 class UnsupportedField(ValueError):
@@ -26,6 +43,35 @@ class UnsupportedField(ValueError):
         self.param = param
         super().__init__(message)
 
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer includes 4.0: take an integral float as the int (not a bool or "4")."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+#: An integer as JSON Schema has it (``4`` or ``4.0``; not ``true`` or ``"4"``).
+Int = Annotated[StrictInt, BeforeValidator(_integral)]
+
+
+def _int(**constraints: Any) -> Any:
+    """:data:`Int` with ``Field`` constraints (placed before the validator, or pydantic leaves
+    them out of the JSON schema)."""
+    return Annotated[StrictInt, Field(**constraints), BeforeValidator(_integral)]
+
+
+def _limit(kind: str) -> dict:
+    """Schema marker for a bound known only once the model is loaded (see ``build_app``)."""
+    return {"x-infer-limit": kind}
+
+
+#: A token id: ``0 <= id < vocab_size``.
+TokenId = _int(ge=0, json_schema_extra=_limit("vocab"))
+#: Most sequences (prompts x n) one completions request may carry.
+MAX_SEQS_PER_REQUEST = 1024
+#: Largest ``n`` (also at most the engine's ``max_num_seqs``).
+MAX_N = 16
+_Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 #: OpenAI request fields that do not change what is generated.
 IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key")
@@ -46,16 +92,17 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: StrictInt = 1
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    temperature: Annotated[_Float, Field(ge=0)] | None = None
+    top_p: Annotated[_Float, Field(gt=0, le=1)] | None = None
+    n: _int(ge=1, le=MAX_N, json_schema_extra=_limit("n")) = 1
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    seed: Int | None = None
+    presence_penalty: Annotated[_Float, Field(ge=-2, le=2)] | None = 0.0
+    frequency_penalty: Annotated[_Float, Field(ge=-2, le=2)] | None = 0.0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    # not supported: the schema says "empty"; the server's 400 says why
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     # OpenAI fields that do not change what is generated: accepted and ignored
     user: str | None = None
     store: StrictBool | None = None
@@ -64,12 +111,12 @@ class _Common(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     # vLLM's extras
-    top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: _int(ge=-1) | None = None
+    min_p: Annotated[_Float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[_Float, Field(gt=0)] | None = None
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = 0
-    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: _int(ge=0, json_schema_extra=_limit("context")) = 0
+    stop_token_ids: list[_int(ge=0)] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
 
@@ -121,12 +168,17 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 16
-    logprobs: StrictInt | None = None
+    prompt: (NonEmptyStr
+             | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_SEQS_PER_REQUEST)]
+             | Annotated[list[TokenId], Field(min_length=1, json_schema_extra=_limit("context"))]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1, json_schema_extra=_limit("context"))]],
+                         Field(min_length=1, max_length=MAX_SEQS_PER_REQUEST)])
+    max_tokens: _int(ge=0, json_schema_extra=_limit("context")) | None = \
+        DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: StrictBool = False
-    suffix: str | None = None
-    best_of: StrictInt | None = None
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
+    best_of: _int(ge=1, le=MAX_N) | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids).
@@ -164,30 +216,49 @@ class CompletionRequest(_Common):
         return self.echo and self.max_tokens == 0
 
 
+class TextContentPart(BaseModel):
+    """OpenAI's text content part (infer serves text-only models: no image or audio parts)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """One message; other keys (``reasoning_content``...) are passed to the chat template.
+
+    ``content`` is required, except in an assistant message that carries ``tool_calls``.
+    """
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["role", "tool_calls"],
+         "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}}},
+    ]})
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: str = Field(json_schema_extra={"enum": ["text"]})  # others: a 400 saying so
 
 
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: _int(ge=1, json_schema_extra=_limit("context")) | None = None
+    max_completion_tokens: _int(ge=1, json_schema_extra=_limit("context")) | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
+    tool_choice: Any = Field(None, json_schema_extra={"enum": ["none", None]})
     response_format: ResponseFormat | None = None
     parallel_tool_calls: StrictBool | None = None
 
@@ -253,7 +324,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId]
 
 
 def _tokenize_kind(body: Any) -> str:
@@ -266,3 +337,135 @@ TokenizeRequest = Annotated[
     Annotated[TokenizeCompletionRequest, Tag("Completion")] | Annotated[TokenizeChatRequest, Tag("Chat")],
     Discriminator(_tokenize_kind),
 ]
+
+
+# ---------------------------------------------------------------------------- responses (schema only)
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, not_found_error, server_overloaded, "
+                                  "server_unavailable or internal_error")
+    param: str | None = Field(description="the request field at fault, if any")
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, for every 4xx and 5xx."""
+
+    error: ErrorInfo
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy logprobs object: one entry per token (echoed prompt first)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(BaseModel):
+    """``POST /v1/completions`` (with ``stream``, each ``data:`` event is one of these with one
+    choice and no ``usage``, except the last with ``include_usage``: empty ``choices``)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """``POST /v1/chat/completions`` without ``stream`` (streamed: ``chat.completion.chunk``
+    events whose choices carry a ``delta``, then ``data: [DONE]``)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    add_bos_token: bool
+    model_max_length: int
+    vocab_size: int
