@@ -128,7 +128,7 @@ def test_exponential_race_with_top_k_floor():
         kept = masked > NEG_INF
         e = torch.exp(y - stats.m[:, None])
         torch.testing.assert_close(stats.s_kept, (e * kept).sum(-1), rtol=1e-5, atol=0)
-        got = exponential_race(x, stats, seeds, steps, temperature, mp, top_k=True)
+        got = exponential_race(x, stats, seeds, steps, temperature, mp, floor)
         assert torch.equal(got, want), f"min_p {mp is not None}"
         # every drawn token survived the masks
         assert kept[torch.arange(b), got].all()

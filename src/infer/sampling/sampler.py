@@ -827,7 +827,7 @@ def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         min_p = t.min_p if t.do_min_p else None
         floor = _top_k_floor(x, t, temperature) if t.do_top_k else None
         stats = row_stats(x, temperature, min_p, floor)
-        random_tokens = exponential_race(x, stats, t.seeds, t.steps, temperature, min_p, top_k=floor is not None)
+        random_tokens = exponential_race(x, stats, t.seeds, t.steps, temperature, min_p, floor)
     log_z = stats.lse if x is raw else row_stats(raw).lse
     return _output(raw, _merge_greedy(t, stats.argmax, random_tokens), log_z, t)
 

@@ -108,7 +108,7 @@ def _first_argmax(best, best_i, n):
 @triton.jit(do_not_specialize=["V", "stride_x"])
 def _row_stats_kernel(
     x_ptr, stride_x, V, temp_ptr, min_p_ptr, floor_ptr,
-    argmax_ptr, lse_ptr, m_ptr, s_ptr, s_kept_ptr, floor_out_ptr,
+    argmax_ptr, lse_ptr, m_ptr, s_ptr, s_kept_ptr,
     SCALED: tl.constexpr, MIN_P: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -152,17 +152,14 @@ def _row_stats_kernel(
 
     # pass 3 (min-p and/or top-k): the normaliser over the kept tokens. Min-p keeps
     # p >= min_p * max(p) with max(p) = exp(0) / s = 1 / s; top-k keeps y >= floor (the k-th
-    # largest y), except when min-p removed that k-th token: then fewer than k survive min-p,
-    # and top-k (applied after min-p) keeps all of them.
+    # largest y). Both keep every token above some value of y (p grows with y), so applying
+    # them together is the same as top-k after min-p: if min-p removed the k-th token, fewer
+    # than k survive min-p, all above the floor, and top-k keeps them all.
     s_kept = s_y
-    floor = float("-inf")
     if MIN_P:
         threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s_y)
     if FLOOR:
         floor = tl.load(floor_ptr + row)
-        if MIN_P:
-            floor_kept = tl.div_rn(_exp(floor - m_y, EXACT), s_y) >= threshold
-            floor = tl.where(floor_kept, floor, float("-inf"))
     if MIN_P or FLOOR:
         acc_k = tl.zeros([BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
@@ -183,7 +180,6 @@ def _row_stats_kernel(
     tl.store(m_ptr + row, m_y)
     tl.store(s_ptr + row, s_y)
     tl.store(s_kept_ptr + row, s_kept)
-    tl.store(floor_out_ptr + row, floor)
 
 
 class RowStats(NamedTuple):
@@ -194,7 +190,6 @@ class RowStats(NamedTuple):
     m: torch.Tensor  # float32, max(x / T)
     s: torch.Tensor  # float32, sum(exp(x / T - m))
     s_kept: torch.Tensor  # float32, the same sum over the tokens min-p and top-k keep (= s without them)
-    floor: torch.Tensor  # float32, top-k keeps x / T >= floor (-inf: no top-k cut, after min-p)
 
 
 def _block(vocab_size: int) -> int:
@@ -245,7 +240,7 @@ def row_stats(
     dev = x.device
     out = RowStats(
         torch.empty(b, dtype=torch.int64, device=dev),
-        *(torch.empty(b, dtype=torch.float32, device=dev) for _ in range(5)),
+        *(torch.empty(b, dtype=torch.float32, device=dev) for _ in range(4)),
     )
     if b == 0:
         return out
@@ -307,16 +302,16 @@ def _race_kernel(
     tl.store(best_i_ptr + row * num_tiles + tile, best_i.to(tl.int64))
 
 
-def _launch_race(x, temp, min_p, stats, seeds, steps, *, from_probs, scaled, use_min_p, use_floor) -> torch.Tensor:
+def _launch_race(x, temp, min_p, floor, stats, seeds, steps, *, from_probs, scaled, use_min_p) -> torch.Tensor:
     b, v = x.shape
     block = _block(v)
     num_tiles = triton.cdiv(v, block)
     best = torch.empty(b, num_tiles, dtype=torch.float32, device=x.device)
     best_i = torch.empty(b, num_tiles, dtype=torch.int64, device=x.device)
     _race_kernel[(b, num_tiles)](
-        x, x.stride(0), v, temp, min_p, stats.m, stats.s, stats.s_kept, stats.floor, seeds, steps,
-        best, best_i, num_tiles,
-        FROM_PROBS=from_probs, SCALED=scaled, MIN_P=use_min_p, FLOOR=use_floor, EXACT=not INTERPRET,
+        x, x.stride(0), v, temp, min_p, stats.m, stats.s, stats.s_kept,
+        floor if floor is not None else stats.m, seeds, steps, best, best_i, num_tiles,
+        FROM_PROBS=from_probs, SCALED=scaled, MIN_P=use_min_p, FLOOR=floor is not None, EXACT=not INTERPRET,
         BLOCK=block, num_warps=8,
     )
     # the first tile holding the row's best score (argmax takes the first maximum), then its column
@@ -336,7 +331,7 @@ def exponential_race(
     steps: torch.Tensor,
     temperature: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
-    top_k: bool = False,
+    top_k_floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Draw one token per row from ``softmax(x / T)`` (min-p, top-k applied) by the exponential race.
 
@@ -350,7 +345,7 @@ def exponential_race(
         seeds, steps: ``[B]`` int64 (see :func:`~infer.sampling.random_uniform`).
         temperature: ``[B]`` float32 > 0, or ``None`` for ``T = 1``.
         min_p: ``[B]`` float32, or ``None``.
-        top_k: whether ``stats`` was computed with a ``top_k_floor``.
+        top_k_floor: ``[B]`` float32, as given to :func:`row_stats`, or ``None``.
 
     Returns:
         ``[B]`` int64 token ids.
@@ -365,8 +360,8 @@ def exponential_race(
         return torch.empty(0, dtype=torch.int64, device=x.device)
     return _launch_race(
         x, temperature if temperature is not None else stats.m, min_p if min_p is not None else stats.m,
-        stats, seeds, steps, from_probs=False, scaled=temperature is not None, use_min_p=min_p is not None,
-        use_floor=top_k,
+        top_k_floor, stats, seeds, steps, from_probs=False, scaled=temperature is not None,
+        use_min_p=min_p is not None,
     )
 
 
@@ -389,6 +384,6 @@ def race_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tenso
     _check_rng(seeds, steps, b)
     if b == 0:
         return torch.empty(0, dtype=torch.int64, device=probs.device)
-    none = RowStats(probs, probs, probs, probs, probs, probs)
-    return _launch_race(probs, probs, probs, none, seeds, steps,
-                        from_probs=True, scaled=False, use_min_p=False, use_floor=False)
+    unused = RowStats(probs, probs, probs, probs, probs)
+    return _launch_race(probs, probs, probs, None, unused, seeds, steps, from_probs=True, scaled=False,
+                        use_min_p=False)
