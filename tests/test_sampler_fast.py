@@ -13,6 +13,8 @@ from infer.sampling import (
     SamplingParams,
     SamplingTensors,
     apply_min_p,
+    apply_penalties,
+    apply_penalties_sparse,
     apply_top_k,
     apply_top_k_partial,
     apply_top_p,
@@ -145,6 +147,28 @@ def test_top_k_partial_equals_sort():
     got = apply_top_k_partial(x, top_k, max_k=7)
     assert torch.equal(got, apply_top_k(x, top_k))
     assert torch.equal(apply_top_k_partial(x, top_k, max_k=40), apply_top_k(x, top_k))
+
+
+def test_sparse_penalties_equal_dense():
+    g = torch.Generator().manual_seed(8)
+    b, vocab = 5, 30
+    logits = torch.randn(b, vocab, generator=g) * 2
+    logits[:, 0] = torch.tensor([1.5, -0.5, 0.0, 2.0, -3.0])
+    logits[2, 4] = 0.0
+    prompts = [[0, 3, 3, -1], [5, 6, -1, -1], [4, 4, 0, 9], [-1, -1, -1, -1], [7, 8, 9, 10]]
+    outputs = [[3, 3, 3, 11, -1], [0, 0, -1, -1, -1], [-1, -1, -1, -1, -1], [0, 2, 2, 29, 29], [1, -1, -1, -1, -1]]
+    rep = torch.tensor([1.3, 0.7, 2.0, 1.0, 1.1])
+    pres = torch.tensor([0.5, -1.0, 2.0, 1.5, 0.0])
+    freq = torch.tensor([0.25, 0.5, -0.3, -2.0, 1.0])
+    args = (torch.tensor(prompts), torch.tensor(outputs), rep, pres, freq)
+    want = apply_penalties(logits, *args)
+    got = apply_penalties_sparse(logits.clone(), *args)
+    assert torch.equal(got, want)
+    # no outputs at all, and no history at all
+    empty = torch.empty(b, 0, dtype=torch.int64)
+    assert torch.equal(apply_penalties_sparse(logits.clone(), args[0], empty, rep, pres, freq),
+                       apply_penalties(logits, args[0], empty, rep, pres, freq))
+    assert torch.equal(apply_penalties_sparse(logits.clone(), empty, empty, rep, pres, freq), logits)
 
 
 def test_top_p_rows_equals_full():
