@@ -23,7 +23,13 @@ from infer.sampling import (
     sample_from_probs,
     sample_reference,
 )
-from infer.sampling.triton_sampler import exponential_race, race_from_probs, row_stats, triton_usable
+from infer.sampling.triton_sampler import (
+    argmax_lse,
+    exponential_race,
+    race_from_probs,
+    row_stats,
+    triton_usable,
+)
 
 NEG_INF = float("-inf")
 needs_triton = pytest.mark.skipif(
@@ -86,6 +92,21 @@ def test_row_stats_match_torch(dtype):
             torch.testing.assert_close(stats.s_kept, (e * kept).sum(-1), rtol=1e-5, atol=0)
         else:
             assert torch.equal(stats.s_kept, stats.s)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_lse_matches_torch(dtype):
+    g = torch.Generator().manual_seed(9)
+    b, vocab = 5, 3000
+    x = (torch.randn(b, vocab, generator=g) * 5).to(dtype)
+    x[0] = torch.randint(0, 3, (vocab,), generator=g).to(dtype)  # ties everywhere
+    x[1, :2500] = NEG_INF  # lanes that see only -inf for several tiles
+    x[2] = torch.arange(vocab).to(dtype)  # the max grows at every tile (rescaling every time)
+    x[3, -1] = 1e4  # the max in the last column
+    arg, lse = argmax_lse(x)
+    assert torch.equal(arg, x.float().argmax(-1))
+    torch.testing.assert_close(lse, x.float().logsumexp(-1), rtol=1e-6, atol=1e-5)
 
 
 @needs_triton

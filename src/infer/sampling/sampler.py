@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from infer.sampling.params import SamplingParams
-from infer.sampling.triton_sampler import exponential_race, row_stats, triton_usable
+from infer.sampling.triton_sampler import argmax_lse, exponential_race, row_stats, triton_usable
 
 __all__ = [
     "SamplerOutput",
@@ -871,10 +871,11 @@ def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """The Triton path: row statistics + the fused exponential race (:mod:`infer.sampling.triton_sampler`)."""
     raw = logits if logits.stride(-1) == 1 else logits.contiguous()
     x = _edit_logits(raw, t)
-    if t.all_greedy:  # argmax + log-sum-exp in one kernel (two reads of the row)
-        stats = row_stats(x)
-        log_z = stats.lse if x is raw else row_stats(raw).lse
-        return _output(raw, stats.argmax, log_z, t)
+    if t.all_greedy:  # the greedy fast path: argmax + log-sum-exp in one read of the row
+        greedy, log_z = argmax_lse(x)
+        if x is not raw:
+            log_z = argmax_lse(raw)[1]
+        return _output(raw, greedy, log_z, t)
     if t.do_top_p:
         # top-p needs sorted probabilities: truncation in PyTorch (sorting only the rows that need
         # it), then the race on the masked, temperature-scaled logits
@@ -888,7 +889,7 @@ def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         floor = _top_k_floor(x, t, temperature) if t.do_top_k else None
         stats = row_stats(x, temperature, min_p, floor)
         random_tokens = exponential_race(x, stats, t.seeds, t.steps, temperature, min_p, floor)
-    log_z = stats.lse if x is raw else row_stats(raw).lse
+    log_z = stats.lse if x is raw else argmax_lse(raw)[1]
     return _output(raw, _merge_greedy(t, stats.argmax, random_tokens), log_z, t)
 
 

@@ -3,9 +3,11 @@
 The plain-PyTorch pipeline of :mod:`infer.sampling.sampler` makes many passes over the ``[B, V]``
 logits, and its counter-based random numbers (:func:`~infer.sampling.sampler.random_uniform`)
 materialise several ``[B, V]`` int64 tensors (8 bytes per element each, written and read back):
-at 256 rows x 151,936 vocabulary that is gigabytes of memory traffic per step. Two kernels replace
+at 256 rows x 151,936 vocabulary that is gigabytes of memory traffic per step. Three kernels replace
 it, each walking the row in tiles of ``BLOCK`` elements:
 
+* :func:`argmax_lse` (greedy batches; one program per row, one read of it): the argmax and the
+  log-sum-exp, by the online softmax.
 * :func:`row_stats` (one program per row, two or three passes over it): the row's maximum and
   its *first* index (greedy's argmax, ``torch.argmax``'s tie rule), the log-sum-exp (the raw logprobs' normaliser), and the softmax normaliser of the
   temperature-scaled row ``y = x / T``: ``m = max(y)`` and ``s = sum(exp(y - m))``; with min-p
@@ -52,7 +54,9 @@ from triton.language.extra import libdevice
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 
-__all__ = ["INTERPRET", "RowStats", "exponential_race", "race_from_probs", "row_stats", "triton_usable"]
+__all__ = [
+    "INTERPRET", "RowStats", "argmax_lse", "exponential_race", "race_from_probs", "row_stats", "triton_usable",
+]
 
 
 def triton_usable(device: torch.device | str) -> bool:
@@ -100,6 +104,61 @@ def _first_argmax(best, best_i, n):
     """Row max of per-lane maxima, and the smallest index that attains it (``torch.argmax``'s rule)."""
     top = tl.max(best, axis=0)
     return top, tl.min(tl.where(best == top, best_i, n), axis=0)
+
+
+# ----------------------------------------------------------------------------- the greedy fast path
+
+
+@triton.jit(do_not_specialize=["V", "stride_x"])
+def _argmax_lse_kernel(x_ptr, stride_x, V, argmax_ptr, lse_ptr, EXACT: tl.constexpr, BLOCK: tl.constexpr):
+    # One read of the row: each lane keeps its running max, first index of it, and its sum of
+    # exp(x - max), rescaled when the max grows (the online softmax of Milakov and Gimelshein
+    # 2018, "Online normalizer calculation for softmax", arXiv:1805.02867).
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride_x
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    lane_s = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        better = x > best
+        new_m = tl.where(better, x, best)
+        empty = new_m == float("-inf")  # nothing finite yet in this lane: avoid -inf - -inf
+        lane_s = lane_s * _exp(tl.where(empty, 0.0, best - new_m), EXACT) + _exp(
+            tl.where(empty, float("-inf"), x - new_m), EXACT)
+        best = new_m
+        best_i = tl.where(better, idx, best_i)
+    m, arg = _first_argmax(best, best_i, V)
+    s = tl.sum(lane_s * _exp(best - m, EXACT), axis=0)
+    tl.store(argmax_ptr + row, arg.to(tl.int64))
+    tl.store(lse_ptr + row, m + _log(s, EXACT))
+
+
+def argmax_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy's fast path in one read of the logits: ``(x.argmax(-1), x.float().logsumexp(-1))``.
+
+    The argmax is exact (the first index of the maximum, ``torch.argmax``'s rule); the
+    log-sum-exp (the raw logprobs' normaliser) agrees with PyTorch's to float32 rounding.
+
+    Args:
+        x: ``[B, V]`` float32/bf16/fp16 (the last dimension contiguous).
+
+    Returns:
+        ``([B] int64, [B] float32)``.
+
+    Raises:
+        ValueError: ``x`` is not a floating ``[B, V]`` tensor with a contiguous last dimension.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    _check(x)
+    b, v = x.shape
+    arg = torch.empty(b, dtype=torch.int64, device=x.device)
+    lse = torch.empty(b, dtype=torch.float32, device=x.device)
+    if b:
+        _argmax_lse_kernel[(b,)](x, x.stride(0), v, arg, lse, EXACT=not INTERPRET, BLOCK=_block(v), num_warps=8)
+    return arg, lse
 
 
 # ----------------------------------------------------------------------------- row statistics
