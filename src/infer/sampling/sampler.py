@@ -63,6 +63,23 @@ Splittable Pseudorandom Number Generators"; constants from Vigna's ``splitmix64.
 request with a given seed gets the same tokens whether it runs alone, in a batch of 256, or
 after a preemption, on any device. ``steps[b]`` is the request's own position in its random
 stream (how many tokens it has sampled so far).
+
+Fast paths (phase 8)
+--------------------
+:func:`sample_reference` runs the pipeline above as written: a dozen full ``[B, V]`` passes,
+and the uniforms as ``[B, V]`` int64 tensors (about 50 MB of memory traffic per row at Qwen3's
+151,936-token vocabulary). :func:`sample` computes the same tokens with less work, deciding
+on the host (:meth:`SamplingTensors.from_params`' flags) what the batch needs:
+
+* an all-greedy batch without penalties or suppression is an argmax (and a log-sum-exp for the
+  logprob), in one read of the logits;
+* suppression and penalties gather and scatter the history's ids only
+  (:func:`apply_penalties_sparse`), never building ``[B, V]`` counts;
+* top-k takes ``torch.topk`` to the batch's largest k (:func:`apply_top_k_partial`), not a sort;
+  top-p sorts only the rows that ask for it (:func:`apply_top_p_rows`);
+* on a GPU, temperature, softmax, min-p, top-k and the exponential race run in two Triton
+  kernels that read the logits in place and hash the uniforms in registers
+  (:mod:`infer.sampling.triton_sampler`): nothing of size ``[B, V]`` is written.
 """
 
 from __future__ import annotations
