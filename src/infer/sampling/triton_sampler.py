@@ -84,6 +84,13 @@ def _log(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _div(x, y):
+    """IEEE round-to-nearest ``x / y`` of a block by a scalar (``tl.div_rn`` does not broadcast;
+    Triton's plain ``/`` is an approximate division on NVIDIA GPUs)."""
+    return tl.div_rn(x, tl.broadcast_to(y, x.shape))
+
+
+@triton.jit
 def _mix64(z):
     """splitmix64's finaliser on uint64 (multiplies wrap modulo 2**64, shifts are logical)."""
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
@@ -168,8 +175,8 @@ def argmax_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _row_stats_kernel(
     x_ptr, stride_x, V, temp_ptr, min_p_ptr, floor_ptr,
     argmax_ptr, lse_ptr, m_ptr, s_ptr, s_kept_ptr,
-    SCALED: tl.constexpr, MIN_P: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr,
-    BLOCK: tl.constexpr,
+    SCALED: tl.constexpr, MIN_P: tl.constexpr, FLOOR: tl.constexpr, KEPT_SUM: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
@@ -202,7 +209,7 @@ def _row_stats_kernel(
         x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
         acc_x += _exp(x - m_x, EXACT)
         if SCALED:
-            acc_y += _exp(tl.div_rn(x, t) - m_y, EXACT)
+            acc_y += _exp(_div(x, t) - m_y, EXACT)
     s_x = tl.sum(acc_x, axis=0)
     if SCALED:
         s_y = tl.sum(acc_y, axis=0)
@@ -219,16 +226,16 @@ def _row_stats_kernel(
         threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s_y)
     if FLOOR:
         floor = tl.load(floor_ptr + row)
-    if MIN_P or FLOOR:
+    if KEPT_SUM:  # MIN_P or FLOOR
         acc_k = tl.zeros([BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             idx = start + offs
             x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
             if SCALED:
-                x = tl.div_rn(x, t)
+                x = _div(x, t)
             e = _exp(x - m_y, EXACT)
             if MIN_P:
-                e = tl.where(tl.div_rn(e, s_y) >= threshold, e, 0.0)
+                e = tl.where(_div(e, s_y) >= threshold, e, 0.0)
             if FLOOR:
                 e = tl.where(x >= floor, e, 0.0)
             acc_k += e
@@ -311,7 +318,8 @@ def row_stats(
         top_k_floor if top_k_floor is not None else dummy,
         *out,
         SCALED=temperature is not None, MIN_P=min_p is not None, FLOOR=top_k_floor is not None,
-        EXACT=not INTERPRET, BLOCK=_block(v), num_warps=8,
+        KEPT_SUM=min_p is not None or top_k_floor is not None, EXACT=not INTERPRET, BLOCK=_block(v),
+        num_warps=8,
     )
     return out
 
@@ -345,15 +353,15 @@ def _race_kernel(
     else:
         y = tl.load(ptrs, mask=valid, other=float("-inf")).to(tl.float32)
         if SCALED:
-            y = tl.div_rn(y, tl.load(temp_ptr + row))
+            y = _div(y, tl.load(temp_ptr + row))
         e = _exp(y - tl.load(m_ptr + row), EXACT)
         if MIN_P:
             s = tl.load(s_ptr + row)
             threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s)
-            e = tl.where(tl.div_rn(e, s) >= threshold, e, 0.0)
+            e = tl.where(_div(e, s) >= threshold, e, 0.0)
         if FLOOR:
             e = tl.where(y >= tl.load(floor_ptr + row), e, 0.0)
-        p = tl.div_rn(e, tl.load(s_kept_ptr + row))
+        p = _div(e, tl.load(s_kept_ptr + row))
     exp1 = -_log(_uniform(key, idx), EXACT)  # Exponential(1), > 0
     score = tl.where(valid, tl.div_rn(p, exp1), -1.0)  # scores are >= 0: any real column beats -1
     best, best_i = _first_argmax(score, idx, V)
