@@ -212,6 +212,10 @@ MIXES = {
     "top_k_min_p": [SamplingParams(top_k=k, min_p=m, temperature=0.9, seed=k) for k, m in
                     ((3, 0.5), (40, 0.01), (200, 0.2), (-1, 0.1))],
     "top_p": [SamplingParams(temperature=1.1, top_p=p, seed=7) for p in (0.9, 1.0, 0.5, 0.95)],
+    "top_k_top_p": [SamplingParams(temperature=0.9, top_k=k, top_p=p, seed=k) for k, p in
+                    ((20, 0.8), (300, 0.95), (5, 1.0), (1000, 0.3))],
+    "top_k_top_p_min_p": [SamplingParams(temperature=1.4, top_k=k, top_p=p, min_p=m, seed=k) for k, p, m in
+                          ((50, 0.9, 0.02), (400, 0.99, 0.0), (7, 0.5, 0.5), (1499, 0.95, 0.01))],
     "min_p": [SamplingParams(min_p=m, temperature=1.5, seed=3) for m in (0.0, 0.05, 0.2, 0.9)],
     "penalties": [
         SamplingParams(repetition_penalty=1.3, seed=1),
@@ -313,7 +317,10 @@ def test_from_params_flags_and_packing():
     assert t.any_greedy and not t.all_greedy and not t.greedy_fast_path
     assert t.max_top_k == 5  # the greedy row's top_k does not count
     assert t.top_p_rows.tolist() == [0, 2]
-    assert not (t.do_penalties or t.do_min_p) and t.do_top_k and t.do_top_p
+    assert not (t.do_penalties or t.do_min_p) and t.do_top_k and t.do_top_p and not t.top_p_in_top_k
+    t = build([SamplingParams(top_k=5, top_p=0.9), SamplingParams(top_k=3), SamplingParams(temperature=0, top_p=0.5)],
+              100, use_triton=False)
+    assert t.top_p_in_top_k and t.max_top_k == 5
     t = build([SamplingParams(temperature=0)] * 3, 100, use_triton=False)
     assert t.greedy_fast_path and t.top_p_rows is None and t.max_top_k == 0
     t = build([SamplingParams(temperature=0, min_tokens=1)] * 2, 100, use_triton=False, suppress=[[1], []])

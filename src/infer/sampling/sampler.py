@@ -494,6 +494,8 @@ class SamplingTensors:
         max_top_k: host int, the largest ``top_k`` among the rows that truncate with it (top-k
             then needs ``torch.topk`` to that k, not a sort); 0 means "unknown: sort".
         top_p_rows: ``[R]`` int64, the rows that need top-p, or ``None`` for "every row".
+        top_p_in_top_k: host bool, every row that needs top-p also has a top-k (its nucleus is
+            among the ``max_top_k`` largest logits: no sort of the vocabulary).
         use_triton: host bool, :func:`sample` runs the Triton kernels (CUDA tensors, or CPU
             tensors under ``TRITON_INTERPRET=1``) instead of the plain-PyTorch path.
     """
@@ -519,6 +521,7 @@ class SamplingTensors:
     any_greedy: bool = True
     max_top_k: int = 0
     top_p_rows: torch.Tensor | None = None
+    top_p_in_top_k: bool = False
     use_triton: bool = False
 
     def __post_init__(self) -> None:
@@ -726,6 +729,7 @@ class SamplingTensors:
             any_greedy=len(sampled) < len(uniq),
             max_top_k=max(truncating_k, default=0),
             top_p_rows=top_p_rows,
+            top_p_in_top_k=all(0 < p.top_k < vocab_size for p in sampled if p.top_p < 1.0),
             use_triton=bool(use_triton),
         )
 
@@ -870,8 +874,8 @@ def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     return _output(raw, _merge_greedy(t, greedy, random_tokens), log_z, t)
 
 
-def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor) -> torch.Tensor:
-    """``[B]`` float32: the k-th largest of ``x / T`` per row (``-inf`` where top-k is off).
+def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor):
+    """Top-k as a floor: ``([B] float32 k-th largest of x / T, -inf where off; [B, K] largest x)``.
 
     ``torch.topk`` to the batch's largest k on ``x`` as it is (bf16 values upcast exactly), then
     one division: the k-th largest of ``x / T`` is the k-th largest of ``x``, divided by ``T``
@@ -881,7 +885,37 @@ def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor)
     k_cap = t.max_top_k if 0 < t.max_top_k < vocab_size else vocab_size
     largest = x.topk(k_cap, dim=-1).values
     kth = largest.gather(1, (t.top_k.clamp(min=1, max=k_cap) - 1)[:, None]).squeeze(1).float()
-    return torch.where(t.top_k <= k_cap, kth / temperature, float("-inf"))
+    return torch.where(t.top_k <= k_cap, kth / temperature, float("-inf")), largest
+
+
+def _top_p_on_candidates(
+    largest: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor, stats, min_p, floor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p on the top-k candidates only: ``(new floor [B], normaliser after the cut [B])``.
+
+    When every row that asks for top-p also has a top-k, its nucleus lies among the ``[B, K]``
+    largest logits, already sorted by ``torch.topk``: :func:`apply_top_p`'s rule runs on them,
+    not on a sorted vocabulary. Tokens tied with the k-th value beyond the K candidates matter
+    only when the cut keeps every top-k token, and then nothing changes. The cut is returned as
+    a floor on ``x / T`` (the smallest kept candidate's value), compared exactly by the kernels.
+    """
+    y = largest.float() / temperature[:, None]  # [B, K], decreasing; the kernels' x / T bit for bit
+    e = torch.exp(y - stats.m[:, None])
+    keep = y >= floor[:, None]  # top-k (ties with the k-th kept)
+    if min_p is not None:
+        keep &= e / stats.s[:, None] >= (min_p * (1.0 / stats.s))[:, None]
+    probs = torch.where(keep, e / stats.s_kept[:, None], 0.0)  # the distribution after min-p and top-k
+    mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
+    num_kept = (mass_before < t.top_p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)
+    smallest_kept = probs.gather(1, num_kept - 1)  # [B, 1]
+    least_likely = torch.where(keep, probs, float("inf")).amin(dim=-1, keepdim=True)
+    cut = ((t.top_p[:, None] < 1.0) & (smallest_kept > least_likely)).squeeze(1)  # the cut removes a token
+    final = keep & (probs >= smallest_kept)
+    new_floor = torch.where(cut, torch.where(final, y, float("inf")).amin(dim=-1), floor)
+    # the renormalised distribution's sum (it scales every score alike: it changes the choice only
+    # through rounding, but keeps the race's p = e / s the reference's value)
+    s_final = torch.where(cut, torch.where(final, e, 0.0).sum(dim=-1), stats.s_kept)
+    return new_floor, s_final
 
 
 def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
@@ -893,19 +927,25 @@ def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         if x is not raw:
             log_z = argmax_lse(raw)[1]
         return _output(raw, greedy, log_z, t)
-    if t.do_top_p:
-        # top-p needs sorted probabilities: truncation in PyTorch (sorting only the rows that need
-        # it), then the race on the masked, temperature-scaled logits
+    if t.do_top_p and not t.top_p_in_top_k:
+        # top-p without top-k needs sorted probabilities: truncation in PyTorch (sorting only the
+        # rows that need it), then the race on the masked, temperature-scaled logits
         stats = row_stats(x)
         y = _truncate(x, t)
         random_tokens = exponential_race(y, row_stats(y), t.seeds, t.steps)
     else:
-        # temperature, min-p and top-k fused: nothing of size [B, V] is written
+        # temperature, min-p, top-k (and top-p among the top-k) fused: nothing of size [B, V] is written
         temperature = t.temperature.clamp(min=1e-6)
         min_p = t.min_p if t.do_min_p else None
-        floor = _top_k_floor(x, t, temperature) if t.do_top_k else None
+        floor = largest = None
+        if t.do_top_k:
+            floor, largest = _top_k_floor(x, t, temperature)
         stats = row_stats(x, temperature, min_p, floor)
-        random_tokens = exponential_race(x, stats, t.seeds, t.steps, temperature, min_p, floor)
+        race_stats = stats
+        if t.do_top_p:
+            floor, s_final = _top_p_on_candidates(largest, t, temperature, stats, min_p, floor)
+            race_stats = stats._replace(s_kept=s_final)
+        random_tokens = exponential_race(x, race_stats, t.seeds, t.steps, temperature, min_p, floor)
     log_z = stats.lse if x is raw else argmax_lse(raw)[1]
     return _output(raw, _merge_greedy(t, stats.argmax, random_tokens), log_z, t)
 
