@@ -355,6 +355,7 @@ def test_gpu_real_shape_matches_reference_without_sync(dtype):
         "temperature": [SamplingParams(temperature=0.8)],
         "top_p": [SamplingParams(temperature=0.8, top_p=0.9)],
         "top_k": [SamplingParams(top_k=50)],
+        "top_k_top_p": [SamplingParams(temperature=0.7, top_k=20, top_p=0.8)],
         "min_p": [SamplingParams(min_p=0.05)],
         "penalties": [SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5)],
         "mixed": [SamplingParams(temperature=0), SamplingParams(top_k=20, top_p=0.8), SamplingParams(min_p=0.1)],
