@@ -76,9 +76,10 @@ on the host (:meth:`SamplingTensors.from_params`' flags) what the batch needs:
 * suppression and penalties gather and scatter the history's ids only
   (:func:`apply_penalties_sparse`), never building ``[B, V]`` counts;
 * top-k takes ``torch.topk`` to the batch's largest k (:func:`apply_top_k_partial`), not a sort;
-  top-p sorts only the rows that ask for it (:func:`apply_top_p_rows`);
-* on a GPU, temperature, softmax, min-p, top-k and the exponential race run in two Triton
-  kernels that read the logits in place and hash the uniforms in registers
+  top-p sorts only the rows that ask for it (:func:`apply_top_p_rows`), and on a GPU, when every
+  such row also has a top-k, only the top-k candidates (already sorted by ``topk``);
+* on a GPU, temperature, softmax, min-p, top-k and the exponential race run in Triton kernels
+  that read the logits in place and hash the uniforms in registers
   (:mod:`infer.sampling.triton_sampler`): nothing of size ``[B, V]`` is written.
 """
 
@@ -439,7 +440,7 @@ def _pad(rows: Sequence[Sequence[int]], vocab_size: int, name: str) -> tuple[np.
     Raises:
         ValueError: an id is outside ``[0, vocab_size)`` (the message names ``name[row]``).
     """
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     width = int(lengths.max(initial=0))
     padded = np.full((len(rows), width), -1, dtype=np.int64)
     if width:
@@ -628,20 +629,28 @@ class SamplingTensors:
         elif use_triton and not triton_usable(device):
             raise ValueError(f"use_triton=True on {device} needs TRITON_INTERPRET=1 set before triton is imported")
 
-        # One tuple of values per distinct params object.
-        distinct: dict[int, SamplingParams] = {}
-        for p in params_list:
-            distinct.setdefault(id(p), p)
-        values = {
-            key: (
-                p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-                p.top_k if 0 < p.top_k < vocab_size else vocab_size,
-            )
-            for key, p in distinct.items()
-        }
-        rows = [values[id(p)] for p in params_list]
+        # One row of values per distinct params object (the prompts of one LLM.generate call
+        # share one), then a gather: the per-row Python work is a few C-level maps.
+        keys = list(map(id, params_list))
+        distinct = dict(zip(keys, params_list))
+        position = {key: i for i, key in enumerate(distinct)}
         uniq = list(distinct.values())
-        sampled = [p for p in uniq if not p.greedy]
+        uniq_table = np.array(
+            [
+                (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                 p.top_k if 0 < p.top_k < vocab_size else vocab_size, p.logprobs or 0)
+                for p in uniq
+            ],
+            dtype=np.float64,
+        ).reshape(len(uniq), 8)
+        temp_u, top_p_u, min_p_u, rep_u, pres_u, freq_u, top_k_u, logprobs_u = uniq_table.T
+        # what each distinct params object needs (greedy rows ignore temperature and truncation)
+        sampled_u = temp_u != 0.0
+        top_k_on = sampled_u & (top_k_u < vocab_size)
+        top_p_on = sampled_u & (top_p_u < 1.0)
+        rep = rep_u != 1.0
+        pen = rep | (pres_u != 0.0) | (freq_u != 0.0)
+        row_of = np.fromiter(map(position.__getitem__, keys), dtype=np.int64, count=batch)
 
         # Histories are only needed by rows with a penalty; others get an empty (all -1) row,
         # which is equivalent and keeps the padded width small. Every given list is validated.
@@ -652,14 +661,10 @@ class SamplingTensors:
         output_np, output_len = _pad(outputs, vocab_size, "output_ids_list")
         suppress_np, suppress_len = _pad(suppress_list if suppress_list is not None else empty, vocab_size,
                                          "suppress_list")
-        rep = [p.repetition_penalty != 1.0 for p in uniq]
-        pen = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for r, p in zip(rep, uniq)]
-        do_penalties = any(pen)
+        do_penalties = bool(pen.any())
         if do_penalties:
-            needs_rep = {id(p) for p, r in zip(uniq, rep) if r}
-            needs_out = {id(p) for p, r in zip(uniq, pen) if r}
-            keep_prompt = np.fromiter((id(p) in needs_rep for p in params_list), dtype=bool, count=batch)
-            keep_output = np.fromiter((id(p) in needs_out for p in params_list), dtype=bool, count=batch)
+            keep_prompt = rep[row_of]
+            keep_output = pen[row_of]
             prompt_ids = _to_device(prompt_np, prompt_len, keep_prompt, device)
             output_ids = _to_device(output_np, output_len, keep_output, device)
         else:
@@ -679,7 +684,7 @@ class SamplingTensors:
         if steps is not None:
             row_steps = np.asarray(steps, dtype=np.int64)
         else:
-            row_steps = np.fromiter((len(o) for o in outputs), dtype=np.int64, count=batch)
+            row_steps = np.fromiter(map(len, outputs), dtype=np.int64, count=batch)
 
         # the nine [B] parameters packed into one buffer: 6 float32 rows, then 3 int64 rows
         nf = 6 * batch * 4
@@ -687,7 +692,7 @@ class SamplingTensors:
         floats = buf[:nf].view(np.float32).reshape(6, batch)
         ints = buf[nf:].view(np.int64).reshape(3, batch)
         if batch:
-            table = np.asarray(rows, dtype=np.float64)  # [B, 7]
+            table = uniq_table[row_of]  # [B, 7]
             floats[:] = table[:, :6].T
             ints[0] = table[:, 6]
         ints[1] = row_seeds
@@ -700,12 +705,11 @@ class SamplingTensors:
             f32 = torch.empty(6, 0, dtype=torch.float32, device=device)
             i64 = torch.empty(3, 0, dtype=torch.int64, device=device)
 
-        truncating_k = [p.top_k for p in sampled if 0 < p.top_k < vocab_size]
         top_p_rows = None
-        if any(p.top_p < 1.0 for p in sampled):
-            need = [i for i, p in enumerate(params_list) if p.top_p < 1.0 and not p.greedy]
+        if top_p_on.any():
+            need = np.flatnonzero(top_p_on[row_of])
             if len(need) < batch:
-                top_p_rows = torch.tensor(need, dtype=torch.int64).to(device)
+                top_p_rows = torch.from_numpy(need.astype(np.int64)).to(device)
 
         return cls(
             temperature=f32[0],
@@ -720,16 +724,16 @@ class SamplingTensors:
             prompt_ids=prompt_ids,
             output_ids=output_ids,
             suppress_ids=_to_device(suppress_np, suppress_len, None, device),
-            max_num_logprobs=max((p.logprobs or 0 for p in uniq), default=0),
-            all_greedy=not sampled,
+            max_num_logprobs=int(logprobs_u.max(initial=0)),
+            all_greedy=not sampled_u.any(),
             do_penalties=do_penalties,
-            do_min_p=any(p.min_p > 0.0 for p in sampled),
-            do_top_k=bool(truncating_k),
-            do_top_p=any(p.top_p < 1.0 for p in sampled),
-            any_greedy=len(sampled) < len(uniq),
-            max_top_k=max(truncating_k, default=0),
+            do_min_p=bool((sampled_u & (min_p_u > 0.0)).any()),
+            do_top_k=bool(top_k_on.any()),
+            do_top_p=bool(top_p_on.any()),
+            any_greedy=not sampled_u.all(),
+            max_top_k=int(top_k_u[top_k_on].max(initial=0)),
             top_p_rows=top_p_rows,
-            top_p_in_top_k=all(0 < p.top_k < vocab_size for p in sampled if p.top_p < 1.0),
+            top_p_in_top_k=bool((top_k_on | ~top_p_on).all()),
             use_triton=bool(use_triton),
         )
 
