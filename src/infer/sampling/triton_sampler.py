@@ -6,8 +6,8 @@ materialise several ``[B, V]`` int64 tensors (8 bytes per element each, written 
 at 256 rows x 151,936 vocabulary that is gigabytes of memory traffic per step. Three kernels replace
 it, each walking the row in tiles of ``BLOCK`` elements:
 
-* :func:`argmax_lse` (greedy batches; one program per row, one read of it): the argmax and the
-  log-sum-exp, by the online softmax.
+* :func:`argmax_lse` (greedy batches; one program per tile of a row, one read of the logits, then
+  one per row to combine the tiles): the argmax and the log-sum-exp.
 * :func:`row_stats` (one program per row, two or three passes over it): the row's maximum and
   its *first* index (greedy's argmax, ``torch.argmax``'s tie rule), the log-sum-exp (the raw logprobs' normaliser), and the softmax normaliser of the
   temperature-scaled row ``y = x / T``: ``m = max(y)`` and ``s = sum(exp(y - m))``; with min-p
@@ -117,30 +117,44 @@ def _first_argmax(best, best_i, n):
 
 
 @triton.jit(do_not_specialize=["V", "stride_x"])
-def _argmax_lse_kernel(x_ptr, stride_x, V, argmax_ptr, lse_ptr, EXACT: tl.constexpr, BLOCK: tl.constexpr):
-    # One read of the row: each lane keeps its running max, first index of it, and its sum of
-    # exp(x - max), rescaled when the max grows (the online softmax of Milakov and Gimelshein
-    # 2018, "Online normalizer calculation for softmax", arXiv:1805.02867).
+def _argmax_lse_tile_kernel(
+    x_ptr, stride_x, V, tile_max_ptr, tile_arg_ptr, tile_sum_ptr, num_tiles,
+    EXACT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per (row, tile of BLOCK columns), one read of the logits: the tile's max, the
+    # first index of it, and sum(exp(x - tile max)). Even one row spreads over many SMs.
     row = tl.program_id(0)
-    base = x_ptr + row.to(tl.int64) * stride_x
-    offs = tl.arange(0, BLOCK)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK], tl.int32)
-    lane_s = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        better = x > best
-        new_m = tl.where(better, x, best)
-        empty = new_m == float("-inf")  # nothing finite yet in this lane: avoid -inf - -inf
-        lane_s = lane_s * _exp(tl.where(empty, 0.0, best - new_m), EXACT) + _exp(
-            tl.where(empty, float("-inf"), x - new_m), EXACT)
-        best = new_m
-        best_i = tl.where(better, idx, best_i)
-    m, arg = _first_argmax(best, best_i, V)
-    s = tl.sum(lane_s * _exp(best - m, EXACT), axis=0)
-    tl.store(argmax_ptr + row, arg.to(tl.int64))
-    tl.store(lse_ptr + row, m + _log(s, EXACT))
+    tile = tl.program_id(1)
+    idx = tile * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+    m, arg = _first_argmax(x, idx, V)
+    s = tl.sum(_exp(x - m, EXACT), axis=0)
+    s = tl.where(m == float("-inf"), 0.0, s)  # an all -inf tile adds nothing
+    out = row * num_tiles + tile
+    tl.store(tile_max_ptr + out, m)
+    tl.store(tile_arg_ptr + out, arg)
+    tl.store(tile_sum_ptr + out, s)
+
+
+@triton.jit
+def _argmax_lse_combine_kernel(
+    tile_max_ptr, tile_arg_ptr, tile_sum_ptr, num_tiles, V, argmax_ptr, lse_ptr,
+    EXACT: tl.constexpr, TILES: tl.constexpr,
+):
+    # One program per row: the row max is the largest tile max; its first index the smallest
+    # among the tiles that hold it (exact); the sums are rescaled to the row max and added, in
+    # tile order (the online-softmax combination of Milakov and Gimelshein 2018, arXiv:1805.02867).
+    row = tl.program_id(0)
+    offs = tl.arange(0, TILES)
+    valid = offs < num_tiles
+    m = tl.load(tile_max_ptr + row * num_tiles + offs, mask=valid, other=float("-inf"))
+    arg = tl.load(tile_arg_ptr + row * num_tiles + offs, mask=valid, other=0)
+    s = tl.load(tile_sum_ptr + row * num_tiles + offs, mask=valid, other=0.0)
+    top = tl.max(m, axis=0)
+    first = tl.min(tl.where(valid & (m == top), arg, V), axis=0)
+    total = tl.sum(tl.where(s > 0.0, s * _exp(m - top, EXACT), 0.0), axis=0)
+    tl.store(argmax_ptr + row, first.to(tl.int64))
+    tl.store(lse_ptr + row, top + _log(total, EXACT))
 
 
 def argmax_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +178,19 @@ def argmax_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     arg = torch.empty(b, dtype=torch.int64, device=x.device)
     lse = torch.empty(b, dtype=torch.float32, device=x.device)
     if b:
-        _argmax_lse_kernel[(b,)](x, x.stride(0), v, arg, lse, EXACT=not INTERPRET, BLOCK=_block(v), num_warps=8)
+        block = _block(v)
+        num_tiles = triton.cdiv(v, block)
+        tile_max = torch.empty(b, num_tiles, dtype=torch.float32, device=x.device)
+        tile_arg = torch.empty(b, num_tiles, dtype=torch.int32, device=x.device)
+        tile_sum = torch.empty(b, num_tiles, dtype=torch.float32, device=x.device)
+        _argmax_lse_tile_kernel[(b, num_tiles)](
+            x, x.stride(0), v, tile_max, tile_arg, tile_sum, num_tiles, EXACT=not INTERPRET, BLOCK=block,
+            num_warps=8,
+        )
+        _argmax_lse_combine_kernel[(b,)](
+            tile_max, tile_arg, tile_sum, num_tiles, v, arg, lse,
+            EXACT=not INTERPRET, TILES=triton.next_power_of_2(num_tiles), num_warps=1,
+        )
     return arg, lse
 
 
