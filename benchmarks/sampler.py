@@ -13,8 +13,9 @@ For each batch size (``--rows``), logits dtype (``--dtypes``) and parameter mix,
   built by ``from_params`` (Triton kernels on a GPU, the plain-PyTorch fast path on a CPU).
 
 Mixes (every row the same): ``greedy`` (temperature 0), ``temperature`` (0.8), ``top_p``
-(temperature 0.8, top-p 0.9), ``top_k`` (top-k 50), ``min_p`` (0.05), ``penalties``
-(repetition 1.1, presence 0.5, frequency 0.5 over a 512-token prompt and 256 output tokens).
+(temperature 0.8, top-p 0.9), ``top_k`` (top-k 50), ``top_k_top_p`` (temperature 0.7, top-k 20,
+top-p 0.8), ``min_p`` (0.05), ``penalties`` (repetition 1.1, presence 0.5, frequency 0.5 over a
+512-token prompt and 256 output tokens).
 
 Reported per case: the median time of one ``sample`` call in ms (``triton.testing.do_bench`` on a
 GPU, which measures with CUDA events, i.e. device time plus any host gaps between launches; the
@@ -45,6 +46,7 @@ MIXES = {
     "temperature": SamplingParams(temperature=0.8),
     "top_p": SamplingParams(temperature=0.8, top_p=0.9),
     "top_k": SamplingParams(top_k=50),
+    "top_k_top_p": SamplingParams(temperature=0.7, top_k=20, top_p=0.8),  # Qwen3's recommended setting
     "min_p": SamplingParams(min_p=0.05),
     "penalties": SamplingParams(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
 }

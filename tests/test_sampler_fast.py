@@ -13,6 +13,8 @@ from infer.sampling import (
     SamplingParams,
     SamplingTensors,
     apply_min_p,
+    apply_penalties,
+    apply_penalties_sparse,
     apply_top_k,
     apply_top_k_partial,
     apply_top_p,
@@ -21,7 +23,13 @@ from infer.sampling import (
     sample_from_probs,
     sample_reference,
 )
-from infer.sampling.triton_sampler import exponential_race, race_from_probs, row_stats, triton_usable
+from infer.sampling.triton_sampler import (
+    argmax_lse,
+    exponential_race,
+    race_from_probs,
+    row_stats,
+    triton_usable,
+)
 
 NEG_INF = float("-inf")
 needs_triton = pytest.mark.skipif(
@@ -87,6 +95,21 @@ def test_row_stats_match_torch(dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_lse_matches_torch(dtype):
+    g = torch.Generator().manual_seed(9)
+    b, vocab = 5, 3000
+    x = (torch.randn(b, vocab, generator=g) * 5).to(dtype)
+    x[0] = torch.randint(0, 3, (vocab,), generator=g).to(dtype)  # ties everywhere
+    x[1, :2500] = NEG_INF  # lanes that see only -inf for several tiles
+    x[2] = torch.arange(vocab).to(dtype)  # the max grows at every tile (rescaling every time)
+    x[3, -1] = 1e4  # the max in the last column
+    arg, lse = argmax_lse(x)
+    assert torch.equal(arg, x.float().argmax(-1))
+    torch.testing.assert_close(lse, x.float().logsumexp(-1), rtol=1e-6, atol=1e-5)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exponential_race_is_the_reference_choice(dtype):
     """Fused temperature + softmax + min-p + race = softmax(apply_min_p(x / T)) then sample_from_probs."""
@@ -128,7 +151,7 @@ def test_exponential_race_with_top_k_floor():
         kept = masked > NEG_INF
         e = torch.exp(y - stats.m[:, None])
         torch.testing.assert_close(stats.s_kept, (e * kept).sum(-1), rtol=1e-5, atol=0)
-        got = exponential_race(x, stats, seeds, steps, temperature, mp, top_k=True)
+        got = exponential_race(x, stats, seeds, steps, temperature, mp, floor)
         assert torch.equal(got, want), f"min_p {mp is not None}"
         # every drawn token survived the masks
         assert kept[torch.arange(b), got].all()
@@ -145,6 +168,28 @@ def test_top_k_partial_equals_sort():
     got = apply_top_k_partial(x, top_k, max_k=7)
     assert torch.equal(got, apply_top_k(x, top_k))
     assert torch.equal(apply_top_k_partial(x, top_k, max_k=40), apply_top_k(x, top_k))
+
+
+def test_sparse_penalties_equal_dense():
+    g = torch.Generator().manual_seed(8)
+    b, vocab = 5, 30
+    logits = torch.randn(b, vocab, generator=g) * 2
+    logits[:, 0] = torch.tensor([1.5, -0.5, 0.0, 2.0, -3.0])
+    logits[2, 4] = 0.0
+    prompts = [[0, 3, 3, -1], [5, 6, -1, -1], [4, 4, 0, 9], [-1, -1, -1, -1], [7, 8, 9, 10]]
+    outputs = [[3, 3, 3, 11, -1], [0, 0, -1, -1, -1], [-1, -1, -1, -1, -1], [0, 2, 2, 29, 29], [1, -1, -1, -1, -1]]
+    rep = torch.tensor([1.3, 0.7, 2.0, 1.0, 1.1])
+    pres = torch.tensor([0.5, -1.0, 2.0, 1.5, 0.0])
+    freq = torch.tensor([0.25, 0.5, -0.3, -2.0, 1.0])
+    args = (torch.tensor(prompts), torch.tensor(outputs), rep, pres, freq)
+    want = apply_penalties(logits, *args)
+    got = apply_penalties_sparse(logits.clone(), *args)
+    assert torch.equal(got, want)
+    # no outputs at all, and no history at all
+    empty = torch.empty(b, 0, dtype=torch.int64)
+    assert torch.equal(apply_penalties_sparse(logits.clone(), args[0], empty, rep, pres, freq),
+                       apply_penalties(logits, args[0], empty, rep, pres, freq))
+    assert torch.equal(apply_penalties_sparse(logits.clone(), empty, empty, rep, pres, freq), logits)
 
 
 def test_top_p_rows_equals_full():
@@ -167,6 +212,10 @@ MIXES = {
     "top_k_min_p": [SamplingParams(top_k=k, min_p=m, temperature=0.9, seed=k) for k, m in
                     ((3, 0.5), (40, 0.01), (200, 0.2), (-1, 0.1))],
     "top_p": [SamplingParams(temperature=1.1, top_p=p, seed=7) for p in (0.9, 1.0, 0.5, 0.95)],
+    "top_k_top_p": [SamplingParams(temperature=0.9, top_k=k, top_p=p, seed=k) for k, p in
+                    ((20, 0.8), (300, 0.95), (5, 1.0), (1000, 0.3))],
+    "top_k_top_p_min_p": [SamplingParams(temperature=1.4, top_k=k, top_p=p, min_p=m, seed=k) for k, p, m in
+                          ((50, 0.9, 0.02), (400, 0.99, 0.0), (7, 0.5, 0.5), (1499, 0.95, 0.01))],
     "min_p": [SamplingParams(min_p=m, temperature=1.5, seed=3) for m in (0.0, 0.05, 0.2, 0.9)],
     "penalties": [
         SamplingParams(repetition_penalty=1.3, seed=1),
@@ -268,7 +317,10 @@ def test_from_params_flags_and_packing():
     assert t.any_greedy and not t.all_greedy and not t.greedy_fast_path
     assert t.max_top_k == 5  # the greedy row's top_k does not count
     assert t.top_p_rows.tolist() == [0, 2]
-    assert not (t.do_penalties or t.do_min_p) and t.do_top_k and t.do_top_p
+    assert not (t.do_penalties or t.do_min_p) and t.do_top_k and t.do_top_p and not t.top_p_in_top_k
+    t = build([SamplingParams(top_k=5, top_p=0.9), SamplingParams(top_k=3), SamplingParams(temperature=0, top_p=0.5)],
+              100, use_triton=False)
+    assert t.top_p_in_top_k and t.max_top_k == 5
     t = build([SamplingParams(temperature=0)] * 3, 100, use_triton=False)
     assert t.greedy_fast_path and t.top_p_rows is None and t.max_top_k == 0
     t = build([SamplingParams(temperature=0, min_tokens=1)] * 2, 100, use_triton=False, suppress=[[1], []])
@@ -303,6 +355,7 @@ def test_gpu_real_shape_matches_reference_without_sync(dtype):
         "temperature": [SamplingParams(temperature=0.8)],
         "top_p": [SamplingParams(temperature=0.8, top_p=0.9)],
         "top_k": [SamplingParams(top_k=50)],
+        "top_k_top_p": [SamplingParams(temperature=0.7, top_k=20, top_p=0.8)],
         "min_p": [SamplingParams(min_p=0.05)],
         "penalties": [SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5)],
         "mixed": [SamplingParams(temperature=0), SamplingParams(top_k=20, top_p=0.8), SamplingParams(min_p=0.1)],

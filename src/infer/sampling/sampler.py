@@ -63,6 +63,24 @@ Splittable Pseudorandom Number Generators"; constants from Vigna's ``splitmix64.
 request with a given seed gets the same tokens whether it runs alone, in a batch of 256, or
 after a preemption, on any device. ``steps[b]`` is the request's own position in its random
 stream (how many tokens it has sampled so far).
+
+Fast paths (phase 8)
+--------------------
+:func:`sample_reference` runs the pipeline above as written: a dozen full ``[B, V]`` passes,
+and the uniforms as ``[B, V]`` int64 tensors (about 50 MB of memory traffic per row at Qwen3's
+151,936-token vocabulary). :func:`sample` computes the same tokens with less work, deciding
+on the host (:meth:`SamplingTensors.from_params`' flags) what the batch needs:
+
+* an all-greedy batch without penalties or suppression is an argmax (and a log-sum-exp for the
+  logprob), in one read of the logits;
+* suppression and penalties gather and scatter the history's ids only
+  (:func:`apply_penalties_sparse`), never building ``[B, V]`` counts;
+* top-k takes ``torch.topk`` to the batch's largest k (:func:`apply_top_k_partial`), not a sort;
+  top-p sorts only the rows that ask for it (:func:`apply_top_p_rows`), and on a GPU, when every
+  such row also has a top-k, only the top-k candidates (already sorted by ``topk``);
+* on a GPU, temperature, softmax, min-p, top-k and the exponential race run in Triton kernels
+  that read the logits in place and hash the uniforms in registers
+  (:mod:`infer.sampling.triton_sampler`): nothing of size ``[B, V]`` is written.
 """
 
 from __future__ import annotations
@@ -75,13 +93,14 @@ import numpy as np
 import torch
 
 from infer.sampling.params import SamplingParams
-from infer.sampling.triton_sampler import exponential_race, row_stats, triton_usable
+from infer.sampling.triton_sampler import argmax_lse, exponential_race, row_stats, triton_usable
 
 __all__ = [
     "SamplerOutput",
     "SamplingTensors",
     "apply_min_p",
     "apply_penalties",
+    "apply_penalties_sparse",
     "apply_temperature",
     "apply_top_k",
     "apply_top_k_partial",
@@ -232,6 +251,54 @@ def apply_penalties(
     return logits - (freq + pres)
 
 
+def apply_penalties_sparse(
+    logits: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    output_ids: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`apply_penalties` touching only the history's tokens, **in place**: ``O(B L)``, not ``O(B V)``.
+
+    The same formulas, on the same float32 values, as :func:`apply_penalties` (which builds
+    ``[B, V]`` occurrence counts and rewrites every logit): the history's logits are gathered,
+    penalised, and scattered back; a token's output count comes from a binary search in the
+    sorted output ids. Each occurrence of a token writes the same value, so duplicates are
+    harmless; the ``-1`` padding writes token 0's own (possibly penalised) value back to it.
+
+    Args:
+        logits: ``[B, V]`` float32, modified in place (pass a copy).
+        prompt_ids, output_ids, repetition_penalty, presence_penalty, frequency_penalty: as
+            :func:`apply_penalties`.
+
+    Returns:
+        ``logits``.
+    """
+    ids = torch.cat([prompt_ids, output_ids], dim=1)  # [B, L]: every token the repetition penalty sees
+    if ids.shape[1] == 0:
+        return logits
+    ids = torch.cat([ids, torch.zeros_like(ids[:, :1])], dim=1)  # + token 0, whose value padding writes
+    valid = ids >= 0
+    safe = ids.clamp(min=0)
+    if output_ids.shape[1] > 0:
+        out_sorted = output_ids.sort(dim=1).values  # padding (-1) first, never matched
+        counts = torch.searchsorted(out_sorted, safe, right=True) - torch.searchsorted(out_sorted, safe)
+    else:
+        counts = torch.zeros_like(safe)
+    values = logits.gather(1, safe)
+    rep = repetition_penalty[:, None]
+    penalized = torch.where(values > 0, values / rep, values * rep)
+    freq = frequency_penalty[:, None] * counts.to(logits.dtype)
+    pres = presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    new = penalized - (freq + pres)
+    # the appended token-0 column: penalised only if token 0 is in the history
+    seen0 = (valid[:, :-1] & (ids[:, :-1] == 0)).any(dim=1)
+    new[:, -1] = torch.where(seen0, new[:, -1], values[:, -1])
+    new = torch.where(valid, new, new[:, -1:])  # padding writes token 0's final value
+    return logits.scatter_(1, safe, new)
+
+
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """``logits / temperature[:, None]``.
 
@@ -373,7 +440,7 @@ def _pad(rows: Sequence[Sequence[int]], vocab_size: int, name: str) -> tuple[np.
     Raises:
         ValueError: an id is outside ``[0, vocab_size)`` (the message names ``name[row]``).
     """
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     width = int(lengths.max(initial=0))
     padded = np.full((len(rows), width), -1, dtype=np.int64)
     if width:
@@ -437,6 +504,8 @@ class SamplingTensors:
         max_top_k: host int, the largest ``top_k`` among the rows that truncate with it (top-k
             then needs ``torch.topk`` to that k, not a sort); 0 means "unknown: sort".
         top_p_rows: ``[R]`` int64, the rows that need top-p, or ``None`` for "every row".
+        top_p_in_top_k: host bool, every row that needs top-p also has a top-k (its nucleus is
+            among the ``max_top_k`` largest logits: no sort of the vocabulary).
         use_triton: host bool, :func:`sample` runs the Triton kernels (CUDA tensors, or CPU
             tensors under ``TRITON_INTERPRET=1``) instead of the plain-PyTorch path.
     """
@@ -462,6 +531,7 @@ class SamplingTensors:
     any_greedy: bool = True
     max_top_k: int = 0
     top_p_rows: torch.Tensor | None = None
+    top_p_in_top_k: bool = False
     use_triton: bool = False
 
     def __post_init__(self) -> None:
@@ -568,20 +638,28 @@ class SamplingTensors:
         elif use_triton and not triton_usable(device):
             raise ValueError(f"use_triton=True on {device} needs TRITON_INTERPRET=1 set before triton is imported")
 
-        # One tuple of values per distinct params object.
-        distinct: dict[int, SamplingParams] = {}
-        for p in params_list:
-            distinct.setdefault(id(p), p)
-        values = {
-            key: (
-                p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-                p.top_k if 0 < p.top_k < vocab_size else vocab_size,
-            )
-            for key, p in distinct.items()
-        }
-        rows = [values[id(p)] for p in params_list]
+        # One row of values per distinct params object (the prompts of one LLM.generate call
+        # share one), then a gather: the per-row Python work is a few C-level maps.
+        keys = list(map(id, params_list))
+        distinct = dict(zip(keys, params_list))
+        position = {key: i for i, key in enumerate(distinct)}
         uniq = list(distinct.values())
-        sampled = [p for p in uniq if not p.greedy]
+        uniq_table = np.array(
+            [
+                (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                 p.top_k if 0 < p.top_k < vocab_size else vocab_size, p.logprobs or 0)
+                for p in uniq
+            ],
+            dtype=np.float64,
+        ).reshape(len(uniq), 8)
+        temp_u, top_p_u, min_p_u, rep_u, pres_u, freq_u, top_k_u, logprobs_u = uniq_table.T
+        # what each distinct params object needs (greedy rows ignore temperature and truncation)
+        sampled_u = temp_u != 0.0
+        top_k_on = sampled_u & (top_k_u < vocab_size)
+        top_p_on = sampled_u & (top_p_u < 1.0)
+        rep = rep_u != 1.0
+        pen = rep | (pres_u != 0.0) | (freq_u != 0.0)
+        row_of = np.fromiter(map(position.__getitem__, keys), dtype=np.int64, count=batch)
 
         # Histories are only needed by rows with a penalty; others get an empty (all -1) row,
         # which is equivalent and keeps the padded width small. Every given list is validated.
@@ -592,14 +670,10 @@ class SamplingTensors:
         output_np, output_len = _pad(outputs, vocab_size, "output_ids_list")
         suppress_np, suppress_len = _pad(suppress_list if suppress_list is not None else empty, vocab_size,
                                          "suppress_list")
-        rep = [p.repetition_penalty != 1.0 for p in uniq]
-        pen = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for r, p in zip(rep, uniq)]
-        do_penalties = any(pen)
+        do_penalties = bool(pen.any())
         if do_penalties:
-            needs_rep = {id(p) for p, r in zip(uniq, rep) if r}
-            needs_out = {id(p) for p, r in zip(uniq, pen) if r}
-            keep_prompt = np.fromiter((id(p) in needs_rep for p in params_list), dtype=bool, count=batch)
-            keep_output = np.fromiter((id(p) in needs_out for p in params_list), dtype=bool, count=batch)
+            keep_prompt = rep[row_of]
+            keep_output = pen[row_of]
             prompt_ids = _to_device(prompt_np, prompt_len, keep_prompt, device)
             output_ids = _to_device(output_np, output_len, keep_output, device)
         else:
@@ -619,7 +693,7 @@ class SamplingTensors:
         if steps is not None:
             row_steps = np.asarray(steps, dtype=np.int64)
         else:
-            row_steps = np.fromiter((len(o) for o in outputs), dtype=np.int64, count=batch)
+            row_steps = np.fromiter(map(len, outputs), dtype=np.int64, count=batch)
 
         # the nine [B] parameters packed into one buffer: 6 float32 rows, then 3 int64 rows
         nf = 6 * batch * 4
@@ -627,7 +701,7 @@ class SamplingTensors:
         floats = buf[:nf].view(np.float32).reshape(6, batch)
         ints = buf[nf:].view(np.int64).reshape(3, batch)
         if batch:
-            table = np.asarray(rows, dtype=np.float64)  # [B, 7]
+            table = uniq_table[row_of]  # [B, 7]
             floats[:] = table[:, :6].T
             ints[0] = table[:, 6]
         ints[1] = row_seeds
@@ -640,12 +714,11 @@ class SamplingTensors:
             f32 = torch.empty(6, 0, dtype=torch.float32, device=device)
             i64 = torch.empty(3, 0, dtype=torch.int64, device=device)
 
-        truncating_k = [p.top_k for p in sampled if 0 < p.top_k < vocab_size]
         top_p_rows = None
-        if any(p.top_p < 1.0 for p in sampled):
-            need = [i for i, p in enumerate(params_list) if p.top_p < 1.0 and not p.greedy]
+        if top_p_on.any():
+            need = np.flatnonzero(top_p_on[row_of])
             if len(need) < batch:
-                top_p_rows = _upload(torch.tensor(need, dtype=torch.int64), device)
+                top_p_rows = _upload(torch.from_numpy(need.astype(np.int64)), device)
 
         return cls(
             temperature=f32[0],
@@ -660,15 +733,16 @@ class SamplingTensors:
             prompt_ids=prompt_ids,
             output_ids=output_ids,
             suppress_ids=_to_device(suppress_np, suppress_len, None, device),
-            max_num_logprobs=max((p.logprobs or 0 for p in uniq), default=0),
-            all_greedy=not sampled,
+            max_num_logprobs=int(logprobs_u.max(initial=0)),
+            all_greedy=not sampled_u.any(),
             do_penalties=do_penalties,
-            do_min_p=any(p.min_p > 0.0 for p in sampled),
-            do_top_k=bool(truncating_k),
-            do_top_p=any(p.top_p < 1.0 for p in sampled),
-            any_greedy=len(sampled) < len(uniq),
-            max_top_k=max(truncating_k, default=0),
+            do_min_p=bool((sampled_u & (min_p_u > 0.0)).any()),
+            do_top_k=bool(top_k_on.any()),
+            do_top_p=bool(top_p_on.any()),
+            any_greedy=not sampled_u.all(),
+            max_top_k=int(top_k_u[top_k_on].max(initial=0)),
             top_p_rows=top_p_rows,
+            top_p_in_top_k=bool((top_k_on | ~top_p_on).all()),
             use_triton=bool(use_triton),
         )
 
@@ -764,12 +838,23 @@ def sample_reference(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
 
 
 def _edit_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Steps 3-5 (suppression, penalties) on a float32 copy; ``logits`` itself if none applies."""
+    """Steps 3-5 (suppression, penalties) on a float32 copy; ``logits`` itself if none applies.
+
+    Both only touch the listed token ids (``O(B L)`` gathers and scatters, no ``[B, V]`` masks).
+    """
     if t.suppress_ids.shape[1] == 0 and not t.do_penalties:
         return logits
-    x = suppress_tokens(logits.float(), t.suppress_ids)
+    x = logits.float()
+    if x is logits:
+        x = x.clone()
+    if t.suppress_ids.shape[1] > 0:
+        # banned ids receive -inf; padding sends +inf to token 0, which leaves it be (as suppress_tokens)
+        src = torch.where(t.suppress_ids >= 0, float("-inf"), float("inf"))
+        x.scatter_reduce_(1, t.suppress_ids.clamp(min=0), src, reduce="amin", include_self=True)
     if t.do_penalties:
-        x = apply_penalties(x, t.prompt_ids, t.output_ids, t.repetition_penalty, t.presence_penalty, t.frequency_penalty)
+        apply_penalties_sparse(
+            x, t.prompt_ids, t.output_ids, t.repetition_penalty, t.presence_penalty, t.frequency_penalty
+        )
     return x
 
 
@@ -802,8 +887,8 @@ def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     return _output(raw, _merge_greedy(t, greedy, random_tokens), log_z, t)
 
 
-def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor) -> torch.Tensor:
-    """``[B]`` float32: the k-th largest of ``x / T`` per row (``-inf`` where top-k is off).
+def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor):
+    """Top-k as a floor: ``([B] float32 k-th largest of x / T, -inf where off; [B, K] largest x)``.
 
     ``torch.topk`` to the batch's largest k on ``x`` as it is (bf16 values upcast exactly), then
     one division: the k-th largest of ``x / T`` is the k-th largest of ``x``, divided by ``T``
@@ -813,31 +898,68 @@ def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor)
     k_cap = t.max_top_k if 0 < t.max_top_k < vocab_size else vocab_size
     largest = x.topk(k_cap, dim=-1).values
     kth = largest.gather(1, (t.top_k.clamp(min=1, max=k_cap) - 1)[:, None]).squeeze(1).float()
-    return torch.where(t.top_k <= k_cap, kth / temperature, float("-inf"))
+    return torch.where(t.top_k <= k_cap, kth / temperature, float("-inf")), largest
+
+
+def _top_p_on_candidates(
+    largest: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor, stats, min_p, floor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p on the top-k candidates only: ``(new floor [B], normaliser after the cut [B])``.
+
+    When every row that asks for top-p also has a top-k, its nucleus lies among the ``[B, K]``
+    largest logits, already sorted by ``torch.topk``: :func:`apply_top_p`'s rule runs on them,
+    not on a sorted vocabulary. Tokens tied with the k-th value beyond the K candidates matter
+    only when the cut keeps every top-k token, and then nothing changes. The cut is returned as
+    a floor on ``x / T`` (the smallest kept candidate's value), compared exactly by the kernels.
+    """
+    y = largest.float() / temperature[:, None]  # [B, K], decreasing; the kernels' x / T bit for bit
+    e = torch.exp(y - stats.m[:, None])
+    keep = y >= floor[:, None]  # top-k (ties with the k-th kept)
+    if min_p is not None:
+        keep &= e / stats.s[:, None] >= (min_p * (1.0 / stats.s))[:, None]
+    probs = torch.where(keep, e / stats.s_kept[:, None], 0.0)  # the distribution after min-p and top-k
+    mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
+    num_kept = (mass_before < t.top_p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)
+    smallest_kept = probs.gather(1, num_kept - 1)  # [B, 1]
+    least_likely = torch.where(keep, probs, float("inf")).amin(dim=-1, keepdim=True)
+    cut = ((t.top_p[:, None] < 1.0) & (smallest_kept > least_likely)).squeeze(1)  # the cut removes a token
+    final = keep & (probs >= smallest_kept)
+    new_floor = torch.where(cut, torch.where(final, y, float("inf")).amin(dim=-1), floor)
+    # the renormalised distribution's sum (it scales every score alike: it changes the choice only
+    # through rounding, but keeps the race's p = e / s the reference's value)
+    s_final = torch.where(cut, torch.where(final, e, 0.0).sum(dim=-1), stats.s_kept)
+    return new_floor, s_final
 
 
 def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """The Triton path: row statistics + the fused exponential race (:mod:`infer.sampling.triton_sampler`)."""
     raw = logits if logits.stride(-1) == 1 else logits.contiguous()
     x = _edit_logits(raw, t)
-    if t.all_greedy:  # argmax + log-sum-exp in one kernel (two reads of the row)
-        stats = row_stats(x)
-        log_z = stats.lse if x is raw else row_stats(raw).lse
-        return _output(raw, stats.argmax, log_z, t)
-    if t.do_top_p:
-        # top-p needs sorted probabilities: truncation in PyTorch (sorting only the rows that need
-        # it), then the race on the masked, temperature-scaled logits
+    if t.all_greedy:  # the greedy fast path: argmax + log-sum-exp in one read of the row
+        greedy, log_z = argmax_lse(x)
+        if x is not raw:
+            log_z = argmax_lse(raw)[1]
+        return _output(raw, greedy, log_z, t)
+    if t.do_top_p and not t.top_p_in_top_k:
+        # top-p without top-k needs sorted probabilities: truncation in PyTorch (sorting only the
+        # rows that need it), then the race on the masked, temperature-scaled logits
         stats = row_stats(x)
         y = _truncate(x, t)
         random_tokens = exponential_race(y, row_stats(y), t.seeds, t.steps)
     else:
-        # temperature, min-p and top-k fused: nothing of size [B, V] is written
+        # temperature, min-p, top-k (and top-p among the top-k) fused: nothing of size [B, V] is written
         temperature = t.temperature.clamp(min=1e-6)
         min_p = t.min_p if t.do_min_p else None
-        floor = _top_k_floor(x, t, temperature) if t.do_top_k else None
+        floor = largest = None
+        if t.do_top_k:
+            floor, largest = _top_k_floor(x, t, temperature)
         stats = row_stats(x, temperature, min_p, floor)
-        random_tokens = exponential_race(x, stats, t.seeds, t.steps, temperature, min_p, top_k=floor is not None)
-    log_z = stats.lse if x is raw else row_stats(raw).lse
+        race_stats = stats
+        if t.do_top_p:
+            floor, s_final = _top_p_on_candidates(largest, t, temperature, stats, min_p, floor)
+            race_stats = stats._replace(s_kept=s_final)
+        random_tokens = exponential_race(x, race_stats, t.seeds, t.steps, temperature, min_p, floor)
+    log_z = stats.lse if x is raw else argmax_lse(raw)[1]
     return _output(raw, _merge_greedy(t, stats.argmax, random_tokens), log_z, t)
 
 

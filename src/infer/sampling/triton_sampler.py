@@ -3,9 +3,11 @@
 The plain-PyTorch pipeline of :mod:`infer.sampling.sampler` makes many passes over the ``[B, V]``
 logits, and its counter-based random numbers (:func:`~infer.sampling.sampler.random_uniform`)
 materialise several ``[B, V]`` int64 tensors (8 bytes per element each, written and read back):
-at 256 rows x 151,936 vocabulary that is gigabytes of memory traffic per step. Two kernels replace
+at 256 rows x 151,936 vocabulary that is gigabytes of memory traffic per step. Three kernels replace
 it, each walking the row in tiles of ``BLOCK`` elements:
 
+* :func:`argmax_lse` (greedy batches; one program per tile of a row, one read of the logits, then
+  one per row to combine the tiles): the argmax and the log-sum-exp.
 * :func:`row_stats` (one program per row, two or three passes over it): the row's maximum and
   its *first* index (greedy's argmax, ``torch.argmax``'s tie rule), the log-sum-exp (the raw logprobs' normaliser), and the softmax normaliser of the
   temperature-scaled row ``y = x / T``: ``m = max(y)`` and ``s = sum(exp(y - m))``; with min-p
@@ -52,7 +54,9 @@ from triton.language.extra import libdevice
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 
-__all__ = ["INTERPRET", "RowStats", "exponential_race", "race_from_probs", "row_stats", "triton_usable"]
+__all__ = [
+    "INTERPRET", "RowStats", "argmax_lse", "exponential_race", "race_from_probs", "row_stats", "triton_usable",
+]
 
 
 def triton_usable(device: torch.device | str) -> bool:
@@ -80,6 +84,13 @@ def _log(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _div(x, y):
+    """IEEE round-to-nearest ``x / y`` of a block by a scalar (``tl.div_rn`` does not broadcast;
+    Triton's plain ``/`` is an approximate division on NVIDIA GPUs)."""
+    return tl.div_rn(x, tl.broadcast_to(y, x.shape))
+
+
+@triton.jit
 def _mix64(z):
     """splitmix64's finaliser on uint64 (multiplies wrap modulo 2**64, shifts are logical)."""
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
@@ -102,15 +113,96 @@ def _first_argmax(best, best_i, n):
     return top, tl.min(tl.where(best == top, best_i, n), axis=0)
 
 
+# ----------------------------------------------------------------------------- the greedy fast path
+
+
+@triton.jit(do_not_specialize=["V", "stride_x"])
+def _argmax_lse_tile_kernel(
+    x_ptr, stride_x, V, tile_max_ptr, tile_arg_ptr, tile_sum_ptr, num_tiles,
+    EXACT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per (row, tile of BLOCK columns), one read of the logits: the tile's max, the
+    # first index of it, and sum(exp(x - tile max)). Even one row spreads over many SMs.
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    idx = tile * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+    m, arg = _first_argmax(x, idx, V)
+    s = tl.sum(_exp(x - m, EXACT), axis=0)
+    s = tl.where(m == float("-inf"), 0.0, s)  # an all -inf tile adds nothing
+    out = row * num_tiles + tile
+    tl.store(tile_max_ptr + out, m)
+    tl.store(tile_arg_ptr + out, arg)
+    tl.store(tile_sum_ptr + out, s)
+
+
+@triton.jit
+def _argmax_lse_combine_kernel(
+    tile_max_ptr, tile_arg_ptr, tile_sum_ptr, num_tiles, V, argmax_ptr, lse_ptr,
+    EXACT: tl.constexpr, TILES: tl.constexpr,
+):
+    # One program per row: the row max is the largest tile max; its first index the smallest
+    # among the tiles that hold it (exact); the sums are rescaled to the row max and added, in
+    # tile order (the online-softmax combination of Milakov and Gimelshein 2018, arXiv:1805.02867).
+    row = tl.program_id(0)
+    offs = tl.arange(0, TILES)
+    valid = offs < num_tiles
+    m = tl.load(tile_max_ptr + row * num_tiles + offs, mask=valid, other=float("-inf"))
+    arg = tl.load(tile_arg_ptr + row * num_tiles + offs, mask=valid, other=0)
+    s = tl.load(tile_sum_ptr + row * num_tiles + offs, mask=valid, other=0.0)
+    top = tl.max(m, axis=0)
+    first = tl.min(tl.where(valid & (m == top), arg, V), axis=0)
+    total = tl.sum(tl.where(s > 0.0, s * _exp(m - top, EXACT), 0.0), axis=0)
+    tl.store(argmax_ptr + row, first.to(tl.int64))
+    tl.store(lse_ptr + row, top + _log(total, EXACT))
+
+
+def argmax_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy's fast path in one read of the logits: ``(x.argmax(-1), x.float().logsumexp(-1))``.
+
+    The argmax is exact (the first index of the maximum, ``torch.argmax``'s rule); the
+    log-sum-exp (the raw logprobs' normaliser) agrees with PyTorch's to float32 rounding.
+
+    Args:
+        x: ``[B, V]`` float32/bf16/fp16 (the last dimension contiguous).
+
+    Returns:
+        ``([B] int64, [B] float32)``.
+
+    Raises:
+        ValueError: ``x`` is not a floating ``[B, V]`` tensor with a contiguous last dimension.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    _check(x)
+    b, v = x.shape
+    arg = torch.empty(b, dtype=torch.int64, device=x.device)
+    lse = torch.empty(b, dtype=torch.float32, device=x.device)
+    if b:
+        block = _block(v)
+        num_tiles = triton.cdiv(v, block)
+        tile_max = torch.empty(b, num_tiles, dtype=torch.float32, device=x.device)
+        tile_arg = torch.empty(b, num_tiles, dtype=torch.int32, device=x.device)
+        tile_sum = torch.empty(b, num_tiles, dtype=torch.float32, device=x.device)
+        _argmax_lse_tile_kernel[(b, num_tiles)](
+            x, x.stride(0), v, tile_max, tile_arg, tile_sum, num_tiles, EXACT=not INTERPRET, BLOCK=block,
+            num_warps=8,
+        )
+        _argmax_lse_combine_kernel[(b,)](
+            tile_max, tile_arg, tile_sum, num_tiles, v, arg, lse,
+            EXACT=not INTERPRET, TILES=triton.next_power_of_2(num_tiles), num_warps=1,
+        )
+    return arg, lse
+
+
 # ----------------------------------------------------------------------------- row statistics
 
 
 @triton.jit(do_not_specialize=["V", "stride_x"])
 def _row_stats_kernel(
     x_ptr, stride_x, V, temp_ptr, min_p_ptr, floor_ptr,
-    argmax_ptr, lse_ptr, m_ptr, s_ptr, s_kept_ptr, floor_out_ptr,
-    SCALED: tl.constexpr, MIN_P: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr,
-    BLOCK: tl.constexpr,
+    argmax_ptr, lse_ptr, m_ptr, s_ptr, s_kept_ptr,
+    SCALED: tl.constexpr, MIN_P: tl.constexpr, FLOOR: tl.constexpr, KEPT_SUM: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
@@ -143,7 +235,7 @@ def _row_stats_kernel(
         x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
         acc_x += _exp(x - m_x, EXACT)
         if SCALED:
-            acc_y += _exp(tl.div_rn(x, t) - m_y, EXACT)
+            acc_y += _exp(_div(x, t) - m_y, EXACT)
     s_x = tl.sum(acc_x, axis=0)
     if SCALED:
         s_y = tl.sum(acc_y, axis=0)
@@ -152,27 +244,24 @@ def _row_stats_kernel(
 
     # pass 3 (min-p and/or top-k): the normaliser over the kept tokens. Min-p keeps
     # p >= min_p * max(p) with max(p) = exp(0) / s = 1 / s; top-k keeps y >= floor (the k-th
-    # largest y), except when min-p removed that k-th token: then fewer than k survive min-p,
-    # and top-k (applied after min-p) keeps all of them.
+    # largest y). Both keep every token above some value of y (p grows with y), so applying
+    # them together is the same as top-k after min-p: if min-p removed the k-th token, fewer
+    # than k survive min-p, all above the floor, and top-k keeps them all.
     s_kept = s_y
-    floor = float("-inf")
     if MIN_P:
         threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s_y)
     if FLOOR:
         floor = tl.load(floor_ptr + row)
-        if MIN_P:
-            floor_kept = tl.div_rn(_exp(floor - m_y, EXACT), s_y) >= threshold
-            floor = tl.where(floor_kept, floor, float("-inf"))
-    if MIN_P or FLOOR:
+    if KEPT_SUM:  # MIN_P or FLOOR
         acc_k = tl.zeros([BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             idx = start + offs
             x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
             if SCALED:
-                x = tl.div_rn(x, t)
+                x = _div(x, t)
             e = _exp(x - m_y, EXACT)
             if MIN_P:
-                e = tl.where(tl.div_rn(e, s_y) >= threshold, e, 0.0)
+                e = tl.where(_div(e, s_y) >= threshold, e, 0.0)
             if FLOOR:
                 e = tl.where(x >= floor, e, 0.0)
             acc_k += e
@@ -183,7 +272,6 @@ def _row_stats_kernel(
     tl.store(m_ptr + row, m_y)
     tl.store(s_ptr + row, s_y)
     tl.store(s_kept_ptr + row, s_kept)
-    tl.store(floor_out_ptr + row, floor)
 
 
 class RowStats(NamedTuple):
@@ -194,7 +282,6 @@ class RowStats(NamedTuple):
     m: torch.Tensor  # float32, max(x / T)
     s: torch.Tensor  # float32, sum(exp(x / T - m))
     s_kept: torch.Tensor  # float32, the same sum over the tokens min-p and top-k keep (= s without them)
-    floor: torch.Tensor  # float32, top-k keeps x / T >= floor (-inf: no top-k cut, after min-p)
 
 
 def _block(vocab_size: int) -> int:
@@ -245,7 +332,7 @@ def row_stats(
     dev = x.device
     out = RowStats(
         torch.empty(b, dtype=torch.int64, device=dev),
-        *(torch.empty(b, dtype=torch.float32, device=dev) for _ in range(5)),
+        *(torch.empty(b, dtype=torch.float32, device=dev) for _ in range(4)),
     )
     if b == 0:
         return out
@@ -257,7 +344,8 @@ def row_stats(
         top_k_floor if top_k_floor is not None else dummy,
         *out,
         SCALED=temperature is not None, MIN_P=min_p is not None, FLOOR=top_k_floor is not None,
-        EXACT=not INTERPRET, BLOCK=_block(v), num_warps=8,
+        KEPT_SUM=min_p is not None or top_k_floor is not None, EXACT=not INTERPRET, BLOCK=_block(v),
+        num_warps=8,
     )
     return out
 
@@ -291,15 +379,15 @@ def _race_kernel(
     else:
         y = tl.load(ptrs, mask=valid, other=float("-inf")).to(tl.float32)
         if SCALED:
-            y = tl.div_rn(y, tl.load(temp_ptr + row))
+            y = _div(y, tl.load(temp_ptr + row))
         e = _exp(y - tl.load(m_ptr + row), EXACT)
         if MIN_P:
             s = tl.load(s_ptr + row)
             threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s)
-            e = tl.where(tl.div_rn(e, s) >= threshold, e, 0.0)
+            e = tl.where(_div(e, s) >= threshold, e, 0.0)
         if FLOOR:
             e = tl.where(y >= tl.load(floor_ptr + row), e, 0.0)
-        p = tl.div_rn(e, tl.load(s_kept_ptr + row))
+        p = _div(e, tl.load(s_kept_ptr + row))
     exp1 = -_log(_uniform(key, idx), EXACT)  # Exponential(1), > 0
     score = tl.where(valid, tl.div_rn(p, exp1), -1.0)  # scores are >= 0: any real column beats -1
     best, best_i = _first_argmax(score, idx, V)
@@ -307,16 +395,16 @@ def _race_kernel(
     tl.store(best_i_ptr + row * num_tiles + tile, best_i.to(tl.int64))
 
 
-def _launch_race(x, temp, min_p, stats, seeds, steps, *, from_probs, scaled, use_min_p, use_floor) -> torch.Tensor:
+def _launch_race(x, temp, min_p, floor, stats, seeds, steps, *, from_probs, scaled, use_min_p) -> torch.Tensor:
     b, v = x.shape
     block = _block(v)
     num_tiles = triton.cdiv(v, block)
     best = torch.empty(b, num_tiles, dtype=torch.float32, device=x.device)
     best_i = torch.empty(b, num_tiles, dtype=torch.int64, device=x.device)
     _race_kernel[(b, num_tiles)](
-        x, x.stride(0), v, temp, min_p, stats.m, stats.s, stats.s_kept, stats.floor, seeds, steps,
-        best, best_i, num_tiles,
-        FROM_PROBS=from_probs, SCALED=scaled, MIN_P=use_min_p, FLOOR=use_floor, EXACT=not INTERPRET,
+        x, x.stride(0), v, temp, min_p, stats.m, stats.s, stats.s_kept,
+        floor if floor is not None else stats.m, seeds, steps, best, best_i, num_tiles,
+        FROM_PROBS=from_probs, SCALED=scaled, MIN_P=use_min_p, FLOOR=floor is not None, EXACT=not INTERPRET,
         BLOCK=block, num_warps=8,
     )
     # the first tile holding the row's best score (argmax takes the first maximum), then its column
@@ -336,7 +424,7 @@ def exponential_race(
     steps: torch.Tensor,
     temperature: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
-    top_k: bool = False,
+    top_k_floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Draw one token per row from ``softmax(x / T)`` (min-p, top-k applied) by the exponential race.
 
@@ -350,7 +438,7 @@ def exponential_race(
         seeds, steps: ``[B]`` int64 (see :func:`~infer.sampling.random_uniform`).
         temperature: ``[B]`` float32 > 0, or ``None`` for ``T = 1``.
         min_p: ``[B]`` float32, or ``None``.
-        top_k: whether ``stats`` was computed with a ``top_k_floor``.
+        top_k_floor: ``[B]`` float32, as given to :func:`row_stats`, or ``None``.
 
     Returns:
         ``[B]`` int64 token ids.
@@ -365,8 +453,8 @@ def exponential_race(
         return torch.empty(0, dtype=torch.int64, device=x.device)
     return _launch_race(
         x, temperature if temperature is not None else stats.m, min_p if min_p is not None else stats.m,
-        stats, seeds, steps, from_probs=False, scaled=temperature is not None, use_min_p=min_p is not None,
-        use_floor=top_k,
+        top_k_floor, stats, seeds, steps, from_probs=False, scaled=temperature is not None,
+        use_min_p=min_p is not None,
     )
 
 
@@ -389,6 +477,6 @@ def race_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tenso
     _check_rng(seeds, steps, b)
     if b == 0:
         return torch.empty(0, dtype=torch.int64, device=probs.device)
-    none = RowStats(probs, probs, probs, probs, probs, probs)
-    return _launch_race(probs, probs, probs, none, seeds, steps,
-                        from_probs=True, scaled=False, use_min_p=False, use_floor=False)
+    unused = RowStats(probs, probs, probs, probs, probs)
+    return _launch_race(probs, probs, probs, None, unused, seeds, steps, from_probs=True, scaled=False,
+                        use_min_p=False)
