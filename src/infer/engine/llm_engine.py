@@ -315,6 +315,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs + self._process_in_flight(stream)
+        # >>> EXERCISE overlap_loop
         prev = self._in_flight[1] if self._in_flight is not None else None
         with self._failing_requests_abort(scheduled):
             result = self.runner.execute(scheduled, self.eos_token_ids, prev)
@@ -324,6 +325,7 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.token_ids.append(PLACEHOLDER)
         self._in_flight = (scheduled, result)
+        # <<< EXERCISE overlap_loop
         return outputs
 
     def _process_in_flight(self, stream: bool) -> list[RequestOutput]:
