@@ -93,7 +93,7 @@ import numpy as np
 import torch
 
 from infer.sampling.params import SamplingParams
-from infer.sampling.triton_sampler import argmax_lse, exponential_race, row_stats, triton_usable
+from infer.sampling.triton_sampler import RowStats, argmax_lse, exponential_race, row_stats, triton_usable
 
 __all__ = [
     "SamplerOutput",
@@ -878,7 +878,9 @@ def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     return _output(raw, _merge_greedy(t, greedy, random_tokens), log_z, t)
 
 
-def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor):
+def _top_k_floor(
+    x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k as a floor: ``([B] float32 k-th largest of x / T, -inf where off; [B, K] largest x)``.
 
     ``torch.topk`` to the batch's largest k on ``x`` as it is (bf16 values upcast exactly), then
@@ -893,7 +895,12 @@ def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor)
 
 
 def _top_p_on_candidates(
-    largest: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor, stats, min_p, floor: torch.Tensor
+    largest: torch.Tensor,
+    t: SamplingTensors,
+    temperature: torch.Tensor,
+    stats: RowStats,
+    min_p: torch.Tensor | None,
+    floor: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-p on the top-k candidates only: ``(new floor [B], normaliser after the cut [B])``.
 
