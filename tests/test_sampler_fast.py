@@ -23,13 +23,8 @@ from infer.sampling import (
     sample_from_probs,
     sample_reference,
 )
-from infer.sampling.triton_sampler import (
-    argmax_lse,
-    exponential_race,
-    race_from_probs,
-    row_stats,
-    triton_usable,
-)
+from infer.sampling.sampler import triton_usable
+from infer.sampling.triton_sampler import argmax_lse, exponential_race, race_from_probs, row_stats
 
 NEG_INF = float("-inf")
 needs_triton = pytest.mark.skipif(

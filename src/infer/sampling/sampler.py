@@ -85,15 +85,20 @@ on the host (:meth:`SamplingTensors.from_params`' flags) what the batch needs:
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from infer.sampling.params import SamplingParams
-from infer.sampling.triton_sampler import RowStats, argmax_lse, exponential_race, row_stats, triton_usable
+
+if TYPE_CHECKING:
+    from infer.sampling.triton_sampler import RowStats
 
 __all__ = [
     "SamplerOutput",
@@ -434,6 +439,14 @@ def apply_top_p_rows(logits: torch.Tensor, top_p: torch.Tensor, rows: torch.Tens
 # ----------------------------------------------------------------------------- batch tensors
 
 
+def triton_usable(device: torch.device | str) -> bool:
+    """Whether the sampler's Triton kernels can run on ``device``: Triton is installed, and the
+    device is CUDA or the CPU interpreter is on (``TRITON_INTERPRET=1``). Triton is imported only
+    when the kernels run, so this module works where Triton is not installed."""
+    on_device = torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return on_device and importlib.util.find_spec("triton") is not None
+
+
 def _pad(rows: Sequence[Sequence[int]], vocab_size: int, name: str) -> tuple[np.ndarray, np.ndarray]:
     """Ragged lists of ids -> (``[B, max_len]`` int64 padded with -1, ``[B]`` lengths), on the host.
 
@@ -625,9 +638,12 @@ class SamplingTensors:
             if lst is not None and len(lst) != batch:
                 raise ValueError(f"{name} has {len(lst)} entries, expected one per row ({batch})")
         if use_triton is None:
-            use_triton = torch.device(device).type == "cuda"
+            use_triton = torch.device(device).type == "cuda" and triton_usable(device)
         elif use_triton and not triton_usable(device):
-            raise ValueError(f"use_triton=True on {device} needs TRITON_INTERPRET=1 set before triton is imported")
+            raise ValueError(
+                f"use_triton=True on {device} needs Triton and a CUDA device, or TRITON_INTERPRET=1 set before "
+                "triton is imported"
+            )
 
         # One row of values per distinct params object (the prompts of one LLM.generate call
         # share one), then a gather: the per-row Python work is a few C-level maps.
@@ -931,6 +947,7 @@ def _top_p_on_candidates(
 
 def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """The Triton path: row statistics + the fused exponential race (:mod:`infer.sampling.triton_sampler`)."""
+    from infer.sampling.triton_sampler import argmax_lse, exponential_race, row_stats  # imports triton
     raw = logits if logits.stride(-1) == 1 else logits.contiguous()
     x = _edit_logits(raw, t)
     if t.all_greedy:  # the greedy fast path: argmax + log-sum-exp in one read of the row

@@ -56,13 +56,8 @@ from triton.language.extra import libdevice
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 
 __all__ = [
-    "INTERPRET", "RowStats", "argmax_lse", "exponential_race", "race_from_probs", "row_stats", "triton_usable",
+    "INTERPRET", "RowStats", "argmax_lse", "exponential_race", "race_from_probs", "row_stats",
 ]
-
-
-def triton_usable(device: torch.device | str) -> bool:
-    """Whether the sampler's Triton kernels can run on ``device``: CUDA, or the CPU interpreter."""
-    return torch.device(device).type == "cuda" or INTERPRET
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -233,7 +228,7 @@ def _check(x: torch.Tensor) -> None:
         raise ValueError(f"x must be a floating [B, V] tensor, got {tuple(x.shape)} {x.dtype}")
     if x.shape[1] > 1 and x.stride(1) != 1:
         raise ValueError(f"x must have a contiguous last dimension (strides {x.stride()})")
-    if not triton_usable(x.device):
+    if x.device.type != "cuda" and not INTERPRET:
         raise RuntimeError("the sampler's Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
                            f"triton is imported to run them on the CPU (got a {x.device} tensor)")
 
