@@ -26,19 +26,20 @@ Same tokens as the reference
 ----------------------------
 Every value the kernels compute is the same float32 operation as the reference's: ``x / T``
 (IEEE division, ``div_rn``; Triton's plain ``/`` is an approximate division on NVIDIA GPUs),
-``exp(y - m)``, ``e / s``, ``-log(u)``, ``p / E``, with libdevice's correctly-rounded-to-1-ulp
-``expf``/``logf`` on the GPU (the functions CUDA's ``expf``/``logf`` are, which PyTorch calls; Triton's
-``tl.exp``/``tl.log`` are faster approximations). The uniforms are bit-identical (integer
-hashing, then an exact conversion). One thing differs: how the row sum ``s`` is accumulated
-(PyTorch's reduction tree vs this kernel's tiles, each rescaled to the row max), so ``s`` may
-differ in its last bits, and with it some ``p[v]``. A token can therefore differ from the reference only when the two
-best race scores of a row are within about two float32 ulps of each other (a relative gap below
+``exp(y - m)``, ``e / s``, ``-log(u)``, ``p / E``, with libdevice's ``expf``/``logf`` on the GPU
+(the functions behind CUDA's ``expf``/``logf``, which PyTorch calls; Triton's ``tl.exp``/``tl.log``
+are faster approximations). The uniforms are bit-identical (integer hashing, then an exact
+conversion). One thing differs: how the row sum ``s`` is accumulated (PyTorch's reduction tree
+vs this module's tiles, each rescaled to the row max), so ``s`` may differ in its last bits, and
+with it some ``p[v]``. A token can therefore differ from the reference only when the two best
+race scores of a row are within about two float32 ulps of each other (a relative gap below
 ~2.4e-7): for an exponential race that happens with probability of the order of 1e-7 per token.
-The same goes for a min-p threshold that falls within an ulp of a token's probability. The kernels
-are deterministic and a row's reductions run in an order that depends on ``V`` only, so a seeded
-request's tokens never depend on the batch.
+The same goes for a min-p or top-p threshold that falls within an ulp of a token's probability.
+The kernels are deterministic and a row's reductions run in an order that depends on ``V``
+only, so a seeded request's tokens never depend on the batch.
 
-Importing works anywhere; launching needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``
+Importing needs Triton (:mod:`infer.sampling.sampler` imports this module only when the kernels
+run); launching needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``
 set before Triton is imported (the tests' conftest does it). Under the interpreter the kernels use
 ``tl.exp``/``tl.log`` (NumPy's), since libdevice does not run there.
 """
@@ -55,9 +56,7 @@ from triton.language.extra import libdevice
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 
-__all__ = [
-    "INTERPRET", "RowStats", "argmax_lse", "exponential_race", "race_from_probs", "row_stats",
-]
+__all__ = ["INTERPRET", "RowStats", "argmax_lse", "exponential_race", "race_from_probs", "row_stats"]
 
 
 # ----------------------------------------------------------------------------- device helpers
