@@ -374,3 +374,27 @@ def test_gpu_real_shape_matches_reference_without_sync(dtype):
         assert mismatches <= (1 if name in ("top_p", "min_p", "top_k_top_p", "mixed") else 0), (name, mismatches)
         torch.testing.assert_close(got.logprobs[got.next_tokens == want.next_tokens],
                                    want.logprobs[got.next_tokens == want.next_tokens], rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_from_params_does_not_block_on_the_device():
+    """Building a step's tensors queues pinned, non-blocking copies: no synchronisation."""
+    vocab = 151_936
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8), SamplingParams(repetition_penalty=1.1),
+              SamplingParams(temperature=0, min_tokens=3)] * 8
+    hist = [list(range(i, i + 40)) for i in range(len(params))]
+
+    def build_cuda():
+        return SamplingTensors.from_params(params, None, None, hist, hist, [[1, 2]] * len(params), vocab, "cuda")
+
+    build_cuda()  # warm the caching host allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        t = build_cuda()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = SamplingTensors.from_params(params, t.seeds.tolist(), None, hist, hist, [[1, 2]] * len(params), vocab)
+    for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "steps", "prompt_ids", "output_ids",
+                 "suppress_ids"):
+        assert torch.equal(getattr(t, name).cpu(), getattr(want, name)), name

@@ -474,7 +474,20 @@ def _to_device(padded: np.ndarray, lengths: np.ndarray, keep: np.ndarray | None,
         padded[~keep] = -1
         lengths = np.where(keep, lengths, 0)
     width = int(lengths.max(initial=0))
-    return torch.from_numpy(np.ascontiguousarray(padded[:, :width])).to(device)
+    return _to_device_async(np.ascontiguousarray(padded[:, :width]), device)
+
+
+def _to_device_async(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A fresh host array as a tensor on ``device``, without blocking the host on a GPU.
+
+    A copy from pageable memory makes the host wait for the GPU's queued work; from pinned
+    memory (PyTorch's caching host allocator, which keeps the block until the copy is done) it
+    is queued behind that work and the host moves on.
+    """
+    host = torch.from_numpy(array)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -714,7 +727,7 @@ class SamplingTensors:
         ints[1] = row_seeds
         ints[2] = row_steps
         if batch:
-            packed = torch.from_numpy(buf).to(device)  # the one host-to-device copy
+            packed = _to_device_async(buf, device)  # the one host-to-device copy
             f32 = packed[:nf].view(torch.float32).view(6, batch)
             i64 = packed[nf:].view(torch.int64).view(3, batch)
         else:
@@ -725,7 +738,7 @@ class SamplingTensors:
         if top_p_on.any():
             need = np.flatnonzero(top_p_on[row_of])
             if len(need) < batch:
-                top_p_rows = torch.from_numpy(need.astype(np.int64)).to(device)
+                top_p_rows = _to_device_async(need.astype(np.int64), device)
 
         return cls(
             temperature=f32[0],
