@@ -398,3 +398,26 @@ def test_gpu_from_params_does_not_block_on_the_device():
     for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "steps", "prompt_ids", "output_ids",
                  "suppress_ids"):
         assert torch.equal(getattr(t, name).cpu(), getattr(want, name)), name
+
+
+# ----------------------------------------------------------------------------- the benchmark program
+
+
+def test_sampler_benchmark_runs_and_reports(tmp_path):
+    """benchmarks/sampler.py end to end on a tiny CPU case: a JSON report with every mix timed."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "sampler.py"
+    spec = importlib.util.spec_from_file_location("sampler_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "s.json"
+    assert bench.main(["--device", "cpu", "--rows", "2", "--vocab", "300", "--dtypes", "float32", "--quick",
+                       "--mixes", "greedy,top_k_top_p,penalties", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [r["mix"] for r in rows] == ["greedy", "top_k_top_p", "penalties"]
+    assert all(r["agree"] == 1.0 and r["reference_ms"] > 0 and r["fast_ms"] > 0 for r in rows)
+    assert out.with_suffix(".md").exists()
