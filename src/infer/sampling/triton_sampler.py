@@ -3,21 +3,22 @@
 The plain-PyTorch pipeline of :mod:`infer.sampling.sampler` makes many passes over the ``[B, V]``
 logits, and its counter-based random numbers (:func:`~infer.sampling.sampler.random_uniform`)
 materialise several ``[B, V]`` int64 tensors (8 bytes per element each, written and read back):
-at 256 rows x 151,936 vocabulary that is gigabytes of memory traffic per step. Three kernels replace
-it, each walking the row in tiles of ``BLOCK`` elements:
+at 256 rows x 151,936 vocabulary that is gigabytes of memory traffic per step. Two steps replace
+it, each splitting every row into tiles of ``BLOCK`` columns (one program per row and tile, so
+that even a batch of one row keeps many SMs busy; the tiling depends on ``V`` only):
 
-* :func:`argmax_lse` (greedy batches; one program per tile of a row, one read of the logits, then
-  one per row to combine the tiles): the argmax and the log-sum-exp.
-* :func:`row_stats` (one program per row, two or three passes over it): the row's maximum and
-  its *first* index (greedy's argmax, ``torch.argmax``'s tie rule), the log-sum-exp (the raw logprobs' normaliser), and the softmax normaliser of the
-  temperature-scaled row ``y = x / T``: ``m = max(y)`` and ``s = sum(exp(y - m))``; with min-p
-  and/or top-k, also the sum ``s_kept`` over the tokens they keep (top-k arrives as the k-th
-  largest value, from ``torch.topk`` to the batch's largest k).
+* :func:`row_stats` (one program per tile of a row, one read of the logits, then one program per
+  row to combine the tiles): the row's maximum and its *first* index (greedy's argmax,
+  ``torch.argmax``'s tie rule), the log-sum-exp (the raw logprobs' normaliser), and the softmax
+  normaliser of the temperature-scaled row ``y = x / T``: ``m = max(y)`` and
+  ``s = sum(exp(y - m))``; with min-p and/or top-k, a second read sums ``s_kept`` over the tokens
+  they keep (top-k arrives as the k-th largest value, from ``torch.topk`` to the batch's largest
+  k). :func:`argmax_lse`, greedy's fast path, is its first read alone.
 * :func:`exponential_race` (one program per tile of a row, then an exact combine of the tiles'
   winners): ``argmax_v p[v] / -log(u[v])`` with ``p`` computed on the fly from the
-  logits (``p = exp(y - m) / s_kept`` on the kept tokens, 0 elsewhere: top-p, which needs a
-  sort, is applied before, in PyTorch) and the uniforms ``u``
-  hashed in registers from ``(seed, step, v)``, exactly as ``random_uniform`` does with int64
+  logits (``p = exp(y - m) / s_kept`` on the kept tokens, 0 elsewhere; top-p arrives as a floor
+  too, or as ``-inf`` in the logits) and the uniforms ``u`` hashed in registers from
+  ``(seed, step, v)``, exactly as ``random_uniform`` does with int64
   tensors (splitmix64 in uint64 arithmetic, whose multiplies wrap modulo 2**64 like int64's do).
   Nothing of size ``[B, V]`` is written.
 
@@ -25,19 +26,20 @@ Same tokens as the reference
 ----------------------------
 Every value the kernels compute is the same float32 operation as the reference's: ``x / T``
 (IEEE division, ``div_rn``; Triton's plain ``/`` is an approximate division on NVIDIA GPUs),
-``exp(y - m)``, ``e / s``, ``-log(u)``, ``p / E``, with libdevice's correctly-rounded-to-1-ulp
-``expf``/``logf`` on the GPU (the functions CUDA's ``expf``/``logf`` are, which PyTorch calls; Triton's
-``tl.exp``/``tl.log`` are faster approximations). The uniforms are bit-identical (integer
-hashing, then an exact conversion). One thing differs: the order in which the row sum ``s`` is
-accumulated (PyTorch's reduction tree vs this kernel's lanes), so ``s`` may differ in its last
-bit, and with it some ``p[v]``. A token can therefore differ from the reference only when the two
-best race scores of a row are within about two float32 ulps of each other (a relative gap below
+``exp(y - m)``, ``e / s``, ``-log(u)``, ``p / E``, with libdevice's ``expf``/``logf`` on the GPU
+(the functions behind CUDA's ``expf``/``logf``, which PyTorch calls; Triton's ``tl.exp``/``tl.log``
+are faster approximations). The uniforms are bit-identical (integer hashing, then an exact
+conversion). One thing differs: how the row sum ``s`` is accumulated (PyTorch's reduction tree
+vs this module's tiles, each rescaled to the row max), so ``s`` may differ in its last bits, and
+with it some ``p[v]``. A token can therefore differ from the reference only when the two best
+race scores of a row are within about two float32 ulps of each other (a relative gap below
 ~2.4e-7): for an exponential race that happens with probability of the order of 1e-7 per token.
-The same goes for a min-p threshold that falls within an ulp of a token's probability. The kernels
-are deterministic and a row's reductions run in an order that depends on ``V`` only, so a seeded
-request's tokens never depend on the batch.
+The same goes for a min-p or top-p threshold that falls within an ulp of a token's probability.
+The kernels are deterministic and a row's reductions run in an order that depends on ``V``
+only, so a seeded request's tokens never depend on the batch.
 
-Importing works anywhere; launching needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``
+Importing needs Triton (:mod:`infer.sampling.sampler` imports this module only when the kernels
+run); launching needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``
 set before Triton is imported (the tests' conftest does it). Under the interpreter the kernels use
 ``tl.exp``/``tl.log`` (NumPy's), since libdevice does not run there.
 """
@@ -54,14 +56,7 @@ from triton.language.extra import libdevice
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 
-__all__ = [
-    "INTERPRET", "RowStats", "argmax_lse", "exponential_race", "race_from_probs", "row_stats", "triton_usable",
-]
-
-
-def triton_usable(device: torch.device | str) -> bool:
-    """Whether the sampler's Triton kernels can run on ``device``: CUDA, or the CPU interpreter."""
-    return torch.device(device).type == "cuda" or INTERPRET
+__all__ = ["INTERPRET", "RowStats", "argmax_lse", "exponential_race", "race_from_probs", "row_stats"]
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -113,165 +108,102 @@ def _first_argmax(best, best_i, n):
     return top, tl.min(tl.where(best == top, best_i, n), axis=0)
 
 
-# ----------------------------------------------------------------------------- the greedy fast path
+# ----------------------------------------------------------------------------- row statistics
+#
+# Split over (row, tile of BLOCK columns) programs, so that even one row spreads over many SMs,
+# then one program per row combines the tiles' partial results in tile order. The tiling
+# depends on V only, never on the batch: a row's statistics do not depend on its neighbours.
 
 
 @triton.jit(do_not_specialize=["V", "stride_x"])
-def _argmax_lse_tile_kernel(
-    x_ptr, stride_x, V, tile_max_ptr, tile_arg_ptr, tile_sum_ptr, num_tiles,
-    EXACT: tl.constexpr, BLOCK: tl.constexpr,
+def _stats_tile_kernel(
+    x_ptr, stride_x, V, temp_ptr, tile_max_ptr, tile_arg_ptr, tile_sum_x_ptr, tile_sum_y_ptr, num_tiles,
+    SCALED: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # One program per (row, tile of BLOCK columns), one read of the logits: the tile's max, the
-    # first index of it, and sum(exp(x - tile max)). Even one row spreads over many SMs.
+    # One read of the tile: its max and the first index of it, sum(exp(x - tile max)) and, for the
+    # temperature-scaled y = x / T, sum(exp(y - max y)) (max y = max x / T: rounding is monotone).
     row = tl.program_id(0)
     tile = tl.program_id(1)
     idx = tile * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
     m, arg = _first_argmax(x, idx, V)
-    s = tl.sum(_exp(x - m, EXACT), axis=0)
-    s = tl.where(m == float("-inf"), 0.0, s)  # an all -inf tile adds nothing
+    empty = m == float("-inf")  # an all -inf tile adds nothing (and exp(-inf - -inf) is nan)
     out = row * num_tiles + tile
     tl.store(tile_max_ptr + out, m)
     tl.store(tile_arg_ptr + out, arg)
-    tl.store(tile_sum_ptr + out, s)
+    tl.store(tile_sum_x_ptr + out, tl.where(empty, 0.0, tl.sum(_exp(x - m, EXACT), axis=0)))
+    if SCALED:
+        t = tl.load(temp_ptr + row)
+        y = _div(x, t)
+        s_y = tl.sum(_exp(y - tl.div_rn(m, t), EXACT), axis=0)
+        tl.store(tile_sum_y_ptr + out, tl.where(empty, 0.0, s_y))
 
 
 @triton.jit
-def _argmax_lse_combine_kernel(
-    tile_max_ptr, tile_arg_ptr, tile_sum_ptr, num_tiles, V, argmax_ptr, lse_ptr,
-    EXACT: tl.constexpr, TILES: tl.constexpr,
+def _stats_combine_kernel(
+    tile_max_ptr, tile_arg_ptr, tile_sum_x_ptr, tile_sum_y_ptr, num_tiles, V, temp_ptr,
+    argmax_ptr, lse_ptr, m_ptr, s_ptr,
+    SCALED: tl.constexpr, EXACT: tl.constexpr, TILES: tl.constexpr,
 ):
-    # One program per row: the row max is the largest tile max; its first index the smallest
-    # among the tiles that hold it (exact); the sums are rescaled to the row max and added, in
-    # tile order (the online-softmax combination of Milakov and Gimelshein 2018, arXiv:1805.02867).
+    # The row max is the largest tile max, its first index the smallest among the tiles holding it
+    # (both exact); the sums are rescaled to the row max and added (the online-softmax combination
+    # of Milakov and Gimelshein 2018, "Online normalizer calculation for softmax", arXiv:1805.02867).
     row = tl.program_id(0)
     offs = tl.arange(0, TILES)
     valid = offs < num_tiles
-    m = tl.load(tile_max_ptr + row * num_tiles + offs, mask=valid, other=float("-inf"))
-    arg = tl.load(tile_arg_ptr + row * num_tiles + offs, mask=valid, other=0)
-    s = tl.load(tile_sum_ptr + row * num_tiles + offs, mask=valid, other=0.0)
+    base = row * num_tiles + offs
+    m = tl.load(tile_max_ptr + base, mask=valid, other=float("-inf"))
+    arg = tl.load(tile_arg_ptr + base, mask=valid, other=0)
+    s_x = tl.load(tile_sum_x_ptr + base, mask=valid, other=0.0)
     top = tl.max(m, axis=0)
     first = tl.min(tl.where(valid & (m == top), arg, V), axis=0)
-    total = tl.sum(tl.where(s > 0.0, s * _exp(m - top, EXACT), 0.0), axis=0)
+    total_x = tl.sum(tl.where(s_x > 0.0, s_x * _exp(m - top, EXACT), 0.0), axis=0)
     tl.store(argmax_ptr + row, first.to(tl.int64))
-    tl.store(lse_ptr + row, top + _log(total, EXACT))
-
-
-def argmax_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy's fast path in one read of the logits: ``(x.argmax(-1), x.float().logsumexp(-1))``.
-
-    The argmax is exact (the first index of the maximum, ``torch.argmax``'s rule); the
-    log-sum-exp (the raw logprobs' normaliser) agrees with PyTorch's to float32 rounding.
-
-    Args:
-        x: ``[B, V]`` float32/bf16/fp16 (the last dimension contiguous).
-
-    Returns:
-        ``([B] int64, [B] float32)``.
-
-    Raises:
-        ValueError: ``x`` is not a floating ``[B, V]`` tensor with a contiguous last dimension.
-        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
-    """
-    _check(x)
-    b, v = x.shape
-    arg = torch.empty(b, dtype=torch.int64, device=x.device)
-    lse = torch.empty(b, dtype=torch.float32, device=x.device)
-    if b:
-        block = _block(v)
-        num_tiles = triton.cdiv(v, block)
-        tile_max = torch.empty(b, num_tiles, dtype=torch.float32, device=x.device)
-        tile_arg = torch.empty(b, num_tiles, dtype=torch.int32, device=x.device)
-        tile_sum = torch.empty(b, num_tiles, dtype=torch.float32, device=x.device)
-        _argmax_lse_tile_kernel[(b, num_tiles)](
-            x, x.stride(0), v, tile_max, tile_arg, tile_sum, num_tiles, EXACT=not INTERPRET, BLOCK=block,
-            num_warps=8,
-        )
-        _argmax_lse_combine_kernel[(b,)](
-            tile_max, tile_arg, tile_sum, num_tiles, v, arg, lse,
-            EXACT=not INTERPRET, TILES=triton.next_power_of_2(num_tiles), num_warps=1,
-        )
-    return arg, lse
-
-
-# ----------------------------------------------------------------------------- row statistics
+    tl.store(lse_ptr + row, top + _log(total_x, EXACT))
+    if SCALED:
+        t = tl.load(temp_ptr + row)
+        s_y = tl.load(tile_sum_y_ptr + base, mask=valid, other=0.0)
+        top_y = tl.div_rn(top, t)
+        total_y = tl.sum(tl.where(s_y > 0.0, s_y * _exp(_div(m, t) - top_y, EXACT), 0.0), axis=0)
+        tl.store(m_ptr + row, top_y)
+        tl.store(s_ptr + row, total_y)
+    else:
+        tl.store(m_ptr + row, top)
+        tl.store(s_ptr + row, total_x)
 
 
 @triton.jit(do_not_specialize=["V", "stride_x"])
-def _row_stats_kernel(
-    x_ptr, stride_x, V, temp_ptr, min_p_ptr, floor_ptr,
-    argmax_ptr, lse_ptr, m_ptr, s_ptr, s_kept_ptr,
-    SCALED: tl.constexpr, MIN_P: tl.constexpr, FLOOR: tl.constexpr, KEPT_SUM: tl.constexpr,
-    EXACT: tl.constexpr, BLOCK: tl.constexpr,
+def _kept_sum_tile_kernel(
+    x_ptr, stride_x, V, temp_ptr, min_p_ptr, floor_ptr, m_ptr, s_ptr, tile_kept_ptr, num_tiles,
+    SCALED: tl.constexpr, MIN_P: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # The normaliser over the tokens min-p and top-k keep, with the row's m and s. Min-p keeps
+    # p >= min_p * max(p), max(p) = exp(0) / s = 1 / s; top-k keeps y >= floor (the k-th largest y).
+    # Both keep every token above some value of y (p grows with y), so applying them together is
+    # the same as top-k after min-p: if min-p removed the k-th token, fewer than k survive min-p,
+    # all above the floor, and top-k keeps them all.
     row = tl.program_id(0)
-    base = x_ptr + row.to(tl.int64) * stride_x
-    offs = tl.arange(0, BLOCK)
-
-    # pass 1: the maximum and its first index. Each lane sees its indices in increasing order and
-    # only a strictly larger value replaces its best, so it keeps its first maximum.
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        better = x > best
-        best = tl.where(better, x, best)
-        best_i = tl.where(better, idx, best_i)
-    m_x, arg = _first_argmax(best, best_i, V)
-
-    # pass 2: sum(exp(x - max)) for the log-sum-exp, and the scaled row's softmax normaliser.
-    # max(x / T) = max(x) / T exactly: rounding is monotone.
+    tile = tl.program_id(1)
+    idx = tile * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
     if SCALED:
-        t = tl.load(temp_ptr + row)
-        m_y = tl.div_rn(m_x, t)
-    else:
-        t = 1.0
-        m_y = m_x
-    acc_x = tl.zeros([BLOCK], tl.float32)
-    acc_y = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        acc_x += _exp(x - m_x, EXACT)
-        if SCALED:
-            acc_y += _exp(_div(x, t) - m_y, EXACT)
-    s_x = tl.sum(acc_x, axis=0)
-    if SCALED:
-        s_y = tl.sum(acc_y, axis=0)
-    else:
-        s_y = s_x
-
-    # pass 3 (min-p and/or top-k): the normaliser over the kept tokens. Min-p keeps
-    # p >= min_p * max(p) with max(p) = exp(0) / s = 1 / s; top-k keeps y >= floor (the k-th
-    # largest y). Both keep every token above some value of y (p grows with y), so applying
-    # them together is the same as top-k after min-p: if min-p removed the k-th token, fewer
-    # than k survive min-p, all above the floor, and top-k keeps them all.
-    s_kept = s_y
+        y = _div(y, tl.load(temp_ptr + row))
+    e = _exp(y - tl.load(m_ptr + row), EXACT)
     if MIN_P:
-        threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s_y)
+        s = tl.load(s_ptr + row)
+        threshold = tl.load(min_p_ptr + row) * tl.div_rn(1.0, s)
+        e = tl.where(_div(e, s) >= threshold, e, 0.0)
     if FLOOR:
-        floor = tl.load(floor_ptr + row)
-    if KEPT_SUM:  # MIN_P or FLOOR
-        acc_k = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
-            idx = start + offs
-            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            if SCALED:
-                x = _div(x, t)
-            e = _exp(x - m_y, EXACT)
-            if MIN_P:
-                e = tl.where(_div(e, s_y) >= threshold, e, 0.0)
-            if FLOOR:
-                e = tl.where(x >= floor, e, 0.0)
-            acc_k += e
-        s_kept = tl.sum(acc_k, axis=0)
+        e = tl.where(y >= tl.load(floor_ptr + row), e, 0.0)
+    tl.store(tile_kept_ptr + row * num_tiles + tile, tl.sum(e, axis=0))
 
-    tl.store(argmax_ptr + row, arg.to(tl.int64))
-    tl.store(lse_ptr + row, m_x + _log(s_x, EXACT))
-    tl.store(m_ptr + row, m_y)
-    tl.store(s_ptr + row, s_y)
-    tl.store(s_kept_ptr + row, s_kept)
+
+@triton.jit
+def _sum_tiles_kernel(tile_ptr, num_tiles, out_ptr, TILES: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, TILES)
+    part = tl.load(tile_ptr + row * num_tiles + offs, mask=offs < num_tiles, other=0.0)
+    tl.store(out_ptr + row, tl.sum(part, axis=0))
 
 
 class RowStats(NamedTuple):
@@ -295,7 +227,7 @@ def _check(x: torch.Tensor) -> None:
         raise ValueError(f"x must be a floating [B, V] tensor, got {tuple(x.shape)} {x.dtype}")
     if x.shape[1] > 1 and x.stride(1) != 1:
         raise ValueError(f"x must have a contiguous last dimension (strides {x.stride()})")
-    if not triton_usable(x.device):
+    if x.device.type != "cuda" and not INTERPRET:
         raise RuntimeError("the sampler's Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
                            f"triton is imported to run them on the CPU (got a {x.device} tensor)")
 
@@ -306,12 +238,13 @@ def row_stats(
     min_p: torch.Tensor | None = None,
     top_k_floor: torch.Tensor | None = None,
 ) -> RowStats:
-    """One program per row: argmax, log-sum-exp, and the softmax normaliser of ``x / T``.
+    """Argmax, log-sum-exp, and the softmax normaliser of ``x / T``: one or two reads of ``x``.
 
     Plain-PyTorch equivalent (up to the order of the sums): ``argmax = x.argmax(-1)``,
     ``lse = x.float().logsumexp(-1)``, ``y = x.float() / temperature[:, None]``, ``m = y.amax(-1)``,
     ``s = exp(y - m).sum(-1)``, and ``s_kept`` the same sum over the tokens that survive
-    :func:`~infer.sampling.apply_min_p` then :func:`~infer.sampling.apply_top_k` on ``y``.
+    :func:`~infer.sampling.apply_min_p` then :func:`~infer.sampling.apply_top_k` on ``y`` (a
+    second read of ``x``, only with ``min_p`` or ``top_k_floor``).
 
     Args:
         x: ``[B, V]`` float32/bf16/fp16 logits (read in place; the last dimension contiguous).
@@ -330,24 +263,56 @@ def row_stats(
     _check(x)
     b, v = x.shape
     dev = x.device
-    out = RowStats(
-        torch.empty(b, dtype=torch.int64, device=dev),
-        *(torch.empty(b, dtype=torch.float32, device=dev) for _ in range(4)),
-    )
+    f32 = {"dtype": torch.float32, "device": dev}
+    argmax, lse, m, s = torch.empty(b, dtype=torch.int64, device=dev), *(torch.empty(b, **f32) for _ in range(3))
     if b == 0:
-        return out
-    dummy = out.m
-    _row_stats_kernel[(b,)](
-        x, x.stride(0), v,
-        temperature if temperature is not None else dummy,
-        min_p if min_p is not None else dummy,
-        top_k_floor if top_k_floor is not None else dummy,
-        *out,
-        SCALED=temperature is not None, MIN_P=min_p is not None, FLOOR=top_k_floor is not None,
-        KEPT_SUM=min_p is not None or top_k_floor is not None, EXACT=not INTERPRET, BLOCK=_block(v),
-        num_warps=8,
+        return RowStats(argmax, lse, m, s, s)
+    block = _block(v)
+    num_tiles = triton.cdiv(v, block)
+    tiles = triton.next_power_of_2(num_tiles)
+    scaled = temperature is not None
+    temp = temperature if scaled else m
+    tile_max, tile_sum_x, tile_sum_y = (torch.empty(b, num_tiles, **f32) for _ in range(3))
+    tile_arg = torch.empty(b, num_tiles, dtype=torch.int32, device=dev)
+    _stats_tile_kernel[(b, num_tiles)](
+        x, x.stride(0), v, temp, tile_max, tile_arg, tile_sum_x, tile_sum_y, num_tiles,
+        SCALED=scaled, EXACT=not INTERPRET, BLOCK=block, num_warps=8,
     )
-    return out
+    _stats_combine_kernel[(b,)](
+        tile_max, tile_arg, tile_sum_x, tile_sum_y, num_tiles, v, temp, argmax, lse, m, s,
+        SCALED=scaled, EXACT=not INTERPRET, TILES=tiles, num_warps=1,
+    )
+    if min_p is None and top_k_floor is None:
+        return RowStats(argmax, lse, m, s, s)
+    s_kept = torch.empty(b, **f32)
+    _kept_sum_tile_kernel[(b, num_tiles)](
+        x, x.stride(0), v, temp, min_p if min_p is not None else m, top_k_floor if top_k_floor is not None else m,
+        m, s, tile_sum_x, num_tiles,  # tile_sum_x is free again: reused for the partial sums
+        SCALED=scaled, MIN_P=min_p is not None, FLOOR=top_k_floor is not None, EXACT=not INTERPRET,
+        BLOCK=block, num_warps=8,
+    )
+    _sum_tiles_kernel[(b,)](tile_sum_x, num_tiles, s_kept, TILES=tiles, num_warps=1)
+    return RowStats(argmax, lse, m, s, s_kept)
+
+
+def argmax_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy's fast path in one read of the logits: ``(x.argmax(-1), x.float().logsumexp(-1))``.
+
+    The argmax is exact (the first index of the maximum, ``torch.argmax``'s rule); the
+    log-sum-exp (the raw logprobs' normaliser) agrees with PyTorch's to float32 rounding.
+
+    Args:
+        x: ``[B, V]`` float32/bf16/fp16 (the last dimension contiguous).
+
+    Returns:
+        ``([B] int64, [B] float32)``.
+
+    Raises:
+        ValueError: ``x`` is not a floating ``[B, V]`` tensor with a contiguous last dimension.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    stats = row_stats(x)
+    return stats.argmax, stats.lse
 
 
 # ----------------------------------------------------------------------------- the race
