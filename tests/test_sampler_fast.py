@@ -421,3 +421,31 @@ def test_sampler_benchmark_runs_and_reports(tmp_path):
     assert [r["mix"] for r in rows] == ["greedy", "top_k_top_p", "penalties"]
     assert all(r["agree"] == 1.0 and r["reference_ms"] > 0 and r["fast_ms"] > 0 for r in rows)
     assert out.with_suffix(".md").exists()
+
+
+# ----------------------------------------------------------------------------- the top uniform
+
+# (seed 0, step 0) draws k = 2**24 - 1 at token 9,031,885 (found by scanning the stream): (k + 0.5) / 2**24
+# rounds to exactly 1.0 in float32 unless clamped, -log(u) becomes a signed zero, and the race score of
+# that token is -inf in one implementation and +inf in another (seen on an H100: 2 rows of 256 x 151,936
+# differed between the kernel and the reference).
+_TOP_K_INDEX = 9_031_885
+
+
+def test_uniforms_stay_below_one_at_the_top_24_bit_value():
+    from infer.sampling.sampler import random_uniform
+
+    u = random_uniform(torch.tensor([0]), torch.tensor([0]), _TOP_K_INDEX + 1)[0]
+    assert u[_TOP_K_INDEX].item() == 1.0 - 2.0**-24  # the clamp: the largest float32 below 1
+    assert (u < 1).all() and (u > 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_and_reference_agree_at_the_top_uniform():
+    """A flat row over 9M tokens: the token with the top uniform has the smallest exponential clock
+    but is no infinite winner; kernel and reference pick the same token."""
+    vocab = _TOP_K_INDEX + 1
+    logits = torch.zeros(1, vocab, device="cuda")
+    t = SamplingTensors.from_params([SamplingParams(temperature=1.0)], [0], [0], None, None, None, vocab, "cuda")
+    assert t.use_triton
+    assert torch.equal(sample(logits, t).next_tokens, sample_reference(logits, t).next_tokens)

@@ -127,6 +127,7 @@ def _signed64(x: int) -> int:
     return x - (1 << 64) if x >= (1 << 63) else x
 
 
+_U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
 _GOLDEN = _signed64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: splitmix64's increment
 _MIX1 = _signed64(0xBF58476D1CE4E5B9)
 _MIX2 = _signed64(0x94D049BB133111EB)
@@ -149,8 +150,9 @@ def random_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) ->
 
     The same ``(seed, step, v)`` always gives the same value, on any device and in any batch.
     Each row is the splitmix64 stream of the key ``mix(mix(seed + golden) ^ step)``; the top 24
-    bits of each output become a float32 ``(k + 0.5) / 2**24``, so ``u`` is never 0 or 1 and
-    ``-log(u)`` is finite and > 0.
+    bits of each output become a float32 ``(k + 0.5) / 2**24``, clamped to the largest float32
+    below 1 (for ``k = 2**24 - 1`` the float32 sum rounds up to exactly 1), so ``u`` is never 0 or 1
+    and ``-log(u)`` is finite and > 0.
 
     Args:
         seeds: ``[B]`` int64, the request's seed.
@@ -165,7 +167,10 @@ def random_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) ->
     key = _mix64(_mix64(seeds + _GOLDEN) ^ steps)  # [B]
     counter = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64) * _GOLDEN
     z = _mix64(key[:, None] + counter[None, :])  # [B, V]
-    return (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # (k + 0.5) needs 25 bits for k = 2**24 - 1 and rounds to 2**24 in float32: u would be exactly 1,
+    # -log(u) a (negative) zero, and that token's race score -inf here but +inf in a kernel computing
+    # the same value another way. The clamp keeps u below 1 (one value in 2**24 moves by 2**-25).
+    return ((_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=_U_MAX)
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

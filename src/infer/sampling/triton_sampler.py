@@ -98,7 +98,9 @@ def _uniform(key, idx):
     """``random_uniform``'s value at column ``idx`` of the row whose stream key is ``key``."""
     counter = (idx + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
     z = _mix64(key + counter)
-    return ((z >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # exact: (k + 0.5) / 2**24
+    # (k + 0.5) / 2**24 rounded to float32, kept below 1 exactly as random_uniform does (for k = 2**24 - 1
+    # the sum rounds to 2**24: u would be 1 and -log(u) zero)
+    return tl.minimum(((z >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0), 0.99999994039535522)
 
 
 @triton.jit
