@@ -32,7 +32,8 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 MAX_OUT_FILES=8
 
-SECTIONS=(env tests parity parity_fp32 bench_kernels bench_single bench_paged server bench_offline bench_serve bench_step)
+SECTIONS=(env tests parity parity_fp32 bench_kernels bench_single bench_paged server bench_offline bench_serve bench_step
+          bench_fused bench_sampler bench_flags)
 CKPT="${CKPT:-/tmp/infer-ckpt}"  # synthetic checkpoints, shared by the sections
 
 # ----------------------------------------------------------------------------- environment
@@ -181,6 +182,39 @@ section_bench_step() {
         --max-num-batched-tokens 16384 --no-progress \
         --infer-configs "${STEP_CONFIGS:-batching=continuous;batching=continuous,kv_cache=paged}" \
         --out "$OUT/step_$preset.json" ${STEP_ARGS:-}
+}
+
+# Phase 8: each fused kernel against the unfused PyTorch ops (CUDA-graph replays), bf16, Qwen3 shapes.
+section_bench_fused() {
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/fused_kernels.py --out "$OUT" ${FUSED_ARGS:-}
+}
+
+# Phase 8: the sampler's fast paths against the reference pipeline, 1/32/256 rows x 151,936.
+section_bench_sampler() {
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/sampler.py --out "$OUT/sampler.json" ${SAMPLER_ARGS:-}
+}
+
+# Phases 8-9: fused_kernels, cuda_graphs and async_scheduling, each alone and all three, on the offline
+# workload with 512 output tokens (Qwen3-0.6B), then batch-1 decode with all three next to HF's compiled
+# static cache (both presets). The numbers of docs/phases/08-fused-kernels.md and 09-cuda-graphs.md.
+section_bench_flags() {
+    local preset rc=0 base="batching=continuous,kv_cache=paged"
+    for preset in qwen3-0.6b qwen3-4b; do
+        [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+    done
+    "$PY" benchmarks/offline_throughput.py --model "$CKPT/qwen3-0.6b" --device cuda --dtype bfloat16 \
+        --max-num-seqs 256 --max-num-batched-tokens 16384 --min-output-len 512 --max-output-len 512 --engines infer \
+        --infer-configs "$base;$base,fused_kernels=true;$base,cuda_graphs=true;$base,async_scheduling=true;$base,fused_kernels=true,cuda_graphs=true,async_scheduling=true" \
+        --no-progress --out "$OUT/offline512_qwen3-0.6b.json" --plot "$OUT/offline512_qwen3-0.6b.png" || rc=1
+    for preset in qwen3-0.6b qwen3-4b; do
+        "$PY" benchmarks/single_stream.py --model "$CKPT/$preset" --device cuda --dtype bfloat16 --prompt-lens 128 \
+            --output-len 128 --repeats 3 --hf compiled \
+            --infer-configs "kv_cache=paged;kv_cache=paged,fused_kernels=true,cuda_graphs=true,async_scheduling=true" \
+            --out "$OUT/flags_single_$preset.json" || rc=1
+    done
+    return "$rc"
 }
 
 # ----------------------------------------------------------------------------- driver
