@@ -49,7 +49,7 @@ Engines (``--engines``, comma separated; several in one run so ratios come from 
 Output: the Markdown table on stdout; ``--out X.json`` writes the JSON report (commit, every
 EngineConfig, model, dtype, hardware, versions, workload and seed, ceilings, every figure and
 every request) and ``X.md``; ``--out DIR`` (no ``.json``) writes ``DIR/offline_throughput.{json,md,png}``;
-``--plot X.png`` a bar chart of output tok/s per engine/config. Method: ../shared/BENCHMARKING.md.
+``--plot X.png`` a bar chart of output tok/s per engine/config. Method: docs/contributing.md.
 """
 
 from __future__ import annotations

@@ -71,6 +71,12 @@ def test_top_k_keeps_exact_sets():
     assert out[0, 3] == 5.0 and out[0, 4] == 4.0
 
 
+def test_top_k_clamps_k_to_one():
+    # k below 1 is clamped (the docstring's contract): the argmax stays, whatever the row
+    row = torch.tensor([3.0, 1.0, 2.0, 5.0, 4.0])
+    assert kept(apply_top_k(row.expand(2, 5), torch.tensor([0, -3]))) == [{3}, {3}]
+
+
 def test_top_k_ties_and_infs():
     logits = torch.tensor([[1.0, 2.0, 2.0, 0.0], [1.0, 2.0, 2.0, 0.0], [NEG_INF, 1.0, NEG_INF, 0.0]])
     out = apply_top_k(logits, torch.tensor([2, 1, 3]))
