@@ -93,6 +93,14 @@ def test_top_p_keeps_exact_sets():
     assert torch.equal(out[5], row)
 
 
+def test_top_p_stops_where_the_mass_reaches_top_p_exactly():
+    # top_p equal to the top token's own probability (the same float32 value): the top token
+    # alone reaches it, so nothing else is kept (the mass *before* the second token is not < top_p)
+    row = logits_of([0.5, 0.3, 0.2])[None]
+    top = torch.softmax(row, dim=-1).max(dim=-1).values
+    assert kept(apply_top_p(row, top)) == [{0}]
+
+
 def test_top_p_edges():
     # top_p = 1 keeps everything, even a token whose probability is 0 in float32
     row = torch.tensor([[0.0, 1.0, -200.0, 0.5]])

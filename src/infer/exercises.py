@@ -90,6 +90,7 @@ EXERCISES: dict[str, Exercise] = {
         Exercise(
             "top_p", 1, "src/infer/sampling/sampler.py",
             ("tests/test_sampler.py::test_top_p_keeps_exact_sets", "tests/test_sampler.py::test_top_p_edges",
+             "tests/test_sampler.py::test_top_p_stops_where_the_mass_reaches_top_p_exactly",
              "tests/test_sampler.py::test_truncated_frequencies_match_distribution"),
             "Nucleus sampling keeps the most likely tokens until their probability mass reaches top_p, and "
             "always at least the top token. Think about which tokens count as 'before' a token in the "
