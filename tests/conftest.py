@@ -52,7 +52,9 @@ def pytest_runtest_makereport(item, call):
                     err = srv.stderr()
                     at = err.rfind("Traceback (most recent call last)")
                     if at >= 0:
-                        report.sections.append((f"server traceback ({srv.url})", err[at:][-4000:]))
+                        lines = err[at:].splitlines()  # the innermost frames and the exception
+                        tail = lines[:1] + (["  ..."] if len(lines) > 21 else []) + lines[1:][-20:]
+                        report.sections.append((f"server traceback ({srv.url})", "\n".join(tail)))
     return report
 
 

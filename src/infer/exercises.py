@@ -314,8 +314,8 @@ def selected(phase: int | None, names: list[str] | None) -> list[Exercise]:
             raise SystemExit(f"unknown exercise(s): {', '.join(unknown)}; see `python -m infer.exercises list`")
         chosen = [e for e in chosen if e.name in names]
     if not chosen:
-        raise SystemExit(f"no exercise matches --phase {phase} --exercise {' '.join(names or [])}; "
-                         "see `python -m infer.exercises list`")
+        wanted = " ".join([f"--phase {phase}"] * (phase is not None) + [f"--exercise {n}" for n in names or []])
+        raise SystemExit(f"no exercise matches {wanted}; see `python -m infer.exercises list`")
     return ordered(chosen)
 
 
@@ -412,7 +412,7 @@ def grade(root: Path, exercises: list[Exercise] | None = None, quiet: bool = Fal
         results[e.name] = ok
         if not quiet and not ok:
             print(f"--- {e.name}: failing output (last lines) ---")
-            print("\n".join(out.splitlines()[-60:]))
+            print("\n".join(out.splitlines()[-80:]))
     width = max(len(n) for n in results) if results else 8
     print(f"{'exercise'.ljust(width)}  phase  result")
     for e in exercises:
