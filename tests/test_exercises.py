@@ -65,14 +65,9 @@ def test_needs_name_exercises_and_list_order_puts_independent_ones_first():
         selected(0, ["top_p"])  # top_p is phase 1
 
 
-@pytest.mark.parametrize("phase", sorted({e.phase for e in EXERCISES.values()}))
-def test_reference_solutions_pass(phase):
-    exercises = [e for e in EXERCISES.values() if e.phase == phase]
-    assert grade(REPO, exercises, quiet=True) == {e.name: True for e in exercises}
-
-
-def test_every_mutant_fails():
-    """The wrong solutions, each in a workspace of its own, graded by its exercise's tests."""
+def test_every_reference_passes_and_every_mutant_fails():
+    """The reference solutions (the repository) and the wrong solutions, each in a workspace of
+    its own, graded by their exercise's tests."""
     refs, results = grade_mutants(list(EXERCISES.values()), jobs=2)
     assert [name for name, passed in refs.items() if not passed] == [], "these reference solutions FAIL"
     assert [mid for mid, passed in results.items() if passed] == [], "these wrong solutions PASS their grading"

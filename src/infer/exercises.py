@@ -522,7 +522,13 @@ def grade_mutants(exercises: list[Exercise], jobs: int = 2) -> tuple[dict[str, b
             path = ws / EXERCISES[m.exercise].file
             path.write_text(apply_mutant(path.read_text(), m))
             runs.append((ws, EXERCISES[m.exercise]))
-        done = run_many([(REPO, e) for e in exercises] + runs, parallel=jobs)
+        todo = [(REPO, e) for e in exercises] + runs
+        # the slowest first (server tests start two servers), so the workers finish together
+        order = sorted(range(len(todo)), key=lambda i: not any("test_server" in t for t in todo[i][1].tests))
+        finished = run_many([todo[i] for i in order], parallel=jobs)
+        done = [None] * len(todo)
+        for i, result in zip(order, finished):
+            done[i] = result
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     refs = {e.name: ok for e, (ok, _) in zip(exercises, done)}
