@@ -11,6 +11,7 @@ in ``FOREIGN``; anything else that looks like code and is unknown fails with the
 from __future__ import annotations
 
 import ast
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -60,13 +61,24 @@ FOREIGN_FILES = {"convert_hf_to_gguf.py", "modeling_rope_utils.py", "modeling_gg
 GENERIC_CALLS = {"to", "decode", "encode", "generate"}
 
 
+SKIP_DIRS = {".git", ".venv", "site", "build", "dist", ".whl", ".gl", "__pycache__", "node_modules", "site-check"}
+
+
+def repo_paths() -> list[Path]:
+    """Every file of the checkout, without virtual environments, builds and caches (pruned, not
+    filtered: a .venv inside the checkout holds tens of thousands of files)."""
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        found.extend(Path(folder) / f for f in files)
+    return found
+
+
 def source_names() -> tuple[set[str], dict[str, set[str]]]:
     """Every name the repository's Python code defines, and the parameters of each function name."""
     names: set[str] = set()
     params: dict[str, set[str]] = defaultdict(set)
-    for path in ROOT.glob("**/*.py"):
-        if any(part in {".venv", "site", "build", ".git"} for part in path.relative_to(ROOT).parts):
-            continue
+    for path in (p for p in repo_paths() if p.suffix == ".py"):
         names.add(path.stem)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -97,7 +109,7 @@ def source_names() -> tuple[set[str], dict[str, set[str]]]:
 
 
 def repo_files() -> set[str]:
-    return {p.name for p in ROOT.rglob("*") if ".git" not in p.parts and ".venv" not in p.parts}
+    return {p.name for p in repo_paths()}
 
 
 def looks_like_code(span: str) -> bool:
