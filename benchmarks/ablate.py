@@ -47,7 +47,7 @@ EngineConfig, every configuration with its full EngineConfig, status and figures
 workload), ``ablation.md`` (config, output tok/s, total tok/s, TTFT p50/p99, TPOT p50/p99,
 speedup vs all-off), ``ablation_throughput.png``, ``ablation_latency.png`` and, for ``serve``,
 ``ablation_vs_rate.png`` (latency and throughput vs request rate, one line per configuration);
-each run's own report and log are in ``DIR/runs/``. Method: ../shared/BENCHMARKING.md.
+each run's own report and log are in ``DIR/runs/``. Method: docs/contributing.md.
 """
 
 from __future__ import annotations

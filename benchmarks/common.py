@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark programs (method: ../shared/BENCHMARKING.md, docs/benchmarks.md).
+"""Shared pieces of the benchmark programs (method: docs/contributing.md and docs/benchmarks.md).
 
 * :func:`ceilings`: memory bandwidth (a large copy, bytes read + written) and matmul rate
   (bf16 on GPU, fp32 on CPU, random data), measured in the same run as the benchmark.

@@ -49,7 +49,7 @@ Engines (``--engines``, comma separated; several in one run so ratios come from 
 Output: the Markdown table on stdout; ``--out X.json`` writes the JSON report (commit, every
 EngineConfig, model, dtype, hardware, versions, workload and seed, ceilings, every figure and
 every request) and ``X.md``; ``--out DIR`` (no ``.json``) writes ``DIR/offline_throughput.{json,md,png}``;
-``--plot X.png`` a bar chart of output tok/s per engine/config. Method: ../shared/BENCHMARKING.md.
+``--plot X.png`` a bar chart of output tok/s per engine/config. Method: docs/contributing.md.
 """
 
 from __future__ import annotations
@@ -585,7 +585,8 @@ def plot_throughput(rows: list[dict[str, Any]], path: str | Path, title: str) ->
     import matplotlib.pyplot as plt
     import numpy as np
 
-    labels = [r["label"] for r in rows]
+    # "infer[batching=continuous,kv_cache=paged]" as one line per flag, so neighbours never overlap
+    labels = [r["label"].replace("[", "\n").replace(",", "\n").rstrip("]") for r in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows) + 2), 4.5))
     out = [r["output_tok_per_s"] for r in rows]
@@ -593,10 +594,9 @@ def plot_throughput(rows: list[dict[str, Any]], path: str | Path, title: str) ->
     bars = ax.bar(x - 0.2, out, 0.4, label="output tok/s")
     ax.bar(x + 0.2, tot, 0.4, label="total tok/s (prompt + output)", alpha=0.45)
     for b, v in zip(bars, out):
-        ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
-                    fontsize=8)
-    ax.set_xticks(x, labels, rotation=15 if len(rows) > 3 else 0, ha="right" if len(rows) > 3 else "center",
-                  fontsize=8)
+        ax.annotate(f"{v:,.0f}" if v >= 100 else f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, labels, fontsize=8)
     ax.set_ylabel("tokens / s")
     ax.set_ylim(bottom=0)
     ax.grid(axis="y", alpha=0.3)

@@ -49,7 +49,7 @@ Prompts: random common words, about one token each (see workloads.py); the serve
 Output: the Markdown table on stdout; with ``--out X.json`` the JSON report (client
 environment, server command, workload parameters, seed, per-rate aggregates, raw per-request
 records) and ``X.md``; with ``--plot X.png`` latency and throughput vs request rate.
-Method: ../shared/BENCHMARKING.md (docs/benchmarks.md).
+Method: docs/contributing.md ("How infer is measured") and docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,33 @@
 """Test configuration shared by every test.
 
+* The tests test the code next to them: ``src/`` of this checkout (or ``$INFER_SRC``, set by
+  the exercise grader to a student's workspace) goes first on ``sys.path`` and on the
+  ``PYTHONPATH`` of the subprocesses tests start, and the run stops at once if ``infer`` would
+  still come from elsewhere (an installed copy would grade the reference, not the student).
 * With no CUDA GPU, ``TRITON_INTERPRET=1`` is set *before* any kernel module is imported, so
-  Triton kernels run on CPU tensors under the interpreter (see ../shared/TOOLCHAIN.md).
+  Triton kernels run on CPU tensors under the interpreter (docs/contributing.md).
 * Tests marked ``gpu`` skip cleanly on a machine without a GPU.
 * Real-model fixtures are session-scoped: each model is loaded once per test run.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see src/infer/__init__.py; before torch loads
+
+SRC = Path(os.environ.get("INFER_SRC") or Path(__file__).resolve().parent.parent / "src").resolve()
+if str(SRC) not in sys.path[:1]:
+    sys.path.insert(0, str(SRC))
+if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != str(SRC):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
+_loaded = sys.modules.get("infer")
+_origin = _loaded.__file__ if _loaded is not None else importlib.util.find_spec("infer").origin
+if not Path(_origin).resolve().is_relative_to(SRC):
+    raise RuntimeError(f"the tests would import infer from {_origin}, not from {SRC}; refusing to run")
 
 import torch  # noqa: E402
 
@@ -20,6 +37,25 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that talked to a server (tests/server_fixture.py) shows the server's last
+    traceback: a student's bug in the server shows up there, not in the bare HTTP 500."""
+    report = yield
+    if report.failed:
+        for value in getattr(item, "funcargs", {}).values():
+            servers = value.values() if isinstance(value, dict) else [value]
+            for srv in servers:
+                if hasattr(srv, "stderr") and hasattr(srv, "proc"):
+                    err = srv.stderr()
+                    at = err.rfind("Traceback (most recent call last)")
+                    if at >= 0:
+                        lines = err[at:].splitlines()  # the innermost frames and the exception
+                        tail = lines[:1] + (["  ..."] if len(lines) > 21 else []) + lines[1:][-20:]
+                        report.sections.append((f"server traceback ({srv.url})", "\n".join(tail)))
+    return report
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,6 +17,7 @@ from infer.config import EngineConfig
 from infer.engine import LLMEngine
 from infer.errors import InvalidRequestError
 from infer.sampling import SamplingParams
+from tests.hf_reference import infer_logits
 
 MODES = ["none", "static", "continuous"]
 
@@ -184,6 +185,29 @@ def test_continuous_admits_at_every_step_and_static_waits_for_the_batch(tiny_lla
         assert_pool_full(eng)
 
 
+def test_none_admits_one_request_and_static_a_whole_batch_past_the_budget(tiny_llama):
+    """Admission per policy, by hand: three 10-token prompts.
+
+    ``none`` runs one request at a time, even with budget for all three; with a 16-token budget
+    per step, ``continuous`` admits the first (10 <= 16) and stops at the second (10 > 6 left);
+    ``static`` admits the whole batch at once even so (the second and third prefill in later
+    steps), since a static batch admits nobody once it runs."""
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for mode, budget, admitted in (("none", 64, [1, 1, 1]), ("continuous", 16, [1, 2, 3]), ("static", 16, [3, 3, 3])):
+        eng = make_engine(tiny_llama, batching=mode, max_num_seqs=4, max_model_len=16, max_num_batched_tokens=budget,
+                          batch_wait_timeout_ms=0)
+        for i in range(3):
+            eng.add_request([10 + i] * 10, p, request_id=f"r{i}")
+        widths = []
+        for _ in range(3):
+            eng.step()
+            widths.append(len(eng.scheduler.running))
+        assert widths == admitted, mode
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert_pool_full(eng)
+
+
 def test_scheduler_stats_count_steps_and_batch_width(tiny_llama):
     # by hand: a (2 tokens) and b (4 tokens) prefill together in step 1 and sample their first
     # tokens; step 2 decodes both (a is done), steps 3-4 decode b alone: widths 2, 2, 1, 1
@@ -198,6 +222,31 @@ def test_scheduler_stats_count_steps_and_batch_width(tiny_llama):
     assert stats["num_preemptions"] == 0
     eng.scheduler.reset_stats()
     assert eng.stats()["num_steps"] == 0 and eng.stats()["mean_running_seqs"] == 0.0
+
+
+def test_batched_greedy_tokens_are_the_argmax_of_a_cache_free_forward(tiny_llama):
+    """Requests of different lengths arriving at different steps (prefills next to decodes),
+    greedy: every generated token is the argmax of the logits of one plain forward over the
+    prompt and the tokens before it (no cache, no scheduler): the independent reference."""
+    p = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    arrivals = [(0, [11, 12, 13, 14, 15, 16, 17], p), (0, [21, 22], p), (2, [31, 32, 33, 34], p)]
+    eng = make_engine(tiny_llama, batching="continuous", max_num_seqs=4)
+    got = drive(eng, arrivals)
+    seqs = [prompt + got[i][0] for i, (_, prompt, _) in enumerate(arrivals)]
+    for (_, prompt, _), seq, logits in zip(arrivals, seqs, infer_logits(tiny_llama.model, seqs)):
+        for pos in range(len(prompt), len(seq)):
+            row = logits[pos - 1]
+            assert row[seq[pos]] >= row.max() - 1e-4, (prompt, pos)  # the argmax, up to float ties
+
+
+def test_static_batch_counts_sequences_not_requests(tiny_llama):
+    p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, n=2)
+    eng = make_engine(tiny_llama, batching="static", max_num_seqs=4, batch_wait_timeout_ms=60_000)
+    eng.add_request([5, 6], p)
+    assert eng.step() == [] and not eng.scheduler.running  # 2 of 4 sequences: keep waiting
+    eng.add_request([7, 8], p)
+    eng.step()
+    assert len(eng.scheduler.running) == 4  # two requests, four sequences: a full batch
 
 
 def test_static_batch_waits_for_timeout_or_a_full_batch(tiny_llama):

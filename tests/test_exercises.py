@@ -1,15 +1,31 @@
-"""The exercise mechanism, both ways: the reference solutions pass the grader, and a freshly
-stubbed workspace fails exactly the stubbed exercises (and the rest of the package still imports)."""
+"""The exercise grader, both ways: every reference solution PASSes, every mutant (a plausible
+wrong solution, src/infer/exercise_mutants.py) FAILs; and a prepared workspace is graded on
+exactly its exercises, with the instructor's tests, against the workspace's own code."""
 
 from __future__ import annotations
 
 import ast
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from infer.exercises import EXERCISES, REPO, find_regions, grade, prepare, stub
+from infer.exercise_mutants import _ALL, MUTANTS, apply_mutant
+from infer.exercises import (
+    EXERCISES,
+    MANIFEST,
+    REPO,
+    find_regions,
+    grade,
+    grade_mutants,
+    grading_env,
+    prepare,
+    region_text,
+    selected,
+    stub,
+)
 
 
 def test_every_marker_is_registered_and_every_exercise_has_a_region():
@@ -27,27 +43,61 @@ def test_stubs_are_valid_python():
         assert "NotImplementedError" in text and f"# >>> EXERCISE {e.name}" in text
 
 
-LEAF = {0: "rms_norm", 1: "top_p", 2: "abort_request", 3: "batch_ready", 4: "top_k",
-        5: "paged_decode_inner_loop", 6: "chunk_schedule"}
+def test_every_exercise_has_mutants_that_apply():
+    """At least two wrong solutions per exercise; each still applies to today's reference (a
+    ValueError names a stale one), is valid Python and changes only its region."""
+    assert set(MUTANTS) == set(EXERCISES) and all(len(ms) >= 2 for ms in MUTANTS.values())
+    assert len({m.id for m in _ALL}) == len(_ALL)
+    for m in _ALL:
+        text = (REPO / EXERCISES[m.exercise].file).read_text()
+        wrong = apply_mutant(text, m)
+        ast.parse(wrong)
+        assert region_text(wrong, m.exercise) != region_text(text, m.exercise)
+        assert stub(wrong, m.exercise, "") == stub(text, m.exercise, "")
 
 
-def test_every_phase_has_a_leaf_exercise():
-    assert set(LEAF) == {e.phase for e in EXERCISES.values()}
-    assert all(EXERCISES[name].phase == phase for phase, name in LEAF.items())
+def test_needs_name_exercises_and_list_order_puts_independent_ones_first():
+    for e in EXERCISES.values():
+        assert set(e.needs) <= set(EXERCISES) - {e.name}
+    phase5 = [e.name for e in selected(5, None)]
+    assert phase5.index("block_free") < phase5.index("slot_mapping")  # slot_mapping's engine test frees blocks
+    with pytest.raises(SystemExit, match="no exercise matches"):
+        selected(0, ["top_p"])  # top_p is phase 1
 
 
-@pytest.mark.parametrize("phase", sorted({e.phase for e in EXERCISES.values()}))
-def test_grader_both_ways(phase, tmp_path, capsys):
-    exercises = [e for e in EXERCISES.values() if e.phase == phase]
-    assert all(grade(REPO, exercises, quiet=True).values()), "a reference solution fails its tests"
-    # stub one exercise whose code no other exercise's tests run (many exercises sit on the engine's
-    # main path, which every engine test crosses): it fails, the others of the phase still pass
-    stubbed = EXERCISES[LEAF[phase]]
+def test_every_reference_passes_and_every_mutant_fails():
+    """The reference solutions (the repository) and the wrong solutions, each in a workspace of
+    its own, graded by their exercise's tests."""
+    refs, results = grade_mutants(list(EXERCISES.values()), jobs=2)
+    assert [name for name, passed in refs.items() if not passed] == [], "these reference solutions FAIL"
+    assert [mid for mid, passed in results.items() if passed] == [], "these wrong solutions PASS their grading"
+    assert len(results) == len(_ALL)
+
+
+def test_a_prepared_workspace_is_graded_on_its_exercises_with_the_instructors_tests(tmp_path, capsys):
     ws = tmp_path / "ws"
-    prepare(ws, [stubbed])
+    with pytest.raises(SystemExit, match="no exercises"):
+        prepare(ws, [])
+    prepare(ws, [EXERCISES["apply_rope"]])
+    assert json.loads((ws / MANIFEST).read_text()) == {"exercises": ["apply_rope"]}
     check = subprocess.run([sys.executable, "-c", "import infer.llm, infer.exercises"], cwd=ws,
                            env={"PYTHONPATH": str(ws / "src")}, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr  # everything else still imports
-    results = grade(ws, exercises, quiet=True)
-    assert results == {e.name: e is not stubbed for e in exercises}
-    assert f"score: {len(exercises) - 1}/{len(exercises)}" in capsys.readouterr().out
+    # the page's command, as written, in the workspace (no PYTHONPATH): it tests the stub, not an
+    # installed infer
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "INFER_SRC")}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          "tests/test_layers.py::test_apply_rope_is_a_rotation"], cwd=ws, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and "Exercise apply_rope" in run.stdout, run.stdout[-2000:]
+    # a student who edits the workspace's tests (here: deletes the assertions) still fails
+    (ws / "tests" / "test_layers.py").write_text("def test_apply_rope_is_a_rotation():\n    pass\n")
+    (ws / "tests" / "conftest.py").write_text("")
+    capsys.readouterr()
+    assert grade(ws) == {"apply_rope": False}  # exactly what was prepared, by default
+    out = capsys.readouterr().out
+    assert "Exercise apply_rope" in out and "score: 0/1" in out
+    # an `infer` from outside the workspace is refused
+    (ws / "src" / "infer").rename(ws / "src" / "elsewhere")
+    with pytest.raises(SystemExit, match="refusing to grade"):
+        grading_env(ws)

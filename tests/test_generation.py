@@ -119,6 +119,9 @@ def test_stop_conditions(smollm2):
     c2 = run(eng, chat, SamplingParams(max_tokens=64, temperature=0, min_tokens=n_eos + 2))[-1].outputs[0]
     assert len(c2.token_ids) >= n_eos + 2
     assert all(t not in eng.eos_token_ids for t in c2.token_ids[: n_eos + 1])
+    # ignore_eos: the same greedy answer runs through its EOS to max_tokens
+    c3 = run(eng, chat, SamplingParams(max_tokens=n_eos + 2, temperature=0, ignore_eos=True))[-1].outputs[0]
+    assert c3.finish_reason == "length" and c3.token_ids[:n_eos] == c.token_ids and len(c3.token_ids) == n_eos + 2
 
 
 def test_logprobs_equal_log_softmax_of_model_logits(smollm2):

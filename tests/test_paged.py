@@ -202,6 +202,33 @@ def test_preemption_frees_blocks_requeues_at_the_front_and_resumes(tiny_llama):
     assert_pool_full(eng)
 
 
+def test_preemption_of_a_forked_request_after_its_first_sequence_was_scheduled(tiny_llama):
+    """n = 2, and the pool runs dry between its two sequences: sequence 0 already got its block
+    and sits in this step's batch when sequence 1 preempts their own request, so sequence 0 must
+    leave the batch too (the caller's list, edited in place). Outputs equal each request alone."""
+    cfg = tiny_llama.config
+    # block size 4, 7 blocks. Step 1 prefills "a" (prompt 8: 2 blocks) and "b" (n=2, prompt 6: a
+    # shared full block and a copy each of the last: 3 blocks); step 2 gives "a" its 3rd block; at
+    # step 4 both of b's sequences reach position 8: sequence 0 takes the last free block and is
+    # scheduled, sequence 1 finds none, and the newest request is b itself
+    eng = paged_engine(tiny_llama, batching="continuous", max_model_len=24, max_num_seqs=4,
+                       kv_cache_memory_bytes=7 * 4 * cfg.kv_bytes_per_token(torch.float32))
+    pa = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    pb = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2)
+    alone = [drive(paged_engine(tiny_llama, max_model_len=24), [(0, prompt, p)])[0]
+             for prompt, p in (([5] * 8, pa), ([6] * 6, pb))]
+    seen = []
+
+    def check(engine):
+        if engine.num_preemptions and not seen:
+            seen.append([r.request_id for r in engine.scheduler.waiting])
+
+    got = drive(eng, [(0, [5] * 8, pa), (0, [6] * 6, pb)], check=check)
+    assert eng.num_preemptions >= 1 and seen == [["r1"]]
+    assert [got[0], got[1]] == alone
+    assert_pool_full(eng)
+
+
 def test_prompt_logprobs_are_not_repeated_after_a_preemption(tiny_llama):
     cfg = tiny_llama.config
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=2)

@@ -71,6 +71,12 @@ def test_top_k_keeps_exact_sets():
     assert out[0, 3] == 5.0 and out[0, 4] == 4.0
 
 
+def test_top_k_clamps_k_to_one():
+    # k below 1 is clamped (the docstring's contract): the argmax stays, whatever the row
+    row = torch.tensor([3.0, 1.0, 2.0, 5.0, 4.0])
+    assert kept(apply_top_k(row.expand(2, 5), torch.tensor([0, -3]))) == [{3}, {3}]
+
+
 def test_top_k_ties_and_infs():
     logits = torch.tensor([[1.0, 2.0, 2.0, 0.0], [1.0, 2.0, 2.0, 0.0], [NEG_INF, 1.0, NEG_INF, 0.0]])
     out = apply_top_k(logits, torch.tensor([2, 1, 3]))
@@ -85,6 +91,14 @@ def test_top_p_keeps_exact_sets():
     out = apply_top_p(row.expand(6, 4), top_p)
     assert kept(out) == [{0}, {0}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}, {0, 1, 2, 3}]
     assert torch.equal(out[5], row)
+
+
+def test_top_p_stops_where_the_mass_reaches_top_p_exactly():
+    # top_p equal to the top token's own probability (the same float32 value): the top token
+    # alone reaches it, so nothing else is kept (the mass *before* the second token is not < top_p)
+    row = logits_of([0.5, 0.3, 0.2])[None]
+    top = torch.softmax(row, dim=-1).max(dim=-1).values
+    assert kept(apply_top_p(row, top)) == [{0}]
 
 
 def test_top_p_edges():

@@ -5,7 +5,7 @@ Two kinds of configuration live here:
 * :class:`ModelConfig`: what a checkpoint *is* (layer count, head counts, rope bases, ...).
   It is read from a Hugging Face ``config.json`` or from GGUF metadata by the loaders and
   never set by a user.
-* :class:`EngineConfig`: how the engine *runs* it. Every optimization of the roadmap is a
+* :class:`EngineConfig`: how the engine *runs* it. Every optimization of the phases is a
   field here, so that it can be switched on alone and measured alone (see
   ``docs/phases/``). :meth:`EngineConfig.validate` rejects every combination that is not
   supported, with a reason, instead of silently ignoring a flag.

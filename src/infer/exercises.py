@@ -7,40 +7,62 @@ An exercise is a region of the engine's real code, between two comment markers::
     # <<< EXERCISE rms_norm
 
 There is no second copy of the solution to keep in sync: :func:`prepare` copies the
-repository and replaces each chosen region with ``raise NotImplementedError(hint)``;
-:func:`grade` runs the tests listed for each exercise (the same tests CI runs) and prints a
-pass/fail table and a score.
+repository, replaces each chosen region with ``raise NotImplementedError(hint)`` and records
+the chosen exercises in the workspace (``.infer-exercises.json``); :func:`grade` runs the
+tests registered for each exercise (the same tests CI runs, taken from the instructor's copy
+of the repository, never from the workspace a student can edit) against the workspace's code,
+and prints a pass/fail table and a score. :mod:`infer.exercise_mutants` keeps plausible wrong
+solutions of every exercise; ``mutants`` grades them, and each must FAIL.
 
     python -m infer.exercises list
     python -m infer.exercises prepare --phase 0 --out ~/infer-phase0     # a student workspace
-    python -m infer.exercises grade --phase 0 --root ~/infer-phase0      # grade it
+    python -m infer.exercises grade --root ~/infer-phase0                # grade what was prepared
+    python -m infer.exercises mutants --exercise top_p                   # the wrong solutions FAIL
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"  # the instructor's tests: grading always runs these
+MANIFEST = ".infer-exercises.json"  # written by prepare: which exercises a workspace holds
 MARK = re.compile(r"^(?P<indent>[ \t]*)# (?P<kind>>>>|<<<) EXERCISE (?P<name>\w+)\s*$")
+
+# The engine's main path: every test that runs the engine (a prompt in, tokens out) executes
+# all of these regions, so an exercise graded by such tests can pass only once these pass.
+ENGINE_PATH = ("rms_norm", "apply_rope", "decode_attention", "block_free", "slot_mapping", "admission",
+               "flatten_batch", "stop_check")
 
 
 @dataclass(frozen=True)
 class Exercise:
-    """One exercise: where it is, what grades it, and what the student is told."""
+    """One exercise: where it is, what grades it, and what the student is told.
+
+    ``needs``: other exercises whose regions its grading tests also run; with those stubbed
+    too, it cannot pass until they do (``list`` orders them first, ``grade`` says so).
+    """
 
     name: str
     phase: int
     file: str  # relative to the repository root
-    tests: tuple[str, ...]  # pytest node ids, relative to the repository root
+    tests: tuple[str, ...]  # pytest node ids, relative to the repository root; the quickest first
     hint: str
     minutes: int
+    needs: tuple[str, ...] = ()
+
+
+def _engine(name: str, *extra: str) -> tuple[str, ...]:
+    return tuple(n for n in (*ENGINE_PATH, *extra) if n != name)
 
 
 EXERCISES: dict[str, Exercise] = {
@@ -50,33 +72,40 @@ EXERCISES: dict[str, Exercise] = {
             "rms_norm", 0, "src/infer/models/layers.py",
             ("tests/test_layers.py::test_rms_norm_matches_definition",
              "tests/test_layers.py::test_rms_norm_rounds_like_hf"),
-            "x / sqrt(mean(x^2) + eps) in float32, then times w (Llama: cast to x.dtype first) or (1 + w) "
-            "(Gemma: in float32, cast last). Return x.dtype.",
+            "Divide x by the root of the mean of its squares over the last dimension (eps inside the "
+            "root), in float32. Llama and Gemma then scale by the weight differently, and in bfloat16 "
+            "where you cast back to x.dtype changes the result: read the docstring and the HF classes it "
+            "names. Return x.dtype.",
             15,
         ),
         Exercise(
             "apply_rope", 0, "src/infer/models/layers.py",
             ("tests/test_layers.py::test_apply_rope_is_a_rotation",
              "tests/test_layers.py::test_rope_relative_position_property"),
-            "x is [T, heads, head_dim], cos/sin are [T, head_dim]. Pair dim i with i + head_dim/2: "
-            "x * cos + rotate_half(x) * sin, rotate_half([a, b]) = [-b, a].",
+            "x is [T, heads, head_dim], cos/sin are [T, head_dim] (broadcast them over heads). RoPE rotates "
+            "pairs of dimensions by a position-dependent angle; in the 'rotate half' layout the pairs are "
+            "(i, i + head_dim/2). Write the 2-D rotation of such a pair and vectorize it.",
             20,
         ),
         Exercise(
             "top_p", 1, "src/infer/sampling/sampler.py",
             ("tests/test_sampler.py::test_top_p_keeps_exact_sets", "tests/test_sampler.py::test_top_p_edges",
+             "tests/test_sampler.py::test_top_p_stops_where_the_mass_reaches_top_p_exactly",
              "tests/test_sampler.py::test_truncated_frequencies_match_distribution"),
-            "Per row: sort probabilities descending, keep the smallest prefix whose sum reaches top_p "
-            "(always the top token), write -inf into the logits of the rest. No Python loop over rows.",
+            "Nucleus sampling keeps the most likely tokens until their probability mass reaches top_p, and "
+            "always at least the top token. Think about which tokens count as 'before' a token in the "
+            "sorted order, about ties with the last kept token, and about top_p = 1. Write -inf into the "
+            "removed logits; no Python loop over rows.",
             30,
         ),
         Exercise(
             "stop_check", 1, "src/infer/engine/output_processor.py",
             ("tests/test_generation.py::test_stop_conditions",),
-            "Return (finish_reason, stop_reason) or None: EOS (unless ignore_eos) and stop_token_ids give "
-            "'stop', a matched stop string too (the detokenizer found it); max_tokens and the context "
-            "limit give 'length'.",
-            15,
+            "Decide after each new token whether the sequence is done, and why: the OpenAI API's "
+            "finish_reason is 'stop' (an end-of-sequence token unless the request ignores it, a stop token "
+            "id, a stop string the detokenizer found) or 'length' (max_tokens reached, or the context is "
+            "full); stop_reason says which stop matched. Read SamplingParams for the fields.",
+            15, _engine("stop_check"),
         ),
         Exercise(
             "sampling_or_reject", 2, "src/infer/server/app.py",
@@ -89,90 +118,88 @@ EXERCISES: dict[str, Exercise] = {
              "tests/test_server.py::test_bad_request[top_logprobs-without-logprobs]",
              "tests/test_server.py::test_openai_client_raises_on_bad_request",
              "tests/test_server.py::test_same_answer_after_bad_requests"),
-            "Return req.sampling_params(), unless it raises: an UnsupportedField (e.param names the field) or "
-            "any other ValueError (_param_of(e) finds the field in SamplingParams' message) becomes raise "
-            "_Reject(error_response(400, str(e), param)) from None. More than MAX_N sequences (params.n) is a "
-            "400 naming 'n'.",
-            10,
+            "A bad request must become an HTTP 400 whose OpenAI-shaped error body names the offending "
+            "field (param), never a 500. Building the SamplingParams validates the request: find out what "
+            "it raises (this module has helpers for both kinds of error and for the body), and enforce "
+            "the server's own limit on the number of sequences.",
+            10, _engine("sampling_or_reject"),
         ),
         Exercise(
             "chat_sse", 2, "src/infer/server/app.py",
             ("tests/test_server.py::test_chat_stream_equals_non_stream",
              "tests/test_server.py::test_stream_include_usage",
              "tests/test_server.py::test_chat_stream_n_logprobs_usage_and_done"),
-            "async for out in outputs; for each c in out.outputs (one per sequence, finished ones included): "
-            "skip an index that already ended; yield chunk([{'index': c.index, 'delta': {'content': "
-            "c.delta_text} (or {} on a final chunk without text), 'logprobs': chat_lp_block(c.delta_logprobs "
-            "or []) if req.logprobs else None, 'finish_reason': c.finish_reason}]). Then, if include_usage, "
-            "chunk([], usage=usage([last output])); last 'data: [DONE]\\n\\n'.",
-            25,
+            "Turn the engine's stream of RequestOutputs into OpenAI chat.completion.chunk events (the "
+            "non-streamed handler below builds the same fields). Each output carries, per sequence, only "
+            "what is new; each choice index must end exactly once; the stream ends with the usage chunk "
+            "(when asked for) and the SSE terminator of the OpenAI API.",
+            25, _engine("chat_sse", "sampling_or_reject"),
         ),
         Exercise(
             "abort_request", 2, "src/infer/server/async_engine.py",
             ("tests/test_server.py::test_stream_disconnect_aborts_request",
              "tests/test_server.py::test_queued_client_disconnect_frees_its_place",
              "tests/test_server.py::test_graceful_shutdown_on_sigterm"),
-            "Engine thread. req = self.engine.requests.get(rid) before self.engine.abort_request(rid) (True if "
-            "it was running or waiting; frees it); nothing to do if unknown and rid has no stream. Build the "
-            "final RequestOutput(rid, prompt, prompt_token_ids, [CompletionOutput(index, text so far "
-            "(s.detokenizer.output_text), token ids, finish_reason=s.finish_reason or 'abort') per seq], "
-            "finished=True); if known, metrics 'arrival' (+ 'first_token') and self._record_finished(final); "
-            "then self._deliver(rid, final) and drop rid from self._streams.",
-            30,
+            "Runs on the engine thread when a client goes away or the server shuts down. The request must "
+            "leave the engine (its KV blocks freed), be counted as finished with finish_reason 'abort' "
+            "(look at how _step records finished requests), and whoever waits on its stream must get a "
+            "final output holding what was generated so far. A request that already finished, or that "
+            "nobody knows, needs nothing.",
+            30, _engine("abort_request", "sampling_or_reject"),
         ),
         Exercise(
             "batch_ready", 3, "src/infer/engine/scheduler.py",
             ("tests/test_batching.py::test_static_batch_waits_for_timeout_or_a_full_batch",
+             "tests/test_batching.py::test_static_batch_counts_sequences_not_requests",
              "tests/test_batching.py::test_continuous_admits_at_every_step_and_static_waits_for_the_batch"),
-            "Return True when nothing is running and the waiting requests' sequences fill max_num_seqs, or "
-            "the oldest waiting request (self.waiting[0].arrival_time, perf_counter seconds) has waited "
-            "batch_wait_timeout_s.",
-            10,
+            "Static batching starts a batch only when none is running, and then when waiting work fills a "
+            "batch (count sequences, not requests: a request may ask for n) or the oldest request has "
+            "waited long enough (arrival times are time.perf_counter() seconds).",
+            10, _engine("batch_ready"),
         ),
         Exercise(
             "flatten_batch", 3, "src/infer/engine/model_runner.py",
-            ("tests/test_batching.py::test_abort_mid_batch_frees_its_row_and_disturbs_nobody[continuous]",
+            ("tests/test_batching.py::test_batched_greedy_tokens_are_the_argmax_of_a_cache_free_forward",
+             "tests/test_batching.py::test_abort_mid_batch_frees_its_row_and_disturbs_nobody[continuous]",
              "tests/test_batching.py::test_n_sequences_share_one_prefill"),
-            "For each ScheduledSeq, first, kv_len, samples = chunk_extent(seq, n); append its n new tokens "
-            "(token_ids[first:first + n]) and their positions; query_start_loc is the running sum (starts at "
-            "0); seq_lens gets kv_len; when samples, the last new token is sampled, once for the sequence and "
-            "once for each fork.",
-            25,
+            "One forward runs all scheduled sequences as one flat list of new tokens (see "
+            "AttentionMetadata): concatenate each sequence's new tokens and positions, and record where "
+            "each sequence starts and how long its context is once this step's tokens are in "
+            "(chunk_extent tells where a sequence's new tokens sit and whether it samples). A sequence "
+            "samples at its last new token; forks share that token's logits.",
+            25, _engine("flatten_batch"),
         ),
         Exercise(
             "admission", 4, "src/infer/engine/scheduler.py",
-            ("tests/test_batching.py::test_continuous_admits_at_every_step_and_static_waits_for_the_batch",
+            ("tests/test_batching.py::test_none_admits_one_request_and_static_a_whole_batch_past_the_budget",
+             "tests/test_batching.py::test_continuous_admits_at_every_step_and_static_waits_for_the_batch",
              "tests/test_batching.py::test_token_budget_is_respected",
-             "tests/test_batching.py::test_abort_mid_batch_frees_its_row_and_disturbs_nobody"),
-            "FIFO over self.waiting while _has_room(request): stop at the first that does not fit the token "
-            "budget (static admits it anyway, it prefills later); _admit it, append ScheduledSeq(seq 0, "
-            "prompt_len, forks=the other seqs), subtract from the budget. 'none' admits one request into "
-            "an empty engine, 'static' only when _batch_ready().",
-            30,
+             "tests/test_batching.py::test_abort_mid_batch_frees_its_row_and_disturbs_nobody",
+             "tests/test_paged.py::test_preemption_frees_blocks_requeues_at_the_front_and_resumes"),
+            "Admit waiting requests first come, first served, while they fit (sequence slots, KV blocks, "
+            "this step's token budget); the first that does not fit stops admission. What must fit the "
+            "budget is the request's first prefill, which after a preemption is longer than its prompt "
+            "(there is a helper). _admit does the bookkeeping and returns the budget left. Read the "
+            "docstring for what 'none' and 'static' change.",
+            30, _engine("admission", "preemption"),
         ),
         Exercise(
             "decode_attention", 4, "src/infer/attention/torch_backend.py",
             ("tests/test_batching.py::test_decode_attention_matches_per_sequence_reference",),
-            "Gather each sequence's cache row (or attend over every row in place), mask keys at positions >= "
-            "seq_len (and, with a window, <= seq_len - 1 - window), view q as [B, kv_heads, heads/kv_heads, "
-            "head_dim] for GQA, one F.scaled_dot_product_attention call, back to [B, heads, head_dim].",
+            "Each sequence has one new query and attends to the first seq_len keys of its own cache row "
+            "(a sliding window keeps only the most recent ones). Batch all sequences into one "
+            "scaled-dot-product attention call with a mask; for grouped-query attention, let the query "
+            "heads that share a KV head attend to it together instead of copying K/V.",
             40,
         ),
         Exercise(
             "top_k", 4, "src/infer/sampling/sampler.py",
-            ("tests/test_sampler.py::test_top_k_keeps_exact_sets", "tests/test_sampler.py::test_top_k_ties_and_infs"),
-            "Per row b keep the top_k[b] largest logits (clamp k to [1, V]; ties with the k-th stay) and "
-            "write -inf elsewhere. Sort descending, gather the k-th value per row, compare. No loop over rows.",
+            ("tests/test_sampler.py::test_top_k_keeps_exact_sets", "tests/test_sampler.py::test_top_k_ties_and_infs",
+             "tests/test_sampler.py::test_top_k_clamps_k_to_one"),
+            "Per row keep the k largest logits (k differs per row and may be out of range) and write -inf "
+            "elsewhere; tokens tied with the k-th largest stay. Find each row's threshold without a loop "
+            "over rows.",
             20,
-        ),
-        Exercise(
-            "slot_mapping", 5, "src/infer/attention/kv_cache.py",
-            ("tests/test_paged.py::test_slot_mapping_walks_the_block_table",
-             "tests/test_paged.py::test_paged_engine_matches_contiguous_with_forks_and_aborts"),
-            "For each sequence, positions start .. start + n - 1: position p lives in block "
-            "table[p // block_size] at offset p % block_size, so its slot is block * block_size + offset. "
-            "Return the slots of all sequences, in order, as one list of ints.",
-            10,
         ),
         Exercise(
             "block_free", 5, "src/infer/engine/kv_cache_manager.py",
@@ -180,60 +207,99 @@ EXERCISES: dict[str, Exercise] = {
              "tests/test_paged.py::test_block_pool_rejects_misuse",
              "tests/test_paged.py::test_block_pool_random_walk_keeps_its_invariants",
              "tests/test_paged.py::test_forks_share_full_blocks_and_own_a_copy_of_the_last"),
-            "Each block has a reference count (self.ref_counts[b], the number of sequences holding it). Drop "
-            "one holder per block; a block whose count reaches 0 goes back on the free list (a min-heap: "
-            "heapq.heappush(self.free_blocks, b)). Freeing a block whose count is already 0 raises "
-            "RuntimeError('... double free').",
+            "Blocks are reference-counted: forks share blocks, so freeing drops one holder, and only a "
+            "block nobody holds is free again. Keep the free list as allocate expects it (it hands out "
+            "the lowest id first), and refuse a double free loudly.",
             15,
         ),
         Exercise(
+            "slot_mapping", 5, "src/infer/attention/kv_cache.py",
+            ("tests/test_paged.py::test_slot_mapping_walks_the_block_table",
+             "tests/test_paged.py::test_paged_engine_matches_contiguous_with_forks_and_aborts"),
+            "The cache is one array of num_blocks * block_size token slots. A sequence's block table lists "
+            "its blocks in order: token position p lives in the table's (p // block_size)-th block. Map "
+            "each new token (positions start .. start + n - 1 of each sequence) to its flat slot.",
+            10, _engine("slot_mapping"),
+        ),
+        Exercise(
             "preemption", 5, "src/infer/engine/scheduler.py",
-            ("tests/test_paged.py::test_preemption_frees_blocks_requeues_at_the_front_and_resumes",
+            ("tests/test_paged.py::test_preemption_of_a_forked_request_after_its_first_sequence_was_scheduled",
+             "tests/test_paged.py::test_preemption_frees_blocks_requeues_at_the_front_and_resumes",
              "tests/test_paged.py::test_prompt_logprobs_are_not_repeated_after_a_preemption"),
-            "Loop while self.kv.allocate_slots(seq, n) fails: take the request of the last running sequence "
-            "(self.running[-1].request, the most recently admitted), self.preempt() it, drop its sequences "
-            "from `scheduled` (in place), and return False if it was seq's own request. Return True once "
-            "the blocks are allocated.",
-            25,
+            "Preemption by recompute (vLLM's policy): while the pool cannot give seq its new slots, evict "
+            "the most recently admitted request (preempt() frees and requeues it). The caller's list of "
+            "this step's scheduled work may already hold the victim's sequences: they must leave that very "
+            "list. If the victim was seq's own request, seq cannot run this step: report it.",
+            25, _engine("preemption"),
         ),
         Exercise(
             "paged_decode_inner_loop", 5, "src/infer/attention/triton_ops.py",
             ("tests/test_kernels.py::test_decode_matches_reference",
              "tests/test_kernels.py::test_decode_splits_agree_with_each_other"),
-            "One key tile of the Triton paged decode kernel (runs under TRITON_INTERPRET=1 on a CPU): "
-            "tok = start_n + offs_n; load each key's physical block from the block table (bt_row + tok // "
-            "BLOCK_SIZE, masked where tok >= end), its row offset page * stride_cb + (tok % BLOCK_SIZE) * "
-            "stride_ct; load the K tile [BLOCK_N, D_PAD]; s = tl.dot(q, tl.trans(k)) * qk_scale (log2 "
-            "units), -inf where masked; online softmax: m_new = max(m_i, rowmax(s)), alpha = exp2(m_i - "
-            "m_new), p = exp2(s - m_new), l_i = l_i * alpha + rowsum(p); load the V tile; acc = acc * alpha "
-            "+ tl.dot(p, v); m_i = m_new. Remember the UPCAST (bf16 under the interpreter) casts.",
+            "One key tile of the Triton paged decode kernel (runs under TRITON_INTERPRET=1 on a CPU). Find "
+            "each key's physical block through the block table and its row inside the block; load the K "
+            "tile, score it against the query heads of this group (qk_scale is in log2 units) and mask "
+            "keys past the end; update the online softmax state the loop set up (FlashAttention-2: a "
+            "running max, a running sum, an accumulator rescaled when the max grows); accumulate P.V. "
+            "Loaded tiles need the UPCAST cast.",
             60,
         ),
         Exercise(
             "chunk_schedule", 6, "src/infer/engine/scheduler.py",
-            ("tests/test_chunked_prefill.py::test_chunked_matches_unchunked[llama-paged-7]",
-             "tests/test_chunked_prefill.py::test_chunked_matches_unchunked[gemma3-contiguous-32]",
-             "tests/test_chunked_prefill.py::test_decodes_go_first_and_prefill_chunks_fill_the_rest",
+            ("tests/test_chunked_prefill.py::test_decodes_go_first_and_prefill_chunks_fill_the_rest",
              "tests/test_chunked_prefill.py::test_decodes_go_first_even_behind_an_older_prefill",
              "tests/test_chunked_prefill.py::test_forks_share_one_chunked_prefill",
              "tests/test_chunked_prefill.py::test_long_prefill_token_threshold_shares_the_budget",
+             "tests/test_chunked_prefill.py::test_chunked_matches_unchunked[llama-paged-7]",
+             "tests/test_chunked_prefill.py::test_chunked_matches_unchunked[gemma3-contiguous-32]",
              "tests/test_chunked_prefill.py::test_preempted_half_prefilled_and_recomputed_sequences"),
-            "The running sequences' part of a step. With self.chunked_prefill, visit decodes (1 uncomputed "
-            "token) before prefills (a stable sort of self.running). Skip sequences no longer RUNNING and "
-            "forks waiting for a shared prefill. n = self._chunk(num_uncomputed_tokens, budget); 0 means stop "
-            "(the budget is spent) or, without chunking, skip a prefill that does not fit. Reserve blocks with "
-            "self._reserve_blocks (if it returns False, seq was preempted: recompute budget from what is still "
-            "scheduled and go on). Attach the waiting forks (seq.index == 0) only to the chunk that completes "
-            "the prompt. Append ScheduledSeq(seq, n, forks) and spend n.",
-            30,
+            "The running sequences' share of a step's token budget. With chunked prefill, decodes go "
+            "before prefill chunks (decode-maximal batching), and a prompt gets only what the budget (and "
+            "the per-request threshold) leaves; a sequence that cannot get a block may be preempted, which "
+            "changes what is left. A request's forks share its prefill: they may only join the chunk that "
+            "completes the prompt.",
+            30, _engine("chunk_schedule"),
         ),
         Exercise(
             "chunk_key_length", 6, "src/infer/engine/model_runner.py",
             ("tests/test_chunked_prefill.py::test_chunk_extent_by_hand",),
-            "Return (first, kv_len, samples): first = the tokens already cached; kv_len = the keys the chunk "
-            "attends over (cached prefix + the chunk, not the whole prompt); samples only when every token of "
-            "the sequence (prompt and, after a preemption, generated tokens) is computed after this step.",
+            "Where does a chunk's first token sit, how many keys do its queries see (what is in the cache "
+            "once this step writes its own K/V: not the whole prompt), and when does a sequence sample "
+            "(only once nothing of it is left uncomputed, also after a preemption's recompute)?",
             10,
+        ),
+        Exercise(
+            "fused_add_rms_norm_kernel", 8, "src/infer/kernels/fused_triton.py",
+            ("tests/test_fused_kernels.py::test_fused_add_rms_norm_matches_reference",),
+            "One program per row, in place: the sum of the row and its residual, rounded to the dtype, is "
+            "the new residual (store it); the RMSNorm of that rounded sum replaces the row. Load both rows "
+            "before storing either, compute in float32, and use the row helper _rms_norm_row for the norm "
+            "(it keeps Llama's and Gemma's rounding orders). Runs under TRITON_INTERPRET=1 on a CPU.",
+            30,
+        ),
+        Exercise(
+            "graph_buckets", 9, "src/infer/engine/cuda_graphs.py",
+            ("tests/test_fused_engine.py::test_graph_batch_sizes",),
+            "The batch sizes captured as CUDA graphs, ascending: a few small powers of two, then every "
+            "multiple of 8, and always the largest size itself, each once, none above it.",
+            10,
+        ),
+        Exercise(
+            "bucket_for", 9, "src/infer/engine/cuda_graphs.py",
+            ("tests/test_fused_engine.py::test_bucket_for_picks_the_smallest_bucket_that_holds_the_batch",),
+            "A step of B sequences replays the graph of the smallest captured size that holds all of them "
+            "(the rest are padding rows); a step wider than every graph runs eagerly.",
+            5,
+        ),
+        Exercise(
+            "overlap_loop", 9, "src/infer/engine/llm_engine.py",
+            ("tests/test_async_scheduling.py::test_a_sequence_holds_one_placeholder_while_its_step_runs",
+             "tests/test_async_scheduling.py::test_async_scheduling_gives_the_synchronous_outputs[paged]"),
+            "One async step: launch the scheduled step (its input reads the previous step's tokens on the "
+            "device), then let the host catch up with the previous step's outputs while the device works, "
+            "then mark which sequences now wait for a token still on the device. Think about the order: "
+            "what must the previous step's tokens replace, and which sequences need no placeholder?",
+            30, _engine("overlap_loop"),
         ),
     ]
 }
@@ -265,80 +331,316 @@ def find_regions(text: str) -> dict[str, tuple[int, int, str]]:
     return regions
 
 
+def region_text(text: str, name: str) -> str:
+    """The code inside exercise ``name``'s markers (the reference solution)."""
+    start, end, _ = find_regions(text)[name]
+    return "".join(text.splitlines(keepends=True)[start:end])
+
+
+def replace_region(text: str, name: str, body: str) -> str:
+    """``text`` with the code inside exercise ``name``'s markers replaced by ``body``."""
+    start, end, _ = find_regions(text)[name]
+    lines = text.splitlines(keepends=True)
+    return "".join(lines[:start] + [body] + lines[end:])
+
+
 def stub(text: str, name: str, hint: str) -> str:
     """``text`` with exercise ``name``'s region replaced by a ``NotImplementedError``."""
-    start, end, indent = find_regions(text)[name]
-    lines = text.splitlines(keepends=True)
+    indent = find_regions(text)[name][2]
     msg = f"Exercise {name}: {hint}".replace("\\", "\\\\").replace('"', '\\"')
-    return "".join(lines[:start] + [f'{indent}raise NotImplementedError("{msg}")\n'] + lines[end:])
+    return replace_region(text, name, f'{indent}raise NotImplementedError("{msg}")\n')
+
+
+def ordered(exercises: list[Exercise]) -> list[Exercise]:
+    """By phase; within a phase, those that need none of the others first (they can pass alone)."""
+    names = {e.name for e in exercises}
+    index = {n: i for i, n in enumerate(EXERCISES)}
+    return sorted(exercises, key=lambda e: (e.phase, len(names & set(e.needs)), index[e.name]))
 
 
 def selected(phase: int | None, names: list[str] | None) -> list[Exercise]:
+    """The registered exercises of ``phase`` (all if None) named in ``names`` (all if None), ordered.
+
+    Raises:
+        SystemExit: an unknown name, or nothing matches.
+    """
     chosen = [e for e in EXERCISES.values() if (phase is None or e.phase == phase)]
     if names:
         unknown = sorted(set(names) - set(EXERCISES))
         if unknown:
             raise SystemExit(f"unknown exercise(s): {', '.join(unknown)}; see `python -m infer.exercises list`")
         chosen = [e for e in chosen if e.name in names]
-    return chosen
+    if not chosen:
+        wanted = " ".join([f"--phase {phase}"] * (phase is not None) + [f"--exercise {n}" for n in names or []])
+        raise SystemExit(f"no exercise matches {wanted}; see `python -m infer.exercises list`")
+    return ordered(chosen)
 
 
 def prepare(out: Path, exercises: list[Exercise], root: Path = REPO) -> None:
-    """Copy the repository (without .git, .venv, caches) to ``out`` and stub the exercises."""
+    """Copy the repository (without .git, .venv, caches) to ``out``, stub the exercises and
+    record their names in ``out/.infer-exercises.json`` (what :func:`grade` grades by default).
+
+    Raises:
+        SystemExit: no exercises, or ``out`` exists and is not empty.
+    """
+    if not exercises:
+        raise SystemExit("no exercises to prepare")
     ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", "site",
-                                    ".ruff_cache", ".whl")
+                                    ".ruff_cache", ".whl", MANIFEST)
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} exists and is not empty")
     shutil.copytree(root, out, ignore=ignore, dirs_exist_ok=True)
     for e in exercises:
         path = out / e.file
         path.write_text(stub(path.read_text(), e.name, e.hint))
+    (out / MANIFEST).write_text(json.dumps({"exercises": [e.name for e in exercises]}, indent=1) + "\n")
     print(f"prepared {out} with {len(exercises)} exercise(s): {', '.join(e.name for e in exercises)}")
 
 
-def grade(root: Path, exercises: list[Exercise], quiet: bool = False) -> dict[str, bool]:
-    """Run each exercise's tests against the code under ``root``; print a table and the score."""
-    env = dict(os.environ, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
+def prepared(root: Path) -> list[Exercise] | None:
+    """The exercises recorded in workspace ``root`` by :func:`prepare`, or None if it has no record."""
+    path = root / MANIFEST
+    if not path.exists():
+        return None
+    names = json.loads(path.read_text())["exercises"]
+    unknown = [n for n in names if n not in EXERCISES]
+    if unknown:
+        raise SystemExit(f"{path} names unknown exercise(s) {unknown}: prepared by another version of infer?")
+    return ordered([EXERCISES[n] for n in names])
+
+
+def grading_env(root: Path) -> dict[str, str]:
+    """The environment the tests run in: ``infer`` from ``root/src``, checked before anything runs.
+
+    ``INFER_SRC`` tells ``tests/conftest.py`` which ``src`` to put first (and to verify); the
+    subprocesses some tests start (servers) inherit ``PYTHONPATH``.
+
+    Raises:
+        SystemExit: the instructor's tests are not next to this package (a non-editable install),
+            or ``infer`` would be imported from somewhere other than ``root/src``.
+    """
+    if not (TESTS / "conftest.py").exists():
+        raise SystemExit(f"grading runs the instructor's tests, and {TESTS} has none: run the grader from a "
+                         "checkout of the repository (pip install -e), not an installed wheel")
+    src = (root / "src").resolve()
+    env = dict(os.environ, PYTHONPATH=str(src), INFER_SRC=str(src))
+    probe = subprocess.run([sys.executable, "-P", "-c", "import importlib.util as u; print(u.find_spec('infer').origin)"],
+                           cwd=root, env=env, capture_output=True, text=True)
+    origin = probe.stdout.strip()
+    if probe.returncode != 0 or not origin or not Path(origin).resolve().is_relative_to(src):
+        raise SystemExit(f"refusing to grade: `infer` would be imported from {origin or probe.stderr.strip()!r}, "
+                         f"not from the workspace's {src}")
+    return env
+
+
+def run_tests(root: Path, e: Exercise, env: dict[str, str], timeout: float | None = None) -> tuple[bool, str]:
+    """Run ``e``'s tests (the instructor's copies) against ``root``'s code: ``(passed, pytest output)``."""
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--tb=short",
+           "--rootdir", str(REPO), *(str(REPO / t) for t in e.tests)]
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as ex:
+        return False, f"timed out after {timeout} s\n{ex.stdout or ''}"
+    return proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def grade(root: Path, exercises: list[Exercise] | None = None, quiet: bool = False) -> dict[str, bool]:
+    """Run each exercise's tests against the code under ``root``; print a table and the score.
+
+    ``exercises`` None: those recorded in ``root`` by :func:`prepare` (all of them when ``root``
+    is the repository itself, whose solutions must all pass).
+
+    Raises:
+        SystemExit: ``root`` is neither a prepared workspace nor the repository and no exercises
+            were given, or see :func:`grading_env`.
+    """
+    root = root.resolve()
+    if exercises is None:
+        exercises = prepared(root)
+        if exercises is None:
+            if root != REPO:
+                raise SystemExit(f"{root} has no {MANIFEST} (not made by `prepare`): name the exercises to grade "
+                                 "with --phase / --exercise")
+            exercises = ordered(list(EXERCISES.values()))
+    env = grading_env(root)
     results: dict[str, bool] = {}
     for e in exercises:
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *e.tests],
-            cwd=root, env=env, capture_output=True, text=True,
-        )
-        results[e.name] = proc.returncode == 0
-        if not quiet and proc.returncode != 0:
+        ok, out = run_tests(root, e, env)
+        results[e.name] = ok
+        if not quiet and not ok:
             print(f"--- {e.name}: failing output (last lines) ---")
-            print("\n".join(proc.stdout.splitlines()[-15:]))
+            print("\n".join(out.splitlines()[-80:]))
     width = max(len(n) for n in results) if results else 8
     print(f"{'exercise'.ljust(width)}  phase  result")
     for e in exercises:
-        print(f"{e.name.ljust(width)}  {e.phase:>5}  {'PASS' if results[e.name] else 'FAIL'}")
+        waits = [n for n in e.needs if results.get(n) is False]
+        note = f"  (its tests also run {', '.join(waits)}: make that pass first)" if waits and not results[e.name] else ""
+        print(f"{e.name.ljust(width)}  {e.phase:>5}  {'PASS' if results[e.name] else 'FAIL'}{note}")
     print(f"score: {sum(results.values())}/{len(results)}")
     return results
+
+
+# Grading many workspaces (the mutants) costs mostly Python start-up: importing torch, pytest and
+# the test modules' libraries. One process imports them once and forks a child per grading run;
+# each child puts its workspace's src first and runs pytest. No `infer` module is imported before
+# the fork, so every child imports the code of its own workspace (tests/conftest.py checks).
+_PRELOAD = ("torch", "numpy", "pytest", "httpx", "openai", "triton", "triton.language", "safetensors",
+            "tokenizers", "gguf", "jinja2", "tqdm")
+_FORKSERVER = r"""
+import json, os, signal, sys
+for name in PRELOAD:
+    try:
+        __import__(name)
+    except Exception:
+        pass
+import pytest
+spec = json.loads(sys.stdin.read())
+queue, running = list(enumerate(spec["jobs"])), {}
+
+def child(job):
+    fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.chdir(job["cwd"])
+
+    def alarm(*_):
+        raise TimeoutError("grading timed out after %d s" % spec["timeout"])
+
+    signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(int(spec["timeout"]))
+    return int(pytest.main(job["args"]))
+
+while queue or running:
+    while queue and len(running) < spec["parallel"]:
+        i, job = queue.pop(0)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                code = child(job)
+            except BaseException as e:
+                print("grading run failed:", repr(e))
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        running[pid] = i
+    pid, status = os.wait()
+    print(json.dumps([running.pop(pid), os.waitstatus_to_exitcode(status)]), flush=True)
+"""
+
+
+def run_many(jobs: list[tuple[Path, Exercise]], parallel: int = 2, timeout: float = 600) -> list[tuple[bool, str]]:
+    """:func:`run_tests` for each ``(root, exercise)``, ``parallel`` at a time, from one process
+    that imports the heavy libraries once and forks per run (plain subprocesses where there is
+    no ``fork``). Returns ``(passed, pytest output)`` per job, in order."""
+    if not hasattr(os, "fork"):
+        return [run_tests(root, e, grading_env(root), timeout) for root, e in jobs]
+    logs = Path(tempfile.mkdtemp(prefix="infer-grade-"))
+    try:
+        spec = {"parallel": max(1, parallel), "timeout": timeout, "jobs": [
+            {"env": grading_env(root), "cwd": str(root), "log": str(logs / f"{i}.log"),
+             "args": ["-q", "-x", "-p", "no:cacheprovider", "--tb=short", "--rootdir", str(REPO),
+                      *(str(REPO / t) for t in e.tests)]}
+            for i, (root, e) in enumerate(jobs)]}
+        env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+        env.pop("PYTHONPATH", None)
+        code = f"PRELOAD = {_PRELOAD!r}\n{_FORKSERVER}"
+        proc = subprocess.run([sys.executable, "-P", "-c", code], input=json.dumps(spec), cwd=logs, env=env,
+                              capture_output=True, text=True)
+        codes = dict(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))
+        if len(codes) != len(jobs):
+            raise RuntimeError(f"the grading process ended early:\n{proc.stderr[-3000:]}")
+        return [(codes[i] == 0, (logs / f"{i}.log").read_text(errors="replace")) for i in range(len(jobs))]
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def grade_mutants(exercises: list[Exercise], jobs: int = 2) -> tuple[dict[str, bool], dict[str, bool]]:
+    """Grade each exercise's reference and every mutant of it (:mod:`infer.exercise_mutants`).
+
+    Each mutant gets a workspace of its own (a copy of ``src/`` with that one region changed)
+    and only its exercise's tests; ``jobs`` runs go at once. Returns ``(reference passed per
+    exercise, passed per mutant id)``; a trustworthy grader PASSes every reference and FAILs
+    every mutant. Prints both tables.
+    """
+    from infer.exercise_mutants import MUTANTS, apply_mutant
+
+    mutants = [m for e in exercises for m in MUTANTS.get(e.name, [])]
+    tmp = Path(tempfile.mkdtemp(prefix="infer-mutants-"))
+    try:
+        runs: list[tuple[Path, Exercise]] = []
+        for m in mutants:
+            ws = tmp / m.id
+            shutil.copytree(REPO / "src", ws / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+            path = ws / EXERCISES[m.exercise].file
+            path.write_text(apply_mutant(path.read_text(), m))
+            runs.append((ws, EXERCISES[m.exercise]))
+        todo = [(REPO, e) for e in exercises] + runs
+        # the slowest first (server tests start two servers), so the workers finish together
+        order = sorted(range(len(todo)), key=lambda i: not any("test_server" in t for t in todo[i][1].tests))
+        finished = run_many([todo[i] for i in order], parallel=jobs)
+        done = [None] * len(todo)
+        for i, result in zip(order, finished):
+            done[i] = result
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    refs = {e.name: ok for e, (ok, _) in zip(exercises, done)}
+    got = {m.id: ok for m, (ok, _) in zip(mutants, done[len(exercises):])}
+    for e, (ok, out) in zip(exercises, done):
+        if not ok:
+            print(f"--- reference {e.name} FAILS (last lines) ---\n" + "\n".join(out.splitlines()[-40:]))
+    width = max([len(i) for i in got] + [len(n) for n in refs] + [8])
+    print(f"{'reference'.ljust(width)}  graded  (must PASS)")
+    for name, ok in refs.items():
+        print(f"{name.ljust(width)}  {'PASS' if ok else 'FAIL  <-- the reference fails'}")
+    print(f"\n{'mutant'.ljust(width)}  graded  (a wrong solution: must FAIL)")
+    for m in mutants:
+        print(f"{m.id.ljust(width)}  {'PASS  <-- not caught' if got[m.id] else 'FAIL'}  {m.mistake}")
+    print(f"references passing: {sum(refs.values())}/{len(refs)}; mutants caught: "
+          f"{sum(not ok for ok in got.values())}/{len(got)}")
+    return refs, got
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m infer.exercises", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for cmd in ("list", "prepare", "grade"):
+    for cmd in ("list", "prepare", "grade", "mutants"):
         p = sub.add_parser(cmd)
         p.add_argument("--phase", type=int, default=None, help="only this phase's exercises")
         p.add_argument("--exercise", action="append", default=None, help="only this exercise (repeatable)")
         if cmd == "prepare":
             p.add_argument("--out", type=Path, required=True, help="new workspace directory")
         if cmd == "grade":
-            p.add_argument("--root", type=Path, default=REPO, help="workspace to grade (default: this repo)")
+            p.add_argument("--root", type=Path, default=REPO,
+                           help="workspace to grade (default: this repository); without --phase/--exercise "
+                                "the exercises `prepare` recorded there")
+        if cmd == "mutants":
+            p.add_argument("--jobs", type=int, default=2, help="mutants graded at once")
     args = ap.parse_args(argv)
+    if args.cmd == "grade" and args.phase is None and not args.exercise:
+        results = grade(args.root.expanduser(), None)
+        return 0 if all(results.values()) else 1
     chosen = selected(args.phase, args.exercise)
     if args.cmd == "list":
         for e in chosen:
-            print(f"phase {e.phase}  {e.name:<12} ~{e.minutes} min  {e.file}\n    {e.hint}")
+            needs = [n for n in e.needs if n in {c.name for c in chosen}]
+            print(f"phase {e.phase}  {e.name:<12} ~{e.minutes} min  {e.file}")
+            if needs:
+                print(f"    its tests also run: {', '.join(needs)}")
+            print(f"    {e.hint}")
         return 0
     if args.cmd == "prepare":
         prepare(args.out.expanduser(), chosen)
         return 0
-    results = grade(args.root.expanduser().resolve(), chosen)
+    if args.cmd == "mutants":
+        refs, got = grade_mutants(chosen, args.jobs)
+        return 0 if all(refs.values()) and not any(got.values()) else 1
+    results = grade(args.root.expanduser(), chosen)
     return 0 if all(results.values()) else 1
 
 

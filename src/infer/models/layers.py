@@ -212,14 +212,35 @@ def _merge_linears(*parts: nn.Linear) -> nn.Linear:
     merged.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         merged.bias = nn.Parameter(bias, requires_grad=False)
+    merged.part_rows = []  # (part, first row, rows): for set_weight_layout to re-point the views
     start = 0
     for p in parts:
         n = p.weight.shape[0]
         p.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
         if bias is not None:
             p.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        merged.part_rows.append((p, start, n))
         start += n
     return merged
+
+
+def set_weight_layout(linear: nn.Linear, column_major: bool) -> None:
+    """Store ``linear``'s ``[out, in]`` weight row-major (PyTorch's default) or column-major
+    (the same values, each *input* feature's column contiguous: a ``[in, out]`` tensor seen
+    transposed), re-pointing the views of a merged projection's parts.
+
+    ``F.linear`` then computes ``x @ W.T`` over contiguous ``[in, out]`` memory. On the CPU a
+    one-row product (batch-1 decode) streams that layout faster: measured on a 2-core x86 machine,
+    SmolLM2's per-layer weights 15.6 -> 18.0 GB/s and its 113 MB LM head 14.6 -> 25.5 GB/s.
+    """
+    w = linear.weight
+    is_column_major = w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1
+    if is_column_major == column_major:
+        return
+    new = w.t().contiguous().t() if column_major else w.contiguous()
+    linear.weight = nn.Parameter(new, requires_grad=False)
+    for part, start, n in getattr(linear, "part_rows", ()):
+        part.weight = nn.Parameter(new[start:start + n], requires_grad=False)
 
 
 ACTIVATIONS = {
@@ -306,16 +327,22 @@ class CausalLM(nn.Module):
 
         The first call merges every layer's Q/K/V and gate/up projections (the separate ones
         become views, so both forwards stay available: an engine chooses per model, as with
-        :meth:`set_attention_backend`).
+        :meth:`set_attention_backend`). On the CPU the fused forward also stores the projections
+        column-major (:meth:`_set_cpu_weight_layout`); ``ops=None`` restores PyTorch's layout.
         """
         self.ops = ops
+        on_cpu = self.model.embed_tokens.weight.device.type == "cpu"
         if ops is None:
+            if on_cpu and getattr(self, "_column_major", False):
+                self._set_cpu_weight_layout(False)
             return
         from infer.kernels.fused_reference import build_cos_sin_cache
 
         for layer in self.model.layers:
             layer.self_attn.merge_qkv()
             layer.mlp.merge_gate_up()
+        if on_cpu:
+            self._set_cpu_weight_layout(True)
         have = next(iter(self.cos_sin_caches.values())).shape[0] if self.cos_sin_caches else 0
         if have < max_positions:
             device = self.model.embed_tokens.weight.device
@@ -323,6 +350,20 @@ class CausalLM(nn.Module):
                 kind: build_cos_sin_cache(getattr(self, f"inv_freq_{kind}"), max_positions, device)
                 for kind in set(self.config.layer_types)
             }
+
+    def _set_cpu_weight_layout(self, column_major: bool) -> None:
+        """On the CPU the fused forward keeps every projection and the LM head column-major
+        (:func:`set_weight_layout`): the one-row products of decode read it faster. A tied
+        embedding table follows the LM head (a lookup reads one strided row per token)."""
+        owners = [self.lm_head]
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            owners += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        for linear in owners:
+            set_weight_layout(linear, column_major)
+        if self.config.tie_word_embeddings:
+            self.model.embed_tokens.weight = self.lm_head.weight
+        self._column_major = column_major
 
     def set_attention_backend(self, backend) -> None:
         """Choose the attention implementation once, for every layer."""

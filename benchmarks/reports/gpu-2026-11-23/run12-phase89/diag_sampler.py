@@ -1,13 +1,17 @@
+"""Which rows of a 256 x 151,936 temperature batch differ between the fast sampler and the reference (GPU)."""
 import torch
+
 from infer.sampling import SamplingParams
-from infer.sampling.sampler import SamplingTensors, sample, sample_reference, random_uniform
+from infer.sampling.sampler import SamplingTensors, random_uniform, sample, sample_reference
+
 vocab, b = 151_936, 256
 g = torch.Generator(device="cuda").manual_seed(6)
 logits = (torch.randn(b, vocab, generator=g, device="cuda") * 3)
 params = [SamplingParams(temperature=0.8)] * b
 outputs = [list(range(i, i + 32)) for i in range(b)]
 t = SamplingTensors.from_params(params, list(range(b)), [7] * b, outputs, outputs, None, vocab, "cuda")
-want = sample_reference(logits, t); got = sample(logits, t)
+want = sample_reference(logits, t)
+got = sample(logits, t)
 mm = (got.next_tokens != want.next_tokens).nonzero().flatten().tolist()
 print("mismatch rows", mm)
 for r in mm:

@@ -1,0 +1,211 @@
+"""Plausible wrong solutions of every exercise (mutants), which the grader must FAIL.
+
+A grading test that a wrong solution passes misleads a student ("PASS") and an instructor
+(the score). So for each exercise of :mod:`infer.exercises` this module keeps a few mistakes
+students really make (an off-by-one, an inclusive instead of an exclusive bound, a forgotten
+flag or case, rebinding a list the caller holds instead of editing it), each written as small
+edits of the reference solution: ``(reference text, wrong text)`` pairs applied inside the
+exercise's region. ``python -m infer.exercises mutants`` grades each one in a workspace of its
+own with that exercise's tests; ``tests/test_exercises.py`` requires every one to FAIL (and
+every reference to PASS). A mutant whose reference text is no longer in the region is an error,
+so the list cannot silently go stale when the code changes.
+
+The idea is mutation testing (DeMillo, Lipton and Sayward 1978, "Hints on Test Data Selection"),
+with hand-written mutants rather than generated ones: each is a mistake worth catching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One wrong solution: ``edits`` applied, in order, to the reference region of ``exercise``."""
+
+    exercise: str
+    name: str
+    mistake: str  # what the student got wrong, in a few words
+    edits: tuple[tuple[str, str], ...]
+
+    @property
+    def id(self) -> str:
+        return f"{self.exercise}.{self.name}"
+
+
+def apply_mutant(text: str, mutant: Mutant) -> str:
+    """The source file ``text`` with ``mutant``'s edits made inside its exercise's region.
+
+    Raises:
+        ValueError: an edit's reference text is not found exactly once in the region (the
+            reference changed: update the mutant), or the edit changes nothing.
+    """
+    from infer.exercises import region_text, replace_region
+
+    body = region_text(text, mutant.exercise)
+    for old, new in mutant.edits:
+        if body.count(old) != 1 or old == new:
+            raise ValueError(f"mutant {mutant.id}: {old!r} occurs {body.count(old)} times in the region "
+                             f"of {mutant.exercise} (must be once); update the mutant")
+        body = body.replace(old, new)
+    return replace_region(text, mutant.exercise, body)
+
+
+def _m(exercise: str, name: str, mistake: str, *edits: tuple[str, str]) -> Mutant:
+    return Mutant(exercise, name, mistake, tuple(edits))
+
+
+_ALL = [
+    # ---------------------------------------------------------------- phase 0
+    _m("rms_norm", "eps_outside_root", "eps added after the square root",
+       ("torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)",
+        "1.0 / (h.pow(2).mean(dim=-1, keepdim=True).sqrt() + eps)")),
+    _m("rms_norm", "gemma_without_unit_offset", "Gemma scaled by w instead of (1 + w)",
+       ("(1.0 + weight.float())", "weight.float()")),
+    _m("rms_norm", "llama_casts_last", "Llama's weight applied in float32, cast last (HF casts first)",
+       ("return weight * h.to(dtype)", "return (weight.float() * h).to(dtype)")),
+    _m("apply_rope", "rotate_half_sign", "rotate_half([a, b]) = [b, -a]",
+       ("torch.cat((-x[..., half:], x[..., :half]), dim=-1)", "torch.cat((x[..., half:], -x[..., :half]), dim=-1)")),
+    _m("apply_rope", "adjacent_pairs", "pairs (2i, 2i+1) (the GPT-J layout) with rotate-half angles",
+       ("rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)",
+        "rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)")),
+    # ---------------------------------------------------------------- phase 1
+    _m("top_p", "inclusive_cumsum", "inclusive running sum: the token that crosses top_p is dropped",
+       ("torch.nn.functional.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))", "sorted_probs.cumsum(dim=-1)")),
+    _m("top_p", "reaches_inclusive", "keeps a token whose mass before it equals top_p (<= for <)",
+       ("(mass_before < top_p[:, None])", "(mass_before <= top_p[:, None])")),
+    _m("top_p", "ties_by_rank", "cuts by sorted rank, so ties with the last kept token depend on sort order",
+       ("    smallest_kept = sorted_probs.gather(1, num_kept - 1)  # [B, 1]\n"
+        "    remove = (probs < smallest_kept) & (top_p[:, None] < 1.0)\n",
+        "    order = probs.argsort(dim=-1, descending=True, stable=True)\n"
+        "    rank = torch.empty_like(order).scatter_(1, order, torch.arange(probs.shape[1]).expand_as(order))\n"
+        "    remove = (rank >= num_kept) & (top_p[:, None] < 1.0)\n")),
+    _m("stop_check", "forgets_ignore_eos", "EOS stops even when the request sets ignore_eos",
+       ("if token in self.eos and not p.ignore_eos:", "if token in self.eos:")),
+    _m("stop_check", "max_tokens_off_by_one", "max_tokens checked with > (one token too many)",
+       ("seq.num_output_tokens >= p.max_tokens", "seq.num_output_tokens > p.max_tokens")),
+    _m("stop_check", "stop_token_without_reason", "a stop token id finishes without saying which",
+       ('return "stop", token', 'return "stop", None')),
+    # ---------------------------------------------------------------- phase 2
+    _m("sampling_or_reject", "only_unsupported_fields", "only UnsupportedField caught: a bad value is a 500",
+       ("        except ValueError as e:\n            raise _Reject(error_response(400, str(e), _param_of(e))) from None\n",
+        "")),
+    _m("sampling_or_reject", "param_not_named", "the 400 does not name the bad field",
+       ("error_response(400, str(e), _param_of(e))", "error_response(400, str(e), None)")),
+    _m("chat_sse", "no_done", "the stream never sends data: [DONE]",
+       ('yield "data: [DONE]\\n\\n"', "return")),
+    _m("chat_sse", "index_ends_twice", "a choice that finished keeps getting chunks",
+       ("                    if c.index in ended:\n                        continue\n", "")),
+    _m("chat_sse", "no_usage_chunk", "stream_options.include_usage ignored",
+       ("if include_usage and last is not None:", "if False:")),
+    _m("abort_request", "engine_not_told", "the engine keeps running the aborted request",
+       ("known = self.engine.abort_request(rid)", "known = req is not None")),
+    _m("abort_request", "not_recorded", "the abort is not counted as a finished request",
+       ("            self._record_finished(final)\n", "")),
+    # ---------------------------------------------------------------- phase 3
+    _m("batch_ready", "full_batch_off_by_one", "a full batch waits for the timeout (> for >=)",
+       ("if queued >= self.max_num_seqs:", "if queued > self.max_num_seqs:")),
+    _m("batch_ready", "counts_requests", "counts requests, not their n sequences",
+       ("queued = sum(len(r.seqs) for r in self.waiting)", "queued = len(self.waiting)")),
+    _m("batch_ready", "ignores_running", "starts a new batch while one is running",
+       ("if self.running or not self.waiting:", "if not self.waiting:")),
+    _m("flatten_batch", "forks_not_sampled", "the forks of a shared prefill are not sampled",
+       ("for s in (seq, *item.forks):", "for s in (seq,):")),
+    _m("flatten_batch", "positions_from_zero", "positions restart at 0 each step",
+       ("positions.extend(range(first, first + n))", "positions.extend(range(n))")),
+    _m("flatten_batch", "samples_first_token", "samples at the sequence's first new token, not its last",
+       ("sample_at.append(starts[-1] - 1)", "sample_at.append(starts[-2])")),
+    # ---------------------------------------------------------------- phase 4
+    _m("admission", "schedules_prompt_len", "schedules prompt_len tokens itself (a preempted request must recompute "
+       "its generated tokens too)",
+       ("            budget = self._admit(request, budget, scheduled)\n",
+        "            self.kv.admit(request)\n"
+        "            for s in request.unfinished_seqs:\n"
+        "                s.status = SeqStatus.RUNNING\n"
+        "                self.running.append(s)\n"
+        "            if request.prompt_len <= budget:\n"
+        "                scheduled.append(ScheduledSeq(request.seqs[0], request.prompt_len, request.seqs[1:]))\n"
+        "                budget -= request.prompt_len\n")),
+    _m("admission", "static_stops_at_budget", "static batching stops at a prompt that does not fit this step",
+       ("if self._first_prefill(request) > budget and self.policy != \"static\":",
+        "if self._first_prefill(request) > budget:")),
+    _m("admission", "none_admits_many", "'none' admits every waiting request at once",
+       ("            if self.policy == \"none\":\n                break\n", "")),
+    _m("decode_attention", "gqa_interleaved", "query heads grouped as [G, kv_heads] (interleaved), not [kv_heads, G]",
+       ("q.view(n, hkv, h // hkv, d)", "q.view(n, h // hkv, hkv, d).transpose(1, 2)")),
+    _m("decode_attention", "no_mask", "keys past the sequence's length are attended",
+       ("attn_mask=mask[:, None, None, :]", "attn_mask=None")),
+    _m("top_k", "kth_off_by_one", "the threshold is the (k+1)-th value",
+       ("sorted_logits.gather(1, (k - 1)[:, None])", "sorted_logits.gather(1, k.clamp(max=vocab_size - 1)[:, None])")),
+    _m("top_k", "ties_removed", "removes the k-th token too (<= for <)",
+       ("logits.masked_fill(logits < kth,", "logits.masked_fill(logits <= kth,")),
+    _m("top_k", "no_lower_clamp", "k = 0 not clamped to 1",
+       ("top_k.clamp(min=1, max=vocab_size)", "top_k.clamp(max=vocab_size)")),
+    # ---------------------------------------------------------------- phase 5
+    _m("block_free", "no_double_free_check", "a double free goes unnoticed",
+       ("            if self.ref_counts[b] < 1:\n"
+        "                raise RuntimeError(f\"block {b} is already free (double free)\")\n", "")),
+    _m("block_free", "freed_while_shared", "a block goes back on the free list while a fork still holds it",
+       ("if self.ref_counts[b] == 0:", "if self.ref_counts[b] <= 1:")),
+    _m("block_free", "list_not_heap", "appended to the free list (allocate no longer hands out the lowest)",
+       ("heapq.heappush(self.free_blocks, b)", "self.free_blocks.append(b)")),
+    _m("slot_mapping", "forgets_block_size", "block id added, not multiplied by block_size",
+       ("base = table[block] * bs + offset", "base = table[block] + offset")),
+    _m("slot_mapping", "run_past_end", "the run inside a block ignores where the new tokens end",
+       ("run = min(bs - offset, end - p)", "run = bs - offset")),
+    _m("slot_mapping", "positions_from_zero", "starts at position 0, not at the first new token",
+       ("p, end = start, start + n", "p, end = 0, n")),
+    _m("preemption", "rebinds_scheduled", "rebinds `scheduled` instead of editing the caller's list",
+       ("scheduled[:] = [", "scheduled = [")),
+    _m("preemption", "oldest_victim", "preempts the oldest running request, not the newest",
+       ("victim = self.running[-1].request", "victim = self.running[0].request")),
+    _m("preemption", "victim_stays_scheduled", "the victim's sequences are left in this step's batch",
+       ("            scheduled[:] = [s for s in scheduled if s.seq.request is not victim]\n", "")),
+    _m("paged_decode_inner_loop", "no_rescale", "the accumulator is not rescaled when the running max grows",
+       ("acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot(")),
+    _m("paged_decode_inner_loop", "sum_not_rescaled", "the running sum is not rescaled",
+       ("l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)")),
+    _m("paged_decode_inner_loop", "no_key_mask", "keys past the end are scored",
+       ("        s = tl.where(valid[None, :], s, float(\"-inf\"))\n", "")),
+    _m("paged_decode_inner_loop", "offset_ignores_block", "the row offset ignores the block size",
+       ("(tok % BLOCK_SIZE) * stride_ct", "tok * stride_ct")),
+    # ---------------------------------------------------------------- phase 6
+    _m("chunk_schedule", "no_decode_first", "prefill chunks keep admission order, ahead of later decodes",
+       ("            order.sort(key=lambda s: s.num_uncomputed_tokens > 1)", "            pass")),
+    _m("chunk_schedule", "forks_on_every_chunk", "the forks join the first chunk, before the prompt is cached",
+       ("if seq.index == 0 and last else []", "if seq.index == 0 else []")),
+    _m("chunk_schedule", "threshold_ignored", "a chunk takes all the budget, ignoring the per-request threshold",
+       ("n = self._chunk(want, budget)", "n = min(want, budget)")),
+    _m("chunk_key_length", "whole_prompt_keys", "the key length is the whole prompt, not what is cached",
+       ("kv_len = first + num_new_tokens", "kv_len = max(first + num_new_tokens, seq.num_prompt_tokens)")),
+    _m("chunk_key_length", "samples_at_prompt_end", "samples once the prompt is done, also mid-recompute",
+       ("kv_len == len(seq.token_ids)", "kv_len >= seq.num_prompt_tokens")),
+    # ---------------------------------------------------------------- phase 8
+    _m("fused_add_rms_norm_kernel", "residual_not_stored", "the new residual is never written back",
+       ("    tl.store(res_ptr + row * stride_r + offs, s, mask=mask)\n", "")),
+    _m("fused_add_rms_norm_kernel", "norm_of_the_input", "normalizes the row itself, not row + residual",
+       ("y = _rms_norm_row(s.to(tl.float32),", "y = _rms_norm_row(x,")),
+    # ---------------------------------------------------------------- phase 9
+    _m("graph_buckets", "inclusive_range", "range(8, max + 1, 8) then the max again: a size twice",
+       ("range(8, max_batch_size, 8)", "range(8, max_batch_size + 1, 8)")),
+    _m("graph_buckets", "small_sizes_unchecked", "1, 2, 4 captured even above the largest size",
+       ("[b for b in (1, 2, 4) if b < max_batch_size]", "[1, 2, 4]")),
+    _m("bucket_for", "strict_bound", "a batch that exactly fills a bucket goes to the next one",
+       ("if size >= batch_size:", "if size > batch_size:")),
+    _m("bucket_for", "widest_instead_of_none", "a batch wider than every graph is sent to the largest one",
+       ("    return None\n", "    return sizes[-1]\n")),
+    _m("overlap_loop", "placeholders_before_processing", "marks the new placeholders before the previous "
+       "step's tokens are applied, so those replace the wrong slot",
+       ("            outputs += self._process_in_flight(stream)\n", ""),
+       ("        self._in_flight = (scheduled, result)\n",
+        "        outputs += self._process_in_flight(stream)\n        self._in_flight = (scheduled, result)\n")),
+    _m("overlap_loop", "no_device_gather", "the next step's input keeps the placeholder instead of the token",
+       ("prev = self._in_flight[1] if self._in_flight is not None else None", "prev = None")),
+    _m("overlap_loop", "placeholder_for_finished", "a sequence that finished still gets a placeholder",
+       ("            if not seq.is_finished:\n                seq.token_ids.append(PLACEHOLDER)",
+        "            seq.token_ids.append(PLACEHOLDER)")),
+]
+
+MUTANTS: dict[str, list[Mutant]] = {}
+for _mut in _ALL:
+    MUTANTS.setdefault(_mut.exercise, []).append(_mut)
