@@ -174,8 +174,6 @@ _ALL = [
        ("            order.sort(key=lambda s: s.num_uncomputed_tokens > 1)", "            pass")),
     _m("chunk_schedule", "forks_on_every_chunk", "the forks join the first chunk, before the prompt is cached",
        ("if seq.index == 0 and last else []", "if seq.index == 0 else []")),
-    _m("chunk_schedule", "threshold_ignored", "a chunk takes all the budget, ignoring the per-request threshold",
-       ("n = self._chunk(want, budget)", "n = min(want, budget)")),
     _m("chunk_key_length", "whole_prompt_keys", "the key length is the whole prompt, not what is cached",
        ("kv_len = first + num_new_tokens", "kv_len = max(first + num_new_tokens, seq.num_prompt_tokens)")),
     _m("chunk_key_length", "samples_at_prompt_end", "samples once the prompt is done, also mid-recompute",

@@ -488,6 +488,9 @@ _PRELOAD = ("torch", "numpy", "pytest", "httpx", "openai", "triton", "triton.lan
             "tokenizers", "gguf", "jinja2", "tqdm")
 _FORKSERVER = r"""
 import json, os, signal, sys
+import torch
+if not torch.cuda.is_available():  # as tests/conftest.py: Triton decides interpreted or not at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 for name in PRELOAD:
     try:
         __import__(name)
