@@ -46,6 +46,7 @@ FOREIGN = {
     "AssertionError", "StopIteration", "CancelledError", "OSError", "NaN", "None", "True", "False", "NotImplemented",
     "rotate_half", "repeat_kv", "cu_seqlens_q", "detokenize_incrementally", "check_stop_strings", "TorchDispatchMode",
     "CompileConfig", "json_schema", "ref_count", "can_append", "may_append", "do_spin", "o_s", "query_len_b",
+    "tokenizer_backend",  # lm-eval's model argument
     # EngineConfig flags of planned phases (docs/index.md)
     "chunked_prefill", "prefix_caching", "fused_kernels", "cuda_graphs", "kv_offload", "tensor_parallel_size",
     "expert_parallel_size",
