@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
 import torch  # noqa: E402
-from common import ceilings, environment, markdown_table, sync, timed, write_report  # noqa: E402
+from common import capture_calls, ceilings, environment, markdown_table, sync, timed, write_report  # noqa: E402
 
 MODELS = {
     "qwen3-0.6b": {"hidden": 1024, "hq": 16, "hkv": 8, "d": 128, "inter": 3072, "theta": 1e6},
@@ -69,16 +69,7 @@ def bench_graph(fn, n: int, device: torch.device) -> float:
         return timed(lambda: [fn(i) for i in range(n)], device, repeats=3, warmup=1) / n
     import triton.testing
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for i in range(n):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n):
-            fn(i)
+    graph = capture_calls(fn, n)
     t = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / 1e3
     del graph
     return t / n

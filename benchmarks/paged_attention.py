@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import ceilings, environment, markdown_table, sync, timed, write_report  # noqa: E402
+from common import capture_calls, ceilings, environment, markdown_table, sync, timed, write_report  # noqa: E402
 
 GPU_SHAPE = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16, "dtype": "bfloat16"}
 CPU_SHAPE = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 32, "block_size": 16, "dtype": "float32"}
@@ -78,16 +78,7 @@ def bench_gpu_time(fn, n: int, device: torch.device) -> float:
     which dominates small calls, is left out. Wall time of the same calls on the CPU."""
     if device.type != "cuda":
         return bench(Rotating(fn, n), device)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for i in range(n):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n):
-            fn(i)
+    graph = capture_calls(fn, n)
     return bench(graph.replay, device) / n
 
 
