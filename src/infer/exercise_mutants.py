@@ -127,8 +127,7 @@ _ALL = [
         "                scheduled.append(ScheduledSeq(request.seqs[0], request.prompt_len, request.seqs[1:]))\n"
         "                budget -= request.prompt_len\n")),
     _m("admission", "static_stops_at_budget", "static batching stops at a prompt that does not fit this step",
-       ("if self._first_prefill(request) > budget and self.policy != \"static\":",
-        "if self._first_prefill(request) > budget:")),
+       ("if need > budget and self.policy != \"static\":", "if need > budget:")),
     _m("admission", "none_admits_many", "'none' admits every waiting request at once",
        ("            if self.policy == \"none\":\n                break\n", "")),
     _m("decode_attention", "gqa_interleaved", "query heads grouped as [G, kv_heads] (interleaved), not [kv_heads, G]",
