@@ -168,8 +168,9 @@ def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_se
 
 
 def block_table_array(tables: list[list[int]], width: int, out: np.ndarray | None = None) -> np.ndarray:
-    """int32 ``[B, width]`` block tables padded with 0 (into ``out``'s first rows if given): one C-level
-    copy per row, 6x faster than building a flat list."""
+    """int32 ``[B, width]`` block tables, padded with 0; one C-level copy per row, 6x faster than
+    building a flat list. With ``out`` (a reused buffer), the tables are written into its first rows
+    and the columns past each table keep whatever they held: no kernel reads past a sequence's length."""
     rows = np.zeros((len(tables), width), dtype=np.int32) if out is None else out
     for i, t in enumerate(tables):
         rows[i, : len(t)] = t
