@@ -612,6 +612,9 @@ ERROR_CASES = [
     ("presence_penalty-3", "POST", CMPL, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ("repetition_penalty-0", "POST", CMPL, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("stop-empty-string", "POST", CMPL, {"prompt": "x", "stop": [""]}, 400, "stop"),
+    # a rule across fields that no schema states: SamplingParams raises, sampling_or_reject makes the 400
+    ("min_tokens-over-max_tokens", "POST", CMPL, {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400,
+     "min_tokens"),
     ("n-0", "POST", CMPL, {"prompt": "x", "n": 0}, 400, "n"),
     ("n-1000", "POST", CMPL, {"prompt": "x", "n": 1000}, 400, "n"),
     ("n-1000-chat", "POST", CHATP, {"messages": MSG, "n": 1000}, 400, "n"),

@@ -109,7 +109,8 @@ EXERCISES: dict[str, Exercise] = {
         ),
         Exercise(
             "sampling_or_reject", 2, "src/infer/server/app.py",
-            ("tests/test_server.py::test_bad_request[temperature-negative]",
+            ("tests/test_server.py::test_bad_request[min_tokens-over-max_tokens]",
+             "tests/test_server.py::test_bad_request[temperature-negative]",
              "tests/test_server.py::test_bad_request[stop-empty-string]",
              "tests/test_server.py::test_bad_request[n-1000]",
              "tests/test_server.py::test_bad_request[n-1000-chat]",
@@ -175,7 +176,8 @@ EXERCISES: dict[str, Exercise] = {
              "tests/test_batching.py::test_continuous_admits_at_every_step_and_static_waits_for_the_batch",
              "tests/test_batching.py::test_token_budget_is_respected",
              "tests/test_batching.py::test_abort_mid_batch_frees_its_row_and_disturbs_nobody",
-             "tests/test_paged.py::test_preemption_frees_blocks_requeues_at_the_front_and_resumes"),
+             "tests/test_paged.py::test_preemption_frees_blocks_requeues_at_the_front_and_resumes",
+             "tests/test_paged.py::test_preemption_of_a_forked_request_after_its_first_sequence_was_scheduled"),
             "Admit waiting requests first come, first served, while they fit (sequence slots, KV blocks, "
             "this step's token budget); the first that does not fit stops admission. What must fit the "
             "budget is the request's first prefill, which after a preemption is longer than its prompt "
