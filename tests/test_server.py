@@ -856,7 +856,8 @@ def test_schemathesis_fuzz(server, tmp_path):
            "--workers", "1", "--generation-database", "none", "--request-timeout", "60", "--no-color",
            "--output-sanitize", "false", "--continue-on-failure", "--report", "junit",
            "--report-dir", str(tmp_path)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    # run from tmp_path: schemathesis keeps a cache directory (.schemathesis/) in its working directory
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-8000:]}\n{run.stderr[-2000:]}\n{server.logs()}"
     assert "No issues found" in run.stdout, run.stdout[-4000:]
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

@@ -202,20 +202,30 @@ def test_engine_step_error_frees_blocks_offline(tiny_llama):
 
 
 def test_engine_that_keeps_failing_is_dead(served, caplog):
-    """Steps failing ``max_step_failures`` times in a row stop the engine: the first failed
-    request gets 500, the one in flight when the engine gives up and the ones behind it 503,
+    """Steps failing ``max_step_failures`` (2) times in a row stop the engine. A runs, then a stream
+    B and a request C wait; every step from then on raises. A's step fails (500), B's step fails
+    and the engine gives up: B's stream ends with a 503 error event, C (still waiting) gets 503,
     ``/health`` 503, later requests 503, and nothing reaches the ASGI server as an exception."""
     aeng, app, fault = served(max_step_failures=2, once=False)
-    fault.armed.set()  # every step from now on
 
     async def main():
         async with client(app) as c:
-            rs = await asyncio.gather(*(c.post(CMPL, json=GREEDY) for _ in range(3)))
-            # one request per step: the first fails (500), the second fails too and the engine gives
-            # up (503), the third was waiting (or came too late) when it did (503)
-            assert sorted(r.status_code for r in rs) == [500, 503, 503], [r.text for r in rs]
-            for r in rs:
-                assert_openai_error(r.json(), "internal_error" if r.status_code == 500 else "server_unavailable")
+            ta = asyncio.create_task(c.post(CMPL, json={**GREEDY, "max_tokens": 400}))
+            await wait_for(lambda: aeng.num_running == 1)
+            tb = asyncio.create_task(c.post(CMPL, json={**GREEDY, "stream": True}))
+            await wait_for(lambda: aeng.num_waiting == 1)
+            tc = asyncio.create_task(c.post(CMPL, json=GREEDY))
+            await wait_for(lambda: aeng.num_waiting == 2)
+            fault.armed.set()  # every step from now on
+            ra, rb, rc = await ta, await tb, await tc
+            assert ra.status_code == 500, ra.text
+            assert_openai_error(ra.json(), "internal_error")
+            assert rb.status_code == 200
+            events = sse(rb.text)
+            assert events[-1] == "[DONE]"
+            assert_openai_error(events[-2], "server_unavailable")
+            assert rc.status_code == 503, rc.text
+            assert_openai_error(rc.json(), "server_unavailable")
             await wait_for(lambda: not aeng.alive)
             h = await c.get("/health")
             assert h.status_code == 503
