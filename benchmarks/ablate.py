@@ -67,7 +67,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import ceilings, environment, markdown_table, write_report  # noqa: E402
+from common import ceilings, environment, markdown_table, save_figure, write_report  # noqa: E402
 from offline_throughput import format_overrides, format_value, plot_throughput  # noqa: E402
 
 OFFLINE = HERE / "offline_throughput.py"
@@ -292,10 +292,7 @@ def plot_latency(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.legend(fontsize=8)
         ax.set_title(name, fontsize=9)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def plot_vs_rate(configs: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -325,10 +322,7 @@ def plot_vs_rate(configs: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------- main

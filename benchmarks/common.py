@@ -193,3 +193,14 @@ def capture_calls(fn, n: int):
         for i in range(n):
             fn(i)
     return graph
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Lay out ``fig``, write it to ``path`` as a PNG (parent folders made), close it, say where."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")

@@ -73,6 +73,7 @@ from common import (  # noqa: E402
     free_device_memory,
     markdown_table,
     percentiles_ms,
+    save_figure,
     sync,
     write_report,
 )
@@ -602,11 +603,7 @@ def plot_throughput(rows: list[dict[str, Any]], path: str | Path, title: str) ->
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -75,7 +75,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, markdown_table, write_report  # noqa: E402
+from common import environment, markdown_table, save_figure, write_report  # noqa: E402
 from workloads import Request, build_requests  # noqa: E402
 
 # ---------------------------------------------------------------------------------- one request
@@ -404,11 +404,7 @@ def plot(aggs: list[dict], path: str, title: str) -> None:
     axes[1].set_title("time per output token")
     axes[2].set_title("throughput")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def plot_interference(runs: list[dict], path: str, title: str) -> None:
@@ -457,11 +453,7 @@ def plot_interference(runs: list[dict], path: str, title: str) -> None:
     bx.grid(alpha=0.3, axis="y", which="both")
     bx.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def parse_config(s: str) -> tuple[str, str]:
