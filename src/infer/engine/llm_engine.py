@@ -66,9 +66,8 @@ class LLMEngine:
         num_blocks = num_kv_blocks(self.loaded, block_size, self.max_model_len, config.max_num_seqs, budget,
                                    config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs)
         self.runner = ModelRunner(self.loaded, num_blocks, block_size, contiguous=not paged,
-                                  attention_backend=backend, fused_kernels=config.fused_kernels,
-                                  max_model_len=self.max_model_len, cuda_graphs=config.cuda_graphs,
-                                  cuda_graph_max_batch_size=graph_bs or 1)
+                                  attention_backend=backend, max_model_len=self.max_model_len,
+                                  cuda_graphs=config.cuda_graphs, cuda_graph_max_batch_size=graph_bs or 1)
         log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, batching=%s, "
                  "max_num_batched_tokens=%d, chunked_prefill=%s, fused_kernels=%s, cuda_graphs=%s",
                  config.kv_cache, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**30, backend,

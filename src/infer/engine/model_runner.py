@@ -226,16 +226,16 @@ class ModelRunner:
         num_blocks, block_size: the KV cache's blocks (see :func:`num_kv_blocks`).
         contiguous: one block per sequence (``block_size = max_model_len``): the contiguous cache.
         attention_backend: ``"torch"`` or ``"triton"``.
-        fused_kernels: run the model's fused forward (phase 8; :meth:`CausalLM.set_fused_ops`).
-        max_model_len: the longest sequence (tokens): sizes the rotary tables of the fused forward
-            and the block-table buffers of the CUDA graphs.
+        max_model_len: the longest sequence (tokens): sizes the block-table buffers of the CUDA
+            graphs. (Which forward the model runs, fused or not, the engine chooses before it
+            profiles memory: :meth:`CausalLM.set_fused_ops`.)
         cuda_graphs: capture decode-only steps up to ``cuda_graph_max_batch_size`` sequences as
             CUDA graphs (phase 9; :class:`~infer.engine.cuda_graphs.CUDAGraphRunner`); call
             :meth:`capture_cuda_graphs` once the runner exists.
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
-                 attention_backend: str = "torch", fused_kernels: bool = False, max_model_len: int = 0,
+                 attention_backend: str = "torch", max_model_len: int = 0,
                  cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256) -> None:
         self.model = loaded.model
         cfg = loaded.config
@@ -247,7 +247,6 @@ class ModelRunner:
         self.attention_backend = make_attention_backend(attention_backend, self.device)
         self.model.set_attention_backend(self.attention_backend)
         max_model_len = max_model_len or cfg.max_position_embeddings
-        self.model.set_fused_ops(fused_ops(attention_backend) if fused_kernels else None, max_model_len)
         self.vocab_size = cfg.vocab_size
         self.graphs = None
         if cuda_graphs:
