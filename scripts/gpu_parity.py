@@ -128,17 +128,27 @@ def hf_logits(path: Path, prompts: list[torch.Tensor], device: torch.device, dty
 
 
 @torch.inference_mode()
-def infer_logits(path: Path, prompts: list[torch.Tensor], device: torch.device,
-                 dtype: torch.dtype) -> tuple[list[torch.Tensor], dict[str, float]]:
+def infer_logits(path: Path, prompts: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 attention_backend: str = "torch", fused_kernels: bool = False,
+                 ) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """infer's teacher-forced logits, one flattened prefill of every prompt.
+
+    ``attention_backend`` ("torch" or "triton") and ``fused_kernels`` choose the forward the engine
+    runs with those settings (``EngineConfig.attention_backend`` / ``fused_kernels``, phase 8).
+    """
     from infer.attention import AttentionMetadata, TorchAttentionBackend
+    from infer.attention.triton_backend import TritonAttentionBackend
+    from infer.engine.model_runner import fused_ops
     from infer.loader import load_model
 
     t0 = time.perf_counter()
     lm = load_model(path, device=device, dtype=dtype, progress=False)
-    lm.model.set_attention_backend(TorchAttentionBackend())
+    lengths = [len(p) for p in prompts]
+    lm.model.set_attention_backend(TritonAttentionBackend() if attention_backend == "triton"
+                                   else TorchAttentionBackend())
+    lm.model.set_fused_ops(fused_ops(attention_backend) if fused_kernels else None, max(lengths))
     sync(device)
     t1 = time.perf_counter()
-    lengths = [len(p) for p in prompts]
     ids = torch.cat(prompts).to(device)
     pos = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths]).to(device)
     meta = AttentionMetadata.for_prefill(lengths, device)
@@ -289,7 +299,7 @@ def run_preset(preset: str, args: argparse.Namespace, device: torch.device, dtyp
             del eager
             free(device)
         log(f"[{preset}] infer forward")
-        mine, t = infer_logits(ckpt, prompts, device, dtype)
+        mine, t = infer_logits(ckpt, prompts, device, dtype, args.attention_backend, args.fused_kernels)
         timings.update(t)
 
         parts = [compare(a, b) for a, b in zip(ref, mine)]
@@ -397,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse a matching checkpoint already in --workdir (implies --keep)")
+    ap.add_argument("--attention-backend", choices=["torch", "triton"], default="torch",
+                    help="infer's attention backend (default torch: SDPA / the plain-PyTorch paged reference)")
+    ap.add_argument("--fused-kernels", action="store_true",
+                    help="run infer's fused forward (phase 8: merged projections and the fused kernels of "
+                         "the chosen backend)")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
 
@@ -455,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         "lengths": args.lengths,
         "seed": args.seed,
         "hf_attn_implementation": args.attn,
+        "infer_attention_backend": args.attention_backend,
+        "infer_fused_kernels": args.fused_kernels,
         "results": results,
         "passed": passed,
         "wall_s": round(time.perf_counter() - start, 1),

@@ -33,7 +33,7 @@ PY="${PYTHON:-python3}"
 MAX_OUT_FILES=8
 
 SECTIONS=(env tests parity parity_fp32 bench_kernels bench_single bench_paged server bench_offline bench_serve bench_step
-          bench_fused bench_sampler bench_flags)
+          bench_fused bench_sampler bench_flags parity_fused greedy_agreement bench_flags_nano bench_chunked)
 CKPT="${CKPT:-/tmp/infer-ckpt}"  # synthetic checkpoints, shared by the sections
 
 # ----------------------------------------------------------------------------- environment
@@ -213,6 +213,53 @@ section_bench_flags() {
             --output-len 128 --repeats 3 --hf compiled \
             --infer-configs "kv_cache=paged;kv_cache=paged,fused_kernels=true,cuda_graphs=true,async_scheduling=true" \
             --out "$OUT/flags_single_$preset.json" || rc=1
+    done
+    return "$rc"
+}
+
+# Phase 8: the bf16 parity gate with the fused forward and the Triton attention backend (the engine's
+# forward with fused_kernels on; CUDA graphs replay that same forward).
+section_parity_fused() {
+    # shellcheck disable=SC2086
+    "$PY" scripts/gpu_parity.py --workdir "$CKPT" --reuse --fused-kernels --attention-backend triton \
+        --out "$OUT/parity_fused.json" ${PARITY_ARGS:-}
+}
+
+# Phases 8-9: the share of 256-token greedy continuations identical with every flag on vs all off (bf16).
+section_greedy_agreement() {
+    local preset=qwen3-0.6b base="batching=continuous,kv_cache=paged,max_num_seqs=64"
+    [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+    "$PY" benchmarks/greedy_agreement.py --model "$CKPT/$preset" --device cuda --dtype bfloat16 --num-prompts 64 \
+        --prompt-len 128 --output-len 256 --out "$OUT/greedy_agreement.json" \
+        --infer-configs "$base;$base,fused_kernels=true;$base,fused_kernels=true,cuda_graphs=true,async_scheduling=true"
+}
+
+# Phases 8-9 on the full nano-vllm workload (256 requests, prompts and outputs uniform in [100, 1024]).
+section_bench_flags_nano() {
+    local preset=qwen3-0.6b base="batching=continuous,kv_cache=paged"
+    [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+    "$PY" benchmarks/offline_throughput.py --model "$CKPT/$preset" --device cuda --dtype bfloat16 \
+        --max-num-seqs 256 --max-num-batched-tokens 16384 --engines infer --no-progress \
+        --infer-configs "$base;$base,fused_kernels=true,cuda_graphs=true,async_scheduling=true" \
+        --out "$OUT/offline_nano_$preset.json"
+}
+
+# Phase 6 online: steady decode streams while 8,000-token prompts arrive, chunked prefill off and at
+# budgets 512/2048/8192 (needs the server wheels in .whl/). CHUNK_PRESETS picks the models.
+section_bench_chunked() {
+    local preset rc=0
+    for preset in ${CHUNK_PRESETS:-qwen3-0.6b}; do
+        [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+        # shellcheck disable=SC2086
+        "$PY" benchmarks/serve_bench.py --launch --workload decode-interference --token-prompts \
+            --num-requests ${CHUNK_N:-64} --input-len 256 --output-len 512 --long-prompts 8 --long-len 8000 \
+            --long-start-s 2 --long-interval-s 1 --no-progress \
+            --server-args "--model $CKPT/$preset --device cuda --batching continuous --kv-cache paged \
+                --max-model-len 16384 --max-num-seqs 128 ${CHUNK_SERVER_ARGS:-}" \
+            --server-configs "off=" "c512=--chunked-prefill --max-num-batched-tokens 512" \
+                "c2048=--chunked-prefill --max-num-batched-tokens 2048" \
+                "c8192=--chunked-prefill --max-num-batched-tokens 8192" \
+            --out "$OUT/chunked_$preset.json" --plot "$OUT/chunked_$preset.png" || rc=1
     done
     return "$rc"
 }

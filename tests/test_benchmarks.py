@@ -283,3 +283,30 @@ def test_step_profile_times_the_steady_decode_batch_and_leaks_no_blocks(tmp_path
     assert row["execute_ms"] > 0 and row["profiled_steps"] == 2 and row["device_busy_ms"] is None  # CPU
     assert row["kv_blocks_leaked"] == 0  # the aborted rest gave every block back
     assert any(op["op"] == "aten::mm" or op["op"] == "aten::addmm" for op in row["top_host_ops"])
+
+
+# ---------------------------------------------------------------------------------- greedy agreement
+
+def test_greedy_agreement_counts_divergences_and_their_margins():
+    import greedy_agreement as ga
+
+    base = [[1, 2, 3, 4], [5, 6, 7, 8], [1, 1, 1, 1]]
+    margins = [[0.5, 0.5, 0.5, 0.5], [2.0, 0.01, 3.0, 3.0], [0.5, 0.5, 0.5, 0.5]]
+    other = [[1, 2, 3, 4], [5, 9, 9, 9], [1, 1, 1, 2]]
+    r = ga.compare(base, margins, other, tie_nats=0.2)
+    assert (r["identical"], r["requests"]) == (1, 3)
+    assert [(d["request"], d["first_diff"], d["near_tie"]) for d in r["diverged"]] == [(1, 1, True), (2, 3, False)]
+    assert not r["all_near_ties"] and r["max_margin_at_divergence_nats"] == 0.5
+
+
+def test_greedy_agreement_fp32_flags_give_identical_tokens(tmp_path):
+    """In float32 on the CPU the fused forward and the overlapped loop change no greedy token."""
+    import greedy_agreement as ga
+
+    out = tmp_path / "ga.json"
+    base = "batching=continuous,kv_cache=paged"
+    rc = ga.main(["--num-prompts", "3", "--prompt-len", "12", "--output-len", "16", "--min-identical", "1.0",
+                  "--infer-configs", f"{base};{base},fused_kernels=true,async_scheduling=true", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["passed"]
+    assert report["results"][1]["identical_share"] == 1.0
