@@ -144,7 +144,7 @@ def infer_logits(path: Path, prompts: list[torch.Tensor], device: torch.device, 
     t0 = time.perf_counter()
     lm = load_model(path, device=device, dtype=dtype, progress=False)
     lengths = [len(p) for p in prompts]
-    lm.model.set_attention_backend(TritonAttentionBackend() if attention_backend == "triton"
+    lm.model.set_attention_backend(TritonAttentionBackend(device) if attention_backend == "triton"
                                    else TorchAttentionBackend())
     lm.model.set_fused_ops(fused_ops(attention_backend) if fused_kernels else None, max(lengths))
     sync(device)
