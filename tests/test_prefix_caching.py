@@ -96,6 +96,24 @@ def test_lookup_walks_to_the_first_miss_and_keeps_the_last_token():
     pool.check_invariants()
 
 
+def test_lookup_stops_at_a_miss_even_when_later_blocks_are_cached():
+    """Block 1 of a cached prefix is evicted while block 2 stays: block 2's K/V was computed
+    after block 1's tokens, but a sequence that misses block 1 recomputes it into another block,
+    so only block 0 is a usable hit."""
+    kv = _manager(num_blocks=8)
+    a = _seq(list(range(10, 23)))
+    _compute(kv, a)
+    b0, b1, b2, _ = a.block_table
+    kv.free(a)  # LRU order: b2, b1, b0 (tail first)
+    kv.pool.touch([b2])
+    kv.pool.free([b2])  # b2 used again: now b1, b0, b2
+    taken = kv.pool.allocate(kv.pool.num_free - 2)  # every plain block, then evicts b1 only
+    assert b1 in taken and kv.pool.cached_free.keys() == {b0, b2}
+    assert kv.find_cached_prefix(_seq(list(range(10, 23)))) == [b0]
+    kv.pool.free(taken)
+    kv.pool.check_invariants()
+
+
 def test_a_colliding_key_is_caught_by_the_token_check():
     pool = PrefixCachingBlockPool(4)
     [b] = pool.allocate(1)
