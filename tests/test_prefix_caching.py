@@ -452,3 +452,55 @@ def test_server_metrics_usage_and_reset(tiny_llama):
     assert metric_value(text, "infer:prefix_cache_hits_total") == 20
     assert reset.status_code == 200 and reset.json() == {"prefix_caching": True, "num_blocks_dropped": 5}
     assert u3["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+# ---------------------------------------------------------------------------------- the benchmarks
+
+
+def test_prefix_caching_benchmark_end_to_end(tiny_llama, tmp_path):
+    """benchmarks/prefix_caching.py at tiny sizes: the warm request hits, multi-turn turns hit
+    their history, nothing leaks between workloads, the report and the plot are written."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import prefix_caching as bench
+
+    out = tmp_path / "pc.json"
+    rc = bench.main(["--model", str(tiny_llama.path), "--device", "cpu", "--max-model-len", "128", "--prefix-lens",
+                     "32", "--repeats", "1", "--workload-prefix-len", "24", "--num-requests", "4", "--turns", "2",
+                     "--output-len", "3", "--suffix-len", "5", "--out", str(out), "--plot", str(tmp_path / "pc.png")])
+    assert rc == 0 and (tmp_path / "pc.png").exists()
+    rep = json.loads(out.read_text())
+    assert rep["ttft"][0]["prefix_len"] == 32 and rep["ttft"][0]["ttft_warm_ms"] > 0
+    rows = {(r["workload"], r["prefix_caching"]): r for r in rep["serving"]}
+    assert rows["multi-turn", True]["prefix_hit_rate"] > 0 and rows["multi-turn", False]["prefix_hit_rate"] == 0
+    assert rows["multi-turn", True]["prefill_tokens_run"] < rows["multi-turn", False]["prefill_tokens_run"]
+    assert rows["random", True]["prefix_hit_rate"] == 0
+
+
+def test_serve_bench_multi_turn_requests():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from serve_bench import request_body
+    from workloads import build_requests
+
+    reqs = build_requests("multi-turn", 2, 5, 3, seed=0, prefix_len=4, turns=3)
+    assert [(r.extra["conversation"], r.extra["turn"]) for r in reqs] == [(c, t) for c in range(2) for t in range(3)]
+    system = reqs[0].prompt.split()[:4]
+    assert reqs[3].prompt.split()[:4] == system and len(reqs[1].prompt.split()) == 5  # later turns: new words only
+
+    class Args:
+        endpoint, temperature, ignore_eos, usage = "chat", 0.0, True, True
+
+    _, body = request_body(reqs[2], Args, "m", [(reqs[0].prompt, "a0"), (reqs[1].prompt, "a1")])
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert body["messages"][3]["content"] == "a1" and body["messages"][4]["content"] == reqs[2].prompt
+    Args.endpoint = "completions"
+    _, body = request_body(reqs[1], Args, "m", [(reqs[0].prompt, "a0")])
+    assert body["prompt"] == reqs[0].prompt + "a0 " + reqs[1].prompt
+    with pytest.raises(ValueError, match="text prompts"):
+        build_requests("multi-turn", 1, 5, 3, seed=0, token_prompts=True)
