@@ -7,6 +7,9 @@ cache off and on, in one process (no HTTP server needed: runs where fastapi is n
     python scripts/make_synthetic_checkpoint.py qwen3-4b /tmp/qwen3-4b --device cuda
     python benchmarks/prefix_caching.py --model /tmp/qwen3-4b --device cuda --max-model-len 8192 \\
         --prefix-lens 1024 2048 4096 --num-requests 64 --request-rate 8 --out pc.json --plot pc.png
+    # only a plot: TTFT per request of serve_bench runs (e.g. an ablation's runs/*.json)
+    python benchmarks/prefix_caching.py --serve-reports off=runs/all-off.json on=runs/prefix_caching_true.json \\
+        --plot ttft.png
 
 **Part 1, TTFT cold vs warm.** For each ``--prefix-lens`` L, ``--repeats`` times: the prefix
 cache is reset, a request of L prefix tokens + ``--suffix-len`` unique tokens runs alone
@@ -273,6 +276,32 @@ def plot(ttft_rows: list[dict], serve_rows: list[dict], path: str, title: str) -
     save_figure(fig, path)
 
 
+def plot_serve_reports(specs: list[str], path: str) -> None:
+    """TTFT of every request, in send order, from serve_bench reports (``LABEL=REPORT.json``; each
+    report's configurations are drawn separately): a cold first request, then hits."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for spec in specs:
+        label, file = spec.split("=", 1) if "=" in spec else (Path(spec).stem, spec)
+        rep = json.loads(Path(file).read_text())
+        for run in rep["raw"]:
+            recs = sorted((r for r in run["requests"] if r["success"]), key=lambda r: r["send_s"])
+            name = f"{label} {run['config']}".strip()
+            ax.plot(range(1, len(recs) + 1), [1e3 * r["ttft"] for r in recs], marker="o", label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("request (send order)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("shared prefix: TTFT per request", fontsize=10)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -297,7 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON report (and .md beside it)")
     ap.add_argument("--plot", default=None, help="PNG: TTFT vs prefix length, throughput per workload")
+    ap.add_argument("--serve-reports", nargs="+", default=None, metavar="LABEL=REPORT.json",
+                    help="only plot (to --plot) the per-request TTFT of serve_bench reports, in send order")
     args = ap.parse_args(argv)
+    if args.serve_reports:
+        plot_serve_reports(args.serve_reports, args.plot or "ttft_per_request.png")
+        return 0
 
     cfg = engine_config(args, True).validate()
     device = str(cfg.resolved_device())
