@@ -296,6 +296,42 @@ def test_outputs_identical_with_the_cache(tiny_llama, cache_off, variant):
     assert_drained(eng)
 
 
+def test_hits_with_the_triton_backend(tiny_llama, cache_off):
+    """The Triton prefill/extend kernel (interpreted on the CPU) attends over hit blocks it did
+    not write in this request: a full-prompt hit and a hit ending mid-block."""
+    arrivals = [scenario(tiny_llama.config.vocab_size)[i] for i in (0, 1, 3)]
+    eng = make_engine(tiny_llama, prefix_caching=True, attention_backend="triton", **KW)
+    got = run_logprobs(eng, arrivals)
+    assert got["r1"]["cached"] == 24 and got["r2"]["cached"] == 20
+    assert_same_logprobs({"r0": got["r0"], "r1": got["r1"], "r3": got["r2"]},
+                         {k: cache_off[k] for k in ("r0", "r1", "r3")})
+    assert_drained(eng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [{}, {"cuda_graphs": True, "async_scheduling": True, "chunked_prefill": True,
+                                        "max_num_batched_tokens": 16}])
+def test_outputs_identical_with_the_cache_on_gpu(tiny_llama, extra):
+    """float32 on the GPU (Triton attention; CUDA graphs, async scheduling and chunked prefill in the
+    second case): the scenario's tokens and logprobs with the cache equal those without it."""
+    from infer.engine import LLMEngine
+    from infer.loader import load_model
+
+    loaded = load_model(str(tiny_llama.path), device="cuda", dtype=torch.float32, progress=False)
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig(model=str(loaded.path), device="cuda", dtype="float32", **KW, **extra, **kw),
+                         loaded=loaded, progress=False)
+
+    arrivals = scenario(loaded.config.vocab_size)
+    ref = run_logprobs(engine(), arrivals, check=None)
+    eng = engine(prefix_caching=True)
+    got = run_logprobs(eng, arrivals)
+    assert_same_logprobs(got, ref)
+    assert got["r1"]["cached"] == 24 and got["r3"]["cached"] == 20
+    assert_drained(eng)
+
+
 def test_a_seed_gives_the_same_tokens_hit_or_miss(tiny_llama):
     vocab = tiny_llama.config.vocab_size
     prompt = [(13 * i + 5) % vocab for i in range(30)]
