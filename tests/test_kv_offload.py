@@ -1,0 +1,221 @@
+"""KV offload (phase 10): block copies, the host and disk tiers, the tiered lookup, the break-even.
+
+The tier tests run on tiny random KV caches against plain-PyTorch references (``k[:, b]`` and
+``v[:, b]`` of the cache); the engine tests compare greedy outputs and logprobs with the
+offloaded prefix against a run without prefix caching.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from fractions import Fraction
+
+import pytest
+import torch
+
+from infer.attention.kv_cache import KVCache
+from infer.config import EngineConfig
+from infer.engine.kv_offload import (
+    BlockCopier,
+    DiskTier,
+    KVOffloader,
+    block_nbytes,
+    block_shape,
+    break_even_tokens,
+    tiered_lookup,
+)
+
+L, NB, BS, H, D = 3, 8, 4, 2, 5  # layers, blocks, block size, kv heads, head dim
+
+
+def random_cache(block_major: bool, device="cpu", seed=0, dtype=torch.float32) -> KVCache:
+    kv = KVCache(L, NB, BS, H, D, dtype, device, block_major=block_major)
+    g = torch.Generator().manual_seed(seed)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    return kv
+
+
+def block_ref(kv: KVCache, b: int) -> torch.Tensor:
+    """Block ``b`` across layers from the per-layer views: the reference for every copy."""
+    return torch.stack([kv.k[:, b], kv.v[:, b]]).cpu()
+
+
+# ------------------------------------------------------------------------------- layout, copies
+
+
+def test_block_major_cache_has_the_same_views_and_contiguous_blocks():
+    a, b = KVCache(L, NB, BS, H, D, torch.float32, "cpu"), KVCache(L, NB, BS, H, D, torch.float32, "cpu",
+                                                                    block_major=True)
+    assert a.k.shape == b.k.shape and a.nbytes == b.nbytes and b.blocks[3].is_contiguous()
+    g = torch.Generator().manual_seed(1)
+    slots = torch.tensor([0, 5, 6, 13, 31])
+    for layer in range(L):
+        k, v = torch.randn(5, H, D, generator=g), torch.randn(5, H, D, generator=g)
+        a.write(layer, k, v, slots)
+        b.write(layer, k, v, slots)
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    for blk in range(NB):
+        assert torch.equal(b.blocks[blk], block_ref(a, blk))
+    assert torch.equal(b.read(1, [3, 1], 6)[0], a.read(1, [3, 1], 6)[0])
+
+
+@pytest.mark.parametrize("block_major", [False, True], ids=["layer_major", "block_major"])
+def test_copier_round_trip_moves_every_layer_of_a_block(block_major):
+    src, dst = random_cache(block_major, seed=0), random_cache(block_major, seed=1)
+    copier = BlockCopier(src)
+    bufs = [torch.empty(block_shape(src)) for _ in range(2)]
+    copier.to_host([5, 2], bufs)
+    assert torch.equal(bufs[0], block_ref(src, 5)) and torch.equal(bufs[1], block_ref(src, 2))
+    before = [block_ref(dst, b) for b in range(NB)]
+    BlockCopier(dst).to_device(bufs, [0, 7])
+    assert torch.equal(block_ref(dst, 0), block_ref(src, 5)) and torch.equal(block_ref(dst, 7), block_ref(src, 2))
+    assert all(torch.equal(block_ref(dst, b), before[b]) for b in range(1, 7))  # nothing else written
+
+
+# ------------------------------------------------------------------------------------ the tiers
+
+
+def test_host_tier_lru_keeps_the_most_recent_blocks_and_restores_them():
+    kv = random_cache(False)
+    want = {f"h{b}": block_ref(kv, b) for b in range(NB)}
+    off = KVOffloader(kv, "host", host_bytes=3 * block_nbytes(kv) + 7)
+    assert off.host.num_slots == 3
+    off.offload([("h0", 0), ("h1", 1), ("h2", 2)])
+    off.offload([("h0", 0)])  # already there: only touched, so h1 is now the least recent
+    off.offload([("h3", 3)])
+    assert {k for k in want if k in off.host} == {"h0", "h2", "h3"} and off.contains("h1") is None
+    kv.k.zero_()
+    kv.v.zero_()  # the device copies are gone: what comes back must come from the tier
+    off.restore(["h3", "h0"], [6, 7])
+    assert torch.equal(block_ref(kv, 6), want["h3"]) and torch.equal(block_ref(kv, 7), want["h0"])
+    s = off.stats()
+    assert s["kv_offload_stored_blocks"] == 4 and s["kv_offload_host_evictions"] == 1
+    assert s["kv_offload_host_hits"] == 2 and s["kv_offload_host_bytes_restored"] == 2 * block_nbytes(kv)
+    with pytest.raises(KeyError):
+        off.restore(["h1"], [0])
+
+
+def test_a_full_tier_evicts_and_a_batch_larger_than_the_tier_spills_the_right_data(tmp_path):
+    """Host holds 2 blocks, disk 3: offloading 6 blocks in one call evicts inside the batch; every
+    block still held anywhere restores to its own data, and nothing fails."""
+    kv = random_cache(True)
+    want = {f"h{b}": block_ref(kv, b) for b in range(NB)}
+    nb = block_nbytes(kv)
+    off = KVOffloader(kv, "disk", host_bytes=2 * nb, disk_dir=str(tmp_path), disk_bytes=3 * nb)
+    off.offload([(f"h{b}", b) for b in range(6)])
+    off.disk.flush()
+    assert [k for k in want if off.contains(k) == "host"] == ["h4", "h5"]
+    assert [k for k in want if off.contains(k) == "disk"] == ["h1", "h2", "h3"]  # h0 fell off the bottom
+    kv.k.zero_()
+    kv.v.zero_()
+    off.restore(["h1", "h2", "h3", "h4", "h5"], [0, 1, 2, 3, 4])
+    for i, k in enumerate(["h1", "h2", "h3", "h4", "h5"]):
+        assert torch.equal(block_ref(kv, i), want[k]), k
+    s = off.stats()
+    assert s["kv_offload_disk_hits"] == 3 and s["kv_offload_host_hits"] == 2
+    assert s["kv_offload_host_evictions"] == 4 and s["kv_offload_disk_evictions"] == 1
+    path = off.disk.path
+    assert path.exists() and path.stat().st_size == 3 * nb
+    off.close()
+    off.close()
+    assert not path.exists()
+
+
+def test_disk_tier_serves_a_block_before_its_write_lands_and_deletes_its_file(tmp_path):
+    shape, nb = (2, 3), 2 * 3 * 4
+    tier = DiskTier(tmp_path, 2, shape, torch.float32)
+    release = __import__("threading").Event()
+    tier._writer.submit(release.wait)  # hold the writer: the next put stays pending
+    a, b, c = (torch.full(shape, float(i)) for i in range(3))
+    tier.put("a", a)
+    assert torch.equal(tier.read("a"), a)  # from the pending copy
+    release.set()
+    tier.put("b", b)
+    assert tier.put("c", c) == "a"  # full: the LRU block goes
+    tier.flush()
+    assert "a" not in tier and torch.equal(tier.read("b"), b) and torch.equal(tier.read("c"), c)
+    assert tier.bytes_written == 3 * nb and len(os.listdir(tmp_path)) == 1
+    del tier  # garbage collection removes the file too
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------ exercises
+
+
+def test_tiered_lookup():
+    host, disk, device = {"b", "d", "e"}, {"c", "d", "f"}, {"a", "e"}
+    tiers = [("host", host.__contains__), ("disk", disk.__contains__)]
+    look = lambda hs: tiered_lookup(hs, device.__contains__, tiers)  # noqa: E731
+    assert look(["a", "b", "c", "d", "e", "f"]) == ["device", "host", "disk", "host", "device", "disk"]
+    assert look(["a", "x", "b"]) == ["device"]  # a hole ends the prefix
+    assert look(["c", "a"]) == ["disk", "device"]  # a device block after a lower-tier one still counts
+    assert look(["x", "a"]) == [] and look([]) == []
+
+
+def test_break_even_tokens():
+    def brute(bpt, bw, tps, fixed):
+        n = 1
+        while n < 10**6:
+            if fixed + n * Fraction(bpt) / bw < Fraction(n) / tps:
+                return n
+            n += 1
+        return None
+
+    F = Fraction
+    # saving per token 1/100 - 1/200 = 1/200 s; fixed 1/20 s: restore ties at n = 10, wins from 11
+    assert break_even_tokens(1, 200, 100, F(1, 20)) == 11 == brute(1, 200, 100, F(1, 20))
+    assert break_even_tokens(1, 200, 100, 0) == 1  # no fixed cost: one token already wins
+    assert break_even_tokens(2, 200, 100, F(1, 20)) is None  # the copy costs as much as the compute
+    assert break_even_tokens(3, 200, 100, 1) is None
+    for bpt, bw, tps, fixed in [(147456, 50e9, 20000, 0.002), (46080, 2e9, 600, F(3, 100)), (7, 1000, 90, F(1, 7))]:
+        got = break_even_tokens(bpt, bw, tps, fixed)
+        assert got == brute(F(bpt), F(bw), F(tps), F(fixed)), (bpt, bw, tps, fixed)
+    # the Qwen3-4B shapes: 147456 B/token, 50 GB/s, 20k tok/s prefill, 2 ms fixed -> ~42 tokens
+    assert math.isclose(break_even_tokens(147456, 50e9, 20000, 0.002), 0.002 / (1 / 20000 - 147456 / 50e9), abs_tol=1)
+
+
+# ------------------------------------------------------------------------------------ the flag
+
+
+def test_kv_offload_config_is_validated():
+    with pytest.raises(ValueError, match="kv_offload must be one of"):
+        EngineConfig(device="cpu", kv_offload="ssd").validate()
+    with pytest.raises(ValueError, match="needs prefix_caching"):
+        EngineConfig(device="cpu", kv_offload="host").validate()
+    with pytest.raises(ValueError, match="need kv_offload='disk'"):
+        EngineConfig(device="cpu", kv_offload_dir="/tmp").validate()
+    assert "kv_offload" in EngineConfig.ablation_values()
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_major", [False, True], ids=["layer_major", "block_major"])
+def test_cuda_copies_are_ordered_against_the_compute_stream(block_major):
+    """A block offloaded right after a long kernel wrote it, then overwritten right away on the
+    compute stream, must reach the host as it was between the two; a block restored and read at
+    once on the compute stream must read the restored data. Without the event waits the side
+    stream races the compute stream (vLLM #45704)."""
+    kv = KVCache(36, 64, 16, 8, 128, torch.bfloat16, "cuda", block_major=block_major)
+    copier = BlockCopier(kv)
+    pin = [torch.empty(block_shape(kv), dtype=torch.bfloat16, pin_memory=True) for _ in range(8)]
+    x = torch.randn(4096, 4096, device="cuda")
+    for trial in range(3):
+        for _ in range(20):
+            x = x @ x / 64  # keep the compute stream busy
+        kv.k[:, :8].fill_(trial + 1.0)
+        kv.v[:, :8].fill_(-(trial + 1.0))
+        ev = copier.to_host(list(range(8)), pin)
+        kv.k.zero_()
+        kv.v.zero_()
+        ev.synchronize()
+        assert all(bool((p[0] == trial + 1).all() and (p[1] == -(trial + 1)).all()) for p in pin)
+        for _ in range(20):
+            x = x @ x / 64
+        copier.to_device(pin, list(range(8, 16)))
+        got = kv.k[:, 8:16].float().mean().item(), kv.v[:, 8:16].float().mean().item()  # compute stream
+        assert got == (trial + 1.0, -(trial + 1.0))
