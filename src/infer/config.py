@@ -205,6 +205,11 @@ class EngineConfig:
     attention_backend: str = _flag("auto", "auto (triton on CUDA, torch on CPU), torch (plain PyTorch, the "
                                    "reference) or triton (the Triton kernels; on a CPU only under TRITON_INTERPRET=1)",
                                    choices=ATTENTION_BACKENDS, ablation=("torch", "triton"))
+    # ---- phase 7: prefix caching
+    prefix_caching: bool = _flag(False, "paged KV cache: keep computed full blocks keyed by a hash of their tokens and "
+                                 "of the tokens before them, find a new request's longest cached prefix and prefill "
+                                 "only the rest; freed cached blocks are evicted LRU (vLLM's automatic prefix "
+                                 "caching)", ablation=(False, True))
     # ---- KV-cache sizing
     kv_cache_memory_bytes: int | None = _flag(None, "KV-cache budget in bytes; default: room for max_num_seqs "
                                               "full-length rows on CPU, gpu_memory_utilization on CUDA")
@@ -282,6 +287,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_LAYOUTS)}, got {self.kv_cache!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.prefix_caching and self.kv_cache != "paged":
+            raise ValueError("prefix_caching needs kv_cache='paged': a cached prefix is a run of full blocks that a "
+                             "new sequence's block table points to, and the contiguous cache has one private row per "
+                             "sequence")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"

@@ -83,6 +83,9 @@ class RequestOutput:
         finished: True when every sequence has finished.
         metrics: timing of the request (seconds, ``time.perf_counter`` clock): ``arrival``,
             ``first_token``, ``finished``.
+        num_cached_tokens: prefix caching (phase 7): prompt tokens whose K/V was found in the
+            prefix cache at admission (vLLM's field; the server reports it as OpenAI's
+            ``usage.prompt_tokens_details.cached_tokens``); None without prefix caching.
     """
 
     request_id: str
@@ -92,3 +95,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int | None = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 
-from infer.engine.sequence import Request, Sequence
+from infer.engine.sequence import PLACEHOLDER, Request, Sequence
 
 
 def cdiv(a: int, b: int) -> int:
@@ -97,16 +97,29 @@ class KVCacheManager:
     Args:
         num_blocks: blocks in the cache.
         block_size: token slots per block (``max_model_len`` for the contiguous cache).
+        prefix_caching: phase 7 (:mod:`infer.engine.prefix_cache`): the pool is a
+            :class:`~infer.engine.prefix_cache.PrefixCachingBlockPool`; admission maps the
+            longest cached prefix of each sequence (:meth:`find_cached_prefix`) into its block
+            table and starts its prefill after it; computed full blocks get their key
+            (:meth:`cache_blocks`) before they are freed.
 
     Each :class:`~infer.engine.sequence.Sequence` keeps its own ``block_table`` (a list of
     block ids); this class grows, forks and frees it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.pool = BlockPool(num_blocks)
+        self.prefix_caching = prefix_caching
+        if prefix_caching:  # phase 7: full blocks keep a key and outlive their sequence
+            from infer.engine.prefix_cache import PrefixCachingBlockPool
+
+            self.pool: BlockPool = PrefixCachingBlockPool(num_blocks)
+        else:
+            self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (admissions)
+        self.prefix_cache_hits = 0  # of those, tokens found cached (their prefill skipped)
 
     @property
     def num_blocks(self) -> int:
@@ -126,19 +139,25 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ admission
 
-    def blocks_to_admit(self, request: Request) -> int:
+    def blocks_to_admit(self, request: Request, hits: list[list[int]] | None = None) -> int:
         """Blocks :meth:`admit` takes for ``request``'s unfinished sequences.
 
         A fresh request prefills once for its ``n`` sequences: sequence 0 takes the prompt's
         blocks, and every other sequence shares the full ones and gets a copy of the last,
         partly filled block (it will write its own tokens there). A request resumed after a
         preemption has generated tokens that differ between its sequences, so each sequence
-        recomputes, and holds, all of its own tokens.
+        recomputes, and holds, all of its own tokens. With prefix caching, blocks found in the
+        cache are not taken anew, but a hit on a cached *free* block takes that block off the
+        free queue, so it counts.
         """
+        hits = self._prefix_hits(request) if hits is None else hits
+        revived = len({b for hit in hits for b in hit if self.pool.ref_counts[b] == 0})
         if request.shares_prefill:
             p = request.prompt_len
-            return self.blocks_for(p) + (len(request.seqs) - 1) * (1 if p % self.block_size else 0)
-        return sum(self.blocks_for(len(s.token_ids)) for s in request.unfinished_seqs)
+            new = self.blocks_for(p) - len(hits[0]) + (len(request.seqs) - 1) * (1 if p % self.block_size else 0)
+        else:
+            new = sum(self.blocks_for(len(s.token_ids)) - len(h) for s, h in zip(request.unfinished_seqs, hits))
+        return new + revived
 
     def can_admit(self, request: Request) -> bool:
         return self.blocks_to_admit(request) <= self.pool.num_free
@@ -146,21 +165,121 @@ class KVCacheManager:
     def admit(self, request: Request) -> None:
         """Give ``request``'s unfinished sequences the blocks their prefill writes to.
 
+        With prefix caching, this is where a request's cached prefix is applied: each sequence
+        that prefills (sequence 0 of a fresh request; every sequence after a preemption) takes
+        the blocks :meth:`find_cached_prefix` found, which become the start of its block table,
+        and its ``num_computed_tokens`` is set past them, so its prefill starts there.
+
         Raises:
             RuntimeError: not enough free blocks (check :meth:`can_admit` first).
         """
         seqs = request.unfinished_seqs
+        hits = self._prefix_hits(request)
+        for hit in hits:  # first, so that allocating below cannot evict them
+            if hit:
+                self.pool.touch(hit)
+        self._count_prefix_hits(request, hits)
         if not request.shares_prefill:
-            for seq in seqs:
-                seq.block_table = self.pool.allocate(self.blocks_for(len(seq.token_ids)))
+            for seq, hit in zip(seqs, hits):
+                seq.block_table = hit + self.pool.allocate(self.blocks_for(len(seq.token_ids)) - len(hit))
+                seq.num_cached_blocks = len(hit)
+                seq.num_computed_tokens = len(hit) * self.block_size
             return
         first, *forks = seqs
-        first.block_table = self.pool.allocate(self.blocks_for(request.prompt_len))
+        first.block_table = hits[0] + self.pool.allocate(self.blocks_for(request.prompt_len) - len(hits[0]))
+        first.num_cached_blocks = len(hits[0])
+        first.num_computed_tokens = len(hits[0]) * self.block_size
         full = request.prompt_len // self.block_size
         for fork in forks:
             shared = first.block_table[:full]
             self.pool.share(shared)
             fork.block_table = shared + self.pool.allocate(len(first.block_table) - full)
+
+    # ------------------------------------------------------------------ prefix caching (phase 7)
+
+    def seq_block_hashes(self, seq: Sequence) -> list:
+        """Keys of ``seq``'s full blocks (:func:`~infer.engine.prefix_cache.block_hashes`), kept in
+        ``seq.block_hashes`` and extended as the sequence grows. An async-scheduling placeholder
+        (the last token, not sampled yet on the host) is never hashed."""
+        from infer.engine.prefix_cache import block_hashes
+
+        n = len(seq.token_ids) - (1 if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER else 0)
+        if n // self.block_size > len(seq.block_hashes):
+            seq.block_hashes = block_hashes(seq.token_ids[:n], self.block_size, block_extra_keys(seq.request),
+                                            seq.block_hashes)
+        return seq.block_hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """The blocks holding the longest cached prefix of ``seq.token_ids`` (the lookup).
+
+        Walks the sequence's block keys from the first and stops at the first miss (a key names
+        its whole prefix, so nothing after a miss can be used). At most ``len(token_ids) - 1``
+        tokens are taken from the cache: the last token is always recomputed, because its
+        forward gives the logits the next token is sampled from. Nothing changes (the caller
+        :meth:`~infer.engine.prefix_cache.PrefixCachingBlockPool.touch` es what it keeps).
+
+        Returns:
+            Block ids, in order (``[]`` without prefix caching, and for a request that asks for
+            prompt logprobs: those need the forward of every prompt token, so it bypasses the
+            cache, as in vLLM).
+        """
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        bs, tokens = self.block_size, seq.token_ids
+        # >>> EXERCISE prefix_lookup
+        hashes = self.seq_block_hashes(seq)
+        max_blocks = (len(tokens) - 1) // bs  # the last token is recomputed
+        hits: list[int] = []
+        for i, h in enumerate(hashes[:max_blocks]):
+            block = self.pool.lookup(h, tokens[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+        # <<< EXERCISE prefix_lookup
+
+    def _prefix_hits(self, request: Request) -> list[list[int]]:
+        """:meth:`find_cached_prefix` of each unfinished sequence of ``request`` that prefills (a
+        fresh request's forks get theirs from sequence 0: ``[]``)."""
+        seqs = request.unfinished_seqs
+        if request.shares_prefill:
+            return [self.find_cached_prefix(seqs[0])] + [[] for _ in seqs[1:]]
+        return [self.find_cached_prefix(s) for s in seqs]
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of ``request``'s first prefill that the prefix cache would skip now."""
+        return len(self._prefix_hits(request)[0]) * self.block_size
+
+    def _count_prefix_hits(self, request: Request, hits: list[list[int]]) -> None:
+        """``infer:prefix_cache_queries`` / ``_hits`` (tokens), and the request's cached tokens
+        (``usage.prompt_tokens_details.cached_tokens``; its first admission only)."""
+        if not self.prefix_caching or request.params.prompt_logprobs is not None:
+            return
+        seqs = request.unfinished_seqs[:1] if request.shares_prefill else request.unfinished_seqs
+        hit_tokens = sum(len(h) for h in hits) * self.block_size
+        self.prefix_cache_queries += sum(len(s.token_ids) for s in seqs)
+        self.prefix_cache_hits += hit_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = hit_tokens
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Give a key to each of ``seq``'s full blocks whose K/V is computed and that has none yet
+        (called before a step adds to the sequence, and before its blocks are freed)."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        hashes = self.seq_block_hashes(seq)
+        n = min(seq.num_computed_tokens // bs, len(seq.block_table), len(hashes))
+        for i in range(seq.num_cached_blocks, n):
+            self.pool.cache_block(seq.block_table[i], hashes[i], seq.token_ids[i * bs : (i + 1) * bs])
+        seq.num_cached_blocks = max(seq.num_cached_blocks, n)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``); returns how many cached free
+        blocks were dropped (0 without prefix caching)."""
+        if not self.prefix_caching:
+            return 0
+        return self.pool.reset()
 
     # ------------------------------------------------------------------ growing
 
@@ -170,6 +289,7 @@ class KVCacheManager:
         Returns:
             False, taking nothing, when too few blocks are free (the scheduler then preempts).
         """
+        self.cache_blocks(seq)  # what the last steps computed can be found from now on
         need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if need <= 0:
             return True
@@ -179,7 +299,17 @@ class KVCacheManager:
         return True
 
     def free(self, seq: Sequence) -> None:
-        """Release every block ``seq`` holds (shared blocks stay while another holder remains)."""
+        """Release every block ``seq`` holds (shared blocks stay while another holder remains;
+        with prefix caching, its computed full blocks get their key first and stay cached)."""
         if seq.block_table:
+            self.cache_blocks(seq)
             self.pool.free(seq.block_table)
         seq.block_table = []
+        seq.num_cached_blocks = 0
+
+
+def block_extra_keys(request: Request) -> tuple:
+    """What besides its tokens decides a block's K/V, hashed into every key of ``request``'s
+    blocks (vLLM's "extra keys": a LoRA adapter, multimodal inputs, a cache salt). Nothing yet:
+    one model, text only."""
+    return ()

@@ -73,7 +73,7 @@ class LLMEngine:
                  config.kv_cache, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**30, backend,
                  config.batching, budget, config.chunked_prefill, config.fused_kernels, config.cuda_graphs)
         self.runner.capture_cuda_graphs(progress)
-        self.kv_manager = KVCacheManager(num_blocks, block_size)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(
             self.kv_manager,
             policy=config.batching,
@@ -216,9 +216,25 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def stats(self) -> dict[str, float]:
-        """The scheduler's totals (:meth:`Scheduler.stats`) and the KV cache's size."""
+        """The scheduler's totals (:meth:`Scheduler.stats`), the KV cache's size and, with
+        ``prefix_caching``, :meth:`prefix_cache_stats`."""
         return {**self.scheduler.stats(), "kv_cache_blocks": self.kv_manager.num_blocks,
-                "kv_block_size": self.kv_manager.block_size, "kv_cache_bytes": self.runner.kv_cache.nbytes}
+                "kv_block_size": self.kv_manager.block_size, "kv_cache_bytes": self.runner.kv_cache.nbytes,
+                **(self.prefix_cache_stats() if self.config.prefix_caching else {})}
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Prefix caching (phase 7): prompt tokens looked up at admission (``queries``), of those
+        found cached (``hits``, their prefill skipped), the hit rate, and cached blocks evicted."""
+        kv = self.kv_manager
+        q, h = kv.prefix_cache_queries, kv.prefix_cache_hits
+        return {"prefix_cache_queries": q, "prefix_cache_hits": h, "prefix_cache_hit_rate": h / q if q else 0.0,
+                "prefix_cache_evictions": getattr(kv.pool, "num_evictions", 0)}
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block (vLLM's ``reset_prefix_cache``; blocks in use keep their
+        data but cannot be hit again). Returns the cached free blocks dropped (0 without
+        ``prefix_caching``)."""
+        return self.kv_manager.reset_prefix_cache()
 
     @property
     def num_preemptions(self) -> int:

@@ -162,6 +162,7 @@ class OutputProcessor:
             finished=finished,
             prompt_logprobs=req.prompt_logprobs,
             metrics=metrics,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
 

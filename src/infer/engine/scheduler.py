@@ -162,11 +162,12 @@ class Scheduler:
         return time.perf_counter() - self.waiting[0].arrival_time >= self.batch_wait_timeout_s
         # <<< EXERCISE batch_ready
 
-    @staticmethod
-    def _first_prefill(request: Request) -> int:
+    def _first_prefill(self, request: Request) -> int:
         """Tokens of the first prefill an admitted request runs (its prompt, or after a
-        preemption its first unfinished sequence's prompt and generated tokens)."""
-        return request.prompt_len if request.shares_prefill else len(request.unfinished_seqs[0].token_ids)
+        preemption its first unfinished sequence's prompt and generated tokens), less what the
+        prefix cache holds (phase 7)."""
+        n = request.prompt_len if request.shares_prefill else len(request.unfinished_seqs[0].token_ids)
+        return n - self.kv.cached_prefix_tokens(request) if self.kv.prefix_caching else n
 
     def _chunk(self, num_tokens: int, budget: int) -> int:
         """Tokens of a ``num_tokens``-token prefill to run this step with ``budget`` tokens left:
@@ -180,13 +181,13 @@ class Scheduler:
         """Give ``request`` its KV blocks, make it running, and schedule the prefills (or, with
         chunked prefill, their first chunks) that fit ``budget`` (the others run in later steps).
         Returns the budget left."""
-        self.kv.admit(request)
+        self.kv.admit(request)  # prefix caching: sets num_computed_tokens past the cached prefix
         seqs = request.unfinished_seqs
         for seq in seqs:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
         if request.shares_prefill:  # one prefill for all n sequences
-            items = [ScheduledSeq(seqs[0], request.prompt_len, seqs[1:])]
+            items = [ScheduledSeq(seqs[0], seqs[0].num_uncomputed_tokens, seqs[1:])]
         else:
             items = [ScheduledSeq(s, s.num_uncomputed_tokens) for s in seqs]
         for item in items:

@@ -37,6 +37,9 @@ class Sequence:
         block_table: the KV-cache blocks it holds while running, in order (empty otherwise):
             token ``p`` is in block ``block_table[p // block_size]`` (see
             :mod:`infer.engine.kv_cache_manager`).
+        block_hashes: prefix caching (phase 7): the keys of its full blocks so far (see
+            :mod:`infer.engine.prefix_cache`); ``num_cached_blocks``: how many blocks at the
+            start of ``block_table`` already have their key in the cache.
     """
 
     seq_id: int
@@ -49,6 +52,8 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[PositionLogprobs] | None = None
@@ -99,6 +104,8 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    #: prefix caching: prompt tokens found in the cache at its first admission (None before it)
+    num_cached_tokens: int | None = None
 
     @property
     def prompt_len(self) -> int:

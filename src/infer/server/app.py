@@ -47,6 +47,7 @@ from infer.server.protocol import (
     HealthResponse,
     ModelCard,
     ModelList,
+    ResetPrefixCacheResponse,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -325,11 +326,16 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         finally:
             await close_streams(tasks, streams)
 
-    def usage(outs: list[RequestOutput], score_only: bool = False) -> dict[str, int]:
+    prefix_caching = engine.engine.config.prefix_caching
+
+    def usage(outs: list[RequestOutput], score_only: bool = False) -> dict[str, Any]:
         """Token counts of ``outs`` (cumulative outputs); ``score_only``: nothing was generated."""
         p = sum(len(o.prompt_token_ids) for o in outs)
         c = 0 if score_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        u: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        if prefix_caching:  # OpenAI's and vLLM's report of prompt tokens served from the cache
+            u["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
+        return u
 
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -443,6 +449,15 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             "model_max_length": engine.engine.max_model_len,
             "vocab_size": engine.engine.vocab_size,
         })
+
+    @app.post("/reset_prefix_cache", responses=_responses(ResetPrefixCacheResponse, "The prefix cache was reset", 503))
+    async def reset_prefix_cache() -> JSONResponse:
+        """vLLM's endpoint: forget every cached KV block (phase 7), e.g. between benchmark runs."""
+        try:
+            dropped = await engine.call(lambda eng: eng.reset_prefix_cache())
+        except EngineDead:
+            return error_response(503, "the engine is not running", None, "server_unavailable")
+        return JSONResponse({"prefix_caching": prefix_caching, "num_blocks_dropped": dropped})
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format",

@@ -236,6 +236,19 @@ class AsyncEngine:
         finally:
             await request.aclose()
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result (for
+        operations on the engine's state, such as ``reset_prefix_cache``).
+
+        Raises:
+            EngineDead: the engine is not running. What ``fn`` raised is re-raised.
+        """
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        return await asyncio.wrap_future(fut)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, returns at once)."""
         self._inbox.put(("abort", request_id, None))
@@ -272,6 +285,11 @@ class AsyncEngine:
             fut.set_result(rid)
         elif cmd == "abort":
             self._abort(arg)
+        elif cmd == "call":
+            try:
+                fut.set_result(arg(eng))
+            except Exception as e:
+                fut.set_exception(e)
         elif cmd == "shutdown":
             self._stopping.set()
 

@@ -83,7 +83,9 @@ class SchedulerCollector:
     * ``infer:iteration_prefill_tokens``: histogram of prefill tokens per engine step (steps that
       ran any; vLLM's ``vllm:iteration_tokens_total`` counts all tokens of a step the same way);
     * ``infer:num_chunked_prefill_steps_total``: steps that ran a prefill chunk leaving part of
-      its sequence for a later step.
+      its sequence for a later step;
+    * ``infer:prefix_cache_queries_total`` / ``infer:prefix_cache_hits_total`` (phase 7): prompt
+      tokens looked up in the prefix cache at admission, and found there (vLLM's names).
     """
 
     def __init__(self, scheduler, model_name: str) -> None:
@@ -106,3 +108,11 @@ class SchedulerCollector:
                                 labels=["model_name"])
         c.add_metric([self.model_name], s.num_chunked_steps)
         yield c
+        kv = s.kv  # prefix caching (phase 7): vLLM's counters, in prompt tokens
+        for name, value, doc in (("infer:prefix_cache_queries", kv.prefix_cache_queries,
+                                  "Prompt tokens looked up in the prefix cache"),
+                                 ("infer:prefix_cache_hits", kv.prefix_cache_hits,
+                                  "Prompt tokens found in the prefix cache (prefill skipped)")):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c

@@ -358,10 +358,17 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details``: prompt tokens served from the prefix cache."""
+
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # with prefix_caching (phase 7)
 
 
 class CompletionLogprobs(BaseModel):
@@ -445,6 +452,14 @@ class ModelList(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"]
+
+
+class ResetPrefixCacheResponse(BaseModel):
+    """``POST /reset_prefix_cache`` (vLLM's endpoint): whether prefix caching is on, and how many
+    cached free KV blocks were dropped."""
+
+    prefix_caching: bool
+    num_blocks_dropped: int
 
 
 class TokenizeResponse(BaseModel):
