@@ -85,6 +85,7 @@ def test_host_tier_lru_keeps_the_most_recent_blocks_and_restores_them():
     off.offload([("h0", 0), ("h1", 1), ("h2", 2)])
     off.offload([("h0", 0)])  # already there: only touched, so h1 is now the least recent
     off.offload([("h3", 3)])
+    off.flush()
     assert {k for k in want if k in off.host} == {"h0", "h2", "h3"} and off.contains("h1") is None
     kv.k.zero_()
     kv.v.zero_()  # the device copies are gone: what comes back must come from the tier
@@ -105,6 +106,7 @@ def test_a_full_tier_evicts_and_a_batch_larger_than_the_tier_spills_the_right_da
     nb = block_nbytes(kv)
     off = KVOffloader(kv, "disk", host_bytes=2 * nb, disk_dir=str(tmp_path), disk_bytes=3 * nb)
     off.offload([(f"h{b}", b) for b in range(6)])
+    off.flush()
     off.disk.flush()
     assert [k for k in want if off.contains(k) == "host"] == ["h4", "h5"]
     assert [k for k in want if off.contains(k) == "disk"] == ["h1", "h2", "h3"]  # h0 fell off the bottom

@@ -427,9 +427,10 @@ class KVOffloader:
             self.disk = DiskTier(disk_dir, (disk_bytes or 0) // self.block_nbytes, self.shape, kv.k.dtype)
         self.counters = {f"kv_offload_{k}": 0 for k in (
             "stored_blocks", "host_evictions", "disk_evictions", "host_hits", "disk_hits",
-            "host_bytes_restored", "disk_bytes_restored", "bytes_offloaded", "bytes_spilled")}
+            "host_bytes_restored", "disk_bytes_restored", "bytes_offloaded", "bytes_spilled", "device_copies")}
         self.offload_time_s = 0.0
         self.restore_time_s = 0.0
+        self._todo: list[tuple[int, int]] = []  # (device block, host slot): copies offload() queued
 
     # -------------------------------------------------------------- device -> host (-> disk)
 
@@ -437,21 +438,30 @@ class KVOffloader:
         """Copy device blocks about to be reused into the host tier: ``(block hash, block id)`` pairs.
 
         A hash the host tier already holds is only marked recently used (its KV is the same).
-        A full host tier evicts its LRU block, to the disk tier when there is one.
+        A full host tier evicts its LRU block, to the disk tier when there is one. The slots are
+        taken now (a lookup finds the blocks at once); the copies are issued by :meth:`flush`,
+        all together, which the engine calls before the next step launches (the blocks' new
+        owners write them only then) and :meth:`restore` calls first.
         """
         t0 = time.perf_counter()
-        todo: list[tuple[int, int]] = []  # (device block, host slot) of copies not issued yet
         for key, block in blocks:
             if key in self.host:
                 self.host.lru.touch(key)
                 continue
             slot, evicted = self.host.lru.insert(key)
             if evicted is not None:
-                if any(s == evicted[1] for _, s in todo):  # a tier smaller than this batch
-                    self._issue(todo)
+                if any(s == evicted[1] for _, s in self._todo):  # a tier smaller than this batch
+                    self.flush()
                 self._spill(*evicted)
-            todo.append((block, slot))
-        self._issue(todo)
+            self._todo.append((block, slot))
+        self.offload_time_s += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Issue the device -> host copies :meth:`offload` queued (one CUDA event for all)."""
+        if not self._todo:
+            return
+        t0 = time.perf_counter()
+        self._issue(self._todo)
         self.offload_time_s += time.perf_counter() - t0
 
     def _issue(self, todo: list[tuple[int, int]]) -> None:
@@ -494,17 +504,24 @@ class KVOffloader:
             tiers.append(("disk", self.disk.__contains__))
         return tiers
 
-    def restore(self, keys: Sequence[Hashable], blocks: Sequence[int]) -> None:
-        """Copy blocks ``keys[i]`` (each in the host or the disk tier) into device blocks ``blocks[i]``.
+    def restore(self, keys: Sequence[Hashable], blocks: Sequence[int],
+                device_copies: Sequence[tuple[int, int]] = ()) -> None:
+        """Copy blocks ``keys[i]`` (each in the host or the disk tier) into device blocks ``blocks[i]``,
+        and device block ``src`` into ``dst`` for each ``(src, dst)`` of ``device_copies``.
 
-        On CUDA the copies are enqueued and ordered before the compute stream's next kernels
-        (:class:`BlockCopier`); a disk block is first read into pinned memory. On the CPU a disk
-        block is copied from the mapped file straight into the cache.
+        The copies :meth:`offload` queued are issued first (a destination block may be one just
+        evicted). On CUDA the copies are enqueued and ordered before the compute stream's next
+        kernels (:class:`BlockCopier`); a disk block is first read into pinned memory. On the
+        CPU a disk block is copied from the mapped file straight into the cache.
 
         Raises:
             KeyError: a key no tier holds (look up first).
         """
+        self.flush()
         t0 = time.perf_counter()
+        for src, dst in device_copies:  # on the compute stream, in order with everything else there
+            self.kv.copy_block_prefix(src, dst, self.kv.block_size)
+        self.counters["kv_offload_device_copies"] += len(device_copies)
         bufs = []
         for key in keys:
             if key in self.host:
@@ -520,7 +537,8 @@ class KVOffloader:
             bufs.append(data)
             self.counters["kv_offload_disk_hits"] += 1
             self.counters["kv_offload_disk_bytes_restored"] += self.block_nbytes
-        self.copier.to_device(bufs, blocks)
+        if bufs:
+            self.copier.to_device(bufs, blocks)
         self.restore_time_s += time.perf_counter() - t0
 
     # -------------------------------------------------------------- bookkeeping
@@ -536,8 +554,21 @@ class KVOffloader:
         s["kv_offload_restore_time_s"] = self.restore_time_s
         return s
 
+    def check_invariants(self) -> None:
+        """Every slot of each tier is either free or holds exactly one key (no leak, no double use).
+
+        Raises:
+            AssertionError: naming the tier.
+        """
+        tiers = [("host", self.host.lru)] + ([("disk", self.disk.lru)] if self.disk is not None else [])
+        for name, lru in tiers:
+            used = list(lru.slots.values())
+            assert len(set(used)) == len(used), f"{name} tier: a slot holds two blocks"
+            assert sorted(used + lru.free) == list(range(lru.num_slots)), f"{name} tier: slots leaked"
+
     def close(self) -> None:
         """Wait for outstanding copies and writes; delete the disk tier's file. Idempotent."""
+        self.flush()
         if self.cuda:
             self.copier.stream.synchronize()
         if self.disk is not None:
