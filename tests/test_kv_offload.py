@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from fractions import Fraction
 
 import pytest
@@ -25,12 +26,23 @@ from infer.engine.kv_offload import (
     break_even_tokens,
     tiered_lookup,
 )
+from infer.sampling import SamplingParams
+from tests.test_batching import make_engine
+from tests.test_prefix_caching import (
+    BS,
+    GREEDY,
+    KW,
+    assert_drained,
+    assert_prefix_pool_consistent,
+    assert_same_logprobs,
+    run_logprobs,
+)
 
-L, NB, BS, H, D = 3, 8, 4, 2, 5  # layers, blocks, block size, kv heads, head dim
+L, NB, TBS, H, D = 3, 8, 4, 2, 5  # layers, blocks, block size, kv heads, head dim
 
 
 def random_cache(block_major: bool, device="cpu", seed=0, dtype=torch.float32) -> KVCache:
-    kv = KVCache(L, NB, BS, H, D, dtype, device, block_major=block_major)
+    kv = KVCache(L, NB, TBS, H, D, dtype, device, block_major=block_major)
     g = torch.Generator().manual_seed(seed)
     kv.k.copy_(torch.randn(kv.k.shape, generator=g))
     kv.v.copy_(torch.randn(kv.v.shape, generator=g))
@@ -46,7 +58,7 @@ def block_ref(kv: KVCache, b: int) -> torch.Tensor:
 
 
 def test_block_major_cache_has_the_same_views_and_contiguous_blocks():
-    a, b = KVCache(L, NB, BS, H, D, torch.float32, "cpu"), KVCache(L, NB, BS, H, D, torch.float32, "cpu",
+    a, b = KVCache(L, NB, TBS, H, D, torch.float32, "cpu"), KVCache(L, NB, TBS, H, D, torch.float32, "cpu",
                                                                     block_major=True)
     assert a.k.shape == b.k.shape and a.nbytes == b.nbytes and b.blocks[3].is_contiguous()
     g = torch.Generator().manual_seed(1)
@@ -189,6 +201,99 @@ def test_kv_offload_config_is_validated():
     with pytest.raises(ValueError, match="need kv_offload='disk'"):
         EngineConfig(device="cpu", kv_offload_dir="/tmp").validate()
     assert "kv_offload" in EngineConfig.ablation_values()
+
+
+# ------------------------------------------------------------------------------------ the engine
+
+
+def offload_kw(mode: str, tmp_path, host_blocks: int, disk_blocks: int, kv_bytes_per_block: int) -> dict:
+    kw = dict(prefix_caching=True, kv_offload=mode, kv_offload_bytes=host_blocks * kv_bytes_per_block)
+    if mode == "disk":
+        kw.update(kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=disk_blocks * kv_bytes_per_block)
+    return kw
+
+
+def check_all(engine) -> None:
+    assert_prefix_pool_consistent(engine)
+    engine.offloader.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["host", "disk"])
+def test_a_prefix_restored_from_a_tier_gives_the_outputs_of_a_recompute(tiny_llama, tmp_path, mode):
+    """A 12-block device cache: two other prompts evict the first prompt's blocks, which come back
+    from the host tier (or, with a 2-block host tier, from the disk below it) on its next request:
+    the same greedy tokens and logprobs as an engine without any cache, and 16 tokens not prefilled."""
+    vocab = tiny_llama.config.vocab_size
+    rng = random.Random(1)
+    first = [rng.randrange(10, vocab) for _ in range(17)]
+    others = [[rng.randrange(10, vocab) for _ in range(33)] for _ in range(2)]
+    g = SamplingParams(max_tokens=3, **GREEDY)
+    arrivals = [(0, first, g), (10, first, g), (20, others[0], g), (30, others[1], g), (40, first, g)]
+    per_block = BS * tiny_llama.config.kv_bytes_per_token(torch.float32)
+    kw = {**KW, "max_model_len": 48, "kv_cache_memory_bytes": 12 * per_block}
+    ref = run_logprobs(make_engine(tiny_llama, **kw), arrivals, check=None)
+    eng = make_engine(tiny_llama, **kw, **offload_kw(mode, tmp_path, 64 if mode == "host" else 2, 64, per_block))
+    got = run_logprobs(eng, arrivals, check=check_all)
+    assert_same_logprobs(got, ref)
+    st = eng.stats()
+    assert got["r1"]["cached"] == 16 and got["r4"]["cached"] == 16  # r1 from the device, r4 from a tier
+    assert st["kv_offload_hit_tokens"] == 16 and st["prefix_cache_evictions"] > 0
+    assert st[f"kv_offload_{mode}_hits"] > 0
+    assert st["kv_offload_host_hits"] + st["kv_offload_disk_hits"] + st["kv_offload_device_copies"] == 4
+    assert_drained(eng)
+    eng.shutdown()
+    assert os.listdir(tmp_path) == []  # the disk tier's file is gone
+
+
+HOST_BLOCKS, DISK_BLOCKS = 10, 8
+
+
+@pytest.mark.parametrize("mode", ["host", "disk"])
+def test_stress_tiny_tiers_aborts_and_preemptions(tiny_llama, tmp_path, mode):
+    """Random prompts over a few shared prefixes, random aborts, a device pool that forces
+    preemptions and evictions, a host tier of 3 blocks (and a disk tier of 6): the pool's and the
+    tiers' invariants hold after every step, every request that was not aborted gets the tokens
+    of the engine without any cache, and nothing leaks."""
+    rng = random.Random(11)
+    vocab = tiny_llama.config.vocab_size
+    prefixes = [[rng.randrange(10, vocab) for _ in range(rng.randrange(8, 20))] for _ in range(4)]
+    arrivals = []
+    for i in range(16):
+        prompt = rng.choice(prefixes) + [rng.randrange(10, vocab) for _ in range(rng.randrange(1, 8))]
+        params = SamplingParams(max_tokens=rng.randrange(2, 14), n=rng.choice([1, 1, 2]), seed=i,
+                                temperature=rng.choice([0.0, 1.0]), ignore_eos=True)
+        arrivals.append((rng.randrange(0, 60), prompt, params))
+    aborts = {f"r{i}": rng.randrange(0, 60) for i in rng.sample(range(16), 4)}
+    per_block = BS * tiny_llama.config.kv_bytes_per_token(torch.float32)
+    kw = {**KW, "max_model_len": 40, "kv_cache_memory_bytes": 20 * per_block, "chunked_prefill": True,
+          "max_num_batched_tokens": 12}
+    results = {}
+    for offload in (False, True):
+        tiers = offload_kw(mode, tmp_path, HOST_BLOCKS, DISK_BLOCKS, per_block) if offload else {}
+        eng = make_engine(tiny_llama, **kw, **tiers)
+        step = [0]
+
+        def check(engine, step=step, offload=offload):
+            step[0] += 1
+            for rid, at in aborts.items():
+                if at == step[0]:
+                    engine.abort_request(rid)
+            if offload:
+                check_all(engine)
+
+        results[offload] = run_logprobs(eng, arrivals, check=check)
+        if offload:
+            assert_drained(eng)
+            st = eng.stats()
+            assert eng.num_preemptions > 0 and st["kv_offload_host_evictions"] > 0
+            assert st["kv_offload_host_hits"] > 0 and (mode == "host" or st["kv_offload_disk_hits"] > 0)
+            assert st["kv_offload_host_blocks"] <= HOST_BLOCKS and st["kv_offload_disk_blocks"] <= DISK_BLOCKS
+            eng.shutdown()
+            assert os.listdir(tmp_path) == []
+    done = results[False].keys() & results[True].keys() - set(aborts)
+    assert len(done) >= 8
+    for rid in done:
+        assert results[True][rid]["tokens"] == results[False][rid]["tokens"], rid
 
 
 # ------------------------------------------------------------------------------------ GPU
