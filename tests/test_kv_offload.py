@@ -218,8 +218,9 @@ def check_all(engine) -> None:
     engine.offloader.check_invariants()
 
 
-@pytest.mark.parametrize("mode", ["host", "disk"])
-def test_a_prefix_restored_from_a_tier_gives_the_outputs_of_a_recompute(tiny_llama, tmp_path, mode):
+@pytest.mark.parametrize("mode,extra", [("host", {}), ("disk", {}), ("host", {"async_scheduling": True})],
+                         ids=["host", "disk", "host-async"])
+def test_a_prefix_restored_from_a_tier_gives_the_outputs_of_a_recompute(tiny_llama, tmp_path, mode, extra):
     """A 12-block device cache: two other prompts evict the first prompt's blocks, which come back
     from the host tier (or, with a 2-block host tier, from the disk below it) on its next request:
     the same greedy tokens and logprobs as an engine without any cache, and 16 tokens not prefilled."""
@@ -232,7 +233,8 @@ def test_a_prefix_restored_from_a_tier_gives_the_outputs_of_a_recompute(tiny_lla
     per_block = BS * tiny_llama.config.kv_bytes_per_token(torch.float32)
     kw = {**KW, "max_model_len": 48, "kv_cache_memory_bytes": 12 * per_block}
     ref = run_logprobs(make_engine(tiny_llama, **kw), arrivals, check=None)
-    eng = make_engine(tiny_llama, **kw, **offload_kw(mode, tmp_path, 64 if mode == "host" else 2, 64, per_block))
+    eng = make_engine(tiny_llama, **kw, **extra,
+                      **offload_kw(mode, tmp_path, 64 if mode == "host" else 2, 64, per_block))
     got = run_logprobs(eng, arrivals, check=check_all)
     assert_same_logprobs(got, ref)
     st = eng.stats()
@@ -241,6 +243,16 @@ def test_a_prefix_restored_from_a_tier_gives_the_outputs_of_a_recompute(tiny_lla
     assert st[f"kv_offload_{mode}_hits"] > 0
     assert st["kv_offload_host_hits"] + st["kv_offload_disk_hits"] + st["kv_offload_device_copies"] == 4
     assert_drained(eng)
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from infer.server.metrics import SchedulerCollector
+
+    reg = CollectorRegistry()
+    reg.register(SchedulerCollector(eng.scheduler, "m"))
+    text = generate_latest(reg).decode()
+    want = float(st[f"kv_offload_{mode}_hits"])
+    assert f'infer:kv_offload_hits_total{{model_name="m",tier="{mode}"}} {want}' in text
+    assert 'infer:kv_offload_hit_tokens_total{model_name="m"} 16.0' in text
     eng.shutdown()
     assert os.listdir(tmp_path) == []  # the disk tier's file is gone
 
