@@ -86,6 +86,37 @@ def test_copier_round_trip_moves_every_layer_of_a_block(block_major):
     assert all(torch.equal(block_ref(dst, b), before[b]) for b in range(1, 7))  # nothing else written
 
 
+def test_triton_kernels_read_and_write_the_block_major_cache():
+    """The Triton write and attention kernels take the cache's strides: on a block-major layer view
+    (interpreted on the CPU) they give exact attention over the raw K/V, and write only their slots."""
+    from infer.attention import triton_ops as ops
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(31)
+    hq, hkv, d, bs, n = 4, 2, 32, 16, 21
+    k, v, q = (torch.randn(n, h, d, generator=g, dtype=torch.float64) for h in (hkv, hkv, hq))
+    kv = KVCache(3, 4, bs, hkv, d, torch.float32, dev, block_major=True)
+    kv.blocks.fill_(float("nan"))
+    k_cache, v_cache = kv.layer(1)
+    assert not k_cache.is_contiguous()
+    table = torch.tensor([[3, 1, 0]], dtype=torch.int32)
+    pos = torch.arange(n)
+    slots = table[0, pos // bs].long() * bs + pos % bs
+    ops.reshape_and_cache(k.float().to(dev), v.float().to(dev), k_cache, v_cache, slots.to(dev))
+    assert torch.isnan(kv.blocks[:, :, [0, 2]]).all() and torch.isnan(kv.blocks[2]).all()  # other layers, block 2
+    i32 = {"dtype": torch.int32, "device": dev}
+    out = ops.paged_prefill_attention(q.float().to(dev), k_cache, v_cache, table.to(dev), torch.tensor([0, n], **i32),
+                                      torch.tensor([n], **i32), n, d**-0.5)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=causal, scale=d**-0.5).transpose(0, 1)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=1e-5, rtol=1e-5)
+    dec = ops.paged_decode_attention(q[-1:].float().to(dev), k_cache, v_cache, table.to(dev),
+                                     torch.tensor([n], **i32), d**-0.5)
+    torch.testing.assert_close(dec.cpu().double(), expected[-1:], atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------------ the tiers
 
 
@@ -235,6 +266,7 @@ def test_a_prefix_restored_from_a_tier_gives_the_outputs_of_a_recompute(tiny_lla
     ref = run_logprobs(make_engine(tiny_llama, **kw), arrivals, check=None)
     eng = make_engine(tiny_llama, **kw, **extra,
                       **offload_kw(mode, tmp_path, 64 if mode == "host" else 2, 64, per_block))
+    assert eng.runner.kv_cache.blocks is None  # the torch backend keeps the layer-major cache
     got = run_logprobs(eng, arrivals, check=check_all)
     assert_same_logprobs(got, ref)
     st = eng.stats()
@@ -338,3 +370,36 @@ def test_cuda_copies_are_ordered_against_the_compute_stream(block_major):
         copier.to_device(pin, list(range(8, 16)))
         got = kv.k[:, 8:16].float().mean().item(), kv.v[:, 8:16].float().mean().item()  # compute stream
         assert got == (trial + 1.0, -(trial + 1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["host", "disk"])
+def test_gpu_bf16_prefix_restored_from_a_tier_gives_the_greedy_tokens_of_a_recompute(tiny_llama, tmp_path, mode):
+    """bf16 on the GPU, Triton backend (block-major cache, copies on the side stream): greedy
+    tokens identical to an engine without any cache, with the prefix restored from a tier while
+    other requests run (continuous batching, several prompts sharing prefixes)."""
+    from infer.engine.llm_engine import LLMEngine
+    from infer.loader import load_model
+
+    loaded = load_model(str(tiny_llama.path), device="cuda", dtype=torch.bfloat16, progress=False)
+    vocab = loaded.config.vocab_size
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(10, vocab) for _ in range(40)] for _ in range(3)]
+    g = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    arrivals = [(3 * i, prefixes[i % 3] + [rng.randrange(10, vocab) for _ in range(rng.randrange(1, 9))], g)
+                for i in range(18)]
+    per_block = 16 * loaded.config.kv_bytes_per_token(torch.bfloat16)
+    kw = dict(model=str(loaded.path), device="cuda", dtype="bfloat16", kv_cache="paged", block_size=16,
+              batching="continuous", max_model_len=64, max_num_seqs=4, kv_cache_memory_bytes=12 * per_block)
+    ref = run_logprobs(LLMEngine(EngineConfig(**kw), loaded=loaded), arrivals, check=None)
+    eng = LLMEngine(EngineConfig(**kw, **offload_kw(mode, tmp_path, 64 if mode == "host" else 2, 64, per_block)),
+                    loaded=loaded)
+    assert eng.runner.kv_cache.blocks is not None
+    got = run_logprobs(eng, arrivals, check=check_all)
+    assert {r: v["tokens"] for r, v in got.items()} == {r: v["tokens"] for r, v in ref.items()}
+    st = eng.stats()
+    assert st["kv_offload_hit_tokens"] > 0 and st[f"kv_offload_{mode}_hits"] > 0
+    eng.shutdown()
+    assert os.listdir(tmp_path) == []
+
