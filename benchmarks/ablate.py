@@ -9,6 +9,13 @@
     python benchmarks/ablate.py --workload serve --serve-workload decode-interference --flags chunked_prefill \
         --batching continuous --max-model-len 4096 --num-requests 4 --input-len 32 --output-len 200 \
         --long-len 3000 --out /tmp/abl-chunked
+    # prefix caching alone, on a sharing workload (a 2000-token prefix, one request at a time) and a
+    # non-sharing one (random token ids); --reset-prefix-cache makes each rate start cold
+    python benchmarks/ablate.py --workload serve --serve-workload shared-prefix --flags prefix_caching \
+        --batching continuous --kv-cache paged --max-model-len 4096 --prefix-len 2000 --input-len 32 \
+        --output-len 16 --num-requests 8 --max-concurrency 1 --request-rates inf --reset-prefix-cache --out /tmp/abl-pc
+    python benchmarks/ablate.py --workload serve --flags prefix_caching --batching continuous --kv-cache paged \
+        --scale 0.25 --request-rates inf --out /tmp/abl-pc-random
 
 The flags and their values come from ``EngineConfig.ablation_values()``: ``{field: (off, ...,
 on)}`` (``--flags`` picks some; default: all). The base configuration has *every* flag at its
@@ -245,7 +252,8 @@ def serve_command(c: dict[str, Any], args, given: dict[str, Any], rest: list[str
         srv += ["--max-model-len", str(inp + outl + 16)]
     if args.serve_workload != "random":
         rest = ["--workload", args.serve_workload, *rest]
-    cmd = [sys.executable, str(SERVE), "--launch", "--server-args", shlex.join(srv), "--token-prompts",
+    tokens = [] if args.serve_workload == "multi-turn" else ["--token-prompts"]  # multi-turn resends reply text
+    cmd = [sys.executable, str(SERVE), "--launch", "--server-args", shlex.join(srv), *tokens,
            "--num-requests", str(n), "--input-len", str(inp), "--output-len", str(outl),
            "--request-rates", *[format_value(r) for r in args.request_rates], "--out", str(out)]
     return cmd + rest  # later flags win: the user's serve_bench flags override these defaults
@@ -264,7 +272,8 @@ def offline_figures(rep: dict[str, Any]) -> dict[str, Any]:
 def serve_figures(rep: dict[str, Any]) -> dict[str, Any]:
     keys = ["rate", "completed", "failed", "output_tok_per_s", "total_tok_per_s", "req_per_s", "ttft_p50_ms",
             "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
-            "stream_itl_p50_ms", "stream_itl_p99_ms", "stream_itl_max_ms", "long_ttft_p50_ms"]
+            "stream_itl_p50_ms", "stream_itl_p99_ms", "stream_itl_max_ms", "long_ttft_p50_ms", "prefix_hit_rate",
+            "ttft_first_ms", "ttft_rest_p50_ms", "ttft_first_turn_p50_ms", "ttft_later_turns_p50_ms"]
     rates = [{k: a.get(k) for k in keys} for a in rep["rates"]]
     top = rates[-1] if rates else {}
     return {**{k: v for k, v in top.items() if k != "rate"}, "rate_of_summary": top.get("rate"), "rates": rates}
@@ -339,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scale", type=float, default=None,
                     help="workload scale (offline: see offline_throughput.py; serve: requests and lengths)")
     ap.add_argument("--serve-workload", default="random",
-                    choices=["random", "long-prompt-interference", "decode-interference"],
+                    choices=["random", "long-prompt-interference", "decode-interference", "shared-prefix", "multi-turn"],
                     help="serve: serve_bench's --workload (default: random)")
     ap.add_argument("--request-rates", type=float, nargs="+", default=[1.0, 4.0, 16.0, math.inf],
                     help="serve: offered request rates, inf = all at once (default: 1 4 16 inf)")
@@ -426,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     ref = next((c for c in configs if c["name"] == "all-off" and c["status"].startswith("ok")), None)
     interference = ["stream_itl_p50_ms", "stream_itl_p99_ms", "stream_itl_max_ms", "long_ttft_p50_ms"] \
         if args.workload == "serve" and args.serve_workload == "decode-interference" else []
+    if args.workload == "serve" and args.serve_workload in ("shared-prefix", "multi-turn"):  # prefix caching
+        interference = ["prefix_hit_rate", *(["ttft_first_ms", "ttft_rest_p50_ms"] if args.serve_workload ==
+                                             "shared-prefix" else ["ttft_first_turn_p50_ms", "ttft_later_turns_p50_ms"])]
     rows = []
     for c in configs:
         row = {"config": display_name(c), "status": c["status"].split(" ")[0]}

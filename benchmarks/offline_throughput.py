@@ -333,6 +333,7 @@ def run_infer(llm, wl: Workload, temperature: float, progress: bool = True, warm
         w = warmup_workload(wl)
         llm.generate(w.prompts, [params(o) for o in w.output_lens], use_tqdm=False)
     sps = [params(o) for o in wl.output_lens]
+    llm.engine.reset_prefix_cache()  # prefix caching: the timed run must not hit the warm-up's blocks
     llm.engine.scheduler.reset_stats()
     sync(device)
     t0 = time.perf_counter()
@@ -743,11 +744,12 @@ def main(argv: list[str] | None = None) -> int:
         free_device_memory()
 
     base_row = next((r for r in results if r["engine"] == "hf"), results[0] if results else None)
+    columns = COLUMNS + (["prefix_cache_hit_rate"] if any("prefix_cache_hit_rate" in r for r in results) else [])
     rows = []
     for r in results:
         r["mfu"] = flops / r["wall_s"] / (ceil["matmul_tflops"] * 1e12) if ceil else None
         r["speedup"] = r["output_tok_per_s"] / base_row["output_tok_per_s"]
-        rows.append({c: ("" if r.get(c) is None else r.get(c)) for c in COLUMNS})
+        rows.append({c: ("" if r.get(c) is None else r.get(c)) for c in columns})
     report = {
         "benchmark": "offline_throughput",
         "env": environment(device),
@@ -769,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
             f"requests, prompts {sizes['min_len']}-{sizes['max_len']}, outputs {sizes['min_output_len']}-"
             f"{sizes['max_output_len']}, seed {args.workload_seed}, temperature {args.temperature:g}; speedup = "
             f"output tok/s vs {report['baseline']}\n\n")
-    table = head + markdown_table(rows, COLUMNS)
+    table = head + markdown_table(rows, columns)
     if skipped:
         table += "\n\n" + "\n".join(f"skipped {s['label']}: {s['reason']}" for s in skipped)
     if ceil:

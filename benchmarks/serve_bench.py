@@ -7,6 +7,10 @@
     # a server that is already running (infer, vLLM, SGLang, ...)
     python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000/v1 --request-rates 1 2 4 inf
     python benchmarks/serve_bench.py --workload shared-prefix --prefix-len 1024 --input-len 32
+    # prefix caching (phase 7): chat conversations resending their history, cache off and on
+    python benchmarks/serve_bench.py --launch --workload multi-turn --num-requests 8 --turns 4 --input-len 64 \
+        --prefix-len 256 --output-len 32 --server-args "--batching continuous --kv-cache paged" \
+        --server-configs "off=" "prefix=--prefix-caching" --reset-prefix-cache
     python benchmarks/serve_bench.py --workload long-prompt-interference --long-fraction 0.1 --long-len 4096
     # chunked prefill (phase 6): 4 decode streams, a 3000-token prompt arriving 2 s in; one server
     # per configuration, the streams' inter-token gaps compared
@@ -32,7 +36,11 @@ Per rate: request throughput, output tok/s, total tok/s (prompt + output tokens 
 duration, from its first send to its last answer), TTFT/TPOT/ITL/E2E mean, p50, p90, p99,
 failures. ``long-prompt-interference`` also reports the short requests' ITL/TTFT separately
 (the decodes that long prefills interrupt); ``shared-prefix`` the TTFT of the sweep's first
-request (cold prefix) beside the others'. ``decode-interference`` sends ``--num-requests``
+request (cold prefix) beside the others'; ``multi-turn`` the TTFT of first turns beside later
+ones (conversations start with Poisson arrivals; a conversation sends its next turn, with the
+history, once the previous reply is complete). Where the server reports
+``usage.prompt_tokens_details.cached_tokens`` (infer and vLLM with prefix caching), the prefix
+cache hit rate (cached / prompt tokens) is reported too. ``decode-interference`` sends ``--num-requests``
 decode streams at once and ``--long-prompts`` long prompts at fixed offsets while they decode
 (``--long-start-s``, ``--long-interval-s``; the request rate plays no part) and reports the
 streams' ITL p50/p99 and largest gap, and the long prompts' TTFT: the stall a prefill puts on
@@ -84,7 +92,9 @@ from workloads import Request, build_requests  # noqa: E402
 async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool, timeout: float) -> dict[str, Any]:
     """Stream one request; return its record (times in seconds, relative to its send)."""
     rec: dict[str, Any] = {"success": False, "error": None, "ttft": None, "e2e": None, "itl": [],
-                           "output_tokens": 0, "chunks": 0, "prompt_tokens": None, "usage_tokens": None}
+                           "output_tokens": 0, "chunks": 0, "prompt_tokens": None, "usage_tokens": None,
+                           "cached_tokens": None}
+    pieces: list[str] = []
     start = time.perf_counter()
     rec["send_t"] = start
     last = None
@@ -115,13 +125,18 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool, time
                 if usage:
                     rec["usage_tokens"] = usage.get("completion_tokens")
                     rec["prompt_tokens"] = usage.get("prompt_tokens")
+                    details = usage.get("prompt_tokens_details") or {}  # prefix caching (OpenAI, vLLM)
+                    if details.get("cached_tokens") is not None:
+                        rec["cached_tokens"] = details["cached_tokens"]
                 content = False
                 for ch in chunk.get("choices") or []:
                     if chat:
                         d = ch.get("delta") or {}
                         content |= bool(d.get("content") or d.get("reasoning_content") or d.get("reasoning"))
+                        pieces.append(d.get("content") or "")
                     else:
                         content |= bool(ch.get("text"))
+                        pieces.append(ch.get("text") or "")
                 if not content:
                     continue
                 if last is None:
@@ -147,6 +162,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool, time
     end = time.perf_counter()
     rec["e2e"] = end - start
     rec["end_t"] = end
+    rec["reply"] = "".join(pieces)  # multi-turn: the next turn resends it (dropped from the records)
     if rec["success"]:
         rec["output_tokens"] = rec["usage_tokens"] if rec["usage_tokens"] else rec["chunks"]
         n = rec["output_tokens"]
@@ -157,13 +173,19 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool, time
     return rec
 
 
-def request_body(req: Request, args, model: str) -> tuple[str, dict]:
+def request_body(req: Request, args, model: str, history: list[tuple[str, str]] | None = None) -> tuple[str, dict]:
+    """The request's path and body; ``history``: multi-turn, the earlier (user, assistant) turns of
+    its conversation, resent before this turn's prompt (as chat messages, or joined as text)."""
+    history = history or []
     if args.endpoint == "chat":
-        body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": req.prompt}],
+        messages = [m for u, a in history for m in ({"role": "user", "content": u},
+                                                     {"role": "assistant", "content": a})]
+        body: dict[str, Any] = {"model": model, "messages": [*messages, {"role": "user", "content": req.prompt}],
                                 "max_completion_tokens": req.output_len}
         path = "/chat/completions"
     else:
-        body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len}
+        prompt = req.prompt if not history else "".join(f"{u}{a} " for u, a in history) + req.prompt
+        body = {"model": model, "prompt": prompt, "max_tokens": req.output_len}
         path = "/completions"
     body.update(stream=True, temperature=args.temperature)
     if args.ignore_eos:
@@ -200,10 +222,10 @@ async def run_rate(reqs: list[Request], rate: float, args, base_url: str, model:
                                  headers=_headers(args)) as client:
         t0 = time.perf_counter()
 
-        async def one(req: Request, offset: float) -> dict:
+        async def one(req: Request, offset: float, history=None) -> dict:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
             queued = time.perf_counter()
-            path, body = request_body(req, args, model)
+            path, body = request_body(req, args, model, history)
             if sem is not None:
                 async with sem:
                     rec = await send(client, base_url + path, body, args.endpoint == "chat", args.timeout)
@@ -212,10 +234,31 @@ async def run_rate(reqs: list[Request], rate: float, args, base_url: str, model:
             bar.update(1)
             rec.update(idx=req.idx, kind=req.kind, input_len=req.input_len, output_len=req.output_len,
                        arrival_s=offset, client_wait_s=rec["send_t"] - queued,
-                       send_s=rec.pop("send_t") - t0, end_s=rec.pop("end_t") - t0)
+                       send_s=rec.pop("send_t") - t0, end_s=rec.pop("end_t") - t0, **req.extra)
             return rec
 
-        recs = await asyncio.gather(*(one(r, o) for r, o in zip(reqs, offsets)))
+        async def conversation(turns: list[Request], offset: float) -> list[dict]:
+            """multi-turn: one conversation's turns in order, each resending the history."""
+            history, out = [], []
+            for req in turns:
+                rec = await one(req, offset, history)
+                history.append((req.prompt, rec["reply"]))
+                out.append(rec)
+                if not rec["success"]:
+                    break  # the rest of the conversation cannot be sent without this reply
+            return out
+
+        if reqs and "conversation" in reqs[0].extra:  # multi-turn (not its warm-up)
+            convs: dict[int, list[Request]] = {}
+            for r in reqs:
+                convs.setdefault(r.extra["conversation"], []).append(r)
+            starts = arrival_times(len(convs), rate, args.arrival, rng)
+            done = await asyncio.gather(*(conversation(t, o) for t, o in zip(convs.values(), starts)))
+            recs = [rec for conv in done for rec in conv]
+        else:
+            recs = await asyncio.gather(*(one(r, o) for r, o in zip(reqs, offsets)))
+        for rec in recs:
+            rec.pop("reply", None)
     bar.close()
     return list(recs)
 
@@ -279,6 +322,13 @@ def aggregate(recs: list[dict], rate: float, workload: str) -> dict[str, Any]:
         agg.update(stats_ms([r["tpot"] for r in streams if r["tpot"] is not None], "stream_tpot"))
         agg.update(stats_ms([r["ttft"] for r in long_], "long_ttft"))
         agg.update(stats_ms([r["e2e"] for r in long_], "long_e2e"))
+    cached = [r for r in ok if r.get("cached_tokens") is not None and r["prompt_tokens"]]
+    if cached:  # prefix caching: prompt tokens the server found cached (usage.prompt_tokens_details)
+        agg["cached_tokens"] = sum(r["cached_tokens"] for r in cached)
+        agg["prefix_hit_rate"] = agg["cached_tokens"] / sum(r["prompt_tokens"] for r in cached)
+    if workload == "multi-turn" and ok:
+        agg.update(stats_ms([r["ttft"] for r in ok if r["turn"] == 0], "ttft_first_turn"))
+        agg.update(stats_ms([r["ttft"] for r in ok if r["turn"] > 0], "ttft_later_turns"))
     if workload == "shared-prefix" and ok:
         first = min(ok, key=lambda r: r["send_s"])
         agg["ttft_first_ms"] = 1e3 * first["ttft"]
@@ -343,6 +393,17 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def reset_prefix_cache(base_url: str, args) -> None:
+    """``POST /reset_prefix_cache`` at the server's root (``base_url`` without ``/v1``)."""
+    root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+    try:
+        r = httpx.post(f"{root}/reset_prefix_cache", headers=_headers(args), timeout=60)
+        if r.status_code != 200:
+            print(f"warning: /reset_prefix_cache answered {r.status_code}: {r.text[:200]}", flush=True)
+    except httpx.HTTPError as e:
+        print(f"warning: /reset_prefix_cache failed: {type(e).__name__}: {e}", flush=True)
 
 
 def server_models(base_url: str, args) -> dict:
@@ -492,12 +553,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--server-log", default=None, help="file for the launched server's output (default: a temp file)")
 
     w = ap.add_argument_group("workload")
-    w.add_argument("--workload", choices=["random", "shared-prefix", "long-prompt-interference", "decode-interference"],
+    w.add_argument("--workload", choices=["random", "shared-prefix", "long-prompt-interference", "decode-interference",
+                                          "multi-turn"],
                    default="random",
                    help="random: independent prompts; shared-prefix: --prefix-len shared words + --input-len unique; "
                         "long-prompt-interference: --input-len prompts with a --long-fraction of --long-len ones; "
                         "decode-interference: --num-requests decode streams, --long-prompts --long-len prompts "
-                        "arriving while they decode")
+                        "arriving while they decode; multi-turn: --num-requests conversations of --turns turns of "
+                        "--input-len words, each resending the history (and --prefix-len shared system words)")
     w.add_argument("--num-requests", type=int, default=100, help="requests per rate (default: 100)")
     w.add_argument("--request-rates", type=parse_rate, nargs="+", default=[float("inf")],
                    help="offered request rates (req/s) to sweep; inf = all requests at once (default: inf)")
@@ -509,7 +572,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt length in words (~tokens) or token ids (default: 128); the unique suffix for "
                         "shared-prefix, the short prompts for long-prompt-interference")
     w.add_argument("--output-len", type=int, default=128, help="max_tokens of every request (default: 128)")
-    w.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: shared prefix length (default: 512)")
+    w.add_argument("--prefix-len", type=int, default=512,
+                   help="shared-prefix: shared prefix length; multi-turn: the shared system prompt (0: none) "
+                        "(default: 512)")
+    w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (default: 4)")
     w.add_argument("--long-fraction", type=float, default=0.1,
                    help="long-prompt-interference: fraction of long requests (at least one) (default: 0.1)")
     w.add_argument("--long-len", type=int, default=2048,
@@ -538,6 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=300, help="seconds per request before it counts as failed "
                                                               "(default: 300)")
     r.add_argument("--warmup", type=int, default=1, help="requests sent (and discarded) before the sweep (default: 1)")
+    r.add_argument("--reset-prefix-cache", action="store_true",
+                   help="POST /reset_prefix_cache (infer's and vLLM's endpoint, at the server's root) before each "
+                        "rate, so that every rate starts with a cold prefix cache")
     r.add_argument("--out", default=None, help="JSON report (and the Markdown table beside it, .md)")
     r.add_argument("--plot", default=None, help="PNG: TTFT, TPOT/ITL and throughput vs request rate")
     r.add_argument("--no-progress", action="store_true", help="no tqdm bars")
@@ -553,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.token_prompts and args.endpoint == "chat":
         raise SystemExit("--token-prompts needs --endpoint completions")
+    if args.token_prompts and args.workload == "multi-turn":
+        raise SystemExit("multi-turn resends the replies' text: drop --token-prompts")
     if args.server_configs and not args.launch:
         raise SystemExit("--server-configs needs --launch")
     rates = [float("inf")] if args.arrival == "burst" or args.workload == "decode-interference" else args.request_rates
@@ -564,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
                           long_fraction=args.long_fraction, long_len=args.long_len,
                           token_range=tuple(args.token_range), long_prompts=args.long_prompts,
                           long_output_len=args.long_output_len, long_start_s=args.long_start_s,
-                          long_interval_s=args.long_interval_s)
+                          long_interval_s=args.long_interval_s, turns=args.turns)
     for label, extra in configs:
         proc = None
         server_cmd = None
@@ -586,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
                 if bad:
                     print(f"warning: warm-up failed: {bad[0]}", flush=True)
             for rate in rates:
+                if args.reset_prefix_cache:
+                    reset_prefix_cache(base_url, args)
                 recs = asyncio.run(run_rate(reqs, rate, args, base_url, model))
                 agg = aggregate(recs, rate, args.workload)
                 if args.server_configs:
@@ -620,8 +693,10 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf") for k, v in vars(args).items()
                  if k not in ("api_key",)},
         "workload": {"name": args.workload, "num_requests": args.num_requests, "input_len": args.input_len,
-                     "output_len": args.output_len, "prefix_len": args.prefix_len if args.workload == "shared-prefix"
-                     else None, "long_fraction": args.long_fraction, "long_len": args.long_len,
+                     "output_len": args.output_len, "prefix_len": args.prefix_len
+                     if args.workload in ("shared-prefix", "multi-turn") else None,
+                     "turns": args.turns if args.workload == "multi-turn" else None,
+                     "reset_prefix_cache": args.reset_prefix_cache, "long_fraction": args.long_fraction, "long_len": args.long_len,
                      "token_prompts": args.token_prompts, "arrival": args.arrival, "seed": args.seed,
                      "long_prompts": args.long_prompts if args.workload == "decode-interference" else None,
                      "long_output_len": args.long_output_len if args.workload == "decode-interference" else None,
@@ -642,10 +717,15 @@ def main(argv: list[str] | None = None) -> int:
         columns += ["short_itl_p50_ms", "short_itl_p99_ms", "short_ttft_p50_ms", "long_ttft_p50_ms"]
     if args.workload == "shared-prefix":
         columns += ["ttft_first_ms", "ttft_rest_p50_ms"]
+    if args.workload == "multi-turn":
+        columns += ["ttft_first_turn_p50_ms", "ttft_later_turns_p50_ms"]
+    if any(a.get("prefix_hit_rate") is not None for a in aggs):
+        columns += ["prefix_hit_rate"]
     rows = [{c: ("" if a.get(c) is None else a.get(c)) for c in columns} for a in aggs]
     mp = aggs[0].get("mean_prompt_tokens") if aggs else None
     table = (f"serve_bench: {model} at {base_url}, {args.workload}, {args.num_requests} requests/rate, "
              f"input {args.input_len}" + (f" + prefix {args.prefix_len}" if args.workload == "shared-prefix" else "")
+             + (f" x {args.turns} turns + system {args.prefix_len}" if args.workload == "multi-turn" else "")
              + (f", long {args.long_len} x {args.long_fraction:g}" if args.workload == "long-prompt-interference"
                 else "")
              + (f", {args.long_prompts} x long {args.long_len} (out {args.long_output_len}) from "

@@ -62,7 +62,7 @@ def build_requests(workload: str, num_requests: int, input_len: int, output_len:
                    token_prompts: bool = False, prefix_len: int = 0, long_fraction: float = 0.1,
                    long_len: int = 0, token_range: tuple[int, int] = (1000, 20000), long_prompts: int = 1,
                    long_output_len: int = 16, long_start_s: float = 2.0,
-                   long_interval_s: float = 5.0) -> list[Request]:
+                   long_interval_s: float = 5.0, turns: int = 4) -> list[Request]:
     """The requests of one workload, the same for every request rate of a sweep.
 
     * ``random``: ``input_len`` random words (or token ids) each.
@@ -74,6 +74,12 @@ def build_requests(workload: str, num_requests: int, input_len: int, output_len:
       with ``long_len`` prompts and ``long_output_len`` tokens, sent ``long_start_s``,
       ``long_start_s + long_interval_s``, ... seconds later, while the streams decode. The send
       offset of each request is ``extra["arrival_s"]``.
+    * ``multi-turn`` (prefix caching, phase 7): ``num_requests`` conversations of ``turns`` turns;
+      each turn is ``input_len`` new words (the first turn of every conversation starts with one
+      shared ``prefix_len``-word system prompt, when ``prefix_len > 0``). The client sends a turn
+      after the previous one's reply, resending the history (earlier prompts and replies) before
+      it: ``extra["conversation"]``, ``extra["turn"]``. Text prompts only (the history holds the
+      replies' text).
     """
     rng = random.Random(seed)
 
@@ -104,6 +110,15 @@ def build_requests(workload: str, num_requests: int, input_len: int, output_len:
         for k in range(long_prompts):
             reqs.append(Request(num_requests + k, prompt(long_len), long_len, long_output_len, "long",
                                 {"arrival_s": long_start_s + k * long_interval_s}))
+    elif workload == "multi-turn":
+        if token_prompts:
+            raise ValueError("multi-turn resends the replies' text: use text prompts")
+        system = text_prompt(rng, prefix_len) + " " if prefix_len > 0 else ""
+        for c in range(num_requests):
+            for t in range(turns):
+                p = (system if t == 0 else "") + text_prompt(rng, input_len) + " "
+                reqs.append(Request(c * turns + t, p, input_len + (prefix_len if t == 0 else 0), output_len,
+                                    "multi-turn", {"conversation": c, "turn": t}))
     else:
         raise ValueError(f"unknown workload {workload!r}")
     return reqs

@@ -284,6 +284,7 @@ class Scheduler:
         self.num_prefill_tokens = self.num_chunked_steps = 0
         self.prefill_tokens_buckets = [0] * (len(PREFILL_TOKEN_BUCKETS) + 1)
         self.kv_utilization_sum = 0.0
+        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
 
     def stats(self) -> dict[str, float]:
         """Totals since start: steps, preemptions, the widest batch, the mean batch (running
