@@ -41,7 +41,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
-from common import environment, markdown_table, save_figure, sync, write_report  # noqa: E402
+from common import environment, free_device_memory, markdown_table, save_figure, sync, write_report  # noqa: E402
 
 from infer.attention.kv_cache import KVCache  # noqa: E402
 from infer.engine.kv_offload import BlockCopier, DiskTier, block_nbytes, block_shape  # noqa: E402
@@ -235,19 +235,20 @@ def flush_device(engine, args, rng) -> None:
 # ------------------------------------------------------------------------------- 3. multi-turn
 
 
-def multi_turn(args, offload: str) -> dict[str, Any]:
-    """``--conversations`` chats of ``--turns`` turns, round-robin; each turn resends the history
-    plus ``--turn-len`` new tokens and generates ``--output-len`` tokens."""
+def multi_turn(args, offload: str, turns: int) -> dict[str, Any]:
+    """``--conversations`` chats of ``turns`` turns, round-robin; each turn resends the history
+    plus ``--turn-len`` new tokens and generates ``--output-len`` tokens. With ``turns=1`` every
+    prompt is new: nothing can hit, and the run measures what offloading the evicted blocks costs."""
     import random
 
     from infer.sampling import SamplingParams
 
-    engine = make_engine(args, offload)
+    engine = make_engine(args, offload, kv_cache_memory_bytes=args.multi_turn_kv_cache_memory_bytes)
     rng = random.Random(args.seed)
     hist = [[rng.randrange(1000, 20000) for _ in range(args.system_len)] for _ in range(args.conversations)]
     ttfts, itls, out_tokens = [], [], 0
     t0 = time.perf_counter()
-    for _turn in range(args.turns):
+    for _turn in range(turns):
         starts, firsts, last = {}, {}, {}
         for c in range(args.conversations):
             hist[c] += [rng.randrange(1000, 20000) for _ in range(args.turn_len)]
@@ -271,12 +272,14 @@ def multi_turn(args, offload: str) -> dict[str, Any]:
         ttfts += [firsts[r] - starts[r] for r in starts]
     wall = time.perf_counter() - t0
     s = engine.stats()
-    if getattr(engine, "offloader", None) is not None:
-        engine.shutdown()
-    return {"kv_offload": offload, "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1),
+    engine.shutdown()
+    del engine
+    free_device_memory()
+    return {"workload": f"{turns} turn(s)", "kv_offload": offload, "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1),
             "ttft_p50_ms": round(1e3 * statistics.median(ttfts), 1),
             "ttft_p90_ms": round(1e3 * sorted(ttfts)[int(0.9 * (len(ttfts) - 1))], 1),
             "itl_p50_ms": round(1e3 * statistics.median(itls), 2) if itls else None,
+            "itl_mean_ms": round(1e3 * statistics.fmean(itls), 2) if itls else None,
             **{k: v for k, v in s.items() if k.startswith(("prefix_cache", "kv_offload"))}}
 
 
@@ -324,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tier", default="disk", choices=("host", "disk"))
     ap.add_argument("--cold", action="store_true", help="disk tier: drop its pages before each restore")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: the longest prefix or conversation + 64")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--chunked-prefill", action="store_true")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -333,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-offload-disk-bytes", type=int, default=4 << 30)
     ap.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: a temporary one)")
     ap.add_argument("--multi-turn", action="store_true", help="part 3")
+    ap.add_argument("--multi-turn-kv-cache-memory-bytes", type=int, default=None,
+                    help="part 3: the device's KV pool (smaller than the conversations' histories)")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-len", type=int, default=1024)
@@ -352,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     print("bandwidths:")
     total = args.bandwidth_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     report["bandwidths"] = bandwidths(device, args.shapes, args.block_size, dtype, total, tmp.name)
-    if args.prefix_lens or args.multi_turn:
-        args.max_model_len = max(args.max_model_len, max(args.prefix_lens or [0]) + 64)
+    longest_chat = args.system_len + args.turns * (args.turn_len + args.output_len) if args.multi_turn else 0
+    args.max_model_len = max(args.max_model_len or 0, max(args.prefix_lens or [0]) + 64, longest_chat + 64, 128)
     if args.prefix_lens:
         print(f"restore ({args.tier} tier) vs recompute:")
         engine = make_engine(args, args.tier)
@@ -361,9 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         report["restore_vs_recompute"] = restore_vs_recompute(args, engine)
         report["break_even"] = break_even(report, args.tier)
         engine.shutdown()
+        del engine
+        free_device_memory()
     if args.multi_turn:
         print("multi-turn:")
-        report["multi_turn"] = [multi_turn(args, m) for m in ("none", "host")]
+        report["multi_turn"] = [multi_turn(args, m, t) for t in (args.turns, 1) for m in ("none", "host")]
         for r in report["multi_turn"]:
             print("  ", r)
     table = markdown_table(report["bandwidths"], ["copy", "MB", "copies", "ms", "GB/s"])
@@ -372,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         table += "\n\n" + markdown_table(rows, list(rows[0]))
         table += "\n\nbreak-even: " + json.dumps(report["break_even"])
     if report.get("multi_turn"):
-        table += "\n\n" + markdown_table(report["multi_turn"], ["kv_offload", "wall_s", "output_tok_s",
-                                                                "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms"])
+        table += "\n\n" + markdown_table(report["multi_turn"], [
+            "workload", "kv_offload", "wall_s", "output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms",
+            "itl_mean_ms", "prefix_cache_hit_rate", "kv_offload_hit_tokens", "kv_offload_stored_blocks"])
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -391,7 +400,7 @@ def break_even(report: dict[str, Any], tier: str) -> dict[str, Any]:
     longest = rows[-1]
     prefill_tps = longest["prefix_tokens"] / (longest["recompute_ms"] / 1e3)
     name = {"host": ("host (pinned)->device, block-major", "host tier->KV cache, block-major"),
-            "disk": ("disk tier read (page cache)",)}[tier]
+            "disk": ("disk tier read (cold: pages dropped)",) if report["args"]["cold"] else ("disk tier read (page cache)",)}[tier]
     bw = next(r["GB/s"] for r in report["bandwidths"] if r["copy"] in name) * 1e9
     # the fixed cost: the restore's TTFT beyond the copy and the suffix's compute, at the shortest length
     short = rows[0]
