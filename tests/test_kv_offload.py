@@ -163,6 +163,8 @@ def test_a_full_tier_evicts_and_a_batch_larger_than_the_tier_spills_the_right_da
     assert s["kv_offload_host_evictions"] == 4 and s["kv_offload_disk_evictions"] == 1
     path = off.disk.path
     assert path.exists() and path.stat().st_size == 3 * nb
+    assert off.reset() == 5 and all(off.contains(k) is None for k in want)
+    off.check_invariants()
     off.close()
     off.close()
     assert not path.exists()

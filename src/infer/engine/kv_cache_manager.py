@@ -339,6 +339,8 @@ class KVCacheManager:
         blocks were dropped (0 without prefix caching)."""
         if not self.prefix_caching:
             return 0
+        if self.offloader is not None:  # phase 10: the tiers below forget theirs too
+            self.offloader.reset()
         return self.pool.reset()
 
     # ------------------------------------------------------------------ growing

@@ -554,6 +554,21 @@ class KVOffloader:
         s["kv_offload_restore_time_s"] = self.restore_time_s
         return s
 
+    def reset(self) -> int:
+        """Forget every block of every tier (with the prefix cache's ``reset_prefix_cache``);
+        returns how many were dropped. Queued copies and disk writes finish first."""
+        self.flush()
+        if self.cuda:
+            self.copier.stream.synchronize()
+        dropped = len(self.host)
+        self.host.lru = _LRU(self.host.num_slots)
+        self.host.ready = [None] * self.host.num_slots
+        if self.disk is not None:
+            self.disk.flush()
+            dropped += len(self.disk)
+            self.disk.lru = _LRU(self.disk.num_slots)
+        return dropped
+
     def check_invariants(self) -> None:
         """Every slot of each tier is either free or holds exactly one key (no leak, no double use).
 
