@@ -745,6 +745,8 @@ def main(argv: list[str] | None = None) -> int:
 
     base_row = next((r for r in results if r["engine"] == "hf"), results[0] if results else None)
     columns = COLUMNS + (["prefix_cache_hit_rate"] if any("prefix_cache_hit_rate" in r for r in results) else [])
+    columns += [c for c in ("kv_offload_hit_tokens", "kv_offload_host_hits", "kv_offload_disk_hits")
+                if any(c in r for r in results)]  # phase 10: tokens and blocks restored from the tiers
     rows = []
     for r in results:
         r["mfu"] = flops / r["wall_s"] / (ceil["matmul_tflops"] * 1e12) if ceil else None

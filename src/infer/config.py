@@ -26,6 +26,7 @@ LayerType = Literal["full_attention", "sliding_attention"]
 BATCHING_MODES = ("none", "static", "continuous")
 KV_CACHE_LAYOUTS = ("contiguous", "paged")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_OFFLOAD_MODES = ("none", "host", "disk")
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,16 @@ class EngineConfig:
                                    "same outputs, one step later", ablation=(False, True))
     cuda_graph_max_batch_size: int = _flag(256, "cuda_graphs: the largest decode batch captured (buckets 1, 2, "
                                            "4, 8, then steps of 8 up to this); larger decode steps run eagerly")
+    # ---- phase 10: KV offload
+    kv_offload: str = _flag("none", "prefix blocks evicted from the device's KV cache go to a tier below instead "
+                            "of being dropped, and a prefix hit there is copied back: none; host (host memory, "
+                            "pinned on CUDA); disk (host, then memory-mapped files in kv_offload_dir below it); "
+                            "needs prefix_caching", choices=KV_OFFLOAD_MODES, ablation=("none", "host"))
+    kv_offload_bytes: int = _flag(4 << 30, "kv_offload: capacity of the host tier in bytes")
+    kv_offload_dir: str | None = _flag(None, "kv_offload='disk': directory of the disk tier's file (deleted at "
+                                       "shutdown)")
+    kv_offload_disk_bytes: int | None = _flag(None, "kv_offload='disk': capacity of the disk tier in bytes; "
+                                              "default: 4 x kv_offload_bytes")
 
     def resolved_device(self) -> torch.device:
         return torch.device(default_device() if self.device in (None, "auto") else self.device)
@@ -305,7 +316,31 @@ class EngineConfig:
                                  "data-dependent shapes, which a captured graph cannot replay")
         if self.cuda_graph_max_batch_size < 1:
             raise ValueError(f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}")
+        self._validate_kv_offload()
         return self
+
+    def _validate_kv_offload(self) -> None:
+        if self.kv_offload not in KV_OFFLOAD_MODES:
+            raise ValueError(f"kv_offload must be one of {', '.join(KV_OFFLOAD_MODES)}, got {self.kv_offload!r}")
+        if self.kv_offload != "disk" and (self.kv_offload_dir is not None or self.kv_offload_disk_bytes is not None):
+            raise ValueError("kv_offload_dir and kv_offload_disk_bytes configure the disk tier; they need "
+                             "kv_offload='disk'")
+        if self.kv_offload == "none":
+            return
+        if not getattr(self, "prefix_caching", False):
+            raise ValueError(f"kv_offload={self.kv_offload!r} needs prefix_caching=True: the tiers hold the blocks "
+                             "that the prefix cache evicts, found by its block hashes")
+        if self.kv_offload_bytes <= 0:
+            raise ValueError(f"kv_offload_bytes must be > 0, got {self.kv_offload_bytes}")
+        if self.kv_offload == "disk":
+            if not self.kv_offload_dir:
+                raise ValueError("kv_offload='disk' needs kv_offload_dir (the directory of the disk tier's file)")
+            if self.kv_offload_disk_bytes is not None and self.kv_offload_disk_bytes <= 0:
+                raise ValueError(f"kv_offload_disk_bytes must be > 0, got {self.kv_offload_disk_bytes}")
+
+    def resolved_kv_offload_disk_bytes(self) -> int:
+        """The disk tier's capacity: ``kv_offload_disk_bytes`` or 4 x ``kv_offload_bytes``."""
+        return self.kv_offload_disk_bytes if self.kv_offload_disk_bytes is not None else 4 * self.kv_offload_bytes
 
     def resolved_attention_backend(self) -> str:
         """``"torch"`` or ``"triton"``: ``auto`` is triton on CUDA, torch on the CPU."""

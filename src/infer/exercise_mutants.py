@@ -223,6 +223,22 @@ _ALL = [
         "        self._uncache(b)\n",
         "        self._uncache(b)\n        if self.on_evict is not None:\n"
         "            self.on_evict(self.block_hash[b], b, self.block_tokens[b])\n")),
+    # ---------------------------------------------------------------- phase 10
+    _m("tiered_lookup", "device_only_prefix", "stops at the first block the device lacks, never looking below",
+       ("        for name, contains in lower_tiers:\n            if contains(h):\n",
+        "        for name, contains in lower_tiers[:0]:\n            if contains(h):\n")),
+    _m("tiered_lookup", "holes_skipped", "a block no tier holds is skipped instead of ending the prefix",
+       ("        else:\n            break\n    return found", "        else:\n            continue\n    return found")),
+    _m("tiered_lookup", "slowest_tier_first", "a block in both lower tiers is read from the disk",
+       ("        for name, contains in lower_tiers:", "        for name, contains in reversed(lower_tiers):")),
+    _m("break_even", "no_fixed_cost", "ignores the fixed latency: restore always wins from one token",
+       ("math.floor(Fraction(fixed_latency_s) / saving_per_token) + 1", "1")),
+    _m("break_even", "ceil_not_strict", "ceil(fixed / saving): at an exact multiple restore only ties",
+       ("math.floor(Fraction(fixed_latency_s) / saving_per_token) + 1",
+        "math.ceil(Fraction(fixed_latency_s) / saving_per_token)")),
+    _m("break_even", "copy_cost_ignored", "the copy's per-token cost is left out of the saving",
+       ("1 / Fraction(prefill_tokens_per_s) - Fraction(kv_bytes_per_token) / Fraction(\n        bandwidth_bytes_per_s)",
+        "1 / Fraction(prefill_tokens_per_s) - 0 * Fraction(kv_bytes_per_token) / Fraction(\n        bandwidth_bytes_per_s)")),
 ]
 
 MUTANTS: dict[str, list[Mutant]] = {}

@@ -333,6 +333,23 @@ EXERCISES: dict[str, Exercise] = {
             "its old key again.",
             10, _engine("lru_eviction", "block_hash_chain", "prefix_lookup"),
         ),
+        # ---------------------------------------------------------------- phase 10
+        Exercise(
+            "tiered_lookup", 10, "src/infer/engine/kv_offload.py",
+            ("tests/test_kv_offload.py::test_tiered_lookup",),
+            "Walk a prompt's block hashes in order and say where each block's KV is: the device if the "
+            "prefix cache holds it, else the fastest lower tier that does. A block no tier holds ends the "
+            "usable prefix.",
+            10,
+        ),
+        Exercise(
+            "break_even", 10, "src/infer/engine/kv_offload.py",
+            ("tests/test_kv_offload.py::test_break_even_tokens",),
+            "Restoring n tokens costs a fixed latency plus n times the bytes per token over the bandwidth; "
+            "recomputing them costs n over the prefill rate. Return the smallest n for which the restore is "
+            "strictly faster, or None if it never is.",
+            10,
+        ),
     ]
 }
 

@@ -14,6 +14,12 @@ Two layouts, one class (``EngineConfig.kv_cache``):
   possible sequence (measured in docs/phases/05-paged-kv.md).
 * ``"paged"`` (phase 5, PagedAttention, Kwon et al., SOSP 2023): small blocks (16 tokens by
   default) taken as a sequence grows; the attention walks the block table.
+
+Two memory orders of the same ``[num_layers, num_blocks, ...]`` views (``block_major``): the
+default keeps each layer's blocks together (``k[layer]`` is one contiguous tensor); the
+*block-major* order (phase 10, KV offload) keeps each block's K and V of every layer together,
+so that copying one block to or from the host tier is one large contiguous copy instead of
+``2 * num_layers`` small ones (vLLM's offloading connector made the same change).
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ class KVCache:
     Args:
         contiguous: True when every sequence owns exactly one block (the contiguous cache); the
             plain-PyTorch attention then reads a sequence's context as one slice.
+        block_major: store the cache as one ``[num_blocks, 2, num_layers, block_size,
+            num_kv_heads, head_dim]`` tensor (:attr:`blocks`; ``blocks[b]`` is block ``b``'s K and V
+            of every layer, contiguous) and make ``k``/``v`` strided views of it with the usual
+            shape. The Triton kernels take strides and read either order.
     """
 
     def __init__(
@@ -45,6 +55,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         contiguous: bool = False,
+        block_major: bool = False,
     ) -> None:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed: the plain-PyTorch attention reads whole blocks and masks the slots past a
@@ -53,8 +64,14 @@ class KVCache:
         # written (glibc serves allocations above 32 MiB with mmap); zeroing it would touch every page.
         nbytes = 2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         alloc = torch.empty if torch.device(device).type == "cpu" and nbytes >= _LAZY_ZERO_BYTES else torch.zeros
-        self.k = alloc(shape, dtype=dtype, device=device)
-        self.v = alloc(shape, dtype=dtype, device=device)
+        self.blocks: torch.Tensor | None = None
+        if block_major:
+            self.blocks = alloc((num_blocks, 2, num_layers, block_size, num_kv_heads, head_dim), dtype=dtype,
+                                device=device)
+            self.k, self.v = self.blocks[:, 0].transpose(0, 1), self.blocks[:, 1].transpose(0, 1)
+        else:
+            self.k = alloc(shape, dtype=dtype, device=device)
+            self.v = alloc(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.contiguous = contiguous
@@ -106,6 +123,11 @@ class KVCache:
         seen as ``[num_blocks * block_size, num_kv_heads, head_dim]``.
         """
         kl, vl = self.k[layer_idx], self.v[layer_idx]
+        if self.blocks is not None:  # block-major: a layer's blocks are strided, index (block, offset)
+            idx = (slot_mapping // self.block_size, slot_mapping % self.block_size)
+            kl.index_put_(idx, k.to(kl.dtype))
+            vl.index_put_(idx, v.to(vl.dtype))
+            return
         kl.view(-1, *kl.shape[2:]).index_copy_(0, slot_mapping, k.to(kl.dtype))
         vl.view(-1, *vl.shape[2:]).index_copy_(0, slot_mapping, v.to(vl.dtype))
 

@@ -120,6 +120,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (admissions)
         self.prefix_cache_hits = 0  # of those, tokens found cached (their prefill skipped)
+        # phase 10 (kv_offload): the tiers below the device, set by the engine
+        # (:class:`~infer.engine.kv_offload.KVOffloader`); a lookup continues there after a device miss
+        self.offloader = None
+        self.offload_hit_tokens = 0  # prompt tokens restored from the tiers (their prefill skipped)
 
     @property
     def num_blocks(self) -> int:
@@ -178,17 +182,20 @@ class KVCacheManager:
         for hit in hits:  # first, so that allocating below cannot evict them
             if hit:
                 self.pool.touch(hit)
+        first_admission = request.num_cached_tokens is None
         self._count_prefix_hits(request, hits)
         if not request.shares_prefill:
             for seq, hit in zip(seqs, hits):
                 seq.block_table = hit + self.pool.allocate(self.blocks_for(len(seq.token_ids)) - len(hit))
                 seq.num_cached_blocks = len(hit)
                 seq.num_computed_tokens = len(hit) * self.block_size
+                self._restore_from_tiers(seq, first_admission)
             return
         first, *forks = seqs
         first.block_table = hits[0] + self.pool.allocate(self.blocks_for(request.prompt_len) - len(hits[0]))
         first.num_cached_blocks = len(hits[0])
         first.num_computed_tokens = len(hits[0]) * self.block_size
+        self._restore_from_tiers(first, first_admission)
         full = request.prompt_len // self.block_size
         for fork in forks:
             shared = first.block_table[:full]
@@ -248,8 +255,61 @@ class KVCacheManager:
         return [self.find_cached_prefix(s) for s in seqs]
 
     def cached_prefix_tokens(self, request: Request) -> int:
-        """Tokens of ``request``'s first prefill that the prefix cache would skip now."""
-        return len(self._prefix_hits(request)[0]) * self.block_size
+        """Tokens of ``request``'s first prefill that the prefix cache would skip now (with
+        ``kv_offload``, the blocks the tiers below would restore included)."""
+        seq, hit = request.unfinished_seqs[0], self._prefix_hits(request)[0]
+        return (len(hit) + len(self.tier_prefix(seq, hit))) * self.block_size
+
+    # ------------------------------------------------------------------ KV offload (phase 10)
+
+    def tier_prefix(self, seq: Sequence, hit: list[int]) -> list:
+        """Keys of the blocks after ``seq``'s device hit ``hit`` that a tier can supply (pure):
+        :func:`~infer.engine.kv_offload.tiered_lookup` over the device, then the offload tiers,
+        capped like :meth:`find_cached_prefix`. ``[]`` without ``kv_offload``."""
+        if self.offloader is None or not self.prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        from infer.engine.kv_offload import tiered_lookup
+
+        bs, tokens = self.block_size, seq.token_ids
+        hashes = self.seq_block_hashes(seq)
+        start, stop = len(hit), min(len(hashes), (len(tokens) - 1) // bs)
+        on_device = {h for i, h in enumerate(hashes[start:stop], start)
+                     if self.pool.lookup(h, tokens[i * bs : (i + 1) * bs]) is not None}
+        found = tiered_lookup(hashes[start:stop], on_device.__contains__, self.offloader.lower_tiers())
+        return hashes[start : start + len(found)]
+
+    def _restore_from_tiers(self, seq: Sequence, first_admission: bool) -> None:
+        """Fill the blocks after ``seq``'s device hit (just allocated) from the tiers that hold
+        them, key them, and set ``num_computed_tokens`` past them (phase 10).
+
+        Looked up again here because allocating may have evicted device blocks into the host
+        tier and host blocks to disk or out; the run stops at the first block no tier holds now.
+        A block still cached on the device (after a device miss) is copied device to device."""
+        if self.offloader is None:
+            return
+        start, bs = seq.num_cached_blocks, self.block_size
+        keys = self.tier_prefix(seq, seq.block_table[:start])
+        if not keys:
+            return
+        device_copies, restores, n = [], [], 0
+        for i, h in enumerate(keys, start):
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            src = self.pool.lookup(h, tokens)
+            if src is not None and src != seq.block_table[i]:
+                device_copies.append((src, seq.block_table[i]))
+            elif self.offloader.contains(h):
+                restores.append((h, seq.block_table[i]))
+            else:
+                break
+            n += 1
+        self.offloader.restore([h for h, _ in restores], [b for _, b in restores], device_copies)
+        for i in range(start, start + n):
+            self.pool.cache_block(seq.block_table[i], keys[i - start], seq.token_ids[i * bs : (i + 1) * bs])
+        seq.num_cached_blocks += n
+        seq.num_computed_tokens += n * bs
+        self.offload_hit_tokens += n * bs
+        if first_admission and seq.request.num_cached_tokens is not None:
+            seq.request.num_cached_tokens += n * bs
 
     def _count_prefix_hits(self, request: Request, hits: list[list[int]]) -> None:
         """``infer:prefix_cache_queries`` / ``_hits`` (tokens), and the request's cached tokens
@@ -280,6 +340,8 @@ class KVCacheManager:
         blocks were dropped (0 without prefix caching)."""
         if not self.prefix_caching:
             return 0
+        if self.offloader is not None:  # phase 10: the tiers below forget theirs too
+            self.offloader.reset()
         return self.pool.reset()
 
     # ------------------------------------------------------------------ growing

@@ -67,13 +67,15 @@ class LLMEngine:
                                    config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs)
         self.runner = ModelRunner(self.loaded, num_blocks, block_size, contiguous=not paged,
                                   attention_backend=backend, max_model_len=self.max_model_len,
-                                  cuda_graphs=config.cuda_graphs, cuda_graph_max_batch_size=graph_bs or 1)
+                                  cuda_graphs=config.cuda_graphs, cuda_graph_max_batch_size=graph_bs or 1,
+                                  block_major=config.kv_offload != "none" and backend == "triton")
         log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, batching=%s, "
                  "max_num_batched_tokens=%d, chunked_prefill=%s, fused_kernels=%s, cuda_graphs=%s",
                  config.kv_cache, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**30, backend,
                  config.batching, budget, config.chunked_prefill, config.fused_kernels, config.cuda_graphs)
         self.runner.capture_cuda_graphs(progress)
         self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_caching=config.prefix_caching)
+        self.offloader = self._make_offloader() if config.kv_offload != "none" else None
         self.scheduler = Scheduler(
             self.kv_manager,
             policy=config.batching,
@@ -89,6 +91,35 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
+
+    def _make_offloader(self):
+        """Phase 10: the tiers below the KV cache, fed by the prefix cache's evictions and
+        searched by its lookup (:mod:`infer.engine.kv_offload`)."""
+        from infer.engine.kv_offload import KVOffloader
+
+        c = self.config
+        off = KVOffloader(self.runner.kv_cache, c.kv_offload, c.kv_offload_bytes, c.kv_offload_dir,
+                          c.resolved_kv_offload_disk_bytes() if c.kv_offload == "disk" else None)
+        self.kv_manager.pool.on_evict = lambda key, block, _tokens: off.offload([(key, block)])
+        self.kv_manager.offloader = off
+        log.info("KV offload: %s, host tier %d blocks (%.2f GiB)%s", c.kv_offload, off.host.num_slots,
+                 off.host.num_slots * off.block_nbytes / 2**30,
+                 f", disk tier {off.disk.num_slots} blocks in {off.disk.path}" if off.disk is not None else "")
+        return off
+
+    def _schedule(self) -> list[ScheduledSeq]:
+        """The scheduler's next step; with ``kv_offload``, the copies of the blocks it evicted to
+        the host tier are issued before that step can overwrite them."""
+        scheduled = self.scheduler.schedule()
+        if self.offloader is not None:
+            self.offloader.flush()
+        return scheduled
+
+    def shutdown(self) -> None:
+        """Release what outlives a step: the KV offload tiers (their copies finish, the disk
+        tier's file is deleted). Idempotent; the engine must not step afterwards."""
+        if self.offloader is not None:
+            self.offloader.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -220,7 +251,14 @@ class LLMEngine:
         ``prefix_caching``, :meth:`prefix_cache_stats`."""
         return {**self.scheduler.stats(), "kv_cache_blocks": self.kv_manager.num_blocks,
                 "kv_block_size": self.kv_manager.block_size, "kv_cache_bytes": self.runner.kv_cache.nbytes,
-                **(self.prefix_cache_stats() if self.config.prefix_caching else {})}
+                **(self.prefix_cache_stats() if self.config.prefix_caching else {}),
+                **(self.offload_stats() if self.offloader is not None else {})}
+
+    def offload_stats(self) -> dict[str, float]:
+        """KV offload (phase 10): per-tier hits (blocks) and bytes, occupancy, the prompt tokens
+        restored instead of recomputed, and the seconds spent issuing the copies
+        (:meth:`~infer.engine.kv_offload.KVOffloader.stats`)."""
+        return {**self.offloader.stats(), "kv_offload_hit_tokens": self.kv_manager.offload_hit_tokens}
 
     def prefix_cache_stats(self) -> dict[str, float]:
         """Prefix caching (phase 7): prompt tokens looked up at admission (``queries``), of those
@@ -261,7 +299,7 @@ class LLMEngine:
         """
         if self.config.async_scheduling:
             return self._step_async(stream)
-        scheduled = self.scheduler.schedule()
+        scheduled = self._schedule()
         if not scheduled:
             return []
         with self._failing_requests_abort(scheduled):
@@ -327,7 +365,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self._needs_host_tokens(self._in_flight[1]):
             outputs = self._process_in_flight(stream)
-        scheduled = self.scheduler.schedule()
+        scheduled = self._schedule()
         if not scheduled:
             return outputs + self._process_in_flight(stream)
         # >>> EXERCISE overlap_loop

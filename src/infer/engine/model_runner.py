@@ -232,18 +232,20 @@ class ModelRunner:
         cuda_graphs: capture decode-only steps up to ``cuda_graph_max_batch_size`` sequences as
             CUDA graphs (phase 9; :class:`~infer.engine.cuda_graphs.CUDAGraphRunner`); call
             :meth:`capture_cuda_graphs` once the runner exists.
+        block_major: the block-major KV cache (phase 10, KV offload: one block of every layer is one
+            contiguous copy; :class:`~infer.attention.KVCache`).
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
                  attention_backend: str = "torch", max_model_len: int = 0,
-                 cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256) -> None:
+                 cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256, block_major: bool = False) -> None:
         self.model = loaded.model
         cfg = loaded.config
         self.config = cfg
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                self.device, contiguous=contiguous)
+                                self.device, contiguous=contiguous, block_major=block_major)
         self.attention_backend = make_attention_backend(attention_backend, self.device)
         self.model.set_attention_backend(self.attention_backend)
         max_model_len = max_model_len or cfg.max_position_embeddings

@@ -404,3 +404,4 @@ class AsyncEngine:
                     break
                 if fut is not None and not fut.done():
                     fut.set_exception(EngineDead("the engine is shutting down"))
+            eng.shutdown()  # KV offload: the disk tier's file is deleted

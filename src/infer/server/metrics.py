@@ -7,7 +7,7 @@ registry, so tests can start several.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from infer.outputs import RequestOutput
 
@@ -85,7 +85,8 @@ class SchedulerCollector:
     * ``infer:num_chunked_prefill_steps_total``: steps that ran a prefill chunk leaving part of
       its sequence for a later step;
     * ``infer:prefix_cache_queries_total`` / ``infer:prefix_cache_hits_total`` (phase 7): prompt
-      tokens looked up in the prefix cache at admission, and found there (vLLM's names).
+      tokens looked up in the prefix cache at admission, and found there (vLLM's names);
+    * with ``kv_offload`` (phase 10): :func:`offload_metrics`.
     """
 
     def __init__(self, scheduler, model_name: str) -> None:
@@ -116,3 +117,40 @@ class SchedulerCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
+        if kv.offloader is not None:  # KV offload (phase 10): per-tier hits, bytes, copy time
+            yield from offload_metrics(kv.offloader.stats(), kv.offload_hit_tokens, self.model_name)
+
+
+def offload_metrics(stats: dict, hit_tokens: int, model_name: str):
+    """KV offload (phase 10) as Prometheus families: ``infer:kv_offload_hits_total{tier}`` (blocks
+    restored from the host or disk tier), ``infer:kv_offload_restored_bytes_total{tier}``,
+    ``infer:kv_offload_hit_tokens_total`` (prompt tokens not prefilled), ``infer:kv_offload_stored_
+    blocks_total`` and ``_bytes_total`` (device -> host), ``infer:kv_offload_spilled_bytes_total``
+    (host -> disk), ``infer:kv_offload_evictions_total{tier}`` (blocks a full tier pushed down or
+    out), ``infer:kv_offload_blocks{tier}`` (held now), and ``infer:kv_offload_seconds_total{op}``
+    (host seconds issuing offloads and restores; on the CPU the copies themselves)."""
+    def family(cls, name, doc, labels, rows):
+        f = cls(name, doc, labels=["model_name", *labels])
+        for label_values, value in rows:
+            f.add_metric([model_name, *label_values], value)
+        return f
+
+    tiers = ("host", "disk")
+    yield family(CounterMetricFamily, "infer:kv_offload_hits", "Blocks restored from an offload tier", ["tier"],
+                 [((t,), stats[f"kv_offload_{t}_hits"]) for t in tiers])
+    yield family(CounterMetricFamily, "infer:kv_offload_restored_bytes", "Bytes restored from an offload tier",
+                 ["tier"], [((t,), stats[f"kv_offload_{t}_bytes_restored"]) for t in tiers])
+    yield family(CounterMetricFamily, "infer:kv_offload_hit_tokens", "Prompt tokens restored instead of prefilled",
+                 [], [((), hit_tokens)])
+    yield family(CounterMetricFamily, "infer:kv_offload_stored_blocks", "Blocks copied from the device to the host",
+                 [], [((), stats["kv_offload_stored_blocks"])])
+    yield family(CounterMetricFamily, "infer:kv_offload_stored_bytes", "Bytes copied from the device to the host",
+                 [], [((), stats["kv_offload_bytes_offloaded"])])
+    yield family(CounterMetricFamily, "infer:kv_offload_spilled_bytes", "Bytes written from the host to the disk",
+                 [], [((), stats["kv_offload_bytes_spilled"])])
+    yield family(CounterMetricFamily, "infer:kv_offload_evictions", "Blocks a full tier evicted", ["tier"],
+                 [((t,), stats[f"kv_offload_{t}_evictions"]) for t in tiers])
+    yield family(GaugeMetricFamily, "infer:kv_offload_blocks", "Blocks held by an offload tier", ["tier"],
+                 [((t,), stats[f"kv_offload_{t}_blocks"]) for t in tiers])
+    yield family(CounterMetricFamily, "infer:kv_offload_seconds", "Seconds spent on offload copies", ["op"],
+                 [(("offload",), stats["kv_offload_time_s"]), (("restore",), stats["kv_offload_restore_time_s"])])
