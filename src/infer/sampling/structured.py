@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import re
 import threading
 from collections import OrderedDict
@@ -129,6 +130,7 @@ class StructuredOutputsParams:
             if not isinstance(schema, dict):
                 raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
             _check_schema(schema)
+            schema = lower_schema(schema)
             try:
                 self._regex = build_regex_from_schema(json.dumps(schema), self.whitespace_pattern)
             except Exception as e:  # outlines-core raises ValueError/TypeError for unsupported features
@@ -166,6 +168,56 @@ def _check_schema(schema: dict) -> None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         raise ValueError(f"invalid JSON schema: {e.message}") from None
+
+
+#: Keywords outlines-core 0.2.14 would silently ignore (the output could then violate them):
+#: rejected with a clear error instead.
+UNSUPPORTED_KEYWORDS = ("multipleOf", "uniqueItems", "minProperties", "maxProperties", "not", "if", "then", "else",
+                        "patternProperties", "contains", "propertyNames", "dependentRequired", "dependentSchemas",
+                        "unevaluatedProperties", "unevaluatedItems")
+#: The widest integer range turned into an enumeration.
+MAX_INTEGER_RANGE = 2000
+
+
+def lower_schema(schema: Any, path: str = "#") -> Any:
+    """A copy of ``schema`` that outlines-core compiles faithfully, or a ``ValueError``.
+
+    outlines-core 0.2.14 ignores numeric bounds (``minimum``...) and some other keywords, which
+    would let outputs through that do not validate. An integer with both bounds (at most
+    :data:`MAX_INTEGER_RANGE` values) becomes the ``enum`` of its values; a bound it cannot
+    express (on a ``number``, one-sided, too wide) or a keyword of :data:`UNSUPPORTED_KEYWORDS`
+    raises, naming the keyword and where it is.
+    """
+    if isinstance(schema, list):
+        return [lower_schema(s, f"{path}/{i}") for i, s in enumerate(schema)]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in UNSUPPORTED_KEYWORDS:
+        if k in out:
+            raise ValueError(f"unsupported JSON schema feature {k!r} at {path}")
+    bounds = [k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in out]
+    if bounds:
+        if out.get("type") != "integer":
+            raise ValueError(f"unsupported JSON schema feature: {', '.join(bounds)} at {path} (bounds are supported on "
+                             "integers only)")
+        lo = max(out.get("minimum", -float("inf")), out.get("exclusiveMinimum", -float("inf")) + 1)
+        hi = min(out.get("maximum", float("inf")), out.get("exclusiveMaximum", float("inf")) - 1)
+        if not (-float("inf") < lo and hi < float("inf")) or hi - lo + 1 > MAX_INTEGER_RANGE:
+            raise ValueError(f"unsupported JSON schema feature: integer bounds at {path} need both a minimum and a "
+                             f"maximum, at most {MAX_INTEGER_RANGE} values apart")
+        for k in (*bounds, "type"):
+            out.pop(k)
+        out["enum"] = list(range(int(math.ceil(lo)), int(math.floor(hi)) + 1))
+        if not out["enum"]:
+            raise ValueError(f"integer bounds at {path} admit no value")
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: lower_schema(s, f"{path}/{key}/{name}") for name, s in out[key].items()}
+    for key in ("items", "additionalProperties", "anyOf", "oneOf", "allOf", "prefixItems"):
+        if key in out:
+            out[key] = lower_schema(out[key], f"{path}/{key}")
+    return out
 
 
 # ----------------------------------------------------------------------------- vocabulary
