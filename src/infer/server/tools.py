@@ -81,7 +81,6 @@ class ToolSpec:
 
     def schema(self) -> dict[str, Any] | None:
         """The JSON schema the output is constrained to (``None``: unconstrained)."""
-        # >>> EXERCISE tool_schema
         if self.choice == "named":
             return self.functions[self.named]["parameters"]
         if self.choice != "required":
@@ -91,7 +90,6 @@ class ToolSpec:
                   "required": ["name", "arguments"]} for name, fn in self.functions.items()]
         return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
                 "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-        # <<< EXERCISE tool_schema
 
     def calls_from_output(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """``(content, tool calls)`` of a finished output (OpenAI message fields).
