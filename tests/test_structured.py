@@ -139,6 +139,8 @@ def test_choice_regex_matches_exactly_the_choices():
         assert re.fullmatch(rx, c)
     for wrong in ["ye", "yesno", "aXb (c)", "x", "", "no "]:
         assert not re.fullmatch(rx, wrong)
+    # it composes: inside a longer pattern it is still one unit
+    assert re.fullmatch(rx + "!", "yes!") and not re.fullmatch(rx + "!", "yes")
     with pytest.raises(ValueError, match="non-empty"):
         choice_regex([])
 
