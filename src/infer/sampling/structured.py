@@ -45,11 +45,15 @@ __all__ = [
 ]
 
 _SCALAR = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"}]}
-#: ``response_format={"type": "json_object"}``: a JSON object whose values are scalars, arrays of
-#: scalars or objects of scalars (two levels). outlines-core's index for ``{"type": "object"}``
-#: (values nested to any depth) takes ~16 s to compile for a 49k vocabulary; this one ~1 s.
-JSON_OBJECT_SCHEMA = {"type": "object", "additionalProperties": {
-    "anyOf": [_SCALAR, {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]}}
+#: What an unconstrained JSON value (``{}``, ``true``, the values of ``{"type": "object"}`` or the
+#: items of ``{"type": "array"}``) compiles to: a scalar, an array of scalars or an object of
+#: scalars. outlines-core's own "any value" nests to any depth and its index takes ~16 s to
+#: compile for a 49k vocabulary (the compile-stall trap); this one ~1 s. Outputs still validate.
+ANY_VALUE = {"anyOf": [_SCALAR, {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]}
+#: ``response_format={"type": "json_object"}``: an object of such values.
+JSON_OBJECT_SCHEMA = {"type": "object"}
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+                "readOnly", "writeOnly"}
 
 
 def choice_regex(choices: list[str]) -> str:
@@ -133,7 +137,10 @@ class StructuredOutputsParams:
             if not isinstance(schema, dict):
                 raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
             _check_schema(schema)
-            schema = lower_schema(schema)
+            try:
+                schema = lower_schema(schema)
+            except (TypeError, AttributeError, OverflowError) as e:  # e.g. a bound that is not a number
+                raise ValueError(f"invalid JSON schema: {e}") from None
             try:
                 self._regex = build_regex_from_schema(json.dumps(schema), self.whitespace_pattern)
             except Exception as e:  # outlines-core raises ValueError/TypeError for unsupported features
@@ -151,8 +158,8 @@ class StructuredOutputsParams:
         try:
             Index(self.to_regex(), Vocabulary(1, {b"a": [0]}))
         except ValueError as e:
-            if "empty" in str(e).lower() or "no" in str(e).lower() and "token" in str(e).lower():
-                return  # compiled, but "a" alone cannot walk it: the real vocabulary decides
+            if "incompatible" in str(e):
+                return  # the automaton was built; "a" alone cannot walk it: the real vocabulary decides
             raise ValueError(f"cannot compile regex {self.to_regex()[:200]!r}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,9 +200,17 @@ def lower_schema(schema: Any, path: str = "#") -> Any:
     """
     if isinstance(schema, list):
         return [lower_schema(s, f"{path}/{i}") for i, s in enumerate(schema)]
+    if schema is True:
+        return ANY_VALUE
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    if not set(out) - _ANNOTATIONS:
+        return ANY_VALUE  # any value at all
+    if out.get("type") == "object" and not {"properties", "additionalProperties", "patternProperties"} & set(out):
+        out["additionalProperties"] = ANY_VALUE
+    if out.get("type") == "array" and not {"items", "prefixItems"} & set(out):
+        out["items"] = ANY_VALUE
     for k in UNSUPPORTED_KEYWORDS:
         if k in out:
             raise ValueError(f"unsupported JSON schema feature {k!r} at {path}")
