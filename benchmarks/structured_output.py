@@ -5,6 +5,9 @@
     python scripts/make_synthetic_checkpoint.py qwen3-0.6b /tmp/qwen3-0.6b
     python benchmarks/structured_output.py --model /tmp/qwen3-0.6b --device cuda --dtype bfloat16 \\
         --batch-sizes 1 32 --out /tmp/phase13-gpu/structured.json
+    # the same with the phase 8-9 optimizations (a constrained row waits for its token: no overlap)
+    python benchmarks/structured_output.py --model /tmp/qwen3-0.6b --device cuda --dtype bfloat16 \\
+        --attention-backend triton --fused-kernels --cuda-graphs --async-scheduling --out /tmp/phase13-gpu-fast/structured.json
 
 Three measurements, all in one process:
 
@@ -125,12 +128,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=80)
+    ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--fused-kernels", action="store_true")
+    ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--out", default=None)
     args, extra = ap.parse_known_args()
     if extra:
         ap.error(f"unknown arguments {extra}")
+    opt = {k: getattr(args, k) for k in ("cuda_graphs", "async_scheduling", "fused_kernels") if getattr(args, k)}
+    if args.attention_backend:
+        opt["attention_backend"] = args.attention_backend
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=512,
-                                    max_num_seqs=max(args.batch_sizes + [args.num_requests])), progress=False)
+                                    max_num_seqs=max(args.batch_sizes + [args.num_requests]), **opt), progress=False)
     compile_rows = compile_times(engine)
     engine.index_cache = IndexCache(engine.tokenizer, engine.eos_token_ids[0])
     engine.index_cache.get(StructuredOutputsParams(regex=OPEN_REGEX).to_regex()).result()  # cached from here on

@@ -231,7 +231,7 @@ def test_logprobs_list_only_allowed_tokens(engine):
     assert first.token.logprob > -1e-3 or len(first.top) > 1
 
 
-def test_async_scheduling_and_a_small_paged_cache_give_the_same_outputs(smollm2, engine):
+def test_async_scheduling_chunked_prefill_and_a_small_paged_cache_give_the_same_outputs(smollm2, engine):
     items = [(f"{PROMPT} ({n})", SamplingParams(max_tokens=30, temperature=1.0, seed=7, n=2,
                                                 structured_outputs={"json": s}))
              for n, s in (("nested", SCHEMAS["nested"]), ("refs", SCHEMAS["refs"]))]
@@ -239,7 +239,8 @@ def test_async_scheduling_and_a_small_paged_cache_give_the_same_outputs(smollm2,
     # smollm2 holds ~46 KB of K/V per token: 5.5 MiB is 7 blocks of 16 tokens, fewer than 4 sequences of
     # ~40 need: sequences wait for blocks
     for kw in ({"async_scheduling": True},
-               {"kv_cache": "paged", "kv_cache_memory_bytes": 11 * 2**19, "block_size": 16, "max_model_len": 96}):
+               {"kv_cache": "paged", "kv_cache_memory_bytes": 11 * 2**19, "block_size": 16, "max_model_len": 96,
+                "chunked_prefill": True, "max_num_batched_tokens": 8}):
         eng = make_engine(smollm2, **kw)
         eng.index_cache = engine.index_cache  # same tokenizer: share the compiled indexes
         got = [[c.token_ids for c in o.outputs] for o in run(eng, items)]
@@ -273,6 +274,27 @@ def test_a_slow_compile_does_not_stall_other_requests(engine):
     finally:
         cache._compile = compile_
         gate.set()
+
+
+def test_a_dead_end_ends_the_sequence_with_an_error_not_a_hang(engine):
+    """A guide whose only allowed token lies past the logits' width (the model's vocabulary): the
+    mask would remove every token. The sequence ends with finish_reason "error"; a neighbour is fine."""
+    from outlines_core import Guide, Index, Vocabulary
+
+    eos = engine.eos_token_ids[0]
+    beyond = engine.vocab_size + 5
+    req = engine.add_request("x", SamplingParams(max_tokens=5, structured_outputs={"regex": "q+"}))
+    free = engine.add_request("y", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while req.request_id in engine._compiling:
+        engine._admit_compiled(wait=True)
+    req.seqs[0].guide = Guide(Index("q+", Vocabulary(eos, {b"q": [beyond]})))
+    done = {}
+    for _ in range(20):
+        done.update({o.request_id: o for o in engine.step(stream=False)})
+        if not engine.has_unfinished_requests():
+            break
+    assert done[req.request_id].outputs[0].finish_reason == "error"
+    assert done[free.request_id].outputs[0].finish_reason == "length"
 
 
 def test_index_cache_is_a_bounded_lru(smollm2):
