@@ -633,7 +633,7 @@ ERROR_CASES = [
     ("best_of-3-n-1", "POST", CMPL, {"prompt": "x", "best_of": 3, "n": 1}, 400, "best_of"),
     ("logit_bias", "POST", CMPL, {"prompt": "x", "logit_bias": {"42": 10}}, 400, "logit_bias"),
     ("logit_bias-chat", "POST", CHATP, {"messages": MSG, "logit_bias": {"42": 10}}, 400, "logit_bias"),
-    ("tools", "POST", CHATP, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+    ("tools-no-name", "POST", CHATP, {"messages": MSG, "tools": [{"type": "function", "function": {}}]}, 400,
      "tools"),
     ("top_logprobs-without-logprobs", "POST", CHATP, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     ("stream_options-without-stream", "POST", CMPL,

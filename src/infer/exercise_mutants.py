@@ -239,6 +239,23 @@ _ALL = [
     _m("break_even", "copy_cost_ignored", "the copy's per-token cost is left out of the saving",
        ("1 / Fraction(prefill_tokens_per_s) - Fraction(kv_bytes_per_token) / Fraction(\n        bandwidth_bytes_per_s)",
         "1 / Fraction(prefill_tokens_per_s) - 0 * Fraction(kv_bytes_per_token) / Fraction(\n        bandwidth_bytes_per_s)")),
+    # ---------------------------------------------------------------- phase 13
+    _m("token_bitmask", "bit_order_reversed", "reads bit 31 - j of a word as token 32 w + j (big-endian bits)",
+       ("shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)",
+        "shifts = torch.arange(31, -1, -1, device=bitmask.device, dtype=torch.int32)")),
+    _m("token_bitmask", "masks_every_row", "applies the first mask row to every row of the batch",
+       ('    out = logits.clone()\n    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))',
+        '    out = logits.masked_fill(~allowed[:1], float("-inf"))')),
+    _m("token_bitmask", "in_place", "writes -inf into the caller's logits",
+       ("    out = logits.clone()\n", "    out = logits\n")),
+    _m("choice_regex", "unescaped", "joins the choices without escaping: 'a.b' also matches 'aXb'",
+       ('"|".join(re.escape(c) for c in choices)', '"|".join(choices)')),
+    _m("choice_regex", "no_group", "no group around the alternation: the anchors of a longer regex bind to "
+       "the first and last choice only", ('return "(" + "|".join(re.escape(c) for c in choices) + ")"',
+                                          'return "|".join(re.escape(c) for c in choices)')),
+    _m("choice_regex", "empty_allowed", "accepts an empty list (a constraint no output satisfies)",
+       ("    if not isinstance(choices, (list, tuple)) or not choices:\n",
+        "    if not isinstance(choices, (list, tuple)):\n")),
 ]
 
 MUTANTS: dict[str, list[Mutant]] = {}

@@ -350,6 +350,24 @@ EXERCISES: dict[str, Exercise] = {
             "strictly faster, or None if it never is.",
             10,
         ),
+        # ---------------------------------------------------------------- phase 13
+        Exercise(
+            "token_bitmask", 13, "src/infer/sampling/structured.py",
+            ("tests/test_structured.py::test_token_bitmask_matches_the_per_token_reference_and_leaves_other_rows_alone",
+             "tests/test_structured.py::test_sampler_masks_only_constrained_rows_and_logprobs_are_of_the_masked_distribution"),
+            "Unpack each int32 word of the [R, W] bitmask into its 32 bits (bit j of word w is token 32 w + j), "
+            "keep the first V, and set the disallowed logits of the listed rows to -inf. Return a new tensor: "
+            "the input must not change, and the rows not listed must be bit-for-bit the input's.",
+            20,
+        ),
+        Exercise(
+            "choice_regex", 13, "src/infer/sampling/structured.py",
+            ("tests/test_structured.py::test_choice_regex_matches_exactly_the_choices",
+             "tests/test_structured.py::test_bad_constraints_raise_value_error"),
+            "A choice constraint by hand: the regular expression whose language is exactly the given strings "
+            "(a choice may hold regex metacharacters), and a ValueError for an empty list or an empty choice.",
+            10,
+        ),
     ]
 }
 

@@ -8,6 +8,7 @@ offline API (:class:`infer.llm.LLM`) and the server drive it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -91,6 +92,8 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
+        self.index_cache = None  # structured output: compiled constraints (IndexCache), made on first use
+        self._compiling: dict[str, tuple[Request, concurrent.futures.Future]] = {}
 
     def _make_offloader(self):
         """Phase 10: the tiers below the KV cache, fed by the prefix cache's evictions and
@@ -199,6 +202,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        index = self._index_future(params) if params.structured_outputs is not None else None
         req = Request(rid, text, ids, params)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         for i in range(params.n):
@@ -218,8 +222,60 @@ class LLMEngine:
                 )
             )
         self.requests[rid] = req
-        self.scheduler.add_request(req)
+        if index is not None:
+            self._compiling[rid] = (req, index)  # admitted to the scheduler once compiled
+        else:
+            self.scheduler.add_request(req)
         return req
+
+    # ------------------------------------------------------------------ structured output (phase 13)
+
+    def _index_future(self, params: SamplingParams):
+        """Check the request's constraint and start compiling its index (off this thread).
+
+        Raises:
+            InvalidRequestError: an uncompilable regex or an unsupported schema.
+        """
+        from infer.sampling.structured import IndexCache
+
+        so = params.structured_outputs
+        try:
+            so.check()
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="structured_outputs") from None
+        if self.index_cache is None:
+            self.index_cache = IndexCache(self.tokenizer, self.eos_token_ids[0])
+        return self.index_cache.get(so.to_regex())
+
+    def _admit_compiled(self, wait: bool) -> list[RequestOutput]:
+        """Hand the requests whose index is compiled to the scheduler (each sequence gets its own
+        guide); a failed compile ends its request with ``finish_reason="error"``. With ``wait`` and
+        nothing else to run, wait (briefly) for a compile instead of spinning."""
+        if not self._compiling:
+            return []
+        from outlines_core import Guide
+
+        if wait:
+            concurrent.futures.wait([f for _, f in self._compiling.values()], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        outputs = []
+        for rid, (req, fut) in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[rid]
+            if fut.exception() is not None:
+                log.warning("request %s: its constraint failed to compile: %s", rid, fut.exception())
+                for seq in req.seqs:
+                    seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+                    seq.stop_reason = f"structured output: {fut.exception()}"
+                self.requests.pop(rid, None)
+                req.finished_time = time.perf_counter()
+                outputs.append(self.output_processor.make_output(req))
+                continue
+            for seq in req.seqs:
+                seq.guide = Guide(fut.result())
+            self.scheduler.add_request(req)
+        return outputs
 
     def abort_request(self, request_id: str, finish_reason: str = "abort") -> bool:
         """Stop a request now and free its KV-cache blocks. Returns False if it was unknown.
@@ -229,6 +285,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        self._compiling.pop(request_id, None)
         self.scheduler.abort(request_id)
         for seq in req.seqs:
             if not seq.is_finished:
@@ -236,7 +293,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._compiling)
 
     @property
     def num_running(self) -> int:
@@ -297,15 +354,16 @@ class LLMEngine:
                 (``finish_reason="error"``) and their KV-cache blocks freed before this is raised,
                 so the engine can step on for the others. Their partial results are dropped.
         """
+        admitted = self._admit_compiled(wait=not self.scheduler.has_unfinished() and self._in_flight is None)
         if self.config.async_scheduling:
-            return self._step_async(stream)
+            return admitted + self._step_async(stream)
         scheduled = self._schedule()
         if not scheduled:
-            return []
+            return admitted
         with self._failing_requests_abort(scheduled):
             result = self.runner.execute(scheduled, self.eos_token_ids)
             finished = self.output_processor.apply(result, scheduled)
-        return self._finish(scheduled, finished, stream)
+        return admitted + self._finish(scheduled, finished, stream)
 
     @contextlib.contextmanager
     def _failing_requests_abort(self, *steps: list[ScheduledSeq]):
@@ -360,7 +418,8 @@ class LLMEngine:
         writes come later. Outputs are the same as without the flag, one call of ``step`` later.
         A request with penalties needs its previous token on the host to build the next step's
         sampling tensors: while one runs, the engine waits for each step before the next (no
-        overlap, same results).
+        overlap, same results). So does a request with structured output: its automaton must
+        advance over a token before the next step's mask is written.
         """
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self._needs_host_tokens(self._in_flight[1]):
@@ -396,4 +455,4 @@ class LLMEngine:
         """Does a sequence of this step need its new token on the host before the next step is
         built? (The penalties count the generated tokens when the sampling tensors are built.)"""
         return any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0
-                   or s.params.frequency_penalty != 0.0 for s in result.sampled)
+                   or s.params.frequency_penalty != 0.0 or s.guide is not None for s in result.sampled)

@@ -405,7 +405,7 @@ class ModelRunner:
         # token histories only for rows with a penalty (building them is O(context) per row)
         rep = [s.params.repetition_penalty != 1.0 for s in seqs]
         pen = [r or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0 for r, s in zip(rep, seqs)]
-        return SamplingTensors.from_params(
+        tensors = SamplingTensors.from_params(
             [s.params for s in seqs],
             seeds=[s.seed for s in seqs],
             steps=[s.num_output_tokens for s in seqs],
@@ -415,6 +415,35 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
+        if any(s.guide is not None for s in seqs):
+            tensors.token_bitmask, tensors.token_bitmask_rows = self._token_bitmask(seqs, eos_ids)
+        return tensors
+
+    def _token_bitmask(self, seqs: list[Sequence], eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Structured output (phase 13): ``([R, ceil(V / 32)] int32 allowed-token bitmask, [R] int64
+        rows)`` of the sequences with a guide, written by outlines-core straight into a host buffer
+        (one bit per token), then copied to the device in one transfer.
+
+        A row whose constraint allows no token at all (a dead end: the vocabulary cannot continue
+        the automaton) would leave only ``-inf`` logits; it gets EOS instead, and the output
+        processor ends it with ``finish_reason="error"``.
+        """
+        rows = [i for i, s in enumerate(seqs) if s.guide is not None]
+        words = -(-self.vocab_size // 32)
+        buf = torch.zeros(len(rows), words, dtype=torch.int32)
+        ptr, stride = buf.data_ptr(), words * 4
+        for r, i in enumerate(rows):
+            seqs[i].guide.write_mask_into(ptr + r * stride, words, 4)
+        dead = (buf == 0).all(dim=1)
+        if bool(dead.any()):
+            eos = eos_ids[0]
+            for r in dead.nonzero().flatten().tolist():
+                bit = 1 << (eos % 32)
+                buf[r, eos // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit  # as int32
+                seqs[rows[r]].guide_dead_end = True
+        if self.device.type == "cuda":
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        return buf, self._to_device(rows, torch.int64)
 
     def _prompt_logprobs(self, scheduled, starts, hidden):
         """Prompt logprobs of sequences that asked for them (only sequence index 0 of a request)."""

@@ -85,12 +85,31 @@ class OutputProcessor:
                 seq.cumulative_logprob += chosen_lp[i]
             seq.pending_text += seq.detokenizer.add([token])
             reason = self._check_stop(seq, token)
+            if seq.guide is not None and (reason is None or seq.guide_dead_end):
+                reason = self._advance_guide(seq, token)
             if reason is not None:
                 seq.finish_reason, seq.stop_reason = reason
                 if seq.detokenizer.stop_reason is None:
                     seq.pending_text += seq.detokenizer.finish()
                 finished.append(seq)
         return finished
+
+    def _advance_guide(self, seq: Sequence, token: int) -> tuple[str, str | None] | None:
+        """Structured output (phase 13): move the sequence's automaton over ``token``.
+
+        Returns ``("stop", None)`` when the constraint is complete (the only token it still
+        allows is EOS: the sequence ends without spending a step on sampling it), ``None`` otherwise.
+        A token the constraint did not allow (only possible through a bug) raises.
+        """
+        guide = seq.guide
+        if seq.guide_dead_end:  # no token continued the constraint (see ModelRunner._token_bitmask)
+            return "error", "structured output dead end: no token of the vocabulary continues the constraint"
+        if token in self.eos:  # ignore_eos: EOS does not move the automaton
+            return None
+        guide.advance(token)
+        if guide.is_finished() and all(t in self.eos for t in guide.get_tokens()):
+            return "stop", None
+        return None
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
         """``(finish_reason, stop_reason)`` if ``seq`` is done after appending ``token``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from infer.detokenizer import IncrementalDetokenizer
 from infer.outputs import PositionLogprobs
@@ -62,6 +63,10 @@ class Sequence:
     pending_token_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     pending_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # structured output (phase 13): the sequence's outlines_core.Guide (its automaton state),
+    # advanced with each sampled token; None for an unconstrained sequence
+    guide: Any = None
+    guide_dead_end: bool = False
 
     @property
     def params(self) -> SamplingParams:

@@ -67,6 +67,10 @@ class SamplingParams:
             prompt token.
         skip_special_tokens: leave special tokens out of the detokenized text.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
+        structured_outputs: ``None``, or the output's constraint (phase 13): a
+            :class:`~infer.sampling.structured.StructuredOutputsParams` or a dict of its fields
+            (``{"json": schema}``, ``{"regex": r}``, ``{"choice": [...]}``,
+            ``{"json_object": True}``). Always the object (or ``None``) after construction.
 
     Raises:
         ValueError: for any invalid value or wrong type; the message names the field.
@@ -90,6 +94,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         # --- counts
@@ -156,6 +161,20 @@ class SamplingParams:
             if not (0 <= v <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v}")
             setattr(self, name, int(v))
+
+        # --- structured outputs (phase 13)
+        if self.structured_outputs is not None:
+            from infer.sampling.structured import StructuredOutputsParams
+
+            so = self.structured_outputs
+            if isinstance(so, Mapping):
+                try:
+                    so = StructuredOutputsParams(**dict(so))
+                except TypeError as e:
+                    raise ValueError(f"structured_outputs: {e}") from None
+            if not isinstance(so, StructuredOutputsParams):
+                raise _type_error("structured_outputs", "None, a StructuredOutputsParams or a dict", so)
+            self.structured_outputs = so
 
     # ------------------------------------------------------------------ helpers
 
@@ -238,4 +257,7 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """The constructor's keywords and their (normalised) values."""
-        return {name: getattr(self, name) for name in self.field_names()}
+        d = {name: getattr(self, name) for name in self.field_names()}
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.to_dict()
+        return d

@@ -530,6 +530,9 @@ class SamplingTensors:
             among the ``max_top_k`` largest logits: no sort of the vocabulary).
         use_triton: host bool, :func:`sample` runs the Triton kernels (CUDA tensors, or CPU
             tensors under ``TRITON_INTERPRET=1``) instead of the plain-PyTorch path.
+        token_bitmask: ``[R, ceil(V / 32)]`` int32 or ``None``: the allowed tokens of the ``R``
+            constrained rows (structured output, phase 13; bit ``v % 32`` of word ``v // 32``).
+        token_bitmask_rows: ``[R]`` int64, the row each mask applies to (``None`` with no mask).
     """
 
     temperature: torch.Tensor
@@ -555,6 +558,8 @@ class SamplingTensors:
     top_p_rows: torch.Tensor | None = None
     top_p_in_top_k: bool = False
     use_triton: bool = False
+    token_bitmask: torch.Tensor | None = None
+    token_bitmask_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b = self.temperature.shape[0] if self.temperature.dim() == 1 else -1
@@ -818,6 +823,17 @@ def _output(raw: torch.Tensor, next_tokens: torch.Tensor, log_z: torch.Tensor, t
     )
 
 
+def _mask_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Step 0, structured output (phase 13): the constrained rows' disallowed tokens get ``-inf``
+    before anything else, so the logprobs returned for those rows are of the *masked* distribution
+    (the model's, renormalised over the allowed tokens). Unconstrained rows are untouched."""
+    if t.token_bitmask is None:
+        return logits
+    from infer.sampling.structured import apply_token_bitmask
+
+    return apply_token_bitmask(logits, t.token_bitmask, t.token_bitmask_rows)
+
+
 def sample_reference(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """The whole pipeline of the module docstring in plain PyTorch, one ``[B, V]`` pass per step.
 
@@ -828,6 +844,7 @@ def sample_reference(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     Args, Returns, Raises: as :func:`sample`.
     """
     _check_logits(logits, t)
+    logits = _mask_logits(logits, t)
     # 1. upcast (out of place from here on: the caller's tensor is never modified)
     logits = logits.float()
 
@@ -1020,6 +1037,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         RuntimeError: ``t.use_triton`` with CPU tensors and no ``TRITON_INTERPRET=1``.
     """
     _check_logits(logits, t)
+    logits = _mask_logits(logits, t)
     if t.use_triton:
         return _sample_triton(logits, t)
     return _sample_torch(logits, t)

@@ -594,7 +594,11 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         try:
             check_model(req.model)
             params = sampling_or_reject(req)
-            text = render_chat(req.message_dicts(), req.add_generation_prompt, req.chat_template_kwargs)
+            tools = req.tool_spec()  # checked by sampling_or_reject
+            template_kwargs = req.chat_template_kwargs
+            if tools.template_tools is not None:
+                template_kwargs = {**(template_kwargs or {}), "tools": tools.template_tools}
+            text = render_chat(req.message_dicts(), req.add_generation_prompt, template_kwargs)
             ids = tokenizer.encode(text, add_special_tokens=False)
             if not ids:
                 raise _Reject(error_response(400, "the chat template rendered these messages to zero tokens",
@@ -618,6 +622,12 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                         "message": {"role": "assistant", "content": c.text},
                         "logprobs": chat_lp_block(c.logprobs) if req.logprobs else None,
                         "finish_reason": c.finish_reason} for c in out.outputs]
+            if tools.choice != "none":  # phase 13: the output as OpenAI tool calls
+                for ch, c in zip(choices, out.outputs):
+                    content, calls = tools.calls_from_output(c.text)
+                    if calls:
+                        ch["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                        ch["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
             return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                                  "model": model_name, "choices": choices, "usage": usage(outs)})
 
@@ -677,9 +687,54 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             yield "data: [DONE]\n\n"
             # <<< EXERCISE chat_sse
 
+        async def chat_sse_tools(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+            """Streaming with tools (phase 13): a constrained call (named, required) is held back and
+            sent as one ``tool_calls`` delta when it is complete; with ``auto``, text streams until a
+            ``<tool_call>`` tag may begin, and what follows is held back and parsed at the end."""
+            yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for j in range(params.n)], **usage_so_far(None))
+            tag = "<tool_call>"
+            sent: dict[int, int] = {}  # characters of each choice's text already streamed as content
+            held: dict[int, bool] = {}  # a call began: hold the rest back
+            last = None
+            async for out in outputs:
+                last = out
+                for c in out.outputs:
+                    if c.index in held and held[c.index] is None:
+                        continue  # ended
+                    n = sent.get(c.index, 0)
+                    if tools.choice == "auto" and not held.get(c.index):
+                        at = c.text.find(tag, n)
+                        end = at if at >= 0 else len(c.text)
+                        if at < 0:  # keep back a tail that could be the start of the tag
+                            end = next((k for k in range(max(n, len(c.text) - len(tag) + 1), len(c.text))
+                                        if tag.startswith(c.text[k:])), len(c.text))
+                        if at >= 0:
+                            held[c.index] = True
+                        if end > n:
+                            yield chunk([{"index": c.index, "delta": {"content": c.text[n:end]}, "logprobs": None,
+                                          "finish_reason": None}], **usage_so_far(out))
+                            sent[c.index] = n = end
+                    if not c.finish_reason:
+                        continue
+                    content, calls = tools.calls_from_output(c.text)
+                    if calls:
+                        delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+                        reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+                    else:
+                        delta = {"content": c.text[n:]} if c.text[n:] else {}
+                        reason = c.finish_reason
+                    held[c.index] = None
+                    yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": reason}],
+                                **usage_so_far(out))
+            if include_usage and last is not None:
+                yield chunk([], usage=usage([last]))
+            yield "data: [DONE]\n\n"
+
         async def events():
+            sse_lines = chat_sse if tools.choice == "none" else chat_sse_tools
             try:
-                async with contextlib.aclosing(chat_sse(request_outputs())) as lines:
+                async with contextlib.aclosing(sse_lines(request_outputs())) as lines:
                     async for line in lines:
                         yield line
             except ENGINE_FAILURES as e:

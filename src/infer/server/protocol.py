@@ -34,6 +34,8 @@ from pydantic import (
 
 from infer.sampling import SamplingParams
 from infer.sampling.params import MAX_LOGPROBS
+from infer.sampling.structured import StructuredOutputsParams
+from infer.server.tools import ToolSpec
 
 
 class UnsupportedField(ValueError):
@@ -86,6 +88,14 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool | None = False
 
 
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (phase 13)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str = Field(json_schema_extra={"enum": ["text", "json_object", "json_schema"]})  # others: a 400
+    json_schema: dict[str, Any] | None = None
+
+
 class _Common(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -119,6 +129,13 @@ class _Common(BaseModel):
     stop_token_ids: list[_int(ge=0)] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # structured output (phase 13): OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* spellings (see _structured)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     def ignored_fields(self) -> list[str]:
         """The fields given that do not change generation (the server logs them at debug level)."""
@@ -142,7 +159,48 @@ class _Common(BaseModel):
             raise UnsupportedField("stream_options", "stream_options.continuous_usage_stats requires include_usage "
                                    "to be true (as in vLLM)")
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    def _structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever spelling it used (at most one).
+
+        Raises:
+            UnsupportedField: two spellings at once, an unknown ``response_format`` type, a
+                ``json_schema`` without a schema, an invalid or unsupported schema, an
+                uncompilable regex, an empty choice list.
+        """
+        given: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif rf.type == "json_schema":
+                js = rf.json_schema
+                if not isinstance(js, dict) or not isinstance(js.get("schema"), (dict, str)):
+                    raise UnsupportedField("response_format", "response_format json_schema needs "
+                                           "{\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+                given.append(("response_format", {"json": js["schema"]}))
+            else:
+                raise UnsupportedField("response_format", f"response_format type must be text, json_object or "
+                                       f"json_schema, got {rf.type!r}")
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise UnsupportedField(given[1][0], f"only one output constraint per request; got "
+                                   f"{', '.join(g[0] for g in given)}")
+        param, spec = given[0]
+        try:
+            so = StructuredOutputsParams(**spec)
+            so.check()
+        except (TypeError, ValueError) as e:
+            raise UnsupportedField(param, f"{param}: {e}") from None
+        return so
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                  structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """The :class:`SamplingParams` of this request (its ``ValueError`` names the field)."""
         kw: dict[str, Any] = dict(
             n=self.n,
@@ -156,6 +214,7 @@ class _Common(BaseModel):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=structured if structured is not None else self._structured(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
@@ -242,11 +301,6 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str = Field(json_schema_extra={"enum": ["text"]})  # others: a 400 saying so
-
-
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
@@ -257,23 +311,38 @@ class ChatCompletionRequest(_Common):
     top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
-    tool_choice: Any = Field(None, json_schema_extra={"enum": ["none", None]})
-    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+
+    def tool_spec(self) -> ToolSpec:
+        """The checked ``tools`` / ``tool_choice`` (:class:`~infer.server.tools.ToolSpec`).
+
+        Raises:
+            UnsupportedField: a malformed tool or tool choice.
+        """
+        try:
+            return ToolSpec(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as e:
+            raise UnsupportedField(getattr(e, "param", "tools"), str(e)) from None
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
-        if self.tools:
-            raise UnsupportedField("tools", "tools are not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise UnsupportedField("tool_choice", "tool_choice is not supported by this server")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedField("response_format", "response_format other than text is not supported yet")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedField("top_logprobs", "top_logprobs requires logprobs to be true")
+        structured = None
+        schema = self.tool_spec().schema()
+        if schema is not None:  # a forced tool call is constrained decoding
+            if self._structured() is not None:
+                raise UnsupportedField("tool_choice", "a forced tool call cannot be combined with another output "
+                                       "constraint (response_format, structured_outputs)")
+            try:
+                structured = StructuredOutputsParams(json=schema)
+                structured.check()
+            except ValueError as e:
+                raise UnsupportedField("tools", f"tools: {e}") from None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, None)
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, None, structured)
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return _message_dicts(self.messages)
@@ -341,7 +410,7 @@ TokenizeRequest = Annotated[
 
 # ---------------------------------------------------------------------------- responses (schema only)
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 
 class ErrorInfo(BaseModel):
@@ -413,9 +482,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
