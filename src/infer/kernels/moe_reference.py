@@ -169,6 +169,7 @@ def fused_experts(
     topk_ids: torch.Tensor,
     expert_start: int = 0,
     activation: str = "silu",
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """Expert compute + combine, as a loop over experts (Hugging Face's ``Qwen3MoeExperts``).
 
@@ -183,6 +184,8 @@ def fused_experts(
         topk_ids: int ``[T, k]`` global expert ids.
         expert_start: global id of ``w13[0]``'s expert.
         activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"``.
+        num_experts: the layer's expert count (unused here; the Triton version skips a zero fill
+            when every expert is held).
 
     Returns:
         ``[T, H]`` in ``x.dtype`` (zeros for a token none of whose experts is held here).

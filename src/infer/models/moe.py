@@ -76,7 +76,7 @@ class MoEExperts(nn.Module):
             over the pairs whose expert is held here.
         """
         return self.ops.fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
-                                      self.expert_start, self.activation)
+                                      self.expert_start, self.activation, self.num_experts)
 
     def checkpoint_slice(self, local_name: str) -> tuple[str, tuple] | None:
         """Where a per-expert checkpoint tensor goes: ``experts.{e}.gate_proj.weight`` ->
