@@ -299,6 +299,38 @@ def _no_init():
     return no_init_weights()
 
 
+def _write_weights(cfg, p: Preset, out: Path, dtype: torch.dtype, device: torch.device, seed: int,
+                   max_shard_size: str | None) -> int:
+    """Build the model with transformers, initialise it (:func:`_init_weights`), save its safetensors;
+    return its parameter count."""
+    from transformers import AutoModelForCausalLM
+
+    with _no_init(), torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if next(model.parameters()).dtype != dtype:
+        model = model.to(dtype)
+    # no_init_weights also skips post_init's tying (transformers 5): tie explicitly
+    tied = bool(p.fields.get("tie_word_embeddings"))
+    if tied:
+        model.tie_weights()
+    if (model.get_output_embeddings().weight is model.get_input_embeddings().weight) != tied:
+        raise AssertionError(f"lm_head / embed_tokens tying is not {tied} after building the model")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    _init_weights(model, p.family, gen, p.init_std)
+    model.eval()
+
+    kwargs: dict[str, Any] = {"max_shard_size": max_shard_size or p.max_shard_size}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        kwargs["safe_serialization"] = True
+    model.save_pretrained(str(out), **kwargs)
+    n_params = sum(t.numel() for t in model.parameters())
+    del model
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+    return n_params
+
+
 def make_checkpoint(
     preset: str,
     outdir: str | Path,
@@ -307,6 +339,7 @@ def make_checkpoint(
     seed: int = 0,
     max_shard_size: str | None = None,
     verbose: bool = False,
+    random_weights: bool = False,
 ) -> Path:
     """Write a random-weight HF model directory for ``preset`` into ``outdir``; return its path.
 
@@ -317,8 +350,12 @@ def make_checkpoint(
         device: where the weights are generated (cuda for the big presets).
         seed: seed of the weight generator (same seed + device + dtype -> same weights).
         max_shard_size: override of the preset's shard size (e.g. ``"500MB"``).
+        random_weights: write no weights: config, tokenizer and ``synthetic.json`` with
+            ``"random_weights": true``; infer's loader then generates the weights on its device at
+            load time (src/infer/loader/synthetic.py). For models too big to write (qwen3-30b-a3b:
+            61 GB); Hugging Face transformers cannot load such a directory.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -339,30 +376,11 @@ def make_checkpoint(
     t_tok = time.perf_counter()
 
     cfg = _hf_config(p, ids, dtype)
-    with _no_init(), torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    if next(model.parameters()).dtype != dtype:
-        model = model.to(dtype)
-    # no_init_weights also skips post_init's tying (transformers 5): tie explicitly
-    tied = bool(p.fields.get("tie_word_embeddings"))
-    if tied:
-        model.tie_weights()
-    if (model.get_output_embeddings().weight is model.get_input_embeddings().weight) != tied:
-        raise AssertionError(f"lm_head / embed_tokens tying is not {tied} after building the model")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    _init_weights(model, p.family, gen, p.init_std)
-    model.eval()
-    t_init = time.perf_counter()
-
-    kwargs: dict[str, Any] = {"max_shard_size": max_shard_size or p.max_shard_size}
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-        kwargs["safe_serialization"] = True
-    model.save_pretrained(str(out), **kwargs)
-    n_params = sum(t.numel() for t in model.parameters())
-    del model
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
+    if random_weights:
+        cfg.save_pretrained(str(out))
+        n_params = None
+    else:
+        n_params = _write_weights(cfg, p, out, dtype, device, seed, max_shard_size)
     t_save = time.perf_counter()
 
     eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
@@ -393,11 +411,13 @@ def make_checkpoint(
         "preset": preset, "description": p.description, "family": p.family, "dtype": str(dtype).removeprefix("torch."),
         "device": str(device), "seed": seed, "num_params": n_params,
         "init_std": p.init_std, "note": "random weights; not a trained model",
+        **({"random_weights": True, "note": "no weight files: infer generates random weights at load time"}
+           if random_weights else {}),
     }, indent=2) + "\n")
     if verbose:
         size = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**30
-        print(f"{preset}: {n_params / 1e6:.1f}M params, {size:.2f} GiB in {out} "
-              f"(tokenizer {t_tok - t0:.1f}s, init {t_init - t_tok:.1f}s, save {t_save - t_init:.1f}s)",
+        what = "random weights at load time" if n_params is None else f"{n_params / 1e6:.1f}M params, {size:.2f} GiB"
+        print(f"{preset}: {what} in {out} (tokenizer {t_tok - t0:.1f}s, init + save {t_save - t_tok:.1f}s)",
               file=sys.stderr)
     return out
 
@@ -414,9 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="where to generate the weights (default: cuda if available)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-shard-size", default=None, help="override the preset's shard size, e.g. 500MB")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="write no weights (config, tokenizer, synthetic.json only): infer generates random "
+                         "weights on its device at load time; for models too big to write (qwen3-30b-a3b)")
     a = ap.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    path = make_checkpoint(a.preset, a.outdir, a.dtype, device, a.seed, a.max_shard_size, verbose=True)
+    path = make_checkpoint(a.preset, a.outdir, a.dtype, device, a.seed, a.max_shard_size, verbose=True,
+                           random_weights=a.random_weights)
     print(path)
     return 0
 

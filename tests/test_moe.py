@@ -257,3 +257,24 @@ def test_triton_fused_experts_replays_in_a_cuda_graph():
         graph.replay()
         eager = moe_triton.fused_experts(x2, w13, w2, w_new, ids_new, num_experts=A3B["e"])
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+def test_random_weights_directory_loads_the_same_weights_twice(tmp_path):
+    """``--random-weights`` (for 30B-A3B, too big to write): no weight files; the loader generates
+    them, seeded, with the written checkpoints' statistics."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from make_synthetic_checkpoint import PRESETS, make_checkpoint
+
+    path = make_checkpoint("tiny-qwen3-moe", tmp_path / "rw", dtype="float32", device="cpu", random_weights=True)
+    assert not list(path.glob("*.safetensors"))
+    a, b = (load_model(path, device="cpu", dtype=torch.float32, progress=False) for _ in range(2))
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), name
+    experts = a.model.model.layers[0].mlp.experts.gate_up_proj
+    assert abs(experts.std().item() - PRESETS["tiny-qwen3-moe"].init_std) < 0.01
+    assert abs(a.model.model.norm.weight.mean().item() - 1.0) < 0.03
+    logits = infer_logits(a.model, [[1, 2, 3]])[0]
+    assert torch.isfinite(logits).all() and logits.std() > 0.1

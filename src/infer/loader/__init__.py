@@ -194,11 +194,18 @@ def load_model(
         from infer.loader import hf
 
         cfg, raw = hf.model_config_from_dir(path)
-        files = hf.safetensors_files(path)
+        from infer.loader import synthetic
+
+        spec = synthetic.random_weights_spec(path)
+        files = hf.safetensors_files(path) if spec is None else []
         tokenizer = Tokenizer.from_dir(path, raw) if (path / "tokenizer.json").is_file() else None
         if not cfg.eos_token_ids and tokenizer is not None:
             cfg.eos_token_ids = list(tokenizer.eos_token_ids)
-        net = materialize(cfg, hf.iter_safetensors(files), device, dtype, path, hf.count_tensors(files), progress)
+        if spec is not None:  # no weight files: random weights generated on the device
+            tensors, total = synthetic.iter_random_tensors(cfg, spec, device, dtype), None
+        else:
+            tensors, total = hf.iter_safetensors(files), hf.count_tensors(files)
+        net = materialize(cfg, tensors, device, dtype, path, total, progress)
         fmt = "hf"
     elif path.suffix == ".gguf" or path.is_file():
         from infer.loader import gguf as g
