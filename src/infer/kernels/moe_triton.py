@@ -65,7 +65,6 @@ def _grouped_gemm_kernel(
     pid_n = (pid % in_group) // group_m
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return  # past the last expert's padded run
-    # >>> EXERCISE moe_grouped_gemm
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m)  # (token, expert) pair of each row; num_valid = padding
     row_ok = pair < num_valid
@@ -91,7 +90,6 @@ def _grouped_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    # <<< EXERCISE moe_grouped_gemm
     c = _round(acc, c_ptr.dtype.element_ty, MANUAL_BF16)
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
