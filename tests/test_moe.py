@@ -185,8 +185,8 @@ ENGINE_FLAGS = {
     "phase1": dict(),
     "paged-continuous-chunked-fused": dict(batching="continuous", kv_cache="paged", block_size=8,
                                            chunked_prefill=True, max_num_batched_tokens=16, fused_kernels=True),
-    # the Triton attention backend brings the Triton MoE kernel (interpreted here: few, short prompts)
-    "triton": dict(batching="continuous", kv_cache="paged", block_size=8, attention_backend="triton"),
+    # the Triton MoE kernel (interpreted here: few, short prompts)
+    "triton": dict(batching="continuous", kv_cache="paged", block_size=8, moe_backend="triton"),
 }
 
 
@@ -278,3 +278,52 @@ def test_random_weights_directory_loads_the_same_weights_twice(tmp_path):
     assert abs(a.model.model.norm.weight.mean().item() - 1.0) < 0.03
     logits = infer_logits(a.model, [[1, 2, 3]])[0]
     assert torch.isfinite(logits).all() and logits.std() > 0.1
+
+
+def test_moe_backend_config_checks(monkeypatch):
+    from infer.config import EngineConfig
+
+    assert EngineConfig(device="cpu").resolved_moe_backend() == "torch"
+    with pytest.raises(ValueError, match="moe_backend must be one of"):
+        EngineConfig(device="cpu", moe_backend="cuda").validate()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        EngineConfig(device="cpu", moe_backend="triton").validate()
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_is_rejected_with_the_torch_moe_loop():
+    from infer.config import EngineConfig
+
+    with pytest.raises(ValueError, match="moe_backend='triton'"):
+        EngineConfig(device="cuda", cuda_graphs=True, moe_backend="torch").validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_engine_on_gpu_cuda_graphs_give_the_eager_tokens(tmp_path, fused):
+    """tiny-qwen3-moe in bf16 on the GPU: the Triton experts under CUDA-graph replay give the tokens of
+    the eager Triton run, and the eager Triton run those of the torch loop (float32, where rounding does
+    not flip argmaxes; the Triton attention backend in both)."""
+    import sys
+    from pathlib import Path
+
+    from infer.config import EngineConfig
+    from infer.engine import LLMEngine
+    from infer.sampling import SamplingParams
+    from tests.test_batching import drive
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    path = make_checkpoint("tiny-qwen3-moe", tmp_path / "m", dtype="float32", device="cuda")
+    arrivals = [(i, [7 + i] * (3 + 5 * i), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                for i in range(6)]
+
+    def run(dtype, **kw):
+        cfg = EngineConfig(model=str(path), device="cuda", dtype=dtype, max_model_len=128, max_num_seqs=8,
+                           batching="continuous", kv_cache="paged", fused_kernels=fused, **kw)
+        return drive(LLMEngine(cfg), arrivals)
+
+    assert run("float32", moe_backend="triton") == run("float32", moe_backend="torch")
+    assert run("bfloat16", cuda_graphs=True) == run("bfloat16")
