@@ -145,10 +145,15 @@ def test_triton_fused_experts_matches_loop(dtype, t, h, i, e, k):
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
 
 
-def test_triton_fused_experts_over_a_subset_of_experts():
+@pytest.mark.parametrize("one_program_sort", [True, False])
+def test_triton_fused_experts_over_a_subset_of_experts(one_program_sort, monkeypatch):
     """An expert-parallel rank holds experts 2..4 of 6: both versions compute only their pairs,
-    and the ranks' outputs sum to the whole layer's."""
+    and the ranks' outputs sum to the whole layer's. With the one-program sort and with the
+    reference's (what large steps use)."""
     from infer.kernels import moe_triton
+
+    if not one_program_sort:
+        monkeypatch.setattr(moe_triton, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0)
 
     x, w13, w2, weights, ids = moe_inputs(9, 32, 16, 6, 2, torch.float32, seed=5)
     whole = ref.fused_experts(x, w13, w2, weights, ids)

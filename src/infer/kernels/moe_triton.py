@@ -4,9 +4,11 @@ Same ``fused_experts`` signature and values as the loop over experts of
 :mod:`infer.kernels.moe_reference` (vLLM's ``fused_experts``, mini-sglang's
 ``kernel/triton/fused_moe.py``):
 
-1. **Dispatch.** :func:`~infer.kernels.moe_reference.moe_align_block_size` sorts the ``T * k``
-   (token, expert) pairs by expert and pads each expert's run to a multiple of ``BLOCK_M``, into a
-   buffer whose size depends only on ``T * k`` (never on the routing).
+0. **Route** (:func:`select_experts`, one program per token): softmax, top-k, renormalization.
+1. **Dispatch.** :func:`moe_align_block_size` (one program; the reference's device ops above
+   ``ALIGN_ONE_PROGRAM_MAX_PAIRS`` pairs) sorts the ``T * k`` (token, expert) pairs by expert and pads
+   each expert's run to a multiple of ``BLOCK_M``, into a buffer whose size depends only on ``T * k``
+   (never on the routing).
 2. **Grouped GEMM 1** (:func:`_grouped_gemm_kernel`): each program computes a ``BLOCK_M x BLOCK_N``
    tile of ``x[token] @ w13[e].T``: its ``BLOCK_M`` rows are pairs of one expert ``e`` (the block's
    entry of ``expert_ids``), gathered from ``x`` by token index, so one weight tile read from memory
@@ -36,10 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import moe_reference
 from infer.kernels.fused_triton import _round, act_and_mul
 from infer.kernels.moe_reference import check_experts, max_padded_tokens
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ALIGN_ONE_PROGRAM_MAX_PAIRS = 1024  # larger steps sort with the reference's parallel device ops
 
 __all__ = ["fused_experts", "select_experts", "moe_align_block_size", "block_config", "grouped_gemm"]
 
@@ -300,7 +304,10 @@ def fused_experts(
     if t == 0:
         return torch.zeros_like(x)
     cfg = config or block_config(t, top_k, e_local, two_i, h)
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e_local, expert_start)
+    # the one-program sort is serial over chunks of pairs: for large steps (prefill) the reference's
+    # device ops, each parallel over all pairs, are faster; both are graph-safe
+    align = moe_align_block_size if pairs <= ALIGN_ONE_PROGRAM_MAX_PAIRS else moe_reference.moe_align_block_size
+    sorted_ids, expert_ids, num_post = align(topk_ids, cfg["BLOCK_M"], e_local, expert_start)
     assert sorted_ids.numel() == max_padded_tokens(pairs, e_local, cfg["BLOCK_M"])
     x = x.contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
