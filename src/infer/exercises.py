@@ -318,7 +318,7 @@ EXERCISES: dict[str, Exercise] = {
         Exercise(
             "moe_align_block_size", 15, "src/infer/kernels/moe_reference.py",
             ("tests/test_moe.py::test_moe_align_block_size_groups_pairs_by_expert",
-             "tests/test_moe.py::test_triton_fused_experts_matches_loop",
+             "tests/test_moe.py::test_triton_moe_align_block_size_equals_reference",
              "tests/test_moe.py::test_triton_fused_experts_over_a_subset_of_experts"),
             "Sort the (token, expert) pairs by expert for the grouped GEMM: pad each expert's count up to a "
             "multiple of block_size, find where each expert's run starts in the padded buffer, give every "
