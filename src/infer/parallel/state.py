@@ -69,11 +69,13 @@ class ParallelState:
         w = self.world_size
         n, v = x.shape
         out = torch.empty((w * n, v), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        _all_gather_single(out, x.contiguous(), group=self.group)
         return out.view(w, n, v).transpose(0, 1).reshape(n, w * v)
 
 
 _STATE = ParallelState()
+# torch 2.13 renamed all_gather_into_tensor (the older name warns there); the GPU image has 2.11
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def set_parallel(state: ParallelState) -> None:
