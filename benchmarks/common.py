@@ -120,10 +120,12 @@ def decode_floor_s(model_config, dtype: torch.dtype, context_len: int, bandwidth
     """Seconds one batch-1 decode step must take at least: bytes read / bandwidth.
 
     Bytes: every weight once (the embedding table only for its one row, unless it is tied to
-    the LM head, which reads it whole) plus the K/V of ``context_len`` cached tokens.
+    the LM head, which reads it whole) plus the K/V of ``context_len`` cached tokens. For an MoE
+    model, only the experts one token is routed to (``num_params(active=True)``): the rest are not
+    read at batch 1.
     """
     item = torch.empty((), dtype=dtype).element_size()
-    params = model_config.num_params()
+    params = model_config.num_params(active=True)
     if not model_config.tie_word_embeddings:
         params -= model_config.vocab_size * model_config.hidden_size  # input embeddings: one row
     kv = model_config.kv_bytes_per_token(dtype) * context_len

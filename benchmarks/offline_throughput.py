@@ -256,8 +256,9 @@ def model_info(spec: str):
 
 
 def workload_flops(model_config, wl: Workload) -> float:
-    """FLOPs the workload needs at least: 2 x matmul params per token + causal attention (QK and PV)."""
-    params = model_config.num_params()
+    """FLOPs the workload needs at least: 2 x matmul params per token + causal attention (QK and PV).
+    For an MoE model the params are a token's *active* ones (its top-k experts, the router)."""
+    params = model_config.num_params(active=True)
     if not model_config.tie_word_embeddings:
         params -= model_config.vocab_size * model_config.hidden_size  # input embeddings: a lookup
     dense = 2 * params * (wl.prompt_tokens + wl.output_tokens)

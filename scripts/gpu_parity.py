@@ -37,9 +37,10 @@ Gates (both metric sets are always reported; ``--gate auto`` picks by dtype):
 Usage::
 
     python scripts/gpu_parity.py --out parity.json                     # GPU: qwen3-0.6b, qwen3-4b, gemma3-1b
-    python scripts/gpu_parity.py --all                                  # + llama3-8b
+    python scripts/gpu_parity.py --all                                  # + llama3-8b, qwen3-30b-a3b-4l
+    python scripts/gpu_parity.py --presets qwen3-30b-a3b-4l             # Qwen3-MoE (Triton experts on CUDA)
     python scripts/gpu_parity.py --dtype float32 --out parity_fp32.json # exact check at real shapes
-    python scripts/gpu_parity.py --device cpu --dtype float32 --presets tiny-qwen3,tiny-llama,tiny-gemma3
+    python scripts/gpu_parity.py --device cpu --dtype float32 --presets tiny-qwen3,tiny-llama,tiny-gemma3,tiny-qwen3-moe
 
 Exit status 1 when any preset fails its gate (or raises).
 """
@@ -73,7 +74,7 @@ except ImportError:  # not installed: use the source tree
 from make_synthetic_checkpoint import PRESETS, make_checkpoint, parse_dtype  # noqa: E402
 
 DEFAULT_PRESETS = ["qwen3-0.6b", "qwen3-4b", "gemma3-1b"]
-ALL_EXTRA = ["llama3-8b"]
+ALL_EXTRA = ["llama3-8b", "qwen3-30b-a3b-4l"]  # the MoE one: Qwen3-30B-A3B's layer shapes, 4 layers
 DEFAULT_LENGTHS = [7, 64, 300, 1100]
 TOPK = 8
 # An argmax "near tie": infer's top-1 is within this many nats of HF's top-1 in HF's own
@@ -136,6 +137,10 @@ def infer_logits(path: Path, prompts: list[torch.Tensor], device: torch.device,
     t0 = time.perf_counter()
     lm = load_model(path, device=device, dtype=dtype, progress=False)
     lm.model.set_attention_backend(TorchAttentionBackend())
+    if hasattr(lm.model, "set_moe_impl") and device.type == "cuda":
+        from infer.kernels import moe_triton
+
+        lm.model.set_moe_impl(moe_triton)  # MoE experts: the Triton grouped GEMM (the engine's CUDA path)
     sync(device)
     t1 = time.perf_counter()
     lengths = [len(p) for p in prompts]

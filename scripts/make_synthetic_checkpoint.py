@@ -55,7 +55,7 @@ CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 @dataclass(frozen=True)
 class Preset:
-    """A model family (``llama`` | ``qwen3`` | ``gemma3``) and its config.json fields."""
+    """A model family (``llama`` | ``qwen3`` | ``gemma3`` | ``qwen3_moe``) and its config.json fields."""
 
     family: str
     fields: dict[str, Any]
@@ -90,6 +90,14 @@ def _qwen3(hidden, layers, heads, kv, inter, vocab=151936, tied=True, head_dim=1
     )
 
 
+def _qwen3_moe(hidden, layers, heads, kv, inter, moe_inter, experts, top_k, vocab=151936, tied=False, head_dim=128,
+               max_pos=40960, mlp_only_layers=()):
+    d = _qwen3(hidden, layers, heads, kv, inter, vocab=vocab, tied=tied, head_dim=head_dim, max_pos=max_pos)
+    d.update(moe_intermediate_size=moe_inter, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+             decoder_sparse_step=1, mlp_only_layers=list(mlp_only_layers), router_aux_loss_coef=0.001)
+    return d
+
+
 def _llama(hidden, layers, heads, kv, inter, vocab=128256, tied=False, head_dim=None, max_pos=131072):
     return dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -119,6 +127,14 @@ PRESETS: dict[str, Preset] = {
     "qwen3-4b": Preset("qwen3", _qwen3(2560, 36, 32, 8, 9728, tied=True), description="Qwen3-4B shapes"),
     "qwen3-8b": Preset("qwen3", _qwen3(4096, 36, 32, 8, 12288, tied=False), description="Qwen3-8B shapes",
                        max_shard_size="5GB"),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 per token (~3.3B active of 30.5B); 61 GB in bf16, more
+    # than this machine's disk holds next to anything else: write it with --random-weights (config and
+    # tokenizer only; the loader generates the weights on the device). The 4-layer cut has the real
+    # per-layer shapes at 2.6 GB, for the parity gate.
+    "qwen3-30b-a3b": Preset("qwen3_moe", _qwen3_moe(2048, 48, 32, 4, 6144, 768, 128, 8),
+                            description="Qwen3-30B-A3B shapes (128 experts, top-8)", max_shard_size="5GB"),
+    "qwen3-30b-a3b-4l": Preset("qwen3_moe", _qwen3_moe(2048, 4, 32, 4, 6144, 768, 128, 8),
+                               description="Qwen3-30B-A3B layer shapes, 4 layers"),
     "llama3-8b": Preset("llama", _llama(4096, 32, 32, 8, 14336), bos_token="<|begin_of_text|>",
                         description="Llama-3.1-8B shapes (llama3 rope scaling)", max_shard_size="5GB"),
     "gemma3-1b": Preset("gemma3", _gemma3(1152, 26, 4, 1, 6912), bos_token="<bos>",
@@ -129,6 +145,9 @@ PRESETS: dict[str, Preset] = {
     # near uniform and a wrong RoPE barely moves the logits).
     "tiny-qwen3": Preset("qwen3", _qwen3(96, 3, 4, 2, 256, vocab=768, tied=True, head_dim=32, max_pos=4096),
                          description="tiny Qwen3 (tied, QK-norm, GQA 2:1)", init_std=0.13),
+    "tiny-qwen3-moe": Preset("qwen3_moe", _qwen3_moe(64, 3, 4, 2, 128, 32, 8, 2, vocab=512, head_dim=16,
+                                                     max_pos=4096, mlp_only_layers=[1]),
+                             description="tiny Qwen3-MoE (8 experts, top-2, layer 1 dense)", init_std=0.16),
     "tiny-llama": Preset("llama", _llama(128, 3, 4, 2, 320, vocab=1024, tied=False),
                          bos_token="<|begin_of_text|>", description="tiny Llama (untied, llama3 rope, GQA 2:1)",
                          init_std=0.113),
@@ -234,10 +253,12 @@ def build_tokenizer(vocab_size: int, bos_token: str | None = None):
 
 
 def _hf_config(preset: Preset, ids: dict[str, int], dtype: torch.dtype):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "gemma3": Gemma3TextConfig}[preset.family]
-    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}[preset.family]
+    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "gemma3": Gemma3TextConfig,
+           "qwen3_moe": Qwen3MoeConfig}[preset.family]
+    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}[preset.family]
     tokens = dict(
         bos_token_id=ids.get(preset.bos_token) if preset.bos_token else None,
         eos_token_id=ids["<|im_end|>"],
@@ -278,6 +299,38 @@ def _no_init():
     return no_init_weights()
 
 
+def _write_weights(cfg, p: Preset, out: Path, dtype: torch.dtype, device: torch.device, seed: int,
+                   max_shard_size: str | None) -> int:
+    """Build the model with transformers, initialise it (:func:`_init_weights`), save its safetensors;
+    return its parameter count."""
+    from transformers import AutoModelForCausalLM
+
+    with _no_init(), torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if next(model.parameters()).dtype != dtype:
+        model = model.to(dtype)
+    # no_init_weights also skips post_init's tying (transformers 5): tie explicitly
+    tied = bool(p.fields.get("tie_word_embeddings"))
+    if tied:
+        model.tie_weights()
+    if (model.get_output_embeddings().weight is model.get_input_embeddings().weight) != tied:
+        raise AssertionError(f"lm_head / embed_tokens tying is not {tied} after building the model")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    _init_weights(model, p.family, gen, p.init_std)
+    model.eval()
+
+    kwargs: dict[str, Any] = {"max_shard_size": max_shard_size or p.max_shard_size}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        kwargs["safe_serialization"] = True
+    model.save_pretrained(str(out), **kwargs)
+    n_params = sum(t.numel() for t in model.parameters())
+    del model
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+    return n_params
+
+
 def make_checkpoint(
     preset: str,
     outdir: str | Path,
@@ -286,6 +339,7 @@ def make_checkpoint(
     seed: int = 0,
     max_shard_size: str | None = None,
     verbose: bool = False,
+    random_weights: bool = False,
 ) -> Path:
     """Write a random-weight HF model directory for ``preset`` into ``outdir``; return its path.
 
@@ -296,8 +350,12 @@ def make_checkpoint(
         device: where the weights are generated (cuda for the big presets).
         seed: seed of the weight generator (same seed + device + dtype -> same weights).
         max_shard_size: override of the preset's shard size (e.g. ``"500MB"``).
+        random_weights: write no weights: config, tokenizer and ``synthetic.json`` with
+            ``"random_weights": true``; infer's loader then generates the weights on its device at
+            load time (src/infer/loader/synthetic.py). For models too big to write (qwen3-30b-a3b:
+            61 GB); Hugging Face transformers cannot load such a directory.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -318,30 +376,11 @@ def make_checkpoint(
     t_tok = time.perf_counter()
 
     cfg = _hf_config(p, ids, dtype)
-    with _no_init(), torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    if next(model.parameters()).dtype != dtype:
-        model = model.to(dtype)
-    # no_init_weights also skips post_init's tying (transformers 5): tie explicitly
-    tied = bool(p.fields.get("tie_word_embeddings"))
-    if tied:
-        model.tie_weights()
-    if (model.get_output_embeddings().weight is model.get_input_embeddings().weight) != tied:
-        raise AssertionError(f"lm_head / embed_tokens tying is not {tied} after building the model")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    _init_weights(model, p.family, gen, p.init_std)
-    model.eval()
-    t_init = time.perf_counter()
-
-    kwargs: dict[str, Any] = {"max_shard_size": max_shard_size or p.max_shard_size}
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-        kwargs["safe_serialization"] = True
-    model.save_pretrained(str(out), **kwargs)
-    n_params = sum(t.numel() for t in model.parameters())
-    del model
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
+    if random_weights:
+        cfg.save_pretrained(str(out))
+        n_params = None
+    else:
+        n_params = _write_weights(cfg, p, out, dtype, device, seed, max_shard_size)
     t_save = time.perf_counter()
 
     eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
@@ -372,11 +411,13 @@ def make_checkpoint(
         "preset": preset, "description": p.description, "family": p.family, "dtype": str(dtype).removeprefix("torch."),
         "device": str(device), "seed": seed, "num_params": n_params,
         "init_std": p.init_std, "note": "random weights; not a trained model",
+        **({"random_weights": True, "note": "no weight files: infer generates random weights at load time"}
+           if random_weights else {}),
     }, indent=2) + "\n")
     if verbose:
         size = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**30
-        print(f"{preset}: {n_params / 1e6:.1f}M params, {size:.2f} GiB in {out} "
-              f"(tokenizer {t_tok - t0:.1f}s, init {t_init - t_tok:.1f}s, save {t_save - t_init:.1f}s)",
+        what = "random weights at load time" if n_params is None else f"{n_params / 1e6:.1f}M params, {size:.2f} GiB"
+        print(f"{preset}: {what} in {out} (tokenizer {t_tok - t0:.1f}s, init + save {t_save - t_tok:.1f}s)",
               file=sys.stderr)
     return out
 
@@ -393,9 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="where to generate the weights (default: cuda if available)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-shard-size", default=None, help="override the preset's shard size, e.g. 500MB")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="write no weights (config, tokenizer, synthetic.json only): infer generates random "
+                         "weights on its device at load time; for models too big to write (qwen3-30b-a3b)")
     a = ap.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    path = make_checkpoint(a.preset, a.outdir, a.dtype, device, a.seed, a.max_shard_size, verbose=True)
+    path = make_checkpoint(a.preset, a.outdir, a.dtype, device, a.seed, a.max_shard_size, verbose=True,
+                           random_weights=a.random_weights)
     print(path)
     return 0
 

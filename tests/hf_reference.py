@@ -11,7 +11,8 @@ from infer.attention import AttentionMetadata, TorchAttentionBackend
 
 
 def tiny_hf_model(kind: str, seed: int = 0, **overrides):
-    """A tiny random-init transformers model: ``kind`` in llama, llama3-scaled, qwen3, gemma3."""
+    """A tiny random-init transformers model: ``kind`` in llama, llama3-scaled, qwen3, gemma3, qwen3_moe,
+    qwen3_moe-sparse-step."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -42,6 +43,24 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides):
                    rope_theta=1e6, rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh")
         cfg.update(overrides)
         model = Gemma3ForCausalLM(Gemma3TextConfig(**cfg))
+    elif kind in ("qwen3_moe", "qwen3_moe-sparse-step"):
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        # 8 experts, top-2, renormalized; the second kind: dense MLPs on layers 0 and 1
+        # (decoder_sparse_step=2 makes layers 1, 3, 5 sparse; mlp_only_layers removes layer 1), top-3
+        # without renormalization
+        cfg = dict(common, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                   tie_word_embeddings=False, rope_theta=1e6)
+        if kind == "qwen3_moe-sparse-step":
+            cfg.update(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[1], num_experts_per_tok=3,
+                       norm_topk_prob=False, tie_word_embeddings=True)
+        cfg.update(overrides)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg))
+        # HF's default init (std 0.02) leaves the router near uniform: a wrong top-k would barely show
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" not in name:
+                    p.normal_(0.0, 0.1)
     else:
         raise ValueError(kind)
     # random (not default-init) norm weights, so that a wrong (1 + w) or a missing norm shows

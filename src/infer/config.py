@@ -57,7 +57,7 @@ class ModelConfig:
     ``rope_local`` instead of ``rope``.
     """
 
-    architecture: str  # "llama" | "qwen3" | "gemma3"
+    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -82,6 +82,13 @@ class ModelConfig:
     rope_local: RopeConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # ---- mixture of experts (phase 15, Qwen3-MoE); num_experts == 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's gated-MLP width
+    norm_topk_prob: bool = False  # renormalize the top-k routing probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -95,19 +102,36 @@ class ModelConfig:
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` has a sparse MoE block (else a dense gated MLP of
+        ``intermediate_size``): Hugging Face's rule for Qwen3-MoE (``decoder_sparse_step``,
+        ``mlp_only_layers``)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
     def window_of(self, layer_idx: int) -> int | None:
         """Sliding window (tokens) of a layer, or None for a full-attention layer."""
         return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
 
-    def num_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (embeddings counted once when tied).
+
+        ``active=True`` counts, for an MoE model, only the ``num_experts_per_tok`` experts one
+        token uses in each MoE layer (plus the router): the weights a batch-1 decode step reads.
+        """
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        mlp = 3 * h * i
         norms = (4 if self.norm_unit_offset else 2) * h + (2 * d if self.qk_norm else 0)
-        per_layer = attn + mlp + norms
+        total = 0
+        for layer in range(self.num_layers):
+            if self.is_moe_layer(layer):
+                experts = self.num_experts_per_tok if active else self.num_experts
+                mlp = experts * 3 * h * self.moe_intermediate_size + self.num_experts * h  # + router
+            else:
+                mlp = 3 * h * i
+            total += attn + mlp + norms
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        return total + emb + h
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V cached for one token across all layers."""

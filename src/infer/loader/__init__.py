@@ -71,6 +71,48 @@ def _skip_init():
             setattr(torch.nn.init, n, f)
 
 
+class _StackedParams:
+    """Fills stacked parameters (an MoE layer's ``experts.gate_up_proj[E, 2I, H]``) from checkpoints
+    that store one tensor per expert (``experts.{e}.gate_proj.weight``): each piece is copied into
+    its slice of a tensor allocated on the device (see :mod:`infer.models.moe`)."""
+
+    def __init__(self, model, expected: dict, device, dtype, source: Path) -> None:
+        from infer.models.moe import stacked_checkpoint_slice
+
+        self.model, self.expected, self.device, self.dtype, self.source = model, expected, device, dtype, source
+        self.locate = stacked_checkpoint_slice
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.filled: dict[str, int] = {}  # elements written per stacked parameter
+
+    def take(self, name: str, w) -> bool:
+        where = self.locate(self.model, name)
+        if where is None:
+            return False
+        param, index = where
+        if not param:  # an expert held by another rank
+            return True
+        if param not in self.tensors:
+            self.tensors[param] = torch.empty(self.expected[param], device=self.device, dtype=self.dtype)
+            self.filled[param] = 0
+        t = torch.as_tensor(w) if isinstance(w, torch.Tensor) else torch.from_numpy(np.require(w, requirements="W"))
+        dst = self.tensors[param][index]
+        if tuple(t.shape) != tuple(dst.shape):
+            raise ModelLoadError(self.source, f"tensor {name} has shape {tuple(t.shape)}, the config implies "
+                                 f"{tuple(dst.shape)}")
+        dst.copy_(t)
+        self.filled[param] += t.numel()
+        return True
+
+    def finish(self, loaded: set[str]) -> dict[str, torch.Tensor]:
+        for param, t in self.tensors.items():
+            if param in loaded:
+                raise ModelLoadError(self.source, f"{param} is stored both stacked and per expert")
+            if self.filled[param] != t.numel():
+                raise ModelLoadError(self.source, f"{param}: the per-expert tensors fill {self.filled[param]} of "
+                                     f"its {t.numel()} elements (an expert is missing or repeated)")
+        return self.tensors
+
+
 def materialize(
     cfg: ModelConfig,
     tensors: Iterable[tuple[str, object]],
@@ -95,10 +137,13 @@ def materialize(
     unexpected: list[str] = []
     bar = tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor", disable=not progress,
                leave=False)
+    stacked = _StackedParams(model, expected, device, dtype, source)  # MoE experts, one tensor per expert
     for name, w in bar:
         if tied and name == "lm_head.weight":
             continue
         if name not in expected:
+            if stacked.take(name, w):
+                continue
             if not name.endswith("rotary_emb.inv_freq"):
                 unexpected.append(name)
             continue
@@ -112,6 +157,7 @@ def materialize(
         state[name] = t.to(device=device, dtype=dtype, copy=True)
     if unexpected:
         raise ModelLoadError(source, f"unexpected tensors for {cfg.architecture}: {unexpected[:5]}")
+    state.update(stacked.finish(set(state)))
     missing = sorted(set(expected) - set(state) - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise ModelLoadError(source, f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -171,11 +217,18 @@ def load_model(
         from infer.loader import hf
 
         cfg, raw = hf.model_config_from_dir(path)
-        files = hf.safetensors_files(path)
+        from infer.loader import synthetic
+
+        spec = synthetic.random_weights_spec(path)
+        files = hf.safetensors_files(path) if spec is None else []
         tokenizer = Tokenizer.from_dir(path, raw) if (path / "tokenizer.json").is_file() else None
         if not cfg.eos_token_ids and tokenizer is not None:
             cfg.eos_token_ids = list(tokenizer.eos_token_ids)
-        net = materialize(cfg, hf.iter_safetensors(files), device, dtype, path, hf.count_tensors(files), progress)
+        if spec is not None:  # no weight files: random weights generated on the device
+            tensors, total = synthetic.iter_random_tensors(cfg, spec, device, dtype), None
+        else:
+            tensors, total = hf.iter_safetensors(files), hf.count_tensors(files)
+        net = materialize(cfg, tensors, device, dtype, path, total, progress)
         fmt = "hf"
     elif path.suffix == ".gguf" or path.is_file():
         from infer.loader import gguf as g

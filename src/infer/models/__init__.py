@@ -10,18 +10,22 @@ from infer.models.gemma3 import Gemma3ForCausalLM, gemma3_config
 from infer.models.layers import CausalLM
 from infer.models.llama import LlamaForCausalLM, llama_config
 from infer.models.qwen3 import Qwen3ForCausalLM, qwen3_config
+from infer.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_config
 
 ARCHITECTURES = {
     "llama": (LlamaForCausalLM, llama_config),
     "qwen3": (Qwen3ForCausalLM, qwen3_config),
     "gemma3_text": (Gemma3ForCausalLM, gemma3_config),
+    "qwen3_moe": (Qwen3MoeForCausalLM, qwen3_moe_config),
 }
 # config.json "architectures" entries -> model_type
 HF_CLASS_NAMES = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "gemma3": Gemma3ForCausalLM}
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "gemma3": Gemma3ForCausalLM,
+                 "qwen3_moe": Qwen3MoeForCausalLM}
 
 __all__ = ["ARCHITECTURES", "CausalLM", "HF_CLASS_NAMES", "MODEL_CLASSES"]

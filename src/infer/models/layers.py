@@ -425,7 +425,9 @@ class CausalLM(nn.Module):
         owners = [self.lm_head]
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            owners += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            owners += [attn.qkv_proj, attn.o_proj]
+            if isinstance(mlp, GatedMLP):  # not an MoE block (phase 15): its experts keep their layout
+                owners += [mlp.gate_up_proj, mlp.down_proj]
         for linear in owners:
             set_weight_layout(linear, column_major)
         if self.config.tie_word_embeddings:

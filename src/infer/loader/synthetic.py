@@ -1,0 +1,58 @@
+"""Random weights generated at load time, for model directories that hold no weight files.
+
+``scripts/make_synthetic_checkpoint.py PRESET DIR --random-weights`` writes a model directory with
+``config.json``, the tokenizer files and ``synthetic.json`` (``"random_weights": true``), but no
+safetensors: Qwen3-30B-A3B's 61 GB of bf16 would not fit next to anything else on a 64 GB disk,
+and generating them on the GPU takes seconds where writing and reading them back takes minutes.
+:func:`infer.loader.load_model` then generates each tensor on the device, in the model dtype, with
+the statistics the script gives written checkpoints: every matrix ``N(0, init_std)``; RMSNorm
+weights ``1 + N(0, 0.05)`` (``N(0, 0.1)`` for Gemma's ``(1 + w)`` form). A fixed seed gives the same
+weights on the same device and dtype. Only benchmarks use this: a model that was never written
+cannot be compared against Hugging Face transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infer.config import ModelConfig
+from infer.errors import ModelLoadError
+
+
+def random_weights_spec(path: Path) -> dict[str, Any] | None:
+    """``synthetic.json`` of a directory whose weights are to be generated, else None."""
+    f = path / "synthetic.json"
+    if not f.is_file():
+        return None
+    try:
+        spec = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f, f"not valid JSON ({e})") from None
+    return spec if isinstance(spec, dict) and spec.get("random_weights") else None
+
+
+def iter_random_tensors(cfg: ModelConfig, spec: dict[str, Any], device: torch.device,
+                        dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every parameter of ``cfg``'s model, generated on ``device`` in ``dtype``."""
+    from infer.loader import _skip_init
+    from infer.models import MODEL_CLASSES
+
+    with torch.device("meta"), _skip_init():
+        shapes = [(n, tuple(p.shape)) for n, p in MODEL_CLASSES[cfg.architecture](cfg).named_parameters()]
+    std = float(spec.get("init_std", 0.02))
+    gen = torch.Generator(device=device).manual_seed(int(spec.get("seed", 0)))
+    for name, shape in shapes:
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        w = torch.empty(shape, device=device, dtype=dtype)
+        if len(shape) == 1 and "norm" in name:
+            w.normal_(0.0, 0.1, generator=gen) if cfg.norm_unit_offset else w.normal_(1.0, 0.05, generator=gen)
+        else:
+            w.normal_(0.0, std, generator=gen)
+        yield name, w
+
