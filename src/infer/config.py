@@ -376,6 +376,15 @@ class EngineConfig:
             (model.vocab_size % w == 0, f"the vocabulary of {model.vocab_size} tokens does not split evenly "
                                         "(the embedding and LM head are split by rows)"),
         ]
+        if getattr(model, "num_experts", 0):
+            if self.expert_parallel_size > 1:
+                checks.append((model.num_experts % w == 0, f"its {model.num_experts} experts do not split evenly"))
+            else:
+                checks.append((model.moe_intermediate_size % w == 0, f"the experts' {model.moe_intermediate_size} "
+                               "columns do not split evenly (tensor-parallel experts)"))
+        elif self.expert_parallel_size > 1:
+            checks.append((False, "it has no experts (expert_parallel_size is for MoE models); use "
+                                  "tensor_parallel_size"))
         for ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} cannot split this {model.architecture} model: {why}")

@@ -77,10 +77,11 @@ class _StackedParams:
     its slice of a tensor allocated on the device (see :mod:`infer.models.moe`)."""
 
     def __init__(self, model, expected: dict, device, dtype, source: Path) -> None:
-        from infer.models.moe import stacked_checkpoint_slice
+        from infer.models.moe import per_expert_shard, stacked_checkpoint_slice
 
         self.model, self.expected, self.device, self.dtype, self.source = model, expected, device, dtype, source
         self.locate = stacked_checkpoint_slice
+        self.piece_shard = per_expert_shard
         self.tensors: dict[str, torch.Tensor] = {}
         self.filled: dict[str, int] = {}  # elements written per stacked parameter
 
@@ -95,6 +96,7 @@ class _StackedParams:
             self.tensors[param] = torch.empty(self.expected[param], device=self.device, dtype=self.dtype)
             self.filled[param] = 0
         t = torch.as_tensor(w) if isinstance(w, torch.Tensor) else torch.from_numpy(np.require(w, requirements="W"))
+        t = shard(t, self.piece_shard(self.model, name))  # tensor-parallel experts: this rank's rows
         dst = self.tensors[param][index]
         if tuple(t.shape) != tuple(dst.shape):
             raise ModelLoadError(self.source, f"tensor {name} has shape {tuple(t.shape)}, the config implies "

@@ -42,7 +42,11 @@ def iter_random_tensors(cfg: ModelConfig, spec: dict[str, Any], device: torch.de
     from infer.loader import _skip_init
     from infer.models import MODEL_CLASSES
 
-    with torch.device("meta"), _skip_init():
+    from infer.parallel.state import ParallelState, building_for
+
+    # the whole model's shapes (a tensor-parallel rank generates every tensor whole, with the same
+    # seed as the others, and keeps its piece: infer.parallel.state.shard)
+    with torch.device("meta"), _skip_init(), building_for(ParallelState()):
         shapes = [(n, tuple(p.shape)) for n, p in MODEL_CLASSES[cfg.architecture](cfg).named_parameters()]
     std = float(spec.get("init_std", 0.02))
     gen = torch.Generator(device=device).manual_seed(int(spec.get("seed", 0)))

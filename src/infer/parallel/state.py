@@ -110,23 +110,27 @@ def tp_rank() -> int:
     return _STATE.tp_rank
 
 
-def shard(t: torch.Tensor, spec: tuple[int, int, int] | None) -> torch.Tensor:
+def shard(t: torch.Tensor, spec: tuple[int, ...] | None) -> torch.Tensor:
     """The part of a full checkpoint tensor a rank keeps.
 
     Args:
         t: the full tensor, e.g. ``q_proj.weight [num_heads * head_dim, hidden]``.
         spec: ``(dim, index, parts)``: cut ``t`` into ``parts`` equal pieces along ``dim`` and keep
-            piece ``index``; None keeps all of it (a replicated tensor).
+            piece ``index``; ``(dim, index, parts, groups)``: ``dim`` is ``groups`` blocks back to
+            back (an MoE expert's gate rows then its up rows), each cut so; None keeps all of it
+            (a replicated tensor).
 
     Returns:
-        A view of ``t`` (the loader copies it to the device; of a memory-mapped checkpoint only the
-        pages of this piece are read).
+        ``t``'s piece: a view for one group (the loader copies it to the device; of a memory-mapped
+        checkpoint only the pages of this piece are read), a new tensor for several.
     """
     if spec is None:
         return t
-    dim, index, parts = spec
-    n = t.shape[dim] // parts
-    return t.narrow(dim, index * n, n)
+    dim, index, parts, groups = (*spec, 1) if len(spec) == 3 else spec
+    block = t.shape[dim] // groups
+    n = block // parts
+    pieces = [t.narrow(dim, g * block + index * n, n) for g in range(groups)]
+    return pieces[0] if groups == 1 else torch.cat(pieces, dim)
 
 
 def mark_shard(module: torch.nn.Module, dim: int, index: int, parts: int) -> None:
