@@ -339,7 +339,7 @@ def test_expert_parallel_moe_equals_all_experts_on_one_rank():
         with torch.inference_mode():
             want = full(x)
 
-        def rank(r, ps):
+        def rank(r, ps, x=x):
             ps.ep = True
             with building_for(ps):
                 block = SparseMoeBlock(cfg)

@@ -41,7 +41,6 @@ def iter_random_tensors(cfg: ModelConfig, spec: dict[str, Any], device: torch.de
     """``(name, tensor)`` for every parameter of ``cfg``'s model, generated on ``device`` in ``dtype``."""
     from infer.loader import _skip_init
     from infer.models import MODEL_CLASSES
-
     from infer.parallel.state import ParallelState, building_for
 
     # the whole model's shapes (a tensor-parallel rank generates every tensor whole, with the same
