@@ -253,7 +253,6 @@ def set_weight_layout(linear: nn.Linear, column_major: bool) -> None:
         part.weight = nn.Parameter(new[start:start + n], requires_grad=False)
 
 
-# >>> EXERCISE row_parallel_linear
 class RowParallelLinear(nn.Linear):
     """The second half of Megatron-LM's column/row pair (Shoeybi et al., arXiv:1909.08053).
 
@@ -273,9 +272,10 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
             return super().forward(x)
+        # >>> EXERCISE row_parallel_linear
         y = self.parallel.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
-# <<< EXERCISE row_parallel_linear
+        # <<< EXERCISE row_parallel_linear
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -298,10 +298,12 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
             return super().forward(ids)
+        # >>> EXERCISE vocab_parallel_embedding
         local = ids - self.vocab_start
         mine = (local >= 0) & (local < self.num_embeddings)
         h = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
         return self.parallel.all_reduce(h * mine[:, None].to(h.dtype))
+        # <<< EXERCISE vocab_parallel_embedding
 
 
 ACTIVATIONS = {

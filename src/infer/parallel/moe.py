@@ -38,7 +38,6 @@ def _all_to_all(t: torch.Tensor, out_rows: int, out_splits: list[int], in_splits
     return out
 
 
-# >>> EXERCISE moe_dispatch_combine
 def expert_parallel_moe(block, x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     """An MoE layer's output with its experts partitioned over the ranks (see the module docstring).
 
@@ -51,6 +50,7 @@ def expert_parallel_moe(block, x: torch.Tensor, ps: ParallelState) -> torch.Tens
     Returns:
         ``[T, H]`` in ``x.dtype``, the same on every rank: ``sum_j w[t, j] * expert_{id[t, j]}(x[t])``.
     """
+    # >>> EXERCISE moe_dispatch_combine
     w, rank = ps.world_size, ps.rank
     t, h = x.shape
     per = -(-t // w)
@@ -80,4 +80,4 @@ def expert_parallel_moe(block, x: torch.Tensor, ps: ParallelState) -> torch.Tens
     gathered = torch.empty((w * per, h), dtype=x.dtype, device=x.device)
     _all_gather_single(gathered, out, group=ps.group)
     return gathered[:t]
-# <<< EXERCISE moe_dispatch_combine
+    # <<< EXERCISE moe_dispatch_combine
