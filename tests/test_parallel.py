@@ -347,3 +347,28 @@ def test_expert_parallel_moe_equals_all_experts_on_one_rank():
 
         for got in two_ranks(rank):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- GPUs (NCCL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("preset,par", [("tiny-llama", {"tensor_parallel_size": 2}),
+                                        ("tiny-qwen3-moe", {"tensor_parallel_size": 2}),
+                                        ("tiny-qwen3-moe", {"expert_parallel_size": 2})])
+def test_two_gpus_greedy_equals_one_gpu_fp32(tmp_path_factory, preset, par):
+    """The same code over NCCL on 2 GPUs (Triton attention and experts), fp32: tokens equal one GPU's."""
+    sys.path.insert(0, str(SCRIPTS))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    path = make_checkpoint(preset, tmp_path_factory.mktemp(preset), dtype="float32", device="cuda")
+    base = dict(model=str(path), device="cuda", dtype="float32", max_model_len=128, batching="continuous")
+    one = LLMEngine(EngineConfig(**base), progress=False)
+    ref = _tokens(_run(one, PROMPTS, GREEDY))
+    del one
+    many = LLMEngine(EngineConfig(**base, **par), progress=False)
+    try:
+        assert _tokens(_run(many, PROMPTS, GREEDY)) == ref
+    finally:
+        many.shutdown()

@@ -235,6 +235,8 @@ def _worker_main(rank: int, world_size: int, port: int, config: EngineConfig, pa
         log.exception("rank %d failed", rank)
         sys.stderr.flush()
         os._exit(1)
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: the process group's C++ threads may still be winding down
 
 
 class Workers:

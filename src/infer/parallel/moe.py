@@ -34,6 +34,7 @@ from infer.parallel.state import ParallelState, _all_gather_single
 
 def _all_to_all(t: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], ps: ParallelState):
     out = t.new_empty((out_rows, *t.shape[1:]))
+    ps.count("all_to_all", t)
     dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=ps.group)
     return out
 
@@ -78,6 +79,7 @@ def expert_parallel_moe(block, x: torch.Tensor, ps: ParallelState) -> torch.Tens
     out = torch.zeros((per, h), dtype=x.dtype, device=x.device)
     out.index_add_(0, token, (y * weights.flatten()[order, None].to(y.dtype)).to(x.dtype))
     gathered = torch.empty((w * per, h), dtype=x.dtype, device=x.device)
+    ps.count("all_gather_tokens", out)
     _all_gather_single(gathered, out, group=ps.group)
     return gathered[:t]
     # <<< EXERCISE moe_dispatch_combine

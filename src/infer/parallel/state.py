@@ -14,7 +14,7 @@ broadcasts (:mod:`infer.parallel.executor`), so the host never waits for the dev
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,14 @@ class ParallelState:
     ep: bool = False
     group: object | None = None
     cpu_group: object | None = None
+    # bytes this rank put into each kind of collective, and the calls (the phase 14 page's
+    # "communication per token, measured"): {"all_reduce": [calls, bytes], ...}
+    traffic: dict = field(default_factory=dict)
+
+    def count(self, kind: str, t: torch.Tensor) -> None:
+        c = self.traffic.setdefault(kind, [0, 0])
+        c[0] += 1
+        c[1] += t.numel() * t.element_size()
 
     @property
     def tp_size(self) -> int:
@@ -60,6 +68,7 @@ class ParallelState:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (row-parallel outputs, vocab-parallel embeddings);
         returns ``x``. Every rank must call it with the same shape and dtype, in the same order."""
+        self.count("all_reduce", x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -69,6 +78,7 @@ class ParallelState:
         w = self.world_size
         n, v = x.shape
         out = torch.empty((w * n, v), dtype=x.dtype, device=x.device)
+        self.count("all_gather", x)
         _all_gather_single(out, x.contiguous(), group=self.group)
         return out.view(w, n, v).transpose(0, 1).reshape(n, w * v)
 
