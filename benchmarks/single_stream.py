@@ -148,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    from infer.loader.synthetic import random_weights_spec
+
+    if args.hf and path.is_dir() and random_weights_spec(path) is not None:
+        print("skipping HF transformers: the model's weights are generated at load time (--random-weights), "
+              "there is no checkpoint for transformers to load")
+        args.hf = []
     for mode in args.hf or []:
         if mode == "compiled" and torch.device(device).type != "cuda":
             print("skipping HF compiled on CPU")

@@ -59,7 +59,8 @@ FOREIGN_DOTTED = ("tokenizer.ggml.", "general.", "llama.", "gemma3.attention.", 
 # Files of other projects that the pages name.
 FOREIGN_FILES = {"convert_hf_to_gguf.py", "modeling_rope_utils.py", "modeling_gguf_pytorch_utils.py", "quants.py",
                  "bench.py", "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "config.json",
-                 "tokenizer.json", "model.safetensors"}
+                 "tokenizer.json", "model.safetensors",
+                 "synthetic.json"}  # written beside a synthetic checkpoint (scripts/make_synthetic_checkpoint.py)
 # Calls that the pages write with another library's arguments.
 GENERIC_CALLS = {"to", "decode", "encode", "generate"}
 

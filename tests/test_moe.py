@@ -145,10 +145,15 @@ def test_triton_fused_experts_matches_loop(dtype, t, h, i, e, k):
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
 
 
-def test_triton_fused_experts_over_a_subset_of_experts():
+@pytest.mark.parametrize("one_program_sort", [True, False])
+def test_triton_fused_experts_over_a_subset_of_experts(one_program_sort, monkeypatch):
     """An expert-parallel rank holds experts 2..4 of 6: both versions compute only their pairs,
-    and the ranks' outputs sum to the whole layer's."""
+    and the ranks' outputs sum to the whole layer's. With the one-program sort and with the
+    reference's (what large steps use)."""
     from infer.kernels import moe_triton
+
+    if not one_program_sort:
+        monkeypatch.setattr(moe_triton, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0)
 
     x, w13, w2, weights, ids = moe_inputs(9, 32, 16, 6, 2, torch.float32, seed=5)
     whole = ref.fused_experts(x, w13, w2, weights, ids)
@@ -185,8 +190,8 @@ ENGINE_FLAGS = {
     "phase1": dict(),
     "paged-continuous-chunked-fused": dict(batching="continuous", kv_cache="paged", block_size=8,
                                            chunked_prefill=True, max_num_batched_tokens=16, fused_kernels=True),
-    # the Triton attention backend brings the Triton MoE kernel (interpreted here: few, short prompts)
-    "triton": dict(batching="continuous", kv_cache="paged", block_size=8, attention_backend="triton"),
+    # the Triton MoE kernel (interpreted here: few, short prompts)
+    "triton": dict(batching="continuous", kv_cache="paged", block_size=8, moe_backend="triton"),
 }
 
 
@@ -200,7 +205,7 @@ def test_engine_greedy_tokens_equal_hf_generate(tiny_moe, flags):
     loaded, hf = tiny_moe
     small = flags == "triton"
     n = 4 if small else 10
-    prompts = [[5, 6, 7], list(range(100, 112 if small else 140)), [300] * 17, [42]]
+    prompts = [[5, 6, 7], list(range(100, 108 if small else 140)), [300] * (5 if small else 17), [42]]
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     engine = make_engine(loaded, max_model_len=96, max_num_seqs=4, **ENGINE_FLAGS[flags])
     got = drive(engine, [(i % 3, p, params) for i, p in enumerate(prompts)])
@@ -278,3 +283,78 @@ def test_random_weights_directory_loads_the_same_weights_twice(tmp_path):
     assert abs(a.model.model.norm.weight.mean().item() - 1.0) < 0.03
     logits = infer_logits(a.model, [[1, 2, 3]])[0]
     assert torch.isfinite(logits).all() and logits.std() > 0.1
+
+
+def test_moe_backend_config_checks(monkeypatch):
+    from infer.config import EngineConfig
+
+    assert EngineConfig(device="cpu").resolved_moe_backend() == "torch"
+    with pytest.raises(ValueError, match="moe_backend must be one of"):
+        EngineConfig(device="cpu", moe_backend="cuda").validate()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        EngineConfig(device="cpu", moe_backend="triton").validate()
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_is_rejected_with_the_torch_moe_loop():
+    from infer.config import EngineConfig
+
+    with pytest.raises(ValueError, match="moe_backend='triton'"):
+        EngineConfig(device="cuda", cuda_graphs=True, moe_backend="torch").validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_engine_on_gpu_cuda_graphs_give_the_eager_tokens(tmp_path, fused):
+    """tiny-qwen3-moe in bf16 on the GPU: the Triton experts under CUDA-graph replay give the tokens of
+    the eager Triton run, and the eager Triton run those of the torch loop (float32, where rounding does
+    not flip argmaxes; the Triton attention backend in both)."""
+    import sys
+    from pathlib import Path
+
+    from infer.config import EngineConfig
+    from infer.engine import LLMEngine
+    from infer.sampling import SamplingParams
+    from tests.test_batching import drive
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    path = make_checkpoint("tiny-qwen3-moe", tmp_path / "m", dtype="float32", device="cuda")
+    arrivals = [(i, [7 + i] * (3 + 5 * i), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                for i in range(6)]
+
+    def run(dtype, **kw):
+        cfg = EngineConfig(model=str(path), device="cuda", dtype=dtype, max_model_len=128, max_num_seqs=8,
+                           batching="continuous", kv_cache="paged", fused_kernels=fused, **kw)
+        return drive(LLMEngine(cfg), arrivals)
+
+    assert run("float32", moe_backend="triton") == run("float32", moe_backend="torch")
+    assert run("bfloat16", cuda_graphs=True) == run("bfloat16")
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (5, 6, 3), (3, 128, 8)])
+def test_triton_select_experts_matches_reference(renormalize, t, e, k):
+    from infer.kernels import moe_triton
+
+    logits = (torch.randn(t, e, generator=torch.Generator().manual_seed(e + k)) * 3).to(DEVICE)
+    w, ids = moe_triton.select_experts(logits, k, renormalize)
+    w_ref, ids_ref = ref.select_experts(logits, k, renormalize)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t,k,e,block,start,local", [(1, 8, 128, 16, 0, 128), (9, 3, 5, 4, 0, 5),
+                                                     (70, 2, 4, 16, 0, 4), (12, 2, 8, 4, 2, 3)])
+def test_triton_moe_align_block_size_equals_reference(t, k, e, block, start, local):
+    """The one-launch sort gives the reference's three tensors exactly (token order kept within an
+    expert); 70 x 2 pairs span several chunks of the kernel's loop."""
+    from infer.kernels import moe_triton
+
+    g = torch.Generator().manual_seed(t + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32).to(DEVICE)
+    for got, want in zip(moe_triton.moe_align_block_size(ids, block, local, start),
+                         ref.moe_align_block_size(ids, block, local, start)):
+        assert torch.equal(got, want)

@@ -26,6 +26,7 @@ LayerType = Literal["full_attention", "sliding_attention"]
 BATCHING_MODES = ("none", "static", "continuous")
 KV_CACHE_LAYOUTS = ("contiguous", "paged")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+MOE_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,12 @@ class EngineConfig:
     async_scheduling: bool = _flag(False, "schedule and prepare step N + 1 and process step N - 1's tokens "
                                    "(stop checks, detokenization, streaming) while the device runs step N; the "
                                    "same outputs, one step later", ablation=(False, True))
+    # ---- phase 15: mixture of experts
+    moe_backend: str = _flag("auto", "MoE models: how the experts run. torch: a loop over experts (Hugging Face's; "
+                             "syncs with the host); triton: tokens sorted by expert and one grouped GEMM per "
+                             "projection (vLLM's fused_moe; graph-capturable); auto: triton on CUDA, torch on the "
+                             "CPU (triton there only under TRITON_INTERPRET=1)", choices=MOE_BACKENDS,
+                             ablation=("torch", "triton"))
     cuda_graph_max_batch_size: int = _flag(256, "cuda_graphs: the largest decode batch captured (buckets 1, 2, "
                                            "4, 8, then steps of 8 up to this); larger decode steps run eagerly")
     # ---- phases 14-15: tensor and expert parallelism
@@ -326,6 +333,15 @@ class EngineConfig:
                 raise ValueError("cuda_graphs needs attention_backend='triton' (or 'auto' on CUDA): the torch "
                                  "backend reads the batch's context lengths on the host and builds tensors of "
                                  "data-dependent shapes, which a captured graph cannot replay")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend must be one of {', '.join(MOE_BACKENDS)}, got {self.moe_backend!r}")
+        if self.moe_backend == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("moe_backend='triton' on the CPU needs the Triton interpreter (set TRITON_INTERPRET=1 "
+                             "before infer is imported; slow, meant for tests); use 'torch' or 'auto'")
+        if self.cuda_graphs and self.moe_backend == "torch":
+            raise ValueError("cuda_graphs needs moe_backend='triton' (or 'auto' on CUDA): the torch loop over experts "
+                             "finds each expert's tokens on the host (data-dependent shapes), which a captured graph "
+                             "cannot replay")
         if self.cuda_graph_max_batch_size < 1:
             raise ValueError(f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}")
         self._validate_parallel(dev)
@@ -393,6 +409,12 @@ class EngineConfig:
         """``"torch"`` or ``"triton"``: ``auto`` is triton on CUDA, torch on the CPU."""
         if self.attention_backend != "auto":
             return self.attention_backend
+        return "triton" if self.resolved_device().type == "cuda" else "torch"
+
+    def resolved_moe_backend(self) -> str:
+        """``"torch"`` or ``"triton"``: ``auto`` is triton on CUDA, torch on the CPU."""
+        if self.moe_backend != "auto":
+            return self.moe_backend
         return "triton" if self.resolved_device().type == "cuda" else "torch"
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:

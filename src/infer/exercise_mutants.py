@@ -201,6 +201,24 @@ _ALL = [
     _m("overlap_loop", "placeholder_for_finished", "a sequence that finished still gets a placeholder",
        ("            if not seq.is_finished:\n                seq.token_ids.append(PLACEHOLDER)",
         "            seq.token_ids.append(PLACEHOLDER)")),
+    # ---------------------------------------------------------------- phase 15: MoE
+    _m("moe_topk_routing", "never_renormalized", "norm_topk_prob ignored: the kept weights do not sum to 1",
+       ("    if renormalize:\n        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)\n", "")),
+    _m("moe_topk_routing", "renormalized_over_all_experts", "divides by the sum over every expert (1), not the kept",
+       ("topk_weights / topk_weights.sum(dim=-1, keepdim=True)", "topk_weights / probs.sum(dim=-1, keepdim=True)")),
+    _m("moe_topk_routing", "softmax_of_top_k_logits", "Mixtral's order: right only when renormalizing",
+       ("    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)\n"
+        "    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)\n",
+        "    top_logits, topk_ids = torch.topk(router_logits.float(), top_k, dim=-1)\n"
+        "    topk_weights = torch.softmax(top_logits, dim=-1)\n")),
+    _m("moe_topk_routing", "smallest_k", "keeps the least likely experts",
+       ("torch.topk(probs, top_k, dim=-1)", "torch.topk(probs, top_k, dim=-1, largest=False)")),
+    _m("moe_align_block_size", "runs_not_padded", "experts' runs not padded to the block: blocks mix experts",
+       ("padded = (counts + block_size - 1) // block_size * block_size", "padded = counts.clone()")),
+    _m("moe_align_block_size", "rank_from_padded_start", "a pair's rank counted from the padded start",
+       ("torch.arange(n, device=device) - start[sorted_key]", "torch.arange(n, device=device) - padded_start[sorted_key]")),
+    _m("moe_align_block_size", "block_expert_left_search", "a block starting where an expert's run ends is "
+       "labelled with that expert", ("block_start, right=True)", "block_start, right=False)")),
     # ---------------------------------------------------------------- phase 14
     _m("row_parallel_linear", "no_all_reduce", "returns this rank's partial sum",
        ("y = self.parallel.all_reduce(F.linear(x, self.weight))", "y = F.linear(x, self.weight)")),

@@ -303,6 +303,30 @@ EXERCISES: dict[str, Exercise] = {
             "what must the previous step's tokens replace, and which sequences need no placeholder?",
             30, _engine("overlap_loop"),
         ),
+        # ---------------------------------------------------------------- phase 15: MoE
+        Exercise(
+            "moe_topk_routing", 15, "src/infer/kernels/moe_reference.py",
+            ("tests/test_moe.py::test_select_experts_matches_hand_computation",
+             "tests/test_moe.py::test_renormalized_top_k_is_softmax_of_top_k_logits",
+             "tests/test_moe.py::test_tiny_qwen3_moe_matches_hf"),
+            "Route each token: the softmax of its router logits over the experts (in float32), the top_k "
+            "largest probabilities and their experts, largest first; with renormalize (Hugging Face's "
+            "norm_topk_prob) the kept probabilities are divided by their own sum. Which order of "
+            "softmax and top-k gives the same weights only when renormalizing?",
+            15,
+        ),
+        Exercise(
+            "moe_align_block_size", 15, "src/infer/kernels/moe_reference.py",
+            ("tests/test_moe.py::test_moe_align_block_size_groups_pairs_by_expert",
+             "tests/test_moe.py::test_triton_moe_align_block_size_equals_reference",
+             "tests/test_moe.py::test_triton_fused_experts_over_a_subset_of_experts"),
+            "Sort the (token, expert) pairs by expert for the grouped GEMM: pad each expert's count up to a "
+            "multiple of block_size, find where each expert's run starts in the padded buffer, give every "
+            "pair its slot (its expert's start plus its rank among that expert's pairs; the dropped key "
+            "num_experts goes to the scratch slot `size`), and the expert of each block. Device tensor ops "
+            "only: no .item(), no Python loop over pairs (a CUDA graph captures this).",
+            30,
+        ),
         # ---------------------------------------------------------------- phase 14
         Exercise(
             "row_parallel_linear", 14, "src/infer/models/layers.py",

@@ -94,6 +94,10 @@ class LLMEngine:
         if runner is None:
             # the forward that will run is the one the memory profile measures
             self.loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, self.max_model_len)
+            if hasattr(self.loaded.model, "set_moe_impl"):  # an MoE model (phase 15): how its experts run
+                from infer.kernels import moe_ops
+
+                self.loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
             graph_bs = min(config.cuda_graph_max_batch_size, config.max_num_seqs) if config.cuda_graphs else 0
             num_blocks = num_kv_blocks(self.loaded, block_size, self.max_model_len, config.max_num_seqs, budget,
                                        config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs)

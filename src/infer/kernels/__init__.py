@@ -28,3 +28,16 @@ def fused_ops(device: torch.device | str) -> ModuleType:
     from infer.kernels import fused_reference
 
     return fused_reference
+
+
+def moe_ops(backend: str) -> ModuleType:
+    """The module whose ``fused_experts`` runs an MoE layer's experts (phase 15,
+    ``EngineConfig.moe_backend``): :mod:`infer.kernels.moe_triton` for ``"triton"``,
+    :mod:`infer.kernels.moe_reference` (the loop over experts) for ``"torch"``."""
+    if backend == "triton":
+        from infer.kernels import moe_triton
+
+        return moe_triton
+    from infer.kernels import moe_reference
+
+    return moe_reference

@@ -4,9 +4,11 @@ Same ``fused_experts`` signature and values as the loop over experts of
 :mod:`infer.kernels.moe_reference` (vLLM's ``fused_experts``, mini-sglang's
 ``kernel/triton/fused_moe.py``):
 
-1. **Dispatch.** :func:`~infer.kernels.moe_reference.moe_align_block_size` sorts the ``T * k``
-   (token, expert) pairs by expert and pads each expert's run to a multiple of ``BLOCK_M``, into a
-   buffer whose size depends only on ``T * k`` (never on the routing).
+0. **Route** (:func:`select_experts`, one program per token): softmax, top-k, renormalization.
+1. **Dispatch.** :func:`moe_align_block_size` (one program; the reference's device ops above
+   ``ALIGN_ONE_PROGRAM_MAX_PAIRS`` pairs) sorts the ``T * k`` (token, expert) pairs by expert and pads
+   each expert's run to a multiple of ``BLOCK_M``, into a buffer whose size depends only on ``T * k``
+   (never on the routing).
 2. **Grouped GEMM 1** (:func:`_grouped_gemm_kernel`): each program computes a ``BLOCK_M x BLOCK_N``
    tile of ``x[token] @ w13[e].T``: its ``BLOCK_M`` rows are pairs of one expert ``e`` (the block's
    entry of ``expert_ids``), gathered from ``x`` by token index, so one weight tile read from memory
@@ -36,12 +38,139 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import moe_reference
 from infer.kernels.fused_triton import _round, act_and_mul
-from infer.kernels.moe_reference import check_experts, max_padded_tokens, moe_align_block_size, select_experts
+from infer.kernels.moe_reference import check_experts, max_padded_tokens
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ALIGN_ONE_PROGRAM_MAX_PAIRS = 1024  # larger steps sort with the reference's parallel device ops
 
 __all__ = ["fused_experts", "select_experts", "moe_align_block_size", "block_config", "grouped_gemm"]
+
+
+# ============================================================================ routing
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, stride_l,
+                         E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                         RENORMALIZE: tl.constexpr):
+    # One program per token: softmax over its E logits in float32, then K rounds of "take the largest,
+    # mask it out" (the lowest expert id wins a tie), then the optional renormalization.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(offs < E, p, -1.0)
+    slots = tl.arange(0, K_PAD)
+    w = tl.zeros((K_PAD,), dtype=tl.float32)
+    ids = tl.zeros((K_PAD,), dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, offs, E_PAD), 0)
+        w = tl.where(slots == j, best, w)
+        ids = tl.where(slots == j, idx, ids)
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORMALIZE:
+        w = w / tl.sum(w, 0)
+    tl.store(weights_ptr + row * K + slots, w, mask=slots < K)
+    tl.store(ids_ptr + row * K + slots, ids, mask=slots < K)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing in one launch (vLLM's ``topk_softmax``); the values of
+    :func:`infer.kernels.moe_reference.select_experts` (float32 ``[T, k]`` weights, largest first, and
+    int32 ids; a tie goes to the lower expert id).
+
+    Raises:
+        ValueError: ``top_k`` out of range or logits not 2-D.
+    """
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
+    t, e = router_logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
+    if t == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    e_pad = triton.next_power_of_2(e)
+    _topk_softmax_kernel[(t,)](logits, weights, ids, logits.stride(0), E=e, E_PAD=e_pad, K=top_k,
+                               K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+                               num_warps=1 if e_pad <= 256 else 4)
+    return weights, ids
+
+
+# ============================================================================ sort by expert
+
+
+@triton.jit
+def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, n, size, num_blocks, expert_start,
+                      E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+    # One program does it all (a decode step has k pairs per token: one chunk). Pass 1 counts the pairs of
+    # each expert with one-hot rows [CHUNK, E]; the padded runs and their starts are a cumsum over E. Pass 2
+    # gives every pair its slot: its expert's start + the pairs of that expert in earlier chunks + its
+    # rank in this chunk (an inclusive cumsum of the one-hot rows down the chunk): token order is kept.
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        key = tl.load(topk_ids_ptr + offs, mask=offs < n, other=-1) - expert_start
+        valid = (offs < n) & (key >= 0) & (key < E)
+        onehot = ((key[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
+        counts += tl.sum(onehot, 0)
+    padded = (counts + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
+    padded_end = tl.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    total = tl.sum(padded, 0)
+    tl.store(num_post_ptr, total)
+    for p0 in range(0, size, CHUNK):  # every slot starts as padding (the sentinel n)
+        offs = p0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=offs < size)
+    for b0 in range(0, num_blocks, CHUNK):  # a block's expert: how many runs end at or before its start
+        blocks = b0 + tl.arange(0, CHUNK)
+        start = blocks * BLOCK_SIZE
+        ended = (padded_end[None, :] <= start[:, None]) & (experts[None, :] < E)
+        expert = tl.where(start < total, tl.sum(ended.to(tl.int32), 1), -1)
+        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
+    tl.debug_barrier()  # the padding fill lands before the pairs overwrite their slots
+    seen = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        key = tl.load(topk_ids_ptr + offs, mask=offs < n, other=-1) - expert_start
+        valid = (offs < n) & (key >= 0) & (key < E)
+        onehot = ((key[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
+        rank = tl.sum(tl.cumsum(onehot, 0) * onehot, 1) - 1
+        base = tl.sum(onehot * (padded_start + seen)[None, :], 1)
+        tl.store(sorted_ids_ptr + base + rank, offs, mask=valid)
+        seen += tl.sum(onehot, 0)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`infer.kernels.moe_reference.moe_align_block_size` in one launch (the same three tensors,
+    equal element for element): the reference's ~30 small device ops cost more than the GEMMs in a
+    captured batch-1 decode step."""
+    n = topk_ids.numel()
+    size = max_padded_tokens(n, num_experts, block_size)
+    device = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32:
+        ids = ids.to(torch.int32)
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(size // block_size, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    e_pad = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(triton.next_power_of_2(max(n, 1)), 8192 // e_pad))
+    _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_post, n, size, size // block_size, expert_start,
+                            E=num_experts, E_PAD=e_pad, BLOCK_SIZE=block_size, CHUNK=chunk, num_warps=8)
+    return sorted_ids, expert_ids, num_post
+
+
+# ============================================================================ grouped GEMM
 
 
 @triton.jit
@@ -65,7 +194,6 @@ def _grouped_gemm_kernel(
     pid_n = (pid % in_group) // group_m
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return  # past the last expert's padded run
-    # >>> EXERCISE moe_grouped_gemm
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m)  # (token, expert) pair of each row; num_valid = padding
     row_ok = pair < num_valid
@@ -91,7 +219,6 @@ def _grouped_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    # <<< EXERCISE moe_grouped_gemm
     c = _round(acc, c_ptr.dtype.element_ty, MANUAL_BF16)
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
@@ -177,7 +304,10 @@ def fused_experts(
     if t == 0:
         return torch.zeros_like(x)
     cfg = config or block_config(t, top_k, e_local, two_i, h)
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg["BLOCK_M"], e_local, expert_start)
+    # the one-program sort is serial over chunks of pairs: for large steps (prefill) the reference's
+    # device ops, each parallel over all pairs, are faster; both are graph-safe
+    align = moe_align_block_size if pairs <= ALIGN_ONE_PROGRAM_MAX_PAIRS else moe_reference.moe_align_block_size
+    sorted_ids, expert_ids, num_post = align(topk_ids, cfg["BLOCK_M"], e_local, expert_start)
     assert sorted_ids.numel() == max_padded_tokens(pairs, e_local, cfg["BLOCK_M"])
     x = x.contiguous()
     weights = topk_weights.to(torch.float32).contiguous()

@@ -126,7 +126,7 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x[T, H]`` -> ``(topk_weights float32 [T, k], topk_ids int32 [T, k])``."""
-        return moe_reference.select_experts(self.gate(x), self.top_k, self.renormalize)
+        return self.experts.ops.select_experts(self.gate(x), self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[T, H]`` -> ``[T, H]``."""

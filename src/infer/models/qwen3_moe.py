@@ -15,7 +15,6 @@ from typing import Any
 
 from infer.config import ModelConfig
 from infer.errors import ModelLoadError
-from infer.kernels import moe_reference
 from infer.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from infer.models.moe import SparseMoeBlock
 from infer.models.qwen3 import qwen3_config
@@ -37,22 +36,11 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
     def set_moe_impl(self, ops) -> None:
-        """Run every MoE layer's experts with ``ops`` (:mod:`infer.kernels.moe_reference` or
-        :mod:`infer.kernels.moe_triton`)."""
+        """Run every MoE layer's experts with ``ops`` (:mod:`infer.kernels.moe_reference`, the
+        default, or :mod:`infer.kernels.moe_triton`); the engine calls it once
+        (``EngineConfig.moe_backend``), before its memory profile."""
         for block in self.moe_blocks():
             block.experts.set_impl(ops)
-
-    def set_attention_backend(self, backend) -> None:
-        """As :meth:`CausalLM.set_attention_backend`; the experts follow the backend's kernel family:
-        the Triton grouped-GEMM kernel with the Triton backend (it has no host synchronization, so
-        CUDA graphs can capture it), the plain-PyTorch loop with the torch backend."""
-        super().set_attention_backend(backend)
-        if type(backend).__name__.startswith("Triton"):
-            from infer.kernels import moe_triton
-
-            self.set_moe_impl(moe_triton)
-        else:
-            self.set_moe_impl(moe_reference)
 
 
 def qwen3_moe_config(cfg: dict[str, Any], source: str) -> ModelConfig:

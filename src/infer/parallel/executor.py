@@ -203,6 +203,10 @@ def build_runner(config: EngineConfig, state: ParallelState, runner_cls=ModelRun
     block_size = config.block_size if paged else max_model_len
     backend = config.resolved_attention_backend()
     loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, max_model_len)
+    if hasattr(loaded.model, "set_moe_impl"):  # an MoE model (phase 15): how its experts run
+        from infer.kernels import moe_ops
+
+        loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
     num_blocks = num_kv_blocks(loaded, block_size, max_model_len, config.max_num_seqs, budget,
                                config.kv_cache_memory_bytes, config.gpu_memory_utilization, 0)
     num_blocks = agree_num_blocks(state, num_blocks)

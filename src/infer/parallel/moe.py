@@ -57,8 +57,12 @@ def expert_parallel_moe(block, x: torch.Tensor, ps: ParallelState) -> torch.Tens
     per = -(-t // w)
     lo, hi = min(rank * per, t), min((rank + 1) * per, t)
     xs = x[lo:hi]
-    weights, ids = block.route(xs)  # [n, k] float32, int32 (global expert ids)
-    k = ids.shape[1]
+    k = block.top_k
+    if hi > lo:
+        weights, ids = block.route(xs)  # [n, k] float32, int32 (global expert ids)
+    else:  # fewer tokens than ranks: this rank has none, but joins every collective
+        weights = torch.empty((0, k), dtype=torch.float32, device=x.device)
+        ids = torch.empty((0, k), dtype=torch.int32, device=x.device)
     experts = block.experts
     flat = ids.flatten().long()
     order = torch.argsort(flat, stable=True)  # pairs by expert, so by the rank that holds it
