@@ -270,6 +270,14 @@ class EngineConfig:
                                        "shutdown)")
     kv_offload_disk_bytes: int | None = _flag(None, "kv_offload='disk': capacity of the disk tier in bytes; "
                                               "default: 4 x kv_offload_bytes")
+    # ---- phases 14-15: tensor and expert parallelism
+    tensor_parallel_size: int = _flag(1, "ranks (one process each, torch.distributed: NCCL on CUDA, gloo on the CPU) "
+                                      "the model is split over, Megatron-style: attention heads, MLP columns and the "
+                                      "vocabulary; rank 0 schedules and samples", ablation=(1, 2))
+    expert_parallel_size: int = _flag(1, "MoE models: ranks the experts are partitioned over (tokens go to their "
+                                      "experts' rank and back with all-to-all); attention and dense layers run "
+                                      "tensor-parallel over the same ranks (tensor_parallel_size is 1 or equal)",
+                                      ablation=(1, 2))
 
     def resolved_device(self) -> torch.device:
         return torch.device(default_device() if self.device in (None, "auto") else self.device)
@@ -357,6 +365,7 @@ class EngineConfig:
         if self.cuda_graph_max_batch_size < 1:
             raise ValueError(f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}")
         self._validate_kv_offload()
+        self._validate_parallel(dev)
         return self
 
     def _validate_kv_offload(self) -> None:
@@ -381,6 +390,67 @@ class EngineConfig:
     def resolved_kv_offload_disk_bytes(self) -> int:
         """The disk tier's capacity: ``kv_offload_disk_bytes`` or 4 x ``kv_offload_bytes``."""
         return self.kv_offload_disk_bytes if self.kv_offload_disk_bytes is not None else 4 * self.kv_offload_bytes
+
+    @property
+    def world_size(self) -> int:
+        """Processes the engine runs on: ``max(tensor_parallel_size, expert_parallel_size)``."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    def _validate_parallel(self, dev: torch.device) -> None:
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if tp < 1 or ep < 1:
+            raise ValueError(f"tensor_parallel_size and expert_parallel_size must be >= 1, got {tp} and {ep}")
+        if tp > 1 and ep > 1 and tp != ep:
+            raise ValueError(f"expert_parallel_size={ep} with tensor_parallel_size={tp}: attention runs "
+                             "tensor-parallel over the expert-parallel ranks, so the two must be equal (or "
+                             "tensor_parallel_size=1)")
+        if self.world_size == 1:
+            return
+        if self.cuda_graphs:
+            raise ValueError("cuda_graphs with tensor/expert parallelism is not supported: the captured decode "
+                             "step would have to include the collectives of every rank")
+        if self.kv_offload != "none":
+            raise ValueError(f"kv_offload={self.kv_offload!r} with tensor/expert parallelism is not supported: the "
+                             "tiers copy one process's KV cache, and every rank holds its own part of each block")
+        if dev.type == "cuda" and torch.cuda.device_count() < self.world_size:
+            raise ValueError(f"{self.world_size} ranks need {self.world_size} GPUs (one per rank); "
+                             f"{torch.cuda.device_count()} are visible")
+
+    def validate_model(self, model: ModelConfig) -> None:
+        """Reject parallel sizes that do not split ``model`` evenly, with the reason.
+
+        Tensor parallelism splits whole query heads, whole KV heads (or copies each KV head to
+        ``tp / num_kv_heads`` ranks when there are fewer KV heads than ranks), the MLP's
+        intermediate columns and the vocabulary (embedding rows, LM-head rows) in equal parts.
+
+        Raises:
+            ValueError: naming the dimension that does not divide.
+        """
+        w = self.world_size
+        if w == 1:
+            return
+        name = f"{'expert' if self.expert_parallel_size > 1 else 'tensor'}_parallel_size={w}"
+        kv = model.num_kv_heads
+        checks = [
+            (model.num_heads % w == 0, f"the {model.num_heads} query heads do not split evenly"),
+            (kv % w == 0 or w % kv == 0, f"the {kv} KV heads neither split evenly nor are a divisor of it "
+                                         "(each KV head would be copied to an unequal number of ranks)"),
+            (model.intermediate_size % w == 0, f"the MLP's {model.intermediate_size} columns do not split evenly"),
+            (model.vocab_size % w == 0, f"the vocabulary of {model.vocab_size} tokens does not split evenly "
+                                        "(the embedding and LM head are split by rows)"),
+        ]
+        if getattr(model, "num_experts", 0):
+            if self.expert_parallel_size > 1:
+                checks.append((model.num_experts % w == 0, f"its {model.num_experts} experts do not split evenly"))
+            else:
+                checks.append((model.moe_intermediate_size % w == 0, f"the experts' {model.moe_intermediate_size} "
+                               "columns do not split evenly (tensor-parallel experts)"))
+        elif self.expert_parallel_size > 1:
+            checks.append((False, "it has no experts (expert_parallel_size is for MoE models); use "
+                                  "tensor_parallel_size"))
+        for ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name} cannot split this {model.architecture} model: {why}")
 
     def resolved_attention_backend(self) -> str:
         """``"torch"`` or ``"triton"``: ``auto`` is triton on CUDA, torch on the CPU."""

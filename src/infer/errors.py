@@ -46,3 +46,12 @@ class EngineStepError(RuntimeError):
         self.request_ids = request_ids
         super().__init__(f"an engine step failed with {type(cause).__name__}: {cause}; "
                          f"its {len(request_ids)} request(s) were aborted")
+
+
+class ParallelWorkerError(RuntimeError):
+    """A rank of a tensor/expert-parallel engine died or left the ranks out of step (phase 14).
+
+    Raised by ``LLMEngine.step`` after the step's requests were aborted (``finish_reason="error"``).
+    Unlike :class:`EngineStepError` the engine cannot go on: the other ranks' collectives have no
+    partner any more, so every worker has been stopped and each later step raises this again.
+    """

@@ -274,6 +274,24 @@ _ALL = [
        ("torch.arange(n, device=device) - start[sorted_key]", "torch.arange(n, device=device) - padded_start[sorted_key]")),
     _m("moe_align_block_size", "block_expert_left_search", "a block starting where an expert's run ends is "
        "labelled with that expert", ("block_start, right=True)", "block_start, right=False)")),
+    # ---------------------------------------------------------------- phase 14
+    _m("row_parallel_linear", "no_all_reduce", "returns this rank's partial sum",
+       ("y = self.parallel.all_reduce(F.linear(x, self.weight))", "y = F.linear(x, self.weight)")),
+    _m("row_parallel_linear", "bias_in_every_rank", "adds the bias before the all-reduce: it is summed tp times",
+       ("y = self.parallel.all_reduce(F.linear(x, self.weight))\n        return y if self.bias is None else y + self.bias",
+        "return self.parallel.all_reduce(F.linear(x, self.weight, self.bias))")),
+    _m("vocab_parallel_embedding", "no_mask", "rows of ids held elsewhere are looked up (clamped) and summed too",
+       ("return self.parallel.all_reduce(h * mine[:, None].to(h.dtype))", "return self.parallel.all_reduce(h)")),
+    _m("vocab_parallel_embedding", "global_ids", "indexes the local table with global ids",
+       ("local = ids - self.vocab_start", "local = ids")),
+    # ---------------------------------------------------------------- phase 15 (expert parallelism)
+    _m("moe_dispatch_combine", "unweighted_combine", "sums the experts' outputs without the routing weights",
+       ("(y * weights.flatten()[order, None].to(y.dtype))", "y")),
+    _m("moe_dispatch_combine", "pair_to_token", "maps a sorted pair to its token with % instead of //",
+       ("token = order // k", "token = order % k")),
+    _m("moe_dispatch_combine", "combine_splits_not_reversed", "sends the results back with the dispatch's splits",
+       ("y = _all_to_all(y_recv, len(order), send_splits, recv_splits, ps)",
+        "y = _all_to_all(y_recv, len(order), recv_splits, send_splits, ps)")),
 ]
 
 MUTANTS: dict[str, list[Mutant]] = {}

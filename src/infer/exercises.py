@@ -392,6 +392,30 @@ EXERCISES: dict[str, Exercise] = {
             "only: no .item(), no Python loop over pairs (a CUDA graph captures this).",
             30,
         ),
+        # ---------------------------------------------------------------- phase 14
+        Exercise(
+            "row_parallel_linear", 14, "src/infer/models/layers.py",
+            ("tests/test_parallel.py::test_column_row_parallel_pair_equals_one_linear",),
+            "The second layer of a column/row-parallel pair: this rank holds a slice of the weight's input "
+            "columns and receives exactly those features. What does its product miss, how many collectives "
+            "complete it, and when may the bias be added?", 10,
+        ),
+        Exercise(
+            "vocab_parallel_embedding", 14, "src/infer/models/layers.py",
+            ("tests/test_parallel.py::test_vocab_parallel_embedding_equals_one_table",),
+            "This rank holds the embedding rows of ids [vocab_start, vocab_start + num_embeddings). Look up the "
+            "ids it holds, contribute nothing for the others, and combine the ranks' results with one "
+            "collective (self.parallel.all_reduce).", 15,
+        ),
+        # ---------------------------------------------------------------- phase 15 (expert parallelism)
+        Exercise(
+            "moe_dispatch_combine", 15, "src/infer/parallel/moe.py",
+            ("tests/test_parallel.py::test_expert_parallel_moe_equals_all_experts_on_one_rank",),
+            "Take this rank's chunk of the tokens, route them, send each (token, expert) pair's row to the rank "
+            "holding the expert with dist.all_to_all_single (count first: the split sizes), run the local "
+            "experts with weight 1, send the results back, weight and sum them per token, then all-gather "
+            "the chunks so every rank has the whole output.", 40,
+        ),
     ]
 }
 

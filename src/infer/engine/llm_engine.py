@@ -22,7 +22,7 @@ from infer.engine.model_runner import ModelRunner, StepResult, fused_ops, num_kv
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.scheduler import ScheduledSeq, Scheduler
 from infer.engine.sequence import PLACEHOLDER, Request, SeqStatus, Sequence
-from infer.errors import EngineStepError, InvalidRequestError
+from infer.errors import EngineStepError, InvalidRequestError, ParallelWorkerError
 from infer.loader import LoadedModel, load_model
 from infer.outputs import RequestOutput
 from infer.sampling import SamplingParams
@@ -47,9 +47,40 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress: bool = True) -> None:
         self.config = config.validate()
+        self.workers = None  # tensor/expert parallelism (phase 14): the other ranks' processes
+        if config.world_size > 1:
+            try:
+                self._init_parallel(config, loaded, progress)
+            except BaseException:
+                self.shutdown()
+                raise
+            return
         self.loaded = loaded or load_model(
             config.model, config.resolved_device(), config.resolved_dtype(), progress=progress
         )
+        self._init_rest(config, progress)
+
+    def _init_parallel(self, config: EngineConfig, loaded: LoadedModel | None, progress: bool) -> None:
+        """Start the worker ranks, load rank 0's shard, build a runner that drives every rank."""
+        from functools import partial
+
+        from infer.parallel.executor import ParallelModelRunner, Workers, build_runner
+
+        if loaded is not None:
+            raise ValueError("tensor/expert parallelism loads each rank's shard from config.model; "
+                             "a preloaded model cannot be passed")
+        self.workers = Workers(config)
+        self.loaded, self.runner = build_runner(config, self.workers.state, partial(ParallelModelRunner, self.workers),
+                                                progress)
+        self._init_rest(config, progress, self.runner)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (nothing to do with one rank). Idempotent."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def _init_rest(self, config: EngineConfig, progress: bool, runner: ModelRunner | None = None) -> None:
+        """Everything after loading: the model runner (unless a parallel one is given), KV cache, scheduler."""
         if self.loaded.tokenizer is None:
             raise ValueError(f"{self.loaded.path}: the model has no tokenizer (tokenizer.json)")
         self.tokenizer = self.loaded.tokenizer
@@ -61,19 +92,21 @@ class LLMEngine:
         paged = config.kv_cache == "paged"
         block_size = config.block_size if paged else self.max_model_len  # contiguous: one block per sequence
         backend = config.resolved_attention_backend()
-        # the forward that will run is the one the memory profile measures
-        self.loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, self.max_model_len)
-        if hasattr(self.loaded.model, "set_moe_impl"):  # an MoE model (phase 15): how its experts run
-            from infer.kernels import moe_ops
+        if runner is None:
+            # the forward that will run is the one the memory profile measures
+            self.loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, self.max_model_len)
+            if hasattr(self.loaded.model, "set_moe_impl"):  # an MoE model (phase 15): how its experts run
+                from infer.kernels import moe_ops
 
-            self.loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
-        graph_bs = min(config.cuda_graph_max_batch_size, config.max_num_seqs) if config.cuda_graphs else 0
-        num_blocks = num_kv_blocks(self.loaded, block_size, self.max_model_len, config.max_num_seqs, budget,
-                                   config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs)
-        self.runner = ModelRunner(self.loaded, num_blocks, block_size, contiguous=not paged,
-                                  attention_backend=backend, max_model_len=self.max_model_len,
-                                  cuda_graphs=config.cuda_graphs, cuda_graph_max_batch_size=graph_bs or 1,
-                                  block_major=config.kv_offload != "none" and backend == "triton")
+                self.loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
+            graph_bs = min(config.cuda_graph_max_batch_size, config.max_num_seqs) if config.cuda_graphs else 0
+            num_blocks = num_kv_blocks(self.loaded, block_size, self.max_model_len, config.max_num_seqs, budget,
+                                       config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs)
+            self.runner = ModelRunner(self.loaded, num_blocks, block_size, contiguous=not paged,
+                                      attention_backend=backend, max_model_len=self.max_model_len,
+                                      cuda_graphs=config.cuda_graphs, cuda_graph_max_batch_size=graph_bs or 1,
+                                      block_major=config.kv_offload != "none" and backend == "triton")
+        num_blocks = self.runner.kv_cache.num_blocks
         log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, batching=%s, "
                  "max_num_batched_tokens=%d, chunked_prefill=%s, fused_kernels=%s, cuda_graphs=%s",
                  config.kv_cache, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**30, backend,
@@ -382,6 +415,8 @@ class LLMEngine:
             failed = list(dict.fromkeys(item.seq.request.request_id for sched in steps for item in sched))
             for rid in failed:
                 self.abort_request(rid, finish_reason="error")
+            if isinstance(e, ParallelWorkerError):
+                raise  # a rank is gone: the engine cannot step again (the server stops and says 503)
             raise EngineStepError(failed, e) from e
 
     def _finish(self, scheduled: list[ScheduledSeq], finished: list[Sequence], stream: bool) -> list[RequestOutput]:

@@ -77,6 +77,11 @@ class StepResult:
         return (lists[0], *(lists[1:] if len(lists) > 1 else (None, None, None)))
 
 
+def kv_heads_per_rank(model) -> int:
+    """KV heads this process caches: all of them, or with tensor parallelism its rank's share."""
+    return model.model.layers[0].self_attn.num_kv_heads
+
+
 def num_kv_blocks(
     loaded: LoadedModel,
     block_size: int,
@@ -107,7 +112,8 @@ def num_kv_blocks(
     """
     cfg = loaded.config
     p = next(loaded.model.parameters())
-    block_bytes = cfg.kv_bytes_per_token(p.dtype) * block_size
+    # tensor parallelism: each rank caches only its KV heads
+    block_bytes = cfg.kv_bytes_per_token(p.dtype) * block_size * kv_heads_per_rank(loaded.model) // cfg.num_kv_heads
     per_seq = -(-max_model_len // block_size)
     cap = max_num_seqs * per_seq
     if kv_cache_memory_bytes is not None:
@@ -244,8 +250,8 @@ class ModelRunner:
         self.config = cfg
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                self.device, contiguous=contiguous, block_major=block_major)
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, kv_heads_per_rank(self.model), cfg.head_dim,
+                                self.dtype, self.device, contiguous=contiguous, block_major=block_major)
         self.attention_backend = make_attention_backend(attention_backend, self.device)
         self.model.set_attention_backend(self.attention_backend)
         max_model_len = max_model_len or cfg.max_position_embeddings
@@ -317,34 +323,53 @@ class ModelRunner:
             if len(sample_at) != len(ids):  # a one-token prefill chunk among the decodes samples nothing
                 logits = logits[self._to_device(sample_at, torch.int64)]
             return self._result(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
-        meta = AttentionMetadata(
-            query_start_loc=self._to_device(starts, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=seq_lens,
-            kv_cache=self.kv_cache,
-            slot_mapping=self._to_device(slots, torch.int64),
-            block_tables=self._block_table_tensor(tables),
-            block_tables_cpu=tables,
-            num_decodes=num_decodes,
-        )
+        meta = self._metadata(starts, seq_lens, self._to_device(slots, torch.int64), tables, num_decodes)
         input_ids = self._to_device(ids, torch.int64)
         if patch is not None:
             input_ids.index_copy_(0, *patch)
-        hidden = self.model(input_ids, self._to_device(positions, torch.int64), meta)
+        hidden = self._forward(input_ids, self._to_device(positions, torch.int64), meta)
         bs = self.kv_cache.block_size
         for item in scheduled:  # n > 1: each fork gets its copy of the prompt's last, partly filled block
             n = item.seq.num_computed_tokens + item.num_tokens
             for fork in item.forks:
                 src, dst = item.seq.block_table[-1], fork.block_table[-1]
                 if src != dst:
-                    self.kv_cache.copy_block_prefix(src, dst, n - (len(item.seq.block_table) - 1) * bs)
+                    self._copy_block_prefix(src, dst, n - (len(item.seq.block_table) - 1) * bs)
         prompt_lp = self._prompt_logprobs(scheduled, starts, hidden)
         if not sampled:
             return StepResult([], None, prompt_lp)
-        logits = self.model.compute_logits(hidden[self._to_device(sample_at, torch.int64)])
+        logits = self._logits(hidden, sample_at)
         tensors = self._sampling_tensors(sampled, eos_ids)
         return self._result(sampled, sample(logits, tensors), prompt_lp)
+
+    # The three places a step touches the model or the cache. Tensor parallelism (phase 14,
+    # infer.parallel.executor) overrides them to run the same call on every rank.
+
+    def _metadata(self, starts: list[int], seq_lens: list[int], slot_mapping: torch.Tensor,
+                  tables: list[list[int]], num_decodes: int) -> AttentionMetadata:
+        """The step's :class:`AttentionMetadata` over this runner's KV cache."""
+        return AttentionMetadata(
+            query_start_loc=self._to_device(starts, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=seq_lens,
+            kv_cache=self.kv_cache,
+            slot_mapping=slot_mapping,
+            block_tables=self._block_table_tensor(tables),
+            block_tables_cpu=tables,
+            num_decodes=num_decodes,
+        )
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward: ``[T]`` ids and positions -> ``[T, hidden]``."""
+        return self.model(input_ids, positions, meta)
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int] | slice) -> torch.Tensor:
+        """Logits ``[N, vocab]`` of ``hidden``'s ``rows`` (flat token indices, or a slice of them)."""
+        return self.model.compute_logits(hidden[rows if isinstance(rows, slice) else self._to_device(rows, torch.int64)])
+
+    def _copy_block_prefix(self, src: int, dst: int, length: int) -> None:
+        self.kv_cache.copy_block_prefix(src, dst, length)
 
     @staticmethod
     def _result(sampled, sampler_output, prompt_lp) -> StepResult:
@@ -464,7 +489,7 @@ class ModelRunner:
             n_pred = end - first - (1 if end == seq.num_prompt_tokens else 0)
             if n_pred <= 0:
                 continue
-            lp = torch.log_softmax(self.model.compute_logits(hidden[s : s + n_pred]).float(), dim=-1)
+            lp = torch.log_softmax(self._logits(hidden, slice(s, s + n_pred)).float(), dim=-1)
             targets = torch.tensor(seq.token_ids[first + 1 : first + 1 + n_pred], device=lp.device)
             chosen = lp.gather(1, targets[:, None])[:, 0]
             top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())

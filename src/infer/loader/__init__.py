@@ -22,9 +22,11 @@ from infer.config import ModelConfig, default_device, parse_dtype
 from infer.errors import ModelLoadError
 from infer.loader.registry import DEFAULT_MODEL, SHIPPED_MODELS, resolve_model
 from infer.models import MODEL_CLASSES, CausalLM
+from infer.parallel.state import shard
 from infer.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_MODEL", "SHIPPED_MODELS", "LoadedModel", "ModelLoadError", "load_model", "resolve_model"]
+__all__ = ["DEFAULT_MODEL", "SHIPPED_MODELS", "LoadedModel", "ModelLoadError", "load_model", "read_model_config",
+           "resolve_model"]
 
 
 @dataclass
@@ -75,10 +77,11 @@ class _StackedParams:
     its slice of a tensor allocated on the device (see :mod:`infer.models.moe`)."""
 
     def __init__(self, model, expected: dict, device, dtype, source: Path) -> None:
-        from infer.models.moe import stacked_checkpoint_slice
+        from infer.models.moe import per_expert_shard, stacked_checkpoint_slice
 
         self.model, self.expected, self.device, self.dtype, self.source = model, expected, device, dtype, source
         self.locate = stacked_checkpoint_slice
+        self.piece_shard = per_expert_shard
         self.tensors: dict[str, torch.Tensor] = {}
         self.filled: dict[str, int] = {}  # elements written per stacked parameter
 
@@ -93,6 +96,7 @@ class _StackedParams:
             self.tensors[param] = torch.empty(self.expected[param], device=self.device, dtype=self.dtype)
             self.filled[param] = 0
         t = torch.as_tensor(w) if isinstance(w, torch.Tensor) else torch.from_numpy(np.require(w, requirements="W"))
+        t = shard(t, self.piece_shard(self.model, name))  # tensor-parallel experts: this rank's rows
         dst = self.tensors[param][index]
         if tuple(t.shape) != tuple(dst.shape):
             raise ModelLoadError(self.source, f"tensor {name} has shape {tuple(t.shape)}, the config implies "
@@ -128,6 +132,8 @@ def materialize(
     with torch.device("meta"), _skip_init():
         model = MODEL_CLASSES[cfg.architecture](cfg)
     expected = {name: p.shape for name, p in model.named_parameters()}
+    # tensor parallelism (phase 14): the piece of each tensor this rank keeps (infer.parallel.state.shard)
+    shards = {name: getattr(p, "tp_shard", None) for name, p in model.named_parameters()}
     tied = cfg.tie_word_embeddings
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
@@ -144,6 +150,7 @@ def materialize(
                 unexpected.append(name)
             continue
         t = torch.as_tensor(w) if isinstance(w, torch.Tensor) else torch.from_numpy(np.require(w, requirements="W"))
+        t = shard(t, shards[name])
         if tuple(t.shape) != tuple(expected[name]):
             raise ModelLoadError(
                 source, f"tensor {name} has shape {tuple(t.shape)}, the config implies {tuple(expected[name])}"
@@ -162,6 +169,24 @@ def materialize(
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def read_model_config(model: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint without loading its weights (``config.json`` or the
+    GGUF header), e.g. to check a parallel layout before starting worker processes.
+
+    Raises:
+        ModelLoadError: as :func:`load_model`.
+    """
+    path = resolve_model(model)
+    if path.is_dir():
+        from infer.loader import hf
+
+        return hf.model_config_from_dir(path)[0]
+    from infer.loader import gguf as g
+
+    reader = g.open_gguf(path)
+    return g.model_config_from_gguf(g.read_metadata(reader), {t.name for t in reader.tensors}, path)
 
 
 def load_model(

@@ -19,6 +19,7 @@ from torch import nn
 
 from infer.attention.metadata import AttentionMetadata
 from infer.config import ModelConfig, RopeConfig
+from infer.parallel.state import get_parallel, mark_shard, tp_rank, tp_size
 
 # ----------------------------------------------------------------------------- RMSNorm
 
@@ -141,12 +142,21 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # tensor parallelism (phase 14): this rank's query heads, and the KV heads they read
+        # (whole KV heads split across ranks; each copied to several ranks when there are fewer)
+        tp, r = tp_size(), tp_rank()
+        kv_parts = min(tp, cfg.num_kv_heads)
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp, cfg.num_kv_heads // kv_parts
+        self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * d, h, bias=cfg.attention_bias)
+        mark_shard(self.q_proj, 0, r, tp)
+        for proj in (self.k_proj, self.v_proj):
+            mark_shard(proj, 0, r * kv_parts // tp, kv_parts)
+        mark_shard(self.o_proj, 1, r, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
@@ -243,6 +253,59 @@ def set_weight_layout(linear: nn.Linear, column_major: bool) -> None:
         part.weight = nn.Parameter(new[start:start + n], requires_grad=False)
 
 
+class RowParallelLinear(nn.Linear):
+    """The second half of Megatron-LM's column/row pair (Shoeybi et al., arXiv:1909.08053).
+
+    Each of the ``tp`` ranks holds ``weight[:, r * in / tp : (r + 1) * in / tp]`` (a slice of the
+    *input* features) and receives exactly those features of ``x``: the output of the
+    column-parallel layer before it (its heads, its MLP columns), never gathered. Its product is a
+    partial sum of the full ``x @ W.T``; one all-reduce adds the ``tp`` partial sums, then the bias
+    is added once. With one rank it is ``nn.Linear``.
+
+    Shapes: ``x [T, in / tp]`` -> ``[T, out]`` (the same on every rank after the all-reduce).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.parallel = get_parallel()  # the ranks this layer was built for
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return super().forward(x)
+        # >>> EXERCISE row_parallel_linear
+        y = self.parallel.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+        # <<< EXERCISE row_parallel_linear
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """An embedding table split by rows (token ids) across the tensor-parallel ranks.
+
+    Rank ``r`` holds ids ``[r * V / tp, (r + 1) * V / tp)``: it looks up the ids it holds, writes
+    zeros for the others, and one all-reduce sums the ``tp`` partial results (each row is nonzero on
+    exactly one rank, so the sum is exact). Megatron-LM's ``VocabParallelEmbedding``.
+
+    Shapes: int64 ``ids [T]`` -> ``[T, hidden]``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        tp = tp_size()
+        super().__init__(num_embeddings // tp, embedding_dim)
+        self.vocab_start = tp_rank() * (num_embeddings // tp)
+        mark_shard(self, 0, tp_rank(), tp)
+        self.parallel = get_parallel()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return super().forward(ids)
+        # >>> EXERCISE vocab_parallel_embedding
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        h = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return self.parallel.all_reduce(h * mine[:, None].to(h.dtype))
+        # <<< EXERCISE vocab_parallel_embedding
+
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -256,10 +319,13 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        tp, r = tp_size(), tp_rank()
+        h, i = cfg.hidden_size, cfg.intermediate_size // tp  # tensor parallelism: this rank's columns
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(i, h, bias=cfg.mlp_bias)
+        for proj, dim in ((self.gate_proj, 0), (self.up_proj, 0), (self.down_proj, 1)):
+            mark_shard(proj, dim, r, tp)
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
         self.act = ACTIVATIONS[cfg.hidden_act]
@@ -286,7 +352,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([layer_cls(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
@@ -305,7 +371,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, self.layer_cls)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # tensor parallelism: each rank holds vocab_size / tp rows of the LM head (compute_logits gathers)
+        self.parallel = get_parallel()  # the ranks this model was built for (infer.parallel.state)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // tp_size(), bias=False)
+        mark_shard(self.lm_head, 0, tp_rank(), tp_size())
         # Rotary tables per layer type (Gemma 3: a local base for sliding layers). Built on the
         # CPU explicitly so that meta-device construction still gets real values.
         ropes = {"full_attention": cfg.rope, "sliding_attention": cfg.rope_local or cfg.rope}
@@ -420,8 +489,13 @@ class CausalLM(nn.Module):
         return ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden[N, hidden_size]`` -> logits ``[N, vocab_size]`` in the model dtype."""
+        """``hidden[N, hidden_size]`` -> logits ``[N, vocab_size]`` in the model dtype.
+
+        With tensor parallelism every rank computes its vocabulary slice's logits and they are
+        gathered (every rank must call this with the same ``N``)."""
         logits = self.lm_head(hidden)
+        if self.parallel.tp_size > 1:
+            logits = self.parallel.all_gather_last_dim(logits)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

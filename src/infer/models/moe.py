@@ -30,6 +30,8 @@ from torch import nn
 
 from infer.config import ModelConfig
 from infer.kernels import moe_reference
+from infer.parallel.moe import expert_parallel_moe
+from infer.parallel.state import get_parallel
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -105,7 +107,22 @@ class SparseMoeBlock(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = MoEExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, activation)
+        # phases 14-15: each rank holds E / ep whole experts (expert parallelism, infer.parallel.moe),
+        # or a 1 / tp slice of every expert's intermediate columns (tensor parallelism)
+        self.parallel = ps = get_parallel()
+        e, inter = cfg.num_experts, cfg.moe_intermediate_size
+        if ps.ep_size > 1:
+            n = e // ps.ep_size
+            self.experts = MoEExperts(e, cfg.hidden_size, inter, activation, ps.ep_rank * n, n)
+            for p in (self.experts.gate_up_proj, self.experts.down_proj):
+                p.tp_shard = (0, ps.ep_rank, ps.ep_size)  # a stacked checkpoint: its experts
+        else:
+            tp, r = ps.tp_size, ps.tp_rank
+            self.experts = MoEExperts(e, cfg.hidden_size, inter // tp, activation)
+            if tp > 1:  # stacked: gate rows and up rows each cut; per expert: the piece_shard of each
+                self.experts.gate_up_proj.tp_shard = (1, r, tp, 2)
+                self.experts.down_proj.tp_shard = (2, r, tp)
+                self.experts.piece_shard = {"gate_proj": (0, r, tp), "up_proj": (0, r, tp), "down_proj": (1, r, tp)}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x[T, H]`` -> ``(topk_weights float32 [T, k], topk_ids int32 [T, k])``."""
@@ -113,8 +130,12 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[T, H]`` -> ``[T, H]``."""
+        ps = self.parallel
+        if ps.ep_size > 1:
+            return expert_parallel_moe(self, x, ps)
         topk_weights, topk_ids = self.route(x)
-        return self.experts(x, topk_weights, topk_ids)
+        out = self.experts(x, topk_weights, topk_ids)
+        return ps.all_reduce(out) if ps.tp_size > 1 else out  # tensor-parallel experts: partial sums
 
     # the fused forward of the decoder layer (phase 8) calls these on its MLP
     def merge_gate_up(self) -> None:
@@ -122,6 +143,15 @@ class SparseMoeBlock(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
         return self.forward(x)
+
+
+def per_expert_shard(model: nn.Module, name: str) -> tuple[int, ...] | None:
+    """Tensor-parallel experts: the :func:`~infer.parallel.state.shard` spec of a per-expert
+    checkpoint tensor (``...experts.{e}.gate_proj.weight``: this rank's rows), or None."""
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    return getattr(model.get_submodule(m["prefix"]), "piece_shard", {}).get(m["proj"])
 
 
 def stacked_checkpoint_slice(model: nn.Module, name: str) -> tuple[str, tuple] | None:

@@ -396,6 +396,11 @@ class AsyncEngine:
             self._stopping.set()
             self._finish_all()
             self.num_running = self.num_waiting = 0
+            try:  # a parallel engine's worker processes (phase 14) exit with the engine thread
+                if hasattr(eng, "shutdown"):
+                    eng.shutdown()
+            except Exception:
+                log.exception("engine shutdown failed")
             # reject adds that raced with the shutdown
             while True:
                 try:

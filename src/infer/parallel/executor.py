@@ -1,0 +1,330 @@
+"""The worker processes of a tensor/expert-parallel engine, and the step they all run (phase 14).
+
+Process model (vLLM's multiprocessing executor, reduced to its core)::
+
+    rank 0 = the engine's process                 ranks 1 .. W-1 = spawned workers
+    LLMEngine: scheduler, sampler, detokenizer    a ModelRunner each (their shard, their KV pool)
+    ParallelModelRunner.execute(step)             loop:
+      broadcast FORWARD header (gloo, host ints) --> recv header, build AttentionMetadata
+      broadcast [ids | positions | slots] -------> recv (device group: NCCL on CUDA)
+      forward (all-reduces with everybody) <------> forward (the same all-reduces)
+      broadcast LOGITS rows ---------------------> gather logits (only rank 0 samples)
+      sample
+
+Every rank runs the same forward on the same tokens; only rank 0 knows about requests. The
+step's inputs are already flat tensors and host lists (the model runner builds them), so the
+message is a handful of integers per sequence.
+
+Failures. A worker that dies closes its sockets: gloo raises at once in rank 0's next collective
+("Connection closed by peer"), rank 0 stops every worker and raises
+:class:`~infer.errors.ParallelWorkerError`, which the engine lets through (the step's requests end
+with ``finish_reason="error"``; the server answers 503 from then on). Each worker asks the kernel
+to kill it when its parent dies (``PR_SET_PDEATHSIG``), so a killed engine leaves no orphans, and a
+clean exit (``LLMEngine.shutdown``, interpreter exit, the server's SIGTERM handling) sends SHUTDOWN
+and joins every worker. With NCCL a rank that dies *inside* a GPU collective is only noticed when
+the collective times out (``TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from infer.config import EngineConfig
+from infer.engine.model_runner import ModelRunner, fused_ops, num_kv_blocks
+from infer.errors import ParallelWorkerError
+from infer.parallel.state import ParallelState, building_for, set_parallel
+
+log = logging.getLogger("infer")
+
+FORWARD, LOGITS, COPY, SHUTDOWN = 1, 2, 3, 4
+TIMEOUT = datetime.timedelta(seconds=300)  # the longest a rank waits in a collective for the others
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank: int, world_size: int, port: int, config: EngineConfig) -> ParallelState:
+    """Join the process group (NCCL on CUDA, gloo on the CPU) and describe this rank.
+
+    On CUDA rank ``r`` uses GPU ``r``; a second gloo group carries the host-side step messages.
+    """
+    cuda = config.resolved_device().type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=TIMEOUT)
+    group = dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else group
+    return ParallelState(rank, world_size, tp=True, ep=config.expert_parallel_size > 1, group=group,
+                         cpu_group=cpu_group)
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    dev = config.resolved_device()
+    return torch.device("cuda", rank) if dev.type == "cuda" else dev
+
+
+def send(state: ParallelState, cmd: int, payload: list[int] = ()) -> None:
+    """Rank 0: broadcast one command and its int64 payload over the host (gloo) group."""
+    dist.broadcast(torch.tensor([cmd, len(payload)], dtype=torch.int64), 0, group=state.cpu_group)
+    if payload:
+        dist.broadcast(torch.tensor(payload, dtype=torch.int64), 0, group=state.cpu_group)
+
+
+def recv(state: ParallelState) -> tuple[int, list[int]]:
+    """Ranks > 0: the next command rank 0 broadcast, and its payload."""
+    header = torch.empty(2, dtype=torch.int64)
+    dist.broadcast(header, 0, group=state.cpu_group)
+    cmd, n = header.tolist()
+    payload = torch.empty(n, dtype=torch.int64)
+    if n:
+        dist.broadcast(payload, 0, group=state.cpu_group)
+    return cmd, payload.tolist()
+
+
+def agree_num_blocks(state: ParallelState, num_blocks: int) -> int:
+    """Every rank sizes its KV pool alone; all take the smallest (rank 0's scheduler hands out block
+    ids that must exist on every rank)."""
+    t = torch.tensor([num_blocks], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.cpu_group)
+    return int(t.item())
+
+
+def pack_step(meta) -> list[int]:
+    """The host half of a FORWARD message: ``[T, B, num_decodes, query_start_loc (B + 1),
+    seq_lens (B), table lengths (B), the block tables back to back]``."""
+    tables = meta.block_tables_cpu
+    return [meta.query_start_loc_cpu[-1], meta.num_seqs, meta.num_decodes, *meta.query_start_loc_cpu,
+            *meta.seq_lens_cpu, *map(len, tables), *itertools.chain.from_iterable(tables)]
+
+
+def unpack_step(p: list[int]) -> tuple[int, list[int], list[int], list[list[int]], int]:
+    """:func:`pack_step`'s inverse: ``(T, query_start_loc, seq_lens, block tables, num_decodes)``."""
+    t, b, nd = p[0], p[1], p[2]
+    starts, seq_lens, lens = p[3:4 + b], p[4 + b:4 + 2 * b], p[4 + 2 * b:4 + 3 * b]
+    flat, tables, at = p[4 + 3 * b:], [], 0
+    for n in lens:
+        tables.append(flat[at:at + n])
+        at += n
+    return t, starts, seq_lens, tables, nd
+
+
+class ParallelModelRunner(ModelRunner):
+    """Rank 0's model runner: every call that touches the model or the KV cache is first broadcast,
+    so the workers run it too (:func:`serve` is their side). The rest (flattening the step, the
+    sampling tensors, sampling) happens on rank 0 only.
+
+    Raises (from :meth:`execute`):
+        ParallelWorkerError: a collective failed (a rank died): the workers are stopped.
+    """
+
+    def __init__(self, workers: Workers, *args, **kwargs) -> None:
+        self.workers = workers
+        super().__init__(*args, **kwargs)
+
+    def execute(self, *args, **kwargs):
+        self.workers.check()
+        return super().execute(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _collective(self):
+        """Any failure while ranks exchange messages leaves them out of step: fatal."""
+        try:
+            yield
+        except Exception as e:
+            raise self.workers.fail(e) from e
+
+    def _forward(self, input_ids, positions, meta):
+        with self._collective():
+            st = self.workers.state
+            send(st, FORWARD, pack_step(meta))
+            dist.broadcast(torch.stack([input_ids, positions, meta.slot_mapping]), 0, group=st.group)
+            return super()._forward(input_ids, positions, meta)
+
+    def _logits(self, hidden, rows):
+        with self._collective():
+            send(self.workers.state, LOGITS, list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows)
+            return super()._logits(hidden, rows)
+
+    def _copy_block_prefix(self, src, dst, length):
+        with self._collective():
+            send(self.workers.state, COPY, [src, dst, length])
+            super()._copy_block_prefix(src, dst, length)
+
+
+@torch.inference_mode()
+def serve(runner: ModelRunner, state: ParallelState) -> None:
+    """A worker's loop: run each command rank 0 broadcasts until SHUTDOWN."""
+    hidden = None
+    while True:
+        cmd, p = recv(state)
+        if cmd == FORWARD:
+            t, starts, seq_lens, tables, nd = unpack_step(p)
+            packed = torch.empty((3, t), dtype=torch.int64, device=runner.device)
+            dist.broadcast(packed, 0, group=state.group)
+            meta = runner._metadata(starts, seq_lens, packed[2], tables, nd)
+            hidden = runner._forward(packed[0], packed[1], meta)
+        elif cmd == LOGITS:
+            runner._logits(hidden, p)  # the gather needs every rank; only rank 0 samples
+        elif cmd == COPY:
+            runner._copy_block_prefix(*p)
+        elif cmd == SHUTDOWN:
+            return
+        else:  # pragma: no cover
+            raise RuntimeError(f"unknown command {cmd}")
+
+
+def build_runner(config: EngineConfig, state: ParallelState, runner_cls=ModelRunner, progress: bool = False):
+    """Load this rank's shard and build its model runner the way :class:`LLMEngine` does (the same
+    max_model_len, block size, fused ops and KV-pool size on every rank). Returns ``(loaded, runner)``."""
+    from infer.loader import load_model
+
+    with building_for(state):
+        loaded = load_model(config.model, rank_device(config, state.rank), config.resolved_dtype(), progress=progress)
+    mcfg = loaded.config
+    max_model_len = config.default_max_model_len(mcfg.max_position_embeddings)
+    budget = config.resolved_max_num_batched_tokens(max_model_len)
+    paged = config.kv_cache == "paged"
+    block_size = config.block_size if paged else max_model_len
+    backend = config.resolved_attention_backend()
+    loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, max_model_len)
+    if hasattr(loaded.model, "set_moe_impl"):  # an MoE model (phase 15): how its experts run
+        from infer.kernels import moe_ops
+
+        loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
+    num_blocks = num_kv_blocks(loaded, block_size, max_model_len, config.max_num_seqs, budget,
+                               config.kv_cache_memory_bytes, config.gpu_memory_utilization, 0)
+    num_blocks = agree_num_blocks(state, num_blocks)
+    runner = runner_cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
+                        max_model_len=max_model_len)
+    return loaded, runner
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies (no orphans, whatever
+    killed the engine)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _worker_main(rank: int, world_size: int, port: int, config: EngineConfig, parent: int) -> None:
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 decides
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(message)s")
+    try:
+        state = init_rank(rank, world_size, port, config)
+        set_parallel(state)
+        _, runner = build_runner(config, state)
+        serve(runner, state)
+        dist.destroy_process_group()
+    except Exception:
+        log.exception("rank %d failed", rank)
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: the process group's C++ threads may still be winding down
+
+
+class Workers:
+    """Rank 0's handle on the worker processes (ranks 1 .. W-1) and the process group.
+
+    Starting it spawns the workers (``torch.multiprocessing``'s spawn context: a fresh interpreter
+    each, as CUDA requires) and joins the group as rank 0. :meth:`shutdown` is idempotent and also
+    runs at interpreter exit (``weakref.finalize``).
+
+    Raises:
+        ValueError: ``config``'s parallel sizes do not split the model (:meth:`EngineConfig.validate_model`).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from infer.loader import read_model_config
+
+        config.validate_model(read_model_config(config.model))
+        if dist.is_initialized():
+            raise RuntimeError("a parallel engine is already running in this process (torch.distributed "
+                               "holds one process group per process); shut it down first")
+        self.world_size = config.world_size
+        port = _free_port()
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.procs = [ctx.Process(target=_worker_main, args=(r, self.world_size, port, config, os.getpid()),
+                                  name=f"infer-rank{r}", daemon=True) for r in range(1, self.world_size)]
+        for p in self.procs:
+            p.start()
+        self.error: ParallelWorkerError | None = None
+        self._joined: list[ParallelState] = []  # rank 0's state once it is in the group
+        self._finalizer = weakref.finalize(self, _shutdown, self._joined, self.procs)
+        try:
+            self.state = init_rank(0, self.world_size, port, config)
+        except BaseException:
+            self._finalizer()
+            raise
+        self._joined.append(self.state)
+
+    def check(self) -> None:
+        """Raise the failure recorded earlier, or :class:`ParallelWorkerError` if a worker is gone."""
+        if self.error is not None:
+            raise self.error
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            raise self.fail(RuntimeError("worker exited"))
+
+    def fail(self, cause: BaseException) -> ParallelWorkerError:
+        """Record a fatal failure, stop every worker, return the error to raise."""
+        if self.error is None:
+            for p in self.procs:
+                p.join(timeout=0.5)  # a rank that closed its sockets is exiting: let its exit code arrive
+            dead = ", ".join(f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.procs)
+                             if p.exitcode is not None)
+            self.error = ParallelWorkerError(
+                f"{'worker ' + dead + ' died' if dead else 'the ranks fell out of step'} "
+                f"({type(cause).__name__}: {cause}); the parallel engine has stopped")
+            log.error("%s", self.error)
+            self._joined.clear()  # no SHUTDOWN message: nobody is listening any more
+            self._finalizer()
+        return self.error
+
+    def shutdown(self) -> None:
+        """Tell every worker to exit, wait for them, leave the process group. Idempotent."""
+        self._finalizer()
+
+
+def _shutdown(joined: list[ParallelState], procs) -> None:
+    """SHUTDOWN to the workers when the group is whole, join (or kill) them, leave the group."""
+    if joined:
+        with contextlib.suppress(Exception):
+            send(joined[0], SHUTDOWN)
+    _stop(procs, graceful=bool(joined))
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _stop(procs, graceful: bool) -> None:
+    """Join the workers (after SHUTDOWN), then terminate and kill whatever is left."""
+    for p in procs:
+        if graceful:
+            p.join(timeout=10)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
