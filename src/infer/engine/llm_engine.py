@@ -74,11 +74,6 @@ class LLMEngine:
                                                 progress)
         self._init_rest(config, progress, self.runner)
 
-    def shutdown(self) -> None:
-        """Stop the worker processes of a parallel engine (nothing to do with one rank). Idempotent."""
-        if self.workers is not None:
-            self.workers.shutdown()
-
     def _init_rest(self, config: EngineConfig, progress: bool, runner: ModelRunner | None = None) -> None:
         """Everything after loading: the model runner (unless a parallel one is given), KV cache, scheduler."""
         if self.loaded.tokenizer is None:
@@ -157,9 +152,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release what outlives a step: the KV offload tiers (their copies finish, the disk
-        tier's file is deleted). Idempotent; the engine must not step afterwards."""
+        tier's file is deleted) and the worker processes of a parallel engine. Idempotent; the
+        engine must not step afterwards."""
         if self.offloader is not None:
             self.offloader.close()
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ------------------------------------------------------------------ requests
 
