@@ -123,7 +123,7 @@ def moe_align_block_size(
     counts.scatter_add_(0, key, torch.ones_like(key))
     # >>> EXERCISE moe_align_block_size
     padded = (counts + block_size - 1) // block_size * block_size
-    padded[num_experts] = 0  # the dropped pairs take no room
+    padded[num_experts:].zero_()  # the dropped pairs take no room (a fill: capturable in a CUDA graph)
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
     start = counts.cumsum(0) - counts  # where each expert's pairs begin in the sorted order
