@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings": ceil,
         "ablation_values": {k: list(v) for k, v in values.items()},
         "flags": flags or list(values),
-        "base_engine_config": EngineConfig.from_kwargs(**base, **configs[0]["overrides"]).to_dict(),
+        "base_engine_config": EngineConfig.from_kwargs(**{**base, **configs[0]["overrides"]}).to_dict(),
         "passed_on": passthrough,
         "scale": args.scale,
         "request_rates": [format_value(r) for r in args.request_rates] if args.workload == "serve" else None,

@@ -50,6 +50,7 @@ FOREIGN = {
     # EngineConfig flags of planned phases (docs/index.md)
     "chunked_prefill", "prefix_caching", "fused_kernels", "cuda_graphs", "kv_offload", "tensor_parallel_size",
     "expert_parallel_size",
+    "get_computed_blocks",  # vLLM v1's prefix-cache lookup (phase 7)
 }
 # Dotted names of other projects' classes, file formats' metadata keys and API object types.
 FOREIGN_DOTTED = ("tokenizer.ggml.", "general.", "llama.", "gemma3.attention.", "rope_freqs.", "chat.completion",

@@ -96,6 +96,24 @@ def test_lookup_walks_to_the_first_miss_and_keeps_the_last_token():
     pool.check_invariants()
 
 
+def test_lookup_stops_at_a_miss_even_when_later_blocks_are_cached():
+    """Block 1 of a cached prefix is evicted while block 2 stays: block 2's K/V was computed
+    after block 1's tokens, but a sequence that misses block 1 recomputes it into another block,
+    so only block 0 is a usable hit."""
+    kv = _manager(num_blocks=8)
+    a = _seq(list(range(10, 23)))
+    _compute(kv, a)
+    b0, b1, b2, _ = a.block_table
+    kv.free(a)  # LRU order: b2, b1, b0 (tail first)
+    kv.pool.touch([b2])
+    kv.pool.free([b2])  # b2 used again: now b1, b0, b2
+    taken = kv.pool.allocate(kv.pool.num_free - 2)  # every plain block, then evicts b1 only
+    assert b1 in taken and kv.pool.cached_free.keys() == {b0, b2}
+    assert kv.find_cached_prefix(_seq(list(range(10, 23)))) == [b0]
+    kv.pool.free(taken)
+    kv.pool.check_invariants()
+
+
 def test_a_colliding_key_is_caught_by_the_token_check():
     pool = PrefixCachingBlockPool(4)
     [b] = pool.allocate(1)
@@ -278,6 +296,42 @@ def test_outputs_identical_with_the_cache(tiny_llama, cache_off, variant):
     assert_drained(eng)
 
 
+def test_hits_with_the_triton_backend(tiny_llama, cache_off):
+    """The Triton prefill/extend kernel (interpreted on the CPU) attends over hit blocks it did
+    not write in this request: a full-prompt hit and a hit ending mid-block."""
+    arrivals = [scenario(tiny_llama.config.vocab_size)[i] for i in (0, 1, 3)]
+    eng = make_engine(tiny_llama, prefix_caching=True, attention_backend="triton", **KW)
+    got = run_logprobs(eng, arrivals)
+    assert got["r1"]["cached"] == 24 and got["r2"]["cached"] == 20
+    assert_same_logprobs({"r0": got["r0"], "r1": got["r1"], "r3": got["r2"]},
+                         {k: cache_off[k] for k in ("r0", "r1", "r3")})
+    assert_drained(eng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [{}, {"cuda_graphs": True, "async_scheduling": True, "chunked_prefill": True,
+                                        "max_num_batched_tokens": 16}])
+def test_outputs_identical_with_the_cache_on_gpu(tiny_llama, extra):
+    """float32 on the GPU (Triton attention; CUDA graphs, async scheduling and chunked prefill in the
+    second case): the scenario's tokens and logprobs with the cache equal those without it."""
+    from infer.engine import LLMEngine
+    from infer.loader import load_model
+
+    loaded = load_model(str(tiny_llama.path), device="cuda", dtype=torch.float32, progress=False)
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig(model=str(loaded.path), device="cuda", dtype="float32", **KW, **extra, **kw),
+                         loaded=loaded, progress=False)
+
+    arrivals = scenario(loaded.config.vocab_size)
+    ref = run_logprobs(engine(), arrivals, check=None)
+    eng = engine(prefix_caching=True)
+    got = run_logprobs(eng, arrivals)
+    assert_same_logprobs(got, ref)
+    assert got["r1"]["cached"] == 24 and got["r3"]["cached"] == 20
+    assert_drained(eng)
+
+
 def test_a_seed_gives_the_same_tokens_hit_or_miss(tiny_llama):
     vocab = tiny_llama.config.vocab_size
     prompt = [(13 * i + 5) % vocab for i in range(30)]
@@ -434,3 +488,55 @@ def test_server_metrics_usage_and_reset(tiny_llama):
     assert metric_value(text, "infer:prefix_cache_hits_total") == 20
     assert reset.status_code == 200 and reset.json() == {"prefix_caching": True, "num_blocks_dropped": 5}
     assert u3["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+# ---------------------------------------------------------------------------------- the benchmarks
+
+
+def test_prefix_caching_benchmark_end_to_end(tiny_llama, tmp_path):
+    """benchmarks/prefix_caching.py at tiny sizes: the warm request hits, multi-turn turns hit
+    their history, nothing leaks between workloads, the report and the plot are written."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import prefix_caching as bench
+
+    out = tmp_path / "pc.json"
+    rc = bench.main(["--model", str(tiny_llama.path), "--device", "cpu", "--max-model-len", "128", "--prefix-lens",
+                     "32", "--repeats", "1", "--workload-prefix-len", "24", "--num-requests", "4", "--turns", "2",
+                     "--output-len", "3", "--suffix-len", "5", "--out", str(out), "--plot", str(tmp_path / "pc.png")])
+    assert rc == 0 and (tmp_path / "pc.png").exists()
+    rep = json.loads(out.read_text())
+    assert rep["ttft"][0]["prefix_len"] == 32 and rep["ttft"][0]["ttft_warm_ms"] > 0
+    rows = {(r["workload"], r["prefix_caching"]): r for r in rep["serving"]}
+    assert rows["multi-turn", True]["prefix_hit_rate"] > 0 and rows["multi-turn", False]["prefix_hit_rate"] == 0
+    assert rows["multi-turn", True]["prefill_tokens_run"] < rows["multi-turn", False]["prefill_tokens_run"]
+    assert rows["random", True]["prefix_hit_rate"] == 0
+
+
+def test_serve_bench_multi_turn_requests():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from serve_bench import request_body
+    from workloads import build_requests
+
+    reqs = build_requests("multi-turn", 2, 5, 3, seed=0, prefix_len=4, turns=3)
+    assert [(r.extra["conversation"], r.extra["turn"]) for r in reqs] == [(c, t) for c in range(2) for t in range(3)]
+    system = reqs[0].prompt.split()[:4]
+    assert reqs[3].prompt.split()[:4] == system and len(reqs[1].prompt.split()) == 5  # later turns: new words only
+
+    class Args:
+        endpoint, temperature, ignore_eos, usage = "chat", 0.0, True, True
+
+    _, body = request_body(reqs[2], Args, "m", [(reqs[0].prompt, "a0"), (reqs[1].prompt, "a1")])
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert body["messages"][3]["content"] == "a1" and body["messages"][4]["content"] == reqs[2].prompt
+    Args.endpoint = "completions"
+    _, body = request_body(reqs[1], Args, "m", [(reqs[0].prompt, "a0")])
+    assert body["prompt"] == reqs[0].prompt + "a0 " + reqs[1].prompt
+    with pytest.raises(ValueError, match="text prompts"):
+        build_requests("multi-turn", 1, 5, 3, seed=0, token_prompts=True)

@@ -201,6 +201,28 @@ _ALL = [
     _m("overlap_loop", "placeholder_for_finished", "a sequence that finished still gets a placeholder",
        ("            if not seq.is_finished:\n                seq.token_ids.append(PLACEHOLDER)",
         "            seq.token_ids.append(PLACEHOLDER)")),
+    # ---------------------------------------------------------------- phase 7
+    _m("block_hash_chain", "unchained", "every block hashed alone: the same tokens after another prefix collide",
+       ("parent = hash_block_tokens(parent, ", "parent = hash_block_tokens(NONE_HASH, ")),
+    _m("block_hash_chain", "partial_block_keyed", "the partly filled last block gets a key too",
+       ("range(len(hashes), len(token_ids) // block_size)", "range(len(hashes), -(-len(token_ids) // block_size))")),
+    _m("block_hash_chain", "known_not_continued", "the chain restarts after the known keys",
+       ("parent = hashes[-1] if hashes else NONE_HASH", "parent = NONE_HASH")),
+    _m("prefix_lookup", "last_token_cached", "a full hit takes the last token from the cache too",
+       ("max_blocks = (len(tokens) - 1) // bs", "max_blocks = len(tokens) // bs")),
+    _m("prefix_lookup", "skips_misses", "goes on past a miss and takes later cached blocks",
+       ("            if block is None:\n                break\n", "            if block is None:\n                continue\n")),
+    _m("prefix_lookup", "first_block_tokens", "checks every block against the first block's tokens",
+       ("tokens[i * bs : (i + 1) * bs]", "tokens[:bs]")),
+    _m("lru_eviction", "most_recent_first", "evicts the most recently freed block",
+       ("self.cached_free.popitem(last=False)", "self.cached_free.popitem()")),
+    _m("lru_eviction", "stale_key", "the evicted block keeps its key: a later lookup finds overwritten K/V",
+       ("        self._uncache(b)\n", "")),
+    _m("lru_eviction", "hook_after_uncache", "on_evict is told after the key is gone",
+       ("        if self.on_evict is not None:\n            self.on_evict(self.block_hash[b], b, self.block_tokens[b])\n"
+        "        self._uncache(b)\n",
+        "        self._uncache(b)\n        if self.on_evict is not None:\n"
+        "            self.on_evict(self.block_hash[b], b, self.block_tokens[b])\n")),
     # ---------------------------------------------------------------- phase 10
     _m("tiered_lookup", "device_only_prefix", "stops at the first block the device lacks, never looking below",
        ("        for name, contains in lower_tiers:\n            if contains(h):\n",

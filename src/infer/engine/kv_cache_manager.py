@@ -210,10 +210,11 @@ class KVCacheManager:
         (the last token, not sampled yet on the host) is never hashed."""
         from infer.engine.prefix_cache import block_hashes
 
-        n = len(seq.token_ids) - (1 if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER else 0)
-        if n // self.block_size > len(seq.block_hashes):
-            seq.block_hashes = block_hashes(seq.token_ids[:n], self.block_size, block_extra_keys(seq.request),
-                                            seq.block_hashes)
+        tokens = seq.token_ids
+        if tokens and tokens[-1] == PLACEHOLDER:
+            tokens = tokens[:-1]
+        if len(tokens) // self.block_size > len(seq.block_hashes):
+            seq.block_hashes = block_hashes(tokens, self.block_size, block_extra_keys(seq.request), seq.block_hashes)
         return seq.block_hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
