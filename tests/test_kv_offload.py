@@ -342,6 +342,32 @@ def test_stress_tiny_tiers_aborts_and_preemptions(tiny_llama, tmp_path, mode):
         assert results[True][rid]["tokens"] == results[False][rid]["tokens"], rid
 
 
+def test_benchmark_program_smoke(tiny_llama, tmp_path):
+    """benchmarks/kv_offload.py at tiny sizes: every part runs and the report says where the
+    restored blocks came from (what it counts, not how fast)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import kv_offload as bench
+
+    assert bench.main(["--device", "cpu", "--model", str(tiny_llama.path), "--shapes", "smollm2-135m",
+                       "--bandwidth-bytes", "2000000", "--prefix-lens", "16", "40", "--tier", "disk",
+                       "--multi-turn", "--conversations", "2", "--turns", "2", "--system-len", "24",
+                       "--turn-len", "8", "--output-len", "2", "--multi-turn-kv-cache-memory-bytes",
+                       str(10 * 16 * tiny_llama.config.kv_bytes_per_token(torch.float32)),
+                       "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "kv_offload.json").read_text())
+    rows = rep["restore_vs_recompute"]
+    assert [r["prefix_tokens"] for r in rows] == [16, 40]
+    assert [r["disk_hit_blocks"] + r["host_hit_blocks"] for r in rows] == [1, 2]  # full blocks before the last token
+    assert rows[1]["disk_hit_blocks"] >= 1 and rep["break_even"]["computed_tokens"] is not None
+    assert [(r["workload"], r["kv_offload"]) for r in rep["multi_turn"]] == [
+        ("2 turn(s)", "none"), ("2 turn(s)", "host"), ("1 turn(s)", "none"), ("1 turn(s)", "host")]
+    assert (tmp_path / "kv_offload.png").stat().st_size > 0 and (tmp_path / "kv_offload.md").exists()
+
+
 # ------------------------------------------------------------------------------------ GPU
 
 
