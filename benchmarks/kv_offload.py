@@ -50,6 +50,11 @@ from infer.engine.kv_offload import BlockCopier, DiskTier, block_nbytes, block_s
 SHAPES = {"smollm2-135m": (30, 3, 64), "qwen3-4b": (36, 8, 128), "qwen3-0.6b": (28, 8, 128)}
 
 
+def token_range(vocab: int) -> tuple[int, int]:
+    """Random prompt token ids: ordinary tokens, clear of the special ones at either end."""
+    return min(1000, vocab // 4), min(vocab - 8, 20000)
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
@@ -162,16 +167,18 @@ def make_engine(args, offload: str, **over: Any):
         kw.update(chunked_prefill=True, max_num_batched_tokens=args.max_num_batched_tokens)
     if offload != "none":
         kw["kv_offload_bytes"] = args.kv_offload_bytes
-    if offload == "disk":  # one host block: what is evicted goes on to the disk
-        from infer.config import parse_dtype
-
-        layers, heads, head_dim = SHAPES[args.shapes]
-        itemsize = torch.empty((), dtype=parse_dtype(args.dtype, torch.device(args.device))).element_size()
-        kw["kv_offload_bytes"] = 2 * layers * heads * head_dim * args.block_size * itemsize
+    if offload == "disk":
+        kw["kv_offload_bytes"] = 1 << 20  # replaced below by a one-block host tier
     if offload == "disk":
         kw.update(kv_offload_dir=args.disk_dir, kv_offload_disk_bytes=args.kv_offload_disk_bytes)
     kw.update(over)
-    return LLMEngine(EngineConfig(**kw), progress=False)
+    engine = LLMEngine(EngineConfig(**kw), progress=False)
+    if offload == "disk":  # a one-block host tier: what the device evicts goes on to the disk
+        from infer.engine.kv_offload import HostTier
+
+        off = engine.offloader
+        off.host = HostTier(1, off.shape, engine.runner.dtype, pin=off.cuda)
+    return engine
 
 
 def ttft(engine, prompt: list[int]) -> float:
@@ -193,7 +200,8 @@ def restore_vs_recompute(args, engine) -> list[dict[str, Any]]:
 
     rng = random.Random(args.seed)
     vocab = engine.vocab_size
-    tok = lambda n: [rng.randrange(1000, min(vocab, 20000)) for _ in range(n)]  # noqa: E731
+    lo, hi = token_range(vocab)
+    tok = lambda n: [rng.randrange(lo, hi) for _ in range(n)]  # noqa: E731
     rows = []
     ttft(engine, tok(40))  # warm-up: the first forward pays one-time costs
     for n in args.prefix_lens:
@@ -245,13 +253,14 @@ def multi_turn(args, offload: str, turns: int) -> dict[str, Any]:
 
     engine = make_engine(args, offload, kv_cache_memory_bytes=args.multi_turn_kv_cache_memory_bytes)
     rng = random.Random(args.seed)
-    hist = [[rng.randrange(1000, 20000) for _ in range(args.system_len)] for _ in range(args.conversations)]
+    lo, hi = token_range(engine.vocab_size)
+    hist = [[rng.randrange(lo, hi) for _ in range(args.system_len)] for _ in range(args.conversations)]
     ttfts, itls, out_tokens = [], [], 0
     t0 = time.perf_counter()
     for _turn in range(turns):
         starts, firsts, last = {}, {}, {}
         for c in range(args.conversations):
-            hist[c] += [rng.randrange(1000, 20000) for _ in range(args.turn_len)]
+            hist[c] += [rng.randrange(lo, hi) for _ in range(args.turn_len)]
             rid = f"c{c}-t{_turn}"
             engine.add_request(list(hist[c]), SamplingParams(max_tokens=args.output_len, ignore_eos=True,
                                                              temperature=0.0), request_id=rid)

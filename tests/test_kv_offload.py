@@ -342,6 +342,32 @@ def test_stress_tiny_tiers_aborts_and_preemptions(tiny_llama, tmp_path, mode):
         assert results[True][rid]["tokens"] == results[False][rid]["tokens"], rid
 
 
+def test_benchmark_program_smoke(tiny_llama, tmp_path):
+    """benchmarks/kv_offload.py at tiny sizes: every part runs and the report says where the
+    restored blocks came from (what it counts, not how fast)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import kv_offload as bench
+
+    assert bench.main(["--device", "cpu", "--model", str(tiny_llama.path), "--shapes", "smollm2-135m",
+                       "--bandwidth-bytes", "2000000", "--prefix-lens", "16", "40", "--tier", "disk",
+                       "--multi-turn", "--conversations", "2", "--turns", "2", "--system-len", "24",
+                       "--turn-len", "8", "--output-len", "2", "--multi-turn-kv-cache-memory-bytes",
+                       str(10 * 16 * tiny_llama.config.kv_bytes_per_token(torch.float32)),
+                       "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "kv_offload.json").read_text())
+    rows = rep["restore_vs_recompute"]
+    assert [r["prefix_tokens"] for r in rows] == [16, 40]
+    assert [r["disk_hit_blocks"] + r["host_hit_blocks"] for r in rows] == [1, 2]  # full blocks before the last token
+    assert rows[1]["disk_hit_blocks"] >= 1 and rep["break_even"]["computed_tokens"] is not None
+    assert [(r["workload"], r["kv_offload"]) for r in rep["multi_turn"]] == [
+        ("2 turn(s)", "none"), ("2 turn(s)", "host"), ("1 turn(s)", "none"), ("1 turn(s)", "host")]
+    assert (tmp_path / "kv_offload.png").stat().st_size > 0 and (tmp_path / "kv_offload.md").exists()
+
+
 # ------------------------------------------------------------------------------------ GPU
 
 
@@ -374,34 +400,40 @@ def test_cuda_copies_are_ordered_against_the_compute_stream(block_major):
         assert got == (trial + 1.0, -(trial + 1.0))
 
 
+def restore_scenario(vocab: int) -> list:
+    """The first prompt (4 full blocks of 4 tokens and one more token) runs, hits on the device,
+    is evicted by two longer prompts, and comes back while a short unrelated request decodes."""
+    rng = random.Random(1)
+    first = [rng.randrange(10, vocab) for _ in range(17)]
+    others = [[rng.randrange(10, vocab) for _ in range(33)] for _ in range(2)]
+    g = SamplingParams(max_tokens=3, **GREEDY)
+    short = [rng.randrange(10, vocab) for _ in range(5)]
+    return [(0, first, g), (10, first, g), (20, others[0], g), (30, others[1], g),
+            (38, short, SamplingParams(max_tokens=8, **GREEDY)), (40, first, g)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["host", "disk"])
 def test_gpu_bf16_prefix_restored_from_a_tier_gives_the_greedy_tokens_of_a_recompute(tiny_llama, tmp_path, mode):
-    """bf16 on the GPU, Triton backend (block-major cache, copies on the side stream): greedy
-    tokens identical to an engine without any cache, with the prefix restored from a tier while
-    other requests run (continuous batching, several prompts sharing prefixes)."""
+    """bf16 on the GPU, Triton backend (block-major cache, copies on the side stream): the
+    prefix evicted from a 12-block device cache comes back from the host (or disk) tier while
+    another request decodes, with the greedy tokens of an engine without any cache."""
     from infer.engine.llm_engine import LLMEngine
     from infer.loader import load_model
 
     loaded = load_model(str(tiny_llama.path), device="cuda", dtype=torch.bfloat16, progress=False)
-    vocab = loaded.config.vocab_size
-    rng = random.Random(5)
-    prefixes = [[rng.randrange(10, vocab) for _ in range(40)] for _ in range(3)]
-    g = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    arrivals = [(3 * i, prefixes[i % 3] + [rng.randrange(10, vocab) for _ in range(rng.randrange(1, 9))], g)
-                for i in range(18)]
-    per_block = 16 * loaded.config.kv_bytes_per_token(torch.bfloat16)
-    kw = dict(model=str(loaded.path), device="cuda", dtype="bfloat16", kv_cache="paged", block_size=16,
-              batching="continuous", max_model_len=64, max_num_seqs=4, kv_cache_memory_bytes=12 * per_block)
+    arrivals = restore_scenario(loaded.config.vocab_size)
+    per_block = BS * loaded.config.kv_bytes_per_token(torch.bfloat16)
+    kw = dict(model=str(loaded.path), device="cuda", dtype="bfloat16", **{**KW, "max_model_len": 48},
+              kv_cache_memory_bytes=12 * per_block)
     ref = run_logprobs(LLMEngine(EngineConfig(**kw), loaded=loaded), arrivals, check=None)
     eng = LLMEngine(EngineConfig(**kw, **offload_kw(mode, tmp_path, 64 if mode == "host" else 2, 64, per_block)),
                     loaded=loaded)
-    assert eng.runner.kv_cache.blocks is not None
+    assert eng.runner.kv_cache.blocks is not None and eng.kv_manager.num_blocks == 12
     got = run_logprobs(eng, arrivals, check=check_all)
     assert {r: v["tokens"] for r, v in got.items()} == {r: v["tokens"] for r, v in ref.items()}
     st = eng.stats()
-    assert st["kv_offload_hit_tokens"] > 0 and st[f"kv_offload_{mode}_hits"] > 0
+    assert got["r5"]["cached"] == 16 and st["kv_offload_hit_tokens"] == 16 and st[f"kv_offload_{mode}_hits"] > 0
     eng.shutdown()
     assert os.listdir(tmp_path) == []
-

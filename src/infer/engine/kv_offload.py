@@ -400,9 +400,10 @@ class KVOffloader:
         host_bytes: the host tier's capacity (bytes; at least one block).
         disk_dir, disk_bytes: the disk tier's directory and capacity (``mode="disk"``).
 
-    The prefix cache calls :meth:`offload` when it is about to reuse a cached block (its KV still
-    intact), :meth:`lookup` after its own lookup stopped, and :meth:`restore` with the device
-    blocks it allocated for the blocks found here. Every method runs on the engine thread.
+    The prefix cache's eviction hook calls :meth:`offload` when it is about to reuse a cached
+    block (its KV still intact); its lookup continues in :meth:`lower_tiers` (with
+    :func:`tiered_lookup`) after a device miss, and admission calls :meth:`restore` with the
+    device blocks it allocated for the blocks found there. Every method runs on the engine thread.
     ``stats()`` holds per-tier hits and bytes and the time spent offloading and restoring (host
     seconds spent issuing and, on the CPU, doing the copies).
 
