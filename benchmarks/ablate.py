@@ -110,23 +110,13 @@ def display_name(c: dict[str, Any]) -> str:
     return " = ".join([c["name"], *c["aliases"]])
 
 
-def _validated(kw: dict[str, Any]):
-    """``EngineConfig(**kw).validate()``, and with several ranks (phases 14-15) also whether they split
-    the model (``validate_model``: heads, vocabulary, experts), which needs only its config."""
-    from infer.config import EngineConfig
-    from infer.loader import read_model_config
-
-    cfg = EngineConfig.from_kwargs(**kw).validate()
-    if cfg.world_size > 1:
-        cfg.validate_model(read_model_config(cfg.model))
-    return cfg
-
-
 def validate_configs(configs: list[dict[str, Any]], base: dict[str, Any]) -> None:
     """Mark each configuration that ``EngineConfig.validate()`` rejects as skipped (in place)."""
+    from infer.config import EngineConfig
+
     for c in configs:
         try:
-            cfg = _validated({**base, **c["overrides"]})
+            cfg = EngineConfig.from_kwargs(**{**base, **c["overrides"]}).validate()
             c["engine_config"] = cfg.to_dict()
             c["status"] = "pending"
         except (TypeError, ValueError) as e:
@@ -139,6 +129,7 @@ def usable_all_on(configs: list[dict[str, Any]], values: dict[str, tuple], flags
     of what is usable: each flag at its last value whose one-flag configuration validated, the
     others off (in place, after :func:`validate_configs`; the new configuration is named
     ``all-on`` and its ``note`` names the flags left off)."""
+    from infer.config import EngineConfig
 
     flags = list(values) if flags is None else list(flags)
     old = next(c for c in configs if c["name"] == "all-on" or "all-on" in c["aliases"])
@@ -163,7 +154,7 @@ def usable_all_on(configs: list[dict[str, Any]], values: dict[str, tuple], flags
     new = {"name": "all-on", "overrides": overrides, "aliases": [], "status": "pending",
            "note": f"all-on without {', '.join(left_off)} (rejected here)"}
     try:
-        new["engine_config"] = _validated({**base, **overrides}).to_dict()
+        new["engine_config"] = EngineConfig.from_kwargs(**{**base, **overrides}).validate().to_dict()
     except (TypeError, ValueError) as e:
         new["status"], new["reason"] = "skipped", str(e)
     configs.append(new)
