@@ -13,6 +13,8 @@ renormalized routing), bf16 on a GPU (float32 on the CPU), for T tokens (T = 1 i
 * ``fused``: :func:`infer.kernels.moe_triton.fused_experts` (sort + two grouped GEMMs + act + sum),
   captured in a CUDA graph and replayed under ``triton.testing.do_bench`` (median, L2 cleared before each
   replay): the device time a captured decode step pays.
+* ``sort_one_program_us`` / ``sort_reference_us``: the sort by expert alone, the one-program Triton kernel
+  vs the reference's device ops (graph replay): where ``ALIGN_ONE_PROGRAM_MAX_PAIRS`` should sit.
 * ``reference``: :func:`infer.kernels.moe_reference.fused_experts`, Hugging Face's loop (one
   gather + 2 GEMMs + index_add per expert hit, with host synchronization): timed eagerly (it cannot be
   captured), so its launch overhead is included: that is what running it costs.
@@ -117,6 +119,11 @@ def run_row(name: str, m: dict, t: int, dtype, device, ceil: dict, fused: bool, 
         row["tflops"] = 2 * t * k * 3 * h * i / (row["fused_us"] / 1e6) / 1e12
         row["speedup_vs_reference"] = row["reference_us"] / row["fused_us"]
         row["config"] = moe_triton.block_config(t, k, e, 2 * i, h)
+        # the two sorts alone (both graph-safe): where the one-program kernel stops paying
+        # (moe_triton.ALIGN_ONE_PROGRAM_MAX_PAIRS)
+        bm = row["config"]["BLOCK_M"]
+        row["sort_one_program_us"] = 1e6 * time_graph(lambda: moe_triton.moe_align_block_size(ids, bm, e), device)
+        row["sort_reference_us"] = 1e6 * time_graph(lambda: moe_reference.moe_align_block_size(ids, bm, e), device)
     return row
 
 
@@ -200,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(sys.argv)}
     cols = ["tokens", "experts_hit", "weight_mb_read", "reference_us", "reference_gb_s"]
     if fused:
-        cols += ["fused_us", "fused_gb_s", "fused_frac", "tflops", "speedup_vs_reference", "max_rel_diff"]
+        cols += ["fused_us", "fused_gb_s", "fused_frac", "tflops", "speedup_vs_reference", "max_rel_diff",
+                 "sort_one_program_us", "sort_reference_us"]
     table = markdown_table(rows, cols)
     table += (f"\n\n{name} {m}, {report['dtype']}; copy bandwidth {ceil['bandwidth_gb_s']:.0f} GB/s; "
               f"{env.get('gpu') or env['cpu']}")

@@ -33,7 +33,7 @@ PY="${PYTHON:-python3}"
 MAX_OUT_FILES=8
 
 SECTIONS=(env tests parity parity_fp32 bench_kernels bench_single bench_paged server bench_offline bench_serve bench_step
-          bench_fused bench_sampler bench_flags)
+          bench_fused bench_sampler bench_flags bench_moe bench_moe_model)
 CKPT="${CKPT:-/tmp/infer-ckpt}"  # synthetic checkpoints, shared by the sections
 
 # ----------------------------------------------------------------------------- environment
@@ -199,6 +199,29 @@ section_bench_sampler() {
 # Phases 8-9: fused_kernels, cuda_graphs and async_scheduling, each alone and all three, on the offline
 # workload with 512 output tokens (Qwen3-0.6B), then batch-1 decode with all three next to HF's compiled
 # static cache (both presets). The numbers of docs/phases/08-fused-kernels.md and 09-cuda-graphs.md.
+# Phase 15: one MoE layer at Qwen3-30B-A3B shapes, the Triton sort + grouped GEMM against the loop over
+# experts for 1..4096 tokens, and a sweep of its tile sizes (docs/phases/15-moe-expert-parallelism.md).
+section_bench_moe() {
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/moe_kernel.py --out "$OUT" ${MOE_ARGS:---tune}
+}
+
+# Phase 15: the whole Qwen3-30B-A3B (random weights generated on the GPU at load time: 61 GB would not fit
+# the disk): batch-1 decode with the loop, with the kernel, with every flag; offline throughput.
+section_bench_moe_model() {
+    local d="$CKPT/qwen3-30b-a3b" rc=0 base="batching=continuous,kv_cache=paged"
+    [ -d "$d" ] || "$PY" scripts/make_synthetic_checkpoint.py qwen3-30b-a3b "$d" --random-weights || return 1
+    "$PY" benchmarks/single_stream.py --model "$d" --device cuda --dtype bfloat16 --prompt-lens 128 \
+        --output-len 128 --repeats 3 \
+        --infer-configs "kv_cache=paged,moe_backend=torch;kv_cache=paged;kv_cache=paged,fused_kernels=true,cuda_graphs=true,async_scheduling=true" \
+        --out "$OUT/single_qwen3-30b-a3b.json" || rc=1
+    "$PY" benchmarks/offline_throughput.py --model "$d" --device cuda --dtype bfloat16 --max-model-len 2048 \
+        --max-num-seqs 256 --max-num-batched-tokens 16384 --engines infer \
+        --infer-configs "$base;$base,fused_kernels=true,cuda_graphs=true,async_scheduling=true" \
+        --no-progress --out "$OUT/offline_qwen3-30b-a3b.json" --plot "$OUT/offline_qwen3-30b-a3b.png" || rc=1
+    return $rc
+}
+
 section_bench_flags() {
     local preset rc=0 base="batching=continuous,kv_cache=paged"
     for preset in qwen3-0.6b qwen3-4b; do

@@ -211,8 +211,6 @@ _ALL = [
         "    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)\n",
         "    top_logits, topk_ids = torch.topk(router_logits.float(), top_k, dim=-1)\n"
         "    topk_weights = torch.softmax(top_logits, dim=-1)\n")),
-    _m("moe_topk_routing", "smallest_k", "keeps the least likely experts",
-       ("torch.topk(probs, top_k, dim=-1)", "torch.topk(probs, top_k, dim=-1, largest=False)")),
     _m("moe_align_block_size", "runs_not_padded", "experts' runs not padded to the block: blocks mix experts",
        ("padded = (counts + block_size - 1) // block_size * block_size", "padded = counts.clone()")),
     _m("moe_align_block_size", "rank_from_padded_start", "a pair's rank counted from the padded start",
