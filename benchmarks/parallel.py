@@ -80,13 +80,13 @@ def _collectives_rank(rank: int, world: int, port: int, device: str, dtype: str,
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     for b in batches:
         x = torch.randn(b, hidden, device=dev, dtype=dt)
-        t = _timed(lambda: dist.all_reduce(x), cuda, iters)
+        t = _timed(lambda x=x: dist.all_reduce(x), cuda, iters)
         size = x.numel() * item
         rows.append({"collective": "all_reduce", "batch": b, "shape": f"[{b}, {hidden}]", "bytes": size,
                      "latency_us": t * 1e6, "busbw_gb_s": 2 * (world - 1) / world * size / t / 1e9})
         lg = torch.randn(b, vocab // world, device=dev, dtype=dt)
         full = torch.empty(world * b, vocab // world, device=dev, dtype=dt)
-        t = _timed(lambda: gather(full, lg), cuda, iters)
+        t = _timed(lambda full=full, lg=lg: gather(full, lg), cuda, iters)
         size = full.numel() * item
         rows.append({"collective": "all_gather (logits)", "batch": b, "shape": f"[{b}, {vocab // world}] x {world}",
                      "bytes": size, "latency_us": t * 1e6, "busbw_gb_s": (world - 1) / world * size / t / 1e9})
@@ -94,7 +94,7 @@ def _collectives_rank(rank: int, world: int, port: int, device: str, dtype: str,
         send = torch.randn(n, hidden, device=dev, dtype=dt)
         recv = torch.empty_like(send)
         splits = [n // world] * world
-        t = _timed(lambda: dist.all_to_all_single(recv, send, splits, splits), cuda, iters)
+        t = _timed(lambda r=recv, s=send, p=splits: dist.all_to_all_single(r, s, p, p), cuda, iters)
         size = send.numel() * item
         rows.append({"collective": "all_to_all (dispatch)", "batch": b, "shape": f"[{n}, {hidden}]", "bytes": size,
                      "latency_us": t * 1e6, "busbw_gb_s": (world - 1) / world * size / t / 1e9})

@@ -415,6 +415,14 @@ class EngineConfig:
         if dev.type == "cuda" and torch.cuda.device_count() < self.world_size:
             raise ValueError(f"{self.world_size} ranks need {self.world_size} GPUs (one per rank); "
                              f"{torch.cuda.device_count()} are visible")
+        from infer.errors import ModelLoadError
+        from infer.loader import read_model_config
+
+        try:
+            model = read_model_config(self.model)  # config.json or the GGUF header only
+        except ModelLoadError:
+            return  # loading the model reports it, with the file
+        self.validate_model(model)
 
     def validate_model(self, model: ModelConfig) -> None:
         """Reject parallel sizes that do not split ``model`` evenly, with the reason.

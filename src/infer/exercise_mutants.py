@@ -287,9 +287,8 @@ _ALL = [
        ("(y * weights.flatten()[order, None].to(y.dtype))", "y")),
     _m("moe_dispatch_combine", "pair_to_token", "maps a sorted pair to its token with % instead of //",
        ("token = order // k", "token = order % k")),
-    _m("moe_dispatch_combine", "combine_splits_not_reversed", "sends the results back with the dispatch's splits",
-       ("y = _all_to_all(y_recv, len(order), send_splits, recv_splits, ps)",
-        "y = _all_to_all(y_recv, len(order), recv_splits, send_splits, ps)")),
+    _m("moe_dispatch_combine", "owner_round_robin", "sends expert e to rank e % W, but ranks hold blocks of experts",
+       ("dest = flat[order] // experts.num_local_experts", "dest = flat[order] % w")),
 ]
 
 MUTANTS: dict[str, list[Mutant]] = {}

@@ -250,14 +250,11 @@ class Workers:
     each, as CUDA requires) and joins the group as rank 0. :meth:`shutdown` is idempotent and also
     runs at interpreter exit (``weakref.finalize``).
 
-    Raises:
-        ValueError: ``config``'s parallel sizes do not split the model (:meth:`EngineConfig.validate_model`).
+    ``config`` must be validated (:meth:`EngineConfig.validate` checks that its parallel sizes split
+    the model). Raises RuntimeError when this process already runs a parallel engine.
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from infer.loader import read_model_config
-
-        config.validate_model(read_model_config(config.model))
         if dist.is_initialized():
             raise RuntimeError("a parallel engine is already running in this process (torch.distributed "
                                "holds one process group per process); shut it down first")

@@ -14,6 +14,7 @@ broadcasts (:mod:`infer.parallel.executor`), so the host never waits for the dev
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,9 @@ _STATE = ParallelState()
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+_BUILDING = threading.local()  # building_for's state, per thread
+
+
 def set_parallel(state: ParallelState) -> None:
     """Make ``state`` the one layers read while they are built (a worker process sets it once)."""
     global _STATE
@@ -95,29 +99,31 @@ def set_parallel(state: ParallelState) -> None:
 
 
 def get_parallel() -> ParallelState:
-    """The state layers built now take (each layer keeps the one it was built with)."""
-    return _STATE
+    """The state layers built now take (each layer keeps the one it was built with): this thread's
+    :func:`building_for` state, else the process's."""
+    return getattr(_BUILDING, "state", None) or _STATE
 
 
 @contextlib.contextmanager
 def building_for(state: ParallelState):
-    """Build a model for ``state``'s rank inside this block (rank 0 in the engine's own process,
-    which may also hold single-process models: the global state is restored on exit)."""
-    saved = _STATE
-    set_parallel(state)
+    """Build a model for ``state``'s rank inside this block, on this thread only (rank 0 in the
+    engine's own process, which may also hold single-process models; tests play several ranks on
+    threads)."""
+    saved = getattr(_BUILDING, "state", None)
+    _BUILDING.state = state
     try:
         yield
     finally:
-        set_parallel(saved)
+        _BUILDING.state = saved
 
 
 def tp_size() -> int:
     """Ranks the attention heads, MLP columns and vocabulary of a model built now are split over."""
-    return _STATE.tp_size
+    return get_parallel().tp_size
 
 
 def tp_rank() -> int:
-    return _STATE.tp_rank
+    return get_parallel().tp_rank
 
 
 def shard(t: torch.Tensor, spec: tuple[int, ...] | None) -> torch.Tensor:
