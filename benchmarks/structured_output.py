@@ -38,11 +38,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import environment, markdown_table, save_figure, sync, write_report  # noqa: E402
+from common import environment, markdown_table, save_figure, sync, timed, write_report  # noqa: E402
 
 from infer.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
-from infer.sampling import SamplingParams  # noqa: E402
+from infer.sampling import SamplingParams, SamplingTensors, sample  # noqa: E402
 from infer.sampling.structured import IndexCache, StructuredOutputsParams  # noqa: E402
 
 OPEN_REGEX = "[a-zA-Z ,.]+"
@@ -98,6 +98,33 @@ def decode_tpot(engine: LLMEngine, batch: int, constrained: list[bool], output_l
     return (time.perf_counter() - t) / max(steps, 1)
 
 
+def sampler_cost(engine: LLMEngine, batch: int, constrained: int) -> dict:
+    """The masking work alone, timed in isolation (steadier than step times on a shared CPU): the
+    sampler on ``[batch, V]`` logits without a mask, and with ``constrained`` rows masked (the
+    bitmask written from real guides, copied to the device, applied)."""
+    from types import SimpleNamespace
+
+    from outlines_core import Guide
+
+    index = engine.index_cache.get(OPEN_REGEX).result()
+    runner, dev = engine.runner, engine.runner.device
+    seqs = [SimpleNamespace(guide=Guide(index) if i < constrained else None) for i in range(batch)]
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(batch)]
+    logits = torch.randn(batch, engine.vocab_size, device=dev, dtype=runner.dtype)
+    t = SamplingTensors.from_params(params, list(range(batch)), [0] * batch, None, None, None, engine.vocab_size,
+                                    device=dev)
+    plain = timed(lambda: sample(logits, t), dev, repeats=20, warmup=3)
+
+    def masked():
+        t.token_bitmask, t.token_bitmask_rows = runner._token_bitmask(seqs, engine.eos_token_ids)
+        return sample(logits, t)
+
+    with_mask = timed(masked, dev, repeats=20, warmup=3)
+    t.token_bitmask = t.token_bitmask_rows = None
+    return {"batch": batch, "constrained_rows": constrained, "sample_ms": 1e3 * plain,
+            "sample_with_mask_ms": 1e3 * with_mask, "mask_ms": 1e3 * (with_mask - plain)}
+
+
 def throughput(engine: LLMEngine, n: int, constrained: bool, max_tokens: int) -> dict:
     items = list(schemas().items())
     reqs = []
@@ -142,6 +169,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=512,
                                     max_num_seqs=max(args.batch_sizes + [args.num_requests]), **opt), progress=False)
     compile_rows = compile_times(engine)
+    print(markdown_table(compile_rows, ["schema", "cold_ms", "cached_ms"]), flush=True)
     engine.index_cache = IndexCache(engine.tokenizer, engine.eos_token_ids[0])
     engine.index_cache.get(StructuredOutputsParams(regex=OPEN_REGEX).to_regex()).result()  # cached from here on
 
@@ -155,25 +183,37 @@ def main() -> None:
         for _ in range(args.rounds):  # alternate, so both see the same machine
             for k, v in modes.items():
                 times[k].append(decode_tpot(engine, b, v, args.output_len, args.input_len))
+                print(f"batch {b} {k}: {1e3 * times[k][-1]:.1f} ms/step", flush=True)
         base = statistics.median(times["unconstrained"])
         for k, v in times.items():
             med = statistics.median(v)
             tpot_rows.append({"batch": b, "mode": k, "tpot_ms": 1e3 * med, "vs_unconstrained": med / base,
                               "rounds_ms": [round(1e3 * x, 2) for x in v]})
 
+    mask_rows = [sampler_cost(engine, b, c) for b in args.batch_sizes for c in sorted({1, b // 2, b}) if c]
+    for r in mask_rows:
+        step = next(x["tpot_ms"] for x in tpot_rows if x["batch"] == r["batch"] and x["mode"] == "unconstrained")
+        r["mask_vs_step"] = r["mask_ms"] / step
+    print(markdown_table(mask_rows, ["batch", "constrained_rows", "sample_ms", "sample_with_mask_ms", "mask_ms",
+                                     "mask_vs_step"]), flush=True)
+
     tp_rows = []
     for _ in range(2):
         for c in (False, True):
             tp_rows.append(throughput(engine, args.num_requests, c, args.max_tokens))
+            print(tp_rows[-1], flush=True)
     tp_rows = tp_rows[2:]  # the first pair warms up
 
     report = {"args": vars(args), "environment": environment(args.device), "compile": compile_rows,
-              "tpot": tpot_rows, "throughput": tp_rows}
+              "tpot": tpot_rows, "mask_cost": mask_rows, "throughput": tp_rows}
     table = "\n\n".join([
         "Index compile (ms)\n\n" + markdown_table(compile_rows, ["schema", "cold_ms", "cached_ms"]),
         f"Decode step time with masking (regex {OPEN_REGEX!r}, {args.output_len} tokens, median of "
         f"{args.rounds} alternating rounds)\n\n" + markdown_table(tpot_rows, ["batch", "mode", "tpot_ms",
                                                                                "vs_unconstrained"]),
+        "Masking work alone (sampler without / with the mask; mask_vs_step: its share of an unconstrained "
+        "decode step)\n\n" + markdown_table(mask_rows, ["batch", "constrained_rows", "sample_ms", "sample_with_mask_ms",
+                                                      "mask_ms", "mask_vs_step"]),
         "Throughput\n\n" + markdown_table(tp_rows, ["mode", "requests", "output_tokens", "seconds", "output_tok_s"]),
     ])
     write_report(report, args.out, table)
