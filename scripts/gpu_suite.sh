@@ -34,7 +34,7 @@ MAX_OUT_FILES=8
 
 SECTIONS=(env tests parity parity_fp32 bench_kernels bench_single bench_paged server bench_offline bench_serve bench_step
           bench_fused bench_sampler bench_flags parity_fused greedy_agreement bench_flags_nano bench_chunked
-          bench_moe bench_moe_model)
+          bench_moe bench_moe_model tests_new bench_prefix bench_structured bench_offload)
 CKPT="${CKPT:-/tmp/infer-ckpt}"  # synthetic checkpoints, shared by the sections
 
 # ----------------------------------------------------------------------------- environment
@@ -312,6 +312,49 @@ section_bench_chunked() {
             --out "$OUT/chunked_$preset.json" --plot "$OUT/chunked_$preset.png" || rc=1
     done
     return "$rc"
+}
+
+# The GPU tests of phases 7, 10, 13 and 15 only (a quicker subset of `tests`).
+section_tests_new() {
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_prefix_caching.py tests/test_kv_offload.py \
+        tests/test_structured.py tests/test_moe.py
+}
+
+# Phase 7: TTFT cold vs warm by prefix length, and the shared-prefix / multi-turn / no-sharing workloads with
+# the cache off and on, Qwen3-4B shapes, in one process (benchmarks/prefix_caching.py).
+section_bench_prefix() {
+    local preset=qwen3-4b
+    [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/prefix_caching.py --model "$CKPT/$preset" --device cuda --max-model-len 8192 --max-num-seqs 64 \
+        --prefix-lens 1024 2048 4096 --repeats 3 --suffix-len 64 --workload-prefix-len 4096 \
+        --num-requests ${PREFIX_N:-64} --turns 4 --output-len 128 --request-rate 8 \
+        --out "$OUT/prefix_caching.json" --plot "$OUT/prefix_caching.png"
+}
+
+# Phase 13: constrained vs unconstrained decode at batch 1 and 32, eager and with the phase 8-9 flags
+# (needs outlines-core carried in .whl/), Qwen3-0.6B shapes (a byte-level BPE of 151,936 ids).
+section_bench_structured() {
+    local preset=qwen3-0.6b rc=0
+    [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+    "$PY" benchmarks/structured_output.py --model "$CKPT/$preset" --device cuda --dtype bfloat16 \
+        --out "$OUT/structured/structured.json" || rc=1
+    "$PY" benchmarks/structured_output.py --model "$CKPT/$preset" --device cuda --dtype bfloat16 \
+        --attention-backend triton --fused-kernels --cuda-graphs --async-scheduling \
+        --out "$OUT/structured-fast/structured.json" || rc=1
+    return "$rc"
+}
+
+# Phase 10: copy bandwidths, 8k/16k prefixes restored from the host tier vs recomputed, and a multi-turn
+# workload larger than the KV pool, offload none vs host (Qwen3-4B shapes; ~34 GB of pinned host memory).
+section_bench_offload() {
+    local preset=qwen3-4b
+    [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/kv_offload.py --device cuda --model "$CKPT/$preset" --shapes qwen3-4b \
+        --prefix-lens ${OFFLOAD_LENS:-1024 4096 8192 16384} --tier host --repeats 3 --max-num-seqs 32 \
+        --kv-offload-bytes 32000000000 --multi-turn --conversations ${OFFLOAD_CONV:-32} --turns 4 --system-len 2048 \
+        --turn-len 256 --output-len 64 --multi-turn-kv-cache-memory-bytes 4000000000 --out "$OUT/offload"
 }
 
 # ----------------------------------------------------------------------------- driver
