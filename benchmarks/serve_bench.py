@@ -232,9 +232,10 @@ async def run_rate(reqs: list[Request], rate: float, args, base_url: str, model:
             else:
                 rec = await send(client, base_url + path, body, args.endpoint == "chat", args.timeout)
             bar.update(1)
+            rec.update(req.extra)  # workload labels; arrival_s below is when it was actually due
             rec.update(idx=req.idx, kind=req.kind, input_len=req.input_len, output_len=req.output_len,
                        arrival_s=offset, client_wait_s=rec["send_t"] - queued,
-                       send_s=rec.pop("send_t") - t0, end_s=rec.pop("end_t") - t0, **req.extra)
+                       send_s=rec.pop("send_t") - t0, end_s=rec.pop("end_t") - t0)
             return rec
 
         async def conversation(turns: list[Request], offset: float) -> list[dict]:

@@ -115,7 +115,7 @@ EXERCISES: dict[str, Exercise] = {
              "tests/test_server.py::test_bad_request[n-1000]",
              "tests/test_server.py::test_bad_request[n-1000-chat]",
              "tests/test_server.py::test_bad_request[suffix]",
-             "tests/test_server.py::test_bad_request[tools]",
+             "tests/test_server.py::test_bad_request[tools-no-name]",
              "tests/test_server.py::test_bad_request[top_logprobs-without-logprobs]",
              "tests/test_server.py::test_openai_client_raises_on_bad_request",
              "tests/test_server.py::test_same_answer_after_bad_requests"),
