@@ -29,8 +29,9 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds (device synchronized around each call)."""
+def timed(fn, device, repeats: int = 5, warmup: int = 1, stat=statistics.median) -> float:
+    """``stat`` (the median; ``min`` for the best) of ``repeats`` wall times of ``fn()`` in seconds,
+    after ``warmup`` untimed calls (device synchronized around each call)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -40,7 +41,7 @@ def timed(fn, device, repeats: int = 5, warmup: int = 1) -> float:
         fn()
         sync(device)
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return stat(times)
 
 
 def ceilings(device: str | torch.device, quick: bool = False) -> dict[str, float]:

@@ -41,7 +41,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
-from common import environment, free_device_memory, markdown_table, save_figure, sync, write_report  # noqa: E402
+from common import environment, free_device_memory, markdown_table, save_figure, sync, timed, write_report  # noqa: E402
 
 from infer.attention.kv_cache import KVCache  # noqa: E402
 from infer.engine.kv_offload import BlockCopier, DiskTier, block_nbytes, block_shape  # noqa: E402
@@ -61,15 +61,7 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 def best_of(fn, device, repeats: int = 5) -> float:
     """Fastest of ``repeats`` timed calls after a warm-up (seconds; device synchronized)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return min(times)
+    return timed(fn, device, repeats, stat=min)
 
 
 # -------------------------------------------------------------------------------- 1. bandwidths

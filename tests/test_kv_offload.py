@@ -36,6 +36,8 @@ from tests.test_prefix_caching import (
     assert_prefix_pool_consistent,
     assert_same_logprobs,
     run_logprobs,
+    run_with_aborts,
+    shared_prefix_workload,
 )
 
 L, NB, TBS, H, D = 3, 8, 4, 2, 5  # layers, blocks, block size, kv heads, head dim
@@ -300,16 +302,7 @@ def test_stress_tiny_tiers_aborts_and_preemptions(tiny_llama, tmp_path, mode):
     preemptions and evictions, a host tier of 3 blocks (and a disk tier of 6): the pool's and the
     tiers' invariants hold after every step, every request that was not aborted gets the tokens
     of the engine without any cache, and nothing leaks."""
-    rng = random.Random(11)
-    vocab = tiny_llama.config.vocab_size
-    prefixes = [[rng.randrange(10, vocab) for _ in range(rng.randrange(8, 20))] for _ in range(4)]
-    arrivals = []
-    for i in range(16):
-        prompt = rng.choice(prefixes) + [rng.randrange(10, vocab) for _ in range(rng.randrange(1, 8))]
-        params = SamplingParams(max_tokens=rng.randrange(2, 14), n=rng.choice([1, 1, 2]), seed=i,
-                                temperature=rng.choice([0.0, 1.0]), ignore_eos=True)
-        arrivals.append((rng.randrange(0, 60), prompt, params))
-    aborts = {f"r{i}": rng.randrange(0, 60) for i in rng.sample(range(16), 4)}
+    arrivals, aborts = shared_prefix_workload(tiny_llama.config.vocab_size, 4, 8, 16, 60)
     per_block = BS * tiny_llama.config.kv_bytes_per_token(torch.float32)
     kw = {**KW, "max_model_len": 40, "kv_cache_memory_bytes": 20 * per_block, "chunked_prefill": True,
           "max_num_batched_tokens": 12}
@@ -317,17 +310,7 @@ def test_stress_tiny_tiers_aborts_and_preemptions(tiny_llama, tmp_path, mode):
     for offload in (False, True):
         tiers = offload_kw(mode, tmp_path, HOST_BLOCKS, DISK_BLOCKS, per_block) if offload else {}
         eng = make_engine(tiny_llama, **kw, **tiers)
-        step = [0]
-
-        def check(engine, step=step, offload=offload):
-            step[0] += 1
-            for rid, at in aborts.items():
-                if at == step[0]:
-                    engine.abort_request(rid)
-            if offload:
-                check_all(engine)
-
-        results[offload] = run_logprobs(eng, arrivals, check=check)
+        results[offload] = run_with_aborts(eng, arrivals, aborts, check_all if offload else None)
         if offload:
             assert_drained(eng)
             st = eng.stats()

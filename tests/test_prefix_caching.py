@@ -250,6 +250,41 @@ def run_logprobs(engine, arrivals, check=assert_prefix_pool_consistent) -> dict:
     return done
 
 
+def shared_prefix_workload(vocab: int, num_prefixes: int, min_prefix: int, num_requests: int, horizon: int,
+                           seed: int = 11) -> tuple[list, dict[str, int]]:
+    """``(arrivals, aborts)`` for the stress tests: prompts over ``num_prefixes`` random shared
+    prefixes (``min_prefix``-19 tokens) plus 1-7 tokens of their own, arriving at random steps
+    in ``[0, horizon)`` with random lengths, ``n`` and temperatures (seeded); 4 of them aborted at
+    a random step."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, vocab) for _ in range(rng.randrange(min_prefix, 20))] for _ in range(num_prefixes)]
+    arrivals = []
+    for i in range(num_requests):
+        prompt = rng.choice(prefixes) + [rng.randrange(10, vocab) for _ in range(rng.randrange(1, 8))]
+        params = SamplingParams(max_tokens=rng.randrange(2, 14), n=rng.choice([1, 1, 2]), seed=i,
+                                temperature=rng.choice([0.0, 1.0]), ignore_eos=True)
+        arrivals.append((rng.randrange(0, horizon), prompt, params))
+    aborts = {f"r{i}": rng.randrange(0, horizon) for i in rng.sample(range(num_requests), 4)}
+    return arrivals, aborts
+
+
+def run_with_aborts(engine, arrivals, aborts: dict[str, int], invariant=None) -> dict:
+    """:func:`run_logprobs`, aborting request ``rid`` after step ``aborts[rid]`` and checking
+    ``invariant(engine)`` (when given) after every step."""
+    step = 0
+
+    def check(eng):
+        nonlocal step
+        step += 1
+        for rid, at in aborts.items():
+            if at == step:
+                eng.abort_request(rid)
+        if invariant is not None:
+            invariant(eng)
+
+    return run_logprobs(engine, arrivals, check=check)
+
+
 def assert_same_logprobs(got: dict, ref: dict) -> None:
     assert_same(got, ref)
     for rid in ref:
@@ -400,33 +435,14 @@ def test_stress_shared_prefixes_aborts_and_preemptions(tiny_llama):
     """Random prompts over a few shared prefixes, random aborts, a pool that forces preemptions and
     evictions, chunked prefill: the invariants hold after every step, every request that was not
     aborted gets the tokens of the engine without the cache, and nothing leaks."""
-    rng = random.Random(11)
-    vocab = tiny_llama.config.vocab_size
-    prefixes = [[rng.randrange(10, vocab) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
-    arrivals = []
-    for i in range(14):
-        prompt = rng.choice(prefixes) + [rng.randrange(10, vocab) for _ in range(rng.randrange(1, 8))]
-        params = SamplingParams(max_tokens=rng.randrange(2, 14), n=rng.choice([1, 1, 2]), seed=i,
-                                temperature=rng.choice([0.0, 1.0]), ignore_eos=True)
-        arrivals.append((rng.randrange(0, 40), prompt, params))
-    aborts = {f"r{i}": rng.randrange(0, 40) for i in rng.sample(range(14), 4)}
+    arrivals, aborts = shared_prefix_workload(tiny_llama.config.vocab_size, 3, 4, 14, 40)
     mem = 20 * BS * tiny_llama.config.kv_bytes_per_token(torch.float32)
     kw = {**KW, "max_model_len": 40, "kv_cache_memory_bytes": mem, "chunked_prefill": True,
           "max_num_batched_tokens": 12}
     results = {}
     for pc in (False, True):
         eng = make_engine(tiny_llama, prefix_caching=pc, **kw)
-        step = [0]
-
-        def check(engine, step=step, pc=pc):
-            step[0] += 1
-            for rid, at in aborts.items():
-                if at == step[0]:
-                    engine.abort_request(rid)
-            if pc:
-                assert_prefix_pool_consistent(engine)
-
-        results[pc] = run_logprobs(eng, arrivals, check=check)
+        results[pc] = run_with_aborts(eng, arrivals, aborts, assert_prefix_pool_consistent if pc else None)
         if pc:
             assert_drained(eng)
             assert eng.stats()["prefix_cache_hits"] > 0 and eng.num_preemptions > 0
