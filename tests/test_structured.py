@@ -247,6 +247,26 @@ def test_async_scheduling_chunked_prefill_and_a_small_paged_cache_give_the_same_
         assert got == ref, kw
 
 
+def test_preempted_constrained_requests_resume_where_their_guide_was(smollm2, engine):
+    """A constrained sequence preempted by recompute keeps its guide's state: after readmission
+    its output still matches the regex and equals the output of an engine that never preempted."""
+    import re
+
+    regex = "[a-z ]+"
+    items = [(f"{PROMPT} ({i})", SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"regex": regex}))
+             for i in range(3)]
+    ref = [o.outputs[0] for o in run(engine, items)]
+    # 7 blocks of 16 tokens for 3 sequences of ~50 tokens: admitted together, they outgrow the pool
+    eng = make_engine(smollm2, kv_cache="paged", kv_cache_memory_bytes=11 * 2**19, block_size=16,
+                      max_model_len=96, batching="continuous")
+    eng.index_cache = engine.index_cache
+    got = [o.outputs[0] for o in run(eng, items)]
+    assert eng.num_preemptions > 0
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    for c in got:
+        assert re.fullmatch(regex, c.text), c.text
+
+
 def test_a_slow_compile_does_not_stall_other_requests(engine):
     gate = threading.Event()
     cache = engine.index_cache
