@@ -227,24 +227,25 @@ section_bench_moe_model() {
 #   bash scripts/gpu_suite.sh env tp bench_parallel
 # tp: the 2-GPU tests (NCCL; fp32 tokens equal one GPU's) and the TP=2 / EP=2 parity gate through the
 # engine (fp32 exact, bf16 within gpu_parity's bounds). bench_parallel: batch-1 decode and offline
-# throughput for TP=1 vs TP=2 (Qwen3-4B) and TP=1 / TP=2 / EP=2 (Qwen3-30B-A3B, 4 layers), plus
+# throughput for TP=1 vs TP=2 (Qwen3-8B; PARALLEL_DENSE=qwen3-4b for another) and TP=1 / TP=2 / EP=2
+# (Qwen3-30B-A3B, 4 layers), plus
 # all-reduce / all-gather / all-to-all at decode sizes (docs/phases/14-tensor-parallelism.md).
 section_tp() {
     local rc=0
     "$PY" -m pytest -q tests/test_parallel.py -k two_gpus -p no:cacheprovider || rc=1
     "$PY" scripts/tp_parity.py --device cuda --dtype float32 --presets qwen3-0.6b,gemma3-1b,qwen3-30b-a3b-4l \
         --workdir "$CKPT/tp-fp32" --out "$OUT/tp_parity_fp32.json" || rc=1
-    "$PY" scripts/tp_parity.py --device cuda --dtype bfloat16 --presets qwen3-4b,qwen3-30b-a3b-4l \
+    "$PY" scripts/tp_parity.py --device cuda --dtype bfloat16 --presets qwen3-4b,qwen3-8b,qwen3-30b-a3b-4l \
         --workdir "$CKPT/tp-bf16" --out "$OUT/tp_parity_bf16.json" || rc=1
     return $rc
 }
 
 section_bench_parallel() {
-    local p
-    for p in qwen3-4b qwen3-30b-a3b-4l; do
+    local p dense=${PARALLEL_DENSE:-qwen3-8b}  # the multi-GPU issue's goal: Qwen3-8B TP=2 >= 1.5x TP=1
+    for p in "$dense" qwen3-30b-a3b-4l; do
         [ -d "$CKPT/$p" ] || "$PY" scripts/make_synthetic_checkpoint.py "$p" "$CKPT/$p" || return 1
     done
-    "$PY" benchmarks/parallel.py --device cuda --model "$CKPT/qwen3-4b" --moe-model "$CKPT/qwen3-30b-a3b-4l" \
+    "$PY" benchmarks/parallel.py --device cuda --model "$CKPT/$dense" --moe-model "$CKPT/qwen3-30b-a3b-4l" \
         --decode-tokens 128 --decode-repeats 3 --requests 64 --prompt-len 256 --output-len 128 --max-num-seqs 64 \
         --batches 1,8,64,256 --out "$OUT/parallel_gpu.json"
 }
