@@ -319,3 +319,38 @@ def test_triton_engine_on_gpu_matches_the_torch_backend(tiny_llama, kv_cache):
     assert got == ref
     if kv_cache == "paged":
         assert eng.num_preemptions > 0
+
+
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+def test_torch_backend_groups_decodes_of_very_different_lengths(tiny_llama, kv_cache, monkeypatch):
+    """One 1,300-token context decoding beside 8-token ones: the torch backend attends to them in
+    separate length groups (no padding of the short ones to 1,300 keys) and every sequence gets
+    the tokens and logprobs of the single-group attention it replaces."""
+    from infer.attention import torch_backend
+
+    rng = random.Random(3)
+    vocab = tiny_llama.config.vocab_size
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in (1300, 8, 9, 7)]
+
+    def run(spread):
+        monkeypatch.setattr(torch_backend, "DECODE_GROUP_SPREAD", spread)
+        seen = []
+        groups = torch_backend.decode_groups
+        monkeypatch.setattr(torch_backend, "decode_groups", lambda meta: seen.append(len(groups(meta))) or groups(meta))
+        eng = make_engine(tiny_llama, batching="continuous", kv_cache=kv_cache, max_model_len=1400, max_num_seqs=4,
+                          attention_backend="torch")
+        reqs = [eng.add_request(p, params) for p in prompts]
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step(stream=False):
+                done[out.request_id] = out.outputs[0]
+        monkeypatch.setattr(torch_backend, "decode_groups", groups)
+        return [done[r.request_id] for r in reqs], max(seen)
+
+    grouped, most = run(4)
+    single, one = run(10**9)
+    assert most == 2 and one == 1
+    for g, s in zip(grouped, single):
+        assert g.token_ids == s.token_ids
+        assert [p.token.logprob for p in g.logprobs] == pytest.approx([p.token.logprob for p in s.logprobs], abs=1e-5)

@@ -183,21 +183,71 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     return out
 
 
-def _paged_decode_slots(meta: AttentionMetadata, block_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _paged_decode_slots(meta: AttentionMetadata, block_size: int, length: int,
+                        which: list[int] | None = None, key: object = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per step, shared by the layers: int64 ``[B * length]`` cache slots of the decode sequences'
     first ``length`` positions (through their block tables; past a sequence's end, whatever slot its
-    table's padding names: finite, and masked) and their rows ``0 .. B - 1`` in the gathered K/V."""
-    cached = meta.scratch.get("paged_decode_slots")
+    table's padding names: finite, and masked) and their rows ``0 .. B - 1`` in the gathered K/V.
+
+    ``which``: the sequences (indices into the batch) to gather, default every decode sequence;
+    ``key`` tells the per-step caches of different groups apart."""
+    name = ("paged_decode_slots", key)
+    cached = meta.scratch.get(name)
     if cached is None:
-        q = meta.query_start_loc_cpu
-        which = [i for i in range(meta.num_seqs) if q[i + 1] - q[i] == 1]  # the decode sequences
+        if which is None:
+            q = meta.query_start_loc_cpu
+            which = [i for i in range(meta.num_seqs) if q[i + 1] - q[i] == 1]  # the decode sequences
         tables = meta.block_tables.index_select(0, torch.tensor(which, device=meta.block_tables.device))
         n_blocks = -(-length // block_size)
         offsets = torch.arange(block_size, device=tables.device)
         slots = (tables[:, :n_blocks].long()[:, :, None] * block_size + offsets).flatten(1)[:, :length]
         cached = (slots.reshape(-1), torch.arange(len(which), device=tables.device))
-        meta.scratch["paged_decode_slots"] = cached
+        meta.scratch[name] = cached
     return cached
+
+
+#: decode sequences whose context lengths differ by more than this factor are attended in
+#: separate groups, so that one long context does not pad every short one to its length
+DECODE_GROUP_SPREAD = 4
+
+
+def decode_groups(meta: AttentionMetadata):
+    """The step's decode sequences split into groups of similar context length (per step, shared
+    by the layers): a list of ``(key, which, token_idx, rows, seq_lens, max_len, num_rows)``.
+
+    The batched decode attention pads every sequence of a call to the longest context of the
+    call, so a 16k-token sequence decoding beside 256-token ones would make each of them cost 16k
+    keys. Sorted by length, a new group starts where a length exceeds ``DECODE_GROUP_SPREAD``
+    times the group's shortest (and 256). When all lengths are close, there is one group: the
+    whole batch in one call, as :meth:`AttentionMetadata.decode_batch` gives it.
+    """
+    groups = meta.scratch.get("decode_groups")
+    if groups is None:
+        decode = meta.decode_batch()
+        q = meta.query_start_loc_cpu
+        which = [i for i in range(meta.num_seqs) if q[i + 1] - q[i] == 1]
+        lens = [meta.seq_lens_cpu[i] for i in which]
+        order = sorted(range(len(which)), key=lambda j: lens[j])
+        parts, first = [], None
+        for j in order:
+            if first is None or lens[j] > DECODE_GROUP_SPREAD * max(first, 256):
+                parts.append([])
+                first = lens[j]
+            parts[-1].append(j)
+        if len(parts) <= 1:
+            groups = [(None, None, *decode)]
+        else:
+            groups = []
+            dev = meta.query_start_loc.device
+            for g, part in enumerate(parts):
+                part.sort()  # batch order within the group
+                sel = torch.tensor(part, dtype=torch.int64, device=dev)
+                rows = [meta.block_tables_cpu[which[j]][0] for j in part]
+                groups.append((g, [which[j] for j in part], decode[0].index_select(0, sel),
+                               decode[1].index_select(0, sel), decode[2].index_select(0, sel),
+                               max(lens[j] for j in part), max(rows) + 1))
+        meta.scratch["decode_groups"] = groups
+    return groups
 
 
 class TorchAttentionBackend:
@@ -243,22 +293,23 @@ class TorchAttentionBackend:
             k_i, v_i = cache.read(layer_idx, meta.block_tables_cpu[0], meta.seq_lens_cpu[0])
             return sdpa_attention(q, k_i, v_i, scale, window)
         out = torch.empty_like(q)
-        if decode is not None:
-            token_idx, rows, lens, max_len, num_rows = decode
-            masks = meta.scratch.setdefault("decode_masks", {})
+        groups = decode_groups(meta) if decode is not None else []
+        for key, which, token_idx, rows, lens, max_len, num_rows in groups:
+            masks = meta.scratch.setdefault(("decode_masks", key), {})
             if window not in masks:  # built once per step, shared by the layers
                 masks[window] = decode_mask(lens, max_len, window)
             if cache.contiguous:  # attend over the rows of the cache itself
                 k_rows, v_rows = cache.k[layer_idx, :num_rows, :max_len], cache.v[layer_idx, :num_rows, :max_len]
             else:  # gather each sequence's blocks into a row first, then the same attention
-                slots, rows = _paged_decode_slots(meta, cache.block_size, max_len)
+                slots, rows = _paged_decode_slots(meta, cache.block_size, max_len, which, key)
                 kl, vl = cache.layer(layer_idx)
                 shape = (len(lens), max_len, *kl.shape[2:])
                 k_rows = kl.flatten(0, 1).index_select(0, slots).view(shape)
                 v_rows = vl.flatten(0, 1).index_select(0, slots).view(shape)
-            o = decode_attention(q if not prefills else q[token_idx], k_rows, v_rows, rows, lens, scale, window,
+            one_call = not prefills and len(groups) == 1
+            o = decode_attention(q if one_call else q[token_idx], k_rows, v_rows, rows, lens, scale, window,
                                  masks[window])
-            if not prefills:  # a decode-only step: the tokens are the sequences, in order
+            if one_call:  # a decode-only step: the tokens are the sequences, in order
                 return o
             out[token_idx] = o
         for i in prefills:
