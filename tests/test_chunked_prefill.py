@@ -36,9 +36,11 @@ def assert_blocks_consistent(engine) -> None:
     assert sorted(pool.free_blocks) == [b for b in range(pool.num_blocks) if held[b] == 0]
 
 
-def run(engine, arrivals, check=None) -> dict[str, dict]:
+def run(engine, arrivals, check=None, max_steps: int = 5000) -> dict[str, dict]:
     """Drive ``engine`` over ``(step, prompt, params)`` arrivals; per request: each sequence's
-    tokens and the prompt logprobs as ``(token, logprob, [top ids])`` per position."""
+    tokens (``tokens``), the prompt logprobs as ``(token, logprob, [top ids])`` per position
+    (``prompt_logprobs``), each sequence's sampled-token logprobs (``logprobs``) and the prompt
+    tokens found in the prefix cache (``cached``). ``check(engine)`` runs after every step."""
     pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
     done: dict[str, dict] = {}
     step = 0
@@ -51,11 +53,13 @@ def run(engine, arrivals, check=None) -> dict[str, dict]:
             if out.prompt_logprobs is not None:
                 plp = [None if p is None else (p.token.token_id, p.token.logprob, [t.token_id for t in p.top])
                        for p in out.prompt_logprobs]
-            done[out.request_id] = {"tokens": [o.token_ids for o in out.outputs], "prompt_logprobs": plp}
+            done[out.request_id] = {
+                "tokens": [o.token_ids for o in out.outputs], "prompt_logprobs": plp, "cached": out.num_cached_tokens,
+                "logprobs": [[p.token.logprob for p in o.logprobs] if o.logprobs else None for o in out.outputs]}
         if check is not None:
             check(engine)
         step += 1
-        assert step < 5000, "no progress"
+        assert step < max_steps, "no progress"
     return done
 
 

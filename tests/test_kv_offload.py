@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from fractions import Fraction
 
 import pytest
@@ -26,15 +25,14 @@ from infer.engine.kv_offload import (
     break_even_tokens,
     tiered_lookup,
 )
-from infer.sampling import SamplingParams
 from tests.test_batching import make_engine
 from tests.test_prefix_caching import (
     BS,
-    GREEDY,
     KW,
     assert_drained,
     assert_prefix_pool_consistent,
     assert_same_logprobs,
+    eviction_arrivals,
     run_logprobs,
     run_with_aborts,
     shared_prefix_workload,
@@ -259,12 +257,7 @@ def test_a_prefix_restored_from_a_tier_gives_the_outputs_of_a_recompute(tiny_lla
     """A 12-block device cache: two other prompts evict the first prompt's blocks, which come back
     from the host tier (or, with a 2-block host tier, from the disk below it) on its next request:
     the same greedy tokens and logprobs as an engine without any cache, and 16 tokens not prefilled."""
-    vocab = tiny_llama.config.vocab_size
-    rng = random.Random(1)
-    first = [rng.randrange(10, vocab) for _ in range(17)]
-    others = [[rng.randrange(10, vocab) for _ in range(33)] for _ in range(2)]
-    g = SamplingParams(max_tokens=3, **GREEDY)
-    arrivals = [(0, first, g), (10, first, g), (20, others[0], g), (30, others[1], g), (40, first, g)]
+    first, arrivals = eviction_arrivals(tiny_llama.config.vocab_size)
     per_block = BS * tiny_llama.config.kv_bytes_per_token(torch.float32)
     kw = {**KW, "max_model_len": 48, "kv_cache_memory_bytes": 12 * per_block}
     ref = run_logprobs(make_engine(tiny_llama, **kw), arrivals, check=None)
@@ -386,13 +379,7 @@ def test_cuda_copies_are_ordered_against_the_compute_stream(block_major):
 def restore_scenario(vocab: int) -> list:
     """The first prompt (4 full blocks of 4 tokens and one more token) runs, hits on the device,
     is evicted by two longer prompts, and comes back while a short unrelated request decodes."""
-    rng = random.Random(1)
-    first = [rng.randrange(10, vocab) for _ in range(17)]
-    others = [[rng.randrange(10, vocab) for _ in range(33)] for _ in range(2)]
-    g = SamplingParams(max_tokens=3, **GREEDY)
-    short = [rng.randrange(10, vocab) for _ in range(5)]
-    return [(0, first, g), (10, first, g), (20, others[0], g), (30, others[1], g),
-            (38, short, SamplingParams(max_tokens=8, **GREEDY)), (40, first, g)]
+    return eviction_arrivals(vocab, short_len=5)[1]
 
 
 @pytest.mark.gpu

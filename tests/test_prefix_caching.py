@@ -24,7 +24,7 @@ from infer.engine.prefix_cache import NONE_HASH, PrefixCachingBlockPool, block_h
 from infer.engine.sequence import Request, Sequence
 from infer.sampling import SamplingParams
 from tests.test_batching import make_engine
-from tests.test_chunked_prefill import assert_same
+from tests.test_chunked_prefill import assert_same, run
 
 BS = 4  # tokens per block in the engine tests: prompts of a few blocks stay tiny
 KW = dict(kv_cache="paged", block_size=BS, batching="continuous", max_model_len=96, max_num_seqs=6)
@@ -228,26 +228,9 @@ def assert_drained(engine) -> None:
 
 
 def run_logprobs(engine, arrivals, check=assert_prefix_pool_consistent) -> dict:
-    """:func:`run`, plus each sequence's sampled-token logprobs and the request's cached tokens."""
-    pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
-    done, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][1][0] <= step:
-            i, (_, prompt, params) = pending.pop(0)
-            engine.add_request(prompt, params, request_id=f"r{i}")
-        for out in engine.step(stream=False):
-            plp = None
-            if out.prompt_logprobs is not None:
-                plp = [None if p is None else (p.token.token_id, p.token.logprob, [t.token_id for t in p.top])
-                       for p in out.prompt_logprobs]
-            done[out.request_id] = {
-                "tokens": [o.token_ids for o in out.outputs], "prompt_logprobs": plp, "cached": out.num_cached_tokens,
-                "logprobs": [[p.token.logprob for p in o.logprobs] if o.logprobs else None for o in out.outputs]}
-        if check is not None:
-            check(engine)
-        step += 1
-        assert step < 3000, "no progress"
-    return done
+    """:func:`~tests.test_chunked_prefill.run` (tokens, logprobs, cached tokens), checking the
+    prefix pool's invariants after every step by default."""
+    return run(engine, arrivals, check=check, max_steps=3000)
 
 
 def shared_prefix_workload(vocab: int, num_prefixes: int, min_prefix: int, num_requests: int, horizon: int,
@@ -380,14 +363,24 @@ def test_a_seed_gives_the_same_tokens_hit_or_miss(tiny_llama):
     assert_drained(eng)
 
 
-def test_a_miss_after_eviction(tiny_llama):
-    """A cache of 12 blocks: other prompts evict the first prompt's blocks, which then misses."""
-    vocab = tiny_llama.config.vocab_size
+def eviction_arrivals(vocab: int, short_len: int = 0) -> tuple[list[int], list]:
+    """``(first, arrivals)``: a 17-token prompt twice, then two 33-token prompts that (in a
+    12-block cache of 48-token sequences) evict its blocks, then the first prompt again; with
+    ``short_len``, an unrelated ``short_len``-token request (8 tokens) arrives just before it."""
     rng = random.Random(1)
     first = [rng.randrange(10, vocab) for _ in range(17)]
     others = [[rng.randrange(10, vocab) for _ in range(33)] for _ in range(2)]
     g = SamplingParams(max_tokens=3, **GREEDY)
-    arrivals = [(0, first, g), (10, first, g), (20, others[0], g), (30, others[1], g), (40, first, g)]
+    arrivals = [(0, first, g), (10, first, g), (20, others[0], g), (30, others[1], g)]
+    if short_len:
+        short = [rng.randrange(10, vocab) for _ in range(short_len)]
+        arrivals.append((38, short, SamplingParams(max_tokens=8, **GREEDY)))
+    return first, arrivals + [(40, first, g)]
+
+
+def test_a_miss_after_eviction(tiny_llama):
+    """A cache of 12 blocks: other prompts evict the first prompt's blocks, which then misses."""
+    first, arrivals = eviction_arrivals(tiny_llama.config.vocab_size)
     cfg = tiny_llama.config
     mem = 12 * BS * cfg.kv_bytes_per_token(torch.float32)
     eng = make_engine(tiny_llama, prefix_caching=True, kv_cache_memory_bytes=mem, **{**KW, "max_model_len": 48})
