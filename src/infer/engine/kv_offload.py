@@ -168,7 +168,23 @@ class _LRU:
         self.free.append(self.slots.pop(key))
 
 
-class HostTier:
+class _Tier:
+    """What both tiers answer from their :class:`_LRU` (``self.lru``): capacity, membership, size."""
+
+    lru: _LRU
+
+    @property
+    def num_slots(self) -> int:
+        return self.lru.num_slots
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.lru
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+
+class HostTier(_Tier):
     """``num_slots`` block buffers in host memory with an LRU keyed by block hash.
 
     Storage: :attr:`buffers`, ``[num_slots, 2, num_layers, block_size, num_kv_heads, head_dim]``
@@ -186,16 +202,6 @@ class HostTier:
         self.lru = _LRU(num_slots)
         self.ready: list[torch.cuda.Event | None] = [None] * num_slots
 
-    @property
-    def num_slots(self) -> int:
-        return self.lru.num_slots
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self.lru
-
-    def __len__(self) -> int:
-        return len(self.lru)
-
     def slot_data(self, slot: int) -> torch.Tensor:
         """Slot ``slot``'s buffer once its pending copy (if any) has finished."""
         ev = self.ready[slot]
@@ -205,7 +211,7 @@ class HostTier:
         return self.buffers[slot]
 
 
-class DiskTier:
+class DiskTier(_Tier):
     """``num_slots`` block slots in one memory-mapped file, with an LRU keyed by block hash.
 
     The file (``infer-kv-<pid>-<random>.bin`` in ``directory``) is created sparse and deleted by
@@ -238,16 +244,6 @@ class DiskTier:
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="infer-kv-disk")
         self.bytes_written = 0
-
-    @property
-    def num_slots(self) -> int:
-        return self.lru.num_slots
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self.lru
-
-    def __len__(self) -> int:
-        return len(self.lru)
 
     def _slot(self, slot: int) -> torch.Tensor:
         return torch.from_numpy(self._mm[slot]).view(self.dtype).view(self.shape)
