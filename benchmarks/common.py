@@ -44,6 +44,20 @@ def timed(fn, device, repeats: int = 5, warmup: int = 1, stat=statistics.median)
     return stat(times)
 
 
+def ttft_alone(engine, prompt: list[int]) -> float:
+    """Seconds from ``engine.add_request(prompt)`` (greedy, ``max_tokens=1``) until the engine
+    has nothing left to run: the TTFT of a request running alone (device synchronized)."""
+    from infer.sampling import SamplingParams
+
+    sync(engine.runner.device)
+    t = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    sync(engine.runner.device)
+    return time.perf_counter() - t
+
+
 def ceilings(device: str | torch.device, quick: bool = False) -> dict[str, float]:
     """Measured memory bandwidth (GB/s, read + written) and matmul rate (TFLOP/s)."""
     device = torch.device(device)

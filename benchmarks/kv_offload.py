@@ -41,7 +41,16 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
-from common import environment, free_device_memory, markdown_table, save_figure, sync, timed, write_report  # noqa: E402
+from common import (  # noqa: E402
+    environment,
+    free_device_memory,
+    markdown_table,
+    save_figure,
+    sync,
+    timed,
+    ttft_alone,
+    write_report,
+)
 
 from infer.attention.kv_cache import KVCache  # noqa: E402
 from infer.engine.kv_offload import BlockCopier, DiskTier, block_nbytes, block_shape  # noqa: E402
@@ -173,19 +182,6 @@ def make_engine(args, offload: str, **over: Any):
     return engine
 
 
-def ttft(engine, prompt: list[int]) -> float:
-    """Seconds from ``add_request`` to the first (only) output token."""
-    from infer.sampling import SamplingParams
-
-    sync(engine.runner.device)
-    t = time.perf_counter()
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    sync(engine.runner.device)
-    return time.perf_counter() - t
-
-
 def restore_vs_recompute(args, engine) -> list[dict[str, Any]]:
     """TTFT of a prefix: recomputed, restored from the tier, found on the device."""
     import random
@@ -195,16 +191,16 @@ def restore_vs_recompute(args, engine) -> list[dict[str, Any]]:
     lo, hi = token_range(vocab)
     tok = lambda n: [rng.randrange(lo, hi) for _ in range(n)]  # noqa: E731
     rows = []
-    ttft(engine, tok(40))  # warm-up: the first forward pays one-time costs
+    ttft_alone(engine, tok(40))  # warm-up: the first forward pays one-time costs
     for n in args.prefix_lens:
         rec, res, dev = [], [], []
         for _ in range(args.repeats):
             prefix = tok(n)
-            rec.append(ttft(engine, prefix + tok(8)))  # new prefix: recomputed (and cached)
-            dev.append(ttft(engine, prefix + tok(8)))  # the prefix is on the device
+            rec.append(ttft_alone(engine, prefix + tok(8)))  # new prefix: recomputed (and cached)
+            dev.append(ttft_alone(engine, prefix + tok(8)))  # the prefix is on the device
             flush_device(engine, args, rng)  # other prompts take the device's blocks: the prefix goes down
             before = engine.stats()
-            res.append(ttft(engine, prefix + tok(8)))
+            res.append(ttft_alone(engine, prefix + tok(8)))
             after = engine.stats()
             hits = {k: after.get(k, 0) - before.get(k, 0) for k in ("kv_offload_host_hits", "kv_offload_disk_hits")}
         row = {"prefix_tokens": n, "recompute_ms": 1e3 * statistics.median(rec),

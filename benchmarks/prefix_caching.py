@@ -59,7 +59,8 @@ from common import (  # noqa: E402
     percentiles_ms,
     save_figure,
     sync,
-    write_report,  # noqa: E402
+    ttft_alone,
+    write_report,
 )
 
 
@@ -91,18 +92,6 @@ def make_engine(args, prefix_caching: bool):
     return LLMEngine(cfg, loaded=_LOADED[0], progress=False)
 
 
-def run_alone(engine, prompt: list[int]) -> float:
-    """Seconds from adding ``prompt`` (max_tokens=1) to its first token, running alone."""
-    from infer.sampling import SamplingParams
-
-    sync(engine.runner.device)
-    t0 = time.perf_counter()
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - t0
-
-
 def ttft_part(args, vocab: int) -> list[dict[str, Any]]:
     import statistics
 
@@ -112,14 +101,14 @@ def ttft_part(args, vocab: int) -> list[dict[str, Any]]:
     rows = {L: {"prefix_len": L} for L in args.prefix_lens}
     for flag in (True, False):
         engine = make_engine(args, flag)
-        run_alone(engine, random_ids(rng, 64, vocab))  # warm-up
+        ttft_alone(engine, random_ids(rng, 64, vocab))  # warm-up
         for L, reps in cases:
             cold, warm = [], []
             for prefix, a, b in reps:
                 engine.reset_prefix_cache()
-                cold.append(run_alone(engine, prefix + a))
+                cold.append(ttft_alone(engine, prefix + a))
                 if flag:
-                    warm.append(run_alone(engine, prefix + b))
+                    warm.append(ttft_alone(engine, prefix + b))
             r = rows[L]
             if flag:
                 r["ttft_cold_ms"] = 1e3 * statistics.median(cold)
