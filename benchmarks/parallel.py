@@ -127,7 +127,7 @@ def measure_engine(model: str, label: str, kw: dict, args) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(model, progress=False, device=args.device, batching="continuous", max_num_seqs=args.max_num_seqs,
-              max_model_len=args.prompt_len + args.output_len + 8, **kw)
+              max_model_len=args.prompt_len + args.output_len + 8, **{**args.engine_flags, **kw})
     startup = time.perf_counter() - t0
     vocab = llm.engine.vocab_size
     rng = random.Random(0)
@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--flags", default="", help="EngineConfig overrides for every engine run, as offline_throughput's "
+                    "--infer-configs items (e.g. fused_kernels=true,cuda_graphs=true)")
     ap.add_argument("--skip-collectives", action="store_true")
     ap.add_argument("--out", default=None, help="JSON report (a .md table and a .png plot beside it)")
     return ap
@@ -194,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from infer.loader import read_model_config
+    from offline_throughput import parse_overrides
+
+    args.engine_flags = parse_overrides(args.flags)
 
     mcfg = read_model_config(args.model)
     args.hidden = args.hidden or mcfg.hidden_size

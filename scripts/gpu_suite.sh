@@ -247,7 +247,7 @@ section_bench_parallel() {
     done
     "$PY" benchmarks/parallel.py --device cuda --model "$CKPT/$dense" --moe-model "$CKPT/qwen3-30b-a3b-4l" \
         --decode-tokens 128 --decode-repeats 3 --requests 64 --prompt-len 256 --output-len 128 --max-num-seqs 64 \
-        --batches 1,8,64,256 --out "$OUT/parallel_gpu.json"
+        --batches 1,8,64,256 --flags "${PARALLEL_FLAGS:-fused_kernels=true}" --out "$OUT/parallel_gpu.json"
 }
 
 section_bench_flags() {
