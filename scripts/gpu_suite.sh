@@ -232,11 +232,12 @@ section_bench_moe_model() {
 # all-reduce / all-gather / all-to-all at decode sizes (docs/phases/14-tensor-parallelism.md).
 section_tp() {
     local rc=0
-    "$PY" -m pytest -q tests/test_parallel.py -k two_gpus -p no:cacheprovider || rc=1
-    "$PY" scripts/tp_parity.py --device cuda --dtype float32 --presets qwen3-0.6b,gemma3-1b,qwen3-30b-a3b-4l \
-        --workdir "$CKPT/tp-fp32" --out "$OUT/tp_parity_fp32.json" || rc=1
-    "$PY" scripts/tp_parity.py --device cuda --dtype bfloat16 --presets qwen3-4b,qwen3-8b,qwen3-30b-a3b-4l \
-        --workdir "$CKPT/tp-bf16" --out "$OUT/tp_parity_bf16.json" || rc=1
+    "$PY" -m pytest -q tests/test_parallel.py -k "${TP_TESTS:-two_gpus}" -p no:cacheprovider || rc=1
+    "$PY" scripts/tp_parity.py --device cuda --dtype float32 --presets "${TP_FP32:-qwen3-0.6b,gemma3-1b,qwen3-30b-a3b-4l}" \
+        --graphs --workdir "$CKPT/tp-fp32" --out "$OUT/tp_parity_fp32.json" || rc=1
+    # bf16 checkpoints are the ones bench_parallel writes (same preset, dtype and seed): shared
+    "$PY" scripts/tp_parity.py --device cuda --dtype bfloat16 --presets "${TP_BF16:-qwen3-8b,qwen3-4b,qwen3-30b-a3b-4l}" \
+        --graphs --workdir "$CKPT" --out "$OUT/tp_parity_bf16.json" || rc=1
     return $rc
 }
 
@@ -247,7 +248,7 @@ section_bench_parallel() {
     done
     "$PY" benchmarks/parallel.py --device cuda --model "$CKPT/$dense" --moe-model "$CKPT/qwen3-30b-a3b-4l" \
         --decode-tokens 128 --decode-repeats 3 --requests 64 --prompt-len 256 --output-len 128 --max-num-seqs 64 \
-        --batches 1,8,64,256 --flags "${PARALLEL_FLAGS:-fused_kernels=true}" --out "$OUT/parallel_gpu.json"
+        --batches 1,8,64,256 --flags "${PARALLEL_FLAGS:-fused_kernels=true,cuda_graphs=true}" --out "$OUT/parallel_gpu.json"
 }
 
 section_bench_flags() {

@@ -21,6 +21,7 @@ Usage::
 
     python scripts/tp_parity.py --device cuda --presets qwen3-4b,tiny-qwen3-moe --dtype bf16 --out tp_parity.json
     python scripts/tp_parity.py --device cuda --dtype float32 --presets qwen3-0.6b,gemma3-1b,qwen3-30b-a3b-4l
+    python scripts/tp_parity.py --device cuda --presets qwen3-8b --graphs  # + TP=2 replaying CUDA graphs
     python scripts/tp_parity.py --device cpu --dtype float32 --presets tiny-llama,tiny-qwen3-moe   # gloo
 
 Exit status 1 when a configuration fails its gate (or raises).
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--graphs", action="store_true", help="also run TP=W with cuda_graphs (decode replays "
+                    "captured graphs on every rank; CUDA only)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -97,12 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     results, ok = [], True
     for preset in [p for p in args.presets.split(",") if p]:
         try:
-            path = make_checkpoint(preset, work / preset, dtype=args.dtype, device=args.device, seed=args.seed)
+            path = work / preset
+            if not (path / "config.json").exists():  # a workdir may hold it already (same preset, dtype, seed)
+                path = make_checkpoint(preset, path, dtype=args.dtype, device=args.device, seed=args.seed)
             mcfg = read_model_config(path)
             rng = random.Random(args.seed)
             prompts = [[rng.randrange(mcfg.vocab_size) for _ in range(int(n))] for n in args.lengths.split(",")]
             ref = run(path, {}, prompts, args)
             configs = {f"TP={args.ranks}": {"tensor_parallel_size": args.ranks}}
+            if args.graphs:
+                configs[f"TP={args.ranks} graphs"] = {"tensor_parallel_size": args.ranks, "cuda_graphs": True}
             if mcfg.num_experts:
                 configs[f"EP={args.ranks}"] = {"expert_parallel_size": args.ranks}
             for label, kw in configs.items():

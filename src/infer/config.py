@@ -346,6 +346,10 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cuda_graphs:
+            if self.expert_parallel_size > 1:
+                raise ValueError("cuda_graphs with expert_parallel_size > 1 is not supported: the expert-parallel "
+                                 "all-to-all sizes its messages from each step's routing, read on the host, and a "
+                                 "graph replays fixed sizes (tensor_parallel_size works with cuda_graphs)")
             if dev.type != "cuda":
                 raise ValueError("cuda_graphs needs a CUDA device: graphs capture GPU kernel launches, and on the "
                                  f"CPU ({self.device!r}) there are none to capture")
@@ -406,9 +410,6 @@ class EngineConfig:
                              "tensor_parallel_size=1)")
         if self.world_size == 1:
             return
-        if self.cuda_graphs:
-            raise ValueError("cuda_graphs with tensor/expert parallelism is not supported: the captured decode "
-                             "step would have to include the collectives of every rank")
         if self.kv_offload != "none":
             raise ValueError(f"kv_offload={self.kv_offload!r} with tensor/expert parallelism is not supported: the "
                              "tiers copy one process's KV cache, and every rank holds its own part of each block")

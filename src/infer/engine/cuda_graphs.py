@@ -99,22 +99,28 @@ class CUDAGraphRunner:
         self.max_model_len = max_model_len
         dev = kv_cache.k.device
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        # ids, positions and slot mapping share one [3, n] buffer, so one copy fills all three
+        self._ids_pos_slots = torch.zeros(3, n, dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.slot_mapping = self._ids_pos_slots.unbind(0)
+        self.slot_mapping.fill_(-1)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        # Pinned host staging: ids/positions/slots, context lengths, and the block tables packed
-        # [B, width] (only the columns in use travel; a device-side copy spreads them into the
-        # [n, max_blocks_per_seq] buffer). Two sets, used in turn: when the host fills one for step N,
-        # the copies of step N - 2 from it are done (the host waited for step N - 1's tokens, enqueued
-        # after them), while step N - 1's copies may still be pending under async scheduling.
-        self._staging = [(torch.zeros(3, n, dtype=torch.int64, pin_memory=True),
-                          torch.zeros(n, dtype=torch.int32, pin_memory=True),
-                          torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)) for _ in range(2)]
+        # A step's inputs travel packed in one int64 vector (:meth:`replay`): ``[ids | positions |
+        # slots | context lengths]``, ``bs`` entries each (padding rows included), then the block
+        # tables ``[B, width]`` (only the columns in use). It is built in pinned host memory, copied
+        # to the device in one transfer and spread into the static buffers there. Two host buffers,
+        # used in turn: when the host fills one for step N, the copy of step N - 2 from it is done
+        # (the host waited for step N - 1's tokens, enqueued after it), while step N - 1's copy may
+        # still be pending under async scheduling.
+        size = 4 * n + n * max_blocks_per_seq
+        self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._turn = 0
-        self._tables_dev = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.packed = torch.zeros(size, dtype=torch.int64, device=dev)
+        # Tensor parallelism (phase 14): called with ``(B, bucket, width, packed)`` once the packed
+        # inputs are on the device, before the replay; rank 0 broadcasts them to the other ranks,
+        # which replay the same bucket (:meth:`run_packed`) with their shard of the model.
+        self.on_staged = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -197,27 +203,35 @@ class CUDAGraphRunner:
         """
         b = len(ids)
         bs = bucket_for(b, self.sizes)
-        h64, lens, host_tables = self._staging[self._turn]
-        self._turn ^= 1
-        h64[0, :b] = torch.as_tensor(ids)
-        h64[1, :b] = torch.as_tensor(positions)
-        h64[2, :b] = torch.as_tensor(slots)
-        h64[0:2, b:bs] = 0
-        h64[2, b:bs] = -1  # padding rows write nothing to the cache...
-        lens[:b] = torch.as_tensor(seq_lens)
-        lens[b:bs] = 0  # ... and read nothing from it
         width = max(len(t) for t in tables)
-        packed = host_tables[: b * width]
-        block_table_array(tables, width, packed.numpy().reshape(b, width))
-        self.input_ids[:bs].copy_(h64[0, :bs], non_blocking=True)
-        self.positions[:bs].copy_(h64[1, :bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(h64[2, :bs], non_blocking=True)
-        self.seq_lens[:bs].copy_(lens[:bs], non_blocking=True)
-        staged = self._tables_dev[: b * width]
-        staged.copy_(packed, non_blocking=True)
-        self.block_tables[:b, :width].copy_(staged.view(b, width))
-        if patch is not None:
-            self.input_ids.index_copy_(0, *patch)
+        host = self._staging[self._turn]
+        self._turn ^= 1
+        h = host.numpy()
+        for k, (values, pad) in enumerate(((ids, 0), (positions, 0), (slots, -1), (seq_lens, 0))):
+            h[k * bs: k * bs + b] = values
+            h[k * bs + b: (k + 1) * bs] = pad  # padding rows: slot -1 writes nothing, length 0 reads nothing
+        n = packed_size(b, bs, width)
+        block_table_array(tables, width, h[4 * bs: n].reshape(b, width))
+        packed = self.packed[:n]
+        packed.copy_(host[:n], non_blocking=True)
+        if patch is not None:  # a decode-only step: flat position = row, inside the ids part
+            packed.index_copy_(0, *patch)
+        if self.on_staged is not None:
+            self.on_staged(b, bs, width, packed)
+        return self.run_packed(b, bs, width, packed)
+
+    def run_packed(self, b: int, bs: int, width: int, packed: torch.Tensor) -> torch.Tensor:
+        """Spread a packed step (:meth:`replay`'s layout, on the device) into the static buffers
+        and replay bucket ``bs``'s graph. Returns logits ``[B, vocab_size]`` (a view of the
+        graph's output buffer, valid until the next replay)."""
+        self._ids_pos_slots[:, :bs].copy_(packed[: 3 * bs].view(3, bs))
+        self.seq_lens[:bs].copy_(packed[3 * bs: 4 * bs])
+        self.block_tables[:b, :width].copy_(packed[4 * bs: packed_size(b, bs, width)].view(b, width))
         self.graphs[bs].replay()
         return self.logits[bs][:b]
 
+
+def packed_size(b: int, bs: int, width: int) -> int:
+    """Entries of a packed decode step (:meth:`CUDAGraphRunner.replay`): four vectors of the bucket's
+    ``bs`` rows and ``b`` block tables of ``width`` columns."""
+    return 4 * bs + b * width

@@ -11,6 +11,15 @@ Process model (vLLM's multiprocessing executor, reduced to its core)::
       broadcast LOGITS rows ---------------------> gather logits (only rank 0 samples)
       sample
 
+With ``cuda_graphs`` (phase 9) every rank captures the same decode graphs, collectives included
+(NCCL kernels are recorded like any other; rank 0's CAPTURE command starts every rank's capture,
+so all of them warm up and capture the buckets in the same order). A decode-only step is then::
+
+      broadcast REPLAY header (B, bucket, width) -> recv header
+      broadcast the packed inputs (NCCL) --------> recv them into the graph runner's buffer
+      replay (forward + logits) <----------------> replay the same bucket
+      sample
+
 Every rank runs the same forward on the same tokens; only rank 0 knows about requests. The
 step's inputs are already flat tensors and host lists (the model runner builds them), so the
 message is a handful of integers per sequence.
@@ -42,13 +51,14 @@ import torch
 import torch.distributed as dist
 
 from infer.config import EngineConfig
+from infer.engine.cuda_graphs import packed_size
 from infer.engine.model_runner import ModelRunner, fused_ops, num_kv_blocks
 from infer.errors import ParallelWorkerError
 from infer.parallel.state import ParallelState, building_for, set_parallel
 
 log = logging.getLogger("infer")
 
-FORWARD, LOGITS, COPY, SHUTDOWN = 1, 2, 3, 4
+FORWARD, LOGITS, COPY, SHUTDOWN, CAPTURE, REPLAY = 1, 2, 3, 4, 5, 6
 TIMEOUT = datetime.timedelta(seconds=300)  # the longest a rank waits in a collective for the others
 
 
@@ -136,6 +146,8 @@ class ParallelModelRunner(ModelRunner):
     def __init__(self, workers: Workers, *args, **kwargs) -> None:
         self.workers = workers
         super().__init__(*args, **kwargs)
+        if self.graphs is not None:
+            self.graphs.on_staged = self._send_replay
 
     def execute(self, *args, **kwargs):
         self.workers.check()
@@ -166,6 +178,21 @@ class ParallelModelRunner(ModelRunner):
             send(self.workers.state, COPY, [src, dst, length])
             super()._copy_block_prefix(src, dst, length)
 
+    def capture_cuda_graphs(self, progress: bool = True) -> float:
+        if self.graphs is None:
+            return 0.0
+        with self._collective():
+            send(self.workers.state, CAPTURE)
+            return super().capture_cuda_graphs(progress)
+
+    def _send_replay(self, b: int, bs: int, width: int, packed: torch.Tensor) -> None:
+        """A decode step about to replay bucket ``bs``: the other ranks replay it too, on the same
+        packed inputs (ids patched by async scheduling included)."""
+        with self._collective():
+            st = self.workers.state
+            send(st, REPLAY, [b, bs, width])
+            dist.broadcast(packed, 0, group=st.group)
+
 
 @torch.inference_mode()
 def serve(runner: ModelRunner, state: ParallelState) -> None:
@@ -183,6 +210,13 @@ def serve(runner: ModelRunner, state: ParallelState) -> None:
             runner._logits(hidden, p)  # the gather needs every rank; only rank 0 samples
         elif cmd == COPY:
             runner._copy_block_prefix(*p)
+        elif cmd == REPLAY:
+            b, bs, width = p
+            packed = runner.graphs.packed[: packed_size(b, bs, width)]
+            dist.broadcast(packed, 0, group=state.group)
+            runner.graphs.run_packed(b, bs, width, packed)
+        elif cmd == CAPTURE:
+            runner.capture_cuda_graphs(progress=False)
         elif cmd == SHUTDOWN:
             return
         else:  # pragma: no cover
@@ -207,11 +241,13 @@ def build_runner(config: EngineConfig, state: ParallelState, runner_cls=ModelRun
         from infer.kernels import moe_ops
 
         loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
+    graph_bs = min(config.cuda_graph_max_batch_size, config.max_num_seqs) if config.cuda_graphs else 0
     num_blocks = num_kv_blocks(loaded, block_size, max_model_len, config.max_num_seqs, budget,
-                               config.kv_cache_memory_bytes, config.gpu_memory_utilization, 0)
+                               config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs)
     num_blocks = agree_num_blocks(state, num_blocks)
     runner = runner_cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
-                        max_model_len=max_model_len)
+                        max_model_len=max_model_len, cuda_graphs=config.cuda_graphs,
+                        cuda_graph_max_batch_size=graph_bs or 1)
     return loaded, runner
 
 
