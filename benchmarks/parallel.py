@@ -195,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from infer.loader import read_model_config
     from offline_throughput import parse_overrides
+
+    from infer.loader import read_model_config
 
     args.engine_flags = parse_overrides(args.flags)
 
