@@ -173,8 +173,11 @@ class CUDAGraphRunner:
             with torch.cuda.stream(stream):
                 self._forward(bs, meta)  # warm-up: compiles the kernels of this shape
             torch.cuda.current_stream(dev).wait_stream(stream)
+            torch.cuda.synchronize(dev)  # the warm-up's collectives (tensor parallelism) are done
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: only this thread's CUDA calls are checked while capturing, so another
+            # thread's (PyTorch's NCCL watchdog polling its events) cannot invalidate the capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self.logits[bs] = self._forward(bs, self._meta(bs))
             if self.pool is None:
                 self.pool = graph.pool()
