@@ -224,7 +224,7 @@ section_bench_moe_model() {
 }
 
 # Phases 14-15 (a 2-GPU machine, e.g. nvidia-h200-x2; not in the default list):
-#   bash scripts/gpu_suite.sh env tp bench_parallel
+#   bash scripts/gpu_suite.sh env tp bench_parallel step_parallel
 # tp: the 2-GPU tests (NCCL; fp32 tokens equal one GPU's) and the TP=2 / EP=2 parity gate through the
 # engine (fp32 exact, bf16 within gpu_parity's bounds). bench_parallel: batch-1 decode and offline
 # throughput for TP=1 vs TP=2 (Qwen3-8B; PARALLEL_DENSE=qwen3-4b for another) and TP=1 / TP=2 / EP=2
@@ -249,6 +249,16 @@ section_bench_parallel() {
     "$PY" benchmarks/parallel.py --device cuda --model "$CKPT/$dense" --moe-model "$CKPT/qwen3-30b-a3b-4l" \
         --decode-tokens 128 --decode-repeats 3 --requests 64 --prompt-len 256 --output-len 128 --max-num-seqs 64 \
         --batches 1,8,64,256 --flags "${PARALLEL_FLAGS:-fused_kernels=true,cuda_graphs=true}" --out "$OUT/parallel_gpu.json"
+}
+
+# Where a batch-1 decode step's time goes with TP=2 against one GPU, both with CUDA graphs (rank 0's
+# view: host phases, device busy time, top kernels; benchmarks/step_profile.py).
+section_step_parallel() {
+    local dense=${PARALLEL_DENSE:-qwen3-8b} base="batching=continuous,kv_cache=paged,fused_kernels=true,cuda_graphs=true"
+    [ -d "$CKPT/$dense" ] || "$PY" scripts/make_synthetic_checkpoint.py "$dense" "$CKPT/$dense" || return 1
+    "$PY" benchmarks/step_profile.py --model "$CKPT/$dense" --device cuda --dtype bfloat16 --scale 0.01 \
+        --max-num-seqs 1 --skip 8 --steps 40 --profile-steps 5 --no-progress \
+        --infer-configs "$base;$base,tensor_parallel_size=2" --out "$OUT/step_parallel.json"
 }
 
 section_bench_flags() {

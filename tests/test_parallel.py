@@ -241,6 +241,17 @@ def test_validate_rejects_sizes_that_do_not_split_the_model(smollm2, gemma3):
         EngineConfig(expert_parallel_size=2, cuda_graphs=True).validate()
 
 
+def test_a_failed_parallel_start_raises_its_own_error(llama_path):
+    """A start that fails before the engine is built reports why (here: a preloaded model, which a
+    parallel engine cannot use), not an AttributeError from the cleanup of half-built state."""
+    from infer.loader import load_model
+
+    loaded = load_model(str(llama_path), torch.device("cpu"), torch.float32, progress=False)
+    with pytest.raises(ValueError, match="preloaded model"):
+        LLMEngine(EngineConfig(model=str(llama_path), device="cpu", tensor_parallel_size=2), loaded=loaded,
+                  progress=False)
+
+
 def test_shard_cuts_halves_of_a_stacked_tensor():
     t = torch.arange(2 * 8 * 3).view(2, 8, 3)  # [E, 2I, H]: gate rows 0-3, up rows 4-7
     got = shard(t, (1, 1, 2, 2))

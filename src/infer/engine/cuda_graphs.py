@@ -189,6 +189,16 @@ class CUDAGraphRunner:
                  self.sizes[0], self.sizes[-1], self.capture_seconds, self.pool_bytes / 2**20)
         return self.capture_seconds
 
+    def release(self) -> None:
+        """Free the graphs and their memory pool. A graph that captured NCCL collectives keeps
+        its communicator busy: ``destroy_process_group`` waits for it forever (PyTorch #115388),
+        so a tensor-parallel rank releases its graphs first."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+        self.pool = None
+
     def replay(self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
                tables: list[list[int]], patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run a decode step of ``B = len(ids)`` sequences through its bucket's graph.

@@ -154,9 +154,12 @@ class LLMEngine:
         """Release what outlives a step: the KV offload tiers (their copies finish, the disk
         tier's file is deleted) and the worker processes of a parallel engine. Idempotent; the
         engine must not step afterwards."""
-        if self.offloader is not None:
+        if getattr(self, "offloader", None) is not None:  # None until _init_rest (a failed start too)
             self.offloader.close()
         if self.workers is not None:
+            graphs = getattr(getattr(self, "runner", None), "graphs", None)
+            if graphs is not None:
+                graphs.release()  # before the communicator goes (PyTorch #115388)
             self.workers.shutdown()
 
     # ------------------------------------------------------------------ requests

@@ -45,6 +45,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import weakref
 
 import torch
@@ -89,21 +90,35 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank) if dev.type == "cuda" else dev
 
 
+HEADER = 16  # int64s per command message: [cmd, n, the payload when n <= HEADER - 2]
+
+
 def send(state: ParallelState, cmd: int, payload: list[int] = ()) -> None:
-    """Rank 0: broadcast one command and its int64 payload over the host (gloo) group."""
-    dist.broadcast(torch.tensor([cmd, len(payload)], dtype=torch.int64), 0, group=state.cpu_group)
-    if payload:
+    """Rank 0: broadcast one command and its int64 payload over the host (gloo) group.
+
+    One fixed-size message carries the command with a short payload inline (a decode step's
+    REPLAY, COPY): a gloo broadcast is a TCP round trip, tens to hundreds of microseconds, paid
+    every step. A longer payload (FORWARD's block tables) follows in a second message."""
+    n = len(payload)
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    header[0], header[1] = cmd, n
+    if n <= HEADER - 2:
+        header[2:2 + n] = torch.tensor(payload, dtype=torch.int64)
+    dist.broadcast(header, 0, group=state.cpu_group)
+    if n > HEADER - 2:
         dist.broadcast(torch.tensor(payload, dtype=torch.int64), 0, group=state.cpu_group)
 
 
 def recv(state: ParallelState) -> tuple[int, list[int]]:
     """Ranks > 0: the next command rank 0 broadcast, and its payload."""
-    header = torch.empty(2, dtype=torch.int64)
+    header = torch.empty(HEADER, dtype=torch.int64)
     dist.broadcast(header, 0, group=state.cpu_group)
-    cmd, n = header.tolist()
+    h = header.tolist()
+    cmd, n = h[0], h[1]
+    if n <= HEADER - 2:
+        return cmd, h[2:2 + n]
     payload = torch.empty(n, dtype=torch.int64)
-    if n:
-        dist.broadcast(payload, 0, group=state.cpu_group)
+    dist.broadcast(payload, 0, group=state.cpu_group)
     return cmd, payload.tolist()
 
 
@@ -270,7 +285,9 @@ def _worker_main(rank: int, world_size: int, port: int, config: EngineConfig, pa
         set_parallel(state)
         _, runner = build_runner(config, state)
         serve(runner, state)
-        dist.destroy_process_group()
+        if runner.graphs is not None:
+            runner.graphs.release()  # before the communicator goes (PyTorch #115388)
+        _destroy_group()
     except Exception:
         log.exception("rank %d failed", rank)
         sys.stderr.flush()
@@ -345,9 +362,25 @@ def _shutdown(joined: list[ParallelState], procs) -> None:
         with contextlib.suppress(Exception):
             send(joined[0], SHUTDOWN)
     _stop(procs, graceful=bool(joined))
-    if dist.is_initialized():
+    _destroy_group()
+
+
+def _destroy_group(timeout_s: float = 10.0) -> None:
+    """Leave the process group, but never hang there: NCCL's communicator teardown can block (a
+    CUDA graph that captured its collectives still alive, a peer gone mid-collective); after
+    ``timeout_s`` seconds the process goes on without it."""
+    if not dist.is_initialized():
+        return
+
+    def destroy():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+    t = threading.Thread(target=destroy, name="infer-destroy-process-group", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        log.warning("leaving the process group took over %.0f s; going on without it", timeout_s)
 
 
 def _stop(procs, graceful: bool) -> None:
