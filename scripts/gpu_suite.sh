@@ -224,8 +224,8 @@ section_bench_moe_model() {
 }
 
 # Phases 14-15 (a 2-GPU machine, e.g. nvidia-h200-x2; not in the default list):
-#   bash scripts/gpu_suite.sh env tp bench_parallel step_parallel
-# tp: the 2-GPU tests (NCCL; fp32 tokens equal one GPU's) and the TP=2 / EP=2 parity gate through the
+#   bash scripts/gpu_suite.sh env tp; bash scripts/gpu_suite.sh tp_bf16; bash scripts/gpu_suite.sh bench_parallel step_parallel
+# tp: the 2-GPU tests (NCCL; fp32 tokens equal one GPU's, eager and with CUDA graphs) and the TP=2 / EP=2 parity gate (+ TP=2 with graphs) through the
 # engine (fp32 exact, bf16 within gpu_parity's bounds). bench_parallel: batch-1 decode and offline
 # throughput for TP=1 vs TP=2 (Qwen3-8B; PARALLEL_DENSE=qwen3-4b for another) and TP=1 / TP=2 / EP=2
 # (Qwen3-30B-A3B, 4 layers), plus
@@ -235,6 +235,12 @@ section_tp() {
     "$PY" -m pytest -q tests/test_parallel.py -k "${TP_TESTS:-two_gpus}" -p no:cacheprovider || rc=1
     "$PY" scripts/tp_parity.py --device cuda --dtype float32 --presets "${TP_FP32:-qwen3-0.6b,gemma3-1b,qwen3-30b-a3b-4l}" \
         --graphs --workdir "$CKPT/tp-fp32" --out "$OUT/tp_parity_fp32.json" || rc=1
+    return $rc
+}
+
+# The bf16 parity gate at the multi-GPU issue's shapes (a separate section: ~5 minutes).
+section_tp_bf16() {
+    local rc=0
     # bf16 checkpoints are the ones bench_parallel writes (same preset, dtype and seed): shared
     "$PY" scripts/tp_parity.py --device cuda --dtype bfloat16 --presets "${TP_BF16:-qwen3-8b,qwen3-4b,qwen3-30b-a3b-4l}" \
         --graphs --workdir "$CKPT" --out "$OUT/tp_parity_bf16.json" || rc=1
