@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import numpy as np
 import torch
 
 from infer.sampling import (
@@ -269,6 +270,35 @@ def test_random_uniform_properties():
     assert len({tuple(r[:8].tolist()) for r in u}) == 4
     with pytest.raises(TypeError):
         random_uniform(seeds.int(), steps, 10)
+
+
+def _splitmix_uniform(seed: int, step: int, v: int) -> float:
+    """``random_uniform``'s definition in Python integers: the (v + 1)-th splitmix64 output of the
+    row's key, its top 24 bits as ``float32(k + 0.5) / 2**24``, clamped below 1."""
+    m, golden = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        return z ^ (z >> 31)
+
+    key = mix(mix((seed + golden) & m) ^ (step & m))
+    k = mix((key + (v + 1) * golden) & m) >> 40
+    return min(float(np.float32(k + 0.5)) / (1 << 24), 1.0 - 2.0**-24)
+
+
+@pytest.mark.parametrize("slice_elements", [7, 1 << 19])
+def test_random_uniform_matches_its_definition_across_row_slices(monkeypatch, slice_elements):
+    """The CPU path hashes a few rows at a time in reused buffers (7 elements: rows one or two at a
+    time); every value equals the definition computed with Python integers."""
+    import infer.sampling.sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "_CPU_SLICE_ELEMENTS", slice_elements)
+    seeds = torch.tensor([0, 1, -5, 2**62, 12345], dtype=torch.int64)
+    steps = torch.tensor([0, 7, 3, 10**12, 1], dtype=torch.int64)
+    u = random_uniform(seeds, steps, 3)
+    want = [[_splitmix_uniform(s, t, v) for v in range(3)] for s, t in zip(seeds.tolist(), steps.tolist())]
+    assert u.tolist() == want
 
 
 # ----------------------------------------------------------------------------- reproducibility
