@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from infer.sampling import (
