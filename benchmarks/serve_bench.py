@@ -27,7 +27,8 @@ so that every request really generates ``--output-len`` tokens; OpenAI itself ig
 rejects it: use ``--no-ignore-eos`` there). ``stream_options.include_usage`` is asked for so
 the server's own token counts are used (``--no-usage`` for servers that reject it).
 
-Per request: TTFT (send to the first chunk with content), ITL (gaps between content chunks),
+Per request: TTFT (send to the first chunk with content), ITL (gaps between content chunks; with
+``--token-itl``, per token: a chunk of ``d`` tokens after a gap ``g`` counts ``d`` gaps of ``g / d``),
 TPOT = (E2E - TTFT) / (output tokens - 1), E2E, success or the error (HTTP errors, error
 events, ``--timeout``: counted as failures, the run goes on). Output tokens are
 ``usage.completion_tokens`` when reported, else the number of content chunks.
@@ -90,17 +91,25 @@ from workloads import Request, build_requests  # noqa: E402
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool, timeout: float) -> dict[str, Any]:
-    """Stream one request; return its record (times in seconds, relative to its send)."""
+    """Stream one request; return its record (times in seconds, relative to its send).
+
+    With ``stream_options.continuous_usage_stats`` in ``body`` (``--token-itl``) every chunk says how
+    many tokens have been generated so far, and ``itl`` holds one gap per *token*: a content chunk
+    that carries ``d`` new tokens after a gap ``g`` gives ``d`` gaps of ``g / d`` (``chunk_tokens``
+    lists each content chunk's ``d``). Without it, one gap per content chunk (vLLM's
+    benchmark_serving does the same)."""
     rec: dict[str, Any] = {"success": False, "error": None, "ttft": None, "e2e": None, "itl": [],
                            "output_tokens": 0, "chunks": 0, "prompt_tokens": None, "usage_tokens": None,
-                           "cached_tokens": None}
+                           "cached_tokens": None, "chunk_tokens": []}
     pieces: list[str] = []
+    per_token = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
     start = time.perf_counter()
     rec["send_t"] = start
     last = None
+    counted = 0  # --token-itl: completion tokens up to the last content chunk
 
     async def run() -> None:
-        nonlocal last
+        nonlocal last, counted
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
@@ -139,10 +148,15 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool, time
                         pieces.append(ch.get("text") or "")
                 if not content:
                     continue
+                generated = (usage or {}).get("completion_tokens") if per_token else None
+                new_tokens = max(1, generated - counted) if generated is not None else 1
                 if last is None:
-                    rec["ttft"] = now - start
+                    rec["ttft"] = now - start  # a first chunk's other tokens get no gap: unknowable
                 else:
-                    rec["itl"].append(now - last)
+                    rec["itl"].extend([(now - last) / new_tokens] * new_tokens)
+                if generated is not None:
+                    counted = generated
+                    rec["chunk_tokens"].append(new_tokens)
                 last = now
                 rec["chunks"] += 1
             else:
@@ -192,6 +206,8 @@ def request_body(req: Request, args, model: str, history: list[tuple[str, str]] 
         body["ignore_eos"] = True
     if args.usage:
         body["stream_options"] = {"include_usage": True}
+        if args.token_itl:
+            body["stream_options"]["continuous_usage_stats"] = True
     return path, body
 
 
@@ -598,6 +614,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not send ignore_eos (for servers that reject it, e.g. OpenAI's); outputs may end early")
     w.add_argument("--no-usage", dest="usage", action="store_false",
                    help="do not ask for stream_options.include_usage; tokens are then counted from chunks")
+    w.add_argument("--token-itl", action="store_true",
+                   help="ITL per token, not per content chunk: asks for stream_options.continuous_usage_stats "
+                        "(infer, vLLM) and spreads a chunk's gap over the tokens it carries. The detokenizer "
+                        "holds back text that is not valid UTF-8 yet (byte-fragment tokens, common in a "
+                        "random-weight model's output) and then sends several tokens in one chunk, which "
+                        "per-chunk ITL counts as one long gap")
 
     r = ap.add_argument_group("run")
     r.add_argument("--max-concurrency", type=int, default=None,
@@ -627,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("multi-turn resends the replies' text: drop --token-prompts")
     if args.server_configs and not args.launch:
         raise SystemExit("--server-configs needs --launch")
+    if args.token_itl and not args.usage:
+        raise SystemExit("--token-itl reads the usage in every chunk: drop --no-usage")
     rates = [float("inf")] if args.arrival == "burst" or args.workload == "decode-interference" else args.request_rates
     configs = args.server_configs or [("", "")]
     base_server_args = args.server_args

@@ -319,7 +319,7 @@ section_bench_chunked() {
     for preset in ${CHUNK_PRESETS:-qwen3-0.6b}; do
         [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
         # shellcheck disable=SC2086
-        "$PY" benchmarks/serve_bench.py --launch --workload decode-interference --token-prompts \
+        "$PY" benchmarks/serve_bench.py --launch --workload decode-interference --token-prompts --token-itl \
             --num-requests ${CHUNK_N:-64} --input-len 256 --output-len 512 --long-prompts 8 --long-len 8000 \
             --long-start-s 2 --long-interval-s 1 --no-progress \
             --server-args "--model $CKPT/$preset --device cuda --batching continuous --kv-cache paged \

@@ -155,6 +155,44 @@ def test_decode_interference_streams_then_long_prompts_at_fixed_offsets():
     assert agg["long_ttft_p50_ms"] == pytest.approx(700.0)
 
 
+def test_serve_bench_token_itl_spreads_each_chunks_gap_over_its_tokens(tiny_llama):
+    """Against the real server in process: with ``continuous_usage_stats`` every content chunk says
+    how many tokens it carries; the per-token gaps cover every token after the first chunk's, each
+    chunk's gap split evenly, and they add up to the per-chunk gaps of the same stream."""
+    import asyncio
+
+    import httpx
+
+    from infer.config import EngineConfig
+    from infer.engine import LLMEngine
+    from infer.server.app import build_app
+    from infer.server.async_engine import AsyncEngine
+
+    cfg = EngineConfig(model=str(tiny_llama.path), device="cpu", dtype="float32", max_model_len=128)
+    eng = AsyncEngine(lambda: LLMEngine(cfg, loaded=tiny_llama, progress=False))
+    app = build_app(eng, "tiny")
+    body = {"model": "tiny", "prompt": [5, 17, 300, 42], "max_tokens": 40, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            return await serve_bench.send(c, "/v1/completions", body, chat=False, timeout=60)
+
+    try:
+        rec = asyncio.run(go())
+    finally:
+        eng.shutdown()
+    assert rec["success"] and rec["output_tokens"] == 40
+    d = rec["chunk_tokens"]
+    assert all(k >= 1 for k in d) and sum(d) == 40 and len(d) == rec["chunks"]
+    assert len(rec["itl"]) == 40 - d[0]
+    at = 0
+    for k in d[1:]:  # each chunk's gap, split into k equal parts
+        assert rec["itl"][at:at + k] == [rec["itl"][at]] * k
+        at += k
+    assert sum(rec["itl"]) == pytest.approx(rec["e2e"] - rec["ttft"], abs=0.05)
+
+
 # ---------------------------------------------------------------------------------- ablation plan
 
 
