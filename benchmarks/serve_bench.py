@@ -28,7 +28,8 @@ rejects it: use ``--no-ignore-eos`` there). ``stream_options.include_usage`` is 
 the server's own token counts are used (``--no-usage`` for servers that reject it).
 
 Per request: TTFT (send to the first chunk with content), ITL (gaps between content chunks; with
-``--token-itl``, per token: a chunk of ``d`` tokens after a gap ``g`` counts ``d`` gaps of ``g / d``),
+``--token-itl``, per token: TTFT to the first token's chunk, and a chunk of ``d`` tokens after a
+gap ``g`` counts ``d`` gaps of ``g / d``, whether it has text or not),
 TPOT = (E2E - TTFT) / (output tokens - 1), E2E, success or the error (HTTP errors, error
 events, ``--timeout``: counted as failures, the run goes on). Output tokens are
 ``usage.completion_tokens`` when reported, else the number of content chunks.
@@ -93,11 +94,13 @@ from workloads import Request, build_requests  # noqa: E402
 async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool, timeout: float) -> dict[str, Any]:
     """Stream one request; return its record (times in seconds, relative to its send).
 
-    With ``stream_options.continuous_usage_stats`` in ``body`` (``--token-itl``) every chunk says how
-    many tokens have been generated so far, and ``itl`` holds one gap per *token*: a content chunk
-    that carries ``d`` new tokens after a gap ``g`` gives ``d`` gaps of ``g / d`` (``chunk_tokens``
-    lists each content chunk's ``d``). Without it, one gap per content chunk (vLLM's
-    benchmark_serving does the same)."""
+    Without ``stream_options.continuous_usage_stats`` in ``body``, TTFT and the gaps ``itl`` are
+    those of *content* chunks (chunks with text; vLLM's benchmark_serving does the same). With it
+    (``--token-itl``) every chunk says how many tokens have been generated so far, and they are
+    those of *tokens*: a chunk that brings ``d`` new tokens after a gap ``g``, with text or without
+    (infer sends a chunk per token even while the detokenizer holds its text back), gives ``d``
+    gaps of ``g / d`` (``chunk_tokens`` lists each such chunk's ``d``); ``chunks`` then counts
+    those chunks."""
     rec: dict[str, Any] = {"success": False, "error": None, "ttft": None, "e2e": None, "itl": [],
                            "output_tokens": 0, "chunks": 0, "prompt_tokens": None, "usage_tokens": None,
                            "cached_tokens": None, "chunk_tokens": []}
@@ -146,17 +149,21 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool, time
                     else:
                         content |= bool(ch.get("text"))
                         pieces.append(ch.get("text") or "")
-                if not content:
-                    continue
-                generated = (usage or {}).get("completion_tokens") if per_token else None
-                new_tokens = max(1, generated - counted) if generated is not None else 1
+                if per_token:  # an event is a chunk that brings tokens, with text or without
+                    generated = (usage or {}).get("completion_tokens") or 0
+                    new_tokens = generated - counted
+                    if new_tokens <= 0:
+                        continue
+                    counted = generated
+                    rec["chunk_tokens"].append(new_tokens)
+                else:  # an event is a chunk with text
+                    if not content:
+                        continue
+                    new_tokens = 1
                 if last is None:
                     rec["ttft"] = now - start  # a first chunk's other tokens get no gap: unknowable
                 else:
                     rec["itl"].extend([(now - last) / new_tokens] * new_tokens)
-                if generated is not None:
-                    counted = generated
-                    rec["chunk_tokens"].append(new_tokens)
                 last = now
                 rec["chunks"] += 1
             else:
@@ -615,11 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-usage", dest="usage", action="store_false",
                    help="do not ask for stream_options.include_usage; tokens are then counted from chunks")
     w.add_argument("--token-itl", action="store_true",
-                   help="ITL per token, not per content chunk: asks for stream_options.continuous_usage_stats "
-                        "(infer, vLLM) and spreads a chunk's gap over the tokens it carries. The detokenizer "
+                   help="TTFT and ITL per token, not per content chunk: asks for "
+                        "stream_options.continuous_usage_stats (infer, vLLM) and times every chunk that brings "
+                        "tokens, with text or without (a chunk's gap spread over its tokens). The detokenizer "
                         "holds back text that is not valid UTF-8 yet (byte-fragment tokens, common in a "
-                        "random-weight model's output) and then sends several tokens in one chunk, which "
-                        "per-chunk ITL counts as one long gap")
+                        "random-weight model's output), so text arrives in bursts that per-chunk ITL counts as "
+                        "long gaps")
 
     r = ap.add_argument_group("run")
     r.add_argument("--max-concurrency", type=int, default=None,

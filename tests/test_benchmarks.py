@@ -155,14 +155,23 @@ def test_decode_interference_streams_then_long_prompts_at_fixed_offsets():
     assert agg["long_ttft_p50_ms"] == pytest.approx(700.0)
 
 
-def test_serve_bench_token_itl_spreads_each_chunks_gap_over_its_tokens(tiny_llama):
-    """Against the real server in process: with ``continuous_usage_stats`` every content chunk says
-    how many tokens it carries; the per-token gaps cover every token after the first chunk's, each
-    chunk's gap split evenly, and they add up to the per-chunk gaps of the same stream."""
+def _send(app, body: dict) -> dict:
+    """serve_bench.send against an ASGI app, in process."""
     import asyncio
 
     import httpx
 
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            return await serve_bench.send(c, "/v1/completions", body, chat=False, timeout=60)
+
+    return asyncio.run(go())
+
+
+def test_serve_bench_token_itl_times_every_token_from_the_real_server(tiny_llama):
+    """The in-process server sends a chunk per token, with text or (held back by the detokenizer)
+    without; with ``continuous_usage_stats`` every token after the first chunk's gets a gap, while
+    per-content-chunk timing sees fewer, longer gaps whenever text was held back."""
     from infer.config import EngineConfig
     from infer.engine import LLMEngine
     from infer.server.app import build_app
@@ -172,25 +181,48 @@ def test_serve_bench_token_itl_spreads_each_chunks_gap_over_its_tokens(tiny_llam
     eng = AsyncEngine(lambda: LLMEngine(cfg, loaded=tiny_llama, progress=False))
     app = build_app(eng, "tiny")
     body = {"model": "tiny", "prompt": [5, 17, 300, 42], "max_tokens": 40, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
-            return await serve_bench.send(c, "/v1/completions", body, chat=False, timeout=60)
-
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     try:
-        rec = asyncio.run(go())
+        per_chunk = _send(app, body)
+        per_token = _send(app, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     finally:
         eng.shutdown()
-    assert rec["success"] and rec["output_tokens"] == 40
-    d = rec["chunk_tokens"]
-    assert all(k >= 1 for k in d) and sum(d) == 40 and len(d) == rec["chunks"]
-    assert len(rec["itl"]) == 40 - d[0]
-    at = 0
-    for k in d[1:]:  # each chunk's gap, split into k equal parts
-        assert rec["itl"][at:at + k] == [rec["itl"][at]] * k
-        at += k
-    assert sum(rec["itl"]) == pytest.approx(rec["e2e"] - rec["ttft"], abs=0.05)
+    assert per_chunk["success"] and per_token["success"] and per_token["output_tokens"] == 40
+    d = per_token["chunk_tokens"]
+    assert sum(d) == 40 and len(d) == per_token["chunks"] and len(per_token["itl"]) == 40 - d[0]
+    assert len(per_chunk["itl"]) == per_chunk["chunks"] - 1 <= len(per_token["itl"])
+    assert sum(per_token["itl"]) == pytest.approx(per_token["e2e"] - per_token["ttft"], abs=0.05)
+
+
+def test_serve_bench_token_itl_spreads_a_chunks_gap_over_its_tokens():
+    """A scripted stream (the shape vLLM sends with a stream interval > 1): one token, then a
+    chunk of two tokens with no text, then one more: per token, the middle gap is split in two
+    equal gaps; per content chunk, there is one gap."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    def sse(text: str | None, tokens: int) -> str:
+        choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": None}]
+        usage = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
+        return f"data: {json.dumps({'choices': choices, 'usage': usage})}\n\n"
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions():
+        async def stream():
+            for text, tokens in (("a", 1), ("", 3), ("b", 4), (None, 4)):
+                yield sse(text, tokens)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    body = {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
+    per_chunk = _send(app, body)
+    per_token = _send(app, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert per_token["chunk_tokens"] == [1, 2, 1] and per_token["output_tokens"] == 4
+    assert len(per_token["itl"]) == 3 and per_token["itl"][0] == per_token["itl"][1]
+    assert per_chunk["chunks"] == 2 and len(per_chunk["itl"]) == 1 and per_chunk["chunk_tokens"] == []
 
 
 # ---------------------------------------------------------------------------------- ablation plan
