@@ -167,7 +167,7 @@ section_bench_serve() {
         # shellcheck disable=SC2086
         "$PY" benchmarks/serve_bench.py --launch --server-args "--model $CKPT/$preset --device cuda \
             --max-model-len 2048 --max-num-seqs 128 --max-num-batched-tokens 8192 --batching $mode" \
-            --token-prompts --num-requests ${SERVE_N:-200} --request-rates ${SERVE_RATES:-4 16 64} \
+            --token-prompts --token-itl --num-requests ${SERVE_N:-200} --request-rates ${SERVE_RATES:-4 16 64} \
             --input-len 512 --output-len 256 --no-progress --out "$OUT/serve_$mode.json" ${SERVE_ARGS:-} || rc=1
     done
     return "$rc"
