@@ -17,6 +17,7 @@ from infer.sampling import (
     apply_top_p,
     random_uniform,
     sample,
+    sample_from_probs,
     suppress_tokens,
 )
 
@@ -299,6 +300,28 @@ def test_random_uniform_matches_its_definition_across_row_slices(monkeypatch, sl
     u = random_uniform(seeds, steps, 3)
     want = [[_splitmix_uniform(s, t, v) for v in range(3)] for s, t in zip(seeds.tolist(), steps.tolist())]
     assert u.tolist() == want
+
+
+@pytest.mark.parametrize("kept", [1, 5, 50, 3000])
+def test_sample_from_probs_truncated_rows_race_only_their_candidates(kept):
+    """Rows truncated to a few tokens (the CPU races only those, up to V / 16 = 3,072 here) draw
+    exactly what the race over the whole vocabulary draws, for many seeds; equal probabilities
+    included (ties go to the lowest id either way)."""
+    from infer.sampling.sampler import _random_uniform_at
+
+    torch.manual_seed(kept)
+    b, v = 64, 49_152
+    probs = torch.zeros(b, v)
+    for r in range(b):
+        ids = torch.randperm(v)[: max(1, kept - r % 3)]  # rows of different widths
+        w = torch.rand(len(ids)) if r % 4 else torch.ones(len(ids))  # every 4th row: all tied
+        probs[r, ids] = w / w.sum()
+    seeds = torch.randint(-2**62, 2**62, (b,))
+    steps = torch.randint(0, 10**6, (b,))
+    want = (probs / -torch.log(random_uniform(seeds, steps, v))).argmax(dim=-1)
+    assert torch.equal(sample_from_probs(probs, seeds, steps), want)
+    idx = torch.randint(0, v, (b, 7))
+    assert torch.equal(_random_uniform_at(seeds, steps, idx), random_uniform(seeds, steps, v).gather(1, idx))
 
 
 # ----------------------------------------------------------------------------- reproducibility

@@ -162,6 +162,25 @@ def _mix64_(z: torch.Tensor, tmp: torch.Tensor) -> None:
 _CPU_SLICE_ELEMENTS = 1 << 19
 
 
+def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64: each row's splitmix64 stream key ``mix(mix(seed + golden) ^ step)``."""
+    if seeds.dtype != torch.int64 or steps.dtype != torch.int64:
+        raise TypeError(f"seeds and steps must be int64, got {seeds.dtype} and {steps.dtype}")
+    return _mix64(_mix64(seeds + _GOLDEN) ^ steps)
+
+
+def _uniforms_(z: torch.Tensor, tmp: torch.Tensor, out: torch.Tensor) -> None:
+    """``z`` holds ``key + (v + 1) * golden`` per entry: hash it in place and write the uniforms of
+    :func:`random_uniform` to ``out`` (float32, z's shape); ``tmp`` is scratch."""
+    _mix64_(z, tmp)  # the (v + 1)-th output of the row's stream
+    torch.bitwise_right_shift(z, 40, out=tmp)
+    tmp.bitwise_and_((1 << 24) - 1)  # the top 24 bits
+    # (k + 0.5) needs 25 bits for k = 2**24 - 1 and rounds to 2**24 in float32: u would be exactly 1,
+    # -log(u) a (negative) zero, and that token's race score -inf here but +inf in a kernel computing
+    # the same value another way. The clamp keeps u below 1 (one value in 2**24 moves by 2**-25).
+    out.copy_(tmp).add_(0.5).mul_(1.0 / (1 << 24)).clamp_(max=_U_MAX)
+
+
 def random_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Counter-based uniforms: ``u[b, v] = hash(seeds[b], steps[b], v)`` in the open ``(0, 1)``.
 
@@ -179,10 +198,8 @@ def random_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) ->
     Returns:
         ``[B, V]`` float32 on ``seeds.device``.
     """
-    if seeds.dtype != torch.int64 or steps.dtype != torch.int64:
-        raise TypeError(f"seeds and steps must be int64, got {seeds.dtype} and {steps.dtype}")
-    dev = seeds.device
-    key = _mix64(_mix64(seeds + _GOLDEN) ^ steps)  # [B]
+    key = _row_keys(seeds, steps)
+    dev = key.device
     counter = torch.arange(1, vocab_size + 1, device=dev, dtype=torch.int64) * _GOLDEN
     b = key.shape[0]
     out = torch.empty((b, vocab_size), dtype=torch.float32, device=dev)
@@ -191,21 +208,31 @@ def random_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) ->
     tmp = torch.empty_like(z)
     for r in range(0, b, rows):
         n = min(rows, b - r)
-        zs, ts = z[:n], tmp[:n]
-        torch.add(key[r:r + n, None], counter, out=zs)
-        _mix64_(zs, ts)  # z = mix(key + v * golden): the v-th output of the row's stream
-        torch.bitwise_right_shift(zs, 40, out=ts)
-        ts.bitwise_and_((1 << 24) - 1)  # the top 24 bits
-        # (k + 0.5) needs 25 bits for k = 2**24 - 1 and rounds to 2**24 in float32: u would be
-        # exactly 1, -log(u) a (negative) zero, and that token's race score -inf here but +inf in a
-        # kernel computing the same value another way. The clamp keeps u below 1 (one value in
-        # 2**24 moves by 2**-25).
-        out[r:r + n].copy_(ts).add_(0.5).mul_(1.0 / (1 << 24)).clamp_(max=_U_MAX)
+        torch.add(key[r:r + n, None], counter, out=z[:n])
+        _uniforms_(z[:n], tmp[:n], out[r:r + n])
     return out
+
+
+def _random_uniform_at(seeds: torch.Tensor, steps: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``random_uniform(seeds, steps, V).gather(1, index)`` without the other columns: ``[B, K]``
+    float32 for int64 ``index [B, K]`` (entries < V)."""
+    z = _row_keys(seeds, steps)[:, None] + (index + 1) * _GOLDEN
+    out = torch.empty(index.shape, dtype=torch.float32, device=index.device)
+    _uniforms_(z, torch.empty_like(z), out)
+    return out
+
+
+# CPU: when every row has at most V / 16 nonzero probabilities (top-k, top-p, min-p truncation),
+# only those candidates race (the others' score p / E is 0 and never wins).
+_CANDIDATE_FRACTION = 16
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from ``probs`` by the exponential race ``argmax(p / E)``.
+
+    On the CPU, when truncation left every row at most ``V / 16`` nonzero probabilities, only those
+    race: the same ``p`` and the same ``E`` per token, so the same winner (ties go to the lowest
+    token id either way), without hashing the whole vocabulary.
 
     Args:
         probs: ``[B, V]`` float32, rows summing to 1 (zeros are never drawn).
@@ -214,7 +241,15 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
     Returns:
         ``[B]`` int64 token ids.
     """
-    race = random_uniform(seeds, steps, probs.shape[-1]).log_().neg_()  # Exponential(1), > 0
+    v = probs.shape[-1]
+    if probs.device.type == "cpu" and probs.shape[0] > 0:
+        k = int((probs > 0).sum(dim=-1).max())
+        if 0 < k <= v // _CANDIDATE_FRACTION:
+            cand = probs.topk(k, dim=-1).indices.sort(dim=-1).values  # ascending ids: ties as below
+            race = _random_uniform_at(seeds, steps, cand).log_().neg_()
+            race = torch.div(probs.gather(1, cand), race, out=race)
+            return cand.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
+    race = random_uniform(seeds, steps, v).log_().neg_()  # Exponential(1), > 0
     return torch.div(probs, race, out=race).argmax(dim=-1)
 
 
