@@ -530,7 +530,7 @@ def test_serve_bench_multi_turn_requests():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from serve_bench import request_body
+    from serve_bench import build_parser, request_body
     from workloads import build_requests
 
     reqs = build_requests("multi-turn", 2, 5, 3, seed=0, prefix_len=4, turns=3)
@@ -538,14 +538,13 @@ def test_serve_bench_multi_turn_requests():
     system = reqs[0].prompt.split()[:4]
     assert reqs[3].prompt.split()[:4] == system and len(reqs[1].prompt.split()) == 5  # later turns: new words only
 
-    class Args:
-        endpoint, temperature, ignore_eos, usage = "chat", 0.0, True, True
+    args = build_parser().parse_args(["--endpoint", "chat"])  # the program's own defaults
 
-    _, body = request_body(reqs[2], Args, "m", [(reqs[0].prompt, "a0"), (reqs[1].prompt, "a1")])
+    _, body = request_body(reqs[2], args, "m", [(reqs[0].prompt, "a0"), (reqs[1].prompt, "a1")])
     assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user", "assistant", "user"]
     assert body["messages"][3]["content"] == "a1" and body["messages"][4]["content"] == reqs[2].prompt
-    Args.endpoint = "completions"
-    _, body = request_body(reqs[1], Args, "m", [(reqs[0].prompt, "a0")])
+    args.endpoint = "completions"
+    _, body = request_body(reqs[1], args, "m", [(reqs[0].prompt, "a0")])
     assert body["prompt"] == reqs[0].prompt + "a0 " + reqs[1].prompt
     with pytest.raises(ValueError, match="text prompts"):
         build_requests("multi-turn", 1, 5, 3, seed=0, token_prompts=True)
