@@ -109,7 +109,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool, time
     start = time.perf_counter()
     rec["send_t"] = start
     last = None
-    counted = 0  # --token-itl: completion tokens up to the last content chunk
+    counted = 0  # --token-itl: completion tokens up to the last chunk that brought some
 
     async def run() -> None:
         nonlocal last, counted

@@ -133,23 +133,12 @@ _MIX1 = _signed64(0xBF58476D1CE4E5B9)
 _MIX2 = _signed64(0x94D049BB133111EB)
 
 
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64: torch's ``>>`` is arithmetic, so mask the sign copies."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser: a bijection of int64 with good avalanche (multiplies wrap)."""
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
-
-
 def _mix64_(z: torch.Tensor, tmp: torch.Tensor) -> None:
-    """:func:`_mix64` in place, with ``tmp`` (same shape) as scratch: no allocation."""
+    """splitmix64's finaliser, in place on int64 ``z`` (``tmp``, same shape, is scratch): a
+    bijection of int64 with good avalanche (multiplies wrap)."""
     for shift, mult in ((30, _MIX1), (27, _MIX2), (31, None)):
         torch.bitwise_right_shift(z, shift, out=tmp)
-        tmp.bitwise_and_((1 << (64 - shift)) - 1)  # logical shift: drop the sign copies
+        tmp.bitwise_and_((1 << (64 - shift)) - 1)  # a logical shift: torch's >> copies the sign bit
         z.bitwise_xor_(tmp)
         if mult is not None:
             z.mul_(mult)
@@ -166,7 +155,12 @@ def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """``[B]`` int64: each row's splitmix64 stream key ``mix(mix(seed + golden) ^ step)``."""
     if seeds.dtype != torch.int64 or steps.dtype != torch.int64:
         raise TypeError(f"seeds and steps must be int64, got {seeds.dtype} and {steps.dtype}")
-    return _mix64(_mix64(seeds + _GOLDEN) ^ steps)
+    key = seeds + _GOLDEN
+    tmp = torch.empty_like(key)
+    _mix64_(key, tmp)
+    key.bitwise_xor_(steps)
+    _mix64_(key, tmp)
+    return key
 
 
 def _uniforms_(z: torch.Tensor, tmp: torch.Tensor, out: torch.Tensor) -> None:
