@@ -5,6 +5,7 @@
 #   bash scripts/gpu_suite.sh env parity        # only these sections
 #   SUITE_SKIP=tests bash scripts/gpu_suite.sh  # all but these
 #   PARITY_ARGS=--all bash scripts/gpu_suite.sh # extra arguments to both parity runs (+ llama3-8b)
+#   SECTION_TIMEOUT=300 SECTION_TIMEOUT_tp=200 bash scripts/gpu_suite.sh tp bench_parallel  # stacks of a hang
 #
 # Runs in the repository root of the GPU machine, whose python3 has torch (CUDA), transformers,
 # safetensors, tokenizers, jinja2, pytest, tqdm, numpy but not gguf, fastapi, uvicorn,
@@ -377,6 +378,25 @@ section_bench_offload() {
 
 # ----------------------------------------------------------------------------- driver
 
+# One section in a subshell. With SECTION_TIMEOUT=<seconds> (or SECTION_TIMEOUT_<name>), a section
+# still running then gets SIGABRT, which makes every Python process of it print its threads' stacks
+# (PYTHONFAULTHANDLER) before it dies: a hang (an NCCL collective, a worker waiting) shows where it is,
+# and the sections after it still run. Exit 124 when the limit was reached.
+run_section() {
+    local name=$1 limit_var="SECTION_TIMEOUT_$1"
+    local limit=${!limit_var:-${SECTION_TIMEOUT:-}}
+    if [ -z "$limit" ]; then
+        ( "section_$name" ) 2>&1
+        return $?
+    fi
+    export PY OUT CKPT PYTHONFAULTHANDLER=1
+    export -f $(declare -F | awk '{print $3}')
+    timeout -s ABRT -k 20 "$limit" bash -c "section_$name" 2>&1
+    local rc=$?
+    [ "$rc" -eq 124 ] || [ "$rc" -eq 134 ] && echo "=== $name: stopped after ${limit}s (SECTION_TIMEOUT)"
+    return $rc
+}
+
 run_all() {
     if [ -z "${INFER_COMMIT:-}" ]; then
         # the GPU machine's copy of the working tree may carry a stale .git: the reports would name
@@ -401,7 +421,7 @@ run_all() {
         echo
         echo "=================================================================== $name"
         start=$(date +%s)
-        ( "section_$name" ) 2>&1
+        run_section "$name"
         rc=$?
         secs=$(( $(date +%s) - start ))
         echo "=== $name: exit $rc in ${secs}s"
