@@ -357,12 +357,21 @@ class Workers:
 
 
 def _shutdown(joined: list[ParallelState], procs) -> None:
-    """SHUTDOWN to the workers when the group is whole, join (or kill) them, leave the group."""
+    """SHUTDOWN to the workers when the group is whole, leave the group, join (or kill) them.
+
+    Order matters: NCCL's communicator teardown waits for every rank to tear down too, so rank 0
+    leaves the group *while* the workers leave it. Joining the workers first deadlocked: each worker
+    waited in its teardown for rank 0, rank 0 waited in ``join`` for the worker, until both timed out
+    (10 s + 10 s per engine, seen on two H200s). A group that is not whole (a rank died) is left
+    after the workers are gone, still bounded by ``_destroy_group``'s timeout."""
     if joined:
         with contextlib.suppress(Exception):
             send(joined[0], SHUTDOWN)
-    _stop(procs, graceful=bool(joined))
-    _destroy_group()
+        _destroy_group()
+        _stop(procs, graceful=True)
+    else:
+        _stop(procs, graceful=False)
+        _destroy_group()
 
 
 def _destroy_group(timeout_s: float = 10.0) -> None:
