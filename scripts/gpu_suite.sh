@@ -267,8 +267,12 @@ section_bench_parallel() {
 section_step_parallel() {
     local dense=${PARALLEL_DENSE:-qwen3-8b} base="batching=continuous,kv_cache=paged,fused_kernels=true,cuda_graphs=true"
     [ -d "$CKPT/$dense" ] || "$PY" scripts/make_synthetic_checkpoint.py "$dense" "$CKPT/$dense" || return 1
+    # two requests of 128 prompt and 512 output tokens, one at a time: every timed step is a batch-1
+    # decode (run 17 used --scale 0.01 alone: outputs of a few tokens, so the window held prefills
+    # and idle steps, and the profile saw no kernels)
     "$PY" benchmarks/step_profile.py --model "$CKPT/$dense" --device cuda --dtype bfloat16 --scale 0.01 \
-        --max-num-seqs 1 --skip 8 --steps 40 --profile-steps 5 --no-progress \
+        --num-requests 2 --min-len 128 --max-len 128 --min-output-len 512 --max-output-len 512 \
+        --max-num-seqs 1 --skip 16 --steps 64 --profile-steps 8 --no-progress \
         --infer-configs "$base;$base,tensor_parallel_size=2" --out "$OUT/step_parallel.json"
 }
 
