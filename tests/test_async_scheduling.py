@@ -121,3 +121,50 @@ def test_a_sequence_holds_one_placeholder_while_its_step_runs(tiny_llama):
     while eng.has_unfinished_requests():
         eng.step()
     assert PLACEHOLDER not in seq.token_ids and len(seq.token_ids) == 8
+
+
+def _record_order(eng) -> list[str]:
+    """Wrap the runner's forward and sampling-tensor build and the output processor's apply (the
+    real functions, called through) to record the order in which a step's parts run."""
+    events: list[str] = []
+    runner, proc = eng.runner, eng.output_processor
+    forward, tensors, apply = runner._forward, runner._sampling_tensors, proc.apply
+
+    def rec(name, fn):
+        def wrapped(*a, **k):
+            events.append(name)
+            return fn(*a, **k)
+        return wrapped
+
+    runner._forward = rec("forward", forward)
+    runner._sampling_tensors = rec("sampling_tensors", tensors)
+    proc.apply = rec("apply", apply)
+    return events
+
+
+@pytest.mark.parametrize("penalty", [False, True], ids=["plain", "penalty"])
+def test_tokens_the_next_sampling_needs_are_applied_between_its_forward_and_its_sampling(tiny_llama, penalty):
+    """A request with penalties needs step N - 1's token on the host before step N's sampling
+    tensors (the counts). The engine applies it *inside* step N: after N's forward is launched (so
+    the device works meanwhile), before N's sampling tensors are built; a request without penalties
+    applies it after N is launched whole. Both give the synchronous loop's tokens."""
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True,
+                            repetition_penalty=1.5 if penalty else 1.0, presence_penalty=0.7 if penalty else 0.0)
+    ref = make_engine(tiny_llama, batching="continuous", max_model_len=64)
+    ref.add_request([21, 22, 23, 24], params, request_id="a")
+    want = [o for _ in range(20) for o in ref.step() if o.finished][0].outputs[0].token_ids
+
+    eng = make_engine(tiny_llama, batching="continuous", max_model_len=64, async_scheduling=True)
+    eng.add_request([21, 22, 23, 24], params, request_id="a")
+    eng.step()  # the prefill, in flight
+    events = _record_order(eng)
+    eng.step()  # the first decode, with the prefill's token applied during it
+    if penalty:
+        assert events == ["forward", "apply", "sampling_tensors"], events
+    else:
+        assert events == ["forward", "sampling_tensors", "apply"], events
+    got = []
+    while eng.has_unfinished_requests():
+        got += [o for o in eng.step() if o.finished]
+    got += [o for o in eng.step() if o.finished]
+    assert got[0].outputs[0].token_ids == want

@@ -247,6 +247,33 @@ def test_async_scheduling_chunked_prefill_and_a_small_paged_cache_give_the_same_
         assert got == ref, kw
 
 
+def test_async_scheduling_advances_the_guide_while_the_next_forward_runs(smollm2, engine):
+    """With async scheduling a constrained row does not stall the loop: step N's forward is launched
+    before step N - 1's token advances the guide, and the bitmask is written after that (the
+    runner's sampling tensors carry it), so it always sees the automaton's current state: every
+    output validates and equals the synchronous engine's."""
+    import jsonschema
+
+    from tests.test_async_scheduling import _record_order
+
+    items = [(f"{PROMPT} ({i})", SamplingParams(max_tokens=40, temperature=1.0, seed=i,
+                                                structured_outputs={"json": SCHEMAS["nested"]}))
+             for i in range(2)]
+    ref = [o.outputs[0] for o in run(engine, items)]
+    eng = make_engine(smollm2, async_scheduling=True)
+    eng.index_cache = engine.index_cache  # same tokenizer: share the compiled indexes
+    events = _record_order(eng)
+    got = [o.outputs[0] for o in run(eng, items)]
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    for c in got:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMAS["nested"])
+    # the prefill, then every decode step: its forward, the previous step's tokens, its bitmask;
+    # the last step's tokens once nothing is left to schedule
+    trace = " ".join(events)
+    assert re.fullmatch(r"forward sampling_tensors( forward apply sampling_tensors)+( apply)+", trace), trace
+
+
 def test_preempted_constrained_requests_resume_where_their_guide_was(smollm2, engine):
     """A constrained sequence preempted by recompute keeps its guide's state: after readmission
     its output still matches the regex and equals the output of an engine that never preempted."""

@@ -457,13 +457,20 @@ class LLMEngine:
         although step N still writes them: every step runs on one stream, so the next owner's
         writes come later. Outputs are the same as without the flag, one call of ``step`` later.
         A request with penalties needs its previous token on the host to build the next step's
-        sampling tensors: while one runs, the engine waits for each step before the next (no
-        overlap, same results). So does a request with structured output: its automaton must
-        advance over a token before the next step's mask is written.
+        sampling tensors (the penalty counts), and so does one with structured output (its
+        automaton must advance over the token before the next step's bitmask is written). For
+        those the host applies step N - 1's tokens *inside* step N, after N's forward is launched
+        and before N's sampling tensors are built (``StepResult.before_next_sampling``)::
+
+            schedule N -> launch N's forward -> [wait for N-1's tokens] process N-1 -> N's sampling
+                          (device: ... N's forward runs ...)            tensors, bitmask -> sample N
+
+        so the automaton's work overlaps the forward instead of stalling the device (the same
+        results as without the flag: the bitmask and the counts see exactly the tokens they would).
         """
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self._needs_host_tokens(self._in_flight[1]):
-            outputs = self._process_in_flight(stream)
+            self._in_flight[1].before_next_sampling = lambda: outputs.extend(self._process_in_flight(stream))
         scheduled = self._schedule()
         if not scheduled:
             return outputs + self._process_in_flight(stream)
@@ -492,7 +499,8 @@ class LLMEngine:
 
     @staticmethod
     def _needs_host_tokens(result) -> bool:
-        """Does a sequence of this step need its new token on the host before the next step is
-        built? (The penalties count the generated tokens when the sampling tensors are built.)"""
+        """Does a sequence of this step need its new token on the host before the next step's
+        sampling tensors are built? (The penalties count the generated tokens; a guide writes the
+        bitmask from its automaton's state.)"""
         return any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0
                    or s.params.frequency_penalty != 0.0 or s.guide is not None for s in result.sampled)

@@ -17,6 +17,7 @@ samples only after its last chunk.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,11 +43,17 @@ class StepResult:
         prompt_logprobs: ``id(sequence) -> (chosen [L] f32, ranks [L], top_ids [L, K],
             top_logprobs [L, K])`` for the prompt positions computed this step (CPU tensors),
             for sequences that asked for prompt logprobs.
+        before_next_sampling: async scheduling: set by the engine when the *next* step's sampling
+            needs this step's tokens on the host (penalty counts, a structured-output automaton).
+            The next :meth:`ModelRunner.execute` calls it once its forward is launched and before
+            it builds its sampling tensors, so the host applies these tokens while the device runs
+            that forward (vLLM and SGLang fill the grammar bitmask of step N + 1 the same way).
     """
 
     sampled: list[Sequence]
     sampler_output: SamplerOutput | None
     prompt_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    before_next_sampling: Callable[[], None] | None = None
     _host: tuple[torch.Tensor, ...] | None = None
     _ready: torch.cuda.Event | None = None
 
@@ -300,7 +307,9 @@ class ModelRunner:
 
         Args:
             prev: async scheduling: the previous step, whose sampled tokens (still on the device)
-                replace the placeholders in this step's input ids, on the device.
+                replace the placeholders in this step's input ids, on the device. Its
+                ``before_next_sampling``, if set, is called after this step's forward is launched
+                and before its sampling tensors are built.
 
         Returns:
             The :class:`StepResult`, its tokens still on the device (:meth:`StepResult.host_outputs`
@@ -322,6 +331,7 @@ class ModelRunner:
             logits = self.graphs.replay(ids, positions, slots, seq_lens, tables, patch)
             if len(sample_at) != len(ids):  # a one-token prefill chunk among the decodes samples nothing
                 logits = logits[self._to_device(sample_at, torch.int64)]
+            self._before_sampling(prev)
             return self._result(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
         meta = self._metadata(starts, seq_lens, self._to_device(slots, torch.int64), tables, num_decodes)
         input_ids = self._to_device(ids, torch.int64)
@@ -339,8 +349,16 @@ class ModelRunner:
         if not sampled:
             return StepResult([], None, prompt_lp)
         logits = self._logits(hidden, sample_at)
+        self._before_sampling(prev)
         tensors = self._sampling_tensors(sampled, eos_ids)
         return self._result(sampled, sample(logits, tensors), prompt_lp)
+
+    @staticmethod
+    def _before_sampling(prev: StepResult | None) -> None:
+        """Run ``prev.before_next_sampling`` once (see :class:`StepResult`)."""
+        if prev is not None and prev.before_next_sampling is not None:
+            hook, prev.before_next_sampling = prev.before_next_sampling, None
+            hook()
 
     # The three places a step touches the model or the cache. Tensor parallelism (phase 14,
     # infer.parallel.executor) overrides them to run the same call on every rank.
