@@ -389,7 +389,8 @@ section_bench_offload() {
 # One section in a subshell. With SECTION_TIMEOUT=<seconds> (or SECTION_TIMEOUT_<name>), a section
 # still running then gets SIGABRT, which makes every Python process of it print its threads' stacks
 # (PYTHONFAULTHANDLER) before it dies: a hang (an NCCL collective, a worker waiting) shows where it is,
-# and the sections after it still run. Exit 124 when the limit was reached.
+# and the sections after it still run. Exit 124 when the limit was reached (137 when the section also
+# ignored SIGABRT and was killed 20 s later).
 run_section() {
     local name=$1 limit_var="SECTION_TIMEOUT_$1"
     local limit=${!limit_var:-${SECTION_TIMEOUT:-}}
@@ -401,7 +402,10 @@ run_section() {
     export -f $(declare -F | awk '{print $3}')
     timeout -s ABRT -k 20 "$limit" bash -c "section_$name" 2>&1
     local rc=$?
-    [ "$rc" -eq 124 ] || [ "$rc" -eq 134 ] && echo "=== $name: stopped after ${limit}s (SECTION_TIMEOUT)"
+    # timeout's own statuses only: a section that aborted by itself (134) did not reach the limit
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        echo "=== $name: stopped after ${limit}s (SECTION_TIMEOUT)"
+    fi
     return $rc
 }
 
