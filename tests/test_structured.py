@@ -20,6 +20,7 @@ from infer.engine.llm_engine import LLMEngine
 from infer.errors import InvalidRequestError
 from infer.sampling import SamplingParams, SamplingTensors, sample, sample_reference
 from infer.sampling.structured import (
+    EosOnlyCheck,
     IndexCache,
     StructuredOutputsParams,
     apply_token_bitmask,
@@ -356,6 +357,37 @@ def test_index_cache_is_a_bounded_lru(smollm2):
     cache.get("b+")
     assert cache.misses == misses + 1
     assert StructuredOutputsParams(choice=["a"]).to_regex() == "(a)"
+    cache.close()
+
+
+def test_eos_only_check_agrees_with_the_guides_token_list(smollm2):
+    """The completion check the output processor runs every step (a bitmask test) against its
+    reference, ``get_tokens()`` (the allowed ids as a list): equal on every state of random walks
+    through constraints that end (a choice, a bounded schema) and one that never closes (an open
+    string, where the walk is finished at every step yet never EOS-only)."""
+    from outlines_core import Guide
+
+    tok = smollm2.tokenizer
+    eos = tok.eos_token_ids
+    check = EosOnlyCheck(eos, tok.vocab_size)
+    cache = IndexCache(tok, eos[0])
+    rng = torch.Generator().manual_seed(0)
+    seen = set()
+    for regex in [StructuredOutputsParams(choice=["yes", "no", "maybe"]).to_regex(),
+                  StructuredOutputsParams(json=SCHEMAS["enum-and-bounds"]).to_regex(), "[a-z ]+", "ab?"]:
+        index = cache.get(regex).result()
+        for _ in range(4):
+            guide = Guide(index)
+            for _ in range(60):
+                allowed = guide.get_tokens()
+                expected = all(t in eos for t in allowed)
+                assert check(guide) == expected
+                seen.add(expected)
+                options = [t for t in allowed if t not in eos]
+                if not options:
+                    break
+                guide.advance(options[int(torch.randint(len(options), (1,), generator=rng))], return_tokens=False)
+    assert seen == {True, False}  # both answers were exercised
     cache.close()
 
 

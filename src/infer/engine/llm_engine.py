@@ -118,7 +118,8 @@ class LLMEngine:
             chunked_prefill=config.chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
+                                                self.vocab_size)
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[list[ScheduledSeq], StepResult] | None = None  # async scheduling
         self._rng = random.Random(config.seed)

@@ -23,12 +23,17 @@ class OutputProcessor:
         tokenizer: for the text of logprob tokens.
         eos_token_ids: ids that end generation (unless ``ignore_eos``).
         max_model_len: a sequence reaching it finishes with ``"length"``.
+        vocab_size: the width of the model's logits (for structured output's completion check).
     """
 
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: list[int], max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: list[int], max_model_len: int,
+                 vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self._eos_ids = list(eos_token_ids)
+        self._vocab_size = vocab_size or tokenizer.vocab_size
+        self._eos_only = None  # an EosOnlyCheck, built with the first guide
 
     def _token(self, token_id: int, logprob: float, rank: int | None) -> TokenLogprob:
         return TokenLogprob(token_id, logprob, rank, self.tokenizer.decode([token_id], skip_special_tokens=False))
@@ -106,9 +111,14 @@ class OutputProcessor:
             return "error", "structured output dead end: no token of the vocabulary continues the constraint"
         if token in self.eos:  # ignore_eos: EOS does not move the automaton
             return None
-        guide.advance(token)
-        if guide.is_finished() and all(t in self.eos for t in guide.get_tokens()):
-            return "stop", None
+        guide.advance(token, return_tokens=False)  # (the default returns every allowed token as a list)
+        if guide.is_finished():
+            if self._eos_only is None:
+                from infer.sampling.structured import EosOnlyCheck
+
+                self._eos_only = EosOnlyCheck(self._eos_ids, self._vocab_size)
+            if self._eos_only(guide):
+                return "stop", None
         return None
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
