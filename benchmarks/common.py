@@ -58,6 +58,18 @@ def ttft_alone(engine, prompt: list[int]) -> float:
     return time.perf_counter() - t
 
 
+def engine_overrides(items: list[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` command-line items (``--engine-args``) as EngineConfig keyword arguments:
+    ``true``/``false`` become booleans, integers ints, anything else stays a string."""
+    kw: dict[str, Any] = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-args: expected FIELD=VALUE, got {item!r}")
+        kw[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+    return kw
+
+
 def ceilings(device: str | torch.device, quick: bool = False) -> dict[str, float]:
     """Measured memory bandwidth (GB/s, read + written) and matmul rate (TFLOP/s)."""
     device = torch.device(device)

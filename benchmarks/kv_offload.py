@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from common import (  # noqa: E402
+    engine_overrides,
     environment,
     free_device_memory,
     markdown_table,
@@ -172,6 +173,7 @@ def make_engine(args, offload: str, **over: Any):
         kw["kv_offload_bytes"] = 1 << 20  # replaced below by a one-block host tier
     if offload == "disk":
         kw.update(kv_offload_dir=args.disk_dir, kv_offload_disk_bytes=args.kv_offload_disk_bytes)
+    kw.update(engine_overrides(args.engine_args))
     kw.update(over)
     engine = LLMEngine(EngineConfig(**kw), progress=False)
     if offload == "disk":  # a one-block host tier: what the device evicts goes on to the disk
@@ -342,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turn-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-args", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="EngineConfig overrides of every engine (e.g. fused_kernels=true cuda_graphs=true)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)

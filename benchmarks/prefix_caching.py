@@ -53,6 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
 from common import (  # noqa: E402
+    engine_overrides,
     environment,
     free_device_memory,
     markdown_table,
@@ -73,9 +74,7 @@ def engine_config(args, prefix_caching: bool):
 
     kw = dict(device=args.device, kv_cache="paged", batching="continuous", prefix_caching=prefix_caching,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
-    for item in args.engine_args:
-        k, v = item.split("=", 1)
-        kw[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+    kw.update(engine_overrides(args.engine_args))
     return EngineConfig.from_kwargs(model=args.model, **kw)
 
 

@@ -322,9 +322,13 @@ section_bench_flags_nano() {
 }
 
 # Phase 6 online: steady decode streams while 8,000-token prompts arrive, chunked prefill off and at
-# budgets 512/2048/8192 (needs the server wheels in .whl/). CHUNK_PRESETS picks the models.
+# budgets 512/2048/8192 (needs the server wheels in .whl/). CHUNK_PRESETS picks the models, CHUNK_BUDGETS the budgets.
 section_bench_chunked() {
-    local preset rc=0
+    local preset b rc=0
+    local -a configs=()
+    for b in ${CHUNK_BUDGETS:-512 2048 8192}; do
+        configs+=("c$b=--chunked-prefill --max-num-batched-tokens $b")
+    done
     for preset in ${CHUNK_PRESETS:-qwen3-0.6b}; do
         [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
         # shellcheck disable=SC2086
@@ -333,9 +337,7 @@ section_bench_chunked() {
             --long-start-s 2 --long-interval-s 1 --no-progress \
             --server-args "--model $CKPT/$preset --device cuda --batching continuous --kv-cache paged \
                 --max-model-len 16384 --max-num-seqs 128 ${CHUNK_SERVER_ARGS:-}" \
-            --server-configs "off=" "c512=--chunked-prefill --max-num-batched-tokens 512" \
-                "c2048=--chunked-prefill --max-num-batched-tokens 2048" \
-                "c8192=--chunked-prefill --max-num-batched-tokens 8192" \
+            --server-configs "off=" "${configs[@]}" \
             --out "$OUT/chunked_$preset.json" --plot "$OUT/chunked_$preset.png" || rc=1
     done
     return "$rc"
@@ -348,15 +350,24 @@ section_tests_new() {
 }
 
 # Phase 7: TTFT cold vs warm by prefix length, and the shared-prefix / multi-turn / no-sharing workloads with
-# the cache off and on, Qwen3-4B shapes, in one process (benchmarks/prefix_caching.py).
+# the cache off and on, Qwen3-4B shapes, in one process (benchmarks/prefix_caching.py). PREFIX_CONFIGS: one
+# run per entry, NAME=FIELD=VALUE,FIELD=VALUE (EngineConfig overrides; "eager=" for none), reports NAME.*;
+# PREFIX_WORKLOADS="" skips part 2.
 section_bench_prefix() {
-    local preset=qwen3-4b
+    local preset=qwen3-4b entry name args rc=0
     [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
-    # shellcheck disable=SC2086
-    "$PY" benchmarks/prefix_caching.py --model "$CKPT/$preset" --device cuda --max-model-len 8192 --max-num-seqs 64 \
-        --prefix-lens 1024 2048 4096 --repeats 3 --suffix-len 64 --workload-prefix-len 4096 \
-        --num-requests ${PREFIX_N:-64} --turns 4 --output-len 128 --request-rate 8 \
-        --out "$OUT/prefix_caching.json" --plot "$OUT/prefix_caching.png"
+    for entry in ${PREFIX_CONFIGS:-eager=}; do
+        name=${entry%%=*}
+        args=${entry#*=}
+        # shellcheck disable=SC2086
+        "$PY" benchmarks/prefix_caching.py --model "$CKPT/$preset" --device cuda --max-model-len 8192 --max-num-seqs 64 \
+            --prefix-lens ${PREFIX_LENS:-1024 2048 4096} --repeats 3 --suffix-len 64 --workload-prefix-len 4096 \
+            --workloads ${PREFIX_WORKLOADS-shared-prefix multi-turn random} \
+            --num-requests ${PREFIX_N:-64} --turns 4 --output-len 128 --request-rate 8 \
+            --engine-args ${args//,/ } \
+            --out "$OUT/prefix/$name.json" --plot "$OUT/prefix/$name.png" || rc=1
+    done
+    return "$rc"
 }
 
 # Phase 13: constrained vs unconstrained decode at batch 1 and 32, eager and with the phase 8-9 flags
@@ -374,6 +385,7 @@ section_bench_structured() {
 
 # Phase 10: copy bandwidths, 8k/16k prefixes restored from the host tier vs recomputed, and a multi-turn
 # workload larger than the KV pool, offload none vs host (Qwen3-4B shapes; ~34 GB of pinned host memory).
+# OFFLOAD_ENGINE_ARGS: EngineConfig overrides, FIELD=VALUE separated by spaces.
 section_bench_offload() {
     local preset=qwen3-4b
     [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
@@ -381,7 +393,8 @@ section_bench_offload() {
     "$PY" benchmarks/kv_offload.py --device cuda --model "$CKPT/$preset" --shapes qwen3-4b \
         --prefix-lens ${OFFLOAD_LENS:-1024 4096 8192 16384} --tier host --repeats 3 --max-num-seqs 32 \
         --kv-offload-bytes 32000000000 --multi-turn --conversations ${OFFLOAD_CONV:-32} --turns 4 --system-len 2048 \
-        --turn-len 256 --output-len 64 --multi-turn-kv-cache-memory-bytes 4000000000 --out "$OUT/offload"
+        --turn-len 256 --output-len 64 --multi-turn-kv-cache-memory-bytes 4000000000 \
+        --engine-args ${OFFLOAD_ENGINE_ARGS:-} --out "$OUT/offload"
 }
 
 # ----------------------------------------------------------------------------- driver

@@ -9,12 +9,14 @@ runner's replays against eager steps.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from infer.config import EngineConfig
 from infer.engine import LLMEngine
-from infer.engine.cuda_graphs import bucket_for, graph_batch_sizes
+from infer.engine.cuda_graphs import bucket_for, graph_batch_sizes, prefill_graph_sizes
 from infer.loader import load_model
 from infer.sampling import SamplingParams
 from tests.hf_reference import hf_logits, infer_logits, save_hf, tiny_hf_model
@@ -114,9 +116,21 @@ def test_bucket_for_picks_the_smallest_bucket_that_holds_the_batch():
     assert bucket_for(21, sizes) is None
 
 
+def test_prefill_graph_sizes_are_powers_of_two_up_to_the_maximum():
+    assert prefill_graph_sizes(0) == [] and prefill_graph_sizes(1) == []  # a one-token step is a decode
+    assert prefill_graph_sizes(2) == [2]
+    assert prefill_graph_sizes(16) == [16]
+    assert prefill_graph_sizes(48) == [16, 32, 48]
+    assert prefill_graph_sizes(512) == [16, 32, 64, 128, 256, 512]
+    sizes = prefill_graph_sizes(100)
+    assert [bucket_for(t, sizes) for t in (2, 16, 17, 64, 65, 100, 101)] == [16, 16, 32, 64, 100, 100, None]
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(cuda_graphs=True), "CUDA device"),
     (dict(cuda_graph_max_batch_size=0), "cuda_graph_max_batch_size"),
+    (dict(cuda_graph_prefill_max_tokens=64), "needs cuda_graphs"),
+    (dict(cuda_graph_prefill_max_tokens=-1), "cuda_graph_prefill_max_tokens must be >= 0"),
 ])
 def test_invalid_graph_configs_are_rejected(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -188,3 +202,61 @@ def test_graph_padding_rows_do_not_touch_the_cache(tiny_llama_cuda):
     cache.k[:, free] = float("nan")
     eng.step()  # one decode step of 3 through the bucket of 4
     assert torch.isnan(cache.k[:, free]).all(), "a padding row wrote into a free block"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefill_graphs_give_the_eager_tokens(tiny_llama_cuda, overlap):
+    """Steps that prefill one sequence alone replay a prefill graph: lone prompts of 2-60 tokens
+    (every bucket, padded), the chunks of longer ones (chunked prefill, a 48-token budget), the suffix
+    after a prefix-cache hit, n = 2 forks, greedy and seeded sampling; then a burst of requests
+    whose mixed steps run eagerly. The same tokens as the eager engine (and with async scheduling:
+    the previous step's token patched into the graph's input), every block back in the pool."""
+    loaded = tiny_llama_cuda
+    rng = random.Random(5)
+    vocab = loaded.config.vocab_size
+    shared = [rng.randrange(100, vocab - 100) for _ in range(40)]
+    arrivals = []
+    for i in range(12):  # one every 8 steps: each runs alone (a prefill of <= 3 chunks, then 3 decodes)
+        prompt = (shared if i % 2 else []) + [rng.randrange(100, vocab - 100) for _ in range(rng.choice([2, 5, 17, 33, 60]))]
+        params = SamplingParams(max_tokens=4, temperature=rng.choice([0.0, 0.8]), seed=i, n=2 if i % 3 == 0 else 1,
+                                ignore_eos=True)
+        arrivals.append((8 * i, prompt, params))
+    arrivals += [(100 + step, p, sp) for step, p, sp in mixed_workload(vocab, 12, seed=6)]
+    kw = dict(kv_cache="paged", block_size=4, prefix_caching=True, chunked_prefill=True, max_num_batched_tokens=48,
+              fused_kernels=True)
+    try:
+        ref = drive(_gpu_engine(loaded, **kw), arrivals)
+        eng = _gpu_engine(loaded, cuda_graphs=True, cuda_graph_max_batch_size=8, cuda_graph_prefill_max_tokens=64,
+                          async_scheduling=overlap, **kw)
+        graphs = eng.runner.graphs
+        assert sorted(graphs.prefill_graphs) == [16, 32, 48]  # capped by the 48-token budget
+        replays = []
+        real = graphs.replay_prefill
+
+        def counting(ids, *a):
+            replays.append(len(ids))
+            return real(ids, *a)
+
+        graphs.replay_prefill = counting
+        assert drive(eng, arrivals) == ref
+        assert len(replays) >= 12 and max(replays) == 48 and min(replays) < 16, replays
+        assert eng.kv_manager.prefix_cache_hits >= 5 * len(shared)  # five requests found the shared prefix
+        assert_pool_full(eng)
+    finally:
+        loaded.model.set_fused_ops(None)
+
+
+@pytest.mark.gpu
+def test_prefill_graph_padding_rows_do_not_touch_the_cache(tiny_llama_cuda):
+    """A 5-token prompt replays the 16-token bucket: the 11 padding rows write no K/V anywhere."""
+    eng = _gpu_engine(tiny_llama_cuda, kv_cache="paged", block_size=4, cuda_graphs=True, cuda_graph_max_batch_size=4,
+                      cuda_graph_prefill_max_tokens=32)
+    cache = eng.runner.kv_cache
+    cache.k.fill_(float("nan"))
+    eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    out = eng.step(stream=False)
+    assert out and out[0].outputs[0].token_ids, "the request did not finish in one step"
+    # exactly the prompt's 5 slots hold K in every layer; everything else is still NaN
+    per_layer = (~torch.isnan(cache.k)).flatten(3).any(dim=3).flatten(1).sum(dim=1)
+    assert per_layer.tolist() == [5] * cache.k.shape[0], per_layer.tolist()

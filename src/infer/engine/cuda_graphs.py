@@ -29,7 +29,18 @@ mini-sglang's ``GraphRunner`` all do this):
   the largest one's memory (they never run at the same time). The engine counts this memory
   before it sizes the KV cache (:func:`~infer.engine.model_runner.num_kv_blocks`).
 
-Prefill and mixed steps, and decode steps wider than the largest bucket, run eagerly. Sampling
+**Prefill graphs** (``cuda_graph_prefill_max_tokens``). A step that prefills *one* sequence alone
+(a lone request's prompt, a prompt chunk, the few tokens left after a prefix-cache hit) is as
+launch-bound as a decode step when it is short: the same hundreds of kernels, each doing little.
+Such steps are captured too, one graph per token bucket (16, 32, 64, ... up to the maximum),
+with the same static buffers: the step's ``T`` tokens fill the bucket's first rows, the padding
+rows get slot -1 and are not attended (the prefill kernel's grid covers the bucket, and its
+query tiles past ``T``, read from the device, exit at once); the LM head runs on row ``T - 1``
+only, picked by a device index. Under a graph the cost of a 64-token extend after a 4k-token
+prefix hit becomes its compute. (vLLM captures mixed batches too, "piecewise": graphs around the
+attention, which runs eagerly between them; one sequence alone keeps this simple.)
+
+Other prefill and mixed steps, and decode steps wider than the largest bucket, run eagerly. Sampling
 runs eagerly after the replay, on the graph's logits: its randomness comes from each
 sequence's own ``(seed, step)`` counter (:mod:`infer.sampling.sampler`), so no random state is
 frozen into a graph and replaying never repeats the same draws.
@@ -66,6 +77,19 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     # <<< EXERCISE graph_buckets
 
 
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """The captured prefill token counts: 16, 32, 64, ... (powers of 2) below ``max_tokens``, then
+    ``max_tokens`` itself, ascending; empty when ``max_tokens < 2`` (a one-token step is a decode)."""
+    if max_tokens < 2:
+        return []
+    sizes = []
+    t = 16
+    while t < max_tokens:
+        sizes.append(t)
+        t *= 2
+    return sizes + [max_tokens]
+
+
 def bucket_for(batch_size: int, sizes: list[int]) -> int | None:
     """The smallest captured size ``>= batch_size``, or None when the batch is wider than all.
 
@@ -89,18 +113,22 @@ class CUDAGraphRunner:
         max_batch_size: the largest bucket.
         max_blocks_per_seq: width of the static block-table buffer.
         max_model_len: the longest context (tokens): sizes the decode kernel's split count.
+        prefill_max_tokens: the largest one-sequence prefill step captured (0: none;
+            :func:`prefill_graph_sizes`).
     """
 
     def __init__(self, model, kv_cache: KVCache, max_batch_size: int, max_blocks_per_seq: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, prefill_max_tokens: int = 0) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sizes = graph_batch_sizes(max_batch_size)
+        self.prefill_sizes = prefill_graph_sizes(prefill_max_tokens)
         self.max_model_len = max_model_len
         dev = kv_cache.k.device
         n = self.sizes[-1]
-        # ids, positions and slot mapping share one [3, n] buffer, so one copy fills all three
-        self._ids_pos_slots = torch.zeros(3, n, dtype=torch.int64, device=dev)
+        rows = max(n, prefill_max_tokens)  # token rows: a decode batch or a prefill's tokens
+        # ids, positions and slot mapping share one [3, rows] buffer, so one copy fills all three
+        self._ids_pos_slots = torch.zeros(3, rows, dtype=torch.int64, device=dev)
         self.input_ids, self.positions, self.slot_mapping = self._ids_pos_slots.unbind(0)
         self.slot_mapping.fill_(-1)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -121,8 +149,20 @@ class CUDAGraphRunner:
         # inputs are on the device, before the replay; rank 0 broadcasts them to the other ranks,
         # which replay the same bucket (:meth:`run_packed`) with their shard of the model.
         self.on_staged = None
+        # Prefill graphs: one sequence, its query range [0, T) and the row its logits come from (T - 1);
+        # packed per step as [ids | positions | slots] (bucket rows each), then context length, T, T - 1,
+        # then the block table, in its own pinned staging pair.
+        self.prefill_query_start_loc = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.prefill_sample_index = torch.zeros(1, dtype=torch.int64, device=dev)
+        if self.prefill_sizes:
+            size = 3 * prefill_max_tokens + 3 + max_blocks_per_seq
+            self._prefill_staging = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._prefill_turn = 0
+            self._prefill_packed = torch.zeros(size, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_logits: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.pool_bytes = 0
@@ -147,9 +187,33 @@ class CUDAGraphRunner:
             num_decodes=bs,
         )
 
+    def can_run_prefill(self, num_tokens: int) -> bool:
+        """Is a one-sequence step of ``num_tokens`` (> 1) tokens within the largest prefill bucket?"""
+        return bool(self.prefill_graphs) and 1 < num_tokens <= self.prefill_sizes[-1]
+
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
         return self.model.compute_logits(hidden)
+
+    def _prefill_meta(self, t: int) -> AttentionMetadata:
+        """Metadata of a one-sequence prefill over the static buffers' first ``t`` token rows. The
+        host fields size the prefill kernel's grid for all ``t`` queries; the device ones (query range,
+        context length, block table) are the step's."""
+        return AttentionMetadata(
+            query_start_loc=self.prefill_query_start_loc,
+            seq_lens=self.seq_lens[:1],
+            query_start_loc_cpu=[0, t],
+            seq_lens_cpu=[self.max_model_len],
+            kv_cache=self.kv_cache,
+            slot_mapping=self.slot_mapping[:t],
+            block_tables=self.block_tables[:1],
+            block_tables_cpu=None,
+            num_decodes=0,
+        )
+
+    def _prefill_forward(self, t: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:t], self.positions[:t], self._prefill_meta(t))
+        return self.model.compute_logits(hidden.index_select(0, self.prefill_sample_index))
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> float:
@@ -166,37 +230,42 @@ class CUDAGraphRunner:
         torch.cuda.synchronize(dev)
         before = torch.cuda.memory_reserved(dev)
         stream = torch.cuda.Stream(dev)
-        for bs in tqdm(sorted(self.sizes, reverse=True), desc="capturing CUDA graphs", unit="graph",
-                       disable=not progress, leave=False):
-            meta = self._meta(bs)
+        jobs = [("decode", bs, lambda bs=bs: self._forward(bs, self._meta(bs))) for bs in sorted(self.sizes, reverse=True)]
+        jobs += [("prefill", t, lambda t=t: self._prefill_forward(t)) for t in sorted(self.prefill_sizes, reverse=True)]
+        for kind, size, forward in tqdm(jobs, desc="capturing CUDA graphs", unit="graph", disable=not progress,
+                                        leave=False):
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
-                self._forward(bs, meta)  # warm-up: compiles the kernels of this shape
+                forward()  # warm-up: compiles the kernels of this shape
             torch.cuda.current_stream(dev).wait_stream(stream)
             torch.cuda.synchronize(dev)  # the warm-up's collectives (tensor parallelism) are done
             graph = torch.cuda.CUDAGraph()
             # thread_local: only this thread's CUDA calls are checked while capturing, so another
             # thread's (PyTorch's NCCL watchdog polling its events) cannot invalidate the capture
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.logits[bs] = self._forward(bs, self._meta(bs))
+                out = forward()
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[bs] = graph
+            graphs, outputs = (self.graphs, self.logits) if kind == "decode" else (self.prefill_graphs, self.prefill_logits)
+            graphs[size], outputs[size] = graph, out
         torch.cuda.synchronize(dev)
         self.pool_bytes = torch.cuda.memory_reserved(dev) - before
         self.capture_seconds = time.perf_counter() - start
-        log.info("captured %d CUDA graphs (decode batch %d..%d) in %.1f s, %.0f MiB", len(self.graphs),
-                 self.sizes[0], self.sizes[-1], self.capture_seconds, self.pool_bytes / 2**20)
+        prefill = (f", prefill {self.prefill_sizes[0]}..{self.prefill_sizes[-1]} tokens" if self.prefill_sizes else "")
+        log.info("captured %d CUDA graphs (decode batch %d..%d%s) in %.1f s, %.0f MiB", len(jobs),
+                 self.sizes[0], self.sizes[-1], prefill, self.capture_seconds, self.pool_bytes / 2**20)
         return self.capture_seconds
 
     def release(self) -> None:
         """Free the graphs and their memory pool. A graph that captured NCCL collectives keeps
         its communicator busy: ``destroy_process_group`` waits for it forever (PyTorch #115388),
         so a tensor-parallel rank releases its graphs first."""
-        for graph in self.graphs.values():
+        for graph in (*self.graphs.values(), *self.prefill_graphs.values()):
             graph.reset()
         self.graphs.clear()
         self.logits.clear()
+        self.prefill_graphs.clear()
+        self.prefill_logits.clear()
         self.pool = None
 
     def replay(self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
@@ -242,6 +311,46 @@ class CUDAGraphRunner:
         self.block_tables[:b, :width].copy_(packed[4 * bs: packed_size(b, bs, width)].view(b, width))
         self.graphs[bs].replay()
         return self.logits[bs][:b]
+
+
+    def replay_prefill(self, ids: list[int], positions: list[int], slots: list[int], seq_len: int,
+                       table: list[int], patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run a step that prefills one sequence, ``T = len(ids)`` tokens (``1 < T <=`` the largest
+        prefill bucket), through its bucket's graph.
+
+        Args:
+            ids, positions, slots: one int per new token.
+            seq_len: the context length after the step (cached prefix + ``T``).
+            table: the sequence's block table.
+            patch: async scheduling: ``(flat positions, tokens)`` device tensors of input ids to
+                overwrite (a token the previous step sampled, not yet seen by the host).
+
+        Returns:
+            Logits ``[1, vocab_size]`` of token ``T - 1`` (a view of the graph's output buffer, valid
+            until the next replay).
+        """
+        t = len(ids)
+        tb = bucket_for(t, self.prefill_sizes)
+        host = self._prefill_staging[self._prefill_turn]
+        self._prefill_turn ^= 1
+        h = host.numpy()
+        for k, (values, pad) in enumerate(((ids, 0), (positions, 0), (slots, -1))):
+            h[k * tb: k * tb + t] = values
+            h[k * tb + t: (k + 1) * tb] = pad  # padding rows: slot -1 writes nothing; no query reads them
+        h[3 * tb: 3 * tb + 3] = (seq_len, t, t - 1)
+        n = 3 * tb + 3 + len(table)
+        h[3 * tb + 3: n] = table
+        packed = self._prefill_packed[:n]
+        packed.copy_(host[:n], non_blocking=True)
+        if patch is not None:  # flat positions are rows of the ids part
+            packed.index_copy_(0, *patch)
+        self._ids_pos_slots[:, :tb].copy_(packed[: 3 * tb].view(3, tb))
+        self.seq_lens[:1].copy_(packed[3 * tb: 3 * tb + 1])
+        self.prefill_query_start_loc[1:].copy_(packed[3 * tb + 1: 3 * tb + 2])
+        self.prefill_sample_index.copy_(packed[3 * tb + 2: 3 * tb + 3])
+        self.block_tables[0, : len(table)].copy_(packed[3 * tb + 3: n])
+        self.prefill_graphs[tb].replay()
+        return self.prefill_logits[tb]
 
 
 def packed_size(b: int, bs: int, width: int) -> int:

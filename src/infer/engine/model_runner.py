@@ -98,6 +98,7 @@ def num_kv_blocks(
     kv_cache_memory_bytes: int | None = None,
     gpu_memory_utilization: float = 0.9,
     cuda_graph_batch_size: int = 0,
+    cuda_graph_prefill_tokens: int = 0,
 ) -> int:
     """How many KV-cache blocks of ``block_size`` tokens to allocate.
 
@@ -105,7 +106,8 @@ def num_kv_blocks(
     memory left under ``gpu_memory_utilization`` of the GPU after the weights and a profiling
     forward of ``max_num_batched_tokens`` tokens (the largest step's activations), and, with CUDA
     graphs (``cuda_graph_batch_size`` > 0, the largest bucket), the memory their shared pool will
-    keep: the peak of a decode forward + LM head of that many sequences; on CPU otherwise, room
+    keep: the peak of a decode forward + LM head of that many sequences, or of a one-sequence
+    prefill of ``cuda_graph_prefill_tokens`` tokens if larger; on CPU otherwise, room
     for ``max_num_seqs`` sequences of ``max_model_len`` tokens (pages are only touched when
     written).
 
@@ -127,7 +129,8 @@ def num_kv_blocks(
         budget, where = kv_cache_memory_bytes, "kv_cache_memory_bytes"
     elif p.device.type == "cuda":
         budget, where = _profile_free_gpu_memory(loaded, max_model_len, max_num_seqs, max_num_batched_tokens,
-                                                 gpu_memory_utilization, cuda_graph_batch_size), \
+                                                 gpu_memory_utilization, cuda_graph_batch_size,
+                                                 cuda_graph_prefill_tokens), \
             "gpu_memory_utilization"
     else:
         return cap
@@ -144,10 +147,11 @@ def num_kv_blocks(
 
 @torch.inference_mode()
 def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_seqs: int, num_tokens: int,
-                             utilization: float, graph_batch_size: int = 0) -> int:
+                             utilization: float, graph_batch_size: int = 0, graph_prefill_tokens: int = 0) -> int:
     """Bytes left for the KV cache after a forward of ``num_tokens`` tokens (no cache) and, when
     ``graph_batch_size`` > 0, the CUDA graphs' memory pool (estimated by an eager decode forward of
-    that many sequences, the largest graph's working set: the pool is shared by all graphs)."""
+    that many sequences and, with ``graph_prefill_tokens``, an eager one-sequence prefill of that
+    many tokens: the larger is the largest graph's working set; the pool is shared by all graphs)."""
     model, cfg = loaded.model, loaded.config
     dev = next(model.parameters()).device
     model.set_attention_backend(TorchAttentionBackend())
@@ -171,7 +175,16 @@ def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_se
         del logits
         torch.cuda.synchronize(dev)
         graph_bytes = torch.cuda.max_memory_allocated(dev) - base
-        log.info("CUDA graphs: %.0f MiB kept for their memory pool (decode batch %d)", graph_bytes / 2**20, n)
+        t = min(graph_prefill_tokens, num_tokens)
+        if t > 1:
+            torch.cuda.reset_peak_memory_stats(dev)
+            hidden = model(ids[:t], torch.arange(t, device=dev),
+                           AttentionMetadata.for_prefill([t], dev))
+            del hidden
+            torch.cuda.synchronize(dev)
+            graph_bytes = max(graph_bytes, torch.cuda.max_memory_allocated(dev) - base)
+        log.info("CUDA graphs: %.0f MiB kept for their memory pool (decode batch %d, prefill %d tokens)",
+                 graph_bytes / 2**20, n, t)
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(dev).total_memory
     # memory held outside PyTorch's allocator (CUDA context, other processes) also counts
@@ -245,13 +258,16 @@ class ModelRunner:
         cuda_graphs: capture decode-only steps up to ``cuda_graph_max_batch_size`` sequences as
             CUDA graphs (phase 9; :class:`~infer.engine.cuda_graphs.CUDAGraphRunner`); call
             :meth:`capture_cuda_graphs` once the runner exists.
+        cuda_graph_prefill_max_tokens: with ``cuda_graphs``, also capture steps that prefill one
+            sequence of up to this many tokens (0: none).
         block_major: the block-major KV cache (phase 10, KV offload: one block of every layer is one
             contiguous copy; :class:`~infer.attention.KVCache`).
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
                  attention_backend: str = "torch", max_model_len: int = 0,
-                 cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256, block_major: bool = False) -> None:
+                 cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256, block_major: bool = False,
+                 cuda_graph_prefill_max_tokens: int = 0) -> None:
         self.model = loaded.model
         cfg = loaded.config
         self.config = cfg
@@ -268,7 +284,8 @@ class ModelRunner:
             from infer.engine.cuda_graphs import CUDAGraphRunner
 
             self.graphs = CUDAGraphRunner(self.model, self.kv_cache, cuda_graph_max_batch_size,
-                                          -(-max_model_len // block_size), max_model_len)
+                                          -(-max_model_len // block_size), max_model_len,
+                                          prefill_max_tokens=cuda_graph_prefill_max_tokens)
 
     def capture_cuda_graphs(self, progress: bool = True) -> float:
         """Capture the decode graphs (``cuda_graphs``); returns the seconds it took (0 without)."""
@@ -333,18 +350,23 @@ class ModelRunner:
                 logits = logits[self._to_device(sample_at, torch.int64)]
             self._before_sampling(prev)
             return self._result(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
+        if (self.graphs is not None and len(scheduled) == 1 and self.graphs.can_run_prefill(len(ids))
+                and scheduled[0].seq.params.prompt_logprobs is None):
+            # one sequence prefills alone (a prompt, a chunk, a prefix hit's suffix): its bucket's graph
+            logits = self.graphs.replay_prefill(ids, positions, slots, seq_lens[0], tables[0], patch)
+            self._copy_fork_blocks(scheduled)
+            if not sampled:
+                return StepResult([], None, {})
+            if len(sampled) > 1:  # n > 1: the forks sample from the same logits
+                logits = logits.expand(len(sampled), -1).contiguous()
+            self._before_sampling(prev)
+            return self._result(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
         meta = self._metadata(starts, seq_lens, self._to_device(slots, torch.int64), tables, num_decodes)
         input_ids = self._to_device(ids, torch.int64)
         if patch is not None:
             input_ids.index_copy_(0, *patch)
         hidden = self._forward(input_ids, self._to_device(positions, torch.int64), meta)
-        bs = self.kv_cache.block_size
-        for item in scheduled:  # n > 1: each fork gets its copy of the prompt's last, partly filled block
-            n = item.seq.num_computed_tokens + item.num_tokens
-            for fork in item.forks:
-                src, dst = item.seq.block_table[-1], fork.block_table[-1]
-                if src != dst:
-                    self._copy_block_prefix(src, dst, n - (len(item.seq.block_table) - 1) * bs)
+        self._copy_fork_blocks(scheduled)
         prompt_lp = self._prompt_logprobs(scheduled, starts, hidden)
         if not sampled:
             return StepResult([], None, prompt_lp)
@@ -352,6 +374,17 @@ class ModelRunner:
         self._before_sampling(prev)
         tensors = self._sampling_tensors(sampled, eos_ids)
         return self._result(sampled, sample(logits, tensors), prompt_lp)
+
+    def _copy_fork_blocks(self, scheduled: list[ScheduledSeq]) -> None:
+        """``n > 1``: after the prompt's forward, each fork gets its copy of the prompt's last,
+        partly filled block (the full ones are shared)."""
+        bs = self.kv_cache.block_size
+        for item in scheduled:
+            n = item.seq.num_computed_tokens + item.num_tokens
+            for fork in item.forks:
+                src, dst = item.seq.block_table[-1], fork.block_table[-1]
+                if src != dst:
+                    self._copy_block_prefix(src, dst, n - (len(item.seq.block_table) - 1) * bs)
 
     @staticmethod
     def _before_sampling(prev: StepResult | None) -> None:
