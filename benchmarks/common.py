@@ -45,17 +45,27 @@ def timed(fn, device, repeats: int = 5, warmup: int = 1, stat=statistics.median)
 
 
 def ttft_alone(engine, prompt: list[int]) -> float:
-    """Seconds from ``engine.add_request(prompt)`` (greedy, ``max_tokens=1``) until the engine
-    has nothing left to run: the TTFT of a request running alone (device synchronized)."""
+    """Seconds from ``engine.add_request(prompt)`` (greedy, ``max_tokens=1``) until its token is
+    on the host, in the output a step returns: the TTFT of a request running alone (the device is
+    idle at the start). With async scheduling that step has already launched the next one (a
+    decode the request does not need: its token is dropped); the clock stops before waiting for
+    it, as a client's would, and the engine is drained afterwards, untimed."""
     from infer.sampling import SamplingParams
 
     sync(engine.runner.device)
     t = time.perf_counter()
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)).request_id
+    elapsed = None
+    while elapsed is None and engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.outputs and out.outputs[0].token_ids:
+                elapsed = time.perf_counter() - t
     while engine.has_unfinished_requests():
         engine.step()
     sync(engine.runner.device)
-    return time.perf_counter() - t
+    if elapsed is None:
+        raise RuntimeError("the request finished without a token")
+    return elapsed
 
 
 def engine_overrides(items: list[str]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from infer.sampling import SamplingParams
 from tests.hf_reference import hf_logits, infer_logits, save_hf, tiny_hf_model
 from tests.test_batching import assert_pool_full, drive, make_engine, mixed_workload
 from tests.test_parity import _prompts, assert_parity
+from tests.test_prefix_caching import assert_drained
 
 # ---------------------------------------------------------------------------- the fused forward
 
@@ -242,7 +243,7 @@ def test_prefill_graphs_give_the_eager_tokens(tiny_llama_cuda, overlap):
         assert drive(eng, arrivals) == ref
         assert len(replays) >= 12 and max(replays) == 48 and min(replays) < 16, replays
         assert eng.kv_manager.prefix_cache_hits >= 5 * len(shared)  # five requests found the shared prefix
-        assert_pool_full(eng)
+        assert_drained(eng)  # (freed blocks with a hash stay cached: free, but not in the plain free list)
     finally:
         loaded.model.set_fused_ops(None)
 

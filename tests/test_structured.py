@@ -19,8 +19,9 @@ from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.errors import InvalidRequestError
 from infer.sampling import SamplingParams, SamplingTensors, sample, sample_reference
+from infer.sampling.sampler import triton_usable
 from infer.sampling.structured import (
-    EosOnlyCheck,
+    GuideMasks,
     IndexCache,
     StructuredOutputsParams,
     apply_token_bitmask,
@@ -97,6 +98,27 @@ def test_token_bitmask_matches_the_per_token_reference_and_leaves_other_rows_alo
     for r in (0, 2, 4):
         assert torch.equal(out[r], logits[r])  # bit for bit
     assert not torch.equal(out, logits)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or triton_usable("cpu")), reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("vocab, width", [(77, 3), (3000, 94), (3000, 80)])  # 80 words: tokens past 2,560 disallowed
+def test_triton_token_bitmask_matches_the_reference(vocab, width):
+    """The one-kernel mask of the Triton sampler against the plain-PyTorch function (and it
+    against the per-token loop), on fresh random masks over several tiles of the vocabulary."""
+    from infer.sampling.triton_sampler import apply_token_bitmask as apply_triton
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(vocab + width)
+    logits = torch.randn(6, vocab, generator=g).to(dev)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, width), generator=g, dtype=torch.int64).to(torch.int32).to(dev)
+    rows = torch.tensor([4, 0, 2], device=dev)
+    out = apply_triton(logits, bitmask, rows)
+    ref = apply_token_bitmask(logits, bitmask, rows)
+    assert torch.equal(out, ref)
+    assert torch.equal(ref.cpu(), apply_token_bitmask_reference(logits.cpu(), bitmask.cpu(), rows.cpu()))
+    for r in (1, 3, 5):
+        assert torch.equal(out[r], logits[r])
+    assert torch.isinf(out[rows]).any() and not torch.isinf(logits).any()
 
 
 def test_sampler_masks_only_constrained_rows_and_logprobs_are_of_the_masked_distribution():
@@ -360,33 +382,39 @@ def test_index_cache_is_a_bounded_lru(smollm2):
     cache.close()
 
 
-def test_eos_only_check_agrees_with_the_guides_token_list(smollm2):
-    """The completion check the output processor runs every step (a bitmask test) against its
-    reference, ``get_tokens()`` (the allowed ids as a list): equal on every state of random walks
-    through constraints that end (a choice, a bounded schema) and one that never closes (an open
-    string, where the walk is finished at every step yet never EOS-only)."""
+def test_guide_masks_agree_with_the_guides_own_answers(smollm2):
+    """The per-state masks the engine keeps (and its completion check) against their references,
+    ``write_mask_into`` straight from the guide and ``get_tokens()`` (the allowed ids as a list):
+    equal on every state of random walks through constraints that end (a choice, a bounded schema)
+    and one that never closes (an open string: finished at every step yet never EOS-only), with
+    an LRU of 2 states so that masks are evicted and rebuilt along the way."""
+    import numpy as np
     from outlines_core import Guide
 
     tok = smollm2.tokenizer
     eos = tok.eos_token_ids
-    check = EosOnlyCheck(eos, tok.vocab_size)
     cache = IndexCache(tok, eos[0])
     rng = torch.Generator().manual_seed(0)
     seen = set()
     for regex in [StructuredOutputsParams(choice=["yes", "no", "maybe"]).to_regex(),
                   StructuredOutputsParams(json=SCHEMAS["enum-and-bounds"]).to_regex(), "[a-z ]+", "ab?"]:
         index = cache.get(regex).result()
+        masks = GuideMasks(eos, tok.vocab_size, max_states=2)  # one per index: state ids are the index's
         for _ in range(4):
             guide = Guide(index)
             for _ in range(60):
                 allowed = guide.get_tokens()
                 expected = all(t in eos for t in allowed)
-                assert check(guide) == expected
+                assert masks.eos_only(guide) == expected
                 seen.add(expected)
+                direct = np.zeros(masks.words, dtype=np.uint32)
+                guide.write_mask_into(direct.ctypes.data, masks.words, 4)
+                assert np.array_equal(masks.mask(guide), direct)
                 options = [t for t in allowed if t not in eos]
                 if not options:
                     break
                 guide.advance(options[int(torch.randint(len(options), (1,), generator=rng))], return_tokens=False)
+            assert len(masks._masks) <= 2
     assert seen == {True, False}  # both answers were exercised
     cache.close()
 

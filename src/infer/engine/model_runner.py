@@ -280,6 +280,8 @@ class ModelRunner:
         max_model_len = max_model_len or cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
         self.graphs = None
+        self._bitmask_bufs: list[torch.Tensor] | None = None  # structured output's host staging pair
+        self._bitmask_turn = 0
         if cuda_graphs:
             from infer.engine.cuda_graphs import CUDAGraphRunner
 
@@ -504,22 +506,38 @@ class ModelRunner:
         the automaton) would leave only ``-inf`` logits; it gets EOS instead, and the output
         processor ends it with ``finish_reason="error"``.
         """
+        from infer.sampling.structured import guide_masks
+
         rows = [i for i, s in enumerate(seqs) if s.guide is not None]
         words = -(-self.vocab_size // 32)
-        buf = torch.zeros(len(rows), words, dtype=torch.int32)
-        ptr, stride = buf.data_ptr(), words * 4
+        buf = self._bitmask_staging(len(rows), words)
+        host = buf.numpy().view(np.uint32)
         for r, i in enumerate(rows):
-            seqs[i].guide.write_mask_into(ptr + r * stride, words, 4)
-        dead = (buf == 0).all(dim=1)
-        if bool(dead.any()):
-            eos = eos_ids[0]
-            for r in dead.nonzero().flatten().tolist():
-                bit = 1 << (eos % 32)
-                buf[r, eos // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit  # as int32
-                seqs[rows[r]].guide_dead_end = True
+            mask = guide_masks(seqs[i], eos_ids, self.vocab_size).mask(seqs[i].guide)  # kept per state
+            host[r] = mask
+            if not mask.any():  # a dead end: only EOS, which ends the sequence with an error
+                eos = eos_ids[0]
+                host[r, eos // 32] = 1 << (eos % 32)
+                seqs[i].guide_dead_end = True
         if self.device.type == "cuda":
-            buf = buf.pin_memory().to(self.device, non_blocking=True)
+            buf = buf.to(self.device, non_blocking=True)
+        else:
+            buf = buf.clone()  # the staging buffer is reused next step
         return buf, self._to_device(rows, torch.int64)
+
+    def _bitmask_staging(self, num_rows: int, words: int) -> torch.Tensor:
+        """int32 ``[num_rows, words]`` host buffer for a step's bitmask (pinned on CUDA): two kept and
+        used in turn, so the host never writes one whose copy to the device may still be pending
+        (the copy of two steps back is done: the host waited for the previous step's tokens)."""
+        staging = self._bitmask_bufs
+        if staging is None or staging[0].shape[0] < num_rows:
+            cap = max(num_rows, 2 * staging[0].shape[0] if staging is not None else 8)
+            pin = self.device.type == "cuda"
+            staging = self._bitmask_bufs = [torch.zeros(cap, words, dtype=torch.int32, pin_memory=pin)
+                                            for _ in range(2)]
+            self._bitmask_turn = 0
+        self._bitmask_turn ^= 1
+        return staging[self._bitmask_turn][:num_rows]
 
     def _prompt_logprobs(self, scheduled, starts, hidden):
         """Prompt logprobs of sequences that asked for them (only sequence index 0 of a request)."""

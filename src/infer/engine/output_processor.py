@@ -33,7 +33,6 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._eos_ids = list(eos_token_ids)
         self._vocab_size = vocab_size or tokenizer.vocab_size
-        self._eos_only = None  # an EosOnlyCheck, built with the first guide
 
     def _token(self, token_id: int, logprob: float, rank: int | None) -> TokenLogprob:
         return TokenLogprob(token_id, logprob, rank, self.tokenizer.decode([token_id], skip_special_tokens=False))
@@ -113,11 +112,9 @@ class OutputProcessor:
             return None
         guide.advance(token, return_tokens=False)  # (the default returns every allowed token as a list)
         if guide.is_finished():
-            if self._eos_only is None:
-                from infer.sampling.structured import EosOnlyCheck
+            from infer.sampling.structured import guide_masks
 
-                self._eos_only = EosOnlyCheck(self._eos_ids, self._vocab_size)
-            if self._eos_only(guide):
+            if guide_masks(seq, self._eos_ids, self._vocab_size).eos_only(guide):
                 return "stop", None
         return None
 

@@ -67,6 +67,7 @@ class Sequence:
     # advanced with each sampled token; None for an unconstrained sequence
     guide: Any = None
     guide_dead_end: bool = False
+    guide_masks: Any = None  # its recent states' bitmasks (infer.sampling.structured.GuideMasks)
 
     @property
     def params(self) -> SamplingParams:

@@ -889,7 +889,10 @@ def _mask_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     (the model's, renormalised over the allowed tokens). Unconstrained rows are untouched."""
     if t.token_bitmask is None:
         return logits
-    from infer.sampling.structured import apply_token_bitmask
+    if t.use_triton:  # one kernel over the packed words
+        from infer.sampling.triton_sampler import apply_token_bitmask
+    else:
+        from infer.sampling.structured import apply_token_bitmask
 
     return apply_token_bitmask(logits, t.token_bitmask, t.token_bitmask_rows)
 

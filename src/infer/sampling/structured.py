@@ -25,6 +25,7 @@ Pieces:
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import math
 import re
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "EosOnlyCheck",
+    "GuideMasks",
     "IndexCache",
     "StructuredOutputsParams",
     "apply_token_bitmask",
@@ -357,37 +358,78 @@ class IndexCache:
 # ----------------------------------------------------------------------------- the mask
 
 
-class EosOnlyCheck:
-    """Is EOS the only token a guide allows now (its constraint is complete and cannot grow)?
+@functools.lru_cache(maxsize=8)
+def _not_eos_words(eos_token_ids: tuple[int, ...], words: int):
+    """uint32 ``[words]``: every bit set but the EOS tokens' (read-only, shared)."""
+    import numpy as np
 
-    ``guide.get_tokens()`` answers that too, but builds a Python list of every allowed token:
-    for an open string (``"[a-zA-Z ,.]+"``, the inside of a JSON string) that is tens of
-    thousands of ints, ~1 ms per sequence per step at Qwen3's 151,936 ids. This writes the
-    state's bitmask into one reused ``[ceil(V / 32)]`` buffer (outlines-core's C code) and tests
-    it with the EOS bits cleared: a few µs.
+    out = np.full(words, 0xFFFFFFFF, dtype=np.uint32)
+    for e in eos_token_ids:
+        if 0 <= e < 32 * words:
+            out[e // 32] &= np.uint32(~(1 << (e % 32)) & 0xFFFFFFFF)
+    out.setflags(write=False)
+    return out
+
+
+class GuideMasks:
+    """The packed allowed-token bitmasks of one sequence's recent automaton states.
+
+    outlines-core writes a state's mask (``Guide.write_mask_into``) by walking the state's
+    transitions: ~0.1 ms for an open string (tens of thousands of allowed tokens) at Qwen3's
+    151,936 ids. A sequence inside a JSON string or number stays in one state for many steps,
+    so the masks of its last ``max_states`` states are kept (an LRU keyed by state id), and both
+    per-step questions read them:
+
+    * :meth:`mask`: the current state's ``[ceil(V / 32)]`` uint32 words, which the model runner
+      copies into the step's bitmask row;
+    * :meth:`eos_only`: is EOS the only token the state allows (the constraint is complete, the
+      sequence stops)? ``guide.get_tokens()`` answers that too, but builds a Python list of every
+      allowed token (~1 ms per step for an open string).
+
+    One per sequence (or per guide's index at least: state ids are an index's own).
 
     Args:
         eos_token_ids: the ids that count as EOS.
-        vocab_size: ``V``, the width of the model's logits (the mask has ``ceil(V / 32)`` words).
+        vocab_size: ``V``, the width of the model's logits.
+        max_states: masks kept (``4 ceil(V / 32)`` bytes each: 19 KB at ``V`` = 151,936).
     """
 
-    def __init__(self, eos_token_ids: list[int], vocab_size: int) -> None:
-        import numpy as np
-
+    def __init__(self, eos_token_ids: list[int], vocab_size: int, max_states: int = 8) -> None:
         self.words = -(-vocab_size // 32)
-        self._buf = np.zeros(self.words, dtype=np.uint32)
-        self._not_eos = np.full(self.words, 0xFFFFFFFF, dtype=np.uint32)
-        for e in eos_token_ids:
-            if 0 <= e < 32 * self.words:
-                self._not_eos[e // 32] &= np.uint32(~(1 << (e % 32)) & 0xFFFFFFFF)
+        self.max_states = max_states
+        self._not_eos = _not_eos_words(tuple(eos_token_ids), self.words)
+        self._masks: OrderedDict[int, Any] = OrderedDict()
 
-    def __call__(self, guide: Any) -> bool:
-        """True when ``guide`` allows no token but EOS (also when it allows none at all)."""
+    def mask(self, guide: Any):
+        """uint32 ``[ceil(V / 32)]`` (a numpy array; do not modify): bit ``v % 32`` of word
+        ``v // 32`` is set when ``guide``'s current state allows token ``v``."""
         import numpy as np
 
-        self._buf.fill(0)
-        guide.write_mask_into(self._buf.ctypes.data, self.words, 4)
-        return not np.any(self._buf & self._not_eos)
+        state = guide.get_state()
+        m = self._masks.get(state)
+        if m is not None:
+            self._masks.move_to_end(state)
+            return m
+        m = np.zeros(self.words, dtype=np.uint32)
+        guide.write_mask_into(m.ctypes.data, self.words, 4)
+        self._masks[state] = m
+        if len(self._masks) > self.max_states:
+            self._masks.popitem(last=False)
+        return m
+
+    def eos_only(self, guide: Any) -> bool:
+        """True when ``guide`` allows no token but EOS now (also when it allows none at all)."""
+        import numpy as np
+
+        return not np.any(self.mask(guide) & self._not_eos)
+
+
+def guide_masks(seq: Any, eos_token_ids: list[int], vocab_size: int) -> GuideMasks:
+    """``seq.guide_masks``, made on first use (one :class:`GuideMasks` per constrained sequence)."""
+    masks = getattr(seq, "guide_masks", None)
+    if masks is None:
+        masks = seq.guide_masks = GuideMasks(eos_token_ids, vocab_size)
+    return masks
 
 
 def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -400,7 +442,7 @@ def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, r
     for r, row in enumerate(rows.tolist()):
         words = bitmask[r].tolist()
         for v in range(vocab):
-            if not (words[v // 32] >> (v % 32)) & 1:
+            if v // 32 >= len(words) or not (words[v // 32] >> (v % 32)) & 1:  # past the mask: disallowed
                 out[row, v] = float("-inf")
     return out
 

@@ -56,7 +56,8 @@ from triton.language.extra import libdevice
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 
-__all__ = ["INTERPRET", "RowStats", "argmax_lse", "exponential_race", "race_from_probs", "row_stats"]
+__all__ = ["INTERPRET", "RowStats", "apply_token_bitmask", "argmax_lse", "exponential_race", "race_from_probs",
+           "row_stats"]
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -447,3 +448,44 @@ def race_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tenso
     unused = RowStats(probs, probs, probs, probs, probs)
     return _launch_race(probs, probs, probs, None, unused, seeds, steps, from_probs=True, scaled=False,
                         use_min_p=False)
+
+
+# ----------------------------------------------------------------------------- structured output
+
+
+@triton.jit(do_not_specialize=["V", "W", "stride_x"])
+def _token_bitmask_kernel(x_ptr, mask_ptr, rows_ptr, V, W, stride_x, BLOCK: tl.constexpr):
+    # Grid (R, cdiv(V, BLOCK)): program (r, j) masks tokens j*BLOCK .. of logits row rows[r] in place.
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(rows_ptr + r)
+    words = tl.load(mask_ptr + r.to(tl.int64) * W + offs // 32, mask=offs < 32 * W, other=0)
+    allowed = ((words >> (offs % 32)) & 1) != 0
+    ptrs = x_ptr + row * stride_x + offs
+    tl.store(ptrs, tl.full([BLOCK], float("-inf"), x_ptr.dtype.element_ty), mask=(offs < V) & ~allowed)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`infer.sampling.structured.apply_token_bitmask` (its plain-PyTorch reference) in two
+    launches: a copy of the logits, then one kernel that reads each constrained row's packed mask
+    and writes ``-inf`` over its disallowed tokens (the unpacked ``[R, V]`` booleans never exist).
+
+    Args:
+        logits: ``[B, V]`` float (last dimension contiguous).
+        bitmask: ``[R, W]`` int32 (bit ``v % 32`` of word ``v // 32``: token ``v`` allowed); tokens
+            past ``32 W`` are disallowed.
+        rows: ``[R]`` int64, distinct rows of ``logits``.
+
+    Returns:
+        A new ``[B, V]`` tensor; rows not in ``rows`` are bit-for-bit the input's.
+    """
+    _check(logits)
+    out = logits.clone()
+    r, w = bitmask.shape
+    if r == 0:
+        return out
+    block = _block(logits.shape[1])
+    _token_bitmask_kernel[(r, triton.cdiv(logits.shape[1], block))](
+        out, bitmask.contiguous(), rows, logits.shape[1], w, out.stride(0), BLOCK=block,
+    )
+    return out
