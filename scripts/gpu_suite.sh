@@ -80,8 +80,10 @@ sys.exit(0 if torch.cuda.is_available() else 1)
 EOF
 }
 
+# TESTS: the test files or node ids to run (default: all of tests/)
 section_tests() {
-    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests
+    # shellcheck disable=SC2086
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests}
     local rc=$?
     if [ "$rc" -eq 5 ]; then
         echo "pytest: no tests selected by -m gpu (exit 5): OK"
