@@ -114,6 +114,31 @@ def test_lookup_stops_at_a_miss_even_when_later_blocks_are_cached():
     kv.pool.check_invariants()
 
 
+def test_a_kept_lookup_is_redone_after_an_eviction_or_a_new_key():
+    """Admission asks for a request's hits three times and the manager keeps the last answer;
+    it must not outlive a change of the pool's keys: an eviction (a hit that vanished) or a
+    newly cached block (a hit that appeared)."""
+    kv = _manager(num_blocks=8)
+    a = _seq(list(range(10, 23)))
+    _compute(kv, a)
+    blocks = list(a.block_table)
+    kv.free(a)
+    b = _seq(list(range(10, 23)))
+    first = kv._prefix_hits(b.request)
+    assert first == [blocks[:3]] and kv._prefix_hits(b.request) is first  # kept
+    taken = kv.pool.allocate(kv.pool.num_free)  # evicts every cached block
+    assert kv._prefix_hits(b.request) == [[]]
+    assert kv.blocks_to_admit(b.request) == 4  # nothing hit: all 4 blocks are taken anew
+    kv.pool.free(taken)
+    c = _seq(list(range(10, 23)))
+    _compute(kv, c)
+    kv.cache_blocks(c)
+    blocks = list(c.block_table)
+    kv.free(c)
+    assert kv._prefix_hits(b.request) == [blocks[:3]]  # the new keys are found
+    kv.pool.check_invariants()
+
+
 def test_a_colliding_key_is_caught_by_the_token_check():
     pool = PrefixCachingBlockPool(4)
     [b] = pool.allocate(1)

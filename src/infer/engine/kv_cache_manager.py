@@ -124,6 +124,7 @@ class KVCacheManager:
         # (:class:`~infer.engine.kv_offload.KVOffloader`); a lookup continues there after a device miss
         self.offloader = None
         self.offload_hit_tokens = 0  # prompt tokens restored from the tiers (their prefill skipped)
+        self._last_hits: tuple | None = None  # (key, hits) of the last _prefix_hits
 
     @property
     def num_blocks(self) -> int:
@@ -248,11 +249,24 @@ class KVCacheManager:
 
     def _prefix_hits(self, request: Request) -> list[list[int]]:
         """:meth:`find_cached_prefix` of each unfinished sequence of ``request`` that prefills (a
-        fresh request's forks get theirs from sequence 0: ``[]``)."""
+        fresh request's forks get theirs from sequence 0: ``[]``).
+
+        Admitting a request asks three times (:meth:`cached_prefix_tokens`, :meth:`can_admit`,
+        :meth:`admit`), and a 4k-token prefix is a walk over 256 keys, so the last answer is kept
+        while no key was added to or dropped from the pool (its ``generation``) and the request's
+        sequences are the same."""
         seqs = request.unfinished_seqs
+        key = (request, self.pool.generation, tuple(map(id, seqs)),
+               tuple((len(s.token_ids), s.token_ids[-1]) for s in seqs)) if self.prefix_caching else None
+        if key is not None and self._last_hits is not None and self._last_hits[0] == key:
+            return self._last_hits[1]
         if request.shares_prefill:
-            return [self.find_cached_prefix(seqs[0])] + [[] for _ in seqs[1:]]
-        return [self.find_cached_prefix(s) for s in seqs]
+            hits = [self.find_cached_prefix(seqs[0])] + [[] for _ in seqs[1:]]
+        else:
+            hits = [self.find_cached_prefix(s) for s in seqs]
+        if key is not None:
+            self._last_hits = (key, hits)
+        return hits
 
     def cached_prefix_tokens(self, request: Request) -> int:
         """Tokens of ``request``'s first prefill that the prefix cache would skip now (with

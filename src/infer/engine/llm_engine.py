@@ -185,16 +185,17 @@ class LLMEngine:
                     f"prompt {prompt[:32]!r} encodes to zero tokens with this model's tokenizer; "
                     "a prompt needs at least one token", param="prompt")
             return prompt, ids
-        if not isinstance(prompt, (list, tuple)) or not all(
+        # (C-level checks first: a 4k-token prompt costs ~1.5 ms in a generator expression)
+        if not isinstance(prompt, (list, tuple)) or not (set(map(type, prompt)) <= {int} or all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        )):
             raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
             )
         return None, list(prompt)
 

@@ -114,6 +114,7 @@ class PrefixCachingBlockPool(BlockPool):
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.cached_free: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
+        self.generation = 0  # bumped whenever a key is added or dropped: a lookup's result may change
 
     @property
     def num_free(self) -> int:
@@ -149,6 +150,7 @@ class PrefixCachingBlockPool(BlockPool):
         self.cached[block_hash] = block
         self.block_hash[block] = block_hash
         self.block_tokens[block] = tuple(token_ids)
+        self.generation += 1
         return True
 
     def touch(self, blocks: list[int]) -> None:
@@ -164,6 +166,7 @@ class PrefixCachingBlockPool(BlockPool):
         if h is not None:
             del self.cached[h]
             self.block_hash[block] = self.block_tokens[block] = None
+            self.generation += 1
 
     # ------------------------------------------------------------------ allocate / free
 
@@ -227,6 +230,7 @@ class PrefixCachingBlockPool(BlockPool):
         for b in range(self.num_blocks):
             self.block_hash[b] = self.block_tokens[b] = None
         self.cached.clear()
+        self.generation += 1
         return dropped
 
     def check_invariants(self) -> None:
