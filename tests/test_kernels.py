@@ -257,6 +257,34 @@ def test_prefill_matches_reference(name, dtype):
     assert torch.isnan(out[:s]).all() and torch.isnan(out[e:]).all(), "rows of other sequences were written"
 
 
+@pytest.mark.parametrize("name, num_splits", [("extend-gqa", 3), ("window-d40-bs12", 2), ("one-block-per-seq", 5),
+                                              ("fresh", 4)])
+def test_split_kv_prefill_matches_reference(name, num_splits):
+    """Extends with their keys split over programs (partials merged by a second kernel) give the
+    reference result, with a sliding window, with splits that get no key (short contexts, more
+    splits than key tiles), and only the prefill's rows are written."""
+    seq_lens, q_lens, hq, hkv, d, bs, window = PREFILL_CASES[name]
+    case = PagedCase(seq_lens, hq, hkv, d, bs, torch.float32, seed=zlib.crc32(name.encode()) % 1000 + 7)
+    q, qsl, starts = prefill_inputs(case, q_lens, 2, hq, d)
+    out = poisoned(q)
+    ops.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens,
+                                max(q_lens), case.scale, window=window, out=out, num_splits=num_splits)
+    k32, v32 = case.float_caches()
+    expected = ref.paged_prefill_attention(q.float(), k32, v32, case.block_tables, qsl, case.seq_lens,
+                                           max(q_lens), case.scale, window=window)
+    s, e = starts[0], starts[-1]
+    assert_close(out[s:e], expected[s:e], torch.float32)
+    assert torch.isnan(out[:s]).all() and torch.isnan(out[e:]).all(), "rows of other sequences were written"
+
+
+def test_prefill_num_splits_fills_the_gpu_only_when_needed():
+    cpu = torch.device("cpu")  # 2 "SMs" there: a target of 4 programs
+    assert ops.prefill_num_splits(64, 4096, cpu) == 1  # enough programs
+    assert ops.prefill_num_splits(1, 4096, cpu) == 4
+    assert ops.prefill_num_splits(1, 1000, cpu) == 1  # keys too few to split (512 per split at least)
+    assert ops.prefill_num_splits(1, 0, cpu) == 1  # no context bound given
+
+
 def test_prefill_bf16_under_the_interpreter_and_default_out():
     case = PagedCase([24, 18], 4, 2, 32, 16, torch.bfloat16, seed=21)
     q, qsl, starts = prefill_inputs(case, [10, 18], 0, 4, 32)

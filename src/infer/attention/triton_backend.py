@@ -5,13 +5,15 @@ The same steps as the plain-PyTorch backend, each one kernel launch per layer:
 1. ``reshape_and_cache``: scatter the step's new K/V into their cache slots;
 2. ``paged_decode_attention``: the step's decode sequences (first in the batch), split-KV;
 3. ``paged_prefill_attention``: the remaining sequences, variable-length, reading any cached
-   prefix from the blocks.
+   prefix from the blocks (split over the keys too, when a few new tokens meet a long prefix).
 
 The contiguous cache is a paged cache with one block per sequence, so the same kernels serve
 both. A cache-less forward (parity gate, memory profiling) uses the plain-PyTorch path.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -53,5 +55,14 @@ class TritonAttentionBackend:
                 max_len = min(max_len, window)
             splits = meta.scratch[key] = self.ops.decode_num_splits(meta.num_decodes, k.shape[1], max_len,
                                                                     self.device)
+        # extends split their keys too when they are few programs over long contexts (also from host
+        # numbers: under a CUDA graph, the capture's context bound)
+        key = ("prefill_fn", window)
+        prefill = meta.scratch.get(key)
+        if prefill is None:
+            ctx = max(meta.seq_lens_cpu[meta.num_decodes:], default=0)
+            if window is not None:
+                ctx = min(ctx, window + meta.max_query_len)
+            prefill = meta.scratch[key] = functools.partial(self.ops.paged_prefill_attention, max_context=ctx)
         return paged_attention(q, k_cache, v_cache, meta, scale, window, self.ops.paged_decode_attention,
-                               self.ops.paged_prefill_attention, num_splits=splits)
+                               prefill, num_splits=splits)

@@ -455,15 +455,19 @@ def _prefill_tiles(
 )
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    part_out_ptr, part_lse_ptr, num_splits,
     qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    # Grid (cdiv(max_query_len, BLOCK_M), B, Hq): program (i, b, h) computes BLOCK_M queries of
-    # sequence b, query head h. The last query tiles (the most keys) are started first.
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    # Grid (cdiv(max_query_len, BLOCK_M) * num_splits, B, Hq): program (i, b, h) computes BLOCK_M
+    # queries of sequence b, query head h, over key split i % num_splits. The last query tiles (the
+    # most keys) are started first. With SPLIT, each split writes its normalised partial output and
+    # log2-sum-exp2 (_decode_combine_kernel's layout, rows = query tokens) instead of the result.
+    split = tl.program_id(0) % num_splits
+    m_block = tl.num_programs(0) // num_splits - 1 - tl.program_id(0) // num_splits
     b = tl.program_id(1)
     h = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
@@ -498,6 +502,13 @@ def _paged_prefill_kernel(
     full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), hi)
+    # This split's share of the key tiles [lo, hi) (all of them when num_splits is 1), with the three
+    # ranges (masked, unmasked, masked) clamped into it.
+    chunk = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
+    s_lo = tl.minimum(lo + split * chunk, hi)
+    s_hi = tl.minimum(s_lo + chunk, hi)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, s_lo), s_hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), s_hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -506,19 +517,62 @@ def _paged_prefill_kernel(
     k_head = k_cache_ptr + kvh * stride_ch
     v_head = v_cache_ptr + kvh * stride_ch
     acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, offs_n, offs_d, d_mask,
-                                   lo, mid_lo, kv_end, window, qk_scale, stride_cb, stride_ct,
+                                   s_lo, mid_lo, kv_end, window, qk_scale, stride_cb, stride_ct,
                                    BLOCK_SIZE, BLOCK_N, True, UPCAST)
     acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, offs_n, offs_d, d_mask,
                                    mid_lo, mid_hi, kv_end, window, qk_scale, stride_cb, stride_ct,
                                    BLOCK_SIZE, BLOCK_N, False, UPCAST)
     acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, offs_n, offs_d, d_mask,
-                                   mid_hi, hi, kv_end, window, qk_scale, stride_cb, stride_ct,
+                                   mid_hi, s_hi, kv_end, window, qk_scale, stride_cb, stride_ct,
                                    BLOCK_SIZE, BLOCK_N, True, UPCAST)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # only padding rows (not stored) can have l = 0
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # padding rows, and rows with no key in this split, have l = 0
     o = acc / l_safe[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    if SPLIT:
+        hq = tl.num_programs(2)
+        part = (q_rows * hq + h) * num_splits + split  # [BLOCK_M]
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=row_mask[:, None] & d_mask[None, :])
+    else:
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_seqs"], do_not_specialize_on_alignment=["out_ptr"])
+def _prefill_combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_seqs, num_splits, stride_ot, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    # Grid (T, Hq): merge the splits of query row t, head h (as _decode_combine_kernel), only for the
+    # rows of the prefill's sequences [query_start_loc[0], query_start_loc[B]) (read on the device, so
+    # a CUDA graph can replay it); other rows belong to other work and are left alone.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    first_row = tl.load(query_start_loc_ptr)
+    end_row = tl.load(query_start_loc_ptr + num_seqs)
+    if t < first_row or t >= end_row:
+        return
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    first = (t * NUM_Q_HEADS + h) * num_splits
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    for s in range(num_splits):
+        lse = tl.load(part_lse_ptr + first + s)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        o = tl.load(part_out_ptr + (first + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        acc = acc * alpha + w * o
+        total = total * alpha + w
+        m = m_new
+    total = tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, (acc / total).to(out_ptr.dtype.element_ty),
+             mask=d_mask)
 
 
 def _prefill_config(head_dim_pad: int, dtype: torch.dtype) -> dict:
@@ -548,6 +602,8 @@ def paged_prefill_attention(
     scale: float,
     window: int | None = None,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_context: int | None = None,
 ) -> torch.Tensor:
     """Variable-length causal "extend" attention over a paged KV cache, every sequence in one launch.
 
@@ -571,6 +627,12 @@ def paged_prefill_attention(
         window: sliding window in tokens (>= 1), or None.
         out: optional ``[T, Hq, D]`` in q's dtype; only rows ``query_start_loc[0] ..
             query_start_loc[B] - 1`` are written.
+        num_splits: split each query tile's keys over this many programs (flash-decoding's split-KV
+            for extends: a few new tokens after a long cached prefix are only
+            ``cdiv(max_query_len, 64) x B x Hq`` programs, too few to fill the GPU, each walking the
+            whole prefix), then merge the partial results in a second kernel. None: chosen from
+            ``max_context`` (:func:`prefill_num_splits`); 1 without it.
+        max_context: host upper bound of the sequences' context lengths, for the automatic choice.
 
     Returns:
         ``out`` (``torch.empty_like(q)`` if None).
@@ -602,17 +664,46 @@ def paged_prefill_attention(
     _check_launchable(q)
     d_pad = max(16, triton.next_power_of_2(d))
     cfg = _prefill_config(d_pad, q.dtype)
-    grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), batch, hq)
-    _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+    m_tiles = triton.cdiv(max_query_len, cfg["BLOCK_M"])
+    if num_splits is None:
+        num_splits = prefill_num_splits(m_tiles * batch * hq, max_context or 0, q.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    split = num_splits > 1
+    if split:  # float32 partials, [T, Hq, splits, D] and [T, Hq, splits]
+        part_out = torch.empty(q.shape[0], hq, num_splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(q.shape[0], hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = _dummy(q.device)
+    _paged_prefill_kernel[(m_tiles * num_splits, batch, hq)](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, part_out, part_lse, num_splits,
         scale * _LOG2E, window if window is not None else _NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPLIT=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split:
+        _prefill_combine_kernel[(q.shape[0], hq)](
+            part_out, part_lse, out, query_start_loc, batch, num_splits, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=hq, HEAD_DIM=d, D_PAD=d_pad,
+        )
     return out
+
+
+def prefill_num_splits(programs: int, max_context: int, device: torch.device) -> int:
+    """Split-KV factor of an extend: 1 when its ``programs`` (query tiles x sequences x heads) fill
+    twice the SMs; else enough splits to, but each of at least 512 keys of ``max_context`` and at
+    most 16 (the partials and the merge cost memory traffic of their own)."""
+    if programs < 1 or max_context <= 0:
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 2
+    target = 2 * sms
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), max_context // 512, 16))
 
 
 # ============================================================================ input checks
