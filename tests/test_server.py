@@ -286,6 +286,22 @@ def test_tokenizer_endpoints(server, llm):
 # ---------------------------------------------------------------------------- streaming, seeds, n
 
 
+def test_sse_events_survive_clients_that_split_lines_like_str_splitlines():
+    """Generated text may hold U+2028, U+0085 or 0x1C: httpx's ``iter_lines`` (str.splitlines
+    rules) cut an event at them when they travel raw. Every event must stay one line that parses
+    back to the same object, whatever the text."""
+    import httpx
+
+    from infer.server.app import sse_event
+
+    text = "a\u2028b\x85c\x1cd\u2029e\x0bf\x0cg\x1dh\x1ei\r\nj\u00e9\ufffd\U0001f600"
+    event = sse_event({"choices": [{"text": text}]})
+    lines = httpx._decoders.LineDecoder().decode(event)
+    assert lines == [lines[0], ""] and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: "):])["choices"][0]["text"] == text
+    assert event.isascii()
+
+
 def test_completion_stream_equals_non_stream(client):
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.8, seed=1234)
     full = client.completions.create(**kw)

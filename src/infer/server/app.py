@@ -132,10 +132,22 @@ def failure_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(status_code=status, content=body)
 
 
+def sse_event(obj: Any) -> str:
+    """One Server-Sent Event carrying ``obj`` as JSON: ``data: {...}`` and a blank line.
+
+    The JSON is ASCII-escaped. SSE itself ends lines only at CR or LF, but generated text can hold
+    any character, and clients that split lines as Python's ``str.splitlines`` does (httpx's
+    ``iter_lines``, and so every client built on it) also break at U+0085, U+2028, U+2029 and the
+    control characters 0x0B-0x0C, 0x1C-0x1E: raw in the payload, they would cut the event in two.
+    Escaped (``\\u2028``), they cannot, and every JSON parser reads them back.
+    """
+    return f"data: {json.dumps(obj, ensure_ascii=True)}\n\n"
+
+
 def failure_event(exc: BaseException) -> str:
     """The last SSE event of a stream whose request failed (vLLM's shape: the error body, then
     ``data: [DONE]``); the ``openai`` client raises ``APIError`` on it."""
-    return f"data: {json.dumps(failure_status_and_body(exc)[1])}\n\n"
+    return sse_event(failure_status_and_body(exc)[1])
 
 
 def _param_of(exc: ValueError) -> str | None:
@@ -336,9 +348,6 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         if prefix_caching:  # OpenAI's and vLLM's report of prompt tokens served from the cache
             u["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
         return u
-
-    def sse(obj: Any) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     def completion_lp_block(prompt_ids: list[int] | None, prompt_lps, gen_lps, start: int = 0) -> dict:
         """The legacy ``logprobs`` object: the echoed prompt's tokens (``prompt_ids``), then the
@@ -570,7 +579,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                         if not text and not c.finish_reason and not (c.delta_token_ids and not score_only):
                             continue
                         extra = {"usage": usage([out], score_only)} if continuous_usage else {}
-                        yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                        yield sse_event({"id": rid, "object": "text_completion", "created": int(time.time()),
                                    "model": model_name, "choices": [{"index": choice_index(i, c.index), "text": text,
                                                                      "logprobs": lp,
                                                                      "finish_reason": c.finish_reason}], **extra})
@@ -579,7 +588,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 if failed is not None:
                     yield failure_event(failed)
                 elif include_usage:
-                    yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                    yield sse_event({"id": rid, "object": "text_completion", "created": int(time.time()),
                                "model": model_name, "choices": [],
                                "usage": usage(list(finals.values()), score_only)})
                 yield "data: [DONE]\n\n"
@@ -635,7 +644,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         gen, first = streams[0]
 
         def chunk(choices: list[dict], **extra) -> str:
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            return sse_event({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                         "model": model_name, "choices": choices, **extra})
 
         def usage_so_far(out: RequestOutput | None) -> dict:
