@@ -191,6 +191,12 @@ _ALL = [
        ("if size >= batch_size:", "if size > batch_size:")),
     _m("bucket_for", "widest_instead_of_none", "a batch wider than every graph is sent to the largest one",
        ("    return None\n", "    return sizes[-1]\n")),
+    _m("prefill_buckets", "max_twice", "a maximum that is a power of 2 is captured twice",
+       ("while t < max_tokens:", "while t <= max_tokens:")),
+    _m("prefill_buckets", "starts_at_one", "buckets 1, 2, 4, 8 too: a one-token step is a decode",
+       ("    t = 16\n", "    t = 1\n")),
+    _m("prefill_buckets", "one_token_graph", "a maximum of 1 captures a one-token prefill graph",
+       ("if max_tokens < 2:", "if max_tokens < 1:")),
     _m("overlap_loop", "placeholders_before_processing", "marks the new placeholders before the previous "
        "step's tokens are applied, so those replace the wrong slot",
        ("            outputs += self._process_in_flight(stream)\n", ""),

@@ -294,6 +294,14 @@ EXERCISES: dict[str, Exercise] = {
             5,
         ),
         Exercise(
+            "prefill_buckets", 9, "src/infer/engine/cuda_graphs.py",
+            ("tests/test_fused_engine.py::test_prefill_graph_sizes_are_powers_of_two_up_to_the_maximum",),
+            "The token counts captured as one-sequence prefill graphs, ascending: 16, 32, 64, ... (powers of "
+            "2) below the maximum, then the maximum itself, each once; none at all when the maximum is under "
+            "2 (a one-token step is a decode).",
+            5,
+        ),
+        Exercise(
             "overlap_loop", 9, "src/infer/engine/llm_engine.py",
             ("tests/test_async_scheduling.py::test_a_sequence_holds_one_placeholder_while_its_step_runs",
              "tests/test_async_scheduling.py::test_async_scheduling_gives_the_synchronous_outputs[paged]"),

@@ -80,6 +80,7 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
     """The captured prefill token counts: 16, 32, 64, ... (powers of 2) below ``max_tokens``, then
     ``max_tokens`` itself, ascending; empty when ``max_tokens < 2`` (a one-token step is a decode)."""
+    # >>> EXERCISE prefill_buckets
     if max_tokens < 2:
         return []
     sizes = []
@@ -88,6 +89,7 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
         sizes.append(t)
         t *= 2
     return sizes + [max_tokens]
+    # <<< EXERCISE prefill_buckets
 
 
 def bucket_for(batch_size: int, sizes: list[int]) -> int | None:
