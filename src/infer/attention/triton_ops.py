@@ -232,20 +232,12 @@ def _paged_decode_kernel(
                  mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["out_ptr", "part_lse_ptr"])
-def _decode_combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-):
-    # Grid (B, num_q_heads): merge the num_splits partial results of one query head. Partial s holds
-    # o_s = softmax-weighted mean of its keys and lse_s = log2(sum of its exp2 scores); the full result
-    # is sum_s 2^(lse_s) o_s / sum_s 2^(lse_s), computed with a running max for stability (the same
-    # online softmax, one split at a time).
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_d = tl.arange(0, D_PAD)
-    d_mask = offs_d < HEAD_DIM
-    first = (b * NUM_Q_HEADS + h) * num_splits
+@triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, first, num_splits, offs_d, d_mask,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """Merge the ``num_splits`` partial results starting at partial ``first`` (normalised outputs
+    ``o_s`` and log2-sum-exp2 ``lse_s``): ``sum_s 2^lse_s o_s / sum_s 2^lse_s``, with a running max
+    (the online softmax, one split at a time). Every split empty (a padding row): zeros."""
     m = float("-inf")
     total = 0.0
     acc = tl.zeros([D_PAD], dtype=tl.float32)
@@ -259,9 +251,25 @@ def _decode_combine_kernel(
         acc = acc * alpha + w * o
         total = total * alpha + w
         m = m_new
-    total = tl.where(total > 0, total, 1.0)  # every split empty (a padding row): zeros
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, (acc / total).to(out_ptr.dtype.element_ty),
-             mask=d_mask)
+    return acc / tl.where(total > 0, total, 1.0)
+
+
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["out_ptr", "part_lse_ptr"])
+def _decode_combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    # Grid (B, num_q_heads): merge the num_splits partial results of one query head. Partial s holds
+    # o_s = softmax-weighted mean of its keys and lse_s = log2(sum of its exp2 scores); the full result
+    # is sum_s 2^(lse_s) o_s / sum_s 2^(lse_s), computed with a running max for stability (the same
+    # online softmax, one split at a time).
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    out = _merge_splits(part_out_ptr, part_lse_ptr, (b * NUM_Q_HEADS + h) * num_splits, num_splits, offs_d,
+                        d_mask, HEAD_DIM, D_PAD)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @functools.cache
@@ -556,23 +564,9 @@ def _prefill_combine_kernel(
         return
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
-    first = (t * NUM_Q_HEADS + h) * num_splits
-    m = float("-inf")
-    total = 0.0
-    acc = tl.zeros([D_PAD], dtype=tl.float32)
-    for s in range(num_splits):
-        lse = tl.load(part_lse_ptr + first + s)
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe)
-        o = tl.load(part_out_ptr + (first + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
-        acc = acc * alpha + w * o
-        total = total * alpha + w
-        m = m_new
-    total = tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, (acc / total).to(out_ptr.dtype.element_ty),
-             mask=d_mask)
+    out = _merge_splits(part_out_ptr, part_lse_ptr, (t * NUM_Q_HEADS + h) * num_splits, num_splits, offs_d,
+                        d_mask, HEAD_DIM, D_PAD)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def _prefill_config(head_dim_pad: int, dtype: torch.dtype) -> dict:
