@@ -14,11 +14,19 @@ synchronized at each boundary:
 * ``execute``: the model runner (input tensors, forward, sampling; host and device);
 * ``output``: the output processor (stop checks, detokenization; host only).
 
+Then ``--unsync-steps`` steps run as the engine runs them, without synchronizing: their wall time
+per step, and the part of it the host spent blocked waiting for the device's tokens
+(``StepResult.host_outputs``); the rest is host work. With async scheduling the host works while
+the device runs, so this window, not the synchronized one, says whether a step is host- or
+device-bound: ``device_busy_share_unsync`` is the profiled device time over this window's step.
+
 Then ``--profile-steps`` more steps run under ``torch.profiler``: the device's busy time per
 step (the sum of its kernels' times) against the step's wall time says whether the step is
 device-bound (busy ~ wall) or host-bound (busy << wall: the GPU waits for Python), and the
 top kernels and host ops say where the time goes. Synchronizing at every boundary costs some
 overlap, so the per-phase times add up to a little more than an unsynchronized step.
+``--host-profile N`` runs N more steps under cProfile and lists the functions with the most
+cumulative host time (cProfile slows Python about 2x: read the shares, not the times).
 """
 
 from __future__ import annotations
@@ -88,6 +96,61 @@ def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None
     return done
 
 
+def _unsync_window(engine, num_steps: int, device) -> dict[str, float]:
+    """Run ``num_steps`` steps without synchronizing; returns the mean wall time per step and the
+    part of it spent waiting for the device (inside :meth:`StepResult.host_outputs`), in ms."""
+    from infer.engine.model_runner import StepResult
+
+    waits: list[float] = []
+    host_outputs = StepResult.host_outputs
+
+    def timed_host_outputs(result):
+        result.start_copy_to_host()
+        if result._ready is not None:
+            t = time.perf_counter()
+            result._ready.synchronize()
+            waits.append(time.perf_counter() - t)
+        return host_outputs(result)
+
+    StepResult.host_outputs = timed_host_outputs
+    try:
+        sync(device)
+        t0 = time.perf_counter()
+        n = _drive(engine, num_steps, device)
+        sync(device)
+        wall = time.perf_counter() - t0
+    finally:
+        StepResult.host_outputs = host_outputs
+    if n == 0:
+        return {}
+    return {"unsync_steps": n, "unsync_step_ms": wall / n * 1e3, "unsync_wait_ms": sum(waits) / n * 1e3,
+            "unsync_host_ms": (wall - sum(waits)) / n * 1e3}
+
+
+def _host_profile(engine, num_steps: int, device, top: int) -> list[dict[str, Any]]:
+    """cProfile ``num_steps`` steps; the ``top`` functions by cumulative time (ms per step)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    n = _drive(engine, num_steps, device)
+    sync(device)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, prim calls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][3])
+    out = []
+    for (file, line, name), (calls, _, tottime, cumtime, _) in rows:
+        if len(out) == top:
+            break
+        if file.endswith("step_profile.py") or name == "<method 'disable' of '_lsprof.Profiler' objects>":
+            continue  # this program's own frames
+        where = f"{Path(file).name}:{line}({name})" if file != "~" else name
+        out.append({"function": where[:80], "calls_per_step": calls / max(n, 1),
+                    "cum_ms_per_step": cumtime / max(n, 1) * 1e3, "self_ms_per_step": tottime / max(n, 1) * 1e3})
+    return out
+
+
 def _kernel_table(prof, device_type: str, top: int) -> tuple[float, list[dict[str, Any]], list[dict[str, Any]]]:
     """(device busy seconds, top device kernels, top host ops) from a finished profiler."""
     from torch.autograd import DeviceType
@@ -107,6 +170,14 @@ def _kernel_table(prof, device_type: str, top: int) -> tuple[float, list[dict[st
     return busy_us / 1e6, dev_rows, host_rows
 
 
+def _num_kernels(prof) -> int:
+    """Device kernels the profiled steps ran (a CUDA graph's kernels counted one by one)."""
+    from torch.autograd import DeviceType
+
+    return sum(e.count for e in prof.key_averages()
+               if e.device_type == DeviceType.CUDA and not e.key.startswith(("ProfilerStep", "Memcpy", "Memset")))
+
+
 def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str, Any]:
     from infer import SamplingParams
 
@@ -124,6 +195,7 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
     if n == 0:
         raise SystemExit(f"no steps left after --skip {args.skip}: lower it or raise --scale")
     mean = {k: sum(v) / n for k, v in phases.items()}
+    unsync = _unsync_window(engine, args.unsync_steps, device) if args.unsync_steps else {}
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -141,6 +213,8 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
         sync(device)
         prof_wall = time.perf_counter() - t0
     busy, dev_rows, host_rows = _kernel_table(prof, device.type, args.top)
+    num_kernels = _num_kernels(prof) if device.type == "cuda" else None
+    host_functions = _host_profile(engine, args.host_profile, device, 2 * args.top) if args.host_profile else []
     for rid in list(engine.requests):  # the rest is not measured: abort it (frees every KV block)
         engine.abort_request(rid)
     kv = engine.scheduler.kv
@@ -152,10 +226,14 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
         "profiled_steps": prof_steps, "kv_blocks_leaked": kv.num_blocks - kv.num_free_blocks,
         "profiled_step_ms": prof_wall / max(prof_steps, 1) * 1e3,
         "device_busy_ms": busy / max(prof_steps, 1) * 1e3 if device.type == "cuda" else None,
+        "kernels_per_step": num_kernels / max(prof_steps, 1) if num_kernels is not None else None,
+        **unsync,
     }
     if row["device_busy_ms"] is not None:  # of an unprofiled (phase-timed) step: the profiler slows the host
         row["device_busy_share"] = row["device_busy_ms"] / row["step_ms"]
-    row["top_kernels"], row["top_host_ops"] = dev_rows, host_rows
+        if unsync:
+            row["device_busy_share_unsync"] = row["device_busy_ms"] / row["unsync_step_ms"]
+    row["top_kernels"], row["top_host_ops"], row["host_functions"] = dev_rows, host_rows, host_functions
     return row
 
 
@@ -176,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip", type=int, default=20, help="steps before the timed window (prefills) [20]")
     ap.add_argument("--steps", type=int, default=30, help="steps timed phase by phase [30]")
     ap.add_argument("--profile-steps", type=int, default=5, help="steps under torch.profiler [5]")
+    ap.add_argument("--unsync-steps", type=int, default=30,
+                    help="steps timed without synchronizing (host work vs waiting for the device) [30]")
+    ap.add_argument("--host-profile", type=int, default=0, help="steps under cProfile (host functions) [0]")
     ap.add_argument("--top", type=int, default=12, help="rows of the kernel and host-op tables [12]")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", default=None, help="JSON report (and .md beside it)")
@@ -200,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         free_device_memory()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cols = ["label", "seqs_per_step", "tokens_per_step", "schedule_ms", "execute_ms", "output_ms", "step_ms",
-            "profiled_step_ms", "device_busy_ms", "device_busy_share"]
+            "profiled_step_ms", "device_busy_ms", "device_busy_share", "unsync_step_ms", "unsync_wait_ms",
+            "unsync_host_ms", "device_busy_share_unsync", "kernels_per_step"]
     table = (f"step profile: {args.model} on {device}, workload scale {args.scale} "
              f"({wl.num_requests} requests), steps {args.skip + 1}-{args.skip + args.steps} timed, "
              f"{args.profile_steps} profiled\n\n" + markdown_table(rows, cols))
@@ -210,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                                   ["kernel", "calls", "device_ms", "share"])
         table += f"\n\ntop host ops (self CPU), {r['label']}:\n\n" + markdown_table(r["top_host_ops"],
                                                                                  ["op", "calls", "self_cpu_ms"])
+        if r["host_functions"]:
+            table += f"\n\nhost functions under cProfile, {r['label']}:\n\n" + markdown_table(
+                r["host_functions"], ["function", "calls_per_step", "cum_ms_per_step", "self_ms_per_step"])
     report = {"benchmark": "step_profile", "model": args.model, "environment": environment(device),
               "workload": {"num_requests": wl.num_requests, **sizes, "seed": args.seed},
               "args": {k: v for k, v in vars(args).items() if k != "engine_kwargs"}, "results": rows}

@@ -35,7 +35,7 @@ MAX_OUT_FILES=8
 
 SECTIONS=(env tests parity parity_fp32 bench_kernels bench_single bench_paged server bench_offline bench_serve bench_step
           bench_fused bench_sampler bench_flags parity_fused greedy_agreement bench_flags_nano bench_chunked
-          bench_moe bench_moe_model tests_new bench_prefix bench_structured bench_offload)
+          bench_moe bench_moe_model tests_new bench_prefix bench_structured bench_offload bench_step1)
 CKPT="${CKPT:-/tmp/infer-ckpt}"  # synthetic checkpoints, shared by the sections
 
 # ----------------------------------------------------------------------------- environment
@@ -186,6 +186,23 @@ section_bench_step() {
         --max-num-batched-tokens 16384 --no-progress \
         --infer-configs "${STEP_CONFIGS:-batching=continuous;batching=continuous,kv_cache=paged}" \
         --out "$OUT/step_$preset.json" ${STEP_ARGS:-}
+}
+
+# Phases 8-9 at batch 1: one request decoding alone (600 greedy tokens after a 128-token prompt),
+# every flag on: device busy per step, kernels per step, host work vs waiting for the device (the
+# unsynchronized window) and where the host's time goes (cProfile). STEP1_PRESETS picks the models.
+section_bench_step1() {
+    local preset rc=0
+    for preset in ${STEP1_PRESETS:-qwen3-0.6b qwen3-4b}; do
+        [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
+        # shellcheck disable=SC2086
+        "$PY" benchmarks/step_profile.py --model "$CKPT/$preset" --device cuda --dtype bfloat16 --max-num-seqs 1 \
+            --num-requests 1 --min-len 128 --max-len 128 --min-output-len 700 --max-output-len 700 --temperature 0 \
+            --skip 5 --steps 50 --unsync-steps 300 --profile-steps 20 --host-profile 100 --no-progress \
+            --infer-configs "${STEP1_CONFIGS:-kv_cache=paged,fused_kernels=true,cuda_graphs=true,async_scheduling=true}" \
+            --out "$OUT/step1_$preset.json" ${STEP1_ARGS:-} || rc=1
+    done
+    return "$rc"
 }
 
 # Phase 8: each fused kernel against the unfused PyTorch ops (CUDA-graph replays), bf16, Qwen3 shapes.

@@ -340,10 +340,12 @@ def test_step_profile_times_the_steady_decode_batch_and_leaks_no_blocks(tmp_path
     model = make_checkpoint("tiny-llama", tmp_path / "tiny", dtype="float32", device="cpu")
     out = tmp_path / "step.json"
     # 4 requests of 4-8 prompt tokens, 20 output tokens each: step 1 prefills all four (one
-    # token budget), steps 2-4 are decodes of 4 sequences, 4 tokens; 2 more run under the profiler
+    # token budget), steps 2-4 are decodes of 4 sequences, 4 tokens; 4 more unsynchronized, 2 more
+    # under the profiler, 2 under cProfile
     rc = step_profile.main(["--model", str(model), "--device", "cpu", "--num-requests", "4", "--min-len", "4",
                             "--max-len", "8", "--min-output-len", "20", "--max-output-len", "20", "--skip", "1",
-                            "--steps", "3", "--profile-steps", "2", "--no-progress", "--out", str(out),
+                            "--steps", "3", "--profile-steps", "2", "--unsync-steps", "4", "--host-profile", "2",
+                            "--no-progress", "--out", str(out),
                             "--infer-configs", f"batching=continuous,kv_cache={kv_cache}"])
     assert rc == 0
     (row,) = json.loads(out.read_text())["results"]
@@ -353,6 +355,13 @@ def test_step_profile_times_the_steady_decode_batch_and_leaks_no_blocks(tmp_path
     assert row["execute_ms"] > 0 and row["profiled_steps"] == 2 and row["device_busy_ms"] is None  # CPU
     assert row["kv_blocks_leaked"] == 0  # the aborted rest gave every block back
     assert any(op["op"] == "aten::mm" or op["op"] == "aten::addmm" for op in row["top_host_ops"])
+    # the unsynchronized window: on the CPU nothing runs ahead, so no step waits for a device
+    assert row["unsync_steps"] == 4 and row["unsync_wait_ms"] == 0
+    assert row["unsync_host_ms"] == pytest.approx(row["unsync_step_ms"]) and row["unsync_step_ms"] > 0
+    # cProfile of 2 more steps: one engine step each, which ran one execute
+    fns = {f["function"].split(":")[0] + ":" + f["function"].split("(")[-1]: f for f in row["host_functions"]}
+    assert fns["llm_engine.py:step)"]["calls_per_step"] == 1
+    assert fns["model_runner.py:execute)"]["cum_ms_per_step"] <= fns["llm_engine.py:step)"]["cum_ms_per_step"]
 
 
 # ---------------------------------------------------------------------------------- greedy agreement
