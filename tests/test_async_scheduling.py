@@ -168,3 +168,41 @@ def test_tokens_the_next_sampling_needs_are_applied_between_its_forward_and_its_
         got += [o for o in eng.step() if o.finished]
     got += [o for o in eng.step() if o.finished]
     assert got[0].outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_reused_sampling_tensors_give_the_tokens_of_tensors_built_every_step(tiny_llama, async_scheduling):
+    """ModelRunner._sampling_tensors reuses the last step's tensors while the same sequences sample
+    (only the stream positions are copied). Seeded random rows, greedy rows, a ``min_tokens`` ban
+    that ends mid-run, n = 2 and requests arriving and finishing (the batch changes) must give the
+    tokens and logprobs of a runner that builds the tensors at every step."""
+    rng = random.Random(7)
+    vocab = tiny_llama.config.vocab_size
+    arrivals = []
+    for i in range(8):
+        prompt = [rng.randrange(100, vocab - 100) for _ in range(rng.randint(3, 20))]
+        kind = i % 4
+        if kind == 0:
+            params = SamplingParams(max_tokens=rng.randint(8, 20), temperature=0.0, ignore_eos=True)
+        elif kind == 1:
+            params = SamplingParams(max_tokens=20, temperature=0.9, seed=i, top_p=0.9, logprobs=1, ignore_eos=True)
+        elif kind == 2:
+            # a third of the vocabulary stops it, once the ban is over (the stop lands soon after)
+            params = SamplingParams(max_tokens=16, temperature=0.8, seed=i, min_tokens=6,
+                                    stop_token_ids=list(range(vocab // 3)))
+        else:
+            params = SamplingParams(max_tokens=12, temperature=1.0, seed=i, n=2, ignore_eos=True)
+        arrivals.append((rng.choice([0, 0, 0, 5, 9]), prompt, params))
+    base = dict(batching="continuous", max_model_len=64, max_num_seqs=8, kv_cache="paged", block_size=4,
+                async_scheduling=async_scheduling)
+    fresh = make_engine(tiny_llama, **base)
+    fresh.runner._sampling_tensors = fresh.runner._build_sampling_tensors  # no reuse: built every step
+    ref = _full(fresh, arrivals)
+    eng = make_engine(tiny_llama, **base)
+    built, calls = [], []
+    build, get = eng.runner._build_sampling_tensors, eng.runner._sampling_tensors
+    eng.runner._build_sampling_tensors = lambda *a: built.append(1) or build(*a)
+    eng.runner._sampling_tensors = lambda *a: calls.append(1) or get(*a)
+    assert _full(eng, arrivals) == ref
+    assert len(calls) - len(built) >= 10, (len(built), len(calls))  # the steady stretches reused them
+    assert_pool_full(eng)

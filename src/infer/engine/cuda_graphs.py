@@ -55,7 +55,7 @@ import torch
 from tqdm.auto import tqdm
 
 from infer.attention import AttentionMetadata, KVCache
-from infer.engine.model_runner import block_table_array
+from infer.engine.model_runner import block_table_array, patch_input_ids
 
 log = logging.getLogger("infer")
 
@@ -299,7 +299,7 @@ class CUDAGraphRunner:
         packed = self.packed[:n]
         packed.copy_(host[:n], non_blocking=True)
         if patch is not None:  # a decode-only step: flat position = row, inside the ids part
-            packed.index_copy_(0, *patch)
+            patch_input_ids(packed, patch)
         if self.on_staged is not None:
             self.on_staged(b, bs, width, packed)
         return self.run_packed(b, bs, width, packed)
@@ -345,7 +345,7 @@ class CUDAGraphRunner:
         packed = self._prefill_packed[:n]
         packed.copy_(host[:n], non_blocking=True)
         if patch is not None:  # flat positions are rows of the ids part
-            packed.index_copy_(0, *patch)
+            patch_input_ids(packed, patch)
         self._ids_pos_slots[:, :tb].copy_(packed[: 3 * tb].view(3, tb))
         self.seq_lens[:1].copy_(packed[3 * tb: 3 * tb + 1])
         self.prefill_query_start_loc[1:].copy_(packed[3 * tb + 1: 3 * tb + 2])

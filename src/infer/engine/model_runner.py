@@ -17,6 +17,7 @@ samples only after its last chunk.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,6 +83,17 @@ class StepResult:
             self._ready.synchronize()
         lists = [t.tolist() for t in self._host]
         return (lists[0], *(lists[1:] if len(lists) > 1 else (None, None, None)))
+
+
+def patch_input_ids(input_ids: torch.Tensor, patch: tuple[torch.Tensor | None, torch.Tensor]) -> None:
+    """Async scheduling: write the tokens the previous step sampled into this step's ``input_ids``
+    (``[T]`` int64, on the device). ``patch`` is ``(flat positions [P] int64, tokens [P] int64)``,
+    or ``(None, tokens)`` when the positions are the first ``P``."""
+    index, tokens = patch
+    if index is None:
+        input_ids[: tokens.shape[0]].copy_(tokens)
+    else:
+        input_ids.index_copy_(0, index, tokens)
 
 
 def kv_heads_per_rank(model) -> int:
@@ -282,6 +294,10 @@ class ModelRunner:
         self.graphs = None
         self._bitmask_bufs: list[torch.Tensor] | None = None  # structured output's host staging pair
         self._bitmask_turn = 0
+        # the last step's sampling tensors, reused while the same sequences sample (_sampling_tensors)
+        self._last_sampling: tuple[list[Sequence], SamplingTensors] | None = None
+        self._steps_bufs: list[torch.Tensor] | None = None  # their host staging pair for the stream positions
+        self._steps_turn = 0
         if cuda_graphs:
             from infer.engine.cuda_graphs import CUDAGraphRunner
 
@@ -342,7 +358,11 @@ class ModelRunner:
         patch = None
         if prev is not None and prev.sampler_output is not None:
             flat, rows = self._placeholders(scheduled, starts, prev)
-            if flat:
+            if flat and flat == rows and flat[-1] == len(flat) - 1:
+                # the common decode step: the previous step's rows, in its order, are this step's
+                # first ids (a device-to-device copy; no index tensors to build and send)
+                patch = (None, prev.sampler_output.next_tokens[: len(flat)])
+            elif flat:
                 patch = (self._to_device(flat, torch.int64),
                          prev.sampler_output.next_tokens[self._to_device(rows, torch.int64)])
         if self.graphs is not None and self.graphs.can_run(len(ids), num_decodes):
@@ -366,7 +386,7 @@ class ModelRunner:
         meta = self._metadata(starts, seq_lens, self._to_device(slots, torch.int64), tables, num_decodes)
         input_ids = self._to_device(ids, torch.int64)
         if patch is not None:
-            input_ids.index_copy_(0, *patch)
+            patch_input_ids(input_ids, patch)
         hidden = self._forward(input_ids, self._to_device(positions, torch.int64), meta)
         self._copy_fork_blocks(scheduled)
         prompt_lp = self._prompt_logprobs(scheduled, starts, hidden)
@@ -473,6 +493,44 @@ class ModelRunner:
         # <<< EXERCISE flatten_batch
 
     def _sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int]) -> SamplingTensors:
+        """The step's :class:`SamplingTensors` for ``seqs`` (the sampler's rows, in order).
+
+        Building them costs ~0.1-0.2 ms of host time per step, as much as the rest of a batch-1
+        decode step's preparation. So when the same sequences sample again, in the same order,
+        and no row carries state that changes per step (penalty histories, a ``min_tokens`` ban,
+        a structured-output bitmask), the last step's tensors are reused: only the stream
+        positions (``steps``, which key the random draws) are copied, and not even those when
+        every row is greedy. (vLLM's persistent batch keeps its sampling metadata the same way.)
+        """
+        stateless = all(s.guide is None and s.num_output_tokens >= s.params.min_tokens
+                        and s.params.repetition_penalty == 1.0 and s.params.presence_penalty == 0.0
+                        and s.params.frequency_penalty == 0.0 for s in seqs)
+        last = self._last_sampling
+        if stateless and last is not None and len(last[0]) == len(seqs) and all(map(operator.is_, last[0], seqs)):
+            tensors = last[1]
+            if not tensors.all_greedy:
+                self._copy_steps(tensors.steps, [s.num_output_tokens for s in seqs])
+            return tensors
+        tensors = self._build_sampling_tensors(seqs, eos_ids)
+        self._last_sampling = (list(seqs), tensors) if stateless else None
+        return tensors
+
+    def _copy_steps(self, steps: torch.Tensor, values: list[int]) -> None:
+        """Write ``values`` into the device tensor ``steps`` through a pinned staging pair (the
+        buffer written now was last read by the copy of two steps ago, which has completed: the
+        engine waited for that step's tokens)."""
+        n = len(values)
+        if self.device.type != "cuda":
+            steps.copy_(torch.tensor(values, dtype=torch.int64))
+            return
+        if self._steps_bufs is None or self._steps_bufs[0].shape[0] < n:
+            self._steps_bufs = [torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        buf = self._steps_bufs[self._steps_turn]
+        self._steps_turn ^= 1
+        buf.numpy()[:n] = values
+        steps.copy_(buf[:n], non_blocking=True)
+
+    def _build_sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int]) -> SamplingTensors:
         suppress = []
         for seq in seqs:
             p = seq.params
