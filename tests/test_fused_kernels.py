@@ -184,6 +184,56 @@ def test_qk_norm_rope_matches_reference(dtype, norm, shape, t):
     assert_close(a, b, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", ["none", "llama"])
+@pytest.mark.parametrize("block_major", [False, True], ids=["layer-major", "block-major"])
+def test_qk_norm_rope_writes_the_kv_cache(dtype, norm, block_major):
+    """With ``kv_cache`` the kernel also stores each token's rotated k and its v at its slot (the
+    fused reshape_and_cache); slot -1 (a padding row) writes nothing, and no other slot changes."""
+    hq, hkv, d, t, num_blocks, bs = 4, 2, 32, 7, 5, 4
+    g = torch.Generator().manual_seed(11 + block_major)
+    qkv, pos, cache, (qw, kw) = qk_case(g, t, hq, hkv, d, dtype, norm, pad=3)
+    if block_major:  # one block of every layer contiguous: a layer's cache is a strided view (phase 10)
+        full = randn(g, num_blocks, 2, 3, bs, hkv, d, dtype=dtype)
+        k_cache, v_cache = full[:, 0, 1], full[:, 1, 1]
+    else:
+        k_cache, v_cache = randn(g, num_blocks, bs, hkv, d, dtype=dtype), randn(g, num_blocks, bs, hkv, d, dtype=dtype)
+    slots = torch.randperm(num_blocks * bs, generator=g)[:t]
+    slots[3] = -1
+    slots = slots.to(DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_old, v_old = k_cache.clone(), v_cache.clone()
+    a, b = qkv.clone(), qkv.clone()
+    q, k, v = ops.qk_norm_rope(a, pos, cache, hq, hkv, d, qw, kw, EPS, False, kv_cache=(k_cache, v_cache),
+                               slot_mapping=slots)
+    qr, kr, vr = ref.qk_norm_rope(b, pos, cache, hq, hkv, d, qw, kw, EPS, False, kv_cache=(k_ref, v_ref),
+                                  slot_mapping=slots)
+    assert_close(a, b, dtype)  # the in-place q/k results are the same as without the cache
+    assert_close(k_cache, k_ref, dtype)
+    assert torch.equal(v_cache, v_ref)
+    flat_k, flat_v = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
+    written = slots[slots >= 0]
+    assert torch.equal(flat_k[written], k[slots >= 0]) and torch.equal(flat_v[written], v[slots >= 0])
+    untouched = torch.ones(num_blocks * bs, dtype=torch.bool)
+    untouched[written.cpu()] = False
+    assert torch.equal(flat_k[untouched], k_old.reshape(-1, hkv, d)[untouched])
+    assert torch.equal(flat_v[untouched], v_old.reshape(-1, hkv, d)[untouched])
+
+
+@pytest.mark.parametrize("impl", [ops, ref], ids=["triton", "reference"])
+def test_qk_norm_rope_rejects_a_bad_cache(impl):
+    g = torch.Generator().manual_seed(3)
+    qkv, pos, cache, _ = qk_case(g, 3, 4, 2, 32, torch.float32, "none")
+    good = randn(g, 2, 4, 2, 32)
+    slots = torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="k_cache must be"):
+        impl.qk_norm_rope(qkv, pos, cache, 4, 2, 32, kv_cache=(randn(g, 2, 4, 3, 32), good), slot_mapping=slots)
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        impl.qk_norm_rope(qkv, pos, cache, 4, 2, 32, kv_cache=(good, good.clone()), slot_mapping=slots.int())
+    with pytest.raises(ValueError, match="float32"):
+        impl.qk_norm_rope(qkv, pos, cache, 4, 2, 32, kv_cache=(good.double(), good.double()), slot_mapping=slots)
+
+
 def unfused_qk(qkv, positions, hq, hkv, d, qw, kw, unit_offset, inv):
     """The unfused path of layers.Attention.forward: split, q_norm/k_norm, cat, rope_cos_sin + apply_rope."""
     t = qkv.shape[0]
@@ -441,9 +491,11 @@ for uo in (False, True):
                                "stride_r": "i32", **{k: v for k, v in norm_sig.items() if k != "stride_x"}}, c, 8)
     for d in (128, 256):
         sig = {"qkv_ptr": bf, "pos_ptr": "*i64", "cs_ptr": "*fp32", "qw_ptr": bf, "kw_ptr": bf, "stride_t": "i32",
-               "max_positions": "i32", "eps": "fp32"}
+               "max_positions": "i32", "eps": "fp32", "k_cache_ptr": bf, "v_cache_ptr": bf, "slot_ptr": "*i64",
+               "stride_cb": "i64", "stride_ct": "i32", "stride_ch": "i32", "block_size": "i32"}
         consts = {"NUM_Q_HEADS": 32, "NUM_HEADS": 40, "HEAD_DIM": d, "HALF": d // 2, "HALF_PAD": d // 2,
-                  "BLOCK_H": 512 // d, "HAS_NORM": True, "UNIT_OFFSET": uo, "MANUAL_BF16": False}
+                  "BLOCK_H": 512 // d, "HAS_NORM": True, "UNIT_OFFSET": uo, "MANUAL_BF16": False,
+                  "WRITE_CACHE": uo, "NUM_KV_HEADS": 8}  # with and without the fused cache write
         out[f"qk{d}{uo}"] = compile_(ft._qk_norm_rope_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 2)
     out[f"act{uo}"] = compile_(ft._act_and_mul_kernel, {"gu_ptr": bf, "out_ptr": bf, "stride_gu": "i32",
                                "stride_o": "i32", "I": "constexpr", "BLOCK": "constexpr", "GELU_TANH": "constexpr",

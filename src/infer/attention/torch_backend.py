@@ -273,8 +273,9 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """Write this step's K/V to the cache, then attend.
+        """Write this step's K/V to the cache (unless ``kv_written``: the caller stored them), then attend.
 
         Args:
             q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]``.
@@ -284,7 +285,8 @@ class TorchAttentionBackend:
         cache = meta.kv_cache
         if cache is None:
             return cacheless_attention(q, k, v, meta, scale, window)
-        cache.write(layer_idx, k, v, meta.slot_mapping)
+        if not kv_written:
+            cache.write(layer_idx, k, v, meta.slot_mapping)
         starts = meta.query_start_loc_cpu
         decode = meta.decode_batch()
         prefills = meta.prefill_indices()

@@ -25,6 +25,8 @@ class TritonAttentionBackend:
     """Triton kernels over the KV cache (paged or contiguous); see the module docstring."""
 
     name = "triton"
+    # the fused forward (phase 8) stores K/V in its RoPE kernel, then passes kv_written=True
+    cache_write_in_rope = True
 
     def __init__(self, device: torch.device | str) -> None:
         from infer.attention import triton_ops  # imports triton
@@ -33,8 +35,8 @@ class TritonAttentionBackend:
         self.device = torch.device(device)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-        """Write this step's K/V to the cache, then attend.
+                meta: AttentionMetadata, scale: float, window: int | None, kv_written: bool = False) -> torch.Tensor:
+        """Write this step's K/V to the cache (unless ``kv_written``: the caller stored them), then attend.
 
         Args:
             q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]``.
@@ -45,7 +47,8 @@ class TritonAttentionBackend:
         if cache is None:
             return cacheless_attention(q, k, v, meta, scale, window)
         k_cache, v_cache = cache.layer(layer_idx)
-        self.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_written:
+            self.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         # flash-decoding split count: once per step and window size, from host numbers only (no sync)
         key = ("num_splits", window)
         splits = meta.scratch.get(key)

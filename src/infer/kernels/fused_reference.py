@@ -170,8 +170,11 @@ def qk_norm_rope(
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     unit_offset: bool = False,
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split a merged QKV projection, RMS-normalize q and k per head, rotate them (RoPE), in place.
+    """Split a merged QKV projection, RMS-normalize q and k per head, rotate them (RoPE), in place;
+    with ``kv_cache``, also store the new K/V into the KV cache.
 
     ``qkv[t] = [q heads | k heads | v heads]`` (``num_heads``, ``num_kv_heads``, ``num_kv_heads`` heads of
     ``head_dim``). With ``q_weight``/``k_weight`` (Qwen3's and Gemma 3's QK-norm), each q and k head is
@@ -201,6 +204,11 @@ def qk_norm_rope(
         num_heads, num_kv_heads, head_dim: the layout of ``qkv``; ``head_dim`` even.
         q_weight, k_weight: ``[head_dim]`` in ``qkv``'s dtype, both or neither.
         eps, unit_offset: as in :func:`rms_norm`.
+        kv_cache: ``(k_cache, v_cache)``, one layer's ``[num_blocks, block_size, num_kv_heads,
+            head_dim]`` in ``qkv``'s dtype: the rotated k and the v of token ``t`` are stored at flat
+            slot ``slot_mapping[t]`` (:func:`infer.attention.paged_reference.reshape_and_cache`; the
+            Triton kernel does it in the same launch, as vLLM's and SGLang's fused RoPE kernels do).
+        slot_mapping: int64 ``[T]`` with ``kv_cache``; negative slots are skipped (padding).
 
     Returns:
         ``(q, k, v)``: views of ``qkv``, ``[T, num_heads, head_dim]``, ``[T, num_kv_heads, head_dim]``,
@@ -231,7 +239,41 @@ def qk_norm_rope(
     c, e = x2 * cos, x1 * sin
     torch.sub(a, b, out=qk[..., :half])  # float32 results, rounded once into qkv's dtype
     torch.add(c, e, out=qk[..., half:])
-    return heads[:, :hq], heads[:, hq:h], heads[:, h:]
+    q, k, v = heads[:, :hq], heads[:, hq:h], heads[:, h:]
+    if kv_cache is not None:
+        from infer.attention.paged_reference import reshape_and_cache
+
+        check_cache_write(qkv, kv_cache, slot_mapping, num_kv_heads, head_dim)
+        reshape_and_cache(k, v, *kv_cache, slot_mapping)
+    return q, k, v
+
+
+def check_cache_write(qkv: torch.Tensor, kv_cache, slot_mapping, num_kv_heads: int, head_dim: int) -> None:
+    """The ``kv_cache`` and ``slot_mapping`` arguments of :func:`qk_norm_rope`.
+
+    Raises:
+        ValueError: not a pair of equal ``[num_blocks, block_size, num_kv_heads, head_dim]`` caches in
+            ``qkv``'s dtype and device with a contiguous last dimension, or ``slot_mapping`` not int64
+            ``[T]`` on that device.
+    """
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+        raise ValueError("kv_cache must be a (k_cache, v_cache) pair")
+    k_cache, v_cache = kv_cache
+    want = (num_kv_heads, head_dim)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or tuple(c.shape[2:]) != want:
+            raise ValueError(f"{name} must be [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+                             f"got shape {tuple(c.shape)}")
+        if c.dtype != qkv.dtype or c.device != qkv.device:
+            raise ValueError(f"{name} is {c.dtype} on {c.device}; qkv is {qkv.dtype} on {qkv.device}")
+        if c.stride(3) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (strides {c.stride()})")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache and v_cache must have the same shape and strides "
+                         f"({tuple(k_cache.shape)} {k_cache.stride()} vs {tuple(v_cache.shape)} {v_cache.stride()})")
+    if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64
+            or slot_mapping.shape != (qkv.shape[0],) or slot_mapping.device != qkv.device):
+        raise ValueError(f"slot_mapping must be an int64 [T={qkv.shape[0]}] tensor on {qkv.device}")
 
 
 # ============================================================================ act(gate) * up

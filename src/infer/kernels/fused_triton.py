@@ -39,6 +39,7 @@ from infer.kernels.fused_reference import (
     build_cos_sin_cache,
     check_act_and_mul,
     check_add_rms_norm,
+    check_cache_write,
     check_qk_norm_rope,
     check_rms_norm,
 )
@@ -213,13 +214,16 @@ def fused_add_rms_norm(
 @triton.jit(do_not_specialize=["max_positions"], do_not_specialize_on_alignment=["pos_ptr"])
 def _qk_norm_rope_kernel(
     qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, stride_t, max_positions, eps,
+    k_cache_ptr, v_cache_ptr, slot_ptr, stride_cb, stride_ct, stride_ch, block_size,
     NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-    MANUAL_BF16: tl.constexpr,
+    MANUAL_BF16: tl.constexpr, WRITE_CACHE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     # Grid (T, cdiv(Hq + Hkv, BLOCK_H)): program (t, j) rewrites BLOCK_H of token t's q/k heads (q heads
     # first, then k heads, as they lie in qkv). Each head is loaded as its two halves [BLOCK_H, HALF],
-    # the pairs that the rotation mixes, so no shuffle is needed.
+    # the pairs that the rotation mixes, so no shuffle is needed. With WRITE_CACHE the grid also covers
+    # the v heads (cdiv(Hq + 2 Hkv, BLOCK_H) programs), and each k and v head is stored into the KV
+    # cache at the token's slot as well (reshape_and_cache fused in: one launch fewer per layer).
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs = tl.arange(0, HALF_PAD)
@@ -228,8 +232,12 @@ def _qk_norm_rope_kernel(
     mask = h_mask[:, None] & d_mask[None, :]
     ptr1 = qkv_ptr + t * stride_t + heads[:, None] * HEAD_DIM + offs[None, :]
     ptr2 = ptr1 + HALF
-    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr2, mask=mask, other=0.0).to(tl.float32)
+    load_mask = mask
+    if WRITE_CACHE:  # the v heads are read too (to be copied into the cache)
+        load_mask = (heads < NUM_HEADS + NUM_KV_HEADS)[:, None] & d_mask[None, :]
+    x1 = tl.load(ptr1, mask=load_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr2, mask=load_mask, other=0.0).to(tl.float32)
+    v1, v2 = x1, x2  # the v heads' values, as loaded
     dtype = qkv_ptr.dtype.element_ty
     if HAS_NORM:
         # per-head RMSNorm over both halves, q heads with q_weight, k heads with k_weight
@@ -252,8 +260,25 @@ def _qk_norm_rope_kernel(
     pos = tl.minimum(tl.maximum(pos, 0), max_positions - 1)
     cos = tl.load(cs_ptr + pos * HEAD_DIM + offs, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(cs_ptr + pos * HEAD_DIM + HALF + offs, mask=d_mask, other=0.0)[None, :]
-    tl.store(ptr1, _round(x1 * cos - x2 * sin, dtype, MANUAL_BF16), mask=mask)
-    tl.store(ptr2, _round(x2 * cos + x1 * sin, dtype, MANUAL_BF16), mask=mask)
+    y1 = _round(x1 * cos - x2 * sin, dtype, MANUAL_BF16)
+    y2 = _round(x2 * cos + x1 * sin, dtype, MANUAL_BF16)
+    tl.store(ptr1, y1, mask=mask)
+    tl.store(ptr2, y2, mask=mask)
+    if WRITE_CACHE:
+        # the token's cache row: block slot // block_size, offset slot % block_size (slot < 0: padding,
+        # nothing written); k heads get their rotated values, v heads their loaded ones
+        slot = tl.load(slot_ptr + t)
+        row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
+        is_k = (heads >= NUM_Q_HEADS) & h_mask & (slot >= 0)
+        is_v = (heads >= NUM_HEADS) & (heads < NUM_HEADS + NUM_KV_HEADS) & (slot >= 0)
+        k_ptr = k_cache_ptr + row + (heads - NUM_Q_HEADS)[:, None] * stride_ch + offs[None, :]
+        v_ptr = v_cache_ptr + row + (heads - NUM_HEADS)[:, None] * stride_ch + offs[None, :]
+        k_mask = is_k[:, None] & d_mask[None, :]
+        v_mask = is_v[:, None] & d_mask[None, :]
+        tl.store(k_ptr, y1, mask=k_mask)
+        tl.store(k_ptr + HALF, y2, mask=k_mask)
+        tl.store(v_ptr, v1.to(dtype), mask=v_mask)
+        tl.store(v_ptr + HALF, v2.to(dtype), mask=v_mask)
 
 
 def _qk_rope_config(num_heads: int, head_dim: int) -> tuple[int, int]:
@@ -275,9 +300,12 @@ def qk_norm_rope(
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     unit_offset: bool = False,
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k (optional) and RoPE, in place in the merged QKV output
-    (see :func:`infer.kernels.fused_reference.qk_norm_rope` for the exact numerics).
+    (see :func:`infer.kernels.fused_reference.qk_norm_rope` for the exact numerics), and with
+    ``kv_cache`` the cache write of the new K/V in the same kernel.
 
     Args:
         qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]``, last dimension contiguous; its q and k
@@ -287,6 +315,12 @@ def qk_norm_rope(
         num_heads, num_kv_heads, head_dim: the layout; head_dim even.
         q_weight, k_weight: ``[head_dim]`` in qkv's dtype, both or neither (QK-norm).
         eps, unit_offset: as in :func:`rms_norm`.
+        kv_cache: ``(k_cache, v_cache)``, one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``
+            in qkv's dtype (strided blocks allowed, last dimension contiguous): the rotated k and the v of
+            token ``t`` are stored at slot ``slot_mapping[t]``, as
+            :func:`infer.attention.triton_ops.reshape_and_cache` would (vLLM and SGLang fuse the same
+            write into their RoPE kernels). ``None``: the cache is not touched.
+        slot_mapping: int64 ``[T]`` with ``kv_cache``; negative slots are skipped (padding).
 
     Returns:
         ``(q, k, v)`` views of ``qkv``: ``[T, Hq, D]``, ``[T, Hkv, D]``, ``[T, Hkv, D]``.
@@ -296,18 +330,25 @@ def qk_norm_rope(
         RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
     """
     check_qk_norm_rope(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_weight, k_weight)
+    if kv_cache is not None:
+        check_cache_write(qkv, kv_cache, slot_mapping, num_kv_heads, head_dim)
     t = qkv.shape[0]
     heads = num_heads + num_kv_heads
     if t > 0:
         _check_launchable(qkv)
         block_h, warps = _qk_rope_config(heads, head_dim)
         has_norm = q_weight is not None
-        _qk_norm_rope_kernel[(t, triton.cdiv(heads, block_h))](
+        write = kv_cache is not None
+        k_cache, v_cache = kv_cache if write else (qkv, qkv)
+        _qk_norm_rope_kernel[(t, triton.cdiv(heads + (num_kv_heads if write else 0), block_h))](
             qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
             qkv.stride(0), cos_sin_cache.shape[0], eps,
+            k_cache, v_cache, slot_mapping if write else positions,
+            *(k_cache.stride()[:3] if write else (0, 0, 0)), k_cache.shape[1] if write else 1,
             NUM_Q_HEADS=num_heads, NUM_HEADS=heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
             HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h, HAS_NORM=has_norm,
-            UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(qkv), num_warps=warps,
+            UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(qkv), WRITE_CACHE=write,
+            NUM_KV_HEADS=num_kv_heads, num_warps=warps,
         )
     q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : heads * head_dim].view(t, num_kv_heads, head_dim)
