@@ -396,7 +396,6 @@ def test_runtime_ints_are_not_specialized():
 
     assert {"stride_bt", "num_splits", "window"} <= names(ops._paged_decode_kernel)
     assert {"stride_bt", "window"} <= names(ops._paged_prefill_kernel)
-    assert {"num_splits"} <= names(ops._decode_combine_kernel)
 
 
 def test_auto_num_splits():
@@ -589,9 +588,9 @@ def test_gpu_no_recompilation_across_batches_widths_and_splits():
                                     case.scale, window=window)
 
     decode(2, 10, 1)
-    decode(2, 10, 2)  # both store paths of the decode kernel, and the combine kernel
+    decode(2, 10, 2)  # both store paths of the decode kernel (the split one merges in the kernel)
     prefill(2, 10, 30)
-    kernels = (ops._paged_decode_kernel, ops._decode_combine_kernel, ops._paged_prefill_kernel)
+    kernels = (ops._paged_decode_kernel, ops._paged_prefill_kernel)
     before = [compiled_variants(k) for k in kernels]
     for b, w, splits, window in ((1, 7, 1, None), (8, 16, 3, 50), (5, 33, 1, 1), (3, 64, 16, 17), (7, 9, None, None)):
         decode(b, w, splits, window)
@@ -610,3 +609,22 @@ def test_gpu_benchmark_runs(tmp_path):
                                  "--out", str(tmp_path)]) == 0
     assert math.isfinite(json.loads((tmp_path / "paged_attention.json").read_text())["decode"][0]
                          ["triton_frac"])
+
+
+@pytest.mark.gpu
+def test_gpu_split_decode_merges_the_same_result_every_launch():
+    """The last of a sequence's split programs merges the partials (an acq_rel counter publishes
+    them): whichever program that is, the merge reads every split in the same order, so 200 launches
+    give bit-identical outputs. A merge that read a partial before it was written would not."""
+    seq_lens = [3000, 1, 700, 4096]
+    case = gpu_case(seq_lens, 32, 8, 128, 16, seed=91)
+    q = gpu_randn(case, len(seq_lens), 32, 128)
+    k32, v32 = case.float_caches()
+    first = ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+                                       num_splits=48)
+    expected = ref.paged_decode_attention(q.float(), k32, v32, case.block_tables, case.seq_lens, case.scale)
+    assert rel_err(first, expected) < 1e-2
+    for _ in range(200):
+        out = ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                         case.scale, num_splits=48)
+        assert torch.equal(out, first)

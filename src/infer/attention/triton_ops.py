@@ -139,7 +139,7 @@ def reshape_and_cache(
 )
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, window, num_splits,
+    counter_ptr, qk_scale, window, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -230,6 +230,19 @@ def _paged_decode_kernel(
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
                  mask=out_mask)
+        # The last of the num_splits programs of (b, kvh) to finish merges them all (no second kernel:
+        # one launch fewer per layer, the "semaphore" split-K of stream-K GEMMs). The barrier puts every
+        # thread's partial stores before the counter's acq_rel increment, which publishes them to the
+        # program that sees the final count; that one reads them from L2 (.cg), then re-arms the counter.
+        tl.debug_barrier()
+        count = tl.atomic_add(counter_ptr + b64 * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+        if count == num_splits - 1:
+            for g in tl.static_range(GROUP):
+                o = _merge_splits(part_out_ptr, part_lse_ptr, (b64 * NUM_Q_HEADS + kvh * GROUP + g) * num_splits,
+                                  num_splits, offs_d, d_mask, HEAD_DIM, D_PAD)
+                tl.store(out_ptr + b64 * stride_ob + (kvh * GROUP + g) * stride_oh + offs_d,
+                         o.to(out_ptr.dtype.element_ty), mask=d_mask)
+            tl.atomic_xchg(counter_ptr + b64 * tl.num_programs(1) + kvh, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -242,34 +255,17 @@ def _merge_splits(part_out_ptr, part_lse_ptr, first, num_splits, offs_d, d_mask,
     total = 0.0
     acc = tl.zeros([D_PAD], dtype=tl.float32)
     for s in range(num_splits):
-        lse = tl.load(part_lse_ptr + first + s)
+        # .cg: from L2, never a stale L1 line (the decode kernel merges what other programs just wrote)
+        lse = tl.load(part_lse_ptr + first + s, cache_modifier=".cg")
         m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no non-empty split yet
         alpha = tl.exp2(m - m_safe)
         w = tl.exp2(lse - m_safe)  # 0 for an empty split
-        o = tl.load(part_out_ptr + (first + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        o = tl.load(part_out_ptr + (first + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0, cache_modifier=".cg")
         acc = acc * alpha + w * o
         total = total * alpha + w
         m = m_new
     return acc / tl.where(total > 0, total, 1.0)
-
-
-@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["out_ptr", "part_lse_ptr"])
-def _decode_combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-):
-    # Grid (B, num_q_heads): merge the num_splits partial results of one query head. Partial s holds
-    # o_s = softmax-weighted mean of its keys and lse_s = log2(sum of its exp2 scores); the full result
-    # is sum_s 2^(lse_s) o_s / sum_s 2^(lse_s), computed with a running max for stability (the same
-    # online softmax, one split at a time).
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_d = tl.arange(0, D_PAD)
-    d_mask = offs_d < HEAD_DIM
-    out = _merge_splits(part_out_ptr, part_lse_ptr, (b * NUM_Q_HEADS + h) * num_splits, num_splits, offs_d,
-                        d_mask, HEAD_DIM, D_PAD)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @functools.cache
@@ -388,10 +384,12 @@ def paged_decode_attention(
         rows = batch * hq * num_splits
         scratch = torch.empty(rows * (d + 1), dtype=torch.float32, device=q.device)
         part_out, part_lse = scratch[:rows * d], scratch[rows * d:]
+        counters = _split_counters(q.device, batch * hkv)
     else:  # unused by the kernel, which writes `out` directly (fp32 like the real ones: no new variant)
         part_out = part_lse = _dummy(q.device)
+        counters = _split_counters(q.device, 1)
     _paged_decode_kernel[(batch, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counters,
         scale * _LOG2E, window if window is not None else _NO_WINDOW, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -400,12 +398,24 @@ def paged_decode_attention(
         UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if num_splits > 1:
-        _decode_combine_kernel[(batch, hq)](
-            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=hq, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2,
-        )
     return out
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, at least ``n``: the decode kernel's per-(sequence, KV head) arrival counters. Each
+    launch leaves them zero again (the merging program re-arms its counter), so one buffer per device
+    serves every layer and step, CUDA-graph replays included. A bigger one is made only outside a
+    capture (the graphs' warm-up runs each bucket eagerly first, largest first), and a smaller one is
+    never freed: a captured graph may hold its address."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the decode split counters must be allocated before a CUDA-graph capture")
+        bufs.append(torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 # ============================================================================ paged prefill attention
@@ -473,7 +483,7 @@ def _paged_prefill_kernel(
     # Grid (cdiv(max_query_len, BLOCK_M) * num_splits, B, Hq): program (i, b, h) computes BLOCK_M
     # queries of sequence b, query head h, over key split i % num_splits. The last query tiles (the
     # most keys) are started first. With SPLIT, each split writes its normalised partial output and
-    # log2-sum-exp2 (_decode_combine_kernel's layout, rows = query tokens) instead of the result.
+    # log2-sum-exp2 (the decode kernel's partial layout, rows = query tokens) instead of the result.
     split = tl.program_id(0) % num_splits
     m_block = tl.num_programs(0) // num_splits - 1 - tl.program_id(0) // num_splits
     b = tl.program_id(1)
@@ -553,7 +563,7 @@ def _prefill_combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_seqs, num_splits, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    # Grid (T, Hq): merge the splits of query row t, head h (as _decode_combine_kernel), only for the
+    # Grid (T, Hq): merge the splits of query row t, head h (as the decode kernel's last split does), only for the
     # rows of the prefill's sequences [query_start_loc[0], query_start_loc[B]) (read on the device, so
     # a CUDA graph can replay it); other rows belong to other work and are left alone.
     t = tl.program_id(0).to(tl.int64)
