@@ -220,6 +220,48 @@ def test_qk_norm_rope_writes_the_kv_cache(dtype, norm, block_major):
     assert torch.equal(flat_v[untouched], v_old.reshape(-1, hkv, d)[untouched])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_reference(dtype, m, bias):
+    """The skinny GEMM (one program per few outputs, float32 sums) against the float32 reference, with
+    K and N that are not multiples of the tiles and x's rows strided."""
+    from infer.kernels import skinny_gemm as sk
+
+    g = torch.Generator().manual_seed(m * 10 + bias)
+    x = rows(g, m, 70, dtype, pad=5)
+    w, b = randn(g, 37, 70, dtype=dtype, scale=0.3), randn(g, 37, dtype=dtype) if bias else None
+    out = sk.skinny_linear(x, w, b)
+    assert out.shape == (m, 37) and out.dtype == dtype
+    expected = sk.skinny_linear_reference(x, w, b)
+    assert_close(out, expected, dtype)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    torch.testing.assert_close(expected.double(), exact, atol=TOL[dtype][0] * 40, rtol=TOL[dtype][1])
+
+
+def test_skinny_linear_dispatch_and_errors():
+    """``linear`` gives the layer's result whichever product it picks; bad shapes raise ValueError."""
+    from infer.kernels import skinny_gemm as sk
+
+    g = torch.Generator().manual_seed(4)
+    for n in (24, 3000):  # one row: the skinny kernel for the narrow layer, cuBLAS/ATen for the other
+        layer = torch.nn.Linear(40, n, bias=True)
+        for m in (1, 2):
+            x = randn(g, m, 40)
+            torch.testing.assert_close(ref.linear(x, layer), layer(x))
+            torch.testing.assert_close(ops.linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
+    assert sk.use_skinny(1, 1024) and not sk.use_skinny(2, 1024) and not sk.use_skinny(1, 6144)
+    x, w = randn(g, 2, 40), randn(g, 24, 40)
+    with pytest.raises(ValueError, match="same K"):
+        sk.skinny_linear(x, randn(g, 24, 41))
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        sk.skinny_linear(randn(g, 9, 40), w)
+    with pytest.raises(ValueError, match="bias"):
+        sk.skinny_linear(x, w, randn(g, 23))
+    with pytest.raises(ValueError, match="differ"):
+        sk.skinny_linear(x.double(), w)
+
+
 @pytest.mark.parametrize("impl", [ops, ref], ids=["triton", "reference"])
 def test_qk_norm_rope_rejects_a_bad_cache(impl):
     g = torch.Generator().manual_seed(3)
@@ -474,7 +516,9 @@ from triton.compiler import ASTSource
 from infer.kernels import fused_triton as ft
 
 def compile_(fn, sig, consts, num_warps):
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n.startswith("stride")}
+    # (what Triton assumes at run time for pointers and ints divisible by 16: strides, the skinny GEMM's K)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n].startswith("*") or n.startswith("stride") or n == "K"}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     return sorted(set(re.findall(r"ld\.global[.\w]*", k.asm["ptx"])))
@@ -501,6 +545,11 @@ for uo in (False, True):
                                "stride_o": "i32", "I": "constexpr", "BLOCK": "constexpr", "GELU_TANH": "constexpr",
                                "MANUAL_BF16": "constexpr"}, {"I": 9728, "BLOCK": 1024, "GELU_TANH": uo,
                                "MANUAL_BF16": False}, 4)
+from infer.kernels import skinny_gemm as sk
+sig = {"x_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+       "stride_wn": "i32", "stride_ym": "i32"}
+consts = {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "HAS_BIAS": False}
+out["skinny"] = compile_(sk._skinny_gemm_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 4)
 print(json.dumps(out))
 """
 
@@ -523,7 +572,7 @@ def test_kernels_compile_for_an_h100(tmp_path):
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loads = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(loads) == 10
+    assert len(loads) == 11
     for name, kinds in loads.items():
         if not name.startswith("qk"):
             assert "ld.global.v4.b32" in kinds, (name, kinds)
@@ -604,6 +653,32 @@ def test_gpu_real_shapes(model, t, dtype):
     out = ops.act_and_mul(gate_up, model["act"])
     assert_close(out, ref.act_and_mul(gate_up, model["act"]), dtype)
     assert_close(out, layers.ACTIVATIONS[model["act"]](gate_up[:, :inter]) * gate_up[:, inter:], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_gpu_skinny_linear_real_shapes(m):
+    """Qwen3-0.6B/4B projections and the LM head, bf16: the skinny GEMM against the float32 reference
+    and against cuBLAS (one bf16 rounding each: within two ulps of the result)."""
+    from infer.kernels import skinny_gemm as sk
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in ((1024, 2048), (1024, 3072), (6144, 1024), (2560, 9728), (151936, 1024)):
+        x, w = gpu_randn(g, m, k), gpu_randn(g, n, k, scale=0.02)
+        out = sk.skinny_linear(x, w)
+        assert_close(out, sk.skinny_linear_reference(x, w), torch.bfloat16)
+        assert_close(out, torch.nn.functional.linear(x, w), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_skinny_benchmark_runs(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import skinny_gemm as bench
+
+    out = tmp_path / "skinny.json"
+    assert bench.main(["--models", "qwen3-0.6b", "--rows", "1", "--flush-bytes", str(64 << 20), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 5 and all(r["max_err_rel"] < 1e-2 and r["skinny_us"] > 0 for r in rows)
 
 
 def compiled_variants(kernel) -> int:

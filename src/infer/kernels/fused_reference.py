@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache",
-           "ACTIVATION_NAMES"]
+           "ACTIVATION_NAMES", "linear"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -396,3 +396,12 @@ def check_act_and_mul(gate_up: torch.Tensor, activation: str) -> str:
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [T, 2 * I] (gate, then up), got an odd width {gate_up.shape[1]}")
     return ACTIVATION_NAMES[activation]
+
+
+# ============================================================================ projections
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """``layer(x)``. (The Triton twin sends one-row products through a skinny GEMM kernel; in plain
+    PyTorch the layer's own product is already the right one.)"""
+    return layer(x)

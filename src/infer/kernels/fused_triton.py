@@ -47,7 +47,7 @@ from infer.kernels.fused_reference import (
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 _MAX_ROW = 1 << 16  # widest row the single-pass norm kernels take (registers: 64k fp32 per program)
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache", "linear"]
 
 
 def _num_warps(elements: int) -> int:
@@ -424,3 +424,18 @@ def _check_launchable(x: torch.Tensor) -> None:
     if x.device.type != "cuda" and not INTERPRET:
         raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
                            f"imported to run them on the CPU (got a {x.device} tensor)")
+
+
+# ============================================================================ projections
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """``layer(x)`` for ``x [T, in]``: one-row products go through the skinny GEMM where it beats
+    cuBLAS (:func:`infer.kernels.skinny_gemm.linear`); a tensor-parallel row-parallel layer (its
+    all-reduce) and everything else run as the layer does."""
+    from infer.kernels import skinny_gemm
+
+    parallel = getattr(layer, "parallel", None)
+    if parallel is not None and parallel.tp_size > 1:
+        return layer(x)
+    return skinny_gemm.linear(x, layer)

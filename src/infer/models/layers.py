@@ -211,7 +211,7 @@ class Attention(nn.Module):
             slot_mapping=meta.slot_mapping if write else None,
         )
         o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, self.window, kv_written=write)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return ops.linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj)
 
 
 def _merge_linears(*parts: nn.Linear) -> nn.Linear:
@@ -345,7 +345,7 @@ class GatedMLP(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
         """One GEMM for gate and up, one kernel for ``act(gate) * up``, then ``down_proj``."""
-        return self.down_proj(ops.act_and_mul(self.gate_up_proj(x), self.act_name))
+        return ops.linear(ops.act_and_mul(self.gate_up_proj(x), self.act_name), self.down_proj)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -497,7 +497,7 @@ class CausalLM(nn.Module):
 
         With tensor parallelism every rank computes its vocabulary slice's logits and they are
         gathered (every rank must call this with the same ``N``)."""
-        logits = self.lm_head(hidden)
+        logits = self.lm_head(hidden) if self.ops is None else self.ops.linear(hidden, self.lm_head)
         if self.parallel.tp_size > 1:
             logits = self.parallel.all_gather_last_dim(logits)
         cap = self.config.final_logit_softcapping

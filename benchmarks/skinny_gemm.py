@@ -1,0 +1,117 @@
+"""The skinny GEMM (``src/infer/kernels/skinny_gemm.py``) against cuBLAS (``F.linear``) at decode shapes.
+
+    python benchmarks/skinny_gemm.py --out /tmp/skinny.json                  # GPU: Qwen3-0.6B and 4B shapes
+    python benchmarks/skinny_gemm.py --tune --out /tmp/skinny.json           # + a sweep of the tiles
+
+For every projection of the chosen models (the merged QKV and gate/up ones, o, down, the LM head) and
+batch M in 1, 2, 4, 8: the time of one ``y = x @ W^T``, measured as CUDA-graph replays of calls that
+rotate over enough copies of ``W`` (>= 256 MB) that none is still in L2 when it is read again, so the
+bytes come from HBM as in a real decode step. Reports microseconds, GB/s of weight read, and the
+kernel's speed-up over cuBLAS; ``--tune`` also times each ``(BLOCK_N, BLOCK_K, num_warps)`` tile and
+reports the best (what :func:`infer.kernels.skinny_gemm.default_config` should pick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402, F401
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from common import environment, markdown_table, write_report  # noqa: E402
+
+# (hidden, q heads, kv heads, head_dim, intermediate, vocab)
+MODELS = {"qwen3-0.6b": (1024, 16, 8, 128, 3072, 151936), "qwen3-4b": (2560, 32, 8, 128, 9728, 151936),
+          "qwen3-8b": (4096, 32, 8, 128, 12288, 151936)}
+
+
+def projections(model: str) -> list[tuple[str, int, int]]:
+    h, hq, hkv, d, i, v = MODELS[model]
+    return [("qkv", (hq + 2 * hkv) * d, h), ("o", h, hq * d), ("gate_up", 2 * i, h), ("down", h, i), ("lm_head", v, h)]
+
+
+def time_us(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 10) -> float:
+    """Mean microseconds of ``fn(x, w)`` over CUDA-graph replays of one call per weight copy."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            fn(x, w)  # compile / pick the algorithm outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * len(weights))
+
+
+def tile_grid(m: int) -> list[tuple[int, int, int]]:
+    m_pad = 1 << (max(m, 1) - 1).bit_length()
+    out = []
+    for bn, bk, warps in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (4, 8)):
+        if m_pad * bn * bk <= 64 * 32 * warps * 8:  # at most ~64 product registers per thread
+            out.append((bn, bk, warps))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from infer.kernels import skinny_gemm as sg
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-4b"], choices=sorted(MODELS))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--tune", action="store_true", help="time every tile of tile_grid() too")
+    ap.add_argument("--flush-bytes", type=int, default=256 << 20, help="bytes of weight copies per timing")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    torch.manual_seed(0)
+    rows = []
+    for model in args.models:
+        for name, n, k in projections(model):
+            nbytes = n * k * 2
+            copies = max(1, min(64, -(-args.flush_bytes // nbytes)))
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            for m in args.rows:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                err = (sg.skinny_linear(x, weights[0]).float() - sg.skinny_linear_reference(x, weights[0]).float())
+                ref_scale = sg.skinny_linear_reference(x, weights[0]).float().abs().max().item()
+                cublas = time_us(lambda a, w: F.linear(a, w), weights, x)
+                ours = time_us(lambda a, w: sg.skinny_linear(a, w), weights, x)
+                row = {"model": model, "proj": name, "N": n, "K": k, "M": m, "MB": round(nbytes / 2**20, 1),
+                       "cublas_us": round(cublas, 2), "skinny_us": round(ours, 2),
+                       "cublas_GB_s": round(nbytes / cublas / 1e3, 0), "skinny_GB_s": round(nbytes / ours / 1e3, 0),
+                       "speedup": round(cublas / ours, 2), "max_err_rel": err.abs().max().item() / ref_scale,
+                       "default_tile": list(sg.default_config(m, n, k))}
+                if args.tune:
+                    best = min(((time_us(lambda a, w, c=c: sg.skinny_linear(a, w, config=c), weights, x), c)
+                                for c in tile_grid(m)), key=lambda t: t[0])
+                    row.update(best_us=round(best[0], 2), best_tile=list(best[1]), best_speedup=round(cublas / best[0], 2))
+                rows.append(row)
+                print(row, flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    cols = ["model", "proj", "M", "MB", "cublas_us", "skinny_us", "cublas_GB_s", "skinny_GB_s", "speedup"]
+    if args.tune:
+        cols += ["best_us", "best_tile", "best_speedup"]
+    table = "skinny GEMM vs cuBLAS (bf16, weights read from HBM)\n\n" + markdown_table(rows, cols)
+    write_report({"benchmark": "skinny_gemm", "environment": environment("cuda"), "results": rows}, args.out, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
