@@ -237,9 +237,12 @@ def _paged_decode_kernel(
         tl.debug_barrier()
         count = tl.atomic_add(counter_ptr + b64 * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
         if count == num_splits - 1:
+            # only the splits that hold keys (the rest of the grid covers the longest context a CUDA
+            # graph may see, and is empty for this sequence)
+            active = tl.cdiv(seq_len - lo, tl.maximum(keys_per_split, 1))
             for g in tl.static_range(GROUP):
                 o = _merge_splits(part_out_ptr, part_lse_ptr, (b64 * NUM_Q_HEADS + kvh * GROUP + g) * num_splits,
-                                  num_splits, offs_d, d_mask, HEAD_DIM, D_PAD)
+                                  active, offs_d, d_mask, HEAD_DIM, D_PAD)
                 tl.store(out_ptr + b64 * stride_ob + (kvh * GROUP + g) * stride_oh + offs_d,
                          o.to(out_ptr.dtype.element_ty), mask=d_mask)
             tl.atomic_xchg(counter_ptr + b64 * tl.num_programs(1) + kvh, 0, sem="relaxed", scope="gpu")
@@ -247,23 +250,29 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, first, num_splits, offs_d, d_mask,
-                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_BLOCK: tl.constexpr = 16):
     """Merge the ``num_splits`` partial results starting at partial ``first`` (normalised outputs
-    ``o_s`` and log2-sum-exp2 ``lse_s``): ``sum_s 2^lse_s o_s / sum_s 2^lse_s``, with a running max
-    (the online softmax, one split at a time). Every split empty (a padding row): zeros."""
+    ``o_s`` and log2-sum-exp2 ``lse_s``): ``sum_s 2^lse_s o_s / sum_s 2^lse_s``, S_BLOCK splits at a
+    time with a running max between blocks (the online softmax over blocks of splits: one load of
+    S_BLOCK partials instead of S_BLOCK dependent ones). Every split empty (a padding row): zeros.
+    The loads go to L2 (.cg), never to a stale L1 line: the decode kernel merges what other programs
+    have just written."""
     m = float("-inf")
     total = 0.0
     acc = tl.zeros([D_PAD], dtype=tl.float32)
-    for s in range(num_splits):
-        # .cg: from L2, never a stale L1 line (the decode kernel merges what other programs just wrote)
-        lse = tl.load(part_lse_ptr + first + s, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
+    offs_s = tl.arange(0, S_BLOCK)
+    for s0 in range(0, num_splits, S_BLOCK):
+        s = s0 + offs_s
+        s_mask = s < num_splits
+        lse = tl.load(part_lse_ptr + first + s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no non-empty split yet
         alpha = tl.exp2(m - m_safe)
         w = tl.exp2(lse - m_safe)  # 0 for an empty split
-        o = tl.load(part_out_ptr + (first + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0, cache_modifier=".cg")
-        acc = acc * alpha + w * o
-        total = total * alpha + w
+        o = tl.load(part_out_ptr + (first + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        total = total * alpha + tl.sum(w, 0)
         m = m_new
     return acc / tl.where(total > 0, total, 1.0)
 
