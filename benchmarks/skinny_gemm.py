@@ -8,7 +8,8 @@ batch M in 1, 2, 4, 8: the time of one ``y = x @ W^T``, measured as CUDA-graph r
 rotate over enough copies of ``W`` (>= 256 MB) that none is still in L2 when it is read again, so the
 bytes come from HBM as in a real decode step. Reports microseconds, GB/s of weight read, and the
 kernel's speed-up over cuBLAS; ``--tune`` also times each ``(BLOCK_N, BLOCK_K, num_warps)`` tile and
-reports the best (what :func:`infer.kernels.skinny_gemm.default_config` should pick).
+reports the best (what :func:`infer.kernels.skinny_gemm.default_config` should pick). With ``--out``,
+a plot beside the report (GB/s per projection at one row); ``--replot REPORT.json`` redraws it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402, F401
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import environment, markdown_table, write_report  # noqa: E402
+from common import environment, markdown_table, save_figure, write_report  # noqa: E402
 
 # (hidden, q heads, kv heads, head_dim, intermediate, vocab)
 MODELS = {"qwen3-0.6b": (1024, 16, 8, 128, 3072, 151936), "qwen3-4b": (2560, 32, 8, 128, 9728, 151936),
@@ -67,7 +68,30 @@ def tile_grid(m: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def plot(rows: list[dict], path: str | Path) -> None:
+    """Bars of the weight bandwidth (GB/s) of cuBLAS and the skinny GEMM at one row, per projection."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    one = [r for r in rows if r["M"] == 1]
+    labels = [f"{r['model']}\n{r['proj']} ({r['MB']:.0f} MB)" for r in one]
+    x = range(len(one))
+    fig, ax = plt.subplots(figsize=(max(6, 1.25 * len(one)), 4))
+    ax.bar([i - 0.2 for i in x], [r["cublas_GB_s"] for r in one], 0.4, label="cuBLAS (F.linear)")
+    ax.bar([i + 0.2 for i in x], [r.get("best_us") and r["N"] * r["K"] * 2 / r["best_us"] / 1e3 or r["skinny_GB_s"]
+                                  for r in one], 0.4, label="skinny GEMM (best tile)")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("weight read, GB/s")
+    ax.set_title("one-row products (batch-1 decode), bf16, weights from HBM")
+    ax.legend()
+    save_figure(fig, path)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import json
+
     from infer.kernels import skinny_gemm as sg
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tune", action="store_true", help="time every tile of tile_grid() too")
     ap.add_argument("--flush-bytes", type=int, default=256 << 20, help="bytes of weight copies per timing")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--replot", default=None, help="redraw the plot of this report (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text())["results"], Path(args.replot).with_suffix(".png"))
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     torch.manual_seed(0)
@@ -110,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         cols += ["best_us", "best_tile", "best_speedup"]
     table = "skinny GEMM vs cuBLAS (bf16, weights read from HBM)\n\n" + markdown_table(rows, cols)
     write_report({"benchmark": "skinny_gemm", "environment": environment("cuda"), "results": rows}, args.out, table)
+    if args.out:
+        plot(rows, Path(args.out).with_suffix(".png"))
     return 0
 
 
