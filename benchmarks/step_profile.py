@@ -14,6 +14,11 @@ synchronized at each boundary:
 * ``execute``: the model runner (input tensors, forward, sampling; host and device);
 * ``output``: the output processor (stop checks, detokenization; host only).
 
+``execute_host_ms`` is the part of ``execute`` before it returns (input tensors built, kernels or
+the graph launched, not yet run), and ``host_ms`` = schedule + execute_host + output: the host's
+work per step, which async scheduling overlaps with the device's (an upper bound: a launch that
+waits on the device counts as host time).
+
 Then ``--unsync-steps`` steps run as the engine runs them, without synchronizing: their wall time
 per step, and the part of it the host spent blocked waiting for the device's tokens
 (``StepResult.host_outputs``); the rest is host work. With async scheduling the host works while
@@ -63,6 +68,7 @@ def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None
 
         def timed_execute(*args):
             result = execute(*args)
+            marks["launched_at"] = time.perf_counter()  # the host's part: its kernels are queued
             sync(device)
             marks["executed_at"] = time.perf_counter()
             return result
@@ -86,6 +92,7 @@ def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None
                 break
             phases["schedule"].append(marks["scheduled_at"] - t0)
             phases["execute"].append(marks["executed_at"] - marks["scheduled_at"])
+            phases["execute_host"].append(marks["launched_at"] - marks["scheduled_at"])
             phases["output"].append(t3 - marks["executed_at"])
             phases["seqs"].append(len(marks["scheduled"]))
             phases["tokens"].append(sum(item.num_tokens for item in marks["scheduled"]))
@@ -189,31 +196,33 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
     for p, o in zip(wl.prompts, wl.output_lens):
         engine.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True, temperature=args.temperature))
     _drive(engine, args.skip, device)
-    phases: dict[str, list[float]] = {k: [] for k in ("schedule", "execute", "output", "seqs", "tokens")}
+    phases: dict[str, list[float]] = {k: [] for k in ("schedule", "execute", "execute_host", "output", "seqs",
+                                                      "tokens")}
     _drive(engine, args.steps, device, phases)
     n = len(phases["schedule"])
     if n == 0:
         raise SystemExit(f"no steps left after --skip {args.skip}: lower it or raise --scale")
     mean = {k: sum(v) / n for k, v in phases.items()}
     unsync = _unsync_window(engine, args.unsync_steps, device) if args.unsync_steps else {}
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    # one untimed step under the profiler first: its start-up (seconds) is not a step's time
-    schedule = torch.profiler.schedule(wait=0, warmup=1, active=args.profile_steps, repeat=1)
-    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
-        _drive(engine, 1, device)
-        prof.step()
-        sync(device)
-        t0 = time.perf_counter()
-        prof_steps = 0
-        for _ in range(args.profile_steps):
-            prof_steps += _drive(engine, 1, device)
+    prof_steps, prof_wall, busy, dev_rows, host_rows, num_kernels = 0, 0.0, None, [], [], None
+    if args.profile_steps:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        # one untimed step under the profiler first: its start-up (seconds) is not a step's time
+        schedule = torch.profiler.schedule(wait=0, warmup=1, active=args.profile_steps, repeat=1)
+        with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+            _drive(engine, 1, device)
             prof.step()
-        sync(device)
-        prof_wall = time.perf_counter() - t0
-    busy, dev_rows, host_rows = _kernel_table(prof, device.type, args.top)
-    num_kernels = _num_kernels(prof) if device.type == "cuda" else None
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(args.profile_steps):
+                prof_steps += _drive(engine, 1, device)
+                prof.step()
+            sync(device)
+            prof_wall = time.perf_counter() - t0
+        busy, dev_rows, host_rows = _kernel_table(prof, device.type, args.top)
+        num_kernels = _num_kernels(prof) if device.type == "cuda" else None
     host_functions = _host_profile(engine, args.host_profile, device, 2 * args.top) if args.host_profile else []
     for rid in list(engine.requests):  # the rest is not measured: abort it (frees every KV block)
         engine.abort_request(rid)
@@ -223,9 +232,13 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
         "seqs_per_step": mean["seqs"], "tokens_per_step": mean["tokens"],
         "schedule_ms": mean["schedule"] * 1e3, "execute_ms": mean["execute"] * 1e3, "output_ms": mean["output"] * 1e3,
         "step_ms": (mean["schedule"] + mean["execute"] + mean["output"]) * 1e3,
+        # the host's work per step: scheduling, preparing and launching the step (until execute
+        # returns, its kernels queued), and processing the outputs
+        "execute_host_ms": mean["execute_host"] * 1e3,
+        "host_ms": (mean["schedule"] + mean["execute_host"] + mean["output"]) * 1e3,
         "profiled_steps": prof_steps, "kv_blocks_leaked": kv.num_blocks - kv.num_free_blocks,
-        "profiled_step_ms": prof_wall / max(prof_steps, 1) * 1e3,
-        "device_busy_ms": busy / max(prof_steps, 1) * 1e3 if device.type == "cuda" else None,
+        "profiled_step_ms": prof_wall / max(prof_steps, 1) * 1e3 if prof_steps else None,
+        "device_busy_ms": busy / prof_steps * 1e3 if device.type == "cuda" and prof_steps else None,
         "kernels_per_step": num_kernels / max(prof_steps, 1) if num_kernels is not None else None,
         **unsync,
     }
@@ -253,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="';'-separated EngineConfig overrides, one profile each")
     ap.add_argument("--skip", type=int, default=20, help="steps before the timed window (prefills) [20]")
     ap.add_argument("--steps", type=int, default=30, help="steps timed phase by phase [30]")
-    ap.add_argument("--profile-steps", type=int, default=5, help="steps under torch.profiler [5]")
+    ap.add_argument("--profile-steps", type=int, default=5, help="steps under torch.profiler (0: none) [5]")
     ap.add_argument("--unsync-steps", type=int, default=30,
                     help="steps timed without synchronizing (host work vs waiting for the device) [30]")
     ap.add_argument("--host-profile", type=int, default=0, help="steps under cProfile (host functions) [0]")
@@ -281,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         free_device_memory()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cols = ["label", "seqs_per_step", "tokens_per_step", "schedule_ms", "execute_ms", "output_ms", "step_ms",
-            "profiled_step_ms", "device_busy_ms", "device_busy_share", "unsync_step_ms", "unsync_wait_ms",
+            "execute_host_ms", "host_ms", "profiled_step_ms", "device_busy_ms", "device_busy_share", "unsync_step_ms", "unsync_wait_ms",
             "unsync_host_ms", "device_busy_share_unsync", "kernels_per_step"]
     table = (f"step profile: {args.model} on {device}, workload scale {args.scale} "
              f"({wl.num_requests} requests), steps {args.skip + 1}-{args.skip + args.steps} timed, "

@@ -259,3 +259,40 @@ def test_work_per_token_is_bounded(tok):
     assert len(lengths) <= 2 * len(ids) + 2
     assert max(lengths) <= 12, max(lengths)
     assert sum(lengths) <= 8 * len(ids)
+
+
+# ------------------------------------------------------------------ the memo of one-token texts
+
+
+class _NoMemo:
+    """The same tokenizer without ``decode_token``: every window is decoded by ``decode``."""
+
+    def __init__(self, tok):
+        self._tok, self.all_special_ids = tok, tok.all_special_ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_decode_token_is_decode_of_one_id(tok):
+    import random
+
+    rng = random.Random(0)
+    ids = rng.sample(range(tok.vocab_size), 300) + sorted(tok.all_special_ids)
+    for skip in (True, False):
+        for i in ids + ids:  # the second pass reads the memo
+            assert tok.decode_token(i, skip) == tok.decode([i], skip_special_tokens=skip)
+
+
+def test_memoized_windows_stream_the_same_text(tok):
+    # Random ids (byte fragments, special tokens, invalid UTF-8 included) and real text: the
+    # deltas with the memo equal those of plain decode calls, one by one.
+    import random
+
+    rng = random.Random(1)
+    text_ids = tok.encode(" ".join(UTF8_TEXTS), add_special_tokens=False)
+    for ids in (text_ids, [rng.randrange(tok.vocab_size) for _ in range(400)]):
+        for kw in ({}, {"skip_special_tokens": False}, {"stop": ["xyz", "\n\n"]}):
+            _, memo = stream(tok, ids, **kw)
+            _, plain = stream(_NoMemo(tok), ids, prompt_ids=tok.encode(PROMPT), **kw)
+            assert memo == plain

@@ -71,6 +71,7 @@ _REPLACEMENT = "\ufffd"
 
 class _Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    # optional: decode_token(token_id, skip_special_tokens) -> str, decode([token_id]) memoized
 
 
 class IncrementalDetokenizer:
@@ -78,7 +79,8 @@ class IncrementalDetokenizer:
 
     Args:
         tokenizer: an :class:`infer.tokenizer.Tokenizer` (anything with ``decode(ids,
-            skip_special_tokens)``; ``all_special_ids`` is used when present).
+            skip_special_tokens)``; ``all_special_ids`` and ``decode_token`` are used when
+            present).
         prompt_ids: the prompt's token ids; only the last few are used, as decoding context.
         skip_special_tokens: special tokens (``<|im_end|>``, ``<eos>``...) produce no text.
         stop: stop strings; generation's text ends at the first one that appears.
@@ -110,6 +112,8 @@ class IncrementalDetokenizer:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         self.include_stop_str_in_output = include_stop_str_in_output
         self._special = frozenset(getattr(tokenizer, "all_special_ids", ())) if skip_special_tokens else frozenset()
+        # infer.tokenizer.Tokenizer.decode_token: decode([id]) memoized (None: call decode)
+        self._decode_token = getattr(tokenizer, "decode_token", None)
 
         self.token_ids: list[int] = []
         self.stop_reason: str | None = None
@@ -190,6 +194,10 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------ internals
 
     def _decode(self, ids: list[int]) -> str:
+        if len(ids) == 1 and self._decode_token is not None:
+            # The usual prefix window: the one token emitted last step, decoded alone (memoized
+            # by the tokenizer), so a step costs one call into the tokenizer instead of two.
+            return self._decode_token(ids[0], self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_step(self, force: bool = False) -> str:

@@ -53,6 +53,8 @@ class Tokenizer:
         probe = backend.encode("a", add_special_tokens=True).ids
         self._backend_adds_bos = bool(probe) and bos_token_id is not None and probe[0] == bos_token_id
         self.all_special_ids = set(self._special_ids())
+        # decode_token's memo: {skip_special_tokens: {token id: text}}
+        self._token_text: dict[bool, dict[int, str]] = {True: {}, False: {}}
 
     def _special_ids(self) -> list[int]:
         ids = [t.content for t in self.backend.get_added_tokens_decoder().values() if t.special]
@@ -74,6 +76,20 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (special tokens dropped when ``skip_special_tokens``)."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id])``, memoized: the text of one token decoded alone.
+
+        The incremental detokenizer asks for it once per generated token (the context window of
+        the next step is usually the one token just emitted) and logprobs ask for it per
+        candidate, so at hundreds of sequences per step the cache saves one call into the Rust
+        tokenizer per token. At most one entry per vocabulary id (a few MB for 150k ids).
+        """
+        cache = self._token_text[skip_special_tokens]
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self.backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)

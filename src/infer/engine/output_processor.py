@@ -35,7 +35,7 @@ class OutputProcessor:
         self._vocab_size = vocab_size or tokenizer.vocab_size
 
     def _token(self, token_id: int, logprob: float, rank: int | None) -> TokenLogprob:
-        return TokenLogprob(token_id, logprob, rank, self.tokenizer.decode([token_id], skip_special_tokens=False))
+        return TokenLogprob(token_id, logprob, rank, self.tokenizer.decode_token(token_id, skip_special_tokens=False))
 
     @staticmethod
     def advance(scheduled) -> None:
@@ -57,11 +57,12 @@ class OutputProcessor:
             self.advance(scheduled)
         finished: list[Sequence] = []
         now = time.perf_counter()
-        for seq, (chosen, ranks, top_i, top_v) in (
-            (item.seq, result.prompt_logprobs[id(item.seq)])
-            for item in scheduled if id(item.seq) in result.prompt_logprobs
-        ):
-            self._add_prompt_logprobs(seq, chosen, ranks, top_i, top_v)
+        if result.prompt_logprobs:
+            for seq, (chosen, ranks, top_i, top_v) in (
+                (item.seq, result.prompt_logprobs[id(item.seq)])
+                for item in scheduled if id(item.seq) in result.prompt_logprobs
+            ):
+                self._add_prompt_logprobs(seq, chosen, ranks, top_i, top_v)
         if result.sampler_output is None:
             return finished
         tokens, chosen_lp, top_ids, top_lps = result.host_outputs()  # the step's one device -> host wait
@@ -164,7 +165,7 @@ class OutputProcessor:
                 CompletionOutput(
                     index=s.index,
                     text=s.detokenizer.output_text,
-                    token_ids=list(s.output_token_ids),
+                    token_ids=s.output_token_ids,  # (a fresh slice: one O(length) copy per output)
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
                     logprobs=list(s.logprobs) if s.logprobs is not None else None,

@@ -119,6 +119,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        if len(self.seqs) == 1:  # the usual n = 1 (asked for per request every step)
+            return self.seqs[0].status is SeqStatus.FINISHED
         return all(s.is_finished for s in self.seqs)
 
     @property
