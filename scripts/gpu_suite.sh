@@ -341,7 +341,9 @@ section_bench_flags_nano() {
 }
 
 # Phase 6 online: steady decode streams while 8,000-token prompts arrive, chunked prefill off and at
-# budgets 512/2048/8192 (needs the server wheels in .whl/). CHUNK_PRESETS picks the models, CHUNK_BUDGETS the budgets.
+# budgets 512/2048/8192 (needs the server wheels in .whl/). CHUNK_PRESETS picks the models, CHUNK_BUDGETS the budgets,
+# CHUNK_SERVER_ARGS adds server flags (e.g. "--fused-kernels --cuda-graphs --async-scheduling"), CHUNK_WORKLOAD
+# replaces the workload's lengths and timing (with every flag on, 0.6B's streams finish before 2 s).
 section_bench_chunked() {
     local preset b rc=0
     local -a configs=()
@@ -352,8 +354,8 @@ section_bench_chunked() {
         [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
         # shellcheck disable=SC2086
         "$PY" benchmarks/serve_bench.py --launch --workload decode-interference --token-prompts --token-itl \
-            --num-requests ${CHUNK_N:-64} --input-len 256 --output-len 512 --long-prompts 8 --long-len 8000 \
-            --long-start-s 2 --long-interval-s 1 --no-progress \
+            --num-requests ${CHUNK_N:-64} ${CHUNK_WORKLOAD:---input-len 256 --output-len 512 --long-prompts 8 \
+            --long-len 8000 --long-start-s 2 --long-interval-s 1} --no-progress \
             --server-args "--model $CKPT/$preset --device cuda --batching continuous --kv-cache paged \
                 --max-model-len 16384 --max-num-seqs 128 ${CHUNK_SERVER_ARGS:-}" \
             --server-configs "off=" "${configs[@]}" \

@@ -261,3 +261,63 @@ def test_prefill_graph_padding_rows_do_not_touch_the_cache(tiny_llama_cuda):
     # exactly the prompt's 5 slots hold K in every layer; everything else is still NaN
     per_layer = (~torch.isnan(cache.k)).flatten(3).any(dim=3).flatten(1).sum(dim=1)
     assert per_layer.tolist() == [5] * cache.k.shape[0], per_layer.tolist()
+
+
+@pytest.mark.gpu
+def test_warm_up_compiles_the_split_extend_before_any_request(tiny_llama_cuda):
+    """A long prompt chunked next to a decoding stream: its extends split their keys (``SPLIT=True``
+    and the merge kernel). The engine's warm-up compiled both at start-up, so serving compiles no
+    attention kernel (Triton's compile hook sees none); the warm-up itself writes no K/V."""
+    from triton import knobs
+
+    from infer.attention import triton_ops
+
+    loaded = tiny_llama_cuda
+    for kernel in (triton_ops._paged_prefill_kernel, triton_ops._prefill_combine_kernel):
+        kernel.device_caches.clear()  # as in a fresh process (other tests compiled them already)
+    compiled: list[str] = []
+
+    def hook(**kw):
+        compiled.append(kw["fn"].name)
+        return False  # compile as usual
+
+    splits: list[int] = []
+    real_splits = triton_ops.prefill_num_splits
+
+    def counting_splits(*a):
+        splits.append(real_splits(*a))
+        return splits[-1]
+
+    old_hook, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
+    triton_ops.prefill_num_splits = counting_splits
+    try:
+        eng = LLMEngine(EngineConfig(model=str(loaded.path), device="cuda", dtype="float32", max_model_len=4096,
+                                     batching="continuous", max_num_seqs=4, kv_cache="paged", chunked_prefill=True,
+                                     max_num_batched_tokens=64, fused_kernels=True), loaded=loaded)
+        at_start, compiled[:] = list(compiled), []
+        cache = eng.runner.kv_cache
+        cache.k.fill_(float("nan"))
+        cache.v.fill_(float("nan"))
+        eng.runner.warm_up()
+        assert torch.isnan(cache.k).all() and torch.isnan(cache.v).all(), "the warm-up wrote into the cache"
+        cache.k.zero_()
+        cache.v.zero_()
+        compiled.clear()
+        splits.clear()
+        rng = random.Random(7)
+        vocab = loaded.config.vocab_size
+        eng.add_request([rng.randrange(100, vocab - 100) for _ in range(8)],
+                        SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        eng.add_request([rng.randrange(100, vocab - 100) for _ in range(1500)],
+                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            eng.step()
+    finally:
+        knobs.runtime.jit_cache_hook = old_hook
+        triton_ops.prefill_num_splits = real_splits
+        loaded.model.set_fused_ops(None)
+    assert {"_paged_prefill_kernel", "_prefill_combine_kernel"} <= set(at_start)
+    assert max(splits) > 1, "no extend split its keys: the test proves nothing"
+    assert not {"_paged_prefill_kernel", "_prefill_combine_kernel"} & set(compiled), compiled

@@ -110,6 +110,9 @@ class LLMEngine:
                  "max_num_batched_tokens=%d, chunked_prefill=%s, fused_kernels=%s, cuda_graphs=%s",
                  config.kv_cache, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**30, backend,
                  config.batching, budget, config.chunked_prefill, config.fused_kernels, config.cuda_graphs)
+        warm_s = self.runner.warm_up()
+        if warm_s:
+            log.info("warm-up: the attention kernels' variants launched once in %.1f s", warm_s)
         self.runner.capture_cuda_graphs(progress)
         self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_caching=config.prefix_caching)
         self.offloader = self._make_offloader() if config.kv_offload != "none" else None

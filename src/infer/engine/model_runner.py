@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -290,6 +291,7 @@ class ModelRunner:
         self.attention_backend = make_attention_backend(attention_backend, self.device)
         self.model.set_attention_backend(self.attention_backend)
         max_model_len = max_model_len or cfg.max_position_embeddings
+        self.max_model_len = max_model_len
         self.vocab_size = cfg.vocab_size
         self.graphs = None
         self._bitmask_bufs: list[torch.Tensor] | None = None  # structured output's host staging pair
@@ -304,6 +306,47 @@ class ModelRunner:
             self.graphs = CUDAGraphRunner(self.model, self.kv_cache, cuda_graph_max_batch_size,
                                           -(-max_model_len // block_size), max_model_len,
                                           prefill_max_tokens=cuda_graph_prefill_max_tokens)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """CUDA: launch every attention-kernel variant a step can need once, before any request
+        does; returns the seconds it took (0 elsewhere: PyTorch ops and the Triton interpreter
+        compile nothing).
+
+        Triton compiles a kernel variant (its ``tl.constexpr`` values) the first time it is
+        launched: ~1 s each, or a few hundred ms from the on-disk cache. The first request's
+        prefill meets most of them and CUDA-graph capture the decode ones, but an extend that
+        splits its keys (``SPLIT=True`` and the merge kernel: a prompt chunk, or a prefix hit's
+        suffix, over a long cached prefix) first appears mid-serving, and compiling it there stalled
+        every stream for 2.2 s (H200, Qwen3-4B shapes, chunked prefill with a 512-token budget).
+        Like vLLM's warm-up runs (``compile_or_warm_up_model``), two dummy steps run through the
+        model: a prefill, then a decode next to a 16-token extend over a long context. Their slots
+        are -1 (padding: no K/V written) and their block tables point at block 0 (read, and the
+        result dropped), so the cache is untouched.
+        """
+        if self.device.type != "cuda":
+            return 0.0
+        start = time.perf_counter()
+        bs = self.kv_cache.block_size
+        long = min(self.max_model_len, 2048)  # a context split-KV kernels split (>= 1,024 keys)
+
+        def dummy_step(rows: list[tuple[int, int]]) -> None:  # rows: (new tokens, context length)
+            starts, positions = [0], []
+            for n, ctx in rows:
+                starts.append(starts[-1] + n)
+                positions.extend(range(ctx - n, ctx))
+            t = starts[-1]
+            meta = self._metadata(starts, [ctx for _, ctx in rows], self._to_device([-1] * t, torch.int64),
+                                  [[0] * -(-ctx // bs) for _, ctx in rows], sum(n == 1 for n, _ in rows))
+            hidden = self._forward(self._to_device([0] * t, torch.int64), self._to_device(positions, torch.int64), meta)
+            self._logits(hidden, [t - 1])
+
+        n = min(16, long)
+        dummy_step([(n, n)])  # a prefill: one program per query tile, no split
+        if long > n:
+            dummy_step([(1, long), (n, long)])  # decodes first (AttentionMetadata), then a split extend
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def capture_cuda_graphs(self, progress: bool = True) -> float:
         """Capture the decode graphs (``cuda_graphs``); returns the seconds it took (0 without)."""
