@@ -309,9 +309,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """CUDA: launch every attention-kernel variant a step can need once, before any request
-        does; returns the seconds it took (0 elsewhere: PyTorch ops and the Triton interpreter
-        compile nothing).
+        """CUDA with the Triton backend: launch every attention-kernel variant a step can need once,
+        before any request does; returns the seconds it took (0 elsewhere: PyTorch ops and the
+        Triton interpreter compile nothing).
 
         Triton compiles a kernel variant (its ``tl.constexpr`` values) the first time it is
         launched: ~1 s each, or a few hundred ms from the on-disk cache. The first request's
@@ -324,8 +324,8 @@ class ModelRunner:
         are -1 (padding: no K/V written) and their block tables point at block 0 (read, and the
         result dropped), so the cache is untouched.
         """
-        if self.device.type != "cuda":
-            return 0.0
+        if self.device.type != "cuda" or isinstance(self.attention_backend, TorchAttentionBackend):
+            return 0.0  # (the PyTorch backend's cache write, an index_copy_, has no padding slot)
         start = time.perf_counter()
         bs = self.kv_cache.block_size
         long = min(self.max_model_len, 2048)  # a context split-KV kernels split (>= 1,024 keys)
