@@ -16,7 +16,7 @@ import torch
 
 from infer.config import EngineConfig
 from infer.engine import LLMEngine
-from infer.engine.cuda_graphs import bucket_for, graph_batch_sizes, prefill_graph_sizes
+from infer.engine.cuda_graphs import bucket_for, graph_batch_sizes, mixed_graph_sizes, prefill_graph_sizes
 from infer.loader import load_model
 from infer.sampling import SamplingParams
 from tests.hf_reference import hf_logits, infer_logits, save_hf, tiny_hf_model
@@ -127,11 +127,21 @@ def test_prefill_graph_sizes_are_powers_of_two_up_to_the_maximum():
     assert [bucket_for(t, sizes) for t in (2, 16, 17, 64, 65, 100, 101)] == [16, 16, 32, 64, 100, 100, None]
 
 
+def test_mixed_graph_sizes_are_powers_of_two_from_64_up_to_the_maximum():
+    assert mixed_graph_sizes(0) == [] and mixed_graph_sizes(1) == []
+    assert mixed_graph_sizes(48) == [48]
+    assert mixed_graph_sizes(64) == [64]
+    assert mixed_graph_sizes(100) == [64, 100]
+    assert mixed_graph_sizes(2048) == [64, 128, 256, 512, 1024, 2048]
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(cuda_graphs=True), "CUDA device"),
     (dict(cuda_graph_max_batch_size=0), "cuda_graph_max_batch_size"),
     (dict(cuda_graph_prefill_max_tokens=64), "needs cuda_graphs"),
     (dict(cuda_graph_prefill_max_tokens=-1), "cuda_graph_prefill_max_tokens must be >= 0"),
+    (dict(cuda_graph_mixed_max_tokens=64), "needs cuda_graphs"),
+    (dict(cuda_graph_mixed_max_tokens=-1), "cuda_graph_mixed_max_tokens must be >= 0"),
 ])
 def test_invalid_graph_configs_are_rejected(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -261,6 +271,70 @@ def test_prefill_graph_padding_rows_do_not_touch_the_cache(tiny_llama_cuda):
     # exactly the prompt's 5 slots hold K in every layer; everything else is still NaN
     per_layer = (~torch.isnan(cache.k)).flatten(3).any(dim=3).flatten(1).sum(dim=1)
     assert per_layer.tolist() == [5] * cache.k.shape[0], per_layer.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused, overlap", [(False, False), (True, False), (True, True)])
+def test_mixed_step_pieces_give_the_eager_tokens(tiny_llama_cuda, fused, overlap):
+    """Mixed steps (decodes beside prompt chunks under a 100-token budget, several prefills at once,
+    n = 2 forks, prefix-cache hits, greedy and seeded sampling, preemptions in a small paged cache)
+    replay the piecewise graphs, their attention eager between the pieces: the same tokens as the
+    eager engine, every block back in the pool. Without fused kernels the attention writes the K/V
+    (between the pieces); with them the RoPE kernel does, inside a piece."""
+    loaded = tiny_llama_cuda
+    vocab = loaded.config.vocab_size
+    rng = random.Random(11)
+    shared = [rng.randrange(100, vocab - 100) for _ in range(24)]
+    arrivals = mixed_workload(vocab, 24, seed=12) + mixed_workload(vocab, 8, seed=13, sampled=True)
+    arrivals += [(5 * i, shared + [rng.randrange(100, vocab - 100) for _ in range(rng.randint(1, 40))],
+                  SamplingParams(max_tokens=6, temperature=0.0, n=2 if i % 2 else 1, ignore_eos=True))
+                 for i in range(6)]
+    kw = dict(kv_cache="paged", block_size=4, prefix_caching=True, chunked_prefill=True, max_num_batched_tokens=100,
+              fused_kernels=fused, kv_cache_memory_bytes=60 * 4 * loaded.config.kv_bytes_per_token(torch.float32))
+    try:
+        ref = drive(_gpu_engine(loaded, **kw), arrivals)
+        eng = _gpu_engine(loaded, cuda_graphs=True, cuda_graph_max_batch_size=8, cuda_graph_mixed_max_tokens=100,
+                          async_scheduling=overlap, **kw)
+        graphs = eng.runner.graphs
+        assert sorted(graphs.mixed) == [64, 100]
+        assert all(len(g) == loaded.config.num_layers + 1 for g, _, _ in graphs.mixed.values())
+        replays = []
+        real = graphs.replay_mixed
+
+        def counting(ids, *a, **k):
+            replays.append(len(ids))
+            return real(ids, *a, **k)
+
+        graphs.replay_mixed = counting
+        assert drive(eng, arrivals) == ref
+        assert len(replays) >= 10 and max(replays) > 64 and min(replays) <= 64, replays
+        assert eng.scheduler.stats()["num_chunked_prefill_steps"] > 0, "no prompt was chunked"
+        assert_drained(eng)
+    finally:
+        loaded.model.set_fused_ops(None)
+
+
+@pytest.mark.gpu
+def test_mixed_step_padding_rows_do_not_touch_the_cache(tiny_llama_cuda):
+    """Two prompts of 5 and 7 tokens prefill together in the 64-token bucket: only their 12 slots
+    get K/V, the 52 padding rows write nothing."""
+    eng = _gpu_engine(tiny_llama_cuda, kv_cache="paged", block_size=4, cuda_graphs=True, cuda_graph_max_batch_size=4,
+                      cuda_graph_mixed_max_tokens=64, max_num_batched_tokens=64, chunked_prefill=True,
+                      fused_kernels=True)
+    try:
+        cache = eng.runner.kv_cache
+        cache.k.fill_(float("nan"))
+        eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        eng.add_request([9, 8, 7, 6, 5, 4, 3], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        replays = []
+        real = eng.runner.graphs.replay_mixed
+        eng.runner.graphs.replay_mixed = lambda ids, *a, **k: replays.append(len(ids)) or real(ids, *a, **k)
+        out = eng.step(stream=False)
+        assert replays == [12] and len(out) == 2
+        per_layer = (~torch.isnan(cache.k)).flatten(3).any(dim=3).flatten(1).sum(dim=1)
+        assert per_layer.tolist() == [12] * cache.k.shape[0], per_layer.tolist()
+    finally:
+        tiny_llama_cuda.model.set_fused_ops(None)
 
 
 @pytest.mark.gpu

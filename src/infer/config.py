@@ -264,6 +264,11 @@ class EngineConfig:
                                                "alone (a prompt, a prompt chunk, the suffix after a prefix-cache "
                                                "hit) of up to this many tokens, in buckets 16, 32, 64, ... (powers "
                                                "of 2); 0: every prefill and mixed step runs eagerly")
+    cuda_graph_mixed_max_tokens: int = _flag(0, "cuda_graphs: also capture mixed steps (decodes beside prompt "
+                                             "chunks, several prefills) of up to this many tokens, piecewise: "
+                                             "graphs between the attention calls, which run eagerly (vLLM's "
+                                             "piecewise CUDA graphs); buckets 64, 128, 256, ... (powers of 2); "
+                                             "0: such steps run eagerly")
     # ---- phase 10: KV offload
     kv_offload: str = _flag("none", "prefix blocks evicted from the device's KV cache go to a tier below instead "
                             "of being dropped, and a prefix hit there is copied back: none; host (host memory, "
@@ -379,6 +384,13 @@ class EngineConfig:
         if self.cuda_graph_prefill_max_tokens and self.world_size > 1:
             raise ValueError("cuda_graph_prefill_max_tokens with tensor_parallel_size > 1 is not supported: the other "
                              "ranks replay only decode graphs (prefill steps there run eagerly); set it to 0")
+        if self.cuda_graph_mixed_max_tokens < 0:
+            raise ValueError(f"cuda_graph_mixed_max_tokens must be >= 0, got {self.cuda_graph_mixed_max_tokens}")
+        if self.cuda_graph_mixed_max_tokens and not self.cuda_graphs:
+            raise ValueError("cuda_graph_mixed_max_tokens needs cuda_graphs (it adds mixed-step graphs to the decode ones)")
+        if self.cuda_graph_mixed_max_tokens and self.world_size > 1:
+            raise ValueError("cuda_graph_mixed_max_tokens with tensor_parallel_size > 1 is not supported: the other "
+                             "ranks replay only decode graphs (mixed steps there run eagerly); set it to 0")
         self._validate_kv_offload()
         self._validate_parallel(dev)
         return self

@@ -37,10 +37,23 @@ with the same static buffers: the step's ``T`` tokens fill the bucket's first ro
 rows get slot -1 and are not attended (the prefill kernel's grid covers the bucket, and its
 query tiles past ``T``, read from the device, exit at once); the LM head runs on row ``T - 1``
 only, picked by a device index. Under a graph the cost of a 64-token extend after a 4k-token
-prefix hit becomes its compute. (vLLM captures mixed batches too, "piecewise": graphs around the
-attention, which runs eagerly between them; one sequence alone keeps this simple.)
+prefix hit becomes its compute.
 
-Other prefill and mixed steps, and decode steps wider than the largest bucket, run eagerly. Sampling
+**Piecewise graphs for mixed steps** (``cuda_graph_mixed_max_tokens``; vLLM's piecewise CUDA graphs).
+A step that mixes decodes with prompt chunks (chunked prefill's usual step), or prefills several
+prompts, cannot be one graph: its attention splits the tokens by sequence in ways no fixed graph
+can hold. But the attention is only a few launches per layer; everything between two attention
+calls (norms, projections, RoPE with the cache write, the MLP) only sees a ``[T, hidden]`` tensor.
+So such steps are captured per token bucket as ``L + 1`` graphs, one per stretch between attention
+calls: while capturing, the attention backend is replaced by :class:`_Pieces`, which ends the current
+graph at each attention call (allocating its output in the pool) and begins the next one. At replay
+the runner replays graph 0, runs layer 0's attention eagerly with the step's real metadata on the
+tensors graph 0 wrote (q, k, v), copies its output where graph 1 reads it, replays graph 1, and so
+on. The host cost of a mixed step becomes ``L + 1`` graph launches and a few attention launches per
+layer instead of hundreds of kernels. The ``T`` tokens fill the bucket's first rows; the padding
+rows have slot -1 (no K/V written) and are not passed to the attention.
+
+Other steps (wider than the largest bucket, or with the buckets off) run eagerly. Sampling
 runs eagerly after the replay, on the graph's logits: its randomness comes from each
 sequence's own ``(seed, step)`` counter (:mod:`infer.sampling.sampler`), so no random state is
 frozen into a graph and replaying never repeats the same draws.
@@ -50,6 +63,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -92,6 +106,20 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
     # <<< EXERCISE prefill_buckets
 
 
+def mixed_graph_sizes(max_tokens: int) -> list[int]:
+    """The captured mixed-step token counts: 64, 128, 256, ... (powers of 2) below ``max_tokens``,
+    then ``max_tokens`` itself, ascending; empty when ``max_tokens < 2``. (Coarser than the prefill
+    buckets: each bucket keeps every layer's q, k, v and attention output in the pool.)"""
+    if max_tokens < 2:
+        return []
+    sizes = []
+    t = 64
+    while t < max_tokens:
+        sizes.append(t)
+        t *= 2
+    return sizes + [max_tokens]
+
+
 def bucket_for(batch_size: int, sizes: list[int]) -> int | None:
     """The smallest captured size ``>= batch_size``, or None when the batch is wider than all.
 
@@ -120,15 +148,20 @@ class CUDAGraphRunner:
     """
 
     def __init__(self, model, kv_cache: KVCache, max_batch_size: int, max_blocks_per_seq: int,
-                 max_model_len: int, prefill_max_tokens: int = 0) -> None:
+                 max_model_len: int, prefill_max_tokens: int = 0, mixed_max_tokens: int = 0,
+                 attention_backend=None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sizes = graph_batch_sizes(max_batch_size)
         self.prefill_sizes = prefill_graph_sizes(prefill_max_tokens)
+        self.mixed_sizes = mixed_graph_sizes(mixed_max_tokens)
+        if self.mixed_sizes and attention_backend is None:
+            raise ValueError("mixed-step graphs need the attention backend they run between the pieces")
+        self.attention_backend = attention_backend
         self.max_model_len = max_model_len
         dev = kv_cache.k.device
         n = self.sizes[-1]
-        rows = max(n, prefill_max_tokens)  # token rows: a decode batch or a prefill's tokens
+        rows = max(n, prefill_max_tokens, mixed_max_tokens)  # token rows: a decode batch or a step's tokens
         # ids, positions and slot mapping share one [3, rows] buffer, so one copy fills all three
         self._ids_pos_slots = torch.zeros(3, rows, dtype=torch.int64, device=dev)
         self.input_ids, self.positions, self.slot_mapping = self._ids_pos_slots.unbind(0)
@@ -161,6 +194,12 @@ class CUDAGraphRunner:
             self._prefill_staging = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self._prefill_turn = 0
             self._prefill_packed = torch.zeros(size, dtype=torch.int64, device=dev)
+        if self.mixed_sizes:  # [ids | positions | slots], bucket rows each, in a pinned staging pair
+            self._mixed_staging = [torch.zeros(3 * mixed_max_tokens, dtype=torch.int64, pin_memory=True)
+                                   for _ in range(2)]
+            self._mixed_turn = 0
+        # mixed-step buckets: T -> (the L + 1 graphs, the L attention holes between them, hidden [T, H])
+        self.mixed: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Hole], torch.Tensor]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -192,6 +231,86 @@ class CUDAGraphRunner:
     def can_run_prefill(self, num_tokens: int) -> bool:
         """Is a one-sequence step of ``num_tokens`` (> 1) tokens within the largest prefill bucket?"""
         return bool(self.prefill_graphs) and 1 < num_tokens <= self.prefill_sizes[-1]
+
+    def can_run_mixed(self, num_tokens: int) -> bool:
+        """Does a step of ``num_tokens`` tokens fit the largest mixed-step bucket?"""
+        return bool(self.mixed) and num_tokens <= self.mixed_sizes[-1]
+
+    def _mixed_meta(self, t: int) -> AttentionMetadata:
+        """What the pieces between the attention calls read while capturing: the cache and the
+        static slot mapping (the RoPE kernel writes K/V there); the attention itself runs at replay,
+        with the step's own metadata."""
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[:2],
+            seq_lens=self.seq_lens[:1],
+            query_start_loc_cpu=[0, t],
+            seq_lens_cpu=[t],
+            kv_cache=self.kv_cache,
+            slot_mapping=self.slot_mapping[:t],
+            block_tables=self.block_tables[:1],
+            block_tables_cpu=None,
+            num_decodes=0,
+        )
+
+    def _capture_mixed(self, t: int, stream: torch.cuda.Stream) -> int:
+        """Capture bucket ``t``'s pieces (see the module docstring); returns how many graphs."""
+        dev = self.input_ids.device
+        meta = self._mixed_meta(t)
+        pieces = _Pieces(self.attention_backend, self.pool)
+        self.model.set_attention_backend(pieces)
+        try:
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                self.model(self.input_ids[:t], self.positions[:t], meta)  # warm-up (attention: zeros)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            torch.cuda.synchronize(dev)
+            with torch.cuda.stream(stream):
+                pieces.begin()
+                hidden = self.model(self.input_ids[:t], self.positions[:t], meta)
+                pieces.end()
+        finally:
+            self.model.set_attention_backend(self.attention_backend)
+        if self.pool is None:
+            self.pool = pieces.graphs[0].pool()
+        self.mixed[t] = (pieces.graphs, pieces.holes, hidden)
+        return len(pieces.graphs)
+
+    def replay_mixed(self, ids: list[int], positions: list[int], slots: list[int], meta: AttentionMetadata,
+                     patch: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run any step of ``T = len(ids)`` tokens (within the largest mixed bucket) through its
+        bucket's pieces, its attention eagerly between them.
+
+        Args:
+            ids, positions, slots: one int per token, in the step's flat order.
+            meta: the step's :class:`AttentionMetadata` (built as for an eager step).
+            patch: async scheduling: ``(flat positions, tokens)`` device tensors of input ids to
+                overwrite (or ``(None, tokens)``: the first rows).
+
+        Returns:
+            The final hidden states ``[T, hidden_size]`` (a view of the bucket's output buffer,
+            valid until its next replay).
+        """
+        t = len(ids)
+        tb = bucket_for(t, self.mixed_sizes)
+        host = self._mixed_staging[self._mixed_turn]
+        self._mixed_turn ^= 1
+        h = host.numpy()
+        for k, (values, pad) in enumerate(((ids, 0), (positions, 0), (slots, -1))):
+            h[k * tb: k * tb + t] = values
+            h[k * tb + t: (k + 1) * tb] = pad  # padding rows: slot -1 writes nothing; no attention reads them
+        staged = self._ids_pos_slots[:, :tb]
+        staged.copy_(host[: 3 * tb].view(3, tb), non_blocking=True)
+        if patch is not None:
+            patch_input_ids(staged[0], patch)
+        graphs, holes, hidden = self.mixed[tb]
+        backend = self.attention_backend
+        for graph, hole in zip(graphs, [*holes, None]):
+            graph.replay()
+            if hole is not None:
+                o = backend.forward(hole.layer_idx, hole.q[:t], hole.k[:t], hole.v[:t], meta, hole.scale,
+                                    hole.window, kv_written=hole.kv_written)
+                hole.out[:t].copy_(o)
+        return hidden[:t]
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
@@ -250,11 +369,17 @@ class CUDAGraphRunner:
                 self.pool = graph.pool()
             graphs, outputs = (self.graphs, self.logits) if kind == "decode" else (self.prefill_graphs, self.prefill_logits)
             graphs[size], outputs[size] = graph, out
+        num_graphs = len(jobs)
+        for t in tqdm(sorted(self.mixed_sizes, reverse=True), desc="capturing mixed-step pieces", unit="bucket",
+                      disable=not progress, leave=False):
+            num_graphs += self._capture_mixed(t, stream)
         torch.cuda.synchronize(dev)
         self.pool_bytes = torch.cuda.memory_reserved(dev) - before
         self.capture_seconds = time.perf_counter() - start
         prefill = (f", prefill {self.prefill_sizes[0]}..{self.prefill_sizes[-1]} tokens" if self.prefill_sizes else "")
-        log.info("captured %d CUDA graphs (decode batch %d..%d%s) in %.1f s, %.0f MiB", len(jobs),
+        if self.mixed_sizes:
+            prefill += f", mixed {self.mixed_sizes[0]}..{self.mixed_sizes[-1]} tokens in pieces"
+        log.info("captured %d CUDA graphs (decode batch %d..%d%s) in %.1f s, %.0f MiB", num_graphs,
                  self.sizes[0], self.sizes[-1], prefill, self.capture_seconds, self.pool_bytes / 2**20)
         return self.capture_seconds
 
@@ -262,8 +387,10 @@ class CUDAGraphRunner:
         """Free the graphs and their memory pool. A graph that captured NCCL collectives keeps
         its communicator busy: ``destroy_process_group`` waits for it forever (PyTorch #115388),
         so a tensor-parallel rank releases its graphs first."""
-        for graph in (*self.graphs.values(), *self.prefill_graphs.values()):
+        for graph in (*self.graphs.values(), *self.prefill_graphs.values(),
+                      *(g for graphs, _, _ in self.mixed.values() for g in graphs)):
             graph.reset()
+        self.mixed.clear()
         self.graphs.clear()
         self.logits.clear()
         self.prefill_graphs.clear()
@@ -353,6 +480,59 @@ class CUDAGraphRunner:
         self.block_tables[0, : len(table)].copy_(packed[3 * tb + 3: n])
         self.prefill_graphs[tb].replay()
         return self.prefill_logits[tb]
+
+
+@dataclass
+class _Hole:
+    """One attention call between two captured pieces: where the earlier piece leaves its inputs
+    and the later one reads its output (``[T_bucket, heads, head_dim]`` tensors in the pool)."""
+
+    layer_idx: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    scale: float
+    window: int | None
+    kv_written: bool
+
+
+class _Pieces:
+    """The attention backend while a mixed-step bucket is captured: each call ends the graph being
+    captured and begins the next one (before :meth:`begin`, it returns zeros: the warm-up run).
+
+    ``cache_write_in_rope`` is the real backend's, so the layers write K/V the same way (inside the
+    pieces, with the RoPE kernel, when the Triton backend lets them).
+    """
+
+    def __init__(self, backend, pool) -> None:
+        self.cache_write_in_rope = getattr(backend, "cache_write_in_rope", False)
+        self.pool = pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.holes: list[_Hole] = []
+
+    def _next(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: see CUDAGraphRunner.capture
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs.append(graph)
+
+    def begin(self) -> None:
+        self._next()
+
+    def end(self) -> None:
+        self.graphs[-1].capture_end()
+
+    def forward(self, layer_idx, q, k, v, meta, scale, window=None, kv_written=False) -> torch.Tensor:
+        if not self.graphs:  # the warm-up run
+            return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # in the pool: the next piece reads it
+        self.graphs[-1].capture_end()
+        self.holes.append(_Hole(layer_idx, q, k, v, out, scale, window, kv_written))
+        self._next()
+        return out
 
 
 def packed_size(b: int, bs: int, width: int) -> int:

@@ -97,14 +97,16 @@ class LLMEngine:
             graph_bs = min(config.cuda_graph_max_batch_size, config.max_num_seqs) if config.cuda_graphs else 0
             # no step prefills more than the budget or the context
             graph_prefill = min(config.cuda_graph_prefill_max_tokens, budget, self.max_model_len) if graph_bs else 0
+            graph_mixed = min(config.cuda_graph_mixed_max_tokens, budget) if graph_bs else 0
             num_blocks = num_kv_blocks(self.loaded, block_size, self.max_model_len, config.max_num_seqs, budget,
                                        config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs,
-                                       graph_prefill)
+                                       graph_prefill, graph_mixed)
             self.runner = ModelRunner(self.loaded, num_blocks, block_size, contiguous=not paged,
                                       attention_backend=backend, max_model_len=self.max_model_len,
                                       cuda_graphs=config.cuda_graphs, cuda_graph_max_batch_size=graph_bs or 1,
                                       block_major=config.kv_offload != "none" and backend == "triton",
-                                      cuda_graph_prefill_max_tokens=graph_prefill)
+                                      cuda_graph_prefill_max_tokens=graph_prefill,
+                                      cuda_graph_mixed_max_tokens=graph_mixed)
         num_blocks = self.runner.kv_cache.num_blocks
         log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, batching=%s, "
                  "max_num_batched_tokens=%d, chunked_prefill=%s, fused_kernels=%s, cuda_graphs=%s",

@@ -112,6 +112,7 @@ def num_kv_blocks(
     gpu_memory_utilization: float = 0.9,
     cuda_graph_batch_size: int = 0,
     cuda_graph_prefill_tokens: int = 0,
+    cuda_graph_mixed_tokens: int = 0,
 ) -> int:
     """How many KV-cache blocks of ``block_size`` tokens to allocate.
 
@@ -120,7 +121,9 @@ def num_kv_blocks(
     forward of ``max_num_batched_tokens`` tokens (the largest step's activations), and, with CUDA
     graphs (``cuda_graph_batch_size`` > 0, the largest bucket), the memory their shared pool will
     keep: the peak of a decode forward + LM head of that many sequences, or of a one-sequence
-    prefill of ``cuda_graph_prefill_tokens`` tokens if larger; on CPU otherwise, room
+    prefill of ``cuda_graph_prefill_tokens`` (or ``cuda_graph_mixed_tokens``) tokens if larger, plus
+    what the mixed-step pieces keep between them (every layer's q, k, v and attention output for
+    each bucket, :func:`~infer.engine.cuda_graphs.mixed_graph_sizes`); on CPU otherwise, room
     for ``max_num_seqs`` sequences of ``max_model_len`` tokens (pages are only touched when
     written).
 
@@ -143,7 +146,7 @@ def num_kv_blocks(
     elif p.device.type == "cuda":
         budget, where = _profile_free_gpu_memory(loaded, max_model_len, max_num_seqs, max_num_batched_tokens,
                                                  gpu_memory_utilization, cuda_graph_batch_size,
-                                                 cuda_graph_prefill_tokens), \
+                                                 cuda_graph_prefill_tokens, cuda_graph_mixed_tokens), \
             "gpu_memory_utilization"
     else:
         return cap
@@ -160,7 +163,8 @@ def num_kv_blocks(
 
 @torch.inference_mode()
 def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_seqs: int, num_tokens: int,
-                             utilization: float, graph_batch_size: int = 0, graph_prefill_tokens: int = 0) -> int:
+                             utilization: float, graph_batch_size: int = 0, graph_prefill_tokens: int = 0,
+                             graph_mixed_tokens: int = 0) -> int:
     """Bytes left for the KV cache after a forward of ``num_tokens`` tokens (no cache) and, when
     ``graph_batch_size`` > 0, the CUDA graphs' memory pool (estimated by an eager decode forward of
     that many sequences and, with ``graph_prefill_tokens``, an eager one-sequence prefill of that
@@ -188,7 +192,7 @@ def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_se
         del logits
         torch.cuda.synchronize(dev)
         graph_bytes = torch.cuda.max_memory_allocated(dev) - base
-        t = min(graph_prefill_tokens, num_tokens)
+        t = min(max(graph_prefill_tokens, graph_mixed_tokens), num_tokens)
         if t > 1:
             torch.cuda.reset_peak_memory_stats(dev)
             hidden = model(ids[:t], torch.arange(t, device=dev),
@@ -196,6 +200,12 @@ def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_se
             del hidden
             torch.cuda.synchronize(dev)
             graph_bytes = max(graph_bytes, torch.cuda.max_memory_allocated(dev) - base)
+        if graph_mixed_tokens:  # the holes between the pieces: q, k, v and output per layer and bucket
+            from infer.engine.cuda_graphs import mixed_graph_sizes
+
+            attn = model.model.layers[0].self_attn
+            per_token = 2 * (attn.num_heads + attn.num_kv_heads) * attn.head_dim * next(model.parameters()).element_size()
+            graph_bytes += per_token * cfg.num_layers * sum(mixed_graph_sizes(graph_mixed_tokens))
         log.info("CUDA graphs: %.0f MiB kept for their memory pool (decode batch %d, prefill %d tokens)",
                  graph_bytes / 2**20, n, t)
     torch.cuda.empty_cache()
@@ -280,7 +290,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
                  attention_backend: str = "torch", max_model_len: int = 0,
                  cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256, block_major: bool = False,
-                 cuda_graph_prefill_max_tokens: int = 0) -> None:
+                 cuda_graph_prefill_max_tokens: int = 0, cuda_graph_mixed_max_tokens: int = 0) -> None:
         self.model = loaded.model
         cfg = loaded.config
         self.config = cfg
@@ -305,7 +315,9 @@ class ModelRunner:
 
             self.graphs = CUDAGraphRunner(self.model, self.kv_cache, cuda_graph_max_batch_size,
                                           -(-max_model_len // block_size), max_model_len,
-                                          prefill_max_tokens=cuda_graph_prefill_max_tokens)
+                                          prefill_max_tokens=cuda_graph_prefill_max_tokens,
+                                          mixed_max_tokens=cuda_graph_mixed_max_tokens,
+                                          attention_backend=self.attention_backend)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -427,10 +439,14 @@ class ModelRunner:
             self._before_sampling(prev)
             return self._result(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
         meta = self._metadata(starts, seq_lens, self._to_device(slots, torch.int64), tables, num_decodes)
-        input_ids = self._to_device(ids, torch.int64)
-        if patch is not None:
-            patch_input_ids(input_ids, patch)
-        hidden = self._forward(input_ids, self._to_device(positions, torch.int64), meta)
+        if self.graphs is not None and self.graphs.can_run_mixed(len(ids)):
+            # a mixed or multi-prefill step: its bucket's pieces, the attention eagerly between them
+            hidden = self.graphs.replay_mixed(ids, positions, slots, meta, patch)
+        else:
+            input_ids = self._to_device(ids, torch.int64)
+            if patch is not None:
+                patch_input_ids(input_ids, patch)
+            hidden = self._forward(input_ids, self._to_device(positions, torch.int64), meta)
         self._copy_fork_blocks(scheduled)
         prompt_lp = self._prompt_logprobs(scheduled, starts, hidden)
         if not sampled:
