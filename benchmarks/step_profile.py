@@ -37,6 +37,7 @@ cumulative host time (cProfile slows Python about 2x: read the shares, not the t
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from pathlib import Path
@@ -50,8 +51,9 @@ from common import environment, free_device_memory, markdown_table, sync, write_
 from tqdm import tqdm  # noqa: E402
 
 
-def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None = None) -> int:
+def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None = None, feed=None) -> int:
     """Run up to ``num_steps`` engine steps (:meth:`LLMEngine.step`); with ``phases``, time each phase.
+    ``feed``: called before each step, untimed (:class:`_LongPromptFeed`).
 
     The phases are timed inside the engine's own step: its scheduler's ``schedule`` and its
     runner's ``execute`` are wrapped on this engine (the device synchronized after each), and
@@ -77,6 +79,8 @@ def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None
     done = 0
     try:
         for _ in range(num_steps):
+            if feed is not None:
+                feed()
             if not engine.has_unfinished_requests():
                 break
             if phases is None:
@@ -103,7 +107,7 @@ def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None
     return done
 
 
-def _unsync_window(engine, num_steps: int, device) -> dict[str, float]:
+def _unsync_window(engine, num_steps: int, device, feed=None) -> dict[str, float]:
     """Run ``num_steps`` steps without synchronizing; returns the mean wall time per step and the
     part of it spent waiting for the device (inside :meth:`StepResult.host_outputs`), in ms."""
     from infer.engine.model_runner import StepResult
@@ -123,7 +127,7 @@ def _unsync_window(engine, num_steps: int, device) -> dict[str, float]:
     try:
         sync(device)
         t0 = time.perf_counter()
-        n = _drive(engine, num_steps, device)
+        n = _drive(engine, num_steps, device, feed=feed)
         sync(device)
         wall = time.perf_counter() - t0
     finally:
@@ -134,14 +138,14 @@ def _unsync_window(engine, num_steps: int, device) -> dict[str, float]:
             "unsync_host_ms": (wall - sum(waits)) / n * 1e3}
 
 
-def _host_profile(engine, num_steps: int, device, top: int) -> list[dict[str, Any]]:
+def _host_profile(engine, num_steps: int, device, top: int, feed=None) -> list[dict[str, Any]]:
     """cProfile ``num_steps`` steps; the ``top`` functions by cumulative time (ms per step)."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
     prof.enable()
-    n = _drive(engine, num_steps, device)
+    n = _drive(engine, num_steps, device, feed=feed)
     sync(device)
     prof.disable()
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, prim calls, tottime, cumtime, callers)
@@ -185,6 +189,40 @@ def _num_kernels(prof) -> int:
                if e.device_type == DeviceType.CUDA and not e.key.startswith(("ProfilerStep", "Memcpy", "Memset")))
 
 
+class _LongPromptFeed:
+    """The mixed workload's long prompts (``--long-len``): before each step, tops up to ``depth``
+    unfinished prompts of ``long_len`` tokens (``max_tokens=1``), so that with chunked prefill every
+    step carries a prompt chunk beside the decoding streams (Sarathi-Serve's mixed batch). Each
+    prompt differs in its first token, so no prefix-cache hit shortens it."""
+
+    def __init__(self, engine, long_len: int, token_hi: int, seed: int, depth: int = 2) -> None:
+        rng = random.Random(f"{seed}-long")
+        self.engine, self.depth, self.hi = engine, depth, token_hi
+        self.base = [rng.randint(0, token_hi) for _ in range(long_len)]
+        self.live: list = []
+        self.added = 0
+
+    def __call__(self) -> None:
+        from infer import SamplingParams
+
+        self.live = [r for r in self.live if r.request_id in self.engine.requests]
+        while len(self.live) < self.depth:
+            prompt = [self.added % (self.hi + 1)] + self.base[1:]
+            self.live.append(self.engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+            self.added += 1
+
+
+def mixed_workload(args, vocab_size: int):
+    """``--streams`` decode streams of ``--stream-prompt-len`` prompt tokens, each asking for more
+    tokens than every window of this run takes (so the batch stays the same); the long prompts come
+    from :class:`_LongPromptFeed` once the streams decode."""
+    steps = args.skip + args.steps + args.unsync_steps + 2 * args.profile_steps + args.host_profile + 64
+    wl = ot.build_workload(args.streams, args.stream_prompt_len, args.stream_prompt_len, vocab_size, args.seed,
+                           min_output_len=steps, max_output_len=steps)
+    wl.params.update(long_len=args.long_len, streams=args.streams, stream_prompt_len=args.stream_prompt_len)
+    return wl
+
+
 def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str, Any]:
     from infer import SamplingParams
 
@@ -196,14 +234,16 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
     for p, o in zip(wl.prompts, wl.output_lens):
         engine.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True, temperature=args.temperature))
     _drive(engine, args.skip, device)
+    feed = _LongPromptFeed(engine, wl.params["long_len"], wl.params["token_range"][1], args.seed) \
+        if wl.params.get("long_len") else None
     phases: dict[str, list[float]] = {k: [] for k in ("schedule", "execute", "execute_host", "output", "seqs",
                                                       "tokens")}
-    _drive(engine, args.steps, device, phases)
+    _drive(engine, args.steps, device, phases, feed)
     n = len(phases["schedule"])
     if n == 0:
         raise SystemExit(f"no steps left after --skip {args.skip}: lower it or raise --scale")
     mean = {k: sum(v) / n for k, v in phases.items()}
-    unsync = _unsync_window(engine, args.unsync_steps, device) if args.unsync_steps else {}
+    unsync = _unsync_window(engine, args.unsync_steps, device, feed) if args.unsync_steps else {}
     prof_steps, prof_wall, busy, dev_rows, host_rows, num_kernels = 0, 0.0, None, [], [], None
     if args.profile_steps:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -212,18 +252,18 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
         # one untimed step under the profiler first: its start-up (seconds) is not a step's time
         schedule = torch.profiler.schedule(wait=0, warmup=1, active=args.profile_steps, repeat=1)
         with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
-            _drive(engine, 1, device)
+            _drive(engine, 1, device, feed=feed)
             prof.step()
             sync(device)
             t0 = time.perf_counter()
             for _ in range(args.profile_steps):
-                prof_steps += _drive(engine, 1, device)
+                prof_steps += _drive(engine, 1, device, feed=feed)
                 prof.step()
             sync(device)
             prof_wall = time.perf_counter() - t0
         busy, dev_rows, host_rows = _kernel_table(prof, device.type, args.top)
         num_kernels = _num_kernels(prof) if device.type == "cuda" else None
-    host_functions = _host_profile(engine, args.host_profile, device, 2 * args.top) if args.host_profile else []
+    host_functions = _host_profile(engine, args.host_profile, device, 2 * args.top, feed) if args.host_profile else []
     for rid in list(engine.requests):  # the rest is not measured: abort it (frees every KV block)
         engine.abort_request(rid)
     kv = engine.scheduler.kv
@@ -262,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--long-len", type=int, default=0,
+                    help="the mixed workload instead of the offline one: --streams decode streams, and prompts of "
+                         "this many tokens always waiting, so that with chunked prefill every step is mixed [0: off]")
+    ap.add_argument("--streams", type=int, default=32, help="mixed workload: decode streams [32]")
+    ap.add_argument("--stream-prompt-len", type=int, default=256, help="mixed workload: their prompt tokens [256]")
     ap.add_argument("--infer-configs", default="batching=continuous;batching=continuous,kv_cache=paged",
                     help="';'-separated EngineConfig overrides, one profile each")
     ap.add_argument("--skip", type=int, default=20, help="steps before the timed window (prefills) [20]")
@@ -282,11 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     model = str(model)
     sizes = ot.scaled_sizes(args.scale, args.num_requests, args.min_len, args.max_len, args.min_output_len,
                             args.max_output_len)
-    wl = ot.build_workload(sizes["num_requests"], sizes["min_len"], sizes["max_len"], cfg.vocab_size, args.seed,
-                           min_output_len=sizes["min_output_len"], max_output_len=sizes["max_output_len"])
+    if args.long_len:
+        wl = mixed_workload(args, cfg.vocab_size)
+    else:
+        wl = ot.build_workload(sizes["num_requests"], sizes["min_len"], sizes["max_len"], cfg.vocab_size, args.seed,
+                               min_output_len=sizes["min_output_len"], max_output_len=sizes["max_output_len"])
     args.engine_kwargs = {k: v for k, v in (("device", args.device), ("dtype", args.dtype),
                                             ("max_num_seqs", args.max_num_seqs),
                                             ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    if args.long_len:
+        args.engine_kwargs["max_model_len"] = max(wl.max_seq_len, args.long_len + 16)
     rows = []
     configs = ot.parse_infer_configs(args.infer_configs)
     for overrides in tqdm(configs, desc="configs", disable=args.no_progress):
@@ -296,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["label", "seqs_per_step", "tokens_per_step", "schedule_ms", "execute_ms", "output_ms", "step_ms",
             "execute_host_ms", "host_ms", "profiled_step_ms", "device_busy_ms", "device_busy_share", "unsync_step_ms", "unsync_wait_ms",
             "unsync_host_ms", "device_busy_share_unsync", "kernels_per_step"]
-    table = (f"step profile: {args.model} on {device}, workload scale {args.scale} "
-             f"({wl.num_requests} requests), steps {args.skip + 1}-{args.skip + args.steps} timed, "
+    what = (f"mixed workload ({args.streams} streams of {args.stream_prompt_len}-token prompts decoding, "
+            f"{args.long_len}-token prompts always waiting)" if args.long_len
+            else f"workload scale {args.scale} ({wl.num_requests} requests)")
+    table = (f"step profile: {args.model} on {device}, {what}, steps {args.skip + 1}-{args.skip + args.steps} timed, "
              f"{args.profile_steps} profiled\n\n" + markdown_table(rows, cols))
     for r in rows:
         if r["top_kernels"]:
@@ -309,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             table += f"\n\nhost functions under cProfile, {r['label']}:\n\n" + markdown_table(
                 r["host_functions"], ["function", "calls_per_step", "cum_ms_per_step", "self_ms_per_step"])
     report = {"benchmark": "step_profile", "model": args.model, "environment": environment(device),
-              "workload": {"num_requests": wl.num_requests, **sizes, "seed": args.seed},
+              "workload": {"num_requests": wl.num_requests, **sizes, **wl.params, "seed": args.seed},
               "args": {k: v for k, v in vars(args).items() if k != "engine_kwargs"}, "results": rows}
     write_report(report, args.out, table)
     return 0
