@@ -1,7 +1,7 @@
 """Paged attention kernels: decode bandwidth and prefill FLOP rate, next to PyTorch SDPA.
 
     python benchmarks/paged_attention.py --out benchmarks/reports/gpu-DATE           # H100/H200, ~1 min
-    python benchmarks/paged_attention.py --tune                                     # decode tile sweep
+    python benchmarks/paged_attention.py --tune [decode|prefill]                    # tile sweeps
     python benchmarks/paged_attention.py --plot DIR/paged_attention.json            # PNG from a report
     TRITON_INTERPRET=1 python benchmarks/paged_attention.py --device cpu --out /tmp/pa  # smoke test
 
@@ -179,8 +179,9 @@ def decode_row(ops, batch: int, ctx: int, shape: dict, device, ceil: dict, gen, 
 
 
 def prefill_row(ops, batch: int, q_len: int, prefix: int, shape: dict, device, ceil: dict, gen,
-                with_sdpa: bool = True) -> dict:
-    """One prefill (prefix 0) or extend measurement; SDPA is_causal beside it when there is no prefix."""
+                with_sdpa: bool = True, max_context: int | None = None) -> dict:
+    """One prefill (prefix 0) or extend measurement; SDPA is_causal beside it when there is no prefix.
+    ``max_context``: passed on, so the kernel splits the keys as the engine's step would (None: 1 split)."""
     hq, hkv, d, bs = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"], shape["block_size"]
     dtype = DTYPES[shape["dtype"]]
     ctx = prefix + q_len
@@ -196,8 +197,8 @@ def prefill_row(ops, batch: int, q_len: int, prefix: int, shape: dict, device, c
     pairs = batch * sum(prefix + i + 1 for i in range(q_len))
     flops = 4 * hq * d * pairs
     peak = ceil["matmul_tflops"]
-    t = bench(lambda: ops.paged_prefill_attention(q, k_cache, v_cache, table, qsl, seq_lens, q_len, scale, out=out),
-              device)
+    t = bench(lambda: ops.paged_prefill_attention(q, k_cache, v_cache, table, qsl, seq_lens, q_len, scale, out=out,
+                                                  max_context=max_context), device)
     row = {"batch": batch, "new_tokens": q_len, "prefix": prefix, "triton_ms": 1e3 * t,
            "triton_tflops": flops / t / 1e12, "triton_mfu": flops / t / 1e12 / peak}
     if prefix == 0 and with_sdpa:
@@ -215,14 +216,25 @@ def prefill_row(ops, batch: int, q_len: int, prefix: int, shape: dict, device, c
     return row
 
 
-def tune(ops, shape: dict, device, ceil: dict, gen) -> list[dict]:
-    """Sweep the decode kernel's split counts and tiles, and the prefill kernel's tiles (how the defaults were chosen)."""
+def tune(ops, shape: dict, device, ceil: dict, gen, what: str = "all") -> list[dict]:
+    """Sweep the decode kernel's split counts and tiles (``what`` "all" or "decode"), and the prefill
+    kernel's tiles ("all" or "prefill": a prefill of 8 x 2048 tokens, and the extend of a chunked-prefill
+    step, 512 new tokens after a 4096-token prefix, split as the engine splits it); how the defaults
+    were chosen."""
     rows = []
 
     def note(row):
         rows.append(row)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
 
+    if what in ("all", "decode"):
+        _tune_decode(ops, shape, device, ceil, gen, note)
+    if what in ("all", "prefill"):
+        _tune_prefill(ops, shape, device, ceil, gen, note)
+    return rows
+
+
+def _tune_decode(ops, shape: dict, device, ceil: dict, gen, note) -> None:
     for batch, ctx in ((1, 4096), (1, 32768), (8, 4096), (8, 32768), (32, 1024), (32, 4096), (32, 32768),
                        (64, 1024), (64, 4096), (128, 1024)):
         for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
@@ -246,22 +258,26 @@ def tune(ops, shape: dict, device, ceil: dict, gen) -> list[dict]:
                         note({"kernel": "decode", "BLOCK_N": block_n, "warps": warps, "stages": stages, **r})
     finally:
         ops._decode_config = original
+
+
+def _tune_prefill(ops, shape: dict, device, ceil: dict, gen, note) -> None:
     original = ops._prefill_config
     try:
-        for block_m, block_n in ((64, 64), (128, 32), (128, 64), (128, 128), (64, 128)):
+        for block_m, block_n in ((64, 64), (64, 32), (128, 32), (128, 64), (128, 128), (64, 128)):
             for warps in (4, 8):
                 for stages in (2, 3, 4):
                     ops._prefill_config = lambda *_a, c={"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps,
                                                          "num_stages": stages}: c
-                    try:
-                        r = prefill_row(ops, 8, 2048, 0, shape, device, ceil, gen, with_sdpa=False)
-                    except Exception as e:  # noqa: BLE001
-                        r = {"error": type(e).__name__}
-                    note({"kernel": "prefill", "BLOCK_M": block_m, "BLOCK_N": block_n, "warps": warps,
-                          "stages": stages, **r})
+                    for batch, q_len, prefix in ((8, 2048, 0), (1, 512, 4096)):
+                        try:
+                            r = prefill_row(ops, batch, q_len, prefix, shape, device, ceil, gen, with_sdpa=False,
+                                            max_context=prefix + q_len)
+                        except Exception as e:  # noqa: BLE001 (a config that does not compile: note it)
+                            r = {"batch": batch, "new_tokens": q_len, "prefix": prefix, "error": type(e).__name__}
+                        note({"kernel": "prefill", "BLOCK_M": block_m, "BLOCK_N": block_n, "warps": warps,
+                              "stages": stages, **r})
     finally:
         ops._prefill_config = original
-    return rows
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -312,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="decode context lengths")
     ap.add_argument("--prefill", type=int, nargs=2, default=None, metavar=("SEQS", "TOKENS"),
                     help="prefill sequences x new tokens (default 8 2048 on a GPU)")
-    ap.add_argument("--tune", action="store_true", help="also sweep decode tiles and split counts")
+    ap.add_argument("--tune", nargs="?", const="all", choices=["all", "decode", "prefill"], default=None,
+                    help="also sweep the kernels' tiles (and the decode split counts): all, decode or prefill")
     ap.add_argument("--plot", default=None, metavar="JSON", help="only draw the PNG of an existing report")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -356,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         row = prefill_row(ops, pre_b, q_len, prefix, shape, device, ceil, gen)
         prefill.append(row)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    tuned = tune(ops, shape, device, ceil, gen) if args.tune else None
+    tuned = tune(ops, shape, device, ceil, gen, args.tune) if args.tune else None
     sync(device)
 
     report = {
