@@ -151,6 +151,19 @@ def test_invalid_graph_configs_are_rejected(kw, match):
 # ---------------------------------------------------------------------------- GPU
 
 
+def _count_calls(obj, name: str) -> list[int]:
+    """Replace ``obj.name`` by a wrapper that notes each call's token count (its first argument's length)."""
+    calls: list[int] = []
+    real = getattr(obj, name)
+
+    def counting(ids, *a, **k):
+        calls.append(len(ids))
+        return real(ids, *a, **k)
+
+    setattr(obj, name, counting)
+    return calls
+
+
 def _gpu_engine(loaded, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(loaded.path), device="cuda", dtype="float32", max_model_len=128,
                                   batching="continuous", max_num_seqs=16, **kw), loaded=loaded)
@@ -159,6 +172,11 @@ def _gpu_engine(loaded, **kw) -> LLMEngine:
 @pytest.fixture(scope="module")
 def tiny_llama_cuda(tiny_llama):
     return load_model(str(tiny_llama.path), device="cuda", dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_cuda(tiny_gemma3):
+    return load_model(str(tiny_gemma3.path), device="cuda", dtype=torch.float32, progress=False)
 
 
 @pytest.mark.gpu
@@ -184,17 +202,9 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_llama_cuda, fused, overlap):
         eng = _gpu_engine(loaded, fused_kernels=fused, cuda_graphs=True, cuda_graph_max_batch_size=12,
                           async_scheduling=overlap, **paged)
         assert sorted(eng.runner.graphs.graphs) == [1, 2, 4, 8, 12]
-        replays = 0
-        real_replay = eng.runner.graphs.replay
-
-        def counting_replay(*a):
-            nonlocal replays
-            replays += 1
-            return real_replay(*a)
-
-        eng.runner.graphs.replay = counting_replay
+        replays = _count_calls(eng.runner.graphs, "replay")
         assert drive(eng, arrivals) == ref
-        assert replays > 10, "no decode step went through a graph"
+        assert len(replays) > 10, "no decode step went through a graph"
         assert_pool_full(eng)
     finally:
         loaded.model.set_fused_ops(None)
@@ -242,14 +252,7 @@ def test_prefill_graphs_give_the_eager_tokens(tiny_llama_cuda, overlap):
                           async_scheduling=overlap, **kw)
         graphs = eng.runner.graphs
         assert sorted(graphs.prefill_graphs) == [16, 32, 48]  # capped by the 48-token budget
-        replays = []
-        real = graphs.replay_prefill
-
-        def counting(ids, *a):
-            replays.append(len(ids))
-            return real(ids, *a)
-
-        graphs.replay_prefill = counting
+        replays = _count_calls(graphs, "replay_prefill")
         assert drive(eng, arrivals) == ref
         assert len(replays) >= 12 and max(replays) == 48 and min(replays) < 16, replays
         assert eng.kv_manager.prefix_cache_hits >= 5 * len(shared)  # five requests found the shared prefix
@@ -274,14 +277,16 @@ def test_prefill_graph_padding_rows_do_not_touch_the_cache(tiny_llama_cuda):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused, overlap", [(False, False), (True, False), (True, True)])
-def test_mixed_step_pieces_give_the_eager_tokens(tiny_llama_cuda, fused, overlap):
+@pytest.mark.parametrize("fixture, fused, overlap", [("tiny_llama_cuda", False, False), ("tiny_llama_cuda", True, False),
+                                                     ("tiny_llama_cuda", True, True), ("tiny_gemma3_cuda", True, True)])
+def test_mixed_step_graphs_give_the_eager_tokens(fixture, fused, overlap, request):
     """Mixed steps (decodes beside prompt chunks under a 100-token budget, several prefills at once,
     n = 2 forks, prefix-cache hits, greedy and seeded sampling, preemptions in a small paged cache)
-    replay the piecewise graphs, their attention eager between the pieces: the same tokens as the
-    eager engine, every block back in the pool. Without fused kernels the attention writes the K/V
-    (between the pieces); with them the RoPE kernel does, inside a piece."""
-    loaded = tiny_llama_cuda
+    replay graphs: decodes beside one chunk the bucket's whole-step graph (attention inside), the
+    others its pieces (attention eager between them). The same tokens as the eager engine, every
+    block back in the pool. Without fused kernels the attention writes the K/V; with them the RoPE
+    kernel does. Gemma 3: sliding-window layers (32 tokens) beside global ones."""
+    loaded = request.getfixturevalue(fixture)
     vocab = loaded.config.vocab_size
     rng = random.Random(11)
     shared = [rng.randrange(100, vocab - 100) for _ in range(24)]
@@ -296,22 +301,39 @@ def test_mixed_step_pieces_give_the_eager_tokens(tiny_llama_cuda, fused, overlap
         eng = _gpu_engine(loaded, cuda_graphs=True, cuda_graph_max_batch_size=8, cuda_graph_mixed_max_tokens=100,
                           async_scheduling=overlap, **kw)
         graphs = eng.runner.graphs
-        assert sorted(graphs.mixed) == [64, 100]
+        assert sorted(graphs.mixed) == sorted(graphs.mixed_full) == [64, 100]
         assert all(len(g) == loaded.config.num_layers + 1 for g, _, _ in graphs.mixed.values())
-        replays = []
-        real = graphs.replay_mixed
-
-        def counting(ids, *a, **k):
-            replays.append(len(ids))
-            return real(ids, *a, **k)
-
-        graphs.replay_mixed = counting
+        pieces, whole = _count_calls(graphs, "replay_mixed"), _count_calls(graphs, "replay_mixed_full")
         assert drive(eng, arrivals) == ref
-        assert len(replays) >= 10 and max(replays) > 64 and min(replays) <= 64, replays
+        assert len(whole) >= 10 and max(whole) > 64 and min(whole) <= 64, whole
+        assert len(pieces) >= 3, pieces
         assert eng.scheduler.stats()["num_chunked_prefill_steps"] > 0, "no prompt was chunked"
         assert_drained(eng)
     finally:
         loaded.model.set_fused_ops(None)
+
+
+@pytest.mark.gpu
+def test_whole_mixed_step_writes_only_its_own_slots(tiny_llama_cuda):
+    """A 5-token prompt alone, then its first decode beside a 7-token prompt: both steps replay the
+    64-token bucket's whole-step graph (4 decode rows, 1 then 0 of them real; 59 and 56 padding token
+    rows). Only the 5, then 1 + 7, real slots get K/V."""
+    eng = _gpu_engine(tiny_llama_cuda, kv_cache="paged", block_size=4, cuda_graphs=True, cuda_graph_max_batch_size=4,
+                      cuda_graph_mixed_max_tokens=64, max_num_batched_tokens=64, chunked_prefill=True,
+                      fused_kernels=True)
+    try:
+        cache = eng.runner.kv_cache
+        cache.k.fill_(float("nan"))
+        whole = _count_calls(eng.runner.graphs, "replay_mixed_full")
+        written = lambda: (~torch.isnan(cache.k)).flatten(3).any(dim=3).flatten(1).sum(dim=1).tolist()  # noqa: E731
+        eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        eng.step(stream=False)
+        assert whole == [5] and written() == [5] * cache.k.shape[0]
+        eng.add_request([9, 8, 7, 6, 5, 4, 3], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        eng.step(stream=False)
+        assert whole == [5, 8] and written() == [13] * cache.k.shape[0]
+    finally:
+        tiny_llama_cuda.model.set_fused_ops(None)
 
 
 @pytest.mark.gpu
@@ -326,9 +348,7 @@ def test_mixed_step_padding_rows_do_not_touch_the_cache(tiny_llama_cuda):
         cache.k.fill_(float("nan"))
         eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         eng.add_request([9, 8, 7, 6, 5, 4, 3], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        replays = []
-        real = eng.runner.graphs.replay_mixed
-        eng.runner.graphs.replay_mixed = lambda ids, *a, **k: replays.append(len(ids)) or real(ids, *a, **k)
+        replays = _count_calls(eng.runner.graphs, "replay_mixed")
         out = eng.step(stream=False)
         assert replays == [12] and len(out) == 2
         per_layer = (~torch.isnan(cache.k)).flatten(3).any(dim=3).flatten(1).sum(dim=1)

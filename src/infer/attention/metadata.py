@@ -49,6 +49,9 @@ class AttentionMetadata:
             with 0 to the widest table of the step (only with a cache).
         block_tables_cpu: the same as lists of ints, unpadded.
         num_decodes: the first ``num_decodes`` sequences have exactly one new token.
+        decode_split_batch: the decode batch the flash-decoding split count is chosen for (None:
+            ``num_decodes``). A CUDA graph whose decode rows are mostly padding sets the batch it
+            expects, so that the few real rows still split their keys over enough programs.
     """
 
     query_start_loc: torch.Tensor
@@ -60,6 +63,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     block_tables_cpu: list[list[int]] | None = None
     num_decodes: int = 0
+    decode_split_batch: int | None = None
 
     _decode: tuple | None = field(default=None, init=False, repr=False)
     # per-step values an attention backend builds once and reuses in every layer

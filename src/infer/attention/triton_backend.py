@@ -56,8 +56,8 @@ class TritonAttentionBackend:
             max_len = max(meta.seq_lens_cpu[: meta.num_decodes])
             if window is not None:
                 max_len = min(max_len, window)
-            splits = meta.scratch[key] = self.ops.decode_num_splits(meta.num_decodes, k.shape[1], max_len,
-                                                                    self.device)
+            splits = meta.scratch[key] = self.ops.decode_num_splits(meta.decode_split_batch or meta.num_decodes,
+                                                                    k.shape[1], max_len, self.device)
         # extends split their keys too when they are few programs over long contexts (also from host
         # numbers: under a CUDA graph, the capture's context bound)
         key = ("prefill_fn", window)

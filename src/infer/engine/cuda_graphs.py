@@ -106,6 +106,12 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
     # <<< EXERCISE prefill_buckets
 
 
+#: the decode batch a whole mixed step's graph chooses its flash-decoding split count for: its decode
+#: rows are the largest decode bucket's, mostly padding, and the few real ones (tens of streams beside
+#: a prompt chunk) still split their keys over enough programs
+MIXED_DECODE_SPLIT_BATCH = 16
+
+
 def mixed_graph_sizes(max_tokens: int) -> list[int]:
     """The captured mixed-step token counts: 64, 128, 256, ... (powers of 2) below ``max_tokens``,
     then ``max_tokens`` itself, ascending; empty when ``max_tokens < 2``. (Coarser than the prefill
@@ -166,8 +172,9 @@ class CUDAGraphRunner:
         self._ids_pos_slots = torch.zeros(3, rows, dtype=torch.int64, device=dev)
         self.input_ids, self.positions, self.slot_mapping = self._ids_pos_slots.unbind(0)
         self.slot_mapping.fill_(-1)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # one row more than the largest decode batch: a whole mixed step's prompt chunk (row D, below)
+        self.seq_lens = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n + 1, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         # A step's inputs travel packed in one int64 vector (:meth:`replay`): ``[ids | positions |
         # slots | context lengths]``, ``bs`` entries each (padding rows included), then the block
@@ -194,12 +201,21 @@ class CUDAGraphRunner:
             self._prefill_staging = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self._prefill_turn = 0
             self._prefill_packed = torch.zeros(size, dtype=torch.int64, device=dev)
-        if self.mixed_sizes:  # [ids | positions | slots], bucket rows each, in a pinned staging pair
-            self._mixed_staging = [torch.zeros(3 * mixed_max_tokens, dtype=torch.int64, pin_memory=True)
-                                   for _ in range(2)]
+        # Whole mixed steps (decodes + one prompt chunk): the chunk's query rows [nd, T) on the device, at
+        # entries D, D + 1 (D: the bucket's decode rows, mixed_decode_rows); packed per step as [ids |
+        # positions | slots] (bucket rows each), the D decode context lengths (0 past nd) and the chunk's,
+        # nd and T, then the nd + 1 block tables (:meth:`replay_mixed_full`). The pieces use the first part.
+        self.mixed_query_start_loc = torch.zeros(n + 2, dtype=torch.int32, device=dev)
+        if self.mixed_sizes:
+            size = 3 * mixed_max_tokens + (n + 3) + (n + 1) * max_blocks_per_seq
+            self._mixed_staging = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self._mixed_turn = 0
+            self._mixed_packed = torch.zeros(size, dtype=torch.int64, device=dev)
         # mixed-step buckets: T -> (the L + 1 graphs, the L attention holes between them, hidden [T, H])
         self.mixed: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Hole], torch.Tensor]] = {}
+        # whole mixed steps: T -> the graph, and its final hidden states [T, H]
+        self.mixed_full: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_full_hidden: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -235,6 +251,85 @@ class CUDAGraphRunner:
     def can_run_mixed(self, num_tokens: int) -> bool:
         """Does a step of ``num_tokens`` tokens fit the largest mixed-step bucket?"""
         return bool(self.mixed) and num_tokens <= self.mixed_sizes[-1]
+
+    def mixed_decode_rows(self, t: int) -> int:
+        """``D``, the decode rows of mixed bucket ``t``'s whole-step graph: as many as can sit beside a
+        chunk of 2 or more tokens, and no more than the largest decode bucket."""
+        return max(0, min(t - 2, self.sizes[-1]))
+
+    def can_run_mixed_full(self, num_tokens: int, num_seqs: int, num_decodes: int) -> bool:
+        """Is this step decodes beside exactly one prompt chunk (chunked prefill's usual step), within
+        the largest mixed bucket, and no more decodes than its graph has rows for?"""
+        if not self.mixed_full or num_seqs - num_decodes != 1 or num_tokens > self.mixed_sizes[-1]:
+            return False
+        return num_decodes <= self.mixed_decode_rows(bucket_for(num_tokens, self.mixed_sizes))
+
+    def _mixed_full_meta(self, t: int) -> AttentionMetadata:
+        """Metadata of a whole mixed step over the static buffers: decode rows ``[0, D)`` (context 0
+        past the step's ``nd``: they read nothing), then one sequence whose query rows ``[nd, T)`` the
+        prefill kernel reads on the device. The host fields size both kernels' grids for the bucket:
+        ``D`` decode rows, a chunk of up to ``t`` queries, contexts up to ``max_model_len``."""
+        d = self.mixed_decode_rows(t)
+        return AttentionMetadata(
+            query_start_loc=self.mixed_query_start_loc[: d + 2],
+            seq_lens=self.seq_lens[: d + 1],
+            query_start_loc_cpu=[0] * (d + 1) + [t],
+            seq_lens_cpu=[self.max_model_len] * (d + 1),
+            kv_cache=self.kv_cache,
+            slot_mapping=self.slot_mapping[:t],
+            block_tables=self.block_tables[: d + 1],
+            block_tables_cpu=None,
+            num_decodes=d,
+            decode_split_batch=MIXED_DECODE_SPLIT_BATCH,
+        )
+
+    def replay_mixed_full(self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+                          tables: list[list[int]], num_decodes: int,
+                          patch: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run a step of ``nd = num_decodes`` decodes then one prompt chunk, ``T = len(ids)`` tokens in
+        all (:meth:`can_run_mixed_full`), through its bucket's whole-step graph.
+
+        Args:
+            ids, positions, slots: one int per token, decodes first (the runner's flat order).
+            seq_lens, tables: each sequence's context length after the step and block table
+                (``nd + 1`` of each, the chunk's last).
+            patch: async scheduling: ``(flat positions, tokens)`` device tensors of input ids to
+                overwrite (or ``(None, tokens)``: the first rows).
+
+        Returns:
+            The final hidden states ``[T, hidden_size]`` (a view of the graph's output buffer,
+            valid until its next replay).
+        """
+        t, nd = len(ids), num_decodes
+        tb = bucket_for(t, self.mixed_sizes)
+        d = self.mixed_decode_rows(tb)
+        width = max(len(x) for x in tables)
+        host = self._mixed_staging[self._mixed_turn]
+        self._mixed_turn ^= 1
+        h = host.numpy()
+        for k, (values, pad) in enumerate(((ids, 0), (positions, 0), (slots, -1))):
+            h[k * tb: k * tb + t] = values
+            h[k * tb + t: (k + 1) * tb] = pad  # padding rows: slot -1 writes nothing; no query reads them
+        o = 3 * tb
+        h[o: o + nd] = seq_lens[:nd]
+        h[o + nd: o + d] = 0  # decode rows past nd: no keys, and the chunk's rows are written after them
+        h[o + d: o + d + 3] = (seq_lens[nd], nd, t)
+        tables_at = o + d + 3
+        n = tables_at + (nd + 1) * width
+        block_table_array(tables, width, h[tables_at:n].reshape(nd + 1, width))
+        packed = self._mixed_packed[:n]
+        packed.copy_(host[:n], non_blocking=True)
+        if patch is not None:  # flat positions are rows of the ids part
+            patch_input_ids(packed, patch)
+        self._ids_pos_slots[:, :tb].copy_(packed[:o].view(3, tb))
+        self.seq_lens[: d + 1].copy_(packed[o: o + d + 1])
+        self.mixed_query_start_loc[d: d + 2].copy_(packed[o + d + 1: o + d + 3])
+        rows = packed[tables_at:n].view(nd + 1, width)
+        if nd:
+            self.block_tables[:nd, :width].copy_(rows[:nd])
+        self.block_tables[d, :width].copy_(rows[nd])
+        self.mixed_full[tb].replay()
+        return self.mixed_full_hidden[tb][:t]
 
     def _mixed_meta(self, t: int) -> AttentionMetadata:
         """What the pieces between the attention calls read while capturing: the cache and the
@@ -353,6 +448,8 @@ class CUDAGraphRunner:
         stream = torch.cuda.Stream(dev)
         jobs = [("decode", bs, lambda bs=bs: self._forward(bs, self._meta(bs))) for bs in sorted(self.sizes, reverse=True)]
         jobs += [("prefill", t, lambda t=t: self._prefill_forward(t)) for t in sorted(self.prefill_sizes, reverse=True)]
+        jobs += [("mixed", t, lambda t=t: self.model(self.input_ids[:t], self.positions[:t], self._mixed_full_meta(t)))
+                 for t in sorted(self.mixed_sizes, reverse=True)]
         for kind, size, forward in tqdm(jobs, desc="capturing CUDA graphs", unit="graph", disable=not progress,
                                         leave=False):
             stream.wait_stream(torch.cuda.current_stream(dev))
@@ -367,7 +464,8 @@ class CUDAGraphRunner:
                 out = forward()
             if self.pool is None:
                 self.pool = graph.pool()
-            graphs, outputs = (self.graphs, self.logits) if kind == "decode" else (self.prefill_graphs, self.prefill_logits)
+            graphs, outputs = {"decode": (self.graphs, self.logits), "prefill": (self.prefill_graphs, self.prefill_logits),
+                               "mixed": (self.mixed_full, self.mixed_full_hidden)}[kind]
             graphs[size], outputs[size] = graph, out
         num_graphs = len(jobs)
         for t in tqdm(sorted(self.mixed_sizes, reverse=True), desc="capturing mixed-step pieces", unit="bucket",
@@ -378,7 +476,7 @@ class CUDAGraphRunner:
         self.capture_seconds = time.perf_counter() - start
         prefill = (f", prefill {self.prefill_sizes[0]}..{self.prefill_sizes[-1]} tokens" if self.prefill_sizes else "")
         if self.mixed_sizes:
-            prefill += f", mixed {self.mixed_sizes[0]}..{self.mixed_sizes[-1]} tokens in pieces"
+            prefill += f", mixed {self.mixed_sizes[0]}..{self.mixed_sizes[-1]} tokens whole and in pieces"
         log.info("captured %d CUDA graphs (decode batch %d..%d%s) in %.1f s, %.0f MiB", num_graphs,
                  self.sizes[0], self.sizes[-1], prefill, self.capture_seconds, self.pool_bytes / 2**20)
         return self.capture_seconds
@@ -387,10 +485,12 @@ class CUDAGraphRunner:
         """Free the graphs and their memory pool. A graph that captured NCCL collectives keeps
         its communicator busy: ``destroy_process_group`` waits for it forever (PyTorch #115388),
         so a tensor-parallel rank releases its graphs first."""
-        for graph in (*self.graphs.values(), *self.prefill_graphs.values(),
+        for graph in (*self.graphs.values(), *self.prefill_graphs.values(), *self.mixed_full.values(),
                       *(g for graphs, _, _ in self.mixed.values() for g in graphs)):
             graph.reset()
         self.mixed.clear()
+        self.mixed_full.clear()
+        self.mixed_full_hidden.clear()
         self.graphs.clear()
         self.logits.clear()
         self.prefill_graphs.clear()

@@ -438,15 +438,19 @@ class ModelRunner:
                 logits = logits.expand(len(sampled), -1).contiguous()
             self._before_sampling(prev)
             return self._result(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
-        meta = self._metadata(starts, seq_lens, self._to_device(slots, torch.int64), tables, num_decodes)
-        if self.graphs is not None and self.graphs.can_run_mixed(len(ids)):
-            # a mixed or multi-prefill step: its bucket's pieces, the attention eagerly between them
-            hidden = self.graphs.replay_mixed(ids, positions, slots, meta, patch)
+        if self.graphs is not None and self.graphs.can_run_mixed_full(len(ids), len(scheduled), num_decodes):
+            # decodes beside one prompt chunk (chunked prefill's usual step): its bucket's whole-step graph
+            hidden = self.graphs.replay_mixed_full(ids, positions, slots, seq_lens, tables, num_decodes, patch)
         else:
-            input_ids = self._to_device(ids, torch.int64)
-            if patch is not None:
-                patch_input_ids(input_ids, patch)
-            hidden = self._forward(input_ids, self._to_device(positions, torch.int64), meta)
+            meta = self._metadata(starts, seq_lens, self._to_device(slots, torch.int64), tables, num_decodes)
+            if self.graphs is not None and self.graphs.can_run_mixed(len(ids)):
+                # a step with several prompts: its bucket's pieces, the attention eagerly between them
+                hidden = self.graphs.replay_mixed(ids, positions, slots, meta, patch)
+            else:
+                input_ids = self._to_device(ids, torch.int64)
+                if patch is not None:
+                    patch_input_ids(input_ids, patch)
+                hidden = self._forward(input_ids, self._to_device(positions, torch.int64), meta)
         self._copy_fork_blocks(scheduled)
         prompt_lp = self._prompt_logprobs(scheduled, starts, hidden)
         if not sampled:
