@@ -305,8 +305,8 @@ def test_mixed_step_graphs_give_the_eager_tokens(fixture, fused, overlap, reques
         assert all(len(g) == loaded.config.num_layers + 1 for g, _, _ in graphs.mixed.values())
         pieces, whole = _count_calls(graphs, "replay_mixed"), _count_calls(graphs, "replay_mixed_full")
         assert drive(eng, arrivals) == ref
-        assert len(whole) >= 5 and max(whole) > 64 and min(whole) <= 64, whole
-        assert len(pieces) >= 3, pieces
+        assert len(whole) >= 5 and min(whole) <= 64, whole
+        assert len(pieces) >= 3 and max(whole + pieces) > 64, (whole, pieces)  # both buckets replayed
         assert eng.scheduler.stats()["num_chunked_prefill_steps"] > 0, "no prompt was chunked"
         assert_drained(eng)
     finally:

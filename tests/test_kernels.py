@@ -218,6 +218,32 @@ def test_decode_splits_agree_with_each_other():
         torch.testing.assert_close(o, outs[0], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("min_keys", [0, 24, 40, 1000])
+def test_decode_min_split_keys(min_keys):
+    """A grid of 6 splits with a minimum slice: each sequence of L keys uses only ceil(L / slice)
+    programs (slice = max(tile-rounded ceil(L / 6), min_keys)), the others exit, and the one-slice
+    sequences write directly; the same attention as the reference either way. A padding row
+    (context 0, as in a CUDA graph's bucket) gets zeros."""
+    case = PagedCase([90, 5, 33, 17, 1], 4, 2, 32, 8, torch.float32, seed=21)
+    q = case.randn(5, 4, 32)
+    k32, v32 = case.float_caches()
+    expected = ref.paged_decode_attention(q, k32, v32, case.block_tables, case.seq_lens, case.scale)
+    case.seq_lens[-1] = 0  # now a padding row
+    out = poisoned(q)
+    ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+                               out=out, num_splits=6, min_split_keys=min_keys)
+    assert_close(out[:4], expected[:4], torch.float32)
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+
+
+def test_decode_split_plan():
+    cpu = torch.device("cpu")  # 2 "SMs": a batch fills the CPU from 4 programs
+    assert ops.decode_split_plan(1, 1, 32768, cpu) == (4, 0)  # narrow: every sequence split, no minimum
+    assert ops.decode_split_plan(64, 8, 1024, cpu) == (1, ops.LONG_SPLIT_KEYS)  # wide and short: one slice
+    assert ops.decode_split_plan(64, 8, 16384, cpu) == (16384 // ops.LONG_SPLIT_KEYS, ops.LONG_SPLIT_KEYS)
+    assert ops.decode_split_plan(64, 8, 10**7, cpu) == (64, ops.LONG_SPLIT_KEYS)  # at most 64 slices
+
+
 # ---------------------------------------------------------------------------------- prefill
 
 # (seq_lens, query_lens, Hq, Hkv, head_dim, block_size, window)
@@ -394,7 +420,7 @@ def test_runtime_ints_are_not_specialized():
     def names(kernel):  # JITFunction and the interpreter's InterpretedFunction keep them differently
         return set(getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"])
 
-    assert {"stride_bt", "num_splits", "window"} <= names(ops._paged_decode_kernel)
+    assert {"stride_bt", "num_splits", "min_split_keys", "window"} <= names(ops._paged_decode_kernel)
     assert {"stride_bt", "window"} <= names(ops._paged_prefill_kernel)
 
 

@@ -154,7 +154,7 @@ def cacheless_attention(q, k, v, meta: AttentionMetadata, scale: float, window: 
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None,
-                    decode_fn, prefill_fn, num_splits: int | None = None) -> torch.Tensor:
+                    decode_fn, prefill_fn) -> torch.Tensor:
     """Attention of one step over one layer's paged cache: decodes, then prefills.
 
     The model runner puts the ``meta.num_decodes`` decode sequences first, so their queries are
@@ -165,19 +165,18 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     Args:
         q: ``[T, num_heads, head_dim]``; k_cache, v_cache: ``[num_blocks, block_size,
             num_kv_heads, head_dim]``, with this step's K/V already written.
-        num_splits: split-KV factor for the decode kernel (None: the kernel's choice).
+        decode_fn, prefill_fn: the kernels, with any options of their own bound (split plans).
 
     Returns:
         ``[T, num_heads, head_dim]``.
     """
     nd, b = meta.num_decodes, meta.num_seqs
     if nd == b:  # a decode-only step: one query per sequence, in order
-        return decode_fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window,
-                         num_splits=num_splits)
+        return decode_fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window)
     out = torch.empty_like(q)
     if nd:
         decode_fn(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, window,
-                  out=out[:nd], num_splits=num_splits)
+                  out=out[:nd])
     prefill_fn(q, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:], meta.seq_lens[nd:],
                meta.max_query_len, scale, window, out=out)
     return out

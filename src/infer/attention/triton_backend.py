@@ -49,15 +49,17 @@ class TritonAttentionBackend:
         k_cache, v_cache = cache.layer(layer_idx)
         if not kv_written:
             self.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        # flash-decoding split count: once per step and window size, from host numbers only (no sync)
-        key = ("num_splits", window)
-        splits = meta.scratch.get(key)
-        if splits is None and meta.num_decodes:
+        # flash-decoding split plan: once per step and window size, from host numbers only (no sync)
+        key = ("decode_fn", window)
+        decode = meta.scratch.get(key)
+        if decode is None and meta.num_decodes:
             max_len = max(meta.seq_lens_cpu[: meta.num_decodes])
             if window is not None:
                 max_len = min(max_len, window)
-            splits = meta.scratch[key] = self.ops.decode_num_splits(meta.decode_split_batch or meta.num_decodes,
-                                                                    k.shape[1], max_len, self.device)
+            splits, min_keys = self.ops.decode_split_plan(meta.decode_split_batch or meta.num_decodes, k.shape[1],
+                                                          max_len, self.device)
+            decode = meta.scratch[key] = functools.partial(self.ops.paged_decode_attention, num_splits=splits,
+                                                           min_split_keys=min_keys)
         # extends split their keys too when they are few programs over long contexts (also from host
         # numbers: under a CUDA graph, the capture's context bound)
         key = ("prefill_fn", window)
@@ -67,5 +69,4 @@ class TritonAttentionBackend:
             if window is not None:
                 ctx = min(ctx, window + meta.max_query_len)
             prefill = meta.scratch[key] = functools.partial(self.ops.paged_prefill_attention, max_context=ctx)
-        return paged_attention(q, k_cache, v_cache, meta, scale, window, self.ops.paged_decode_attention,
-                               prefill, num_splits=splits)
+        return paged_attention(q, k_cache, v_cache, meta, scale, window, decode, prefill)

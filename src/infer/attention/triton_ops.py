@@ -42,7 +42,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "no sliding window": farther back than any context
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "reshape_and_cache", "decode_num_splits"]
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "reshape_and_cache", "decode_num_splits",
+           "decode_split_plan"]
 
 
 # ============================================================================ reshape_and_cache
@@ -134,12 +135,12 @@ def reshape_and_cache(
 
 
 @triton.jit(
-    do_not_specialize=["window", "num_splits", "stride_bt"],
+    do_not_specialize=["window", "num_splits", "min_split_keys", "stride_bt"],
     do_not_specialize_on_alignment=["q_ptr", "out_ptr", "block_tables_ptr", "seq_lens_ptr", "part_lse_ptr"],
 )
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    counter_ptr, qk_scale, window, num_splits,
+    counter_ptr, qk_scale, window, num_splits, min_split_keys,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -156,9 +157,14 @@ def _paged_decode_kernel(
     # The new token sits at position seq_len - 1 and sees keys [lo, seq_len): all of them, or the last
     # `window` (window = 2**30 when the layer has none).
     lo = tl.maximum(seq_len - window, 0)
-    # Flash-decoding: cut [lo, seq_len) into num_splits slices of a whole number of key tiles. A short
-    # sequence leaves its last splits empty; they write an empty result that the combine ignores.
-    keys_per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    # Flash-decoding: cut [lo, seq_len) into at most num_splits slices of a whole number of key tiles,
+    # each of at least min_split_keys keys. A short sequence uses fewer slices than the grid has: the
+    # programs past them (`active`) exit at once, and one slice alone writes its result directly.
+    keys_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N), tl.cdiv(min_split_keys, BLOCK_N))
+    keys_per_split = keys_per_split * BLOCK_N
+    active = tl.maximum(tl.cdiv(seq_len - lo, keys_per_split), 1)  # a padding row (no key): one, writing zeros
+    if split >= active:
+        return
     start = lo + split * keys_per_split
     end = tl.minimum(start + keys_per_split, seq_len)
 
@@ -218,7 +224,7 @@ def _paged_decode_kernel(
         # <<< EXERCISE paged_decode_inner_loop
 
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if num_splits == 1:  # the whole context in one program: write the normalized output directly
+    if active == 1:  # the whole context in one program: write the normalized output directly
         # (a padding row of a CUDA graph, seq_len 0, read no key: it writes zeros, not 0 / 0)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -230,16 +236,13 @@ def _paged_decode_kernel(
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
                  mask=out_mask)
-        # The last of the num_splits programs of (b, kvh) to finish merges them all (no second kernel:
+        # The last of the `active` programs of (b, kvh) to finish merges them all (no second kernel:
         # one launch fewer per layer, the "semaphore" split-K of stream-K GEMMs). The barrier puts every
         # thread's partial stores before the counter's acq_rel increment, which publishes them to the
         # program that sees the final count; that one reads them from L2 (.cg), then re-arms the counter.
         tl.debug_barrier()
         count = tl.atomic_add(counter_ptr + b64 * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
-        if count == num_splits - 1:
-            # only the splits that hold keys (the rest of the grid covers the longest context a CUDA
-            # graph may see, and is empty for this sequence)
-            active = tl.cdiv(seq_len - lo, tl.maximum(keys_per_split, 1))
+        if count == active - 1:
             for g in tl.static_range(GROUP):
                 o = _merge_splits(part_out_ptr, part_lse_ptr, (b64 * NUM_Q_HEADS + kvh * GROUP + g) * num_splits,
                                   active, offs_d, d_mask, HEAD_DIM, D_PAD)
@@ -301,6 +304,29 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_context, 256), 64))
 
 
+#: In a batch that fills the GPU unsplit, a context longer than this many keys is still cut into
+#: slices of (at least) this many: one long sequence among short ones would otherwise be the whole
+#: step's critical path, a single program per KV head walking all its keys while the GPU idles
+#: (measured: 32 streams of ~1k tokens beside one of 8k, Qwen3-4B, 4.7 -> ~11 ms per step). Shorter
+#: contexts stay in one slice; uniform 4k batches pay ~2% (2 splits, --tune).
+LONG_SPLIT_KEYS = 2048
+
+
+def decode_split_plan(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> tuple[int, int]:
+    """``(num_splits, min_split_keys)`` for :func:`paged_decode_attention`: the grid's key slices per
+    sequence and the fewest keys a slice holds (a sequence uses ``ceil(context / slice)`` of them).
+
+    A batch too narrow to fill the GPU splits every sequence :func:`decode_num_splits` ways (no minimum
+    beyond one key tile); a wide one splits only the contexts longer than :data:`LONG_SPLIT_KEYS`,
+    into slices of that many, up to ``max_context``'s (at most 64). Host numbers only, so a CUDA graph
+    chooses once for the longest context it may see.
+    """
+    fill = decode_num_splits(batch, num_kv_heads, max_context, device)
+    if fill > 1:
+        return fill, 0
+    return max(1, min(triton.cdiv(max_context, LONG_SPLIT_KEYS), 64)), LONG_SPLIT_KEYS
+
+
 @functools.cache
 def _dummy(device: torch.device) -> torch.Tensor:
     return torch.empty(16, dtype=torch.float32, device=device)
@@ -329,6 +355,7 @@ def paged_decode_attention(
     window: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    min_split_keys: int = 0,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache: one new token per sequence (PagedAttention + flash-decoding).
 
@@ -350,7 +377,11 @@ def paged_decode_attention(
         scale: multiplier of ``q . k`` (usually ``D ** -0.5``).
         window: sliding window in tokens (>= 1), or None.
         out: optional ``[B, Hq, D]`` in q's dtype to write into (may be a view).
-        num_splits: key slices per sequence; None chooses with :func:`decode_num_splits`.
+        num_splits: key slices per sequence (the grid's); None chooses them and ``min_split_keys``
+            with :func:`decode_split_plan`.
+        min_split_keys: the fewest keys of a slice: a sequence of ``L`` keys uses
+            ``max(1, ceil(L / max(ceil(L / num_splits), min_split_keys)))`` slices (tile-rounded) and
+            the grid's other programs for it exit at once.
 
     Returns:
         ``out`` (allocated like q if None): ``[B, Hq, D]``.
@@ -358,7 +389,7 @@ def paged_decode_attention(
     Raises:
         ValueError: wrong ranks or shapes, ``Hq`` not a multiple of ``Hkv``, mismatched dtypes or
             devices, index tensors not int32, a non-contiguous last dimension, ``window < 1``,
-            ``num_splits < 1``.
+            ``num_splits < 1``, ``min_split_keys < 0``.
         RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _check_cache(k_cache, v_cache)
@@ -373,6 +404,8 @@ def paged_decode_attention(
     out = _check_out(out, q, (batch, hq, d))
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if min_split_keys < 0:
+        raise ValueError(f"min_split_keys must be >= 0, got {min_split_keys}")
     if batch == 0:
         return out
     _check_launchable(q)
@@ -381,7 +414,7 @@ def paged_decode_attention(
         max_context = block_tables.shape[1] * block_size
         if window is not None:
             max_context = min(max_context, window)
-        num_splits = decode_num_splits(batch, hkv, max_context, q.device)
+        num_splits, min_split_keys = decode_split_plan(batch, hkv, max_context, q.device)
     group = hq // hkv
     d_pad = max(16, triton.next_power_of_2(d))
     cfg = _decode_config(d_pad, q.dtype)
@@ -395,7 +428,7 @@ def paged_decode_attention(
         counters = _split_counters(q.device, 1)
     _paged_decode_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counters,
-        scale * _LOG2E, window if window is not None else _NO_WINDOW, num_splits,
+        scale * _LOG2E, window if window is not None else _NO_WINDOW, num_splits, min_split_keys,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
