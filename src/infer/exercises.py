@@ -247,6 +247,16 @@ EXERCISES: dict[str, Exercise] = {
             60,
         ),
         Exercise(
+            "decode_split_plan", 5, "src/infer/attention/triton_ops.py",
+            ("tests/test_kernels.py::test_decode_split_plan",),
+            "How many key slices the decode kernel's grid has per sequence, and how short a slice may be. "
+            "A batch too narrow to fill the GPU splits every sequence the way decode_num_splits says, with "
+            "no minimum slice; a batch that fills it must still split a context longer than LONG_SPLIT_KEYS "
+            "into slices of that many keys (up to max_context's, at most 64), or that one sequence becomes "
+            "the step's critical path. Return (num_splits, min_split_keys).",
+            10,
+        ),
+        Exercise(
             "chunk_schedule", 6, "src/infer/engine/scheduler.py",
             ("tests/test_chunked_prefill.py::test_decodes_go_first_and_prefill_chunks_fill_the_rest",
              "tests/test_chunked_prefill.py::test_decodes_go_first_even_behind_an_older_prefill",

@@ -321,10 +321,12 @@ def decode_split_plan(batch: int, num_kv_heads: int, max_context: int, device: t
     into slices of that many, up to ``max_context``'s (at most 64). Host numbers only, so a CUDA graph
     chooses once for the longest context it may see.
     """
+    # >>> EXERCISE decode_split_plan
     fill = decode_num_splits(batch, num_kv_heads, max_context, device)
     if fill > 1:
         return fill, 0
     return max(1, min(triton.cdiv(max_context, LONG_SPLIT_KEYS), 64)), LONG_SPLIT_KEYS
+    # <<< EXERCISE decode_split_plan
 
 
 @functools.cache
