@@ -264,11 +264,12 @@ class EngineConfig:
                                                "alone (a prompt, a prompt chunk, the suffix after a prefix-cache "
                                                "hit) of up to this many tokens, in buckets 16, 32, 64, ... (powers "
                                                "of 2); 0: every prefill and mixed step runs eagerly")
-    cuda_graph_mixed_max_tokens: int = _flag(0, "cuda_graphs: also capture mixed steps (decodes beside prompt "
-                                             "chunks, several prefills) of up to this many tokens, piecewise: "
-                                             "graphs between the attention calls, which run eagerly (vLLM's "
-                                             "piecewise CUDA graphs); buckets 64, 128, 256, ... (powers of 2); "
-                                             "0: such steps run eagerly")
+    cuda_graph_mixed_max_tokens: int = _flag(0, "cuda_graphs: also capture mixed steps of up to this many "
+                                             "tokens, in buckets 64, 128, 256, ... (powers of 2): decodes beside "
+                                             "one prompt chunk as one whole graph, other mixed steps (several "
+                                             "prompts) piecewise, graphs between the attention calls, which run "
+                                             "eagerly (vLLM's full and piecewise CUDA graphs); 0: such steps run "
+                                             "eagerly")
     # ---- phase 10: KV offload
     kv_offload: str = _flag("none", "prefix blocks evicted from the device's KV cache go to a tier below instead "
                             "of being dropped, and a prefix hit there is copied back: none; host (host memory, "

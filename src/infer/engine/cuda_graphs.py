@@ -39,10 +39,18 @@ query tiles past ``T``, read from the device, exit at once); the LM head runs on
 only, picked by a device index. Under a graph the cost of a 64-token extend after a 4k-token
 prefix hit becomes its compute.
 
-**Piecewise graphs for mixed steps** (``cuda_graph_mixed_max_tokens``; vLLM's piecewise CUDA graphs).
-A step that mixes decodes with prompt chunks (chunked prefill's usual step), or prefills several
-prompts, cannot be one graph: its attention splits the tokens by sequence in ways no fixed graph
-can hold. But the attention is only a few launches per layer; everything between two attention
+**Mixed steps, whole** (``cuda_graph_mixed_max_tokens``; vLLM's full graphs). Chunked prefill's
+usual step is the running decodes plus *one* prompt chunk. Both attention kernels read their row
+ranges on the device, so such a step is one graph per token bucket (64, 128, ... powers of 2):
+its first ``D`` rows (:meth:`CUDAGraphRunner.mixed_decode_rows`) go to the decode kernel, with
+context length 0 past the step's ``nd`` decodes (those programs read nothing; the chunk's rows
+among them are written by the prefill kernel after), and the prefill kernel reads the chunk's
+query rows ``[nd, T)`` from a device buffer; its grid covers the bucket. The graph returns the
+final hidden states; the LM head runs on the sampled rows after it, as for an eager step.
+
+**Mixed steps, piecewise** (the same buckets; vLLM's piecewise CUDA graphs). A step that prefills
+several prompts cannot be one graph this way: its attention splits the tokens by sequence in ways
+no fixed grid holds. But the attention is only a few launches per layer; everything between two attention
 calls (norms, projections, RoPE with the cache write, the MLP) only sees a ``[T, hidden]`` tensor.
 So such steps are captured per token bucket as ``L + 1`` graphs, one per stretch between attention
 calls: while capturing, the attention backend is replaced by :class:`_Pieces`, which ends the current
