@@ -164,6 +164,20 @@ def _count_calls(obj, name: str) -> list[int]:
     return calls
 
 
+def _slots_written(cache) -> list[int]:
+    """Per layer, the cache slots whose K is not NaN (the test filled the cache with NaN first)."""
+    return (~torch.isnan(cache.k)).flatten(3).any(dim=3).flatten(1).sum(dim=1).tolist()
+
+
+def _mixed_engine(loaded) -> LLMEngine:
+    """Chunked prefill under a 64-token budget with mixed-step graphs of up to 64 tokens, its cache NaN."""
+    eng = _gpu_engine(loaded, kv_cache="paged", block_size=4, cuda_graphs=True, cuda_graph_max_batch_size=4,
+                      cuda_graph_mixed_max_tokens=64, max_num_batched_tokens=64, chunked_prefill=True,
+                      fused_kernels=True)
+    eng.runner.kv_cache.k.fill_(float("nan"))
+    return eng
+
+
 def _gpu_engine(loaded, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(loaded.path), device="cuda", dtype="float32", max_model_len=128,
                                   batching="continuous", max_num_seqs=16, **kw), loaded=loaded)
@@ -272,8 +286,7 @@ def test_prefill_graph_padding_rows_do_not_touch_the_cache(tiny_llama_cuda):
     out = eng.step(stream=False)
     assert out and out[0].outputs[0].token_ids, "the request did not finish in one step"
     # exactly the prompt's 5 slots hold K in every layer; everything else is still NaN
-    per_layer = (~torch.isnan(cache.k)).flatten(3).any(dim=3).flatten(1).sum(dim=1)
-    assert per_layer.tolist() == [5] * cache.k.shape[0], per_layer.tolist()
+    assert _slots_written(cache) == [5] * cache.k.shape[0], _slots_written(cache)
 
 
 @pytest.mark.gpu
@@ -318,20 +331,16 @@ def test_whole_mixed_step_writes_only_its_own_slots(tiny_llama_cuda):
     """A 5-token prompt alone, then its first decode beside a 7-token prompt: both steps replay the
     64-token bucket's whole-step graph (4 decode rows, 1 then 0 of them real; 59 and 56 padding token
     rows). Only the 5, then 1 + 7, real slots get K/V."""
-    eng = _gpu_engine(tiny_llama_cuda, kv_cache="paged", block_size=4, cuda_graphs=True, cuda_graph_max_batch_size=4,
-                      cuda_graph_mixed_max_tokens=64, max_num_batched_tokens=64, chunked_prefill=True,
-                      fused_kernels=True)
+    eng = _mixed_engine(tiny_llama_cuda)
     try:
         cache = eng.runner.kv_cache
-        cache.k.fill_(float("nan"))
         whole = _count_calls(eng.runner.graphs, "replay_mixed_full")
-        written = lambda: (~torch.isnan(cache.k)).flatten(3).any(dim=3).flatten(1).sum(dim=1).tolist()  # noqa: E731
         eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         eng.step(stream=False)
-        assert whole == [5] and written() == [5] * cache.k.shape[0]
+        assert whole == [5] and _slots_written(cache) == [5] * cache.k.shape[0]
         eng.add_request([9, 8, 7, 6, 5, 4, 3], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         eng.step(stream=False)
-        assert whole == [5, 8] and written() == [13] * cache.k.shape[0]
+        assert whole == [5, 8] and _slots_written(cache) == [13] * cache.k.shape[0]
     finally:
         tiny_llama_cuda.model.set_fused_ops(None)
 
@@ -340,19 +349,15 @@ def test_whole_mixed_step_writes_only_its_own_slots(tiny_llama_cuda):
 def test_mixed_step_padding_rows_do_not_touch_the_cache(tiny_llama_cuda):
     """Two prompts of 5 and 7 tokens prefill together in the 64-token bucket: only their 12 slots
     get K/V, the 52 padding rows write nothing."""
-    eng = _gpu_engine(tiny_llama_cuda, kv_cache="paged", block_size=4, cuda_graphs=True, cuda_graph_max_batch_size=4,
-                      cuda_graph_mixed_max_tokens=64, max_num_batched_tokens=64, chunked_prefill=True,
-                      fused_kernels=True)
+    eng = _mixed_engine(tiny_llama_cuda)
     try:
         cache = eng.runner.kv_cache
-        cache.k.fill_(float("nan"))
         eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         eng.add_request([9, 8, 7, 6, 5, 4, 3], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         replays = _count_calls(eng.runner.graphs, "replay_mixed")
         out = eng.step(stream=False)
         assert replays == [12] and len(out) == 2
-        per_layer = (~torch.isnan(cache.k)).flatten(3).any(dim=3).flatten(1).sum(dim=1)
-        assert per_layer.tolist() == [12] * cache.k.shape[0], per_layer.tolist()
+        assert _slots_written(cache) == [12] * cache.k.shape[0], _slots_written(cache)
     finally:
         tiny_llama_cuda.model.set_fused_ops(None)
 

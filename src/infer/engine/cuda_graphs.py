@@ -124,14 +124,7 @@ def mixed_graph_sizes(max_tokens: int) -> list[int]:
     """The captured mixed-step token counts: 64, 128, 256, ... (powers of 2) below ``max_tokens``,
     then ``max_tokens`` itself, ascending; empty when ``max_tokens < 2``. (Coarser than the prefill
     buckets: each bucket keeps every layer's q, k, v and attention output in the pool.)"""
-    if max_tokens < 2:
-        return []
-    sizes = []
-    t = 64
-    while t < max_tokens:
-        sizes.append(t)
-        t *= 2
-    return sizes + [max_tokens]
+    return [t for t in prefill_graph_sizes(max_tokens) if t >= 64 or t == max_tokens]
 
 
 def bucket_for(batch_size: int, sizes: list[int]) -> int | None:
