@@ -239,6 +239,36 @@ def test_skinny_linear_matches_reference(dtype, m, bias):
     torch.testing.assert_close(expected.double(), exact, atol=TOL[dtype][0] * 40, rtol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_linear_splits_few_rows_over_the_threads(bias, monkeypatch):
+    """The CPU fused forward's products: with a column-major weight and at most SPLIT_K_MAX_ROWS rows,
+    one bmm over the threads' shares of the inner dimension (2 or 3 threads), the layer's values
+    within float32 rounding; more rows, a row-major weight or one thread: the layer's own product."""
+    g = torch.Generator().manual_seed(7)
+    layer = torch.nn.Linear(96, 40, bias=bias)
+    row_major = torch.nn.Linear(96, 40, bias=bias)
+    row_major.load_state_dict(layer.state_dict())
+    layers.set_weight_layout(layer, True)
+    bmms = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: bmms.append(a.shape[0]) or real_bmm(a, b))
+    threads = torch.get_num_threads()
+    try:
+        for s in (2, 3, 1):
+            torch.set_num_threads(s)
+            for m in (1, 5, ref.SPLIT_K_MAX_ROWS, ref.SPLIT_K_MAX_ROWS + 1):
+                x = randn(g, m, 96)
+                bmms.clear()
+                out = ref.linear(x, layer)
+                split = s > 1 and m <= ref.SPLIT_K_MAX_ROWS
+                assert bmms == ([s] if split else []), (s, m, bmms)
+                torch.testing.assert_close(out, row_major(x), atol=1e-5, rtol=1e-5)
+                bmms.clear()
+                assert torch.equal(ref.linear(x, row_major), row_major(x)) and bmms == []
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_skinny_linear_dispatch_and_errors():
     """``linear`` gives the layer's result whichever product it picks; bad shapes raise ValueError."""
     from infer.kernels import skinny_gemm as sk

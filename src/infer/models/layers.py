@@ -204,7 +204,7 @@ class Attention(nn.Module):
         # the Triton backend lets the RoPE kernel write the new K/V into the cache (one launch fewer)
         write = meta.kv_cache is not None and getattr(self.backend, "cache_write_in_rope", False)
         q, k, v = ops.qk_norm_rope(
-            self.qkv_proj(x), positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+            ops.linear(x, self.qkv_proj), positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
             qn.weight if qn is not None else None, kn.weight if kn is not None else None,
             qn.eps if qn is not None else 1e-6, qn.unit_offset if qn is not None else False,
             kv_cache=meta.kv_cache.layer(self.layer_idx) if write else None,
@@ -345,7 +345,7 @@ class GatedMLP(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
         """One GEMM for gate and up, one kernel for ``act(gate) * up``, then ``down_proj``."""
-        return ops.linear(ops.act_and_mul(self.gate_up_proj(x), self.act_name), self.down_proj)
+        return ops.linear(ops.act_and_mul(ops.linear(x, self.gate_up_proj), self.act_name), self.down_proj)
 
 
 # ----------------------------------------------------------------------------- the model
