@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see src/infer/__init__.py; before torch loads
+if "OMP_WAIT_POLICY" not in os.environ:  # see src/infer/__init__.py; before torch loads
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import platform  # noqa: E402
 import statistics

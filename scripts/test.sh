@@ -7,5 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${INFER_VENV:-.venv}/bin/activate"
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # see src/infer/__init__.py
+# the suite starts servers and clients beside pytest on two cores: its workers never spin (infer's own
+# default is a short spin, src/infer/__init__.py)
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 exec python -m pytest "$@"

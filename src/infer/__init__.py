@@ -10,11 +10,17 @@ Start at docs/index.md. The public API grows phase by phase; today:
 
 import os
 
-# OpenMP's default "active" wait makes idle compute threads spin; when another process shares
-# the cores (a test server, a benchmark client, CI), a spinning team and the busy process
-# preempt each other and CPU decode became up to 10x slower in our measurements. Passive
-# waiting costs nothing measurable here and removes that. Only effective before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How torch's OpenMP workers (libgomp) wait between parallel regions. Its default spins for
+# ~300,000 iterations (about a millisecond); when another process shares the cores (a test server,
+# a benchmark client, CI), a spinning team and the busy process preempt each other, and CPU decode
+# became up to 10x slower in our measurements. Not spinning at all (OMP_WAIT_POLICY=PASSIVE) makes
+# every region pay for waking its worker, ~40-60 us, hundreds of times per decode step: the split
+# one-row products of the fused forward (infer.kernels.fused_reference.linear) ran at 27 instead
+# of 19 ms per SmolLM2 token. A short spin keeps the worker awake between the back-to-back
+# operations of a step and lets it sleep as soon as the engine pauses. Only effective before torch
+# loads; an OMP_WAIT_POLICY or GOMP_SPINCOUNT of the user's wins.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from infer.config import EngineConfig, ModelConfig  # noqa: E402
 from infer.errors import InvalidRequestError, ModelLoadError  # noqa: E402

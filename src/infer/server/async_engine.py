@@ -19,12 +19,11 @@ gets a pool of worker threads of its own that lives as long as the thread. An en
 the main thread (loading and dequantizing the weights run parallel ops) and stepped on this
 thread leaves the process with two pools: four OpenMP threads on a 2-core machine. libgomp then
 counts more threads than CPUs and cuts the spin-wait of idle workers to almost nothing (``do_spin``
-in libgomp's ``config/linux/wait.h`` switches to its throttled spin count), so
-under a spinning ``OMP_WAIT_POLICY`` every parallel region pays for waking its worker from
-sleep: measured here, a decode step went from 47 to 90 ms as soon as a second, idle pool existed
-in the process, and back when its thread exited. With the engine built and stepped on one
-thread, the server's engine runs like the offline ``LLM`` in a main thread. (With
-``OMP_WAIT_POLICY=PASSIVE``, infer's default, workers always sleep and both cases pay the same.)
+in libgomp's ``config/linux/wait.h`` switches to its throttled spin count), so every parallel
+region pays for waking its worker from sleep, as under ``OMP_WAIT_POLICY=PASSIVE``: measured here,
+a decode step went from 47 to 90 ms as soon as a second, idle pool existed in the process, and
+back when its thread exited. With the engine built and stepped on one thread, the server's engine
+runs like the offline ``LLM`` in a main thread, with infer's short spin (``src/infer/__init__.py``).
 """
 
 from __future__ import annotations
