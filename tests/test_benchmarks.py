@@ -364,6 +364,38 @@ def test_step_profile_times_the_steady_decode_batch_and_leaks_no_blocks(tmp_path
     assert fns["model_runner.py:execute)"]["cum_ms_per_step"] <= fns["llm_engine.py:step)"]["cum_ms_per_step"]
 
 
+def test_step_profile_mixed_workload_times_only_mixed_steps(tmp_path):
+    """--long-len: two streams decode while 40-token prompts always wait, so under a 16-token chunked
+    budget every timed step is the two decodes plus a 14-token chunk (a prompt's last chunk and the
+    next prompt's first share a step: three or four sequences)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    model = make_checkpoint("tiny-llama", tmp_path / "tiny", dtype="float32", device="cpu")
+    out = tmp_path / "mixed.json"
+    rc = step_profile.main(["--model", str(model), "--device", "cpu", "--long-len", "40", "--streams", "2",
+                            "--stream-prompt-len", "4", "--max-num-batched-tokens", "16", "--skip", "2",
+                            "--steps", "8", "--profile-steps", "0", "--unsync-steps", "3", "--no-progress",
+                            "--out", str(out), "--infer-configs", "batching=continuous,chunked_prefill=true"])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    (row,) = rep["results"]
+    assert rep["workload"]["long_len"] == 40 and rep["workload"]["streams"] == 2
+    assert row["steps_timed"] == 8 and row["tokens_per_step"] == 16 and 3 <= row["seqs_per_step"] <= 4
+    assert row["kv_blocks_leaked"] == 0
+
+
+def test_cpu_gemv_smoke(tmp_path):
+    """The program runs, checks every way against F.linear, and reports each product and a per-token sum."""
+    import cpu_gemv
+
+    assert cpu_gemv.main(["--quick", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "cpu_gemv.json").read_text())
+    assert [r["product"] for r in rep["results"]] == list(cpu_gemv.SHAPES)
+    assert all(r["split_k_gb_s"] > 0 and r["linear_row_major_us"] > 0 for r in rep["results"])
+    assert set(rep["per_token_ms"]) == {"linear_row_major", "mm_column_major", "split_k"}
+
+
 # ---------------------------------------------------------------------------------- greedy agreement
 
 def test_greedy_agreement_counts_divergences_and_their_margins():
