@@ -296,3 +296,24 @@ def test_memoized_windows_stream_the_same_text(tok):
             _, memo = stream(tok, ids, **kw)
             _, plain = stream(_NoMemo(tok), ids, prompt_ids=tok.encode(PROMPT), **kw)
             assert memo == plain
+
+
+def test_add_token_streams_what_add_streams(tok):
+    # The engine's one-token call inlines the usual step; every delta, the final text, the ids
+    # and the stop reason must be add()'s, for real text (split characters), random ids (byte
+    # fragments, invalid UTF-8, special tokens), stop strings that cut and hold text back, and
+    # the memo-less tokenizer (add_token then takes add's path).
+    import random
+
+    rng = random.Random(2)
+    text_ids = tok.encode(" ".join(UTF8_TEXTS) + " the end. " * 80, add_special_tokens=False)
+    random_ids = [rng.randrange(tok.vocab_size) for _ in range(700)]  # past the window's compaction
+    cases = [({}, tok), ({"skip_special_tokens": False}, tok), ({"stop": ["xyz", "\n\n", "end."]}, tok),
+             ({"stop": ["水"], "include_stop_str_in_output": True}, tok), ({}, _NoMemo(tok))]
+    for ids in (text_ids, random_ids, sorted(tok.all_special_ids) + text_ids[:50]):
+        for kw, t in cases:
+            ref, ref_deltas = stream(t, ids, prompt_ids=tok.encode(PROMPT), **kw)
+            d = IncrementalDetokenizer(t, tok.encode(PROMPT), **kw)
+            deltas = [d.add_token(i) for i in ids] + [d.finish()]
+            assert deltas == ref_deltas
+            assert (d.output_text, d.token_ids, d.stop_reason) == (ref.output_text, ref.token_ids, ref.stop_reason)

@@ -445,6 +445,8 @@ class LLMEngine:
                 req.finished_time = now
                 self.requests.pop(req.request_id, None)
                 self.scheduler.abort(req.request_id)  # async: it may have been preempted meanwhile
+            elif not stream:
+                continue  # (make_output's final_only would say None)
             out = self.output_processor.make_output(req, final_only=not stream)
             if out is not None:
                 outputs.append(out)
@@ -513,5 +515,4 @@ class LLMEngine:
         """Does a sequence of this step need its new token on the host before the next step's
         sampling tensors are built? (The penalties count the generated tokens; a guide writes the
         bitmask from its automaton's state.)"""
-        return any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0
-                   or s.params.frequency_penalty != 0.0 or s.guide is not None for s in result.sampled)
+        return any(s.has_penalties or s.guide is not None for s in result.sampled)

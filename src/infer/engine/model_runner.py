@@ -308,8 +308,6 @@ class ModelRunner:
         self._bitmask_turn = 0
         # the last step's sampling tensors, reused while the same sequences sample (_sampling_tensors)
         self._last_sampling: tuple[list[Sequence], SamplingTensors] | None = None
-        self._steps_bufs: list[torch.Tensor] | None = None  # their host staging pair for the stream positions
-        self._steps_turn = 0
         if cuda_graphs:
             from infer.engine.cuda_graphs import CUDAGraphRunner
 
@@ -465,6 +463,8 @@ class ModelRunner:
         partly filled block (the full ones are shared)."""
         bs = self.kv_cache.block_size
         for item in scheduled:
+            if not item.forks:
+                continue
             n = item.seq.num_computed_tokens + item.num_tokens
             for fork in item.forks:
                 src, dst = item.seq.block_table[-1], fork.block_table[-1]
@@ -561,37 +561,26 @@ class ModelRunner:
         Building them costs ~0.1-0.2 ms of host time per step, as much as the rest of a batch-1
         decode step's preparation. So when the same sequences sample again, in the same order,
         and no row carries state that changes per step (penalty histories, a ``min_tokens`` ban,
-        a structured-output bitmask), the last step's tensors are reused: only the stream
-        positions (``steps``, which key the random draws) are copied, and not even those when
-        every row is greedy. (vLLM's persistent batch keeps its sampling metadata the same way.)
+        a structured-output bitmask), the last step's tensors are reused. Only the stream
+        positions change (``steps``, each row's output length, which keys its random draws), and
+        by exactly one: every row sampled one token in the last sampling step and none since (a
+        sequence gains tokens only by sampling), so they are advanced on the device, with no host
+        list and no copy (and not at all when every row is greedy). vLLM's persistent batch keeps
+        its sampling metadata the same way.
         """
-        stateless = all(s.guide is None and s.num_output_tokens >= s.params.min_tokens
-                        and s.params.repetition_penalty == 1.0 and s.params.presence_penalty == 0.0
-                        and s.params.frequency_penalty == 0.0 for s in seqs)
-        last = self._last_sampling
-        if stateless and last is not None and len(last[0]) == len(seqs) and all(map(operator.is_, last[0], seqs)):
+        last = self._last_sampling  # set only when its rows were stateless; none of them can
+        # have become stateful since: a guide and penalties are fixed per sequence, and a
+        # min_tokens ban, once lifted, stays lifted (the output only grows)
+        if last is not None and len(last[0]) == len(seqs) and all(map(operator.is_, last[0], seqs)):
             tensors = last[1]
             if not tensors.all_greedy:
-                self._copy_steps(tensors.steps, [s.num_output_tokens for s in seqs])
+                tensors.steps.add_(1)
             return tensors
         tensors = self._build_sampling_tensors(seqs, eos_ids)
+        stateless = all(s.guide is None and not s.has_penalties and s.num_output_tokens >= s.params.min_tokens
+                        for s in seqs)
         self._last_sampling = (list(seqs), tensors) if stateless else None
         return tensors
-
-    def _copy_steps(self, steps: torch.Tensor, values: list[int]) -> None:
-        """Write ``values`` into the device tensor ``steps`` through a pinned staging pair (the
-        buffer written now was last read by the copy of two steps ago, which has completed: the
-        engine waited for that step's tokens)."""
-        n = len(values)
-        if self.device.type != "cuda":
-            steps.copy_(torch.tensor(values, dtype=torch.int64))
-            return
-        if self._steps_bufs is None or self._steps_bufs[0].shape[0] < n:
-            self._steps_bufs = [torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        buf = self._steps_bufs[self._steps_turn]
-        self._steps_turn ^= 1
-        buf.numpy()[:n] = values
-        steps.copy_(buf[:n], non_blocking=True)
 
     def _build_sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int]) -> SamplingTensors:
         suppress = []
@@ -603,7 +592,7 @@ class ModelRunner:
             suppress.append(ban)
         # token histories only for rows with a penalty (building them is O(context) per row)
         rep = [s.params.repetition_penalty != 1.0 for s in seqs]
-        pen = [r or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0 for r, s in zip(rep, seqs)]
+        pen = [s.has_penalties for s in seqs]
         tensors = SamplingTensors.from_params(
             [s.params for s in seqs],
             seeds=[s.seed for s in seqs],
@@ -665,8 +654,10 @@ class ModelRunner:
         out = {}
         for i, item in enumerate(scheduled):
             seq = item.seq
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                continue  # a decode (checked first: the common case)
             k = seq.params.prompt_logprobs
-            if k is None or seq.index != 0 or seq.num_computed_tokens >= seq.num_prompt_tokens:
+            if k is None or seq.index != 0:
                 continue
             done = seq.request.prompt_logprobs
             if done is not None and len(done) >= seq.num_prompt_tokens:

@@ -68,10 +68,16 @@ class Sequence:
     guide: Any = None
     guide_dead_end: bool = False
     guide_masks: Any = None  # its recent states' bitmasks (infer.sampling.structured.GuideMasks)
+    # the request's sampling parameters, and whether they penalize tokens already seen (the
+    # sampler then needs the sequence's tokens on the host every step); read per sequence per
+    # step by the scheduler, the runner and the output processor, so plain attributes
+    params: SamplingParams = field(init=False, repr=False)
+    has_penalties: bool = field(init=False, repr=False)
 
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
+    def __post_init__(self) -> None:
+        p = self.params = self.request.params
+        self.has_penalties = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                              or p.frequency_penalty != 0.0)
 
     @property
     def output_token_ids(self) -> list[int]:
