@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from infer.engine.model_runner import StepResult
-from infer.engine.sequence import PLACEHOLDER, Request, Sequence, SeqStatus
+from infer.engine.sequence import PLACEHOLDER, Request, SeqStatus, Sequence
 from infer.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from infer.tokenizer import Tokenizer
 
