@@ -70,6 +70,49 @@ def test_streaming_deltas_concatenate_to_final_text(smollm2):
     assert final.text == smollm2.tokenizer.decode(final.token_ids)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_unstreamed_text_is_made_once_at_the_end_and_equals_the_streamed_text(smollm2, async_scheduling):
+    # Not streamed and without stop strings, a request's text is made when it finishes (the
+    # tokenizer is not called while it runs); with streaming, or with stop strings, at every step.
+    # Either way: the same text, the same as decoding the tokens, for every request of a batch.
+    prompts = ["Once upon a time", "The capital of France is", "def fib(n):", "日本語のテキスト"]
+    kinds = [SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True),
+             SamplingParams(max_tokens=14, temperature=0.0, skip_special_tokens=False),
+             SamplingParams(max_tokens=20, temperature=0.8, seed=4, stop=["the", "\n"])]
+    texts = {}
+    for stream in (True, False):
+        eng = make_engine(smollm2, batching="continuous", async_scheduling=async_scheduling)
+        decode, calls = eng.tokenizer.decode, []
+        # count the tokenizer's decode calls in each step (an instance attribute, undone below)
+        eng.tokenizer.decode = lambda *a, **kw: calls.append(1) or decode(*a, **kw)
+        try:
+            reqs = [eng.add_request(p, k) for p in prompts for k in kinds]
+            finals, step_calls, deltas = {}, [], {r.request_id: [] for r in reqs}
+            while eng.has_unfinished_requests():
+                calls.clear()
+                outs = eng.step(stream=stream)
+                finals.update({o.request_id: o for o in outs if o.finished})
+                for o in outs:
+                    deltas[o.request_id].append(o.outputs[0].delta_text)
+                step_calls.append((len(calls), any(o.finished for o in outs)))
+        finally:
+            del eng.tokenizer.decode
+        texts[stream] = [finals[r.request_id].outputs[0].text for r in reqs]
+        for r, text in zip(reqs, texts[stream]):
+            ids = finals[r.request_id].outputs[0].token_ids
+            if not r.params.stop:
+                assert text == smollm2.tokenizer.decode(ids, skip_special_tokens=r.params.skip_special_tokens)
+        if not stream:  # only the stop-string requests decode text in a step where nothing finished
+            quiet = [n for n, finished in step_calls if not finished]
+            assert quiet and max(quiet) <= len(prompts) * 2, step_calls
+        else:  # the text streams as it is made, a piece at (nearly) every step
+            for r, text in zip(reqs, texts[stream]):
+                assert "".join(deltas[r.request_id]) == text
+                if len(finals[r.request_id].outputs[0].token_ids) >= 8:
+                    assert sum(map(bool, deltas[r.request_id])) >= 4, deltas[r.request_id]
+    assert texts[True] == texts[False]
+
+
 def test_seeded_sampling_is_reproducible(smollm2):
     eng = make_engine(smollm2)
     p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)

@@ -337,6 +337,7 @@ class LLMEngine:
         self._compiling.pop(request_id, None)
         self.scheduler.abort(request_id)
         for seq in req.seqs:
+            self.output_processor.detokenize(seq)  # its text so far is complete for whoever reads it
             if not seq.is_finished:
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, finish_reason
         return True

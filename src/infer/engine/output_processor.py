@@ -1,7 +1,8 @@
 """The one place where sampled tokens become request output.
 
 For every sequence that sampled a token this step: append it, record its logprobs, feed the
-incremental detokenizer, and decide whether the sequence is finished (EOS, a stop token, a
+incremental detokenizer (now, or when somebody needs the text: :meth:`OutputProcessor.detokenize`),
+and decide whether the sequence is finished (EOS, a stop token, a
 stop string, ``max_tokens``, the context limit). Every batching mode goes through here, so
 stop handling and streaming behave the same whatever the scheduler did.
 """
@@ -84,16 +85,37 @@ class OutputProcessor:
             seq.pending_token_ids.append(token)
             if seq.params.logprobs is not None:
                 self._add_logprobs(seq, token, chosen_lp[i], top_ids[i], top_lps[i])
-            seq.pending_text += seq.detokenizer.add_token(token)
+            if seq.detokenizer.stop:  # stop strings are matched on the text as it is made
+                seq.pending_text += seq.detokenizer.add_token(token)
             reason = self._check_stop(seq, token)
             if seq.guide is not None and (reason is None or seq.guide_dead_end):
                 reason = self._advance_guide(seq, token)
             if reason is not None:
                 seq.finish_reason, seq.stop_reason = reason
                 if seq.detokenizer.stop_reason is None:
+                    self.detokenize(seq)
                     seq.pending_text += seq.detokenizer.finish()
                 finished.append(seq)
         return finished
+
+    @staticmethod
+    def detokenize(seq: Sequence) -> None:
+        """Catch ``seq``'s detokenizer up with its output tokens (their text joins ``pending_text``).
+
+        Text is made when it is needed: at every step for a sequence with stop strings (they are
+        matched on the text), and whenever an output is built (:meth:`make_output`; streaming
+        builds one every step). A request that is not streamed and has no stop strings is
+        detokenized once, when it finishes, in one warm loop rather than one cache-cold call per
+        step (~3.5 against ~1.2 us a token on a CPU): the same ids through the same
+        :meth:`~infer.detokenizer.IncrementalDetokenizer.add_token` calls, so the same text.
+        """
+        d = seq.detokenizer
+        ids = seq.token_ids
+        start = seq.num_prompt_tokens + len(d.token_ids)
+        end = len(ids) - (ids[-1] == PLACEHOLDER)  # async scheduling: a token still on the device
+        if start < end and not d.finished:
+            add = d.add_token
+            seq.pending_text += "".join([add(t) for t in ids[start:end]])
 
     def _add_logprobs(self, seq: Sequence, token: int, chosen: float, top_ids: list[int], top_lps: list[float]) -> None:
         """Record the sampled token's logprob and the top ``params.logprobs`` alternatives."""
@@ -166,6 +188,8 @@ class OutputProcessor:
         finished = req.is_finished
         if final_only and not finished:
             return None
+        for s in req.seqs:
+            OutputProcessor.detokenize(s)
         if not finished and not any(s.pending_token_ids or s.pending_text for s in req.seqs):
             return None
         outs = []
