@@ -84,7 +84,7 @@ def test_unstreamed_text_is_made_once_at_the_end_and_equals_the_streamed_text(sm
         eng = make_engine(smollm2, batching="continuous", async_scheduling=async_scheduling)
         decode, calls = eng.tokenizer.decode, []
         # count the tokenizer's decode calls in each step (an instance attribute, undone below)
-        eng.tokenizer.decode = lambda *a, **kw: calls.append(1) or decode(*a, **kw)
+        eng.tokenizer.decode = lambda *a, _d=decode, _c=calls, **kw: _c.append(1) or _d(*a, **kw)
         try:
             reqs = [eng.add_request(p, k) for p in prompts for k in kinds]
             finals, step_calls, deltas = {}, [], {r.request_id: [] for r in reqs}
