@@ -30,7 +30,8 @@ step (the sum of its kernels' times) against the step's wall time says whether t
 device-bound (busy ~ wall) or host-bound (busy << wall: the GPU waits for Python), and the
 top kernels and host ops say where the time goes. Synchronizing at every boundary costs some
 overlap, so the per-phase times add up to a little more than an unsynchronized step.
-``--host-profile N`` runs N more steps under cProfile and lists the functions with the most
+``--stream`` steps as the server does (``step(stream=True)``: an output for every request at every
+step, so ``output`` includes building them). ``--host-profile N`` runs N more steps under cProfile and lists the functions with the most
 cumulative host time (cProfile slows Python about 2x: read the shares, not the times).
 """
 
@@ -233,6 +234,9 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
     llm.generate(w.prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for o in w.output_lens], use_tqdm=False)
     for p, o in zip(wl.prompts, wl.output_lens):
         engine.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True, temperature=args.temperature))
+    if args.stream:  # as the server runs it: an output (text delta) for every request at every step
+        step = engine.step
+        engine.step = lambda stream=False: step(stream=True)
     _drive(engine, args.skip, device)
     feed = _LongPromptFeed(engine, wl.params["long_len"], wl.params["token_range"][1], args.seed) \
         if wl.params.get("long_len") else None
@@ -268,7 +272,7 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
         engine.abort_request(rid)
     kv = engine.scheduler.kv
     row = {
-        "label": ot.infer_label(overrides), "steps_timed": n,
+        "label": ot.infer_label(overrides) + (" stream" if args.stream else ""), "steps_timed": n,
         "seqs_per_step": mean["seqs"], "tokens_per_step": mean["tokens"],
         "schedule_ms": mean["schedule"] * 1e3, "execute_ms": mean["execute"] * 1e3, "output_ms": mean["output"] * 1e3,
         "step_ms": (mean["schedule"] + mean["execute"] + mean["output"]) * 1e3,
@@ -314,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-steps", type=int, default=5, help="steps under torch.profiler (0: none) [5]")
     ap.add_argument("--unsync-steps", type=int, default=30,
                     help="steps timed without synchronizing (host work vs waiting for the device) [30]")
+    ap.add_argument("--stream", action="store_true",
+                    help="step(stream=True), as the server: every request's output at every step")
     ap.add_argument("--host-profile", type=int, default=0, help="steps under cProfile (host functions) [0]")
     ap.add_argument("--top", type=int, default=12, help="rows of the kernel and host-op tables [12]")
     ap.add_argument("--no-progress", action="store_true")

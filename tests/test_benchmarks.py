@@ -421,3 +421,25 @@ def test_greedy_agreement_fp32_flags_give_identical_tokens(tmp_path):
     report = json.loads(out.read_text())
     assert rc == 0 and report["passed"]
     assert report["results"][1]["identical_share"] == 1.0
+
+
+def test_step_profile_stream_builds_every_requests_output_at_every_step(tmp_path):
+    # --stream steps as the server does (step(stream=True)): one output per request per step,
+    # against none while nothing finishes without it
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    model = make_checkpoint("tiny-llama", tmp_path / "tiny", dtype="float32", device="cpu")
+    calls = {}
+    for stream in (False, True):
+        out = tmp_path / f"step{stream}.json"
+        rc = step_profile.main(["--model", str(model), "--device", "cpu", "--num-requests", "4", "--min-len", "4",
+                                "--max-len", "8", "--min-output-len", "20", "--max-output-len", "20", "--skip", "1",
+                                "--steps", "3", "--profile-steps", "0", "--unsync-steps", "0", "--host-profile", "2",
+                                "--top", "200", "--no-progress", "--out", str(out),
+                                "--infer-configs", "batching=continuous,kv_cache=paged"] + (["--stream"] if stream else []))
+        assert rc == 0
+        (row,) = json.loads(out.read_text())["results"]
+        assert row["label"].endswith(" stream") == stream and row["kv_blocks_leaked"] == 0
+        calls[stream] = sum(f["calls_per_step"] for f in row["host_functions"] if f["function"].endswith("(make_output)"))
+    assert calls == {False: 0, True: 4}
