@@ -31,8 +31,9 @@ device-bound (busy ~ wall) or host-bound (busy << wall: the GPU waits for Python
 top kernels and host ops say where the time goes. Synchronizing at every boundary costs some
 overlap, so the per-phase times add up to a little more than an unsynchronized step.
 ``--stream`` steps as the server does (``step(stream=True)``: an output for every request at every
-step, so ``output`` includes building them). ``--host-profile N`` runs N more steps under cProfile and lists the functions with the most
-cumulative host time (cProfile slows Python about 2x: read the shares, not the times).
+step, so ``output`` includes building them). ``--host-profile N`` runs N more steps under cProfile
+and lists the functions with the most cumulative host time (cProfile slows Python about 2x: read
+the shares, not the times).
 """
 
 from __future__ import annotations

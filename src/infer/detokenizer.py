@@ -182,9 +182,10 @@ class IncrementalDetokenizer:
 
         The usual step is inlined: the window is the one token emitted last step (its text
         memoized by the tokenizer), so the step is one call into the tokenizer for the pair,
-        and with no stop strings the delta is appended as it is. Everything else (a special
-        token, a character still incomplete, stop strings holding text back) takes
-        :meth:`add`'s path. The same text either way; a third of the host time per token.
+        and with no stop strings the delta is appended as it is (with them, :meth:`_emit` checks
+        it as usual). Everything else (a special token, a wider window: the first token after
+        the prompt's context, or a character still incomplete) takes :meth:`add`'s path. The
+        same text either way, for about a quarter less host time per token.
         """
         read = self._read_offset
         if (self._stopped or self._finished or token_id in self._special or self._decode_token is None
@@ -200,13 +201,7 @@ class IncrementalDetokenizer:
             self._prefix_text = prefix_text
             return ""  # an incomplete character (or no text yet): wait, as _decode_step does
         delta = new_text[len(prefix_text):]
-        self._prefix_offset = read
-        self._read_offset = read + 1
-        self._prefix_text = None
-        if read >= _COMPACT_AT:
-            del ids[:read]
-            self._read_offset = 1
-            self._prefix_offset = 0
+        self._advance_window(read, read + 1)
         if self.stop:
             return self._emit(delta, final=False)
         self._chunks.append(delta)
@@ -253,14 +248,17 @@ class IncrementalDetokenizer:
                 if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT):
                     new_text, end = text, cut
                     break
-        delta = new_text[len(prefix_text):]
+        self._advance_window(read, end)
+        return new_text[len(prefix_text):]
+
+    def _advance_window(self, read: int, end: int) -> None:
+        """Text up to ``end`` was emitted: the next window starts at ``read`` (the old read offset)."""
         self._prefix_offset, self._read_offset = read, end
         self._prefix_text = None
-        if self._prefix_offset >= _COMPACT_AT:  # forget ids that no window will see again
-            del self._ids[: self._prefix_offset]
-            self._read_offset -= self._prefix_offset
+        if read >= _COMPACT_AT:  # forget ids that no window will see again
+            del self._ids[:read]
+            self._read_offset -= read
             self._prefix_offset = 0
-        return delta
 
     def _emit(self, delta: str, final: bool) -> str:
         """Apply the stop strings to ``delta``; append and return what may be streamed."""

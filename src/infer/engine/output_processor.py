@@ -2,9 +2,9 @@
 
 For every sequence that sampled a token this step: append it, record its logprobs, feed the
 incremental detokenizer (now, or when somebody needs the text: :meth:`OutputProcessor.detokenize`),
-and decide whether the sequence is finished (EOS, a stop token, a
-stop string, ``max_tokens``, the context limit). Every batching mode goes through here, so
-stop handling and streaming behave the same whatever the scheduler did.
+and decide whether the sequence is finished (EOS, a stop token, a stop string, ``max_tokens``, the
+context limit). Every batching mode goes through here, so stop handling and streaming behave the
+same whatever the scheduler did.
 """
 
 from __future__ import annotations
