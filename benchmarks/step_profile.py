@@ -31,7 +31,8 @@ device-bound (busy ~ wall) or host-bound (busy << wall: the GPU waits for Python
 top kernels and host ops say where the time goes. Synchronizing at every boundary costs some
 overlap, so the per-phase times add up to a little more than an unsynchronized step.
 ``--stream`` steps as the server does (``step(stream=True)``: an output for every request at every
-step, so ``output`` includes building them). ``--host-profile N`` runs N more steps under cProfile
+step, so ``output`` includes building them; each carries what ``--output-kind`` says, by default
+``delta`` as the server's streams ask: only what is new). ``--host-profile N`` runs N more steps under cProfile
 and lists the functions with the most cumulative host time (cProfile slows Python about 2x: read
 the shares, not the times).
 """
@@ -233,8 +234,13 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
     # warm up (kernels compiled, allocator primed) on the small workload, as offline_throughput does
     w = ot.warmup_workload(wl)
     llm.generate(w.prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for o in w.output_lens], use_tqdm=False)
+    kind = {}
+    if args.stream and "output_kind" in SamplingParams.field_names():  # (older sources: cumulative only)
+        from infer import RequestOutputKind
+
+        kind = {"output_kind": RequestOutputKind[args.output_kind.upper()]}
     for p, o in zip(wl.prompts, wl.output_lens):
-        engine.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True, temperature=args.temperature))
+        engine.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True, temperature=args.temperature, **kind))
     if args.stream:  # as the server runs it: an output (text delta) for every request at every step
         step = engine.step
         engine.step = lambda stream=False: step(stream=True)
@@ -273,7 +279,8 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
         engine.abort_request(rid)
     kv = engine.scheduler.kv
     row = {
-        "label": ot.infer_label(overrides) + (" stream" if args.stream else ""), "steps_timed": n,
+        "label": ot.infer_label(overrides) + (f" stream ({kind['output_kind'].name.lower() if kind else 'cumulative'})"
+                                              if args.stream else ""), "steps_timed": n,
         "seqs_per_step": mean["seqs"], "tokens_per_step": mean["tokens"],
         "schedule_ms": mean["schedule"] * 1e3, "execute_ms": mean["execute"] * 1e3, "output_ms": mean["output"] * 1e3,
         "step_ms": (mean["schedule"] + mean["execute"] + mean["output"]) * 1e3,
@@ -321,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="steps timed without synchronizing (host work vs waiting for the device) [30]")
     ap.add_argument("--stream", action="store_true",
                     help="step(stream=True), as the server: every request's output at every step")
+    ap.add_argument("--output-kind", choices=("cumulative", "delta", "final_only"), default="delta",
+                    help="with --stream: what each output carries (RequestOutputKind) [delta, the server's]")
     ap.add_argument("--host-profile", type=int, default=0, help="steps under cProfile (host functions) [0]")
     ap.add_argument("--top", type=int, default=12, help="rows of the kernel and host-op tables [12]")
     ap.add_argument("--no-progress", action="store_true")

@@ -440,6 +440,6 @@ def test_step_profile_stream_builds_every_requests_output_at_every_step(tmp_path
                                 "--infer-configs", "batching=continuous,kv_cache=paged"] + (["--stream"] if stream else []))
         assert rc == 0
         (row,) = json.loads(out.read_text())["results"]
-        assert row["label"].endswith(" stream") == stream and row["kv_blocks_leaked"] == 0
+        assert row["label"].endswith(" stream (delta)") == stream and row["kv_blocks_leaked"] == 0
         calls[stream] = sum(f["calls_per_step"] for f in row["host_functions"] if f["function"].endswith("(make_output)"))
     assert calls == {False: 0, True: 4}

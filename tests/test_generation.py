@@ -12,7 +12,7 @@ import torch
 from infer.config import EngineConfig
 from infer.engine import LLMEngine
 from infer.errors import InvalidRequestError
-from infer.sampling import SamplingParams
+from infer.sampling import RequestOutputKind, SamplingParams
 from tests.hf_reference import infer_logits
 
 
@@ -111,6 +111,72 @@ def test_unstreamed_text_is_made_once_at_the_end_and_equals_the_streamed_text(sm
                 if len(finals[r.request_id].outputs[0].token_ids) >= 8:
                     assert sum(map(bool, deltas[r.request_id])) >= 4, deltas[r.request_id]
     assert texts[True] == texts[False]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_output_kinds_carry_the_same_request(smollm2, async_scheduling):
+    # The same requests (seeded, n = 2 with a stop string, logprobs) in one batch under each output
+    # kind: DELTA's outputs are the deltas (nothing cumulative), and folding them gives CUMULATIVE's
+    # final output; FINAL_ONLY says nothing until the end, then exactly CUMULATIVE's final output.
+    prompts = ["Once upon a time", "The capital of France is", "def fib(n):"]
+    params = [dict(max_tokens=18, temperature=0.8, seed=3, n=2, stop=["the"], logprobs=2),
+              dict(max_tokens=12, temperature=0.0, logprobs=0),
+              dict(max_tokens=15, temperature=1.0, seed=9, ignore_eos=True)]
+    eng = make_engine(smollm2, batching="continuous", async_scheduling=async_scheduling, max_num_seqs=64)
+    reqs = {(kind, i, j): eng.add_request(p, SamplingParams(**kw, output_kind=kind))
+            for kind in RequestOutputKind for i, p in enumerate(prompts) for j, kw in enumerate(params)}
+    streams = {r.request_id: [] for r in reqs.values()}
+    while eng.has_unfinished_requests():
+        for o in eng.step(stream=True):
+            streams[o.request_id].append(o)
+    for (kind, i, j), r in reqs.items():
+        if kind is not RequestOutputKind.CUMULATIVE:
+            continue
+        cum = streams[r.request_id]
+        final = cum[-1]
+        assert final.finished and [o.finished for o in cum].count(True) == 1
+        delta = streams[reqs[RequestOutputKind.DELTA, i, j].request_id]
+        only = streams[reqs[RequestOutputKind.FINAL_ONLY, i, j].request_id]
+        assert len(only) == 1 and only[0].finished and len(delta) == len(cum)
+        for k, c in enumerate(final.outputs):
+            # FINAL_ONLY's one output is CUMULATIVE's last
+            f = only[0].outputs[k]
+            assert (f.text, f.token_ids, f.finish_reason, f.num_generated_tokens) == \
+                (c.text, c.token_ids, c.finish_reason, len(c.token_ids))
+            assert_same_logprobs(f.logprobs, c.logprobs)
+            # DELTA: each output carries only what is new; folded, the whole
+            parts = [o.outputs[k] for o in delta]
+            assert all(d.text == d.delta_text and d.token_ids == d.delta_token_ids for d in parts)
+            assert "".join(d.text for d in parts) == c.text and c.text
+            assert sum((d.token_ids for d in parts), []) == c.token_ids
+            assert [d.num_generated_tokens for d in parts] == [len(o.outputs[k].token_ids) for o in cum]
+            if c.logprobs is not None:
+                assert_same_logprobs(sum((d.logprobs for d in parts), []), c.logprobs)
+            else:
+                assert all(d.logprobs is None for d in parts)
+            assert parts[-1].finish_reason == c.finish_reason
+            assert max(len(d.token_ids) for d in parts) < len(c.token_ids)  # never the whole output
+
+
+def assert_same_logprobs(a, b) -> None:
+    """The same tokens and ranks with the same logprobs (within 1e-4: the three requests sit in
+    different rows of the batch, whose fp32 GEMM rounds a row's sums by its position)."""
+    assert (a is None) == (b is None)
+    if a is None:
+        return
+    assert len(a) == len(b)
+    for pa, pb in zip(a, b):
+        for ta, tb in zip((pa.token, *pa.top), (pb.token, *pb.top), strict=True):
+            assert (ta.token_id, ta.rank, ta.decoded) == (tb.token_id, tb.rank, tb.decoded)
+            assert abs(ta.logprob - tb.logprob) < 1e-4
+
+
+def test_output_kind_is_checked():
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+    with pytest.raises(ValueError, match="output_kind must be one of 0 \\(CUMULATIVE\\)"):
+        SamplingParams(output_kind=3)
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="DELTA")
 
 
 def test_seeded_sampling_is_reproducible(smollm2):

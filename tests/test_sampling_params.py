@@ -161,5 +161,5 @@ def test_field_names():
         "n", "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
         "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
         "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens",
-        "include_stop_str_in_output", "structured_outputs",
+        "include_stop_str_in_output", "structured_outputs", "output_kind",
     ]  # fmt: skip

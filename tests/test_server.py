@@ -786,8 +786,13 @@ def test_non_stream_disconnect_aborts_request(server, path):
 
 
 def test_metrics(server, client):
-    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    before = metric_value(wait_idle(server), "infer:generation_tokens_total")
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    # a streamed request's outputs carry only their deltas: the counter must still see all its tokens
+    list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True}))
     text = wait_idle(server)
+    assert metric_value(text, "infer:generation_tokens_total") == before + 3 + 5
     for name in ("infer:num_requests_running", "infer:num_requests_waiting", "infer:request_success_total",
                  "infer:prompt_tokens_total", "infer:generation_tokens_total",
                  "infer:time_to_first_token_seconds_bucket", "infer:time_per_output_token_seconds_bucket",

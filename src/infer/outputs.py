@@ -2,8 +2,10 @@
 
 A :class:`RequestOutput` holds one :class:`CompletionOutput` per sampled sequence (``n`` of
 them). While streaming, each output carries the *delta* since the previous one
-(``delta_text``, ``delta_token_ids``, ``delta_logprobs``) and the cumulative ``text`` /
-``token_ids``; the final output (``finished=True``) is complete.
+(``delta_text``, ``delta_token_ids``, ``delta_logprobs``) and, by default, the cumulative
+``text`` / ``token_ids``; the final output (``finished=True``) is complete. A request's
+``SamplingParams.output_kind`` (:class:`~infer.sampling.params.RequestOutputKind`) can ask for
+the deltas alone (``DELTA``, what the server's streams use) or for the final output only.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class CompletionOutput:
         logprobs: per generated token, when the request asked for ``logprobs``.
         cumulative_logprob: sum of the chosen tokens' logprobs.
         delta_text, delta_token_ids, delta_logprobs: what is new since the previous output.
+        num_generated_tokens: tokens generated so far, whatever the output carries (a ``DELTA``
+            output's ``token_ids`` hold only the new ones: see
+            :class:`~infer.sampling.params.RequestOutputKind`); None at construction means
+            ``len(token_ids)``.
     """
 
     index: int
@@ -63,6 +69,11 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[PositionLogprobs] | None = None
+    num_generated_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_generated_tokens is None:
+            self.num_generated_tokens = len(self.token_ids)
 
     @property
     def finished(self) -> bool:

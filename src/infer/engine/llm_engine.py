@@ -25,9 +25,11 @@ from infer.engine.sequence import PLACEHOLDER, Request, SeqStatus, Sequence
 from infer.errors import EngineStepError, InvalidRequestError, ParallelWorkerError
 from infer.loader import LoadedModel, load_model
 from infer.outputs import RequestOutput
-from infer.sampling import SamplingParams
+from infer.sampling import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("infer")
+
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15 & ((1 << 63) - 1)  # decorrelates the n sequences of a request
 
@@ -392,8 +394,10 @@ class LLMEngine:
         """Run one scheduler step.
 
         Args:
-            stream: return an output for every request that made progress (deltas); when
-                False, only for requests that finished.
+            stream: return an output for every request that made progress, shaped by its
+                ``params.output_kind`` (cumulative with deltas, deltas only, or nothing until it
+                finishes: :class:`~infer.sampling.params.RequestOutputKind`); when False, only
+                for requests that finished, complete whatever the kind.
 
         Returns:
             :class:`RequestOutput` s, finished ones included once.
@@ -446,8 +450,8 @@ class LLMEngine:
                 req.finished_time = now
                 self.requests.pop(req.request_id, None)
                 self.scheduler.abort(req.request_id)  # async: it may have been preempted meanwhile
-            elif not stream:
-                continue  # (make_output's final_only would say None)
+            elif not stream or req.params.output_kind is _FINAL_ONLY:
+                continue  # (make_output would say None)
             out = self.output_processor.make_output(req, final_only=not stream)
             if out is not None:
                 outputs.append(out)

@@ -14,9 +14,11 @@ import time
 from infer.engine.model_runner import StepResult
 from infer.engine.sequence import PLACEHOLDER, Request, SeqStatus, Sequence
 from infer.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from infer.sampling.params import RequestOutputKind
 from infer.tokenizer import Tokenizer
 
 _FINISHED = SeqStatus.FINISHED
+_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 
 class OutputProcessor:
@@ -181,31 +183,42 @@ class OutputProcessor:
 
     @staticmethod
     def make_output(req: Request, final_only: bool = False) -> RequestOutput | None:
-        """A :class:`RequestOutput` carrying what is new since the last one, or None if nothing is.
+        """The request's output of this step, or None if it has nothing to say.
 
-        With ``final_only`` an output is made only when the request has finished.
+        What it carries follows the request's ``params.output_kind``
+        (:class:`~infer.sampling.params.RequestOutputKind`): everything so far plus the deltas
+        (``CUMULATIVE``), only the deltas (``DELTA``: no O(length) copy of the tokens, text and
+        logprobs so far), or nothing until the request finishes (``FINAL_ONLY``). With
+        ``final_only`` (a non-streaming caller) every kind behaves as ``FINAL_ONLY``: an output
+        is made only when the request has finished, and it is complete.
         """
         finished = req.is_finished
-        if final_only and not finished:
+        kind = req.params.output_kind
+        if (final_only or kind is _FINAL_ONLY) and not finished:
             return None
         for s in req.seqs:
             OutputProcessor.detokenize(s)
         if not finished and not any(s.pending_token_ids or s.pending_text for s in req.seqs):
             return None
+        delta = kind is _DELTA and not final_only
         outs = []
         for s in req.seqs:
+            wants_logprobs = s.logprobs is not None
+            text, token_ids, logprobs = s.pending_text, s.pending_token_ids, s.pending_logprobs
             outs.append(
                 CompletionOutput(
                     index=s.index,
-                    text=s.detokenizer.output_text,
-                    token_ids=s.output_token_ids,  # (a fresh slice: one O(length) copy per output)
+                    text=text if delta else s.detokenizer.output_text,
+                    # (cumulative: a fresh slice, one O(length) copy per output)
+                    token_ids=token_ids if delta else s.output_token_ids,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    logprobs=(logprobs if delta else list(s.logprobs)) if wants_logprobs else None,
                     cumulative_logprob=s.cumulative_logprob,
-                    delta_text=s.pending_text,
-                    delta_token_ids=s.pending_token_ids,
-                    delta_logprobs=s.pending_logprobs if s.logprobs is not None else None,
+                    delta_text=text,
+                    delta_token_ids=token_ids,
+                    delta_logprobs=logprobs if wants_logprobs else None,
+                    num_generated_tokens=s.num_output_tokens,
                 )
             )
             s.pending_text, s.pending_token_ids, s.pending_logprobs = "", [], []

@@ -10,6 +10,7 @@ The sampler itself (:mod:`infer.sampling.sampler`) then never re-checks anything
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 from collections.abc import Mapping
@@ -18,6 +19,28 @@ from typing import Any
 
 #: Largest ``logprobs`` / ``prompt_logprobs`` a request may ask for (OpenAI's limit is 20).
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each :class:`~infer.outputs.RequestOutput` of a streamed request carries (vLLM's
+    ``RequestOutputKind``, same names and values).
+
+    * ``CUMULATIVE``: everything so far (``text``, ``token_ids``, ``logprobs``), plus the
+      ``delta_*`` fields. Simple to read, but each output copies the whole output so far: O(length)
+      per request per step.
+    * ``DELTA``: only what is new since the previous output: ``text``, ``token_ids`` and
+      ``logprobs`` equal ``delta_text``, ``delta_token_ids`` and ``delta_logprobs``, the final
+      output included. O(new tokens) per output; the reader accumulates what it needs (the
+      server's streams do: they only forward deltas and count tokens).
+    * ``FINAL_ONLY``: no output until the request finishes, then one complete output (what a
+      non-streamed server request waits for).
+
+    ``LLMEngine.step(stream=False)`` makes final outputs only, complete, whatever the kind.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(value: Any) -> bool:
@@ -71,6 +94,9 @@ class SamplingParams:
             :class:`~infer.sampling.structured.StructuredOutputsParams` or a dict of its fields
             (``{"json": schema}``, ``{"regex": r}``, ``{"choice": [...]}``,
             ``{"json_object": True}``). Always the object (or ``None``) after construction.
+        output_kind: what each streamed output carries (:class:`RequestOutputKind`: an int 0-2
+            or the enum; ``CUMULATIVE`` by default). The server asks ``DELTA`` for streamed
+            requests and ``FINAL_ONLY`` for the others.
 
     Raises:
         ValueError: for any invalid value or wrong type; the message names the field.
@@ -95,6 +121,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: Any = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # --- counts
@@ -175,6 +202,15 @@ class SamplingParams:
             if not isinstance(so, StructuredOutputsParams):
                 raise _type_error("structured_outputs", "None, a StructuredOutputsParams or a dict", so)
             self.structured_outputs = so
+
+        # --- outputs
+        kinds = ", ".join(f"{k.value} ({k.name})" for k in RequestOutputKind)
+        if not _is_int(self.output_kind):
+            raise _type_error("output_kind", f"a RequestOutputKind: {kinds}", self.output_kind)
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be one of {kinds}, got {self.output_kind}") from None
 
     # ------------------------------------------------------------------ helpers
 

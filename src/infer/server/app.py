@@ -341,9 +341,11 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     prefix_caching = engine.engine.config.prefix_caching
 
     def usage(outs: list[RequestOutput], score_only: bool = False) -> dict[str, Any]:
-        """Token counts of ``outs`` (cumulative outputs); ``score_only``: nothing was generated."""
+        """Token counts of ``outs`` (each request's latest output: a stream's outputs carry only
+        their deltas, but ``num_generated_tokens`` counts them all); ``score_only``: nothing was
+        generated."""
         p = sum(len(o.prompt_token_ids) for o in outs)
-        c = 0 if score_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
+        c = 0 if score_only else sum(c.num_generated_tokens for o in outs for c in o.outputs)
         u: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
         if prefix_caching:  # OpenAI's and vLLM's report of prompt tokens served from the cache
             u["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
@@ -705,33 +707,35 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             tag = "<tool_call>"
             sent: dict[int, int] = {}  # characters of each choice's text already streamed as content
             held: dict[int, bool] = {}  # a call began: hold the rest back
+            texts: dict[int, str] = {}  # each choice's text so far (the outputs carry deltas)
             last = None
             async for out in outputs:
                 last = out
                 for c in out.outputs:
                     if c.index in held and held[c.index] is None:
                         continue  # ended
+                    text = texts[c.index] = texts.get(c.index, "") + c.delta_text
                     n = sent.get(c.index, 0)
                     if tools.choice == "auto" and not held.get(c.index):
-                        at = c.text.find(tag, n)
-                        end = at if at >= 0 else len(c.text)
+                        at = text.find(tag, n)
+                        end = at if at >= 0 else len(text)
                         if at < 0:  # keep back a tail that could be the start of the tag
-                            end = next((k for k in range(max(n, len(c.text) - len(tag) + 1), len(c.text))
-                                        if tag.startswith(c.text[k:])), len(c.text))
+                            end = next((k for k in range(max(n, len(text) - len(tag) + 1), len(text))
+                                        if tag.startswith(text[k:])), len(text))
                         if at >= 0:
                             held[c.index] = True
                         if end > n:
-                            yield chunk([{"index": c.index, "delta": {"content": c.text[n:end]}, "logprobs": None,
+                            yield chunk([{"index": c.index, "delta": {"content": text[n:end]}, "logprobs": None,
                                           "finish_reason": None}], **usage_so_far(out))
                             sent[c.index] = n = end
                     if not c.finish_reason:
                         continue
-                    content, calls = tools.calls_from_output(c.text)
+                    content, calls = tools.calls_from_output(text)
                     if calls:
                         delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
                         reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
                     else:
-                        delta = {"content": c.text[n:]} if c.text[n:] else {}
+                        delta = {"content": text[n:]} if text[n:] else {}
                         reason = c.finish_reason
                     held[c.index] = None
                     yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": reason}],

@@ -47,12 +47,12 @@ class Metrics:
         m = self.model_name
         for c in out.outputs:
             self.success.labels(m, c.finish_reason or "abort").inc()
-            self.generation_tokens.labels(m).inc(len(c.token_ids))
+            self.generation_tokens.labels(m).inc(c.num_generated_tokens)
         self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
         t = out.metrics
         if "first_token" in t:
             self.ttft.labels(m).observe(t["first_token"] - t["arrival"])
-            n = max(len(c.token_ids) for c in out.outputs) if out.outputs else 0
+            n = max(c.num_generated_tokens for c in out.outputs) if out.outputs else 0
             if n > 1 and "finished" in t:
                 self.tpot.labels(m).observe((t["finished"] - t["first_token"]) / (n - 1))
         if "finished" in t:

@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from infer.sampling import SamplingParams
-from infer.sampling.params import MAX_LOGPROBS
+from infer.sampling.params import MAX_LOGPROBS, RequestOutputKind
 from infer.sampling.structured import StructuredOutputsParams
 from infer.server.tools import ToolSpec
 
@@ -215,6 +215,8 @@ class _Common(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured if structured is not None else self._structured(),
+            # a stream forwards what is new (no O(length) copy per token); a plain response waits for the end
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
