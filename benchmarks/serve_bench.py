@@ -745,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == "decode-interference":
         columns = (["config"] if args.server_configs else []) + [
             "completed", "failed", "duration_s", "stream_itl_p50_ms", "stream_itl_p99_ms", "stream_itl_max_ms",
-            "stream_tpot_mean_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "output_tok_per_s"]
+            "stream_tpot_mean_ms", "ttft_p50_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "output_tok_per_s"]
     if args.workload == "long-prompt-interference":
         columns += ["short_itl_p50_ms", "short_itl_p99_ms", "short_ttft_p50_ms", "long_ttft_p50_ms"]
     if args.workload == "shared-prefix":

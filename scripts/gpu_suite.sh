@@ -341,14 +341,19 @@ section_bench_flags_nano() {
 }
 
 # Phase 6 online: steady decode streams while 8,000-token prompts arrive, chunked prefill off and at
-# budgets 512/2048/8192 (needs the server wheels in .whl/). CHUNK_PRESETS picks the models, CHUNK_BUDGETS the budgets,
+# budgets 512/2048/8192 (needs the server wheels in .whl/). CHUNK_PRESETS picks the models, CHUNK_BUDGETS the budgets
+# (an entry BUDGET:CAP also sets long_prefill_token_threshold, e.g. "1024:512 2048:192"),
 # CHUNK_SERVER_ARGS adds server flags (e.g. "--fused-kernels --cuda-graphs --async-scheduling"), CHUNK_WORKLOAD
 # replaces the workload's lengths and timing (with every flag on, 0.6B's streams finish before 2 s).
 section_bench_chunked() {
     local preset b rc=0
     local -a configs=()
     for b in ${CHUNK_BUDGETS:-512 2048 8192}; do
-        configs+=("c$b=--chunked-prefill --max-num-batched-tokens $b")
+        if [[ "$b" == *:* ]]; then
+            configs+=("c${b%%:*}-t${b##*:}=--chunked-prefill --max-num-batched-tokens ${b%%:*} --long-prefill-token-threshold ${b##*:}")
+        else
+            configs+=("c$b=--chunked-prefill --max-num-batched-tokens $b")
+        fi
     done
     for preset in ${CHUNK_PRESETS:-qwen3-0.6b}; do
         [ -d "$CKPT/$preset" ] || "$PY" scripts/make_synthetic_checkpoint.py "$preset" "$CKPT/$preset" || return 1
