@@ -13,10 +13,14 @@ WL="--input-len 256 --output-len 1536 --long-prompts 8 --long-len 8000 --long-st
 CK=/tmp/infer-ckpt
 [ -d $CK/$P ] || python3 scripts/make_synthetic_checkpoint.py $P $CK/$P >/dev/null 2>&1
 configs=("off=")
+seen=" "
 for pair in ${PAIRS:-256:0 1024:256 2048:256 2048:512}; do
   b=${pair%%:*} t=${pair##*:}
-  if [ "$t" = 0 ]; then configs+=("c$b=--chunked-prefill --max-num-batched-tokens $b")
-  else configs+=("c$b-t$t=--chunked-prefill --max-num-batched-tokens $b --long-prefill-token-threshold $t"); fi
+  label=c$b; [ "$t" = 0 ] || label=c$b-t$t
+  [[ "$seen" == *" $label "* ]] && label=$label-again  # a repeat in the same call
+  seen="$seen$label "
+  if [ "$t" = 0 ]; then configs+=("$label=--chunked-prefill --max-num-batched-tokens $b")
+  else configs+=("$label=--chunked-prefill --max-num-batched-tokens $b --long-prefill-token-threshold $t"); fi
 done
 timeout 560 python3 benchmarks/serve_bench.py --launch --workload decode-interference --token-prompts --token-itl \
   --num-requests 32 $WL --no-progress \
