@@ -833,6 +833,23 @@ class _IdleEngine:
         return False
 
 
+def test_startup_heap_is_frozen_out_of_full_collections():
+    """After ``freeze_startup_heap`` a full collection walks none of what start-up built (in a
+    process of its own: freezing pytest's heap would outlive this test)."""
+    code = (
+        "import gc\n"
+        "import infer.server.app\n"
+        "from infer.server.__main__ import freeze_startup_heap\n"
+        "gc.collect()\n"
+        "before = len(gc.get_objects(generation=2))\n"
+        "frozen = freeze_startup_heap()\n"
+        "print(before, frozen, len(gc.get_objects(generation=2)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    before, frozen, after = map(int, out.stdout.split())
+    assert before > 50_000 and frozen > 0.99 * before and after < 100
+
+
 def test_engine_is_built_on_the_engine_thread():
     """A factory passed to ``AsyncEngine`` runs on the engine thread (so torch's OpenMP pool is the
     one of the thread that steps the engine), and what it raises comes out of the constructor."""

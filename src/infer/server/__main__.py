@@ -35,6 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def freeze_startup_heap() -> int:
+    """Move every object alive now out of the garbage collector's reach; returns how many.
+
+    What start-up built (modules, the model and tokenizer, CUDA graphs, the app) lives as long as the
+    process, yet each full (oldest-generation) collection walks all of it: measured here, 110 ms for
+    the ~211,000 objects of a SmolLM2 server process on the CPU, a pause of every stream at some
+    random step (the single 113-146 ms gaps of phase 6's GPU runs look like it). Collected once, then
+    frozen (``gc.freeze``), those objects are skipped by every later collection; garbage made while
+    serving is collected as before. vLLM freezes its engine's start-up heap the same way.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import uvicorn
@@ -57,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = async_engine.engine
     name = args.served_model_name or args.model
     app = build_app(async_engine, name)
-    log.info("model %s loaded on %s in %.1f s; serving on http://%s:%d", name, engine.runner.device,
-             time.perf_counter() - start, args.host, args.port)
+    frozen = freeze_startup_heap()
+    log.info("model %s loaded on %s in %.1f s (%d start-up objects frozen out of garbage collection); "
+             "serving on http://%s:%d", name, engine.runner.device, time.perf_counter() - start, frozen,
+             args.host, args.port)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: end in-flight requests first
