@@ -117,6 +117,42 @@ def test_bucket_for_picks_the_smallest_bucket_that_holds_the_batch():
     assert bucket_for(21, sizes) is None
 
 
+@pytest.mark.parametrize("rows", [8, 64], ids=["rebuilds", "roomy"])
+def test_block_table_rows_stage_what_every_step_reads(tiny_llama, rows):
+    """The graphs' kept block-table rows (``BlockTableRows``) give, at every step of a paged engine
+    with preemptions, forks and prefix caching, the tables ``block_table_array`` builds from the
+    lists, wherever a kernel reads (up to each table's length); with 8 rows for up to 8 tables a step
+    they are taken back and rebuilt often."""
+    import numpy as np
+
+    from infer.engine.model_runner import BlockTableRows, block_table_array
+
+    bytes_per_block = 4 * tiny_llama.config.kv_bytes_per_token(torch.float32)  # blocks of 4 tokens: long tables
+    eng = make_engine(tiny_llama, batching="continuous", kv_cache="paged", block_size=4, prefix_caching=True,
+                      max_num_seqs=8, max_model_len=96, kv_cache_memory_bytes=30 * bytes_per_block)
+    kept = BlockTableRows(rows, 64)
+    seen = {"steps": 0, "grew": 0}
+    execute = eng.runner.execute
+
+    def check(scheduled, eos_ids, prev=None):
+        tables = [item.seq.block_table for item in scheduled]
+        width = max(len(t) for t in tables)
+        out = np.full((len(tables), width), -7, dtype=np.int64)
+        kept.gather(tables, width, out)
+        want = block_table_array(tables, width)
+        read = np.arange(width) < np.array([len(t) for t in tables])[:, None]
+        assert (out[read] == want[read]).all()
+        seen["steps"] += 1
+        return execute(scheduled, eos_ids, prev)
+
+    eng.runner.execute = check
+    arrivals = mixed_workload(tiny_llama.config.vocab_size, 40, seed=3)
+    arrivals += [(5, arrivals[0][1], SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=1))]  # forks
+    drive(eng, arrivals)
+    assert seen["steps"] > 20 and eng.scheduler.num_preemptions > 0
+    assert (kept.rebuilds > 0) == (rows == 8)
+
+
 def test_prefill_graph_sizes_are_powers_of_two_up_to_the_maximum():
     assert prefill_graph_sizes(0) == [] and prefill_graph_sizes(1) == []  # a one-token step is a decode
     assert prefill_graph_sizes(2) == [2]

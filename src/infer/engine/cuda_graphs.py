@@ -77,7 +77,7 @@ import torch
 from tqdm.auto import tqdm
 
 from infer.attention import AttentionMetadata, KVCache
-from infer.engine.model_runner import block_table_array, patch_input_ids
+from infer.engine.model_runner import BlockTableRows, patch_input_ids
 
 log = logging.getLogger("infer")
 
@@ -186,6 +186,7 @@ class CUDAGraphRunner:
         # still be pending under async scheduling.
         size = 4 * n + n * max_blocks_per_seq
         self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._table_rows = BlockTableRows(2 * (n + 1), max_blocks_per_seq)  # the block tables, kept between steps
         self._turn = 0
         self.packed = torch.zeros(size, dtype=torch.int64, device=dev)
         # Tensor parallelism (phase 14): called with ``(B, bucket, width, packed)`` once the packed
@@ -317,7 +318,7 @@ class CUDAGraphRunner:
         h[o + d: o + d + 3] = (seq_lens[nd], nd, t)
         tables_at = o + d + 3
         n = tables_at + (nd + 1) * width
-        block_table_array(tables, width, h[tables_at:n].reshape(nd + 1, width))
+        self._table_rows.gather(tables, width, h[tables_at:n].reshape(nd + 1, width))
         packed = self._mixed_packed[:n]
         packed.copy_(host[:n], non_blocking=True)
         if patch is not None:  # flat positions are rows of the ids part
@@ -523,7 +524,7 @@ class CUDAGraphRunner:
             h[k * bs: k * bs + b] = values
             h[k * bs + b: (k + 1) * bs] = pad  # padding rows: slot -1 writes nothing, length 0 reads nothing
         n = packed_size(b, bs, width)
-        block_table_array(tables, width, h[4 * bs: n].reshape(b, width))
+        self._table_rows.gather(tables, width, h[4 * bs: n].reshape(b, width))
         packed = self.packed[:n]
         packed.copy_(host[:n], non_blocking=True)
         if patch is not None:  # a decode-only step: flat position = row, inside the ids part

@@ -226,6 +226,57 @@ def block_table_array(tables: list[list[int]], width: int, out: np.ndarray | Non
     return rows
 
 
+class BlockTableRows:
+    """Host copies of the block tables that steps read, kept from step to step (CUDA-graph staging).
+
+    Converting every running sequence's ``block_table`` from its Python list at every step is the
+    largest piece of a wide decode step's host work (256 tables of up to 67 blocks: 0.76 ms on an
+    H100 machine's host, 0.19 ms on the development CPU). But a table only grows, one block every
+    ``block_size`` tokens, between the moments it is replaced by a new list (admission, preemption,
+    freeing: :mod:`infer.engine.kv_cache_manager`). So each list gets a row here the first time it
+    is seen, later steps write only what it gained, and a step's tables are one gather of rows
+    (6x faster at 256 sequences on the CPU). vLLM's persistent batch keeps its block table the same
+    way. A list and its length say what its row holds; the row's entry keeps the list alive, so its
+    ``id`` is not reused while the row is.
+
+    Args:
+        rows: rows kept; at least the widest step's number of tables (more rows: fewer rebuilds,
+            which happen when the rows of lists no longer in use have to be taken back).
+        max_blocks: the longest table.
+    """
+
+    def __init__(self, rows: int, max_blocks: int) -> None:
+        self.table = np.zeros((rows, max_blocks), dtype=np.int64)
+        self._rows: dict[int, list] = {}  # id(list) -> [row, the list, entries written]
+        self._free = list(range(rows - 1, -1, -1))
+        self.rebuilds = 0
+
+    def gather(self, tables: list[list[int]], width: int, out: np.ndarray) -> None:
+        """Write ``tables`` (at most ``rows`` of them, none longer than ``width``) into ``out``, an int64
+        ``[len(tables), width]`` array; columns past a table's length hold anything (no kernel reads
+        past a sequence's length)."""
+        if len(self._free) < len(tables):  # take back every row: the step's tables are written anew
+            self._rows.clear()
+            self._free = list(range(len(self.table) - 1, -1, -1))
+            self.rebuilds += 1
+        rows, table = self._rows, self.table
+        idx = []
+        for t in tables:
+            entry = rows.get(id(t))
+            n = len(t)
+            if entry is None:
+                r = self._free.pop()
+                table[r, :n] = t
+                rows[id(t)] = [r, t, n]
+                idx.append(r)
+            else:
+                if entry[2] != n:  # it grew since
+                    table[entry[0], entry[2]:n] = t[entry[2]:]
+                    entry[2] = n
+                idx.append(entry[0])
+        np.take(table[:, :width], idx, axis=0, out=out)
+
+
 def make_attention_backend(name: str, device: torch.device):
     """The attention backend called ``name`` (``"torch"`` or ``"triton"``), chosen once per engine."""
     if name == "torch":
