@@ -430,7 +430,15 @@ class ModelRunner:
             ``(flat positions in input_ids, rows of prev's sampled tokens)``, one pair per placeholder
             (a sequence holds at most one: the previous step's token is its last).
         """
-        row_of = {id(s): r for r, s in enumerate(prev.sampled)}
+        sampled = prev.sampled
+        n = len(sampled)
+        if (0 < n <= len(scheduled) and starts[n] == n
+                and all(map(operator.is_, (item.seq for item in scheduled[:n]), sampled))
+                and all(item.seq.token_ids[-1] == PLACEHOLDER for item in scheduled[:n])):
+            # the usual decode step: the previous step's rows, in its order, each decoding its one
+            # placeholder first (a sequence that finished or was preempted since breaks the match)
+            return list(range(n)), list(range(n))
+        row_of = {id(s): r for r, s in enumerate(sampled)}
         flat, rows = [], []
         for k, item in enumerate(scheduled):
             seq = item.seq
