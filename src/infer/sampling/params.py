@@ -43,6 +43,9 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+_OUTPUT_KINDS = ", ".join(f"{k.value} ({k.name})" for k in RequestOutputKind)  # (for error messages)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -204,13 +207,12 @@ class SamplingParams:
             self.structured_outputs = so
 
         # --- outputs
-        kinds = ", ".join(f"{k.value} ({k.name})" for k in RequestOutputKind)
         if not _is_int(self.output_kind):
-            raise _type_error("output_kind", f"a RequestOutputKind: {kinds}", self.output_kind)
+            raise _type_error("output_kind", f"a RequestOutputKind: {_OUTPUT_KINDS}", self.output_kind)
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
-            raise ValueError(f"output_kind must be one of {kinds}, got {self.output_kind}") from None
+            raise ValueError(f"output_kind must be one of {_OUTPUT_KINDS}, got {self.output_kind}") from None
 
     # ------------------------------------------------------------------ helpers
 
