@@ -153,6 +153,53 @@ def test_block_table_rows_stage_what_every_step_reads(tiny_llama, rows):
     assert (kept.rebuilds > 0) == (rows == 8)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prompts", "chunked"])
+def test_stage_decodes_stages_what_the_general_path_computes(tiny_llama, chunked):
+    """A decode-only step staged straight from its sequences (``stage_decodes``, the graphs' path)
+    holds, at every such step of a paged engine with preemptions and prefix caching (and with chunked
+    prefill under a 3-token budget, one-token prompt chunks among the decodes, which sample nothing),
+    the ids, positions, slots, context lengths, block tables and sampled rows that the general path's
+    ``_flatten`` and ``slot_mapping`` compute, in ``replay``'s packed layout with its padding rows."""
+    import numpy as np
+
+    from infer.engine.cuda_graphs import bucket_for, graph_batch_sizes, stage_decodes
+    from infer.engine.model_runner import BlockTableRows
+
+    bytes_per_block = 4 * tiny_llama.config.kv_bytes_per_token(torch.float32)
+    extra = dict(chunked_prefill=True, max_num_batched_tokens=3) if chunked else {}
+    eng = make_engine(tiny_llama, batching="continuous", kv_cache="paged", block_size=4, prefix_caching=True,
+                      max_num_seqs=8, max_model_len=96, kv_cache_memory_bytes=30 * bytes_per_block, **extra)
+    kept, sizes = BlockTableRows(18, 24), graph_batch_sizes(8)
+    seen = {"steps": 0, "partial": 0}
+    runner = eng.runner
+    execute = runner.execute
+
+    def check(scheduled, eos_ids, prev=None):
+        if all(item.num_tokens == 1 for item in scheduled) and not any(item.forks for item in scheduled):
+            b = len(scheduled)
+            bs = bucket_for(b, sizes)
+            ids, positions, _, seq_lens, tables, firsts, sample_at, sampled = runner._flatten(scheduled)
+            slots = runner.kv_cache.slot_mapping(tables, firsts, [1] * b)
+            h = np.full(4 * bs + b * 24, -7, dtype=np.int64)
+            width, rows = stage_decodes([item.seq for item in scheduled], kept, 4, h, bs)
+            assert width == max(len(t) for t in tables)
+            for k, (want, pad) in enumerate(((ids, 0), (positions, 0), (slots, -1), (seq_lens, 0))):
+                assert h[k * bs: k * bs + b].tolist() == want
+                assert (h[k * bs + b: (k + 1) * bs] == pad).all()
+            staged = h[4 * bs: 4 * bs + b * width].reshape(b, width)
+            for i, t in enumerate(tables):
+                assert staged[i, : len(t)].tolist() == t
+            assert (list(range(b)) if rows is None else rows.tolist()) == sample_at
+            seen["steps"] += 1
+            seen["partial"] += rows is not None
+        return execute(scheduled, eos_ids, prev)
+
+    runner.execute = check
+    drive(eng, mixed_workload(tiny_llama.config.vocab_size, 40, seed=3))
+    assert seen["steps"] > 10 and eng.scheduler.num_preemptions > 0
+    assert (seen["partial"] > 0) == chunked, "no one-token prompt chunk among decodes" if chunked else seen
+
+
 def test_prefill_graph_sizes_are_powers_of_two_up_to_the_maximum():
     assert prefill_graph_sizes(0) == [] and prefill_graph_sizes(1) == []  # a one-token step is a decode
     assert prefill_graph_sizes(2) == [2]
@@ -258,6 +305,25 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_llama_cuda, fused, overlap):
         assert_pool_full(eng)
     finally:
         loaded.model.set_fused_ops(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_forks_of_a_one_token_prefill_get_their_block_with_graphs(tiny_llama_cuda, overlap):
+    """``n > 1`` whose shared prefill is one token (a one-token prompt, or a prompt cached but for its
+    last token) is a step of one-token rows, like a decode step: the forks must still get their copy of
+    the prompt's last block after it (the decode graphs' path once skipped the copy, and the forks then
+    attended to a slot nobody wrote), so the tokens are the eager ones."""
+    loaded = tiny_llama_cuda
+    prompt = list(range(20, 29))  # 9 tokens: two full blocks of 4, cached by the first request
+    arrivals = [(0, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)),
+                (1, [11], SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=5, ignore_eos=True)),
+                (4, prompt, SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=6, ignore_eos=True))]
+    paged = dict(kv_cache="paged", block_size=4, prefix_caching=True)
+    ref = drive(_gpu_engine(loaded, **paged), arrivals)
+    eng = _gpu_engine(loaded, cuda_graphs=True, cuda_graph_max_batch_size=8, async_scheduling=overlap, **paged)
+    assert drive(eng, arrivals) == ref
+    assert eng.stats()["prefix_cache_hits"] >= 8  # the third request's two blocks
 
 
 @pytest.mark.gpu

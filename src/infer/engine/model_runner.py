@@ -33,6 +33,10 @@ from infer.sampling import SamplerOutput, SamplingTensors, sample
 
 log = logging.getLogger("infer")
 
+_NUM_TOKENS = operator.attrgetter("num_tokens")
+_FORKS = operator.attrgetter("forks")
+_SEQ = operator.attrgetter("seq")
+
 
 @dataclass
 class StepResult:
@@ -448,6 +452,22 @@ class ModelRunner:
                 rows.append(row_of[id(seq)])
         return flat, rows
 
+    def _patch(self, scheduled: list[ScheduledSeq], starts, prev: StepResult | None
+               ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """Async scheduling: the :func:`patch_input_ids` argument that puts ``prev``'s sampled tokens
+        into this step's input ids (``starts``: each sequence's first flat index), or ``None``."""
+        if prev is None or prev.sampler_output is None:
+            return None
+        flat, rows = self._placeholders(scheduled, starts, prev)
+        if flat and flat == rows and flat[-1] == len(flat) - 1:
+            # the common decode step: the previous step's rows, in its order, are this step's
+            # first ids (a device-to-device copy; no index tensors to build and send)
+            return None, prev.sampler_output.next_tokens[: len(flat)]
+        if flat:
+            return (self._to_device(flat, torch.int64),
+                    prev.sampler_output.next_tokens[self._to_device(rows, torch.int64)])
+        return None
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], eos_ids: list[int], prev: StepResult | None = None) -> StepResult:
         """Run one step over ``scheduled`` and sample the sequences that are ready to.
@@ -462,28 +482,28 @@ class ModelRunner:
             The :class:`StepResult`, its tokens still on the device (:meth:`StepResult.host_outputs`
             reads them; their copy to the host is already started).
         """
+        graphs = self.graphs
+        if (graphs is not None and graphs.can_run(sum(map(_NUM_TOKENS, scheduled)), len(scheduled))
+                and not any(map(_FORKS, scheduled))):
+            # a decode-only step (every sequence runs one token; a 1-token prompt shared by forks
+            # takes the general path): replay the captured graph of its bucket (forward + logits of
+            # every row), its inputs staged straight from the sequences (stage_decodes)
+            seqs = list(map(_SEQ, scheduled))
+            patch = self._patch(scheduled, range(len(seqs) + 1), prev)
+            logits, rows = graphs.replay(seqs, patch)
+            if rows is not None:  # a one-token prefill chunk among the decodes samples nothing
+                if not len(rows):
+                    return StepResult([], None, {})
+                seqs = [seqs[r] for r in rows.tolist()]
+                logits = logits[self._to_device(rows.tolist(), torch.int64)]
+            self._before_sampling(prev)
+            return self._result(seqs, sample(logits, self._sampling_tensors(seqs, eos_ids)), {})
         # decodes first (stable), so the attention gets them as one slice (AttentionMetadata)
         scheduled = sorted(scheduled, key=lambda item: item.num_tokens != 1)
         ids, positions, starts, seq_lens, tables, firsts, sample_at, sampled = self._flatten(scheduled)
         slots = self.kv_cache.slot_mapping(tables, firsts, [s.num_tokens for s in scheduled])
         num_decodes = sum(1 for s in scheduled if s.num_tokens == 1)
-        patch = None
-        if prev is not None and prev.sampler_output is not None:
-            flat, rows = self._placeholders(scheduled, starts, prev)
-            if flat and flat == rows and flat[-1] == len(flat) - 1:
-                # the common decode step: the previous step's rows, in its order, are this step's
-                # first ids (a device-to-device copy; no index tensors to build and send)
-                patch = (None, prev.sampler_output.next_tokens[: len(flat)])
-            elif flat:
-                patch = (self._to_device(flat, torch.int64),
-                         prev.sampler_output.next_tokens[self._to_device(rows, torch.int64)])
-        if self.graphs is not None and self.graphs.can_run(len(ids), num_decodes):
-            # a decode-only step: replay the captured graph of its bucket (forward + logits of every row)
-            logits = self.graphs.replay(ids, positions, slots, seq_lens, tables, patch)
-            if len(sample_at) != len(ids):  # a one-token prefill chunk among the decodes samples nothing
-                logits = logits[self._to_device(sample_at, torch.int64)]
-            self._before_sampling(prev)
-            return self._result(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
+        patch = self._patch(scheduled, starts, prev)
         if (self.graphs is not None and len(scheduled) == 1 and self.graphs.can_run_prefill(len(ids))
                 and scheduled[0].seq.params.prompt_logprobs is None):
             # one sequence prefills alone (a prompt, a chunk, a prefix hit's suffix): its bucket's graph
