@@ -200,6 +200,41 @@ def test_stage_decodes_stages_what_the_general_path_computes(tiny_llama, chunked
     assert (seen["partial"] > 0) == chunked, "no one-token prompt chunk among decodes" if chunked else seen
 
 
+def test_stateless_sampling_tensors_are_the_general_ones(tiny_llama):
+    """The sampling tensors built the stateless way (no history, suppression or bitmask gathered:
+    every row free of penalties, a ``min_tokens`` ban and a guide) equal, field by field, the ones
+    the general way builds for the same rows, at every rebuild of an engine whose requests vary in
+    temperature, top-k/p, min-p, logprobs and ``min_tokens`` (whose rows are stateful until it is met)."""
+    import dataclasses
+    import random
+
+    rng = random.Random(7)
+    arrivals = [(rng.randint(0, 12), [rng.randrange(100, 900) for _ in range(rng.randint(3, 20))],
+                 SamplingParams(max_tokens=rng.randint(3, 10), temperature=rng.choice([0.0, 0.7, 1.2]),
+                                top_k=rng.choice([-1, 20]), top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.05]),
+                                logprobs=rng.choice([None, 0, 2]), min_tokens=rng.choice([0, 0, 3]), seed=i,
+                                ignore_eos=rng.random() < 0.5))
+                for i in range(24)]
+    eng = make_engine(tiny_llama, batching="continuous", kv_cache="paged", block_size=4, max_num_seqs=6, max_model_len=96)
+    runner = eng.runner
+    build = runner._build_sampling_tensors
+    seen = {"stateless": 0, "general": 0}
+
+    def check(seqs, eos_ids, stateless=False):
+        tensors = build(seqs, eos_ids, stateless)
+        if stateless:
+            want = build(seqs, eos_ids)
+            for f in dataclasses.fields(tensors):
+                a, b = getattr(tensors, f.name), getattr(want, f.name)
+                assert (a.shape == b.shape and torch.equal(a, b)) if isinstance(a, torch.Tensor) else a == b, f.name
+        seen["stateless" if stateless else "general"] += 1
+        return tensors
+
+    runner._build_sampling_tensors = check
+    drive(eng, arrivals)
+    assert seen["stateless"] > 5 and seen["general"] > 5, seen
+
+
 def test_prefill_graph_sizes_are_powers_of_two_up_to_the_maximum():
     assert prefill_graph_sizes(0) == [] and prefill_graph_sizes(1) == []  # a one-token step is a decode
     assert prefill_graph_sizes(2) == [2]

@@ -36,6 +36,9 @@ log = logging.getLogger("infer")
 _NUM_TOKENS = operator.attrgetter("num_tokens")
 _FORKS = operator.attrgetter("forks")
 _SEQ = operator.attrgetter("seq")
+_PARAMS = operator.attrgetter("params")
+_SEED = operator.attrgetter("seed")
+_NUM_OUTPUT_TOKENS = operator.attrgetter("num_output_tokens")
 
 
 @dataclass
@@ -655,13 +658,21 @@ class ModelRunner:
             if not tensors.all_greedy:
                 tensors.steps.add_(1)
             return tensors
-        tensors = self._build_sampling_tensors(seqs, eos_ids)
         stateless = all(s.guide is None and not s.has_penalties and s.num_output_tokens >= s.params.min_tokens
                         for s in seqs)
+        tensors = self._build_sampling_tensors(seqs, eos_ids, stateless)
         self._last_sampling = (list(seqs), tensors) if stateless else None
         return tensors
 
-    def _build_sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int]) -> SamplingTensors:
+    def _build_sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int], stateless: bool = False
+                                ) -> SamplingTensors:
+        """``stateless``: no row has a penalty, a ``min_tokens`` ban or a guide, so no row needs a token
+        history, a suppressed id or a bitmask (nothing per row to gather; ~2x cheaper at 256 rows)."""
+        if stateless:
+            return SamplingTensors.from_params(list(map(_PARAMS, seqs)), seeds=list(map(_SEED, seqs)),
+                                               steps=list(map(_NUM_OUTPUT_TOKENS, seqs)), prompt_ids_list=None,
+                                               output_ids_list=None, suppress_list=None,
+                                               vocab_size=self.vocab_size, device=self.device)
         suppress = []
         for seq in seqs:
             p = seq.params

@@ -550,6 +550,8 @@ def _to_device_async(array: np.ndarray, device: torch.device | str) -> torch.Ten
     is queued behind that work and the host moves on.
     """
     host = torch.from_numpy(array)
+    if not array.size:  # nothing to copy (a zero-width history)
+        return torch.empty(array.shape, dtype=host.dtype, device=device)
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -753,13 +755,14 @@ class SamplingTensors:
 
         # Histories are only needed by rows with a penalty; others get an empty (all -1) row,
         # which is equivalent and keeps the padded width small. Every given list is validated.
-        empty: list[list[int]] = [[] for _ in range(batch)]
-        outputs = list(output_ids_list) if output_ids_list is not None else empty
-        prompt_np, prompt_len = _pad(prompt_ids_list if prompt_ids_list is not None else empty, vocab_size,
-                                     "prompt_ids_list")
-        output_np, output_len = _pad(outputs, vocab_size, "output_ids_list")
-        suppress_np, suppress_len = _pad(suppress_list if suppress_list is not None else empty, vocab_size,
-                                         "suppress_list")
+        # (a list not given is B empty rows: nothing to pad)
+        none = np.zeros((batch, 0), dtype=np.int64), np.zeros(batch, dtype=np.int64)
+        prompt_np, prompt_len = none if prompt_ids_list is None else _pad(prompt_ids_list, vocab_size,
+                                                                          "prompt_ids_list")
+        output_np, output_len = none if output_ids_list is None else _pad(output_ids_list, vocab_size,
+                                                                          "output_ids_list")
+        suppress_np, suppress_len = none if suppress_list is None else _pad(suppress_list, vocab_size,
+                                                                            "suppress_list")
         do_penalties = bool(pen.any())
         if do_penalties:
             keep_prompt = rep[row_of]
@@ -783,7 +786,7 @@ class SamplingTensors:
         if steps is not None:
             row_steps = np.asarray(steps, dtype=np.int64)
         else:
-            row_steps = np.fromiter(map(len, outputs), dtype=np.int64, count=batch)
+            row_steps = output_len
 
         # the nine [B] parameters packed into one buffer: 6 float32 rows, then 3 int64 rows
         nf = 6 * batch * 4
