@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU run 23, call 6 (H200, the machine): the figures at the session's code, every flag:
+# GPU run 23, call 6 (asked for nvidia-h200; an H100 came): the figures at the session's code, every flag:
 # batch-1 decode of Qwen3-0.6B and Qwen3-4B shapes (128-token prompt, 128 outputs), the offline
 # workload with 512 output tokens, and the 256-sequence step.
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
