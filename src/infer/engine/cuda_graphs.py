@@ -581,16 +581,14 @@ class CUDAGraphRunner:
             patch_input_ids(packed, patch)
         if self.on_staged is not None:
             self.on_staged(b, bs, width, packed)
-        return self.run_packed(b, bs, width, packed), rows
+        return self.run_packed(b, bs, width), rows
 
-    def run_packed(self, b: int, bs: int, width: int, packed: torch.Tensor) -> torch.Tensor:
-        """Replay bucket ``bs``'s graph on a packed step (:meth:`replay`'s layout) in :attr:`packed`
-        (``packed`` is its first entries). The graph itself spreads the four vectors into the static
-        buffers (:meth:`_decode_forward`); the block tables, whose width varies, are copied here.
-        Returns logits ``[B, vocab_size]`` (a view of the graph's output buffer, valid until the next
-        replay)."""
-        assert packed.data_ptr() == self.packed.data_ptr(), "the graphs read the runner's packed buffer"
-        self.block_tables[:b, :width].copy_(packed[4 * bs: packed_size(b, bs, width)].view(b, width))
+    def run_packed(self, b: int, bs: int, width: int) -> torch.Tensor:
+        """Replay bucket ``bs``'s graph on the packed step (:meth:`replay`'s layout) in :attr:`packed`.
+        The graph itself spreads the four vectors into the static buffers (:meth:`_decode_forward`);
+        the block tables, whose width varies, are copied here. Returns logits ``[B, vocab_size]`` (a
+        view of the graph's output buffer, valid until the next replay)."""
+        self.block_tables[:b, :width].copy_(self.packed[4 * bs: packed_size(b, bs, width)].view(b, width))
         self.graphs[bs].replay()
         return self.logits[bs][:b]
 

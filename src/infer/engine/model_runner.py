@@ -437,15 +437,7 @@ class ModelRunner:
             ``(flat positions in input_ids, rows of prev's sampled tokens)``, one pair per placeholder
             (a sequence holds at most one: the previous step's token is its last).
         """
-        sampled = prev.sampled
-        n = len(sampled)
-        if (0 < n <= len(scheduled) and starts[n] == n
-                and all(map(operator.is_, (item.seq for item in scheduled[:n]), sampled))
-                and all(item.seq.token_ids[-1] == PLACEHOLDER for item in scheduled[:n])):
-            # the usual decode step: the previous step's rows, in its order, each decoding its one
-            # placeholder first (a sequence that finished or was preempted since breaks the match)
-            return list(range(n)), list(range(n))
-        row_of = {id(s): r for r, s in enumerate(sampled)}
+        row_of = {id(s): r for r, s in enumerate(prev.sampled)}
         flat, rows = [], []
         for k, item in enumerate(scheduled):
             seq = item.seq
@@ -461,14 +453,21 @@ class ModelRunner:
         into this step's input ids (``starts``: each sequence's first flat index), or ``None``."""
         if prev is None or prev.sampler_output is None:
             return None
+        sampled, tokens = prev.sampled, prev.sampler_output.next_tokens
+        n = len(sampled)
+        if (0 < n <= len(scheduled) and starts[n] == n
+                and all(map(operator.is_, (item.seq for item in scheduled[:n]), sampled))
+                and all(item.seq.token_ids[-1] == PLACEHOLDER for item in scheduled[:n])):
+            # the usual decode step: the previous step's rows, in its order, are this step's first
+            # ids, each decoding its one placeholder (a sequence that finished or was preempted since
+            # breaks the match): a device-to-device copy, no index tensors to build and send
+            return None, tokens[:n]
         flat, rows = self._placeholders(scheduled, starts, prev)
-        if flat and flat == rows and flat[-1] == len(flat) - 1:
-            # the common decode step: the previous step's rows, in its order, are this step's
-            # first ids (a device-to-device copy; no index tensors to build and send)
-            return None, prev.sampler_output.next_tokens[: len(flat)]
+        if flat and flat == rows and flat[-1] == len(flat) - 1:  # the same, found the long way
+            return None, tokens[: len(flat)]
         if flat:
             return (self._to_device(flat, torch.int64),
-                    prev.sampler_output.next_tokens[self._to_device(rows, torch.int64)])
+                    tokens[self._to_device(rows, torch.int64)])
         return None
 
     @torch.inference_mode()
@@ -497,8 +496,9 @@ class ModelRunner:
             if rows is not None:  # a one-token prefill chunk among the decodes samples nothing
                 if not len(rows):
                     return StepResult([], None, {})
-                seqs = [seqs[r] for r in rows.tolist()]
-                logits = logits[self._to_device(rows.tolist(), torch.int64)]
+                rows = rows.tolist()
+                seqs = [seqs[r] for r in rows]
+                logits = logits[self._to_device(rows, torch.int64)]
             self._before_sampling(prev)
             return self._result(seqs, sample(logits, self._sampling_tensors(seqs, eos_ids)), {})
         # decodes first (stable), so the attention gets them as one slice (AttentionMetadata)

@@ -229,7 +229,7 @@ def serve(runner: ModelRunner, state: ParallelState) -> None:
             b, bs, width = p
             packed = runner.graphs.packed[: packed_size(b, bs, width)]
             dist.broadcast(packed, 0, group=state.group)
-            runner.graphs.run_packed(b, bs, width, packed)
+            runner.graphs.run_packed(b, bs, width)
         elif cmd == CAPTURE:
             runner.capture_cuda_graphs(progress=False)
         elif cmd == SHUTDOWN:
