@@ -2,14 +2,21 @@
 
     python benchmarks/skinny_gemm.py --out /tmp/skinny.json                  # GPU: Qwen3-0.6B and 4B shapes
     python benchmarks/skinny_gemm.py --tune --out /tmp/skinny.json           # + a sweep of the tiles
+    python benchmarks/skinny_gemm.py --rows 1 --pdl --fused --out /tmp/s.json # + launched with PDL, + the norms
 
 For every projection of the chosen models (the merged QKV and gate/up ones, o, down, the LM head) and
 batch M in 1, 2, 4, 8: the time of one ``y = x @ W^T``, measured as CUDA-graph replays of calls that
 rotate over enough copies of ``W`` (>= 256 MB) that none is still in L2 when it is read again, so the
 bytes come from HBM as in a real decode step. Reports microseconds, GB/s of weight read, and the
 kernel's speed-up over cuBLAS; ``--tune`` also times each ``(BLOCK_N, BLOCK_K, num_warps)`` tile and
-reports the best (what :func:`infer.kernels.skinny_gemm.default_config` should pick). With ``--out``,
-a plot beside the report (GB/s per projection at one row); ``--replot REPORT.json`` redraws it.
+reports the best (what :func:`infer.kernels.skinny_gemm.default_config` should pick). ``--pdl`` also
+times the kernel launched with programmatic dependent launch (:mod:`infer.kernels.pdl`: each call's
+first weight tile is loaded while the call before it finishes; the tiles are then tuned that way).
+``--fused`` adds, at one row, the steps the decoder layer runs around its QKV and gate/up projections:
+the residual add + RMSNorm kernel, the projection (cuBLAS) and, for gate/up, the activation kernel, against
+:func:`~infer.kernels.skinny_gemm.skinny_norm_linear` doing all of it in one kernel (with ``--pdl`` too).
+With ``--out``, a plot beside the report (GB/s per projection at one row); ``--replot REPORT.json``
+redraws it.
 """
 
 from __future__ import annotations
@@ -59,11 +66,15 @@ def time_us(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 10)
     return start.elapsed_time(end) * 1e3 / (replays * len(weights))
 
 
-def tile_grid(m: int) -> list[tuple[int, int, int]]:
+def tile_grid(m: int, k: int, act: bool = False) -> list[tuple[int, int, int]]:
+    """The ``(BLOCK_N, BLOCK_K, num_warps)`` tiles tried by ``--tune``: at most 64 float32 product sums per
+    thread (``M_PAD * BLOCK_N * BLOCK_K`` per program, twice that for a gate/up pair), BLOCK_K up to the
+    whole row (one K step: what a norm's first pass over the row needs least)."""
     m_pad = 1 << (max(m, 1) - 1).bit_length()
+    k_pad = 1 << (max(k, 1) - 1).bit_length()
     out = []
-    for bn, bk, warps in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (4, 8)):
-        if m_pad * bn * bk <= 64 * 32 * warps * 8:  # at most ~64 product registers per thread
+    for bn, bk, warps in itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048, 4096), (2, 4, 8)):
+        if bk <= max(256, k_pad) and m_pad * bn * bk * (2 if act else 1) <= 64 * 32 * warps and bn * bk >= 32 * warps:
             out.append((bn, bk, warps))
     return out
 
@@ -92,12 +103,19 @@ def plot(rows: list[dict], path: str | Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     import json
 
+    from infer.kernels import fused_triton as ft
+    from infer.kernels import pdl
     from infer.kernels import skinny_gemm as sg
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-4b"], choices=sorted(MODELS))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--projs", nargs="+", default=None, choices=["qkv", "o", "gate_up", "down", "lm_head"],
+                    help="only these projections [all]")
     ap.add_argument("--tune", action="store_true", help="time every tile of tile_grid() too")
+    ap.add_argument("--pdl", action="store_true", help="also time the kernel launched with PDL (Hopper)")
+    ap.add_argument("--fused", action="store_true", help="one row: the norm (+ activation) steps around QKV "
+                    "and gate/up, unfused (cuBLAS) against skinny_norm_linear")
     ap.add_argument("--flush-bytes", type=int, default=256 << 20, help="bytes of weight copies per timing")
     ap.add_argument("--out", default=None)
     ap.add_argument("--replot", default=None, help="redraw the plot of this report (no GPU needed)")
@@ -108,9 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     torch.manual_seed(0)
+    def tuned():  # --pdl: the tiles are tuned as the engine launches them
+        return pdl.scope(args.pdl)
+
     rows = []
     for model in args.models:
         for name, n, k in projections(model):
+            if args.projs and name not in args.projs:
+                continue
             nbytes = n * k * 2
             copies = max(1, min(64, -(-args.flush_bytes // nbytes)))
             weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -125,15 +148,28 @@ def main(argv: list[str] | None = None) -> int:
                        "cublas_GB_s": round(nbytes / cublas / 1e3, 0), "skinny_GB_s": round(nbytes / ours / 1e3, 0),
                        "speedup": round(cublas / ours, 2), "max_err_rel": err.abs().max().item() / ref_scale,
                        "default_tile": list(sg.default_config(m, n, k))}
+                if args.pdl:
+                    with pdl.scope():
+                        ours_pdl = time_us(lambda a, w: sg.skinny_linear(a, w), weights, x)
+                    row.update(skinny_pdl_us=round(ours_pdl, 2), skinny_pdl_GB_s=round(nbytes / ours_pdl / 1e3, 0),
+                               pdl_speedup=round(cublas / ours_pdl, 2))
                 if args.tune:
-                    best = min(((time_us(lambda a, w, c=c: sg.skinny_linear(a, w, config=c), weights, x), c)
-                                for c in tile_grid(m)), key=lambda t: t[0])
-                    row.update(best_us=round(best[0], 2), best_tile=list(best[1]), best_speedup=round(cublas / best[0], 2))
+                    with tuned():
+                        tiles = [(time_us(lambda a, w, c=c: sg.skinny_linear(a, w, config=c), weights, x), c)
+                                 for c in tile_grid(m, k)]
+                    best = min(tiles)
+                    row.update(best_us=round(best[0], 2), best_tile=list(best[1]), best_speedup=round(cublas / best[0], 2),
+                               tiles={str(list(c)): round(t, 2) for t, c in sorted(tiles)})
                 rows.append(row)
-                print(row, flush=True)
+                print({k: v for k, v in row.items() if k != "tiles"}, flush=True)
+                if args.fused and m == 1 and name in ("qkv", "gate_up"):
+                    rows.append(fused_row(model, name, n, k, weights, x, args, ft, sg, pdl, tuned))
+                    print({k: v for k, v in rows[-1].items() if k != "tiles"}, flush=True)
             del weights
             torch.cuda.empty_cache()
     cols = ["model", "proj", "M", "MB", "cublas_us", "skinny_us", "cublas_GB_s", "skinny_GB_s", "speedup"]
+    if args.pdl:
+        cols += ["skinny_pdl_us", "skinny_pdl_GB_s", "pdl_speedup"]
     if args.tune:
         cols += ["best_us", "best_tile", "best_speedup"]
     table = "skinny GEMM vs cuBLAS (bf16, weights read from HBM)\n\n" + markdown_table(rows, cols)
@@ -141,6 +177,44 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         plot(rows, Path(args.out).with_suffix(".png"))
     return 0
+
+
+def fused_row(model, name, n, k, weights, x, args, ft, sg, pdl, tuned) -> dict:
+    """One row, ``norm -> projection (-> activation)``: the three unfused launches (the Triton norm, cuBLAS,
+    the Triton activation) against skinny_norm_linear, plain and (``--pdl``) with PDL."""
+    act = "silu" if name == "gate_up" else None
+    residual = torch.randn_like(x)
+    nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def unfused(a, w):
+        h, r = ft.fused_add_rms_norm(a.clone(), residual.clone(), nw, 1e-6)
+        y = F.linear(h, w)
+        return ft.act_and_mul(y, act) if act else y
+
+    def fused(a, w, config=None):
+        return sg.skinny_norm_linear(a, residual, nw, 1e-6, False, w, None, act, config=config)[0]
+
+    y = fused(x, weights[0])
+    y_ref, _ = sg.skinny_norm_linear_reference(x, residual, nw, 1e-6, False, weights[0], None, act)
+    row = {"model": model, "proj": f"norm+{name}" + ("+act" if act else ""), "N": n, "K": k, "M": 1,
+           "MB": round(n * k * 2 / 2**20, 1), "cublas_us": round(time_us(unfused, weights, x), 2),
+           "skinny_us": round(time_us(fused, weights, x), 2),
+           "max_err_rel": (y.float() - y_ref.float()).abs().max().item() / y_ref.float().abs().max().item(),
+           "default_tile": list(sg.default_config(1, n // 2 if act else n, k, act=bool(act), norm=True))}
+    row.update(cublas_GB_s=round(n * k * 2 / row["cublas_us"] / 1e3, 0), skinny_GB_s=round(n * k * 2 / row["skinny_us"] / 1e3, 0),
+               speedup=round(row["cublas_us"] / row["skinny_us"], 2))
+    if args.pdl:
+        with pdl.scope():
+            t = time_us(fused, weights, x)
+        row.update(skinny_pdl_us=round(t, 2), skinny_pdl_GB_s=round(n * k * 2 / t / 1e3, 0),
+                   pdl_speedup=round(row["cublas_us"] / t, 2))
+    if args.tune:
+        with tuned():
+            tiles = [(time_us(lambda a, w, c=c: fused(a, w, c), weights, x), c) for c in tile_grid(1, k, bool(act))]
+        best = min(tiles)
+        row.update(best_us=round(best[0], 2), best_tile=list(best[1]), best_speedup=round(row["cublas_us"] / best[0], 2),
+                   tiles={str(list(c)): round(t, 2) for t, c in sorted(tiles)})
+    return row
 
 
 if __name__ == "__main__":

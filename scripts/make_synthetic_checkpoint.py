@@ -125,6 +125,8 @@ def _gemma3(hidden, layers, heads, kv, inter, vocab=262144, head_dim=256, window
 PRESETS: dict[str, Preset] = {
     "qwen3-0.6b": Preset("qwen3", _qwen3(1024, 28, 16, 8, 3072, tied=True), description="Qwen3-0.6B shapes"),
     "qwen3-4b": Preset("qwen3", _qwen3(2560, 36, 32, 8, 9728, tied=True), description="Qwen3-4B shapes"),
+    "qwen3-4b-2l": Preset("qwen3", _qwen3(2560, 2, 32, 8, 9728, tied=True),
+                          description="Qwen3-4B layer shapes, 2 layers (GPU tests)"),
     "qwen3-8b": Preset("qwen3", _qwen3(4096, 36, 32, 8, 12288, tied=False), description="Qwen3-8B shapes",
                        max_shard_size="5GB"),
     # Qwen3-30B-A3B: 128 experts of width 768, 8 per token (~3.3B active of 30.5B); 61 GB in bf16, more

@@ -239,6 +239,91 @@ def test_skinny_linear_matches_reference(dtype, m, bias):
     torch.testing.assert_close(expected.double(), exact, atol=TOL[dtype][0] * 40, rtol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("residual, unit_offset", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("activation", [None, "silu", "gelu_tanh"])
+def test_skinny_norm_linear_matches_reference(dtype, m, residual, unit_offset, activation):
+    """The norm (+ residual add) before a projection, the projection and the MLP activation in one kernel,
+    against the plain-PyTorch twin (rms_norm, a float32 product, the activation rounded once), with K and
+    N off the tiles, strided rows, a bias: y within the dtype's tolerance, the new residual stream exactly
+    x + residual, and x and residual untouched (the engine reuses neither, but the fallback works in place)."""
+    from infer.kernels import skinny_gemm as sk
+
+    g = torch.Generator().manual_seed(m * 100 + residual * 10 + unit_offset + len(activation or ""))
+    x, r = rows(g, m, 70, dtype, pad=6), rows(g, m, 70, dtype, pad=2) if residual else None
+    nw = randn(g, 70, dtype=dtype, scale=0.2) + (0 if unit_offset else 1)
+    w, b = randn(g, 38, 70, dtype=dtype, scale=0.3), randn(g, 38, dtype=dtype)
+    x0, r0 = x.clone(), r.clone() if residual else None
+    y, s = sk.skinny_norm_linear(x, r, nw, EPS, unit_offset, w, b, activation)
+    y_ref, s_ref = sk.skinny_norm_linear_reference(x, r, nw, EPS, unit_offset, w, b, activation)
+    assert y.shape == (m, 19 if activation else 38) and y.dtype == dtype
+    assert_close(y, y_ref, dtype)
+    assert torch.equal(s, s_ref) and (s is x) == (not residual)
+    assert torch.equal(x, x0) and (not residual or torch.equal(r, r0))
+    # the twin is the unfused chain: the norm module, the layer's product, the activation of layers.py
+    h = layers.rms_norm(s_ref, nw, EPS, unit_offset)
+    chain = torch.nn.functional.linear(h.float(), w.float(), b.float()).to(dtype)
+    if activation:
+        chain = (layers.ACTIVATIONS[activation](chain[:, :19].float()) * chain[:, 19:].float()).to(dtype)
+    assert_close(y_ref, chain, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_add_rms_norm_linear_is_the_reference(m):
+    """ops.add_rms_norm_linear (one kernel at one row, the unfused kernels at two) against the reference
+    (fused_add_rms_norm or rms_norm, linear, act_and_mul), first layer (no residual) and later ones."""
+    g = torch.Generator().manual_seed(m)
+    layer = torch.nn.Linear(40, 24, bias=False).to(DEVICE)
+    nw = randn(g, 40) + 1
+    for residual in (None, randn(g, m, 40)):
+        for act in (None, "silu"):
+            x = randn(g, m, 40)
+            y, s = ops.add_rms_norm_linear(x.clone(), None if residual is None else residual.clone(), nw, EPS, False,
+                                           layer, act)
+            y_ref, s_ref = ref.add_rms_norm_linear(x.clone(), None if residual is None else residual.clone(), nw,
+                                                   EPS, False, layer, act)
+            torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+
+
+def test_skinny_norm_linear_rejects_bad_inputs():
+    from infer.kernels import skinny_gemm as sk
+
+    g = torch.Generator().manual_seed(1)
+    x, w, nw = randn(g, 1, 40), randn(g, 24, 40), randn(g, 40)
+    with pytest.raises(ValueError, match="residual must be like x"):
+        sk.skinny_norm_linear(x, randn(g, 2, 40), nw, EPS, False, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        sk.skinny_norm_linear(x, None, randn(g, 41), EPS, False, w)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        sk.skinny_norm_linear(x, None, nw, EPS, False, w, activation="relu")
+    with pytest.raises(ValueError, match="even number of rows"):
+        sk.skinny_norm_linear(x, None, nw, EPS, False, randn(g, 23, 40), activation="silu")
+
+
+def test_pdl_scope_is_per_thread_and_never_on_the_cpu():
+    """pdl.scope turns PDL on for launches inside it on this thread only; CPU tensors (the interpreter)
+    never launch with it."""
+    import threading
+
+    from infer.kernels import pdl
+
+    cuda_like = type("T", (), {"is_cuda": True})()
+    seen = []
+    with pdl.scope():
+        assert pdl.launch_pdl(cuda_like) == (not ops.INTERPRET)
+        assert not pdl.launch_pdl(torch.zeros(1))
+        t = threading.Thread(target=lambda: seen.append(pdl.launch_pdl(cuda_like)))
+        t.start()
+        t.join()
+        with pdl.scope(False):
+            assert not pdl.launch_pdl(cuda_like)
+    assert seen == [False] and not pdl.launch_pdl(cuda_like)
+    with pytest.raises(ValueError, match="CUDA device"):
+        pdl.check_supported(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_linear_splits_few_rows_over_the_threads(bias, monkeypatch):
     """The CPU fused forward's products: with a column-major weight and at most SPLIT_K_MAX_ROWS rows,
@@ -274,13 +359,13 @@ def test_skinny_linear_dispatch_and_errors():
     from infer.kernels import skinny_gemm as sk
 
     g = torch.Generator().manual_seed(4)
-    for n in (24, 3000):  # one row: the skinny kernel for the narrow layer, cuBLAS/ATen for the other
+    for n in (24, 3000):  # one row: the skinny kernel; two: cuBLAS/ATen
         layer = torch.nn.Linear(40, n, bias=True)
         for m in (1, 2):
             x = randn(g, m, 40)
             torch.testing.assert_close(ref.linear(x, layer), layer(x))
             torch.testing.assert_close(ops.linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
-    assert sk.use_skinny(1, 1024) and not sk.use_skinny(2, 1024) and not sk.use_skinny(1, 6144)
+    assert sk.use_skinny(1, 1024) and sk.use_skinny(1, 6144) and not sk.use_skinny(2, 1024)
     x, w = randn(g, 2, 40), randn(g, 24, 40)
     with pytest.raises(ValueError, match="same K"):
         sk.skinny_linear(x, randn(g, 24, 41))
@@ -551,14 +636,18 @@ def compile_(fn, sig, consts, num_warps):
              if sig[n].startswith("*") or n.startswith("stride") or n == "K"}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    return sorted(set(re.findall(r"ld\.global[.\w]*", k.asm["ptx"])))
+    ptx = k.asm["ptx"]
+    pdl = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+    # the loads, and (with USE_PDL) the two griddepcontrol instructions, in the order they come
+    return sorted(set(re.findall(r"ld\.global[.\w]*", ptx))) + [p for p in pdl if p in ptx] + (
+        ["wait-before-launch"] if all(p in ptx for p in pdl) and ptx.index(pdl[0]) < ptx.index(pdl[1]) else [])
 
 bf = "*bf16"
 norm_sig = {"stride_x": "i32", "eps": "fp32", "N": "constexpr", "BLOCK": "constexpr", "UNIT_OFFSET": "constexpr",
-            "MANUAL_BF16": "constexpr"}
+            "MANUAL_BF16": "constexpr", "USE_PDL": "constexpr"}
 out = {}
 for uo in (False, True):
-    c = {"N": 2560, "BLOCK": 4096, "UNIT_OFFSET": uo, "MANUAL_BF16": False}
+    c = {"N": 2560, "BLOCK": 4096, "UNIT_OFFSET": uo, "MANUAL_BF16": False, "USE_PDL": uo}
     out[f"rms{uo}"] = compile_(ft._rms_norm_kernel, {"x_ptr": bf, "w_ptr": bf, "out_ptr": bf, "stride_x": "i32",
                                "stride_o": "i32", **{k: v for k, v in norm_sig.items() if k != "stride_x"}}, c, 8)
     out[f"add{uo}"] = compile_(ft._add_rms_norm_kernel, {"x_ptr": bf, "res_ptr": bf, "w_ptr": bf, "stride_x": "i32",
@@ -569,17 +658,29 @@ for uo in (False, True):
                "stride_cb": "i64", "stride_ct": "i32", "stride_ch": "i32", "block_size": "i32"}
         consts = {"NUM_Q_HEADS": 32, "NUM_HEADS": 40, "HEAD_DIM": d, "HALF": d // 2, "HALF_PAD": d // 2,
                   "BLOCK_H": 512 // d, "HAS_NORM": True, "UNIT_OFFSET": uo, "MANUAL_BF16": False,
-                  "WRITE_CACHE": uo, "NUM_KV_HEADS": 8}  # with and without the fused cache write
+                  "WRITE_CACHE": uo, "NUM_KV_HEADS": 8, "USE_PDL": uo}  # with and without the cache write, PDL
         out[f"qk{d}{uo}"] = compile_(ft._qk_norm_rope_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 2)
     out[f"act{uo}"] = compile_(ft._act_and_mul_kernel, {"gu_ptr": bf, "out_ptr": bf, "stride_gu": "i32",
                                "stride_o": "i32", "I": "constexpr", "BLOCK": "constexpr", "GELU_TANH": "constexpr",
-                               "MANUAL_BF16": "constexpr"}, {"I": 9728, "BLOCK": 1024, "GELU_TANH": uo,
-                               "MANUAL_BF16": False}, 4)
+                               "MANUAL_BF16": "constexpr", "USE_PDL": "constexpr"},
+                               {"I": 9728, "BLOCK": 1024, "GELU_TANH": uo, "MANUAL_BF16": False, "USE_PDL": uo}, 4)
 from infer.kernels import skinny_gemm as sk
-sig = {"x_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-       "stride_wn": "i32", "stride_ym": "i32"}
-consts = {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "HAS_BIAS": False}
-out["skinny"] = compile_(sk._skinny_gemm_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 4)
+sig = {"x_ptr": bf, "r_ptr": bf, "r_out_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf, "M": "i32",
+       "N": "i32", "K": "i32", "stride_xm": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_wn": "i32",
+       "stride_ym": "i32", "up_offset": "i64", "eps": "fp32"}
+for name, norm, act, use_pdl in (("skinny", 0, 0, False), ("skinny_pdl", 0, 0, True), ("norm_act_pdl", 2, 1, True)):
+    consts = {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 512, "HAS_BIAS": False, "NORM": norm, "UNIT_OFFSET": False,
+              "ACT": act, "USE_PDL": use_pdl, "MANUAL_BF16": False}
+    out[name] = compile_(sk._skinny_gemm_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 4)
+from infer.attention import triton_ops as to
+sig = {"q_ptr": bf, "k_cache_ptr": bf, "v_cache_ptr": bf, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+       "out_ptr": bf, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32",
+       "window": "i32", "num_splits": "i32", "min_split_keys": "i32", "stride_qb": "i32", "stride_qh": "i32",
+       "stride_ob": "i32", "stride_oh": "i32", "stride_cb": "i32", "stride_ct": "i32", "stride_ch": "i32",
+       "stride_bt": "i32"}
+consts = {"NUM_Q_HEADS": 32, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "D_PAD": 128, "BLOCK_SIZE": 16,
+          "BLOCK_N": 64, "UPCAST": False, "USE_PDL": True}
+out["decode_pdl"] = compile_(to._paged_decode_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 4)
 print(json.dumps(out))
 """
 
@@ -602,10 +703,64 @@ def test_kernels_compile_for_an_h100(tmp_path):
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loads = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(loads) == 11
+    assert len(loads) == 14
     for name, kinds in loads.items():
-        if not name.startswith("qk"):
+        if not name.startswith(("qk", "decode")):
             assert "ld.global.v4.b32" in kinds, (name, kinds)
+        # USE_PDL compiles the wait and the launch of the next kernel, in that order; without it, neither
+        pdl = name.endswith(("True", "_pdl"))
+        assert ("griddepcontrol.wait" in kinds) == pdl and ("wait-before-launch" in kinds) == pdl, (name, kinds)
+
+
+PDL_SCRIPT = r"""
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from infer.kernels import fused_triton as ft
+
+sig = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "stride_gu": "i32", "stride_o": "i32"}
+consts = {"I": 1024, "BLOCK": 1024, "GELU_TANH": False, "MANUAL_BF16": False}
+out = {}
+for pdl, cc in ((True, 90), (False, 90), (False, 80)):
+    c = {**consts, "USE_PDL": pdl}
+    k = triton.compile(ASTSource(fn=ft._act_and_mul_kernel, signature={**sig, **{n: "constexpr" for n in c}},
+                                 constexprs=c), target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+    ptx = k.asm["ptx"]
+    find = lambda pat: (m.start() if (m := re.search(pat, ptx)) else None)
+    out[f"{pdl}{cc}"] = {"wait": find(r"griddepcontrol\.wait"), "launch": find(r"griddepcontrol\.launch_dependents"),
+                         "load": find(r"ld\.global"), "store": find(r"st\.global")}
+print(json.dumps(out))
+"""
+
+
+def test_wait_for_previous_waits_then_lets_the_next_kernel_launch(tmp_path):
+    """``pdl.wait_for_previous`` (a kernel's first line, infer.kernels.pdl): compiled for an H100 with
+    USE_PDL, the kernel waits for the previous one (griddepcontrol.wait) before its first load and store,
+    and only then lets the next one launch (griddepcontrol.launch_dependents); without it, neither
+    instruction (and it compiles for an A100, sm_80, which has none). The interpreter never runs PDL, so
+    this reads the PTX of an ahead-of-time compile (Triton's bundled ptxas, no GPU needed)."""
+    import os
+    import subprocess
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("Triton's bundled ptxas is missing")
+    import infer
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    # the code under test: this process's infer (a graded workspace's, not necessarily this checkout's)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(infer.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", PDL_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    at = json.loads(proc.stdout.strip().splitlines()[-1])
+    on = at["True90"]
+    assert on["wait"] is not None and on["launch"] is not None, on
+    assert on["wait"] < on["launch"], "the next kernel may launch only after this one has waited"
+    assert on["wait"] < on["load"] and on["wait"] < on["store"], "nothing is read or written before the wait"
+    for off in (at["False90"], at["False80"]):
+        assert off["wait"] is None and off["launch"] is None, off
 
 
 # ---------------------------------------------------------------------------------- benchmark smoke test
@@ -698,6 +853,36 @@ def test_gpu_skinny_linear_real_shapes(m):
         out = sk.skinny_linear(x, w)
         assert_close(out, sk.skinny_linear_reference(x, w), torch.bfloat16)
         assert_close(out, torch.nn.functional.linear(x, w), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_gpu_skinny_norm_linear_real_shapes(activation):
+    """Qwen3-0.6B/4B's norm + QKV and norm + gate/up + SiLU, bf16, one row, with the engine's tiles: against
+    the reference, and bit for bit the same launched with PDL, in a CUDA graph of back-to-back calls
+    (where each call starts while the one before it runs)."""
+    from infer.kernels import pdl
+    from infer.kernels import skinny_gemm as sk
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for n, k in ((4096, 1024), (6144, 2560)) if activation is None else ((6144, 1024), (19456, 2560)):
+        x, r, w = gpu_randn(g, 1, k), gpu_randn(g, 1, k), gpu_randn(g, n, k, scale=0.02)
+        nw = gpu_randn(g, k, scale=0.1) + 1
+        y_ref, s_ref = sk.skinny_norm_linear_reference(x, r, nw, EPS, False, w, None, activation)
+        outs = []
+        for on in (False, True):
+            with pdl.scope(on):
+                y, s = sk.skinny_norm_linear(x, r, nw, EPS, False, w, None, activation)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    chain = [sk.skinny_norm_linear(x, r, nw, EPS, False, w, None, activation)[0] for _ in range(8)]
+                graph.replay()
+                torch.cuda.synchronize()
+            assert_close(y, y_ref, torch.bfloat16)
+            assert torch.equal(s, s_ref)
+            assert all(torch.equal(c, y) for c in chain)
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu

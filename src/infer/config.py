@@ -252,6 +252,10 @@ class EngineConfig:
     async_scheduling: bool = _flag(False, "schedule and prepare step N + 1 and process step N - 1's tokens "
                                    "(stop checks, detokenization, streaming) while the device runs step N; the "
                                    "same outputs, one step later", ablation=(False, True))
+    pdl: bool = _flag(False, "CUDA, compute capability >= 9.0 (Hopper): launch the Triton kernels of a step "
+                      "(norms, RoPE, decode attention, the one-row projections) with programmatic dependent "
+                      "launch, so each starts while the one before it finishes (a projection loads its first "
+                      "weights before it waits); needs the triton attention backend", ablation=(False, True))
     # ---- phase 15: mixture of experts
     moe_backend: str = _flag("auto", "MoE models: how the experts run. torch: a loop over experts (Hugging Face's; "
                              "syncs with the host); triton: tokens sorted by expert and one grouped GEMM per "
@@ -367,6 +371,17 @@ class EngineConfig:
                 raise ValueError("cuda_graphs needs attention_backend='triton' (or 'auto' on CUDA): the torch "
                                  "backend reads the batch's context lengths on the host and builds tensors of "
                                  "data-dependent shapes, which a captured graph cannot replay")
+        if self.pdl:
+            if dev.type != "cuda":
+                raise ValueError(f"pdl needs a CUDA device (programmatic dependent launch is a CUDA feature), got "
+                                 f"{self.device!r}")
+            if self.resolved_attention_backend() != "triton":
+                raise ValueError("pdl needs attention_backend='triton' (or 'auto' on CUDA): it changes how the "
+                                 "Triton kernels are launched, and the torch backend has none")
+            if torch.cuda.is_available():
+                from infer.kernels.pdl import check_supported
+
+                check_supported(dev)
         if self.moe_backend not in MOE_BACKENDS:
             raise ValueError(f"moe_backend must be one of {', '.join(MOE_BACKENDS)}, got {self.moe_backend!r}")
         if self.moe_backend == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -312,6 +312,16 @@ EXERCISES: dict[str, Exercise] = {
             5,
         ),
         Exercise(
+            "pdl_wait", 9, "src/infer/kernels/pdl.py",
+            ("tests/test_fused_kernels.py::test_wait_for_previous_waits_then_lets_the_next_kernel_launch",),
+            "The first thing every decode-path kernel does when launched with programmatic dependent launch: "
+            "wait until the kernel before it on the stream has completed (its writes visible), then allow "
+            "the kernel after it to start launching; without PDL, nothing (the same kernel must also compile "
+            "for GPUs that have no such instructions). tl.extra.cuda has the two instructions. Graded by "
+            "compiling a kernel for an H100 (sm_90) on the CPU and reading its PTX.",
+            10,
+        ),
+        Exercise(
             "overlap_loop", 9, "src/infer/engine/llm_engine.py",
             ("tests/test_async_scheduling.py::test_a_sequence_holds_one_placeholder_while_its_step_runs",
              "tests/test_async_scheduling.py::test_async_scheduling_gives_the_synchronous_outputs[paged]"),

@@ -38,6 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels.fused_triton import _pdl
+from infer.kernels.pdl import wait_for_previous
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "no sliding window": farther back than any context
@@ -145,10 +148,11 @@ def _paged_decode_kernel(
     stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Grid (B, num_kv_heads, num_splits). Program (b, kvh, split) computes, for the GROUP query heads
     # that share KV head kvh, attention over one contiguous slice of sequence b's keys.
+    wait_for_previous(USE_PDL)  # (infer.kernels.pdl: with PDL the launch overlaps the previous kernel)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -436,7 +440,7 @@ def paged_decode_attention(
         NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
         UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl(q),
     )
     return out
 

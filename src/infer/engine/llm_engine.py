@@ -108,7 +108,7 @@ class LLMEngine:
                                       cuda_graphs=config.cuda_graphs, cuda_graph_max_batch_size=graph_bs or 1,
                                       block_major=config.kv_offload != "none" and backend == "triton",
                                       cuda_graph_prefill_max_tokens=graph_prefill,
-                                      cuda_graph_mixed_max_tokens=graph_mixed)
+                                      cuda_graph_mixed_max_tokens=graph_mixed, pdl=config.pdl)
         num_blocks = self.runner.kv_cache.num_blocks
         log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, batching=%s, "
                  "max_num_batched_tokens=%d, chunked_prefill=%s, fused_kernels=%s, cuda_graphs=%s",

@@ -16,6 +16,7 @@ samples only after its last chunk.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import time
@@ -28,6 +29,7 @@ import torch
 from infer.attention import AttentionMetadata, KVCache, TorchAttentionBackend
 from infer.engine.scheduler import ScheduledSeq
 from infer.engine.sequence import PLACEHOLDER, Sequence
+from infer.kernels import pdl
 from infer.loader import LoadedModel
 from infer.sampling import SamplerOutput, SamplingTensors, sample
 
@@ -284,6 +286,19 @@ class BlockTableRows:
         np.take(table[:, :width], idx, axis=0, out=out)
 
 
+def _with_pdl(method):
+    """Run a :class:`ModelRunner` method with its kernels launched with programmatic dependent launch
+    when the runner's ``pdl`` is set (:func:`infer.kernels.pdl.scope`; graphs captured inside keep it)."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        if not self.pdl:
+            return method(self, *args, **kwargs)
+        with pdl.scope():
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
 def make_attention_backend(name: str, device: torch.device):
     """The attention backend called ``name`` (``"torch"`` or ``"triton"``), chosen once per engine."""
     if name == "torch":
@@ -343,13 +358,17 @@ class ModelRunner:
             sequence of up to this many tokens (0: none).
         block_major: the block-major KV cache (phase 10, KV offload: one block of every layer is one
             contiguous copy; :class:`~infer.attention.KVCache`).
+        pdl: launch the Triton kernels of every step, warm-up and capture with programmatic dependent
+            launch (:mod:`infer.kernels.pdl`; ``EngineConfig.pdl``).
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
                  attention_backend: str = "torch", max_model_len: int = 0,
                  cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256, block_major: bool = False,
-                 cuda_graph_prefill_max_tokens: int = 0, cuda_graph_mixed_max_tokens: int = 0) -> None:
+                 cuda_graph_prefill_max_tokens: int = 0, cuda_graph_mixed_max_tokens: int = 0,
+                 pdl: bool = False) -> None:
         self.model = loaded.model
+        self.pdl = pdl
         cfg = loaded.config
         self.config = cfg
         p = next(self.model.parameters())
@@ -376,6 +395,7 @@ class ModelRunner:
                                           attention_backend=self.attention_backend)
 
     @torch.inference_mode()
+    @_with_pdl
     def warm_up(self) -> float:
         """CUDA with the Triton backend: launch every attention-kernel variant a step can need once,
         before any request does; returns the seconds it took (0 elsewhere: PyTorch ops and the
@@ -416,6 +436,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
+    @_with_pdl
     def capture_cuda_graphs(self, progress: bool = True) -> float:
         """Capture the decode graphs (``cuda_graphs``); returns the seconds it took (0 without)."""
         return self.graphs.capture(progress) if self.graphs is not None else 0.0
@@ -471,6 +492,7 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
+    @_with_pdl
     def execute(self, scheduled: list[ScheduledSeq], eos_ids: list[int], prev: StepResult | None = None) -> StepResult:
         """Run one step over ``scheduled`` and sample the sequences that are ready to.
 

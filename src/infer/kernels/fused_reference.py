@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache",
-           "ACTIVATION_NAMES", "linear"]
+           "ACTIVATION_NAMES", "linear", "add_rms_norm_linear"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -430,3 +430,41 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     parts = torch.bmm(x.view(t, s, k // s).transpose(0, 1), w.t().view(s, k // s, n))
     out = parts.sum(0)
     return out if layer.bias is None else out.add_(layer.bias)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    layer: torch.nn.Linear,
+    activation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm block's "norm, then project" step: :func:`fused_add_rms_norm` (:func:`rms_norm` for
+    the first layer, ``residual`` None), then :func:`linear`, then, with an ``activation``,
+    :func:`act_and_mul` (``layer`` a merged gate/up projection).
+
+    Here exactly those calls (so the values of the unfused code); the Triton twin does all three in one
+    kernel at one row (batch-1 decode).
+
+    Args:
+        x: ``[T, d]``: the layer's input (the previous block's output); may be overwritten.
+        residual: ``[T, d]`` or None (the first layer: ``x`` is the residual stream); may be overwritten.
+        weight, eps, unit_offset: the norm's, as in :func:`rms_norm`.
+        layer: the projection (``[N, d]`` weight).
+        activation: None, or as in :func:`act_and_mul`.
+
+    Returns:
+        ``(y, residual)``: ``y [T, N]`` (``[T, N / 2]`` with an activation) and the new residual stream
+        ``x + residual`` (``x`` when ``residual`` was None).
+
+    Raises:
+        ValueError: as the functions it calls.
+    """
+    if residual is None:
+        x, residual = rms_norm(x, weight, eps, unit_offset), x
+    else:
+        x, residual = fused_add_rms_norm(x, residual, weight, eps, unit_offset)
+    y = linear(x, layer)
+    return (act_and_mul(y, activation) if activation is not None else y), residual

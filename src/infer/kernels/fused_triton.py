@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import pdl
 from infer.kernels.fused_reference import (
     build_cos_sin_cache,
     check_act_and_mul,
@@ -43,11 +44,13 @@ from infer.kernels.fused_reference import (
     check_qk_norm_rope,
     check_rms_norm,
 )
+from infer.kernels.pdl import wait_for_previous
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 _MAX_ROW = 1 << 16  # widest row the single-pass norm kernels take (registers: 64k fp32 per program)
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache", "linear"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache", "linear",
+           "add_rms_norm_linear"]
 
 
 def _num_warps(elements: int) -> int:
@@ -75,6 +78,13 @@ def _manual_bf16(x: torch.Tensor) -> bool:
     return INTERPRET and x.dtype == torch.bfloat16
 
 
+def _pdl(x: torch.Tensor) -> dict:
+    """The launch options of programmatic dependent launch for a kernel over ``x`` (:mod:`infer.kernels.pdl`):
+    the kernel's ``USE_PDL`` and Triton's ``launch_pdl``, on or off together."""
+    on = pdl.launch_pdl(x)
+    return {"USE_PDL": on, "launch_pdl": on}
+
+
 # ============================================================================ RMSNorm (+ residual add)
 
 
@@ -96,8 +106,10 @@ def _rms_norm_row(x, w_ptr, offs, mask, eps, N: tl.constexpr, UNIT_OFFSET: tl.co
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per row: load it once, reduce, scale, store.
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -110,9 +122,11 @@ def _rms_norm_kernel(
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, stride_x, stride_r, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per row: s = x + residual rounded to the dtype (stored as the new residual), then the
     # norm of that rounded s (stored over x). Each program reads its row before writing it.
+    wait_for_previous(USE_PDL)  # (infer.kernels.pdl: a no-op unless launched with PDL)
     # >>> EXERCISE fused_add_rms_norm_kernel
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -168,6 +182,7 @@ def rms_norm(
     _rms_norm_kernel[(t,)](
         x, weight, out, x.stride(0), out.stride(0), eps,
         N=d, BLOCK=block, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(x), num_warps=_num_warps(block),
+        **_pdl(x),
     )
     return out
 
@@ -204,6 +219,7 @@ def fused_add_rms_norm(
     _add_rms_norm_kernel[(t,)](
         x, residual, weight, x.stride(0), residual.stride(0), eps,
         N=d, BLOCK=block, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(x), num_warps=_num_warps(block),
+        **_pdl(x),
     )
     return x, residual
 
@@ -217,13 +233,14 @@ def _qk_norm_rope_kernel(
     k_cache_ptr, v_cache_ptr, slot_ptr, stride_cb, stride_ct, stride_ch, block_size,
     NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-    MANUAL_BF16: tl.constexpr, WRITE_CACHE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    MANUAL_BF16: tl.constexpr, WRITE_CACHE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Grid (T, cdiv(Hq + Hkv, BLOCK_H)): program (t, j) rewrites BLOCK_H of token t's q/k heads (q heads
     # first, then k heads, as they lie in qkv). Each head is loaded as its two halves [BLOCK_H, HALF],
     # the pairs that the rotation mixes, so no shuffle is needed. With WRITE_CACHE the grid also covers
     # the v heads (cdiv(Hq + 2 Hkv, BLOCK_H) programs), and each k and v head is stored into the KV
     # cache at the token's slot as well (reshape_and_cache fused in: one launch fewer per layer).
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs = tl.arange(0, HALF_PAD)
@@ -348,7 +365,7 @@ def qk_norm_rope(
             NUM_Q_HEADS=num_heads, NUM_HEADS=heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
             HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h, HAS_NORM=has_norm,
             UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(qkv), WRITE_CACHE=write,
-            NUM_KV_HEADS=num_kv_heads, num_warps=warps,
+            NUM_KV_HEADS=num_kv_heads, num_warps=warps, **_pdl(qkv),
         )
     q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : heads * head_dim].view(t, num_kv_heads, head_dim)
@@ -365,23 +382,31 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a constexpr: jitted code r
 def _act_and_mul_kernel(
     gu_ptr, out_ptr, stride_gu, stride_o,
     I: tl.constexpr, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Grid (T, cdiv(I, BLOCK)): program (t, j) computes BLOCK outputs of token t from the gate and up
     # values at the same columns of the two halves.
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, _round(_act(g, GELU_TANH) * u, out_ptr.dtype.element_ty, MANUAL_BF16),
+             mask=mask)
+
+
+@triton.jit
+def _act(g, GELU_TANH: tl.constexpr):
+    """SiLU or tanh-GELU of float32 ``g``, in float32."""
     if GELU_TANH:
         # 0.5 g (1 + tanh(y)) = g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3): tanh through exp
         # (libdevice's tanh does not run in the interpreter). The exponent is capped at 80 so that exp
         # never overflows: for g that negative the result is ~g * 1e-35 either way.
         y = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        a = g / (1.0 + tl.exp(tl.minimum(-2.0 * y, 80.0)))
+        return g / (1.0 + tl.exp(tl.minimum(-2.0 * y, 80.0)))
     else:
-        a = g / (1.0 + tl.exp(tl.minimum(-g, 80.0)))  # silu(g) = g * sigmoid(g)
-    tl.store(out_ptr + t * stride_o + offs, _round(a * u, out_ptr.dtype.element_ty, MANUAL_BF16), mask=mask)
+        return g / (1.0 + tl.exp(tl.minimum(-g, 80.0)))  # silu(g) = g * sigmoid(g)
 
 
 def _act_block(i: int) -> int:
@@ -415,7 +440,7 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     _act_and_mul_kernel[(t, triton.cdiv(i, block))](
         gate_up, out, gate_up.stride(0), out.stride(0),
         I=i, BLOCK=block, GELU_TANH=kind == "gelu_tanh", MANUAL_BF16=_manual_bf16(gate_up),
-        num_warps=_num_warps(block),
+        num_warps=_num_warps(block), **_pdl(gate_up),
     )
     return out
 
@@ -439,3 +464,34 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     if parallel is not None and parallel.tp_size > 1:
         return layer(x)
     return skinny_gemm.linear(x, layer)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    layer: torch.nn.Linear,
+    activation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm before a projection, the projection, and optionally the MLP's activation (see
+    :func:`infer.kernels.fused_reference.add_rms_norm_linear`). One row (batch-1 decode): one kernel,
+    :func:`infer.kernels.skinny_gemm.skinny_norm_linear`, instead of three. Otherwise
+    :func:`fused_add_rms_norm` (or :func:`rms_norm`), :func:`linear` and :func:`act_and_mul`, as the
+    reference.
+
+    Returns ``(y, residual)``; ``x`` and ``residual`` may be overwritten (the unfused path works in place).
+    """
+    from infer.kernels import skinny_gemm
+
+    w = layer.weight
+    if (x.shape[0] == 1 and x.dim() == 2 and getattr(layer, "parallel", None) is None and skinny_gemm.fits(x, w)
+            and (residual is None or residual.stride(-1) == 1)):
+        return skinny_gemm.skinny_norm_linear(x, residual, weight, eps, unit_offset, w, layer.bias, activation)
+    if residual is None:
+        x, residual = rms_norm(x, weight, eps, unit_offset), x
+    else:
+        x, residual = fused_add_rms_norm(x, residual, weight, eps, unit_offset)
+    y = linear(x, layer)
+    return (act_and_mul(y, activation) if activation is not None else y), residual

@@ -24,18 +24,34 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from infer.kernels.fused_triton import _act, _manual_bf16, _pdl, _round
+from infer.kernels.pdl import wait_for_previous
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 8  # the most rows skinny_linear takes
 
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    x_ptr, r_ptr, r_out_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_rm, stride_om, stride_wn,
+    stride_ym, up_offset, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr,
+    MANUAL_BF16: tl.constexpr,
 ):
     # Grid (cdiv(N, BLOCK_N),): program j computes outputs [j * BLOCK_N, (j + 1) * BLOCK_N) of every row
     # of x, walking K in BLOCK_K slices: the [BLOCK_N, BLOCK_K] tile of W (contiguous along K) is read
-    # once and multiplied by the same slice of each of the M rows of x (a broadcast, then a sum over K).
+    # once and multiplied by the same slice of each of the M rows of x; the products are summed per
+    # element and reduced over K once, at the end. The next tile is loaded before the current one is
+    # used (two tiles in flight per program).
+    #   NORM 1: x is replaced by rms_norm(x) * norm weight (the norm before a projection); NORM 2: by
+    #     rms_norm(x + residual), and program 0 stores x + residual (the new residual stream) in r_out.
+    #     Each program computes the rows' mean squares itself (a first pass over x: K values per row,
+    #     from L2), then the normalized slices as it goes: no kernel of its own, no tensor in between.
+    #   ACT 1 (SiLU) / 2 (GELU-tanh): W is a merged gate/up weight of 2N rows; program j also reads the
+    #     up rows N + j * BLOCK_N ... and stores act(gate) * up (the MLP's activation, no kernel of its own).
+    #   USE_PDL: the first weight tiles, which no kernel writes, are loaded before waiting for the
+    #     previous kernel (infer.kernels.pdl): the weight stream starts while that kernel finishes.
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
@@ -43,46 +59,106 @@ def _skinny_gemm_kernel(
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    u_rows = w_rows + up_offset  # the up rows (ACT only): N rows further
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    u = w
+    if ACT:
+        u = tl.load(u_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    wait_for_previous(USE_PDL)
+
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    r_rows = r_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
+    dtype = y_ptr.dtype.element_ty
+    rstd = tl.zeros([M_PAD], dtype=tl.float32)
+    if NORM:
+        sq = tl.zeros([M_PAD, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            mk = m_mask[:, None] & (k < K)[None, :]
+            s = tl.load(x_rows + k[None, :], mask=mk, other=0.0).to(tl.float32)
+            if NORM == 2:
+                s = _round(s + tl.load(r_rows + k[None, :], mask=mk, other=0.0).to(tl.float32), dtype, MANUAL_BF16)
+                if pid == 0:
+                    tl.store(r_out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + k[None, :], s, mask=mk)
+                s = s.to(tl.float32)
+            sq += s * s
+        rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)
+
+    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = acc
+    if ACT:
+        acc_u = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        mk = m_mask[:, None] & k_mask[None, :]
+        xk = tl.load(x_rows + k[None, :], mask=mk, other=0.0).to(tl.float32)
+        if NORM:  # rms_norm's rounding steps (fused_triton._rms_norm_row), one slice at a time
+            if NORM == 2:
+                xk = _round(xk + tl.load(r_rows + k[None, :], mask=mk, other=0.0).to(tl.float32), dtype,
+                            MANUAL_BF16).to(tl.float32)
+            nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            h = xk * rstd[:, None]
+            if UNIT_OFFSET:
+                xk = _round(h * (1.0 + nw), dtype, MANUAL_BF16).to(tl.float32)
+            else:
+                xk = _round(_round(h, dtype, MANUAL_BF16).to(tl.float32) * nw, dtype, MANUAL_BF16).to(tl.float32)
+        kn = k + BLOCK_K
+        next_mask = n_mask[:, None] & (kn < K)[None, :]
+        w_next = tl.load(w_rows + kn[None, :], mask=next_mask, other=0.0)
+        acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
+        w = w_next
+        if ACT:
+            u_next = tl.load(u_rows + kn[None, :], mask=next_mask, other=0.0)
+            acc_u += xk[:, None, :] * u.to(tl.float32)[None, :, :]
+            u = u_next
+    y = tl.sum(acc, 2)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if ACT:  # the projection's outputs are rounded to the dtype first, as the unfused MLP's are
+        g = _round(y, dtype, MANUAL_BF16).to(tl.float32)
+        up = tl.sum(acc_u, 2)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = _act(g, ACT == 2) * _round(up, dtype, MANUAL_BF16).to(tl.float32)
+    out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out, _round(y, dtype, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def default_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps)`` for ``m`` rows and a ``[n, k]`` weight.
+def default_config(m: int, n: int, k: int, act: bool = False, norm: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps)`` for ``m`` rows and a ``[n, k]`` weight (``act``: a merged
+    gate/up weight whose ``n`` output pairs are read as two tiles; ``norm``: the norm computed in the
+    kernel, :func:`skinny_norm_linear`).
 
-    One row (what the engine uses, :func:`use_skinny`): long K slices (1,024 elements, 2 KB of each of
-    BLOCK_N weight rows in flight per step) and few outputs per program, more of them for wide
-    weights; the best tiles of ``benchmarks/skinny_gemm.py --tune`` on an H200 (run 19). More rows:
-    the product tile ``[M_PAD, BLOCK_N, BLOCK_K]`` lives in registers, so BLOCK_K shrinks as they grow.
+    The products are summed per element in a ``[M_PAD, BLOCK_N, BLOCK_K]`` float32 tile, in registers,
+    and reduced once at the end; two weight tiles are in flight per program. One row (what the engine
+    uses): two outputs per program and 8 weights of each row per thread per step, i.e. many small
+    programs, which spread the weight stream over every SM and start it soonest; longer steps along
+    longer rows. These are the best tiles of ``benchmarks/skinny_gemm.py --tune --pdl`` at Qwen3-4B's
+    shapes on an H100 (run 24: 1.1-1.5x cuBLAS, the LM head at 3.1 TB/s), or within 3% of the best.
+    With the norm (no activation), 8 outputs per program: each program reads the whole row of x once
+    more for its mean square, and fewer programs read it fewer times. More rows: BLOCK_K shrinks.
     """
     if INTERPRET:
         return 8, 32, 1
     if m <= 1:
-        return (4 if n <= 4096 else 8 if n < 65536 else 16), 1024, 4
+        if norm and not act:
+            return 8, 256, 8
+        return (2, 512, 2) if k < 4096 else (2, 1024, 4) if k < 8192 else (2, 2048, 8)
     m_pad = triton.next_power_of_2(m)
-    return 8, max(128, 1024 // m_pad), 4
+    return 8, max(64, 512 // m_pad), 4
 
 
 def use_skinny(m: int, n: int) -> bool:
     """Does :func:`skinny_linear` beat cuBLAS for ``m`` rows and ``n`` outputs?
 
-    Measured on an H200 (``benchmarks/skinny_gemm.py --tune``, bf16, weights read from HBM): at one
-    row it is 1.4-3.1x faster where ``n`` is small (Qwen3-0.6B's o and down projections, n = 1,024:
-    cuBLAS splits K there and reaches 330-860 GB/s) and 1.1-1.2x on the LM head (n = 151,936); on
-    the wide merged QKV and gate/up projections and at n = 2,560 the two are within 10%, either way.
-    From two rows on this kernel (a broadcast and a sum, no tensor cores) falls behind.
+    At one row, everywhere measured: on an H100 (run 24, ``benchmarks/skinny_gemm.py --tune --pdl``)
+    1.08-1.47x at every Qwen3-4B projection and 1.24x on its LM head (cuBLAS splits K on the narrow
+    ones and reaches 1.7-2.5 TB/s); on an H200 (run 19, an earlier version of the kernel) 1.4-3.1x on
+    Qwen3-0.6B's narrow projections. From two rows on this kernel (a broadcast and a sum, no tensor
+    cores) falls behind.
     """
-    return m == 1 and (n <= 2048 or n >= 65536)
+    return m == 1
 
 
 def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -99,9 +175,39 @@ def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         raise ValueError(f"bias must be [{weight.shape[0]}] in {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
 
 
+ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2, "gelu_pytorch_tanh": 2}  # the kernel's ACT
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int,
+            config: tuple[int, int, int] | None, residual: torch.Tensor | None = None,
+            norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False,
+            act: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the kernel for ``n`` outputs per row; returns ``(y [M, n], new residual or None)``."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    norm = 0 if norm_weight is None else 1 if residual is None else 2
+    r_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if norm == 2 else None
+    if m == 0:
+        return y, r_out
+    block_n, block_k, warps = config or default_config(m, n, k, act=bool(act), norm=norm > 0)
+    r = residual if residual is not None else x
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x, r, r_out if r_out is not None else y, norm_weight if norm else weight, weight,
+        bias if bias is not None else weight, y, m, n, k, x.stride(0), r.stride(0),
+        r_out.stride(0) if r_out is not None else 0, weight.stride(0), y.stride(0),
+        n * weight.stride(0) if act else 0, eps,
+        M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+        NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, MANUAL_BF16=_manual_bf16(x), num_warps=warps, **_pdl(x),
+    )
+    return y, r_out
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``M <= MAX_ROWS`` rows, accumulated in float32, rounded once.
+
+    Launched with programmatic dependent launch inside an enabled :func:`infer.kernels.pdl.scope`
+    (the first weight tiles are loaded before the previous kernel has finished).
 
     Args:
         x: ``[M, K]``, last dimension contiguous (rows may be strided).
@@ -116,18 +222,59 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ValueError: shapes, dtypes, devices or strides that do not fit, more than ``MAX_ROWS`` rows.
     """
     check_skinny_linear(x, weight, bias)
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return y
-    block_n, block_k, warps = config or default_config(m, n, k)
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        num_warps=warps,
-    )
-    return y
+    return _launch(x, weight, bias, weight.shape[0], config)[0]
+
+
+def check_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                      weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> None:
+    check_skinny_linear(x, weight, bias)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device
+                                 or (x.shape[1] > 1 and residual.stride(1) != 1)):
+        raise ValueError(f"residual must be like x ({tuple(x.shape)}, {x.dtype}, {x.device}, last dimension "
+                         f"contiguous), got {tuple(residual.shape)}, {residual.dtype}, {residual.device}")
+    if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
+        raise ValueError(f"norm_weight must be [{x.shape[1]}] in {x.dtype} on {x.device}, got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype} {norm_weight.device}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(str, ACTIVATIONS))}, got {activation!r}")
+    if activation is not None and weight.shape[0] % 2:
+        raise ValueError(f"a gate/up weight has an even number of rows (gate, then up), got {weight.shape[0]}")
+
+
+def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       unit_offset: bool, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       activation: str | None = None, config: tuple[int, int, int] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm before a projection, the projection and (optionally) the MLP's activation, one kernel.
+
+    ``s = x + residual`` rounded to the dtype (``s = x`` without a residual), ``y = rms_norm(s) @
+    weight.T (+ bias)`` with :func:`infer.kernels.fused_triton.rms_norm`'s rounding steps, and with an
+    ``activation`` (``weight`` a merged gate/up ``[2 I, K]``) ``act(gate) * up`` of ``y``'s rounded
+    halves, rounded once (as :func:`~infer.kernels.fused_triton.act_and_mul`). At batch-1 decode this
+    replaces three launches (the residual add + norm, the projection, the activation) by one: each
+    program computes the row's norm itself from ``K`` values in L2.
+
+    Args:
+        x: ``[M, K]``, ``M <= MAX_ROWS``, last dimension contiguous; not modified.
+        residual: ``[M, K]`` like ``x``, or None; not modified.
+        norm_weight: ``[K]``, ``x``'s dtype. eps, unit_offset: as in ``rms_norm`` (Gemma's ``1 + w``).
+        weight: ``[N, K]``; bias: ``[N]`` or None.
+        activation: None, ``"silu"``, ``"gelu_tanh"`` or ``"gelu_pytorch_tanh"``.
+        config: ``(BLOCK_N, BLOCK_K, num_warps)``; None: :func:`default_config`.
+
+    Returns:
+        ``(y, s)``: ``y`` a new ``[M, N]`` tensor (``[M, N / 2]`` with an activation), and the new
+        residual stream ``s`` (a new tensor; ``x`` itself without a residual).
+
+    Raises:
+        ValueError: as :func:`skinny_linear`, plus a residual or norm weight that does not fit ``x``, an
+            unknown activation, a gate/up weight of an odd number of rows.
+    """
+    check_norm_linear(x, residual, norm_weight, weight, bias, activation)
+    act = ACTIVATIONS[activation]
+    n = weight.shape[0] // 2 if act else weight.shape[0]
+    y, r_out = _launch(x, weight, bias, n, config, residual, norm_weight, eps, unit_offset, act)
+    return y, (r_out if r_out is not None else x)
 
 
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,11 +286,35 @@ def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return y.to(x.dtype)
 
 
+def skinny_norm_linear_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                 eps: float, unit_offset: bool, weight: torch.Tensor,
+                                 bias: torch.Tensor | None = None, activation: str | None = None,
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`skinny_norm_linear` in plain PyTorch: :func:`~infer.kernels.fused_reference.rms_norm`,
+    :func:`skinny_linear_reference`, and the activation in float32 on the rounded halves, rounded once."""
+    from infer.kernels import fused_reference
+
+    check_norm_linear(x, residual, norm_weight, weight, bias, activation)
+    s = x if residual is None else x + residual
+    y = skinny_linear_reference(fused_reference.rms_norm(s, norm_weight, eps, unit_offset), weight, bias)
+    if activation is not None:
+        i = y.shape[1] // 2
+        g, u = y[:, :i].float(), y[:, i:].float()
+        act = F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
+        y = (act * u).to(x.dtype)
+    return y, s
+
+
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     """``layer(x)`` (an ``nn.Linear`` of one process: no tensor-parallel all-reduce), through
     :func:`skinny_linear` where :func:`use_skinny` says it is faster, else ``F.linear`` (cuBLAS).
     ``x``: ``[M, K]``; returns ``[M, N]``."""
     w = layer.weight
-    if use_skinny(x.shape[0], w.shape[0]) and (x.is_cuda or INTERPRET) and x.stride(-1) == 1 and w.stride(-1) == 1:
+    if use_skinny(x.shape[0], w.shape[0]) and fits(x, w):
         return skinny_linear(x, layer.weight, layer.bias)
     return F.linear(x, layer.weight, layer.bias)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Can the kernel run on these tensors here (CUDA, or the interpreter; contiguous last dimensions)?"""
+    return (x.is_cuda or INTERPRET) and x.stride(-1) == 1 and weight.stride(-1) == 1

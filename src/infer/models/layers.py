@@ -199,12 +199,18 @@ class Attention(nn.Module):
     def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                       meta: AttentionMetadata, ops) -> torch.Tensor:
         """:meth:`forward` with the merged projection and one QK-norm + RoPE kernel."""
-        t = x.shape[0]
+        return self.forward_fused_qkv(ops.linear(x, self.qkv_proj), positions, cos_sin_cache, meta, ops)
+
+    def forward_fused_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                          meta: AttentionMetadata, ops) -> torch.Tensor:
+        """:meth:`forward_fused` from the merged projection's output ``qkv [T, (Hq + 2 Hkv) * D]`` on
+        (a layer that computes it with its norm, ``ops.add_rms_norm_linear``, starts here)."""
+        t = qkv.shape[0]
         qn, kn = self.q_norm, self.k_norm
         # the Triton backend lets the RoPE kernel write the new K/V into the cache (one launch fewer)
         write = meta.kv_cache is not None and getattr(self.backend, "cache_write_in_rope", False)
         q, k, v = ops.qk_norm_rope(
-            ops.linear(x, self.qkv_proj), positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+            qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
             qn.weight if qn is not None else None, kn.weight if kn is not None else None,
             qn.eps if qn is not None else 1e-6, qn.unit_offset if qn is not None else False,
             kv_cache=meta.kv_cache.layer(self.layer_idx) if write else None,

@@ -55,6 +55,7 @@ from infer.config import EngineConfig
 from infer.engine.cuda_graphs import packed_size
 from infer.engine.model_runner import ModelRunner, fused_ops, num_kv_blocks
 from infer.errors import ParallelWorkerError
+from infer.kernels import pdl
 from infer.parallel.state import ParallelState, building_for, set_parallel
 
 log = logging.getLogger("infer")
@@ -262,7 +263,7 @@ def build_runner(config: EngineConfig, state: ParallelState, runner_cls=ModelRun
     num_blocks = agree_num_blocks(state, num_blocks)
     runner = runner_cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
                         max_model_len=max_model_len, cuda_graphs=config.cuda_graphs,
-                        cuda_graph_max_batch_size=graph_bs or 1)
+                        cuda_graph_max_batch_size=graph_bs or 1, pdl=config.pdl)
     return loaded, runner
 
 
@@ -284,7 +285,8 @@ def _worker_main(rank: int, world_size: int, port: int, config: EngineConfig, pa
         state = init_rank(rank, world_size, port, config)
         set_parallel(state)
         _, runner = build_runner(config, state)
-        serve(runner, state)
+        with pdl.scope(runner.pdl):  # serve() runs the runner's forwards and graphs directly
+            serve(runner, state)
         if runner.graphs is not None:
             runner.graphs.release()  # before the communicator goes (PyTorch #115388)
         _destroy_group()

@@ -1,0 +1,85 @@
+"""Programmatic dependent launch (PDL) for the decode path's Triton kernels (``EngineConfig.pdl``).
+
+Kernels on one CUDA stream run one after the other: kernel N + 1 starts only once every program of
+kernel N has finished and its writes are visible. Between the two the GPU pays a fixed cost (the
+launch, the first wave of programs being placed on the SMs, the first loads' DRAM latency: a few
+microseconds), which at batch-1 decode, where a layer is ~10 kernels of 3-30 us each, is a large share
+of the step. Hopper (compute capability 9.0) lets a kernel launched with the *programmatic stream
+serialization* attribute start early (CUDA's "programmatic dependent launch"; PTX ``griddepcontrol``):
+
+* ``griddepcontrol.launch_dependents`` in kernel N says "the next kernel may start now"; it starts
+  once every program of N has said it (or exited), in whatever SM room is left;
+* ``griddepcontrol.wait`` in kernel N + 1 blocks until kernel N has *completed* and its memory is
+  visible. Whatever N + 1 does before the wait must not read what N writes, nor write what N reads.
+
+So a kernel launched this way does its independent work first, waits, and then the rest. For a
+projection at batch 1 the independent work is most of it: the weights are never written, so the first
+tile of the weight matrix is loaded before the wait and the load overlaps the previous kernel's tail
+(:mod:`infer.kernels.skinny_gemm`); the norms, RoPE and attention kernels just wait at their start and
+gain the overlap of their launch. TensorRT-LLM, FlashInfer and SGLang's kernels use the same two
+instructions; CUTLASS's example 63 prefetches weights the same way. Inside a CUDA graph the attribute
+is recorded as a programmatic edge, so replays keep the overlap.
+
+The rule every kernel here follows: with ``USE_PDL`` it calls :func:`wait_for_previous` before its
+first load of anything another kernel writes, and before its first store. A kernel that is not
+launched with the attribute is serialized as usual, and the wait is then a no-op; a kernel after
+one that never signals starts when it ends, as without PDL.
+
+:func:`scope` turns it on for the kernels launched inside it (the model runner wraps every forward in
+it when the flag is set), :func:`launch_pdl` is what the kernel wrappers ask. It needs a CUDA device of
+compute capability 9.0 or later (:func:`check_supported`); the interpreter (``TRITON_INTERPRET=1``)
+never uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("infer_pdl", default=False)
+
+
+@contextlib.contextmanager
+def scope(enabled: bool = True):
+    """Launch the Triton kernels of :mod:`infer.kernels` with PDL (``enabled``) or without, inside.
+
+    Per thread (a :class:`contextvars.ContextVar`): an engine's forwards and graph captures run on its
+    own thread, so two engines in one process do not see each other's setting."""
+    token = _ON.set(enabled)
+    try:
+        yield
+    finally:
+        _ON.reset(token)
+
+
+def launch_pdl(x: torch.Tensor) -> bool:
+    """Should a kernel over ``x`` be launched with PDL here: inside an enabled :func:`scope`, on a
+    CUDA tensor, not under the interpreter."""
+    return _ON.get() and x.is_cuda and not INTERPRET
+
+
+def check_supported(device: torch.device) -> None:
+    """Raise ``ValueError`` unless ``device`` can run kernels with PDL (CUDA, compute capability >= 9.0)."""
+    if device.type != "cuda":
+        raise ValueError(f"pdl needs a CUDA device (programmatic dependent launch is a CUDA feature), got {device}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise ValueError(f"pdl needs a GPU of compute capability >= 9.0 (Hopper or later), {device} is "
+                         f"{major}.{minor}; turn it off")
+
+
+@triton.jit
+def wait_for_previous(USE_PDL: tl.constexpr):
+    """With ``USE_PDL``: wait until the previous kernel on the stream has completed (its writes visible),
+    then let the next one start launching. A no-op otherwise."""
+    # >>> EXERCISE pdl_wait
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # <<< EXERCISE pdl_wait
