@@ -27,6 +27,8 @@ ulp in float32. Every real model's intermediate size is a multiple of 16.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -462,9 +464,17 @@ def add_rms_norm_linear(
     Raises:
         ValueError: as the functions it calls.
     """
+    return norm_linear_steps(sys.modules[__name__], x, residual, weight, eps, unit_offset, layer, activation)
+
+
+def norm_linear_steps(ops, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      unit_offset: bool, layer: torch.nn.Linear, activation: str | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm_linear` as its separate steps, each taken from ``ops`` (this module, or
+    :mod:`infer.kernels.fused_triton`, whose functions have the same names)."""
     if residual is None:
-        x, residual = rms_norm(x, weight, eps, unit_offset), x
+        x, residual = ops.rms_norm(x, weight, eps, unit_offset), x
     else:
-        x, residual = fused_add_rms_norm(x, residual, weight, eps, unit_offset)
-    y = linear(x, layer)
-    return (act_and_mul(y, activation) if activation is not None else y), residual
+        x, residual = ops.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
+    y = ops.linear(x, layer)
+    return (ops.act_and_mul(y, activation) if activation is not None else y), residual

@@ -30,6 +30,7 @@ the conversion to float32 right after every load avoids.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import triton
@@ -43,6 +44,7 @@ from infer.kernels.fused_reference import (
     check_cache_write,
     check_qk_norm_rope,
     check_rms_norm,
+    norm_linear_steps,
 )
 from infer.kernels.pdl import wait_for_previous
 
@@ -486,12 +488,7 @@ def add_rms_norm_linear(
     from infer.kernels import skinny_gemm
 
     w = layer.weight
-    if (x.shape[0] == 1 and x.dim() == 2 and getattr(layer, "parallel", None) is None and skinny_gemm.fits(x, w)
+    if (x.dim() == 2 and x.shape[0] == 1 and getattr(layer, "parallel", None) is None and skinny_gemm.fits(x, w)
             and (residual is None or residual.stride(-1) == 1)):
         return skinny_gemm.skinny_norm_linear(x, residual, weight, eps, unit_offset, w, layer.bias, activation)
-    if residual is None:
-        x, residual = rms_norm(x, weight, eps, unit_offset), x
-    else:
-        x, residual = fused_add_rms_norm(x, residual, weight, eps, unit_offset)
-    y = linear(x, layer)
-    return (act_and_mul(y, activation) if activation is not None else y), residual
+    return norm_linear_steps(sys.modules[__name__], x, residual, weight, eps, unit_offset, layer, activation)
