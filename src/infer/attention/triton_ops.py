@@ -38,8 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels.fused_triton import _pdl
-from infer.kernels.pdl import wait_for_previous
+from infer.kernels.pdl import launch_options, wait_for_previous
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 _LOG2E = 1.4426950408889634
@@ -440,7 +439,7 @@ def paged_decode_attention(
         NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
         UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl(q),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q),
     )
     return out
 

@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import pdl
 from infer.kernels.fused_reference import (
     build_cos_sin_cache,
     check_act_and_mul,
@@ -46,7 +45,7 @@ from infer.kernels.fused_reference import (
     check_rms_norm,
     norm_linear_steps,
 )
-from infer.kernels.pdl import wait_for_previous
+from infer.kernels.pdl import launch_options, wait_for_previous
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 _MAX_ROW = 1 << 16  # widest row the single-pass norm kernels take (registers: 64k fp32 per program)
@@ -78,13 +77,6 @@ def _round(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
 
 def _manual_bf16(x: torch.Tensor) -> bool:
     return INTERPRET and x.dtype == torch.bfloat16
-
-
-def _pdl(x: torch.Tensor) -> dict:
-    """The launch options of programmatic dependent launch for a kernel over ``x`` (:mod:`infer.kernels.pdl`):
-    the kernel's ``USE_PDL`` and Triton's ``launch_pdl``, on or off together."""
-    on = pdl.launch_pdl(x)
-    return {"USE_PDL": on, "launch_pdl": on}
 
 
 # ============================================================================ RMSNorm (+ residual add)
@@ -184,7 +176,7 @@ def rms_norm(
     _rms_norm_kernel[(t,)](
         x, weight, out, x.stride(0), out.stride(0), eps,
         N=d, BLOCK=block, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(x), num_warps=_num_warps(block),
-        **_pdl(x),
+        **launch_options(x),
     )
     return out
 
@@ -221,7 +213,7 @@ def fused_add_rms_norm(
     _add_rms_norm_kernel[(t,)](
         x, residual, weight, x.stride(0), residual.stride(0), eps,
         N=d, BLOCK=block, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(x), num_warps=_num_warps(block),
-        **_pdl(x),
+        **launch_options(x),
     )
     return x, residual
 
@@ -367,7 +359,7 @@ def qk_norm_rope(
             NUM_Q_HEADS=num_heads, NUM_HEADS=heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
             HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h, HAS_NORM=has_norm,
             UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(qkv), WRITE_CACHE=write,
-            NUM_KV_HEADS=num_kv_heads, num_warps=warps, **_pdl(qkv),
+            NUM_KV_HEADS=num_kv_heads, num_warps=warps, **launch_options(qkv),
         )
     q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : heads * head_dim].view(t, num_kv_heads, head_dim)
@@ -442,7 +434,7 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     _act_and_mul_kernel[(t, triton.cdiv(i, block))](
         gate_up, out, gate_up.stride(0), out.stride(0),
         I=i, BLOCK=block, GELU_TANH=kind == "gelu_tanh", MANUAL_BF16=_manual_bf16(gate_up),
-        num_warps=_num_warps(block), **_pdl(gate_up),
+        num_warps=_num_warps(block), **launch_options(gate_up),
     )
     return out
 

@@ -26,9 +26,9 @@ launched with the attribute is serialized as usual, and the wait is then a no-op
 one that never signals starts when it ends, as without PDL.
 
 :func:`scope` turns it on for the kernels launched inside it (the model runner wraps every forward in
-it when the flag is set), :func:`launch_pdl` is what the kernel wrappers ask. It needs a CUDA device of
-compute capability 9.0 or later (:func:`check_supported`); the interpreter (``TRITON_INTERPRET=1``)
-never uses it.
+it when the flag is set), :func:`launch_options` is what the kernel wrappers pass to a launch. It
+needs a CUDA device of compute capability 9.0 or later (:func:`check_supported`); the interpreter
+(``TRITON_INTERPRET=1``) never uses it.
 """
 
 from __future__ import annotations
@@ -62,6 +62,13 @@ def launch_pdl(x: torch.Tensor) -> bool:
     """Should a kernel over ``x`` be launched with PDL here: inside an enabled :func:`scope`, on a
     CUDA tensor, not under the interpreter."""
     return _ON.get() and x.is_cuda and not INTERPRET
+
+
+def launch_options(x: torch.Tensor) -> dict:
+    """The launch keywords of a kernel over ``x`` that follows the rule above: its ``USE_PDL`` constexpr
+    and Triton's ``launch_pdl``, on (:func:`launch_pdl`) or off together."""
+    on = launch_pdl(x)
+    return {"USE_PDL": on, "launch_pdl": on}
 
 
 def check_supported(device: torch.device) -> None:

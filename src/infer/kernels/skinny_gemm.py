@@ -24,8 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from infer.kernels.fused_triton import _act, _manual_bf16, _pdl, _round
-from infer.kernels.pdl import wait_for_previous
+from infer.kernels.fused_triton import _act, _manual_bf16, _round
+from infer.kernels.pdl import launch_options, wait_for_previous
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 8  # the most rows skinny_linear takes
@@ -197,7 +197,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         r_out.stride(0) if r_out is not None else 0, weight.stride(0), y.stride(0),
         n * weight.stride(0) if act else 0, eps,
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, MANUAL_BF16=_manual_bf16(x), num_warps=warps, **_pdl(x),
+        NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, MANUAL_BF16=_manual_bf16(x), num_warps=warps,
+        **launch_options(x),
     )
     return y, r_out
 
