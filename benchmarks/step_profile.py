@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -63,6 +64,7 @@ def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None
     what follows ``execute`` until the step returns is ``output``.
     """
     marks: dict[str, Any] = {}
+    restore = []
     if phases is not None:
         schedule, execute = engine.scheduler.schedule, engine.runner.execute
 
@@ -72,13 +74,16 @@ def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None
             return out
 
         def timed_execute(*args):
+            marks["launch"] = 0.0
             result = execute(*args)
             marks["launched_at"] = time.perf_counter()  # the host's part: its kernels are queued
+            marks["launch_time"] = marks.pop("launch")
             sync(device)
             marks["executed_at"] = time.perf_counter()
             return result
 
         engine.scheduler.schedule, engine.runner.execute = timed_schedule, timed_execute
+        restore = _time_launches(engine, marks)
     done = 0
     try:
         for _ in range(num_steps):
@@ -100,6 +105,7 @@ def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None
             phases["schedule"].append(marks["scheduled_at"] - t0)
             phases["execute"].append(marks["executed_at"] - marks["scheduled_at"])
             phases["execute_host"].append(marks["launched_at"] - marks["scheduled_at"])
+            phases["launch"].append(marks["launch_time"])
             phases["output"].append(t3 - marks["executed_at"])
             phases["seqs"].append(len(marks["scheduled"]))
             phases["tokens"].append(sum(item.num_tokens for item in marks["scheduled"]))
@@ -107,7 +113,40 @@ def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None
     finally:
         if phases is not None:  # back to the classes' own methods
             del engine.scheduler.schedule, engine.runner.execute
+        for undo in restore:
+            undo()
     return done
+
+
+def _time_launches(engine, marks: dict[str, Any]) -> list:
+    """While ``execute`` runs, add to ``marks["launch"]`` the host time of the calls that launch the
+    device's work: every CUDA graph's replay, the eager forward and logits, the sampler, and the start
+    of the tokens' copy to the host. The rest of ``execute``'s host part prepares the step's inputs
+    (staging them, the block tables, the placeholders, the sampling tensors). Returns undo callables."""
+    import infer.engine.model_runner as mr
+
+    def timed(fn):
+        def wrapped(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if "launch" in marks:  # inside execute
+                    marks["launch"] += time.perf_counter() - t
+        return wrapped
+
+    runner, undo = engine.runner, []
+    for name in ("_forward", "_logits"):
+        setattr(runner, name, timed(getattr(runner, name)))
+        undo.append(lambda name=name: delattr(runner, name))
+    patched = [(mr, "sample"), (mr.StepResult, "start_copy_to_host")]
+    if torch.cuda.is_available():
+        patched.append((torch.cuda.CUDAGraph, "replay"))
+    for owner, name in patched:
+        fn = getattr(owner, name)
+        setattr(owner, name, timed(fn))
+        undo.append(lambda owner=owner, name=name, fn=fn: setattr(owner, name, fn))
+    return undo
 
 
 def _unsync_window(engine, num_steps: int, device, feed=None) -> dict[str, float]:
@@ -247,8 +286,8 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
     _drive(engine, args.skip, device)
     feed = _LongPromptFeed(engine, wl.params["long_len"], wl.params["token_range"][1], args.seed) \
         if wl.params.get("long_len") else None
-    phases: dict[str, list[float]] = {k: [] for k in ("schedule", "execute", "execute_host", "output", "seqs",
-                                                      "tokens")}
+    phases: dict[str, list[float]] = {k: [] for k in ("schedule", "execute", "execute_host", "launch", "output",
+                                                      "seqs", "tokens")}
     _drive(engine, args.steps, device, phases, feed)
     n = len(phases["schedule"])
     if n == 0:
@@ -288,6 +327,18 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
         # returns, its kernels queued), and processing the outputs
         "execute_host_ms": mean["execute_host"] * 1e3,
         "host_ms": (mean["schedule"] + mean["execute_host"] + mean["output"]) * 1e3,
+        # execute's host part split: launching the device's work (graph replays, eager forward and
+        # logits, sampler, the tokens' copy) and the rest, preparing the step's inputs
+        "launch_ms": mean["launch"] * 1e3,
+        "prepare_ms": (mean["execute_host"] - mean["launch"]) * 1e3,
+        # schedule + input preparation + output processing: the host's own work, launches aside
+        "host_no_launch_ms": (mean["schedule"] + mean["execute_host"] - mean["launch"] + mean["output"]) * 1e3,
+        # medians over the timed steps (a host's hiccups move the means)
+        "host_ms_p50": statistics.median(a + b + c for a, b, c in zip(phases["schedule"], phases["execute_host"],
+                                                                      phases["output"])) * 1e3,
+        "host_no_launch_ms_p50": statistics.median(
+            a + b - l + c for a, b, l, c in zip(phases["schedule"], phases["execute_host"], phases["launch"],
+                                                phases["output"])) * 1e3,
         "profiled_steps": prof_steps, "kv_blocks_leaked": kv.num_blocks - kv.num_free_blocks,
         "profiled_step_ms": prof_wall / max(prof_steps, 1) * 1e3 if prof_steps else None,
         "device_busy_ms": busy / prof_steps * 1e3 if device.type == "cuda" and prof_steps else None,
@@ -360,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         free_device_memory()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cols = ["label", "seqs_per_step", "tokens_per_step", "schedule_ms", "execute_ms", "output_ms", "step_ms",
-            "execute_host_ms", "host_ms", "profiled_step_ms", "device_busy_ms", "device_busy_share", "unsync_step_ms", "unsync_wait_ms",
+            "execute_host_ms", "prepare_ms", "launch_ms", "host_ms", "host_ms_p50", "host_no_launch_ms",
+            "host_no_launch_ms_p50", "profiled_step_ms", "device_busy_ms", "device_busy_share", "unsync_step_ms", "unsync_wait_ms",
             "unsync_host_ms", "device_busy_share_unsync", "kernels_per_step"]
     what = (f"mixed workload ({args.streams} streams of {args.stream_prompt_len}-token prompts decoding, "
             f"{args.long_len}-token prompts always waiting)" if args.long_len
