@@ -246,37 +246,50 @@ def _paged_decode_kernel(
         tl.debug_barrier()
         count = tl.atomic_add(counter_ptr + b64 * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
         if count == active - 1:
-            for g in tl.static_range(GROUP):
-                o = _merge_splits(part_out_ptr, part_lse_ptr, (b64 * NUM_Q_HEADS + kvh * GROUP + g) * num_splits,
-                                  active, offs_d, d_mask, HEAD_DIM, D_PAD)
-                tl.store(out_ptr + b64 * stride_ob + (kvh * GROUP + g) * stride_oh + offs_d,
-                         o.to(out_ptr.dtype.element_ty), mask=d_mask)
+            o = _merge_splits(part_out_ptr, part_lse_ptr, (b64 * NUM_Q_HEADS + heads) * num_splits, g_mask,
+                              active, offs_d, d_mask, HEAD_DIM, D_PAD)
+            tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(counter_ptr + b64 * tl.num_programs(1) + kvh, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, first, num_splits, offs_d, d_mask,
+def _merge_splits(part_out_ptr, part_lse_ptr, first, row_mask, num_splits, offs_d, d_mask,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """Merge the ``num_splits`` partial results starting at partial ``first`` (normalised outputs
-    ``o_s`` and log2-sum-exp2 ``lse_s``): ``sum_s 2^lse_s o_s / sum_s 2^lse_s``, with a running max
-    (the online softmax, one split at a time). Every split empty (a padding row): zeros. The loads go
-    to L2 (.cg), never to a stale L1 line: the decode kernel merges what other programs have just
-    written. (Loading 16 splits at a time and reducing across them was slower on an H200, run 19: the
-    cross-warp reductions cost more than the dependent loads they save.)"""
-    m = float("-inf")
-    total = 0.0
-    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    """Merge the ``num_splits`` partial results of each of ``R`` rows (query heads): row ``r``'s start at
+    partial ``first[r]`` (``[R]`` int64; ``row_mask`` ``[R]`` says which rows are real). Each partial is a
+    normalised output ``o_s`` and its log2-sum-exp2 ``lse_s``; the merge is ``sum_s 2^lse_s o_s / sum_s
+    2^lse_s``, with a running max (the online softmax, one split at a time). Every split empty (a padding
+    row): zeros. Returns ``[R, D_PAD]`` float32.
+
+    The rows (a KV head's query heads) are merged side by side, and the next split's partials are loaded
+    before the current ones are used: the merge is a chain of ``num_splits`` dependent steps, not one per
+    split and head (a batch-1 decode over 6 splits of 4 heads waited on 24 round trips to L2 one after the
+    other). The loads go to L2 (.cg), never to a stale L1 line: the decode kernel merges what other
+    programs have just written. (Loading 16 splits at a time and reducing across them was slower on an
+    H200, run 19: the cross-warp reductions cost more than the dependent loads they save.)"""
+    m = tl.full(first.shape, float("-inf"), dtype=tl.float32)
+    total = tl.zeros(first.shape, dtype=tl.float32)
+    acc = tl.zeros([first.shape[0], D_PAD], dtype=tl.float32)
+    o_mask = row_mask[:, None] & d_mask[None, :]
+    lse = tl.load(part_lse_ptr + first, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+    o = tl.load(part_out_ptr + first[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0,
+                cache_modifier=".cg")
     for s in range(num_splits):
-        lse = tl.load(part_lse_ptr + first + s, cache_modifier=".cg")
+        more = s + 1 < num_splits  # the next split's partials, in flight while this one is merged
+        lse_next = tl.load(part_lse_ptr + first + s + 1, mask=row_mask & more, other=float("-inf"),
+                           cache_modifier=".cg")
+        o_next = tl.load(part_out_ptr + (first + s + 1)[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask & more,
+                         other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no non-empty split yet
         alpha = tl.exp2(m - m_safe)
         w = tl.exp2(lse - m_safe)  # 0 for an empty split
-        o = tl.load(part_out_ptr + (first + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0, cache_modifier=".cg")
-        acc = acc * alpha + w * o
+        acc = acc * alpha[:, None] + w[:, None] * o
         total = total * alpha + w
         m = m_new
-    return acc / tl.where(total > 0, total, 1.0)
+        lse, o = lse_next, o_next
+    return acc / tl.where(total > 0, total, 1.0)[:, None]
 
 
 @functools.cache
@@ -617,9 +630,11 @@ def _prefill_combine_kernel(
         return
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
-    out = _merge_splits(part_out_ptr, part_lse_ptr, (t * NUM_Q_HEADS + h) * num_splits, num_splits, offs_d,
-                        d_mask, HEAD_DIM, D_PAD)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    one = tl.arange(0, 1)  # one row: this (token, head)
+    out = _merge_splits(part_out_ptr, part_lse_ptr, (t * NUM_Q_HEADS + h) * num_splits + one, one == 0, num_splits,
+                        offs_d, d_mask, HEAD_DIM, D_PAD)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + one[:, None] * 0 + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=d_mask[None, :])
 
 
 def _prefill_config(head_dim_pad: int, dtype: torch.dtype) -> dict:
