@@ -243,12 +243,17 @@ def test_skinny_linear_matches_reference(dtype, m, bias):
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("residual, unit_offset", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("activation", [None, "silu", "gelu_tanh"])
-def test_skinny_norm_linear_matches_reference(dtype, m, residual, unit_offset, activation):
+@pytest.mark.parametrize("one_load", [True, False], ids=["rows-in-one-load", "slice-by-slice"])
+def test_skinny_norm_linear_matches_reference(dtype, m, residual, unit_offset, activation, one_load, monkeypatch):
     """The norm (+ residual add) before a projection, the projection and the MLP activation in one kernel,
     against the plain-PyTorch twin (rms_norm, a float32 product, the activation rounded once), with K and
     N off the tiles, strided rows, a bias: y within the dtype's tolerance, the new residual stream exactly
-    x + residual, and x and residual untouched (the engine reuses neither, but the fallback works in place)."""
+    x + residual, and x and residual untouched (the engine reuses neither, but the fallback works in place).
+    Both ways of the norm's first pass: the whole rows in one load, and one slice at a time."""
     from infer.kernels import skinny_gemm as sk
+
+    monkeypatch.setattr(sk, "NORM_ONE_LOAD_PER_THREAD", 16 if one_load else 0)
+    assert (sk._norm_k_pad(m, 70, sk.default_config(m, 38, 70, norm=True)[2]) > 0) == one_load
 
     g = torch.Generator().manual_seed(m * 100 + residual * 10 + unit_offset + len(activation or ""))
     x, r = rows(g, m, 70, dtype, pad=6), rows(g, m, 70, dtype, pad=2) if residual else None
@@ -668,9 +673,10 @@ from infer.kernels import skinny_gemm as sk
 sig = {"x_ptr": bf, "r_ptr": bf, "r_out_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf, "M": "i32",
        "N": "i32", "K": "i32", "stride_xm": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_wn": "i32",
        "stride_ym": "i32", "up_offset": "i64", "eps": "fp32"}
-for name, norm, act, use_pdl in (("skinny", 0, 0, False), ("skinny_pdl", 0, 0, True), ("norm_act_pdl", 2, 1, True)):
+for name, norm, act, use_pdl, k_pad in (("skinny", 0, 0, False, 0), ("skinny_pdl", 0, 0, True, 0),
+                                        ("norm_act_pdl", 2, 1, True, 0), ("norm_one_load_pdl", 2, 1, True, 4096)):
     consts = {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 512, "HAS_BIAS": False, "NORM": norm, "UNIT_OFFSET": False,
-              "ACT": act, "USE_PDL": use_pdl, "MANUAL_BF16": False}
+              "ACT": act, "USE_PDL": use_pdl, "MANUAL_BF16": False, "NORM_K_PAD": k_pad}
     out[name] = compile_(sk._skinny_gemm_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 4)
 from infer.attention import triton_ops as to
 sig = {"q_ptr": bf, "k_cache_ptr": bf, "v_cache_ptr": bf, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -703,7 +709,7 @@ def test_kernels_compile_for_an_h100(tmp_path):
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loads = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(loads) == 14
+    assert len(loads) == 15
     for name, kinds in loads.items():
         if not name.startswith(("qk", "decode")):
             assert "ld.global.v4.b32" in kinds, (name, kinds)
