@@ -633,8 +633,8 @@ def _prefill_combine_kernel(
     one = tl.arange(0, 1)  # one row: this (token, head)
     out = _merge_splits(part_out_ptr, part_lse_ptr, (t * NUM_Q_HEADS + h) * num_splits + one, one == 0, num_splits,
                         offs_d, d_mask, HEAD_DIM, D_PAD)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + one[:, None] * 0 + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=d_mask[None, :])
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=d_mask[None, :])
 
 
 def _prefill_config(head_dim_pad: int, dtype: torch.dtype) -> dict:
