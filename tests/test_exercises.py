@@ -56,6 +56,23 @@ def test_every_exercise_has_mutants_that_apply():
         assert stub(wrong, m.exercise, "") == stub(text, m.exercise, "")
 
 
+def test_the_exercises_page_lists_every_exercise_in_list_order():
+    """docs/exercises.md's table of current exercises: one row per registered exercise, in the order
+    ``python -m infer.exercises list`` prints them, each naming its file and its number of grading tests."""
+    import re
+
+    from infer.exercises import ordered
+
+    page = (REPO / "docs" / "exercises.md").read_text()
+    rows = [line for line in page.split("## Current exercises", 1)[1].splitlines() if re.match(r"\| \d+ \| `", line)]
+    names = [re.search(r"`(\w+)`", row).group(1) for row in rows]
+    assert names == [e.name for e in ordered(list(EXERCISES.values()))]
+    for row, name in zip(rows, names):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        e = EXERCISES[name]
+        assert (cells[0], cells[2], cells[3]) == (str(e.phase), f"`{e.file}`", str(len(e.tests))), row
+
+
 def test_needs_name_exercises_and_list_order_puts_independent_ones_first():
     for e in EXERCISES.values():
         assert set(e.needs) <= set(EXERCISES) - {e.name}
