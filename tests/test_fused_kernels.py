@@ -676,7 +676,7 @@ sig = {"x_ptr": bf, "r_ptr": bf, "r_out_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_
 for name, norm, act, use_pdl, k_pad in (("skinny", 0, 0, False, 0), ("skinny_pdl", 0, 0, True, 0),
                                         ("norm_act_pdl", 2, 1, True, 0), ("norm_one_load_pdl", 2, 1, True, 4096)):
     consts = {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 512, "HAS_BIAS": False, "NORM": norm, "UNIT_OFFSET": False,
-              "ACT": act, "USE_PDL": use_pdl, "MANUAL_BF16": False, "NORM_BLOCK": k_pad or 512}
+              "ACT": act, "USE_PDL": use_pdl, "MANUAL_BF16": False, "NORM_K_PAD": k_pad}
     out[name] = compile_(sk._skinny_gemm_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 4)
 from infer.attention import triton_ops as to
 sig = {"q_ptr": bf, "k_cache_ptr": bf, "v_cache_ptr": bf, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",

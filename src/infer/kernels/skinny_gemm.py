@@ -32,12 +32,27 @@ MAX_ROWS = 8  # the most rows skinny_linear takes
 
 
 @triton.jit
+def _squares(x_rows, r_rows, r_out_rows, k, m_mask, K, pid, NORM: tl.constexpr, DTYPE: tl.constexpr,
+             MANUAL_BF16: tl.constexpr):
+    """The squares of columns ``k`` of the rows of x (NORM 2: of x + residual rounded to ``DTYPE``, which
+    program 0 also stores in ``r_out``, the new residual stream), ``[M_PAD, len(k)]`` float32; 0 where masked."""
+    mk = m_mask[:, None] & (k < K)[None, :]
+    s = tl.load(x_rows + k[None, :], mask=mk, other=0.0).to(tl.float32)
+    if NORM == 2:
+        s = _round(s + tl.load(r_rows + k[None, :], mask=mk, other=0.0).to(tl.float32), DTYPE, MANUAL_BF16)
+        if pid == 0:
+            tl.store(r_out_rows + k[None, :], s, mask=mk)
+        s = s.to(tl.float32)
+    return s * s
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, r_ptr, r_out_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_rm, stride_om, stride_wn,
     stride_ym, up_offset, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr,
-    MANUAL_BF16: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    MANUAL_BF16: tl.constexpr, NORM_K_PAD: tl.constexpr,
 ):
     # Grid (cdiv(N, BLOCK_N),): program j computes outputs [j * BLOCK_N, (j + 1) * BLOCK_N) of every row
     # of x, walking K in BLOCK_K slices: the [BLOCK_N, BLOCK_K] tile of W (contiguous along K) is read
@@ -47,7 +62,7 @@ def _skinny_gemm_kernel(
     #   NORM 1: x is replaced by rms_norm(x) * norm weight (the norm before a projection); NORM 2: by
     #     rms_norm(x + residual), and program 0 stores x + residual (the new residual stream) in r_out.
     #     Each program computes the rows' mean squares itself (a first pass over x: K values per row,
-    #     from L2, NORM_BLOCK at a time: the whole padded row in one load where it fits, else BLOCK_K),
+    #     from L2: the whole padded rows in one load (NORM_K_PAD > 0) where they fit, else BLOCK_K at a time),
     #     then the normalized slices as it goes: no kernel of its own, no tensor in between.
     #   ACT 1 (SiLU) / 2 (GELU-tanh): W is a merged gate/up weight of 2N rows; program j also reads the
     #     up rows N + j * BLOCK_N ... and stores act(gate) * up (the MLP's activation, no kernel of its own).
@@ -71,18 +86,15 @@ def _skinny_gemm_kernel(
     r_rows = r_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
     dtype = y_ptr.dtype.element_ty
     rstd = tl.zeros([M_PAD], dtype=tl.float32)
-    if NORM:  # the rows' mean squares, NORM_BLOCK columns per load (the whole padded row: one trip to L2)
-        sq = tl.zeros([M_PAD, NORM_BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, NORM_BLOCK):
-            kk = k0 + tl.arange(0, NORM_BLOCK)  # (not `k`: the main loop's slices have another shape)
-            mkk = m_mask[:, None] & (kk < K)[None, :]
-            s = tl.load(x_rows + kk[None, :], mask=mkk, other=0.0).to(tl.float32)
-            if NORM == 2:
-                s = _round(s + tl.load(r_rows + kk[None, :], mask=mkk, other=0.0).to(tl.float32), dtype, MANUAL_BF16)
-                if pid == 0:
-                    tl.store(r_out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + kk[None, :], s, mask=mkk)
-                s = s.to(tl.float32)
-            sq += s * s
+    if NORM:  # the rows' mean squares
+        r_out_rows = r_out_ptr + offs_m.to(tl.int64)[:, None] * stride_om
+        if NORM_K_PAD:  # the whole padded rows in one load: one trip to L2, not one per slice
+            sq = _squares(x_rows, r_rows, r_out_rows, tl.arange(0, NORM_K_PAD), m_mask, K, pid, NORM, dtype,
+                          MANUAL_BF16)
+        else:  # BLOCK_K columns at a time
+            sq = tl.zeros([M_PAD, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                sq += _squares(x_rows, r_rows, r_out_rows, k0 + offs_k, m_mask, K, pid, NORM, dtype, MANUAL_BF16)
         rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)
 
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -156,7 +168,7 @@ NORM_ONE_LOAD_PER_THREAD = 16
 
 def _norm_k_pad(m: int, k: int, warps: int) -> int:
     """The rows' padded width when the norm's first pass (their mean squares) loads the whole ``[M, K]``
-    rows at once (the kernel's ``NORM_BLOCK``), else 0 (one ``BLOCK_K`` slice at a time).
+    rows at once (the kernel's ``NORM_K_PAD``), else 0 (one ``BLOCK_K`` slice at a time).
 
     One load is one trip to L2 instead of ``K / BLOCK_K`` trips one after the other, before any product
     can start; but it holds ``M_PAD * K_PAD / threads`` values per thread at once. Measured on an H200
@@ -216,7 +228,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         n * weight.stride(0) if act else 0, eps,
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, MANUAL_BF16=_manual_bf16(x), num_warps=warps,
-        NORM_BLOCK=(norm and _norm_k_pad(m, k, warps)) or block_k, **launch_options(x),
+        NORM_K_PAD=norm and _norm_k_pad(m, k, warps), **launch_options(x),
     )
     return y, r_out
 
