@@ -372,11 +372,15 @@ def test_expert_parallel_moe_equals_all_experts_on_one_rank():
                                         ("tiny-qwen3-moe", {"expert_parallel_size": 2}),
                                         ("tiny-llama", {"tensor_parallel_size": 2, "cuda_graphs": True,
                                                         "fused_kernels": True, "async_scheduling": True}),
-                                        ("tiny-qwen3-moe", {"tensor_parallel_size": 2, "cuda_graphs": True})])
+                                        ("tiny-qwen3-moe", {"tensor_parallel_size": 2, "cuda_graphs": True}),
+                                        ("tiny-llama", {"tensor_parallel_size": 2, "cuda_graphs": True,
+                                                        "fused_kernels": True, "async_scheduling": True,
+                                                        "pdl": True})])
 def test_two_gpus_greedy_equals_one_gpu_fp32(tmp_path_factory, preset, par):
     """The same code over NCCL on 2 GPUs (Triton attention and experts), fp32: tokens equal one GPU's
     eager run, also when every rank replays captured decode graphs (3 sequences: bucket 4, one
-    padding row) with async scheduling patching the input ids on rank 0."""
+    padding row) with async scheduling patching the input ids on rank 0, and with every rank's kernels
+    launched with PDL (Hopper)."""
     sys.path.insert(0, str(SCRIPTS))
     from make_synthetic_checkpoint import make_checkpoint
 
