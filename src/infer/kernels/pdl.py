@@ -15,8 +15,10 @@ serialization* attribute start early (CUDA's "programmatic dependent launch"; PT
 So a kernel launched this way does its independent work first, waits, and then the rest. For a
 projection at batch 1 the independent work is most of it: the weights are never written, so the first
 tile of the weight matrix is loaded before the wait and the load overlaps the previous kernel's tail
-(:mod:`infer.kernels.skinny_gemm`); the norms, RoPE and attention kernels just wait at their start and
-gain the overlap of their launch. TensorRT-LLM, FlashInfer and SGLang's kernels use the same two
+(:mod:`infer.kernels.skinny_gemm`); the decode attention reads the sequence's length (written by the host
+only), plans its split and lets its unused programs exit before the wait
+(:mod:`infer.attention.triton_ops`); the norms and RoPE just wait at their start and gain the overlap of
+their launch. TensorRT-LLM, FlashInfer and SGLang's kernels use the same two
 instructions; CUTLASS's example 63 prefetches weights the same way. Inside a CUDA graph the attribute
 is recorded as a programmatic edge, so replays keep the overlap.
 
