@@ -621,23 +621,29 @@ def grade(root: Path, exercises: list[Exercise] | None = None, quiet: bool = Fal
     return results
 
 
-# Grading many workspaces (the mutants) costs mostly Python start-up: importing torch, pytest and
-# the test modules' libraries. One process imports them once and forks a child per grading run;
-# each child puts its workspace's src first and runs pytest. No `infer` module is imported before
-# the fork, so every child imports the code of its own workspace (tests/conftest.py checks).
+# Grading many workspaces (the mutants) costs mostly Python start-up: importing torch, pytest, its
+# plugins and the test modules' libraries. One process imports them once and forks a child per
+# grading run; each child puts its workspace's src first and runs pytest. No `infer` module is
+# imported before the fork, so every child imports the code of its own workspace (tests/conftest.py
+# checks).
 _PRELOAD = ("torch", "numpy", "pytest", "httpx", "openai", "triton", "triton.language", "safetensors",
             "tokenizers", "gguf", "jinja2", "tqdm")
 _FORKSERVER = r"""
-import json, os, signal, sys
+import contextlib, json, os, signal, sys
 import torch
 if not torch.cuda.is_available():  # as tests/conftest.py: Triton decides interpreted or not at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+# every pytest session first imports the plugins installed as entry points (hypothesis,
+# schemathesis, anyio...), rewriting their asserts: seconds per run. One empty session here (this
+# directory has no tests yet) imports them once; each child's session registers the same modules.
+with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+    pytest.main(["-q", "-p", "no:cacheprovider", "--noconftest", "--collect-only", os.getcwd()])
 for name in PRELOAD:
     try:
         __import__(name)
     except Exception:
         pass
-import pytest
 spec = json.loads(sys.stdin.read())
 queue, running = list(enumerate(spec["jobs"])), {}
 
