@@ -58,17 +58,22 @@ ANY = object()
 
 
 @pytest.fixture(scope="module")
-def _servers(tmp_path_factory):
-    """Start both servers now (they load in parallel); kill them at the end whatever happens."""
+def _servers(request, tmp_path_factory):
+    """Start both servers now (they load in parallel); kill them at the end whatever happens.
+
+    A run of a few of these tests (an exercise's grading) starts only the servers they use."""
     log_dir = tmp_path_factory.mktemp("server-logs")
     # the same number of threads as this process: the same float reductions as the offline LLM
     env = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     common = ["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu", "--log-level", "warning"]
+    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     started: dict[str, ServerProcess] = {}
     try:
         # the main server batches (phase 4); the small one runs one request at a time (phase 1)
-        started["main"] = ServerProcess(log_dir, [*common, "--batching", "continuous"], "main", env)
-        started["small"] = ServerProcess(log_dir, [*common, "--max-waiting-requests", "1"], "small", env)
+        if "server" in used:
+            started["main"] = ServerProcess(log_dir, [*common, "--batching", "continuous"], "main", env)
+        if "small_server" in used:
+            started["small"] = ServerProcess(log_dir, [*common, "--max-waiting-requests", "1"], "small", env)
         yield started
     finally:
         for s in started.values():
