@@ -627,9 +627,11 @@ def grade(root: Path, exercises: list[Exercise] | None = None, quiet: bool = Fal
 # imported before the fork, so every child imports the code of its own workspace (tests/conftest.py
 # checks).
 _PRELOAD = ("torch", "numpy", "pytest", "httpx", "openai", "triton", "triton.language", "safetensors",
-            "tokenizers", "gguf", "jinja2", "tqdm")
+            "tokenizers", "gguf", "jinja2", "tqdm",
+            # the tiny_llama / tiny_gemma3 fixtures write their checkpoints with transformers
+            "transformers", "transformers.models.llama.modeling_llama", "transformers.models.gemma3.modeling_gemma3")
 _FORKSERVER = r"""
-import contextlib, json, os, signal, sys
+import contextlib, gc, json, os, signal, sys
 import torch
 if not torch.cuda.is_available():  # as tests/conftest.py: Triton decides interpreted or not at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -644,6 +646,9 @@ for name in PRELOAD:
         __import__(name)
     except Exception:
         pass
+# all that is loaded now outlives every child: out of the garbage collector's reach, a child's
+# collections skip it (instead of walking it each time) and leave its pages shared (copy-on-write)
+gc.freeze()
 spec = json.loads(sys.stdin.read())
 queue, running = list(enumerate(spec["jobs"])), {}
 
