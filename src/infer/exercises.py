@@ -127,9 +127,9 @@ EXERCISES: dict[str, Exercise] = {
         ),
         Exercise(
             "chat_sse", 2, "src/infer/server/app.py",
-            ("tests/test_server.py::test_chat_stream_equals_non_stream",
+            ("tests/test_server.py::test_chat_stream_n_logprobs_usage_and_done",
              "tests/test_server.py::test_stream_include_usage",
-             "tests/test_server.py::test_chat_stream_n_logprobs_usage_and_done"),
+             "tests/test_server.py::test_chat_stream_equals_non_stream"),
             "Turn the engine's stream of RequestOutputs into OpenAI chat.completion.chunk events (the "
             "non-streamed handler below builds the same fields). Each output carries, per sequence, only "
             "what is new; each choice index must end exactly once; the stream ends with the usage chunk "
