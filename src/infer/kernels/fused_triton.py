@@ -234,13 +234,30 @@ def _qk_norm_rope_kernel(
     # the pairs that the rotation mixes, so no shuffle is needed. With WRITE_CACHE the grid also covers
     # the v heads (cdiv(Hq + 2 Hkv, BLOCK_H) programs), and each k and v head is stored into the KV
     # cache at the token's slot as well (reshape_and_cache fused in: one launch fewer per layer).
-    wait_for_previous(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs = tl.arange(0, HALF_PAD)
     h_mask = heads < NUM_HEADS
     d_mask = offs < HALF
     mask = h_mask[:, None] & d_mask[None, :]
+    # What no kernel of the step writes comes first, before the PDL wait (infer.kernels.pdl): the token's
+    # position and cache slot (staged by the host), its row of the cos/sin table and the norm weights.
+    # The cache row of this token's position is clamped: a bad position reads the nearest row rather than
+    # memory outside the table (the reference raises instead).
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    pos = tl.minimum(tl.maximum(pos, 0), max_positions - 1)
+    cos = tl.load(cs_ptr + pos * HEAD_DIM + offs, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(cs_ptr + pos * HEAD_DIM + HALF + offs, mask=d_mask, other=0.0)[None, :]
+    if HAS_NORM:  # q heads take q_weight, k heads k_weight
+        is_q = (heads < NUM_Q_HEADS)[:, None]
+        w1 = tl.where(is_q, tl.load(qw_ptr + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + t)
+    wait_for_previous(USE_PDL)
+
     ptr1 = qkv_ptr + t * stride_t + heads[:, None] * HEAD_DIM + offs[None, :]
     ptr2 = ptr1 + HALF
     load_mask = mask
@@ -251,26 +268,15 @@ def _qk_norm_rope_kernel(
     v1, v2 = x1, x2  # the v heads' values, as loaded
     dtype = qkv_ptr.dtype.element_ty
     if HAS_NORM:
-        # per-head RMSNorm over both halves, q heads with q_weight, k heads with k_weight
+        # per-head RMSNorm over both halves, with the rounding steps of rms_norm (the normalized head is
+        # rounded before the rotation)
         r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
-        is_q = (heads < NUM_Q_HEADS)[:, None]
-        w1 = tl.where(is_q, tl.load(qw_ptr + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :],
-                      tl.load(kw_ptr + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :])
-        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :],
-                      tl.load(kw_ptr + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :])
-        # the rounding steps of rms_norm (the normalized head is rounded before the rotation)
         if UNIT_OFFSET:
             x1 = _round(x1 * r * (1.0 + w1), dtype, MANUAL_BF16).to(tl.float32)
             x2 = _round(x2 * r * (1.0 + w2), dtype, MANUAL_BF16).to(tl.float32)
         else:
             x1 = _round(_round(x1 * r, dtype, MANUAL_BF16).to(tl.float32) * w1, dtype, MANUAL_BF16).to(tl.float32)
             x2 = _round(_round(x2 * r, dtype, MANUAL_BF16).to(tl.float32) * w2, dtype, MANUAL_BF16).to(tl.float32)
-    # The cache row of this token's position (clamped: a bad position reads the nearest row rather than
-    # memory outside the table; the reference raises instead).
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    pos = tl.minimum(tl.maximum(pos, 0), max_positions - 1)
-    cos = tl.load(cs_ptr + pos * HEAD_DIM + offs, mask=d_mask, other=0.0)[None, :]
-    sin = tl.load(cs_ptr + pos * HEAD_DIM + HALF + offs, mask=d_mask, other=0.0)[None, :]
     y1 = _round(x1 * cos - x2 * sin, dtype, MANUAL_BF16)
     y2 = _round(x2 * cos + x1 * sin, dtype, MANUAL_BF16)
     tl.store(ptr1, y1, mask=mask)
@@ -278,7 +284,6 @@ def _qk_norm_rope_kernel(
     if WRITE_CACHE:
         # the token's cache row: block slot // block_size, offset slot % block_size (slot < 0: padding,
         # nothing written); k heads get their rotated values, v heads their loaded ones
-        slot = tl.load(slot_ptr + t)
         row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
         is_k = (heads >= NUM_Q_HEADS) & h_mask & (slot >= 0)
         is_v = (heads >= NUM_HEADS) & (heads < NUM_HEADS + NUM_KV_HEADS) & (slot >= 0)
