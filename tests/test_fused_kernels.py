@@ -643,9 +643,11 @@ def compile_(fn, sig, consts, num_warps):
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     ptx = k.asm["ptx"]
     pdl = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
-    # the loads, and (with USE_PDL) the two griddepcontrol instructions, in the order they come
+    # the loads, and (with USE_PDL) the two griddepcontrol instructions, in the order they come; and whether
+    # a load comes before the wait (what no kernel writes, read while the previous kernel finishes)
     return sorted(set(re.findall(r"ld\.global[.\w]*", ptx))) + [p for p in pdl if p in ptx] + (
-        ["wait-before-launch"] if all(p in ptx for p in pdl) and ptx.index(pdl[0]) < ptx.index(pdl[1]) else [])
+        ["wait-before-launch"] if all(p in ptx for p in pdl) and ptx.index(pdl[0]) < ptx.index(pdl[1]) else []) + (
+        ["load-before-wait"] if pdl[0] in ptx and "ld.global" in ptx[:ptx.index(pdl[0])] else [])
 
 bf = "*bf16"
 norm_sig = {"stride_x": "i32", "eps": "fp32", "N": "constexpr", "BLOCK": "constexpr", "UNIT_OFFSET": "constexpr",
@@ -716,6 +718,11 @@ def test_kernels_compile_for_an_h100(tmp_path):
         # USE_PDL compiles the wait and the launch of the next kernel, in that order; without it, neither
         pdl = name.endswith(("True", "_pdl"))
         assert ("griddepcontrol.wait" in kinds) == pdl and ("wait-before-launch" in kinds) == pdl, (name, kinds)
+    # with PDL these read before their wait what no kernel of the step writes: the projections their first
+    # weight tiles, the QK norm + RoPE its position, cos/sin row and norm weights, the decode attention its
+    # sequence's length (its split plan); the plain norms and the activation have nothing to read early
+    early = {n for n, kinds in loads.items() if "load-before-wait" in kinds}
+    assert early == {"skinny_pdl", "norm_act_pdl", "norm_one_load_pdl", "qk128True", "qk256True", "decode_pdl"}, early
 
 
 PDL_SCRIPT = r"""
