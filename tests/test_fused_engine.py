@@ -89,6 +89,39 @@ def test_engine_greedy_tokens_are_the_same_with_fused_kernels(fixture, backend, 
         loaded.model.set_fused_ops(None)
 
 
+def test_one_row_decode_through_the_skinny_kernels_gives_the_unfused_tokens(tiny_llama, monkeypatch):
+    """One sequence at a time: every decode step is one row, which the Triton ops send through the skinny
+    GEMM (the norm + QKV and norm + gate/up + SiLU kernels; o and down with the residual add in their
+    epilogue, ``ops.linear_residual``; the LM head). On the CPU under the interpreter, with the weights
+    kept row-major as on a GPU (the CPU layout is column-major, which those kernels do not take): the
+    greedy tokens of the unfused engine, and the epilogue add really ran."""
+    from infer.kernels import skinny_gemm
+    from infer.models.layers import CausalLM
+
+    monkeypatch.setattr(CausalLM, "_set_cpu_weight_layout", lambda self, column_major: None)
+    launches = {"add": 0, "norm": 0}
+    launch = skinny_gemm._launch
+
+    def counted(*args, **kw):
+        launches["add"] += kw.get("add") is not None
+        launches["norm"] += len(args) > 6 and args[6] is not None  # norm_weight
+        return launch(*args, **kw)
+
+    monkeypatch.setattr(skinny_gemm, "_launch", counted)
+    # wider tiles than the interpreter's default (8, 32): a quarter of the programs (the LM head's dominate)
+    monkeypatch.setattr(skinny_gemm, "default_config", lambda m, n, k, act=False, norm=False: (32, 64, 1))
+    arrivals = [(0, list(range(100, 105)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))]
+    kw = dict(batching="continuous", max_model_len=64, max_num_seqs=1, kv_cache="paged", block_size=8,
+              attention_backend="triton")
+    try:
+        ref = drive(make_engine(tiny_llama, **kw), arrivals)
+        assert drive(make_engine(tiny_llama, fused_kernels=True, **kw), arrivals) == ref
+    finally:
+        tiny_llama.model.set_fused_ops(None)
+    layers = tiny_llama.config.num_layers
+    assert launches == {"add": 2 * layers, "norm": 2 * layers}  # one one-row decode step
+
+
 def test_seeded_sampling_is_the_same_with_fused_kernels(tiny_llama):
     arrivals = mixed_workload(tiny_llama.config.vocab_size, 8, seed=6, sampled=True)
     kw = dict(batching="continuous", max_model_len=96, max_num_seqs=4)

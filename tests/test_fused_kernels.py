@@ -241,6 +241,55 @@ def test_skinny_linear_matches_reference(dtype, m, bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_adds_the_residual_in_its_epilogue(dtype, m, bias):
+    """skinny_linear(..., residual=r): the product rounded, plus r, rounded (a block's last projection
+    and its residual add in one kernel), against the reference, which is exactly the unfused
+    ``F.linear(x, w, b) + r`` of the layers; r untouched."""
+    from infer.kernels import skinny_gemm as sk
+
+    g = torch.Generator().manual_seed(7 + m * 10 + bias)
+    x = rows(g, m, 70, dtype, pad=5)
+    w, b = randn(g, 37, 70, dtype=dtype, scale=0.3), randn(g, 37, dtype=dtype) if bias else None
+    r = rows(g, m, 37, dtype, pad=3, scale=4.0)
+    r0 = r.clone()
+    out = sk.skinny_linear(x, w, b, residual=r)
+    assert out.shape == (m, 37) and out.dtype == dtype and torch.equal(r, r0)
+    expected = sk.skinny_linear_reference(x, w, b, residual=r)
+    assert_close(out, expected, dtype)
+    # the product alone, then the add: the kernel's two roundings (never the sum rounded once)
+    assert torch.equal(expected, sk.skinny_linear_reference(x, w, b) + r)
+    with pytest.raises(ValueError, match="residual must be"):
+        sk.skinny_linear(x, w, b, residual=rows(g, m, 36, dtype))
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_linear_residual_is_the_reference(m):
+    """ops.linear_residual (at one row the add in the skinny GEMM's epilogue, residual None after it; at
+    two the projection alone, the add left to the next norm) against the reference: the same sum."""
+    g = torch.Generator().manual_seed(40 + m)
+    layer = torch.nn.Linear(40, 24, bias=True).to(DEVICE).requires_grad_(False)
+    x, r = randn(g, m, 40), randn(g, m, 24)
+    h, res = ops.linear_residual(x, layer, r.clone())
+    h_ref, res_ref = ref.linear_residual(x, layer, r.clone())
+    assert res_ref is not None and (res is None) == (m == 1)
+    torch.testing.assert_close(h + (0 if res is None else res), h_ref + res_ref, atol=1e-5, rtol=1e-5)
+    for impl in (ops, ref):  # no residual: the projection alone
+        y, none = impl.linear_residual(x, layer, None)
+        assert none is None
+        torch.testing.assert_close(y, layer(x), atol=1e-5, rtol=1e-5)
+    for impl in (ops, ref):  # add_rms_norm: rms_norm without a residual, fused_add_rms_norm with one
+        nw = randn(g, 24) + 1
+        y, s = impl.add_rms_norm(h_ref.clone(), None, nw, EPS)
+        torch.testing.assert_close(y, ref.rms_norm(h_ref, nw, EPS), atol=1e-5, rtol=1e-5)
+        assert torch.equal(s, h_ref)
+        y, s = impl.add_rms_norm(h_ref.clone(), res_ref.clone(), nw, EPS)
+        torch.testing.assert_close(y, ref.rms_norm(h_ref + res_ref, nw, EPS), atol=1e-5, rtol=1e-5)
+        assert torch.equal(s, h_ref + res_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("residual, unit_offset", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("activation", [None, "silu", "gelu_tanh"])
 @pytest.mark.parametrize("one_load", [True, False], ids=["rows-in-one-load", "slice-by-slice"])
@@ -672,13 +721,15 @@ for uo in (False, True):
                                "MANUAL_BF16": "constexpr", "USE_PDL": "constexpr"},
                                {"I": 9728, "BLOCK": 1024, "GELU_TANH": uo, "MANUAL_BF16": False, "USE_PDL": uo}, 4)
 from infer.kernels import skinny_gemm as sk
-sig = {"x_ptr": bf, "r_ptr": bf, "r_out_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf, "M": "i32",
-       "N": "i32", "K": "i32", "stride_xm": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_wn": "i32",
-       "stride_ym": "i32", "up_offset": "i64", "eps": "fp32"}
-for name, norm, act, use_pdl, k_pad in (("skinny", 0, 0, False, 0), ("skinny_pdl", 0, 0, True, 0),
-                                        ("norm_act_pdl", 2, 1, True, 0), ("norm_one_load_pdl", 2, 1, True, 4096)):
+sig = {"x_ptr": bf, "r_ptr": bf, "r_out_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_ptr": bf, "add_ptr": bf, "y_ptr": bf,
+       "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_rm": "i32", "stride_om": "i32",
+       "stride_wn": "i32", "stride_am": "i32", "stride_ym": "i32", "up_offset": "i64", "eps": "fp32"}
+for name, norm, act, add, use_pdl, k_pad in (
+        ("skinny", 0, 0, False, False, 0), ("skinny_pdl", 0, 0, False, True, 0),
+        ("add_pdl", 0, 0, True, True, 0), ("norm_act_pdl", 2, 1, False, True, 0),
+        ("norm_one_load_pdl", 1, 1, False, True, 4096)):
     consts = {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 512, "HAS_BIAS": False, "NORM": norm, "UNIT_OFFSET": False,
-              "ACT": act, "USE_PDL": use_pdl, "MANUAL_BF16": False, "NORM_K_PAD": k_pad}
+              "ACT": act, "ADD": add, "USE_PDL": use_pdl, "MANUAL_BF16": False, "NORM_K_PAD": k_pad}
     out[name] = compile_(sk._skinny_gemm_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 4)
 from infer.attention import triton_ops as to
 sig = {"q_ptr": bf, "k_cache_ptr": bf, "v_cache_ptr": bf, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -711,7 +762,7 @@ def test_kernels_compile_for_an_h100(tmp_path):
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loads = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(loads) == 15
+    assert len(loads) == 16
     for name, kinds in loads.items():
         if not name.startswith(("qk", "decode")):
             assert "ld.global.v4.b32" in kinds, (name, kinds)
@@ -722,7 +773,8 @@ def test_kernels_compile_for_an_h100(tmp_path):
     # weight tiles, the QK norm + RoPE its position, cos/sin row and norm weights, the decode attention its
     # sequence's length (its split plan); the plain norms and the activation have nothing to read early
     early = {n for n, kinds in loads.items() if "load-before-wait" in kinds}
-    assert early == {"skinny_pdl", "norm_act_pdl", "norm_one_load_pdl", "qk128True", "qk256True", "decode_pdl"}, early
+    assert early == {"skinny_pdl", "add_pdl", "norm_act_pdl", "norm_one_load_pdl", "qk128True", "qk256True",
+                     "decode_pdl"}, early
 
 
 PDL_SCRIPT = r"""
@@ -857,7 +909,8 @@ def test_gpu_real_shapes(model, t, dtype):
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_gpu_skinny_linear_real_shapes(m):
     """Qwen3-0.6B/4B projections and the LM head, bf16: the skinny GEMM against the float32 reference
-    and against cuBLAS (one bf16 rounding each: within two ulps of the result)."""
+    and against cuBLAS (one bf16 rounding each: within two ulps of the result); o and down also with the
+    residual add in the epilogue."""
     from infer.kernels import skinny_gemm as sk
 
     g = torch.Generator(device="cuda").manual_seed(m)
@@ -866,6 +919,10 @@ def test_gpu_skinny_linear_real_shapes(m):
         out = sk.skinny_linear(x, w)
         assert_close(out, sk.skinny_linear_reference(x, w), torch.bfloat16)
         assert_close(out, torch.nn.functional.linear(x, w), torch.bfloat16)
+        if n <= 2560:  # a block's last projection (o, down) with the residual add in its epilogue
+            r = gpu_randn(g, m, n, scale=2.0)
+            assert_close(sk.skinny_linear(x, w, residual=r), sk.skinny_linear_reference(x, w, residual=r),
+                         torch.bfloat16)
 
 
 @pytest.mark.gpu

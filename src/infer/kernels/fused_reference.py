@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache",
-           "ACTIVATION_NAMES", "linear", "add_rms_norm_linear"]
+           "ACTIVATION_NAMES", "linear", "linear_residual", "add_rms_norm", "add_rms_norm_linear"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -434,6 +434,36 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     return out if layer.bias is None else out.add_(layer.bias)
 
 
+def linear_residual(x: torch.Tensor, layer: torch.nn.Linear, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A block's last projection (attention's ``o_proj``, the MLP's ``down_proj``) and the residual stream
+    it is added to: ``(h, residual)`` whose sum ``h + residual`` (``h`` when ``residual`` is None) is the
+    block's output, ``layer(x) + residual``.
+
+    Here ``(linear(x, layer), residual)``: the add is left to the next norm (:func:`add_rms_norm`), which
+    does it in the same pass. The Triton twin does it in the projection's epilogue at one row (batch-1
+    decode), returns ``(layer(x) + residual, None)`` and the next norm reads one row instead of two; the
+    values are the same (the product rounded, then the sum rounded).
+
+    Args:
+        x: ``[T, in]``; layer: the projection (``[d, in]`` weight); residual: ``[T, d]`` or None.
+
+    Returns:
+        ``(h [T, d], residual)`` as above.
+    """
+    return linear(x, layer), residual
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_add_rms_norm` of ``(x, residual)``, or :func:`rms_norm` of ``x`` when ``residual`` is
+    None (the first layer, or a residual already added by :func:`linear_residual`). Returns ``(normed,
+    new residual stream)``; ``x`` and ``residual`` may be overwritten."""
+    if residual is None:
+        return rms_norm(x, weight, eps, unit_offset), x
+    return fused_add_rms_norm(x, residual, weight, eps, unit_offset)
+
+
 def add_rms_norm_linear(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -472,9 +502,6 @@ def norm_linear_steps(ops, x: torch.Tensor, residual: torch.Tensor | None, weigh
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`add_rms_norm_linear` as its separate steps, each taken from ``ops`` (this module, or
     :mod:`infer.kernels.fused_triton`, whose functions have the same names)."""
-    if residual is None:
-        x, residual = ops.rms_norm(x, weight, eps, unit_offset), x
-    else:
-        x, residual = ops.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
+    x, residual = ops.add_rms_norm(x, residual, weight, eps, unit_offset)
     y = ops.linear(x, layer)
     return (ops.act_and_mul(y, activation) if activation is not None else y), residual

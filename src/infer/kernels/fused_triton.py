@@ -51,7 +51,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton
 _MAX_ROW = 1 << 16  # widest row the single-pass norm kernels take (registers: 64k fp32 per program)
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache", "linear",
-           "add_rms_norm_linear"]
+           "linear_residual", "add_rms_norm", "add_rms_norm_linear"]
 
 
 def _num_warps(elements: int) -> int:
@@ -463,6 +463,32 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     if parallel is not None and parallel.tp_size > 1:
         return layer(x)
     return skinny_gemm.linear(x, layer)
+
+
+def linear_residual(x: torch.Tensor, layer: torch.nn.Linear, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A block's last projection and its residual add (see
+    :func:`infer.kernels.fused_reference.linear_residual`). One row through the skinny GEMM: the add in
+    its epilogue, ``(layer(x) + residual, None)``, so that the next norm
+    (:func:`~infer.kernels.skinny_gemm.skinny_norm_linear`) reads one row of the residual stream, not
+    two, and stores none. Otherwise ``(linear(x, layer), residual)``: the add rides with the next norm,
+    as in the reference (at more rows a separate add would cost a kernel)."""
+    from infer.kernels import skinny_gemm
+
+    w, parallel = layer.weight, getattr(layer, "parallel", None)
+    if (residual is not None and x.dim() == 2 and skinny_gemm.use_skinny(x.shape[0], w.shape[0])
+            and (parallel is None or parallel.tp_size == 1) and skinny_gemm.fits(x, w) and residual.stride(-1) == 1):
+        return skinny_gemm.skinny_linear(x, w, layer.bias, residual=residual), None
+    return linear(x, layer), residual
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_add_rms_norm`, or :func:`rms_norm` without a residual (see
+    :func:`infer.kernels.fused_reference.add_rms_norm`)."""
+    if residual is None:
+        return rms_norm(x, weight, eps, unit_offset), x
+    return fused_add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
 def add_rms_norm_linear(

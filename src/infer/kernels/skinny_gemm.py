@@ -48,10 +48,10 @@ def _squares(x_rows, r_rows, r_out_rows, k, m_mask, K, pid, NORM: tl.constexpr, 
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, r_ptr, r_out_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_rm, stride_om, stride_wn,
-    stride_ym, up_offset, eps,
+    x_ptr, r_ptr, r_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, y_ptr, M, N, K, stride_xm, stride_rm, stride_om,
+    stride_wn, stride_am, stride_ym, up_offset, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
     MANUAL_BF16: tl.constexpr, NORM_K_PAD: tl.constexpr,
 ):
     # Grid (cdiv(N, BLOCK_N),): program j computes outputs [j * BLOCK_N, (j + 1) * BLOCK_N) of every row
@@ -66,6 +66,8 @@ def _skinny_gemm_kernel(
     #     then the normalized slices as it goes: no kernel of its own, no tensor in between.
     #   ACT 1 (SiLU) / 2 (GELU-tanh): W is a merged gate/up weight of 2N rows; program j also reads the
     #     up rows N + j * BLOCK_N ... and stores act(gate) * up (the MLP's activation, no kernel of its own).
+    #   ADD: the outputs, rounded, plus the same outputs of add ([M, N], the residual stream), rounded
+    #     again: the block's residual add in the epilogue (the next norm then reads one row, not two).
     #   USE_PDL: the first weight tiles, which no kernel writes, are loaded before waiting for the
     #     previous kernel (infer.kernels.pdl): the weight stream starts while that kernel finishes.
     pid = tl.program_id(0)
@@ -134,6 +136,12 @@ def _skinny_gemm_kernel(
         if HAS_BIAS:
             up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         y = _act(g, ACT == 2) * _round(up, dtype, MANUAL_BF16).to(tl.float32)
+    if ADD:  # rounded as the unfused `linear(x) + residual` is: the product, then the sum. Loaded here, not
+        # before the loop: held through it, the two values per program cost o and down 2.3 us per call on an
+        # H200 (run 27 call 2); here 0.2-0.3 us.
+        y = _round(y, dtype, MANUAL_BF16).to(tl.float32) + tl.load(
+            add_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :],
+            mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
     out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(out, _round(y, dtype, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -191,7 +199,8 @@ def use_skinny(m: int, n: int) -> bool:
     return m == 1
 
 
-def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        residual: torch.Tensor | None = None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K] with the same K, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -203,6 +212,11 @@ def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         raise ValueError(f"x and weight need a contiguous last dimension (strides {x.stride()}, {weight.stride()})")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [{weight.shape[0]}] in {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    out_shape = (x.shape[0], weight.shape[0])
+    if residual is not None and (residual.shape != out_shape or residual.dtype != x.dtype
+                                 or residual.device != x.device or (out_shape[1] > 1 and residual.stride(1) != 1)):
+        raise ValueError(f"residual must be [{out_shape[0]}, {out_shape[1]}] in {x.dtype} on {x.device} with a "
+                         f"contiguous last dimension, got {tuple(residual.shape)} {residual.dtype} {residual.device}")
 
 
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2, "gelu_pytorch_tanh": 2}  # the kernel's ACT
@@ -211,7 +225,7 @@ ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2, "gelu_pytorch_tanh": 2}  # th
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int,
             config: tuple[int, int, int] | None, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False,
-            act: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+            act: int = 0, add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the kernel for ``n`` outputs per row; returns ``(y [M, n], new residual or None)``."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -223,19 +237,22 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     r = residual if residual is not None else x
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, r, r_out if r_out is not None else y, norm_weight if norm else weight, weight,
-        bias if bias is not None else weight, y, m, n, k, x.stride(0), r.stride(0),
-        r_out.stride(0) if r_out is not None else 0, weight.stride(0), y.stride(0),
-        n * weight.stride(0) if act else 0, eps,
+        bias if bias is not None else weight, add if add is not None else y, y, m, n, k, x.stride(0), r.stride(0),
+        r_out.stride(0) if r_out is not None else 0, weight.stride(0), add.stride(0) if add is not None else 0,
+        y.stride(0), n * weight.stride(0) if act else 0, eps,
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, MANUAL_BF16=_manual_bf16(x), num_warps=warps,
+        NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, ADD=add is not None, MANUAL_BF16=_manual_bf16(x),
+        num_warps=warps,
         NORM_K_PAD=norm and _norm_k_pad(m, k, warps), **launch_options(x),
     )
     return y, r_out
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for ``M <= MAX_ROWS`` rows, accumulated in float32, rounded once.
+                  config: tuple[int, int, int] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``M <= MAX_ROWS`` rows, accumulated in float32, rounded once; with a
+    ``residual``, that rounded product plus ``residual``, rounded again (the values of ``linear(x) +
+    residual``: a block's last projection and its residual add in one kernel).
 
     Launched with programmatic dependent launch inside an enabled :func:`infer.kernels.pdl.scope`
     (the first weight tiles are loaded before the previous kernel has finished).
@@ -245,6 +262,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         weight: ``[N, K]`` (an ``nn.Linear``'s), last dimension contiguous, ``x``'s dtype and device.
         bias: ``[N]`` or None.
         config: ``(BLOCK_N, BLOCK_K, num_warps)``; None: :func:`default_config`.
+        residual: ``[M, N]`` in ``x``'s dtype, last dimension contiguous, or None; not modified.
 
     Returns:
         A new ``[M, N]`` tensor in ``x``'s dtype.
@@ -252,8 +270,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Raises:
         ValueError: shapes, dtypes, devices or strides that do not fit, more than ``MAX_ROWS`` rows.
     """
-    check_skinny_linear(x, weight, bias)
-    return _launch(x, weight, bias, weight.shape[0], config)[0]
+    check_skinny_linear(x, weight, bias, residual)
+    return _launch(x, weight, bias, weight.shape[0], config, add=residual)[0]
 
 
 def check_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -308,13 +326,16 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     return y, (r_out if r_out is not None else x)
 
 
-def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same function in plain PyTorch: float32 products and sums, one rounding to ``x.dtype``."""
-    check_skinny_linear(x, weight, bias)
+def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The same function in plain PyTorch: float32 products and sums, one rounding to ``x.dtype`` (then
+    ``+ residual`` in ``x.dtype``: float32 sum, one rounding)."""
+    check_skinny_linear(x, weight, bias, residual)
     y = x.float() @ weight.float().T
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    y = y.to(x.dtype)
+    return y if residual is None else y + residual
 
 
 def skinny_norm_linear_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,

@@ -202,9 +202,11 @@ class Attention(nn.Module):
         return self.forward_fused_qkv(ops.linear(x, self.qkv_proj), positions, cos_sin_cache, meta, ops)
 
     def forward_fused_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                          meta: AttentionMetadata, ops) -> torch.Tensor:
+                          meta: AttentionMetadata, ops, residual: torch.Tensor | None = None):
         """:meth:`forward_fused` from the merged projection's output ``qkv [T, (Hq + 2 Hkv) * D]`` on
-        (a layer that computes it with its norm, ``ops.add_rms_norm_linear``, starts here)."""
+        (a layer that computes it with its norm, ``ops.add_rms_norm_linear``, starts here). With a
+        ``residual`` (the residual stream, ``[T, hidden]``) the output projection adds it
+        (``ops.linear_residual``) and ``(h, residual)`` is returned, whose sum is the stream after attention."""
         t = qkv.shape[0]
         qn, kn = self.q_norm, self.k_norm
         # the Triton backend lets the RoPE kernel write the new K/V into the cache (one launch fewer)
@@ -217,7 +219,8 @@ class Attention(nn.Module):
             slot_mapping=meta.slot_mapping if write else None,
         )
         o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, self.window, kv_written=write)
-        return ops.linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj)
+        o = o.reshape(t, self.num_heads * self.head_dim)
+        return ops.linear(o, self.o_proj) if residual is None else ops.linear_residual(o, self.o_proj, residual)
 
 
 def _merge_linears(*parts: nn.Linear) -> nn.Linear:
@@ -489,14 +492,17 @@ class CausalLM(nn.Module):
 
         The residual stream travels beside the hidden state (vLLM's layout): each layer returns
         ``(h, residual)`` and the next one starts with ``fused_add_rms_norm(h, residual)``, which
-        adds them and normalizes the sum in one pass; the final norm closes the last sum.
+        adds them and normalizes the sum in one pass; the final norm closes the last sum. At one row
+        (batch-1 decode, the Triton ops) a block's last projection adds the residual in its epilogue
+        instead (``ops.linear_residual``) and passes ``residual=None``: the next norm then reads one
+        row of the stream, not two (``ops.add_rms_norm``).
         """
         ops = self.ops
         h, residual = self.embed(input_ids), None
         for layer, kind in zip(self.model.layers, self.config.layer_types):
             h, residual = layer.forward_fused(h, residual, positions, self.cos_sin_caches[kind], meta, ops)
         norm = self.model.norm
-        return ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)[0]
+        return ops.add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden[N, hidden_size]`` -> logits ``[N, vocab_size]`` in the model dtype.

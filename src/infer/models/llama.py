@@ -36,19 +36,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                       cos_sin_cache: torch.Tensor, meta: AttentionMetadata, ops):
         """:meth:`forward` with fused ops: takes and returns ``(h, residual)``, where the layer's
-        input is ``h + residual`` (``residual`` is None for the first layer), so each add rides
-        with the norm that follows it (see :meth:`CausalLM.forward_fused`)."""
+        input is ``h + residual`` (``residual`` is None for the first layer, or when the add is already
+        done), so each add rides with the projection before it or the norm after it (see
+        :meth:`CausalLM.forward_fused`)."""
         norm, post, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
-        # each norm rides with the projection after it (one kernel at batch 1: ops.add_rms_norm_linear)
+        # each norm rides with the projection after it (one kernel at batch 1: ops.add_rms_norm_linear) ...
         qkv, residual = ops.add_rms_norm_linear(h, residual, norm.weight, norm.eps, False, attn.qkv_proj)
-        h = attn.forward_fused_qkv(qkv, positions, cos_sin_cache, meta, ops)
+        # ... and each residual add with the projection before it (at batch 1: ops.linear_residual)
+        h, residual = attn.forward_fused_qkv(qkv, positions, cos_sin_cache, meta, ops, residual)
         if not isinstance(mlp, GatedMLP):  # an MoE block (phase 15)
-            x, residual = ops.fused_add_rms_norm(h, residual, post.weight, post.eps)
+            x, residual = ops.add_rms_norm(h, residual, post.weight, post.eps)
             return mlp.forward_fused(x, ops), residual
         # ... and the MLP's activation with the gate/up projection
         act, residual = ops.add_rms_norm_linear(h, residual, post.weight, post.eps, False, mlp.gate_up_proj,
                                                 mlp.act_name)
-        return ops.linear(act, mlp.down_proj), residual
+        return ops.linear_residual(act, mlp.down_proj, residual)
 
 
 class LlamaForCausalLM(CausalLM):
