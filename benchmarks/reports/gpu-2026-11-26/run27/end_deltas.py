@@ -2,7 +2,7 @@
 `nsys stats --report cuda_gpu_trace`, CUDA graphs traced per node). With PDL a kernel starts before the one before
 it ends, so its duration includes its wait; what it adds to the step is the time between the previous kernel's
 end and its own (the "end delta"). Per kernel name over the steady decode steps: calls, mean end delta (us), mean
-duration (us), and their sums per step."""
+duration (us), and their sums; kernels of one name are told apart by grid and block size."""
 import csv
 import sys
 from collections import defaultdict
@@ -10,7 +10,14 @@ from collections import defaultdict
 rows = list(csv.DictReader(open(sys.argv[1])))
 key = {k.split(" (")[0]: k for k in rows[0]}
 start, dur, name = key["Start"], key["Duration"], key["Name"]
-ks = sorted(((int(r[start]), int(r[dur]), r[name][:60]) for r in rows if not r[name].startswith("[CUDA")),
+grid = [key[k] for k in ("GrdX", "GrdY", "GrdZ", "BlkX") if k in key]  # tells the projections apart
+
+
+def label(r):
+    return r[name][:40] + ("" if not grid else " " + "x".join(r[g] for g in grid))
+
+
+ks = sorted(((int(r[start]), int(r[dur]), label(r)) for r in rows if not r[name].startswith("[CUDA")),
             key=lambda t: t[0])
 ends = [s + d for s, d, _ in ks]
 # the steady region: the last 40% of the kernels (decode steps inside graphs, after the prefill and warm-up)
