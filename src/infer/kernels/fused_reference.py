@@ -459,9 +459,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """:func:`fused_add_rms_norm` of ``(x, residual)``, or :func:`rms_norm` of ``x`` when ``residual`` is
     None (the first layer, or a residual already added by :func:`linear_residual`). Returns ``(normed,
     new residual stream)``; ``x`` and ``residual`` may be overwritten."""
+    return add_norm_steps(sys.modules[__name__], x, residual, weight, eps, unit_offset)
+
+
+def add_norm_steps(ops, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                   unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` with ``ops``' ``rms_norm`` and ``fused_add_rms_norm`` (this module, or
+    :mod:`infer.kernels.fused_triton`)."""
     if residual is None:
-        return rms_norm(x, weight, eps, unit_offset), x
-    return fused_add_rms_norm(x, residual, weight, eps, unit_offset)
+        return ops.rms_norm(x, weight, eps, unit_offset), x
+    return ops.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
 def add_rms_norm_linear(

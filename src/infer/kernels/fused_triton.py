@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels.fused_reference import (
+    add_norm_steps,
     build_cos_sin_cache,
     check_act_and_mul,
     check_add_rms_norm,
@@ -486,9 +487,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_add_rms_norm`, or :func:`rms_norm` without a residual (see
     :func:`infer.kernels.fused_reference.add_rms_norm`)."""
-    if residual is None:
-        return rms_norm(x, weight, eps, unit_offset), x
-    return fused_add_rms_norm(x, residual, weight, eps, unit_offset)
+    return add_norm_steps(sys.modules[__name__], x, residual, weight, eps, unit_offset)
 
 
 def add_rms_norm_linear(
