@@ -244,8 +244,8 @@ def test_skinny_linear_matches_reference(dtype, m, bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_adds_the_residual_in_its_epilogue(dtype, m, bias):
     """skinny_linear(..., residual=r): the product rounded, plus r, rounded (a block's last projection
-    and its residual add in one kernel), against the reference, which is exactly the unfused
-    ``F.linear(x, w, b) + r`` of the layers; r untouched."""
+    and its residual add in one kernel), against the reference, whose sum is exactly its rounded product
+    plus r in the dtype (the layers' ``linear(x) + r``: two roundings, never one); r untouched."""
     from infer.kernels import skinny_gemm as sk
 
     g = torch.Generator().manual_seed(7 + m * 10 + bias)
