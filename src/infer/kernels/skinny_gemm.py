@@ -212,11 +212,15 @@ def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         raise ValueError(f"x and weight need a contiguous last dimension (strides {x.stride()}, {weight.stride()})")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [{weight.shape[0]}] in {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    out_shape = (x.shape[0], weight.shape[0])
-    if residual is not None and (residual.shape != out_shape or residual.dtype != x.dtype
-                                 or residual.device != x.device or (out_shape[1] > 1 and residual.stride(1) != 1)):
-        raise ValueError(f"residual must be [{out_shape[0]}, {out_shape[1]}] in {x.dtype} on {x.device} with a "
-                         f"contiguous last dimension, got {tuple(residual.shape)} {residual.dtype} {residual.device}")
+    _check_residual(residual, (x.shape[0], weight.shape[0]), x, "the output")
+
+
+def _check_residual(residual: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor, like: str) -> None:
+    """A residual (None, or ``shape`` in ``x``'s dtype and device with a contiguous last dimension)."""
+    if residual is not None and (residual.shape != shape or residual.dtype != x.dtype or residual.device != x.device
+                                 or (shape[1] > 1 and residual.stride(1) != 1)):
+        raise ValueError(f"residual must be like {like} ({shape}, {x.dtype}, {x.device}, last dimension "
+                         f"contiguous), got {tuple(residual.shape)}, {residual.dtype}, {residual.device}")
 
 
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2, "gelu_pytorch_tanh": 2}  # the kernel's ACT
@@ -277,10 +281,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def check_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                       weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> None:
     check_skinny_linear(x, weight, bias)
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device
-                                 or (x.shape[1] > 1 and residual.stride(1) != 1)):
-        raise ValueError(f"residual must be like x ({tuple(x.shape)}, {x.dtype}, {x.device}, last dimension "
-                         f"contiguous), got {tuple(residual.shape)}, {residual.dtype}, {residual.device}")
+    _check_residual(residual, tuple(x.shape), x, "x")
     if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
         raise ValueError(f"norm_weight must be [{x.shape[1]}] in {x.dtype} on {x.device}, got "
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype} {norm_weight.device}")
