@@ -8,8 +8,9 @@ For every projection of the chosen models (the merged QKV and gate/up ones, o, d
 batch M in 1, 2, 4, 8: the time of one ``y = x @ W^T``, measured as CUDA-graph replays of calls that
 rotate over enough copies of ``W`` (>= 256 MB) that none is still in L2 when it is read again, so the
 bytes come from HBM as in a real decode step. Reports microseconds, GB/s of weight read, and the
-kernel's speed-up over cuBLAS; ``--tune`` also times each ``(BLOCK_N, BLOCK_K, num_warps)`` tile and
-reports the best (what :func:`infer.kernels.skinny_gemm.default_config` should pick). ``--pdl`` also
+kernel's speed-up over cuBLAS; ``--tune`` also times each ``(BLOCK_N, BLOCK_K, num_warps, STAGES)`` tile and
+reports the best (what :func:`infer.kernels.skinny_gemm.default_config` should pick; at one row with
+both of the kernel's K loops). ``--pdl`` also
 times the kernel launched with programmatic dependent launch (:mod:`infer.kernels.pdl`: each call's
 first weight tile is loaded while the call before it finishes; the tiles are then tuned that way).
 ``--fused`` adds, at one row, the steps the decoder layer runs around its QKV and gate/up projections:
@@ -66,16 +67,18 @@ def time_us(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 10)
     return start.elapsed_time(end) * 1e3 / (replays * len(weights))
 
 
-def tile_grid(m: int, k: int, act: bool = False) -> list[tuple[int, int, int]]:
-    """The ``(BLOCK_N, BLOCK_K, num_warps)`` tiles tried by ``--tune``: at most 64 float32 product sums per
-    thread (``M_PAD * BLOCK_N * BLOCK_K`` per program, twice that for a gate/up pair), BLOCK_K up to the
-    whole row (one K step: what a norm's first pass over the row needs least)."""
+def tile_grid(m: int, k: int, act: bool = False) -> list[tuple[int, int, int, int]]:
+    """The ``(BLOCK_N, BLOCK_K, num_warps, STAGES)`` tiles tried by ``--tune``: at most 64 float32 product sums
+    per thread (``M_PAD * BLOCK_N * BLOCK_K`` per program, twice that for a gate/up pair), BLOCK_K up to the
+    whole row (one K step: what a norm's first pass over the row needs least); at one row each with both K
+    loops (STAGES 0: one tile ahead in registers; 3: two through shared memory, Triton's pipeliner)."""
     m_pad = 1 << (max(m, 1) - 1).bit_length()
     k_pad = 1 << (max(k, 1) - 1).bit_length()
     out = []
-    for bn, bk, warps in itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048, 4096), (2, 4, 8)):
+    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048, 4096), (2, 4, 8),
+                                                   (0, 3) if m == 1 else (0,)):
         if bk <= max(256, k_pad) and m_pad * bn * bk * (2 if act else 1) <= 64 * 32 * warps and bn * bk >= 32 * warps:
-            out.append((bn, bk, warps))
+            out.append((bn, bk, warps, stages))
     return out
 
 

@@ -223,15 +223,17 @@ def test_qk_norm_rope_writes_the_kv_cache(dtype, norm, block_major):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_linear_matches_reference(dtype, m, bias):
+@pytest.mark.parametrize("stages", [0, 3], ids=["register-loop", "pipelined-loop"])
+def test_skinny_linear_matches_reference(dtype, m, bias, stages):
     """The skinny GEMM (one program per few outputs, float32 sums) against the float32 reference, with
-    K and N that are not multiples of the tiles and x's rows strided."""
+    K and N that are not multiples of the tiles and x's rows strided; both of its K loops (one tile ahead in
+    registers, and Triton's pipeliner with the first tile used last)."""
     from infer.kernels import skinny_gemm as sk
 
     g = torch.Generator().manual_seed(m * 10 + bias)
     x = rows(g, m, 70, dtype, pad=5)
     w, b = randn(g, 37, 70, dtype=dtype, scale=0.3), randn(g, 37, dtype=dtype) if bias else None
-    out = sk.skinny_linear(x, w, b)
+    out = sk.skinny_linear(x, w, b, config=(*sk.default_config(m, 37, 70)[:3], stages))
     assert out.shape == (m, 37) and out.dtype == dtype
     expected = sk.skinny_linear_reference(x, w, b)
     assert_close(out, expected, dtype)
@@ -298,11 +300,14 @@ def test_skinny_norm_linear_matches_reference(dtype, m, residual, unit_offset, a
     against the plain-PyTorch twin (rms_norm, a float32 product, the activation rounded once), with K and
     N off the tiles, strided rows, a bias: y within the dtype's tolerance, the new residual stream exactly
     x + residual, and x and residual untouched (the engine reuses neither, but the fallback works in place).
-    Both ways of the norm's first pass: the whole rows in one load, and one slice at a time."""
+    Both ways of the norm's first pass: the whole rows in one load, and one slice at a time; and both K
+    loops (the pipelined one with the slice-by-slice pass)."""
     from infer.kernels import skinny_gemm as sk
 
     monkeypatch.setattr(sk, "NORM_ONE_LOAD_PER_THREAD", 16 if one_load else 0)
-    assert (sk._norm_k_pad(m, 70, sk.default_config(m, 38, 70, norm=True)[2]) > 0) == one_load
+    config = sk.default_config(m, 38, 70, norm=True)
+    assert (sk._norm_k_pad(m, 70, config[2]) > 0) == one_load
+    monkeypatch.setattr(sk, "default_config", lambda *a, **kw: (*config[:3], 0 if one_load else 3))
 
     g = torch.Generator().manual_seed(m * 100 + residual * 10 + unit_offset + len(activation or ""))
     x, r = rows(g, m, 70, dtype, pad=6), rows(g, m, 70, dtype, pad=2) if residual else None
@@ -694,7 +699,8 @@ def compile_(fn, sig, consts, num_warps):
     pdl = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
     # the loads, and (with USE_PDL) the two griddepcontrol instructions, in the order they come; and whether
     # a load comes before the wait (what no kernel writes, read while the previous kernel finishes)
-    return sorted(set(re.findall(r"ld\.global[.\w]*", ptx))) + [p for p in pdl if p in ptx] + (
+    # (cp.async: a load through shared memory, Triton's pipeliner)
+    return sorted(set(re.findall(r"ld\.global[.\w]*|cp\.async\.c[ag]\.shared\.global", ptx))) + [p for p in pdl if p in ptx] + (
         ["wait-before-launch"] if all(p in ptx for p in pdl) and ptx.index(pdl[0]) < ptx.index(pdl[1]) else []) + (
         ["load-before-wait"] if pdl[0] in ptx and "ld.global" in ptx[:ptx.index(pdl[0])] else [])
 
@@ -727,9 +733,10 @@ sig = {"x_ptr": bf, "r_ptr": bf, "r_out_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_
 for name, norm, act, add, use_pdl, k_pad in (
         ("skinny", 0, 0, False, False, 0), ("skinny_pdl", 0, 0, False, True, 0),
         ("add_pdl", 0, 0, True, True, 0), ("norm_act_pdl", 2, 1, False, True, 0),
-        ("norm_one_load_pdl", 1, 1, False, True, 4096)):
+        ("norm_one_load_pdl", 1, 1, False, True, 4096), ("pipelined_norm_act_pdl", 1, 1, False, True, 0)):
     consts = {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 512, "HAS_BIAS": False, "NORM": norm, "UNIT_OFFSET": False,
-              "ACT": act, "ADD": add, "USE_PDL": use_pdl, "MANUAL_BF16": False, "NORM_K_PAD": k_pad}
+              "ACT": act, "ADD": add, "USE_PDL": use_pdl, "MANUAL_BF16": False, "NORM_K_PAD": k_pad,
+              "STAGES": 3 if name.startswith("pipelined") else 0}
     out[name] = compile_(sk._skinny_gemm_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 4)
 from infer.attention import triton_ops as to
 sig = {"q_ptr": bf, "k_cache_ptr": bf, "v_cache_ptr": bf, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -762,19 +769,22 @@ def test_kernels_compile_for_an_h100(tmp_path):
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loads = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(loads) == 16
+    assert len(loads) == 17
     for name, kinds in loads.items():
         if not name.startswith(("qk", "decode")):
             assert "ld.global.v4.b32" in kinds, (name, kinds)
         # USE_PDL compiles the wait and the launch of the next kernel, in that order; without it, neither
         pdl = name.endswith(("True", "_pdl"))
         assert ("griddepcontrol.wait" in kinds) == pdl and ("wait-before-launch" in kinds) == pdl, (name, kinds)
+    # the skinny GEMM's pipelined K loop streams W through shared memory; its register loop never does
+    for name in ("skinny", "skinny_pdl", "add_pdl", "norm_act_pdl", "norm_one_load_pdl", "pipelined_norm_act_pdl"):
+        assert any(k.startswith("cp.async") for k in loads[name]) == name.startswith("pipelined"), (name, loads[name])
     # with PDL these read before their wait what no kernel of the step writes: the projections their first
     # weight tiles, the QK norm + RoPE its position, cos/sin row and norm weights, the decode attention its
     # sequence's length (its split plan); the plain norms and the activation have nothing to read early
     early = {n for n, kinds in loads.items() if "load-before-wait" in kinds}
-    assert early == {"skinny_pdl", "add_pdl", "norm_act_pdl", "norm_one_load_pdl", "qk128True", "qk256True",
-                     "decode_pdl"}, early
+    assert early == {"skinny_pdl", "add_pdl", "norm_act_pdl", "norm_one_load_pdl", "pipelined_norm_act_pdl",
+                     "qk128True", "qk256True", "decode_pdl"}, early
 
 
 PDL_SCRIPT = r"""

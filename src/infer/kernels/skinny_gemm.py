@@ -47,18 +47,40 @@ def _squares(x_rows, r_rows, r_out_rows, k, m_mask, K, pid, NORM: tl.constexpr, 
 
 
 @triton.jit
+def _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+             DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """Columns ``k`` of the rows of x as the product reads them, ``[M_PAD, len(k)]`` float32 (0 where masked):
+    with NORM, ``rms_norm``'s rounding steps (fused_triton._rms_norm_row) on them (NORM 2: on x + residual)."""
+    k_mask = k < K
+    mk = m_mask[:, None] & k_mask[None, :]
+    xk = tl.load(x_rows + k[None, :], mask=mk, other=0.0).to(tl.float32)
+    if NORM:
+        if NORM == 2:
+            xk = _round(xk + tl.load(r_rows + k[None, :], mask=mk, other=0.0).to(tl.float32), DTYPE,
+                        MANUAL_BF16).to(tl.float32)
+        nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        h = xk * rstd[:, None]
+        if UNIT_OFFSET:
+            xk = _round(h * (1.0 + nw), DTYPE, MANUAL_BF16).to(tl.float32)
+        else:
+            xk = _round(_round(h, DTYPE, MANUAL_BF16).to(tl.float32) * nw, DTYPE, MANUAL_BF16).to(tl.float32)
+    return xk
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, r_ptr, r_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, y_ptr, M, N, K, stride_xm, stride_rm, stride_om,
     stride_wn, stride_am, stride_ym, up_offset, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
-    MANUAL_BF16: tl.constexpr, NORM_K_PAD: tl.constexpr,
+    MANUAL_BF16: tl.constexpr, NORM_K_PAD: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Grid (cdiv(N, BLOCK_N),): program j computes outputs [j * BLOCK_N, (j + 1) * BLOCK_N) of every row
     # of x, walking K in BLOCK_K slices: the [BLOCK_N, BLOCK_K] tile of W (contiguous along K) is read
     # once and multiplied by the same slice of each of the M rows of x; the products are summed per
-    # element and reduced over K once, at the end. The next tile is loaded before the current one is
-    # used (two tiles in flight per program).
+    # element and reduced over K once, at the end. STAGES 0: the next tile is loaded into registers before
+    # the current one is used (two tiles in flight per program); STAGES S >= 2: Triton's pipeliner keeps
+    # S - 1 tiles in flight through shared memory (more bytes in flight per SM, for the long weight streams).
     #   NORM 1: x is replaced by rms_norm(x) * norm weight (the norm before a projection); NORM 2: by
     #     rms_norm(x + residual), and program 0 stores x + residual (the new residual stream) in r_out.
     #     Each program computes the rows' mean squares itself (a first pass over x: K values per row,
@@ -103,30 +125,33 @@ def _skinny_gemm_kernel(
     acc_u = acc
     if ACT:
         acc_u = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < K
-        mk = m_mask[:, None] & k_mask[None, :]
-        xk = tl.load(x_rows + k[None, :], mask=mk, other=0.0).to(tl.float32)
-        if NORM:  # rms_norm's rounding steps (fused_triton._rms_norm_row), one slice at a time
-            if NORM == 2:
-                xk = _round(xk + tl.load(r_rows + k[None, :], mask=mk, other=0.0).to(tl.float32), dtype,
-                            MANUAL_BF16).to(tl.float32)
-            nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            h = xk * rstd[:, None]
-            if UNIT_OFFSET:
-                xk = _round(h * (1.0 + nw), dtype, MANUAL_BF16).to(tl.float32)
-            else:
-                xk = _round(_round(h, dtype, MANUAL_BF16).to(tl.float32) * nw, dtype, MANUAL_BF16).to(tl.float32)
-        kn = k + BLOCK_K
-        next_mask = n_mask[:, None] & (kn < K)[None, :]
-        w_next = tl.load(w_rows + kn[None, :], mask=next_mask, other=0.0)
+    if STAGES == 0:  # one tile ahead, in registers: the next tile is loaded before the current one is used
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
+            kn = k + BLOCK_K
+            next_mask = n_mask[:, None] & (kn < K)[None, :]
+            w_next = tl.load(w_rows + kn[None, :], mask=next_mask, other=0.0)
+            acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
+            w = w_next
+            if ACT:
+                u_next = tl.load(u_rows + kn[None, :], mask=next_mask, other=0.0)
+                acc_u += xk[:, None, :] * u.to(tl.float32)[None, :, :]
+                u = u_next
+    else:  # STAGES - 1 tiles ahead: Triton's pipeliner copies them into shared memory (cp.async) while the
+        # loop works; the first tile (loaded before the wait) is used last
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            k = k0 + offs_k
+            xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
+            tile_mask = n_mask[:, None] & (k < K)[None, :]
+            acc += xk[:, None, :] * tl.load(w_rows + k[None, :], mask=tile_mask, other=0.0).to(tl.float32)[None, :, :]
+            if ACT:
+                acc_u += xk[:, None, :] * tl.load(u_rows + k[None, :], mask=tile_mask,
+                                                  other=0.0).to(tl.float32)[None, :, :]
+        xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, offs_k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
         acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
-        w = w_next
         if ACT:
-            u_next = tl.load(u_rows + kn[None, :], mask=next_mask, other=0.0)
             acc_u += xk[:, None, :] * u.to(tl.float32)[None, :, :]
-            u = u_next
     y = tl.sum(acc, 2)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -146,28 +171,41 @@ def _skinny_gemm_kernel(
     tl.store(out, _round(y, dtype, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def default_config(m: int, n: int, k: int, act: bool = False, norm: bool = False) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps)`` for ``m`` rows and a ``[n, k]`` weight (``act``: a merged
+def default_config(m: int, n: int, k: int, act: bool = False, norm: bool = False) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, STAGES)`` for ``m`` rows and a ``[n, k]`` weight (``act``: a merged
     gate/up weight whose ``n`` output pairs are read as two tiles; ``norm``: the norm computed in the
     kernel, :func:`skinny_norm_linear`).
 
     The products are summed per element in a ``[M_PAD, BLOCK_N, BLOCK_K]`` float32 tile, in registers,
-    and reduced once at the end; two weight tiles are in flight per program. One row (what the engine
-    uses): two outputs per program and 8 weights of each row per thread per step, i.e. many small
-    programs, which spread the weight stream over every SM and start it soonest; longer steps along
-    longer rows. These are the best tiles of ``benchmarks/skinny_gemm.py --tune --pdl`` at Qwen3-4B's
-    shapes on an H100 (run 24: 1.1-1.5x cuBLAS, the LM head at 3.1 TB/s), or within 3% of the best.
-    With the norm (no activation), 8 outputs per program: each program reads the whole row of x once
-    more for its mean square, and fewer programs read it fewer times. More rows: BLOCK_K shrinks.
+    and reduced once at the end. One row (what the engine uses): two outputs per program and 8 weights
+    of each row per thread per step, i.e. many small programs, which spread the weight stream over every
+    SM and start it soonest; longer steps along longer rows. These are the best tiles of
+    ``benchmarks/skinny_gemm.py --tune --pdl`` at Qwen3-4B's shapes on an H100 (run 24: 1.1-1.5x cuBLAS),
+    or within 3% of the best. With the norm (no activation), 8 outputs per program: each program reads
+    the whole row of x once more for its mean square, and fewer programs read it fewer times. More rows:
+    BLOCK_K shrinks.
+
+    STAGES: one tile ahead in registers (0) everywhere but the weights of :data:`PIPELINE_ELEMENTS` or
+    more (the LM head, a large gate/up), which keep :data:`PIPELINE_STAGES` - 1 tiles in flight through
+    shared memory. A one-wave projection is slower that way (its loads wait on the extra trip through
+    shared memory, with no later wave to hide it); a stream of many waves needs the bytes in flight
+    (run 28, H100, us per call: Qwen3-4B's gate/up 39.5 -> 38.0, Qwen3-8B's 77.0 -> 69.8 and its down
+    39.0 -> 38.0, Qwen3-0.6B's LM head 117 -> 102; Qwen3-4B's QKV, o and down 0.3-1.8 us slower).
     """
     if INTERPRET:
-        return 8, 32, 1
+        return 8, 32, 1, 0
     if m <= 1:
+        stages = PIPELINE_STAGES if n * k * (2 if act else 1) >= PIPELINE_ELEMENTS else 0
         if norm and not act:
-            return 8, 256, 8
-        return (2, 512, 2) if k < 4096 else (2, 1024, 4) if k < 8192 else (2, 2048, 8)
+            return 8, 256, 8, stages
+        return ((2, 512, 2) if k < 4096 else (2, 1024, 4) if k < 8192 else (2, 2048, 8)) + (stages,)
     m_pad = triton.next_power_of_2(m)
-    return 8, max(64, 512 // m_pad), 4
+    return 8, max(64, 512 // m_pad), 4, 0
+
+
+#: one-row weights of at least this many elements are streamed with Triton's pipeliner (default_config)
+PIPELINE_ELEMENTS = 40 << 20
+PIPELINE_STAGES = 3
 
 
 #: the norm's first pass loads whole rows of x at once when that is at most this many values per thread
@@ -227,7 +265,7 @@ ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2, "gelu_pytorch_tanh": 2}  # th
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int,
-            config: tuple[int, int, int] | None, residual: torch.Tensor | None = None,
+            config: tuple[int, ...] | None, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False,
             act: int = 0, add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the kernel for ``n`` outputs per row; returns ``(y [M, n], new residual or None)``."""
@@ -237,7 +275,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     r_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if norm == 2 else None
     if m == 0:
         return y, r_out
-    block_n, block_k, warps = config or default_config(m, n, k, act=bool(act), norm=norm > 0)
+    block_n, block_k, warps, *stages = config or default_config(m, n, k, act=bool(act), norm=norm > 0)
     r = residual if residual is not None else x
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, r, r_out if r_out is not None else y, norm_weight if norm else weight, weight,
@@ -247,13 +285,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, ADD=add is not None, MANUAL_BF16=_manual_bf16(x),
         num_warps=warps,
-        NORM_K_PAD=norm and _norm_k_pad(m, k, warps), **launch_options(x),
+        NORM_K_PAD=norm and _norm_k_pad(m, k, warps), STAGES=stages[0] if stages else 0, **launch_options(x),
     )
     return y, r_out
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                  config: tuple[int, ...] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``M <= MAX_ROWS`` rows, accumulated in float32, rounded once; with a
     ``residual``, that rounded product plus ``residual``, rounded again (the values of ``linear(x) +
     residual``: a block's last projection and its residual add in one kernel).
@@ -265,7 +303,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x: ``[M, K]``, last dimension contiguous (rows may be strided).
         weight: ``[N, K]`` (an ``nn.Linear``'s), last dimension contiguous, ``x``'s dtype and device.
         bias: ``[N]`` or None.
-        config: ``(BLOCK_N, BLOCK_K, num_warps)``; None: :func:`default_config`.
+        config: ``(BLOCK_N, BLOCK_K, num_warps)`` or ``(BLOCK_N, BLOCK_K, num_warps, STAGES)`` (STAGES 0 when
+            left out); None: :func:`default_config`.
         residual: ``[M, N]`` in ``x``'s dtype, last dimension contiguous, or None; not modified.
 
     Returns:
@@ -293,7 +332,7 @@ def check_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
 
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                        unit_offset: bool, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       activation: str | None = None, config: tuple[int, int, int] | None = None,
+                       activation: str | None = None, config: tuple[int, ...] | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm before a projection, the projection and (optionally) the MLP's activation, one kernel.
 
@@ -310,7 +349,8 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
         norm_weight: ``[K]``, ``x``'s dtype. eps, unit_offset: as in ``rms_norm`` (Gemma's ``1 + w``).
         weight: ``[N, K]``; bias: ``[N]`` or None.
         activation: None, ``"silu"``, ``"gelu_tanh"`` or ``"gelu_pytorch_tanh"``.
-        config: ``(BLOCK_N, BLOCK_K, num_warps)``; None: :func:`default_config`.
+        config: ``(BLOCK_N, BLOCK_K, num_warps)`` or ``(BLOCK_N, BLOCK_K, num_warps, STAGES)`` (STAGES 0 when
+            left out); None: :func:`default_config`.
 
     Returns:
         ``(y, s)``: ``y`` a new ``[M, N]`` tensor (``[M, N / 2]`` with an activation), and the new
