@@ -82,10 +82,33 @@ def test_needs_name_exercises_and_list_order_puts_independent_ones_first():
         selected(0, ["top_p"])  # top_p is phase 1
 
 
-def test_every_reference_passes_and_every_mutant_fails():
+def passed_here(tests: tuple[str, ...], outcomes: dict[str, str]) -> bool:
+    """Did each of these node ids (a parametrized test's name alone stands for all its cases) run in this
+    session, and pass?"""
+    for t in tests:
+        ran = [o for nid, o in outcomes.items() if nid == t or nid.startswith(t + "[")]
+        if not ran or any(o != "passed" for o in ran):
+            return False
+    return True
+
+
+def test_passed_here_needs_every_case_to_have_run_and_passed():
+    outcomes = {"t.py::a": "passed", "t.py::b[x]": "passed", "t.py::b[y]": "passed", "t.py::c[x]": "passed",
+                "t.py::c[y]": "failed", "t.py::d": "skipped", "t.py::ab": "failed"}
+    assert passed_here(("t.py::a", "t.py::b", "t.py::b[x]"), outcomes)
+    assert not passed_here(("t.py::a", "t.py::c"), outcomes)  # one case failed
+    assert passed_here(("t.py::c[x]",), outcomes)
+    assert not passed_here(("t.py::d",), outcomes)  # skipped is not passed
+    assert not passed_here(("t.py::e",), outcomes)  # never ran
+    assert passed_here(("t.py::a",), {**outcomes, "t.py::a": "passed"}) and not passed_here(("t.py::ab",), outcomes)
+
+
+def test_every_reference_passes_and_every_mutant_fails(session_outcomes):
     """The reference solutions (the repository) and the wrong solutions, each in a workspace of
-    its own, graded by their exercise's tests."""
-    refs, results = grade_mutants(list(EXERCISES.values()), jobs=2)
+    its own, graded by their exercise's tests. This test runs last (tests/conftest.py): a reference
+    whose tests all passed earlier in this session, against this same code, is not graded again."""
+    proven = {e.name for e in EXERCISES.values() if passed_here(e.tests, session_outcomes)}
+    refs, results = grade_mutants(list(EXERCISES.values()), jobs=2, passed_references=proven)
     assert [name for name, passed in refs.items() if not passed] == [], "these reference solutions FAIL"
     assert [mid for mid, passed in results.items() if passed] == [], "these wrong solutions PASS their grading"
     assert len(results) == len(_ALL)

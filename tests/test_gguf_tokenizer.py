@@ -34,7 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 COMMON_TEXTS = [
@@ -92,31 +91,17 @@ REFERENCE_TEXTS = {
 }
 
 
-class _FastReader:
-    """``gguf.GGUFReader`` slicing a plain ndarray view of its memory map instead of the
-    ``numpy.memmap`` itself: identical bytes, a third of the time (infer.loader.gguf._Reader
-    does the same). Written out here so that the reference runs none of infer's code."""
-
-    def _get(self, offset, dtype, count=1, override_order=None):
-        plain = self.__dict__.get("_plain_view")
-        if plain is None:
-            plain = self._plain_view = self.data.view(np.ndarray)
-        dt = np.dtype(dtype)
-        count = int(count)
-        arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
-        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
-
-
 def _transformers_reference(jobs: dict[str, dict], out: Path) -> None:
     """For each model: ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` (its GGUF reader
-    sped up, nothing else changed) and its ids for every text, to ``out/<model>.json``."""
-    import gguf
+    sped up by ``hf_reference.fast_gguf_reader``, nothing else changed) and its ids for every text, to
+    ``out/<model>.json``. Runs as this file's ``__main__`` (tests/ first on the path)."""
+    from hf_reference import fast_gguf_reader
     from transformers import AutoTokenizer
 
-    gguf.GGUFReader = type("FastGGUFReader", (_FastReader, gguf.GGUFReader), {})
     for name, job in jobs.items():
         path = Path(job["path"])
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with fast_gguf_reader():
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         result = {
             "plain": [tok.encode(t, add_special_tokens=False) for t in job["texts"]],
             "special": [tok.encode(t) for t in job["texts"]],
