@@ -1,6 +1,6 @@
-"""The exercise grader, both ways: every reference solution PASSes, every mutant (a plausible
-wrong solution, src/infer/exercise_mutants.py) FAILs; and a prepared workspace is graded on
-exactly its exercises, with the instructor's tests, against the workspace's own code."""
+"""The exercise grader: the exercises' regions, markers, mutants and page, and a prepared workspace
+graded on exactly its exercises, with the instructor's tests, against the workspace's own code.
+(Every reference PASSing and every mutant FAILing is tests/test_exercise_mutants.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from infer.exercises import (
     REPO,
     find_regions,
     grade,
-    grade_mutants,
     grading_env,
     prepare,
     region_text,
@@ -80,38 +79,6 @@ def test_needs_name_exercises_and_list_order_puts_independent_ones_first():
     assert phase5.index("block_free") < phase5.index("slot_mapping")  # slot_mapping's engine test frees blocks
     with pytest.raises(SystemExit, match="no exercise matches"):
         selected(0, ["top_p"])  # top_p is phase 1
-
-
-def passed_here(tests: tuple[str, ...], outcomes: dict[str, str]) -> bool:
-    """Did each of these node ids (a parametrized test's name alone stands for all its cases) run in this
-    session, and pass?"""
-    for t in tests:
-        ran = [o for nid, o in outcomes.items() if nid == t or nid.startswith(t + "[")]
-        if not ran or any(o != "passed" for o in ran):
-            return False
-    return True
-
-
-def test_passed_here_needs_every_case_to_have_run_and_passed():
-    outcomes = {"t.py::a": "passed", "t.py::b[x]": "passed", "t.py::b[y]": "passed", "t.py::c[x]": "passed",
-                "t.py::c[y]": "failed", "t.py::d": "skipped", "t.py::ab": "failed"}
-    assert passed_here(("t.py::a", "t.py::b", "t.py::b[x]"), outcomes)
-    assert not passed_here(("t.py::a", "t.py::c"), outcomes)  # one case failed
-    assert passed_here(("t.py::c[x]",), outcomes)
-    assert not passed_here(("t.py::d",), outcomes)  # skipped is not passed
-    assert not passed_here(("t.py::e",), outcomes)  # never ran
-    assert passed_here(("t.py::a",), {**outcomes, "t.py::a": "passed"}) and not passed_here(("t.py::ab",), outcomes)
-
-
-def test_every_reference_passes_and_every_mutant_fails(session_outcomes):
-    """The reference solutions (the repository) and the wrong solutions, each in a workspace of
-    its own, graded by their exercise's tests. This test runs last (tests/conftest.py): a reference
-    whose tests all passed earlier in this session, against this same code, is not graded again."""
-    proven = {e.name for e in EXERCISES.values() if passed_here(e.tests, session_outcomes)}
-    refs, results = grade_mutants(list(EXERCISES.values()), jobs=2, passed_references=proven)
-    assert [name for name, passed in refs.items() if not passed] == [], "these reference solutions FAIL"
-    assert [mid for mid, passed in results.items() if passed] == [], "these wrong solutions PASS their grading"
-    assert len(results) == len(_ALL)
 
 
 def test_a_prepared_workspace_is_graded_on_its_exercises_with_the_instructors_tests(tmp_path, capsys):

@@ -6,7 +6,7 @@ students really make (an off-by-one, an inclusive instead of an exclusive bound,
 flag or case, rebinding a list the caller holds instead of editing it), each written as small
 edits of the reference solution: ``(reference text, wrong text)`` pairs applied inside the
 exercise's region. ``python -m infer.exercises mutants`` grades each one in a workspace of its
-own with that exercise's tests; ``tests/test_exercises.py`` requires every one to FAIL (and
+own with that exercise's tests; ``tests/test_exercise_mutants.py`` requires every one to FAIL (and
 every reference to PASS). A mutant whose reference text is no longer in the region is an error,
 so the list cannot silently go stale when the code changes.
 
