@@ -13,7 +13,7 @@ bash scripts/setup.sh
 # the suite starts servers and clients beside pytest on two cores: its workers never spin (infer's own
 # default is a short spin, src/infer/__init__.py)
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
-workers="${INFER_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}"
+workers="${INFER_TEST_WORKERS:-$(python -c 'import os; print(min(os.cpu_count() or 1, 4))')}"
 if [ "$workers" -gt 1 ]; then
     exec python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi
