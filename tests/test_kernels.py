@@ -428,7 +428,8 @@ def test_auto_num_splits():
     cpu = torch.device("cpu")
     assert ops.decode_num_splits(64, 8, 4096, cpu) == 1  # enough programs already
     assert ops.decode_num_splits(1, 1, 32768, cpu) == 4  # 2 x "2 SMs" on the CPU
-    assert ops.decode_num_splits(1, 1, 300, cpu) == 2  # never slices under 256 keys
+    assert ops.decode_num_splits(1, 1, 100, cpu) == 2  # no more slices than max_context holds of 64 keys
+    assert ops.decode_num_splits(1, 1, 129, cpu) == 3 and ops.decode_num_splits(1, 1, 64, cpu) == 1
 
 
 @pytest.mark.skipif(not ops.INTERPRET, reason="the CPU smoke run needs the Triton interpreter")

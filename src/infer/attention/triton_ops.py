@@ -301,15 +301,26 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+#: the shortest key slice the grid plans for (one key tile of the GPU kernel): a narrow batch's grid gets
+#: at most ``ceil(max_context / MIN_SPLIT_KEYS)`` slices per sequence
+MIN_SPLIT_KEYS = 64
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """The automatic flash-decoding split count: enough programs to fill the GPU, but long splits.
+    """The automatic flash-decoding split count: enough programs to fill the GPU.
 
     ``B * num_kv_heads`` programs run without splitting; when that is under ``2 x SM count``, each
-    sequence is cut into ``ceil(2 x SMs / programs)`` slices, though never into slices shorter than 256
-    keys (the combine would then cost more than it gains) nor into more than 64. Measured on an H100
-    (benchmarks/paged_attention.py --tune, Qwen3-4B shapes): batch 64 x 4k runs best unsplit (99% of the
-    copy bandwidth; 2 splits 97%), batch 8 x 32k best with 4-8 splits (96-98%; unsplit 45%), batch 1 x 32k
-    with 24-64 (74-80%; unsplit 6%).
+    sequence is cut into ``ceil(2 x SMs / programs)`` slices, though never into more than 64, nor into
+    more than ``max_context`` holds of :data:`MIN_SPLIT_KEYS` keys (a grid whose programs would all
+    exit). A sequence then uses ``ceil(context / slice)`` of them (the kernel rounds a slice up to whole
+    key tiles), so the slices a context gets do not depend on how wide ``max_context`` is. Measured on
+    an H100 (benchmarks/paged_attention.py --tune, Qwen3-4B shapes): batch 64 x 4k runs best unsplit
+    (99% of the copy bandwidth; 2 splits 97%), batch 8 x 32k best with 4-8 splits (96-98%; unsplit 45%),
+    batch 1 x 32k with 24-64 (74-80%; unsplit 6%). At batch-1 decode one-tile slices beat longer ones
+    (run 29, H100, ms per token, alternated): Qwen3-4B over 129-256 keys 3.43-3.44 -> 3.39-3.41 against two
+    slices of up to 128 keys, what a 256-key minimum gave a 264-token ``max_model_len`` (one unsplit slice:
+    3.45), over 1,025-1,152 keys 3.61 -> 3.58 against five of ~256; Qwen3-0.6B 1.06-1.07 -> 1.03-1.04. The
+    merge costs less than the chain of dependent tile loads a longer slice waits on.
 
     Args:
         max_context: an upper bound of the context lengths, known on the host (block-table width x
@@ -321,7 +332,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     target = 2 * sms
     if programs >= target:
         return 1
-    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_context, 256), 64))
+    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_context, MIN_SPLIT_KEYS), 64))
 
 
 #: In a batch that fills the GPU unsplit, a context longer than this many keys is still cut into
