@@ -725,8 +725,8 @@ def grade_mutants(exercises: list[Exercise], jobs: int = 2,
     every mutant. Prints both tables.
 
     ``passed_references``: names of exercises whose tests the caller has just seen pass against
-    this repository (the test suite, which grades the mutants after everything else): their
-    references count as passed without a second run.
+    this repository (the test suite run in one process, which grades the mutants after everything
+    else): their references count as passed without a second run.
     """
     from infer.exercise_mutants import MUTANTS, apply_mutant
 
