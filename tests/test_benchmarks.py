@@ -128,7 +128,11 @@ def test_hf_continuous_batching_gives_each_request_its_own_length(older):
     wl = ot.build_workload(5, 2, 6, vocab_size=384, seed=1)
     wl.output_lens = [3, 7, 2, 5, 4]
     # A bounded cache: left to size itself, transformers takes 60% of the free RAM (~14 GB here).
-    r = ot.run_hf_cb(model, wl, temperature=0.0, progress=False, warmup=False, num_blocks=4, max_batch_tokens=64)
+    # every request here holds at most 6 + 7 tokens: one 256-token page each; 250 + 7 tokens take two
+    assert ot.hf_cb_blocks_for(wl) == 5
+    assert ot.hf_cb_blocks_for(ot.Workload([[1] * 250, [1] * 6], [7, 3], {})) == 3
+    r = ot.run_hf_cb(model, wl, temperature=0.0, progress=False, warmup=False, num_blocks=ot.hf_cb_blocks_for(wl),
+                     max_batch_tokens=64)
     assert r["errors"] == [] and r["tokens_ok"]
     assert [q["tokens"] for q in r["requests"]] == wl.output_lens  # no padding: each stops at its own length
     assert r["output_tokens"] == sum(wl.output_lens)

@@ -24,17 +24,17 @@ for name, n, k in (("gate_up", 2 * 9728, 2560), ("qkv", 6144, 2560)):
     nw = torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5
     act = "silu" if name == "gate_up" else None
     cases = {
-        "plain": lambda a, w: sg.skinny_linear(a, w),
-        "plain, norm tile": lambda a, w: sg._launch(a, w, None, w.shape[0], sg.default_config(1, w.shape[0], k, act=False, norm=True))[0],
-        "act": lambda a, w: sg._launch(a, w, None, w.shape[0] // 2, None, act=1)[0],
-        "norm1": lambda a, w: sg.skinny_norm_linear(a, None, nw, 1e-6, False, w)[0],
-        "norm1+act": lambda a, w: sg.skinny_norm_linear(a, None, nw, 1e-6, False, w, activation=act)[0],
-        "norm2+act": lambda a, w: sg.skinny_norm_linear(a, res, nw, 1e-6, False, w, activation=act)[0],
+        "plain": lambda a, w, k=k, nw=nw, res=res, act=act: sg.skinny_linear(a, w),
+        "plain, norm tile": lambda a, w, k=k, nw=nw, res=res, act=act: sg._launch(a, w, None, w.shape[0], sg.default_config(1, w.shape[0], k, act=False, norm=True))[0],
+        "act": lambda a, w, k=k, nw=nw, res=res, act=act: sg._launch(a, w, None, w.shape[0] // 2, None, act=1)[0],
+        "norm1": lambda a, w, k=k, nw=nw, res=res, act=act: sg.skinny_norm_linear(a, None, nw, 1e-6, False, w)[0],
+        "norm1+act": lambda a, w, k=k, nw=nw, res=res, act=act: sg.skinny_norm_linear(a, None, nw, 1e-6, False, w, activation=act)[0],
+        "norm2+act": lambda a, w, k=k, nw=nw, res=res, act=act: sg.skinny_norm_linear(a, res, nw, 1e-6, False, w, activation=act)[0],
     }
     if act is None:
         for c in ("act", "norm1+act", "norm2+act"):
             cases.pop(c)
-        cases["norm2"] = lambda a, w: sg.skinny_norm_linear(a, res, nw, 1e-6, False, w)[0]
+        cases["norm2"] = lambda a, w, nw=nw, res=res: sg.skinny_norm_linear(a, res, nw, 1e-6, False, w)[0]
     for rep in range(2):
         with pdl.scope():
             print(name, rep, {c: round(time_us(f, ws, x), 2) for c, f in cases.items()}, flush=True)
