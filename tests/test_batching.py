@@ -323,6 +323,36 @@ def test_abort_mid_batch_frees_its_row_and_disturbs_nobody(tiny_llama, mode):
     assert_pool_full(eng)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_nan_logits_give_tokens_not_a_fault(tiny_llama, device):
+    """A model whose logits turn NaN (a float16 overflow, a corrupt checkpoint) generates garbage, but it
+    generates, and the engine goes on. Both samplers follow torch.argmax's rule, a NaN counting as the
+    largest value. On a GPU the engine samples with the Triton kernels, which returned the id one past
+    the vocabulary: the next gather was a device-side assert that ended the CUDA context, and every
+    request of the server with it (tests/test_sampler_fast.py has the kernels' own cases on CPU)."""
+    from infer.loader import load_model
+
+    loaded = load_model(str(tiny_llama.path), device=device, dtype=torch.float32, progress=False)  # a copy
+    assert not loaded.config.tie_word_embeddings  # token 7's embedding stays finite
+    with torch.no_grad():
+        loaded.model.lm_head.weight[[7, 300]] = float("nan")  # logits 7 and 300 are NaN at every step
+    eng = LLMEngine(EngineConfig(model=str(loaded.path), device=device, dtype="float32", max_model_len=512,
+                                 max_num_seqs=4), loaded=loaded)
+    got = drive(eng, [(0, [11, 12, 13], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)),
+                      (0, [21, 22], SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)),
+                      (1, [31], SamplingParams(max_tokens=2, temperature=1.0, top_k=5, seed=2, ignore_eos=True))])
+    assert got[0] == [[7, 7, 7]]  # greedy: the first NaN column
+    assert got[1] == [[0, 0, 0]] and got[2] == [[0, 0]]  # sampled: every probability is NaN, the first column
+    assert_pool_full(eng)
+    # the engine serves a sound request afterwards (the same weights without the NaN rows: equal tokens)
+    with torch.no_grad():
+        loaded.model.lm_head.weight[[7, 300]] = tiny_llama.model.lm_head.weight[[7, 300]].to(device)
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    sound = load_model(str(tiny_llama.path), device=device, dtype=torch.float32, progress=False)
+    ref = LLMEngine(EngineConfig(model=str(sound.path), device=device, dtype="float32", max_model_len=512), loaded=sound)
+    assert drive(eng, [(0, [41, 42, 43], p)]) == drive(ref, [(0, [41, 42, 43], p)])
+
+
 def test_kv_memory_budget_sizes_the_cache(tiny_llama):
     cfg = tiny_llama.config
     row = cfg.kv_bytes_per_token(torch.float32) * 128

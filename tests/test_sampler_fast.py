@@ -275,6 +275,63 @@ def test_sample_matches_reference(name, use_triton):
             assert not torch.equal(logits, torch.zeros_like(logits))  # the caller's logits untouched
 
 
+def _nan_logits(b: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows as a model whose activations overflowed leaves them: all NaN; one NaN in a later tile;
+    NaN beside +inf; NaN beside -inf (banned tokens); the rest finite."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(b, vocab, generator=g) * 3).to(dtype)
+    nan = float("nan")
+    x[0] = nan
+    x[1, vocab - 7] = nan
+    x[2, 3], x[2, 900] = float("inf"), nan
+    if b > 3:
+        x[3, :100], x[3, 1200] = NEG_INF, nan
+    return x
+
+
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
+@pytest.mark.parametrize("name", sorted(MIXES))
+def test_nan_logits_still_give_a_token_of_the_vocabulary(name, use_triton):
+    """NaN logits (a model in float16 that overflowed) are garbage in, but must not become an id past
+    the vocabulary: on a GPU the next gather or embedding lookup with it is a device-side assert,
+    which ends the CUDA context and with it every other request of the server. Both paths follow
+    ``torch.argmax``'s rule, a NaN counting as the largest value: a greedy row takes its first NaN, a
+    sampled row (whose probabilities are then all NaN) the first column; so the Triton path chooses
+    what the plain-PyTorch one does."""
+    vocab = 1500  # two of the interpreter's 1,024-column tiles
+    params = MIXES[name]
+    b = len(params)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = _nan_logits(b, vocab, dtype)
+        t = build(params, vocab, use_triton=use_triton, outputs=[[5, 9]] * b,
+                  suppress=[[1, 2] if p.min_tokens else [] for p in params])
+        got = sample(logits, t).next_tokens
+        assert bool(((got >= 0) & (got < vocab)).all()), got
+        want = sample(logits, build(params, vocab, use_triton=False, outputs=[[5, 9]] * b,
+                                    suppress=[[1, 2] if p.min_tokens else [] for p in params])).next_tokens
+        assert torch.equal(got, want)
+        for i, p in enumerate(params):  # a greedy row without edits: its first NaN
+            if p.greedy and not (p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
+                                 or p.min_tokens):
+                assert got[i] == logits[i].float().argmax(), (i, got[i])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_take_the_first_nan_as_torch_argmax_does(dtype):
+    x = _nan_logits(4, 2500, dtype)
+    arg, lse = argmax_lse(x)
+    assert torch.equal(arg, x.float().argmax(-1))
+    assert bool(lse[:4].isnan().all())
+    stats = row_stats(x, torch.full((4,), 0.7), torch.full((4,), 0.1))
+    assert torch.equal(stats.argmax, x.float().argmax(-1))
+    g = torch.Generator().manual_seed(3)
+    seeds, steps = _seeds_steps(4, g)
+    probs = torch.softmax(x.float(), -1)  # every row has a NaN, so every probability is NaN
+    assert torch.equal(race_from_probs(probs, seeds, steps), sample_from_probs(probs, seeds, steps))
+    assert torch.equal(race_from_probs(probs, seeds, steps), torch.zeros(4, dtype=torch.int64))
+
+
 @needs_triton
 def test_seeded_rows_do_not_depend_on_the_batch():
     """A seeded row draws the same token alone, in a batch, and at another position of the batch."""
@@ -374,6 +431,23 @@ def test_gpu_real_shape_matches_reference_without_sync(dtype):
         assert mismatches <= (1 if name in ("top_p", "min_p", "top_k_top_p", "mixed") else 0), (name, mismatches)
         torch.testing.assert_close(got.logprobs[got.next_tokens == want.next_tokens],
                                    want.logprobs[got.next_tokens == want.next_tokens], rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_nan_logits_give_the_plain_pytorch_tokens(dtype):
+    """NaN rows at a real vocabulary on the GPU, where the max instruction drops a NaN operand: every mix,
+    the Triton path against the plain-PyTorch one on the same device, ids inside the vocabulary."""
+    vocab = 151_936
+    for name, params in MIXES.items():
+        b = len(params)
+        logits = _nan_logits(b, vocab, dtype).cuda()
+        got, want = (sample(logits, SamplingTensors.from_params(
+            params, None, None, None, [[5, 9]] * b, [[1, 2] if p.min_tokens else [] for p in params], vocab,
+            "cuda", use_triton=triton)).next_tokens for triton in (True, False))
+        assert bool(((got >= 0) & (got < vocab)).all()) and torch.equal(got, want), (name, got, want)
+    x = _nan_logits(4, vocab, dtype).cuda()
+    assert torch.equal(argmax_lse(x)[0], x.float().argmax(-1))
 
 
 @pytest.mark.gpu

@@ -106,9 +106,20 @@ def _uniform(key, idx):
 
 @triton.jit
 def _first_argmax(best, best_i, n):
-    """Row max of per-lane maxima, and the smallest index that attains it (``torch.argmax``'s rule)."""
-    top = tl.max(best, axis=0)
-    return top, tl.min(tl.where(best == top, best_i, n), axis=0)
+    """Row max of per-lane maxima, and the smallest index that attains it (``torch.argmax``'s rule,
+    where a NaN counts as larger than any number: the first NaN wins, and the max is NaN).
+
+    The NaNs are taken out before the max on purpose. The GPU's max returns the other operand of
+    a NaN (and the interpreter's NumPy max the NaN): then no lane equals the max, and the index
+    came out as ``n``, one past the row. Fed to the next gather or embedding lookup that index is a
+    device-side assert, which ends the CUDA context for every request (logits of a model that
+    overflowed in float16 are enough)."""
+    nan = best != best
+    first_nan = tl.min(tl.where(nan, best_i, n), axis=0)
+    top = tl.max(tl.where(nan, float("-inf"), best), axis=0)
+    first = tl.min(tl.where(best == top, best_i, n), axis=0)
+    has_nan = first_nan < n
+    return tl.where(has_nan, float("nan"), top), tl.where(has_nan, first_nan, first)
 
 
 # ----------------------------------------------------------------------------- row statistics
@@ -156,10 +167,9 @@ def _stats_combine_kernel(
     valid = offs < num_tiles
     base = row * num_tiles + offs
     m = tl.load(tile_max_ptr + base, mask=valid, other=float("-inf"))
-    arg = tl.load(tile_arg_ptr + base, mask=valid, other=0)
+    arg = tl.load(tile_arg_ptr + base, mask=valid, other=V)
     s_x = tl.load(tile_sum_x_ptr + base, mask=valid, other=0.0)
-    top = tl.max(m, axis=0)
-    first = tl.min(tl.where(valid & (m == top), arg, V), axis=0)
+    top, first = _first_argmax(m, arg, V)  # a tile's arg is its first index of its max (or first NaN)
     total_x = tl.sum(tl.where(s_x > 0.0, s_x * _exp(m - top, EXACT), 0.0), axis=0)
     tl.store(argmax_ptr + row, first.to(tl.int64))
     tl.store(lse_ptr + row, top + _log(total_x, EXACT))
