@@ -346,6 +346,31 @@ def test_triton_select_experts_matches_reference(renormalize, t, e, k):
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("e", [6, 8])  # padded to 8 lanes, and not padded
+@pytest.mark.parametrize("gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_triton_select_experts_routes_nan_logits_to_real_experts(gpu, e):
+    """Router logits that overflowed (NaN) route to k distinct experts in [0, E), never to id E or past
+    it: the grouped GEMM would read that expert's weights outside the tensor (an illegal access on a
+    GPU, which ends the CUDA context). A NaN makes the whole softmax NaN, and a NaN counts as the
+    largest value with the lowest id first (torch.argmax's rule): experts 0, 1, 2. A finite row keeps
+    the reference's routing."""
+    if not gpu and torch.cuda.is_available():
+        pytest.skip("the interpreter's case; the GPU twin runs here")
+    from infer.kernels import moe_triton
+
+    device = "cuda" if gpu else "cpu"
+    logits = torch.randn(4, e, generator=torch.Generator().manual_seed(e)) * 3
+    logits[0] = float("nan")
+    logits[1, 4] = float("nan")
+    logits[3, 1], logits[3, 2] = float("inf"), float("nan")
+    w, ids = moe_triton.select_experts(logits.to(device), 3, True)
+    for r in (0, 1, 3):
+        assert ids[r].tolist() == [0, 1, 2] and bool(w[r].isnan().all())
+    w_ref, ids_ref = ref.select_experts(logits[2:3], 3, True)
+    assert torch.equal(ids[2].cpu(), ids_ref[0])
+    torch.testing.assert_close(w[2].cpu(), w_ref[0], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("t,k,e,block,start,local", [(1, 8, 128, 16, 0, 128), (9, 3, 5, 4, 0, 5),
                                                      (70, 2, 4, 16, 0, 4), (12, 2, 8, 4, 2, 3)])
 def test_triton_moe_align_block_size_equals_reference(t, k, e, block, start, local):

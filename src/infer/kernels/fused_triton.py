@@ -76,6 +76,26 @@ def _round(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
         return x.to(DTYPE)
 
 
+@triton.jit
+def first_argmax(best, best_i, n):
+    """The max of a 1-D block and the smallest index ``best_i`` that attains it, ``torch.argmax``'s
+    rule: a NaN counts as larger than any number, so the first NaN wins and the max is NaN. ``n``:
+    an index past every real one (padding lanes hold it or a value no real one loses to).
+
+    Used wherever a kernel turns values into an index (the sampler's argmax and exponential race,
+    MoE routing). The NaNs are taken out before the max on purpose: the GPU's max returns the other
+    operand of a NaN (the interpreter's NumPy max returns the NaN), so no lane would equal the max and
+    the index would come out as ``n``, past the row. Fed to the next gather or embedding lookup, that
+    index is a device-side assert, which ends the CUDA context for every request; the logits of a
+    model that overflowed in float16 are enough."""
+    nan = best != best
+    first_nan = tl.min(tl.where(nan, best_i, n), axis=0)
+    top = tl.max(tl.where(nan, float("-inf"), best), axis=0)
+    first = tl.min(tl.where(best == top, best_i, n), axis=0)
+    has_nan = first_nan < n
+    return tl.where(has_nan, float("nan"), top), tl.where(has_nan, first_nan, first)
+
+
 def _manual_bf16(x: torch.Tensor) -> bool:
     return INTERPRET and x.dtype == torch.bfloat16
 

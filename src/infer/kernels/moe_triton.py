@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import moe_reference
-from infer.kernels.fused_triton import _round, act_and_mul
+from infer.kernels.fused_triton import _round, act_and_mul, first_argmax
 from infer.kernels.moe_reference import check_experts, max_padded_tokens
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -56,7 +56,8 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, stride_l,
                          E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
                          RENORMALIZE: tl.constexpr):
     # One program per token: softmax over its E logits in float32, then K rounds of "take the largest,
-    # mask it out" (the lowest expert id wins a tie), then the optional renormalization.
+    # mask it out" (the lowest expert id wins a tie, and a NaN beats any number: router logits that
+    # overflowed still give K distinct experts in [0, E)), then the optional renormalization.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     x = tl.load(logits_ptr + row * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
@@ -67,8 +68,7 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, stride_l,
     w = tl.zeros((K_PAD,), dtype=tl.float32)
     ids = tl.zeros((K_PAD,), dtype=tl.int32)
     for j in tl.static_range(K):
-        best = tl.max(p, 0)
-        idx = tl.min(tl.where(p == best, offs, E_PAD), 0)
+        best, idx = first_argmax(p, offs, E_PAD)
         w = tl.where(slots == j, best, w)
         ids = tl.where(slots == j, idx, ids)
         p = tl.where(offs == idx, -1.0, p)

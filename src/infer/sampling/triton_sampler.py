@@ -54,6 +54,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from infer.kernels.fused_triton import first_argmax
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 
 __all__ = ["INTERPRET", "RowStats", "apply_token_bitmask", "argmax_lse", "exponential_race", "race_from_probs",
@@ -104,24 +106,6 @@ def _uniform(key, idx):
     return tl.minimum(((z >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0), 0.99999994039535522)
 
 
-@triton.jit
-def _first_argmax(best, best_i, n):
-    """Row max of per-lane maxima, and the smallest index that attains it (``torch.argmax``'s rule,
-    where a NaN counts as larger than any number: the first NaN wins, and the max is NaN).
-
-    The NaNs are taken out before the max on purpose. The GPU's max returns the other operand of
-    a NaN (and the interpreter's NumPy max the NaN): then no lane equals the max, and the index
-    came out as ``n``, one past the row. Fed to the next gather or embedding lookup that index is a
-    device-side assert, which ends the CUDA context for every request (logits of a model that
-    overflowed in float16 are enough)."""
-    nan = best != best
-    first_nan = tl.min(tl.where(nan, best_i, n), axis=0)
-    top = tl.max(tl.where(nan, float("-inf"), best), axis=0)
-    first = tl.min(tl.where(best == top, best_i, n), axis=0)
-    has_nan = first_nan < n
-    return tl.where(has_nan, float("nan"), top), tl.where(has_nan, first_nan, first)
-
-
 # ----------------------------------------------------------------------------- row statistics
 #
 # Split over (row, tile of BLOCK columns) programs, so that even one row spreads over many SMs,
@@ -140,7 +124,7 @@ def _stats_tile_kernel(
     tile = tl.program_id(1)
     idx = tile * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-    m, arg = _first_argmax(x, idx, V)
+    m, arg = first_argmax(x, idx, V)
     empty = m == float("-inf")  # an all -inf tile adds nothing (and exp(-inf - -inf) is nan)
     out = row * num_tiles + tile
     tl.store(tile_max_ptr + out, m)
@@ -169,7 +153,7 @@ def _stats_combine_kernel(
     m = tl.load(tile_max_ptr + base, mask=valid, other=float("-inf"))
     arg = tl.load(tile_arg_ptr + base, mask=valid, other=V)
     s_x = tl.load(tile_sum_x_ptr + base, mask=valid, other=0.0)
-    top, first = _first_argmax(m, arg, V)  # a tile's arg is its first index of its max (or first NaN)
+    top, first = first_argmax(m, arg, V)  # a tile's arg is its first index of its max (or first NaN)
     total_x = tl.sum(tl.where(s_x > 0.0, s_x * _exp(m - top, EXACT), 0.0), axis=0)
     tl.store(argmax_ptr + row, first.to(tl.int64))
     tl.store(lse_ptr + row, top + _log(total_x, EXACT))
@@ -368,7 +352,7 @@ def _race_kernel(
         p = _div(e, tl.load(s_kept_ptr + row))
     exp1 = -_log(_uniform(key, idx), EXACT)  # Exponential(1), > 0
     score = tl.where(valid, tl.div_rn(p, exp1), -1.0)  # scores are >= 0: any real column beats -1
-    best, best_i = _first_argmax(score, idx, V)
+    best, best_i = first_argmax(score, idx, V)
     tl.store(best_ptr + row * num_tiles + tile, best)
     tl.store(best_i_ptr + row * num_tiles + tile, best_i.to(tl.int64))
 
