@@ -522,10 +522,10 @@ def run_hf_cb(model, wl: Workload, temperature: float, progress: bool = True, wa
     """transformers' continuous batching: one manager, every request added at once with its own ask.
 
     ``num_blocks`` (blocks of 256 tokens for every layer, :func:`hf_cb_blocks_for`) and ``max_batch_tokens``
-    bound its paged cache;
-    left ``None``, transformers sizes the cache from free memory: on a CPU 60% of the available RAM,
-    allocated up front (about 14 GB of a 23 GB machine, even for a tiny model). They are passed through
-    ``ContinuousBatchingConfig`` where the installed transformers has it and ignored otherwise.
+    bound its paged cache; left ``None``, transformers sizes the cache from free memory: on a CPU 60% of
+    the available RAM, allocated up front (about 14 GB of a 23 GB machine, even for a tiny model). They
+    are passed through ``ContinuousBatchingConfig`` where the installed transformers has it and ignored
+    otherwise.
     """
     import inspect
 

@@ -23,8 +23,10 @@ MODES = ["none", "static", "continuous"]
 
 
 def make_engine(loaded, **kw) -> LLMEngine:
+    """A float32 engine over ``loaded``, on the device its weights are on."""
     kw.setdefault("max_model_len", 512)
-    return LLMEngine(EngineConfig(model=str(loaded.path), device="cpu", dtype="float32", **kw), loaded=loaded)
+    device = next(loaded.model.parameters()).device.type
+    return LLMEngine(EngineConfig(model=str(loaded.path), device=device, dtype="float32", **kw), loaded=loaded)
 
 
 def drive(engine: LLMEngine, arrivals: list[tuple[int, list[int], SamplingParams]], check=None) -> dict[str, list]:
@@ -336,8 +338,7 @@ def test_nan_logits_give_tokens_not_a_fault(tiny_llama, device):
     assert not loaded.config.tie_word_embeddings  # token 7's embedding stays finite
     with torch.no_grad():
         loaded.model.lm_head.weight[[7, 300]] = float("nan")  # logits 7 and 300 are NaN at every step
-    eng = LLMEngine(EngineConfig(model=str(loaded.path), device=device, dtype="float32", max_model_len=512,
-                                 max_num_seqs=4), loaded=loaded)
+    eng = make_engine(loaded, max_num_seqs=4)
     got = drive(eng, [(0, [11, 12, 13], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)),
                       (0, [21, 22], SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)),
                       (1, [31], SamplingParams(max_tokens=2, temperature=1.0, top_k=5, seed=2, ignore_eos=True))])
@@ -349,8 +350,7 @@ def test_nan_logits_give_tokens_not_a_fault(tiny_llama, device):
         loaded.model.lm_head.weight[[7, 300]] = tiny_llama.model.lm_head.weight[[7, 300]].to(device)
     p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     sound = load_model(str(tiny_llama.path), device=device, dtype=torch.float32, progress=False)
-    ref = LLMEngine(EngineConfig(model=str(sound.path), device=device, dtype="float32", max_model_len=512), loaded=sound)
-    assert drive(eng, [(0, [41, 42, 43], p)]) == drive(ref, [(0, [41, 42, 43], p)])
+    assert drive(eng, [(0, [41, 42, 43], p)]) == drive(make_engine(sound), [(0, [41, 42, 43], p)])
 
 
 def test_kv_memory_budget_sizes_the_cache(tiny_llama):
@@ -409,14 +409,9 @@ def test_continuous_batching_on_gpu_matches_alone(tiny_llama):
 
     loaded = load_model(str(tiny_llama.path), device="cuda", dtype=torch.float32, progress=False)
     arrivals = mixed_workload(loaded.config.vocab_size, 24, seed=3)
-
-    def engine(**kw):
-        return LLMEngine(EngineConfig(model=str(loaded.path), device="cuda", dtype="float32", max_model_len=512,
-                                      **kw), loaded=loaded)
-
-    single = engine()
+    single = make_engine(loaded)
     alone = [drive(single, [(0, p, sp)])[0] for _, p, sp in arrivals]
-    eng = engine(batching="continuous", max_num_seqs=16)
+    eng = make_engine(loaded, batching="continuous", max_num_seqs=16)
     batched = drive(eng, arrivals)
     assert [batched[i] for i in range(len(arrivals))] == alone
     assert_pool_full(eng)
