@@ -100,6 +100,33 @@ def test_chat_json_schema_streamed(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_top_logprobs_of_tokens_a_constraint_excludes_are_json_numbers(client, server, stream):
+    """A constraint that leaves fewer tokens than ``top_logprobs`` asks for: the rest of the list has
+    probability 0 (logprob -inf, which JSON cannot carry). They come back as OpenAI's -9999.0, streamed
+    and not, and the allowed tokens' logprobs are the same both ways."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=5, temperature=0,
+              logprobs=True, top_logprobs=8, extra_body={"guided_choice": ["no"]})
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        entries = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    else:
+        done = client.chat.completions.create(**kw)
+        entries, text = done.choices[0].logprobs.content, done.choices[0].message.content
+    assert text == "no"
+    assert entries and all(len(e.top_logprobs) == 8 for e in entries)
+    excluded = [t.logprob for e in entries for t in e.top_logprobs if t.logprob == -9999.0]
+    assert excluded, "the constraint left 8 or more tokens at every step: the test checks nothing"
+    for e in entries:  # the chosen token is allowed: a real logprob, listed first among the alternatives
+        assert -9999.0 < e.logprob <= 0.0 and e.top_logprobs[0].token == e.token
+        assert all(t.logprob == -9999.0 or -9999.0 < t.logprob <= 0.0 for t in e.top_logprobs)
+    legacy = httpx.post(f"{server.url}{CMPL}", json={"prompt": "Is water wet?", "max_tokens": 5, "temperature": 0,
+                                                     "logprobs": 8, "guided_choice": ["no"]}, timeout=120)
+    assert legacy.status_code == 200, legacy.text
+    assert -9999.0 in legacy.json()["choices"][0]["logprobs"]["top_logprobs"][-1].values()
+
+
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_forced_tool_calls_round_trip(client, stream, choice):
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -130,6 +131,18 @@ def failure_status_and_body(exc: BaseException) -> tuple[int, dict]:
 def failure_response(exc: BaseException) -> JSONResponse:
     status, body = failure_status_and_body(exc)
     return JSONResponse(status_code=status, content=body)
+
+
+#: the logprob reported for a token the distribution gives no probability: OpenAI's value, and vLLM's
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """``logprob`` as a JSON number: -inf (a token that a constraint, top-k or top-p took out of the
+    distribution, listed among the ``top_logprobs``) and NaN (non-finite logits) become
+    :data:`LOGPROB_FLOOR`, as do values below it. JSON has no -Infinity or NaN: Starlette refuses to
+    encode them (a 500) and a stream would carry text no JSON parser reads."""
+    return logprob if math.isfinite(logprob) and logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def sse_event(obj: Any) -> str:
@@ -374,14 +387,14 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
                 if e is None:
                     add(text, None, None)
                 else:
-                    add(text, e.token.logprob, {t.decoded: t.logprob for t in e.top})
+                    add(text, json_logprob(e.token.logprob), {t.decoded: json_logprob(t.logprob) for t in e.top})
         for e in gen_lps or []:
-            add(e.token.decoded, e.token.logprob, {t.decoded: t.logprob for t in e.top})
+            add(e.token.decoded, json_logprob(e.token.logprob), {t.decoded: json_logprob(t.logprob) for t in e.top})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def chat_lp_block(entries: list[PositionLogprobs]) -> dict:
         def one(t):
-            return {"token": t.decoded, "logprob": t.logprob, "bytes": list(t.decoded.encode("utf-8"))}
+            return {"token": t.decoded, "logprob": json_logprob(t.logprob), "bytes": list(t.decoded.encode("utf-8"))}
 
         return {"content": [{**one(e.token), "top_logprobs": [one(t) for t in e.top]} for e in entries]}
 
