@@ -65,6 +65,22 @@ def pytest_runtest_logreport(report):
         _OUTCOMES[report.nodeid] = "passed"
 
 
+_SCHEDULED: set[str] = set()  # node ids this pytest-xdist session runs (on some worker), once collected
+
+
+def pytest_collection_finish(session):
+    """Under pytest-xdist every worker collects the whole run (the controller hands out indices into it)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _SCHEDULED.update(item.nodeid for item in session.items)
+
+
+@pytest.fixture(scope="session")
+def session_scheduled() -> set[str]:
+    """Under pytest-xdist: the node ids of every test of this run, on whichever worker it runs (a failure
+    there fails the run). Run in one process: empty (:func:`session_outcomes` tells what passed)."""
+    return _SCHEDULED
+
+
 @pytest.fixture(scope="session")
 def session_outcomes() -> dict[str, str]:
     """The outcomes of the tests this session (this process: one pytest-xdist worker's) has run so far,

@@ -724,9 +724,10 @@ def grade_mutants(exercises: list[Exercise], jobs: int = 2,
     exercise, passed per mutant id)``; a trustworthy grader PASSes every reference and FAILs
     every mutant. Prints both tables.
 
-    ``passed_references``: names of exercises whose tests the caller has just seen pass against
-    this repository (the test suite run in one process, which grades the mutants after everything
-    else): their references count as passed without a second run.
+    ``passed_references``: names of exercises whose tests the caller runs against this repository
+    itself (the test suite: run in one process, it grades the mutants after everything else and names
+    the exercises whose tests passed; under pytest-xdist, those whose tests are all in the run): their
+    references count as passed without a second run.
     """
     from infer.exercise_mutants import MUTANTS, apply_mutant
 
@@ -759,7 +760,7 @@ def grade_mutants(exercises: list[Exercise], jobs: int = 2,
     width = max([len(i) for i in got] + [len(n) for n in refs] + [8])
     print(f"{'reference'.ljust(width)}  graded  (must PASS)")
     for name, ok in refs.items():
-        how = "" if name in ran else "  (its tests passed in the caller's run)"
+        how = "" if name in ran else "  (its tests are the caller's: not graded again)"
         print(f"{name.ljust(width)}  {'PASS' if ok else 'FAIL  <-- the reference fails'}{how}")
     print(f"\n{'mutant'.ljust(width)}  graded  (a wrong solution: must FAIL)")
     for m in mutants:
