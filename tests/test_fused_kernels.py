@@ -241,6 +241,62 @@ def test_skinny_linear_matches_reference(dtype, m, bias, stages):
     torch.testing.assert_close(expected.double(), exact, atol=TOL[dtype][0] * 40, rtol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, norm, activation, residual, programs", [
+    (1, False, None, True, 3),      # the engine's case (a down projection + its residual add), 19 row blocks
+    (1, False, None, False, 1),     # one program walks every row block
+    (3, True, "silu", False, 4),    # what the policy never picks, the kernel still computes: norm + gate/up
+    (1, True, None, False, 20),     # more programs than row blocks (19): one each, the rest idle
+])
+def test_persistent_grid_equals_one_program_per_row_block(dtype, m, norm, activation, residual, programs):
+    """The skinny GEMM's persistent grid (``programs`` programs, each computing every P-th row block and
+    loading the next block's first tile in the last K step of the one before) against the same tile with one
+    program per row block: the same sums in the same order, so bit-identical outputs (and new residual
+    stream); and against the plain-PyTorch reference. K (70) off the tile (32 under the interpreter), N off
+    BLOCK_N, strided rows. Rejected with the pipelined loop."""
+    from infer.kernels import skinny_gemm as sk
+
+    g = torch.Generator().manual_seed(300 + m * 10 + programs)
+    n = 38 if activation else 150
+    x = rows(g, m, 70, dtype, pad=5)
+    w, b = randn(g, n, 70, dtype=dtype, scale=0.3), randn(g, n, dtype=dtype)
+    n_out = n // 2 if activation else n
+    add = rows(g, m, n_out, dtype, pad=3) if residual else None
+    tile = sk.default_config(m, n_out, 70, act=bool(activation), norm=norm)[:3] + (0,)
+    if norm:
+        nw = randn(g, 70, dtype=dtype, scale=0.2) + 1
+        y, s = sk.skinny_norm_linear(x, None, nw, EPS, False, w, b, activation, config=(*tile, programs))
+        y1, s1 = sk.skinny_norm_linear(x, None, nw, EPS, False, w, b, activation, config=(*tile, 0))
+        expected, _ = sk.skinny_norm_linear_reference(x, None, nw, EPS, False, w, b, activation)
+        assert torch.equal(s, s1)
+    else:
+        y = sk.skinny_linear(x, w, b, config=(*tile, programs), residual=add)
+        y1 = sk.skinny_linear(x, w, b, config=(*tile, 0), residual=add)
+        expected = sk.skinny_linear_reference(x, w, b, residual=add)
+    assert torch.equal(y, y1)
+    assert_close(y, expected, dtype)
+    with pytest.raises(ValueError, match="persistent grid"):
+        sk.skinny_linear(x, w, b, config=(*tile[:3], 3, programs))
+
+
+def test_persistent_programs_only_for_the_measured_case():
+    """The policy (persistent_programs): a persistent grid only for one row, no norm or activation, the
+    8-warp register loop, on CUDA, with more row blocks than the grid; never under the interpreter or on CPU."""
+    from infer.kernels import skinny_gemm as sk
+
+    cuda = torch.device("cuda", 0)
+    for args in [(2, 2560, (2, 2048, 8, 0), False, False, torch.device("cpu")),  # not CUDA
+                 (2, 2560, (2, 2048, 8, 0), False, False, cuda), (1, 2560, (2, 2048, 8, 0), True, False, cuda),
+                 (1, 2560, (2, 2048, 8, 0), False, True, cuda), (1, 2560, (2, 1024, 4, 0), False, False, cuda),
+                 (1, 2560, (2, 2048, 8, 3), False, False, cuda)]:
+        assert sk.persistent_programs(*args) == 0, args
+    if torch.cuda.is_available():
+        sms = sk._sm_count(0)
+        per_sm = sk.PERSISTENT_PROGRAMS_PER_SM
+        assert sk.persistent_programs(1, 2 * per_sm * sms + 2, (2, 2048, 8, 0), False, False, cuda) == per_sm * sms
+        assert sk.persistent_programs(1, 2 * per_sm * sms, (2, 2048, 8, 0), False, False, cuda) == 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("bias", [False, True])
@@ -733,10 +789,11 @@ sig = {"x_ptr": bf, "r_ptr": bf, "r_out_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_
 for name, norm, act, add, use_pdl, k_pad in (
         ("skinny", 0, 0, False, False, 0), ("skinny_pdl", 0, 0, False, True, 0),
         ("add_pdl", 0, 0, True, True, 0), ("norm_act_pdl", 2, 1, False, True, 0),
-        ("norm_one_load_pdl", 1, 1, False, True, 4096), ("pipelined_norm_act_pdl", 1, 1, False, True, 0)):
+        ("norm_one_load_pdl", 1, 1, False, True, 4096), ("pipelined_norm_act_pdl", 1, 1, False, True, 0),
+        ("persistent_add_pdl", 0, 0, True, True, 0)):
     consts = {"M_PAD": 1, "BLOCK_N": 4, "BLOCK_K": 512, "HAS_BIAS": False, "NORM": norm, "UNIT_OFFSET": False,
               "ACT": act, "ADD": add, "USE_PDL": use_pdl, "MANUAL_BF16": False, "NORM_K_PAD": k_pad,
-              "STAGES": 3 if name.startswith("pipelined") else 0}
+              "STAGES": 3 if name.startswith("pipelined") else 0, "PERSISTENT": name.startswith("persistent")}
     out[name] = compile_(sk._skinny_gemm_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 4)
 from infer.attention import triton_ops as to
 sig = {"q_ptr": bf, "k_cache_ptr": bf, "v_cache_ptr": bf, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -769,7 +826,7 @@ def test_kernels_compile_for_an_h100(tmp_path):
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loads = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(loads) == 17
+    assert len(loads) == 18
     for name, kinds in loads.items():
         if not name.startswith(("qk", "decode")):
             assert "ld.global.v4.b32" in kinds, (name, kinds)
@@ -777,14 +834,15 @@ def test_kernels_compile_for_an_h100(tmp_path):
         pdl = name.endswith(("True", "_pdl"))
         assert ("griddepcontrol.wait" in kinds) == pdl and ("wait-before-launch" in kinds) == pdl, (name, kinds)
     # the skinny GEMM's pipelined K loop streams W through shared memory; its register loop never does
-    for name in ("skinny", "skinny_pdl", "add_pdl", "norm_act_pdl", "norm_one_load_pdl", "pipelined_norm_act_pdl"):
+    for name in ("skinny", "skinny_pdl", "add_pdl", "norm_act_pdl", "norm_one_load_pdl", "pipelined_norm_act_pdl",
+                 "persistent_add_pdl"):
         assert any(k.startswith("cp.async") for k in loads[name]) == name.startswith("pipelined"), (name, loads[name])
     # with PDL these read before their wait what no kernel of the step writes: the projections their first
     # weight tiles, the QK norm + RoPE its position, cos/sin row and norm weights, the decode attention its
     # sequence's length (its split plan); the plain norms and the activation have nothing to read early
     early = {n for n, kinds in loads.items() if "load-before-wait" in kinds}
     assert early == {"skinny_pdl", "add_pdl", "norm_act_pdl", "norm_one_load_pdl", "pipelined_norm_act_pdl",
-                     "qk128True", "qk256True", "decode_pdl"}, early
+                     "persistent_add_pdl", "qk128True", "qk256True", "decode_pdl"}, early
 
 
 PDL_SCRIPT = r"""

@@ -17,6 +17,7 @@ model layers call it through :func:`linear` for the projections where it beats c
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -68,12 +69,37 @@ def _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM: tl.constexpr, UNI
 
 
 @triton.jit
+def _store_outputs(acc, acc_u, offs_n, n_mask, offs_m, m_mask, b_ptr, add_ptr, y_ptr, N, stride_am, stride_ym,
+                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """The epilogue of one row block: reduce the ``[M_PAD, BLOCK_N, BLOCK_K]`` sums over K, then bias, activation
+    and residual add as the kernel's flags say, rounded as the unfused layers round, and store ``y``."""
+    dtype = y_ptr.dtype.element_ty
+    y = tl.sum(acc, 2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if ACT:  # the projection's outputs are rounded to the dtype first, as the unfused MLP's are
+        g = _round(y, dtype, MANUAL_BF16).to(tl.float32)
+        up = tl.sum(acc_u, 2)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = _act(g, ACT == 2) * _round(up, dtype, MANUAL_BF16).to(tl.float32)
+    if ADD:  # rounded as the unfused `linear(x) + residual` is: the product, then the sum. Loaded here, not
+        # before the loop: held through it, the two values per program cost o and down 2.3 us per call on an
+        # H200 (run 27 call 2); here 0.2-0.3 us.
+        y = _round(y, dtype, MANUAL_BF16).to(tl.float32) + tl.load(
+            add_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :],
+            mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+    out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out, _round(y, dtype, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, r_ptr, r_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, y_ptr, M, N, K, stride_xm, stride_rm, stride_om,
     stride_wn, stride_am, stride_ym, up_offset, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
-    MANUAL_BF16: tl.constexpr, NORM_K_PAD: tl.constexpr, STAGES: tl.constexpr,
+    MANUAL_BF16: tl.constexpr, NORM_K_PAD: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     # Grid (cdiv(N, BLOCK_N),): program j computes outputs [j * BLOCK_N, (j + 1) * BLOCK_N) of every row
     # of x, walking K in BLOCK_K slices: the [BLOCK_N, BLOCK_K] tile of W (contiguous along K) is read
@@ -92,6 +118,9 @@ def _skinny_gemm_kernel(
     #     again: the block's residual add in the epilogue (the next norm then reads one row, not two).
     #   USE_PDL: the first weight tiles, which no kernel writes, are loaded before waiting for the
     #     previous kernel (infer.kernels.pdl): the weight stream starts while that kernel finishes.
+    #   PERSISTENT (STAGES 0 only): a grid of P < cdiv(N, BLOCK_N) programs; program j computes row blocks
+    #     j, j + P, j + 2P, ..., and the last K step of each loads the next one's first tile, so a program's
+    #     weight stream does not stop between its row blocks (see persistent_programs).
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
@@ -125,50 +154,63 @@ def _skinny_gemm_kernel(
     acc_u = acc
     if ACT:
         acc_u = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if STAGES == 0:  # one tile ahead, in registers: the next tile is loaded before the current one is used
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
-            kn = k + BLOCK_K
-            next_mask = n_mask[:, None] & (kn < K)[None, :]
-            w_next = tl.load(w_rows + kn[None, :], mask=next_mask, other=0.0)
+    if PERSISTENT:  # row blocks pid, pid + P, ...; the norm's mean squares above were computed once for all
+        P = tl.num_programs(0)
+        for block in range(pid, tl.cdiv(N, BLOCK_N), P):
+            offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < N
+            w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+            n_next = offs_n + P * BLOCK_N  # the next row block's
+            next_rows = w_ptr + n_next.to(tl.int64)[:, None] * stride_wn
+            acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+            if ACT:
+                acc_u = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):  # as the STAGES 0 loop below, but the last step's "next tile" is
+                k = k0 + offs_k  # the first of the next row block
+                xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
+                last = k0 + BLOCK_K >= K
+                kn = tl.where(last, offs_k, k + BLOCK_K)
+                base = tl.where(last, next_rows, w_rows)
+                next_mask = (tl.where(last, n_next, offs_n) < N)[:, None] & (kn < K)[None, :]
+                w_next = tl.load(base + kn[None, :], mask=next_mask, other=0.0)
+                acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
+                w = w_next
+                if ACT:
+                    u_next = tl.load(base + up_offset + kn[None, :], mask=next_mask, other=0.0)
+                    acc_u += xk[:, None, :] * u.to(tl.float32)[None, :, :]
+                    u = u_next
+            _store_outputs(acc, acc_u, offs_n, n_mask, offs_m, m_mask, b_ptr, add_ptr, y_ptr, N, stride_am,
+                           stride_ym, HAS_BIAS, ACT, ADD, MANUAL_BF16)
+    else:  # one program per row block
+        if STAGES == 0:  # one tile ahead, in registers: the next tile is loaded before the current one is used
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
+                kn = k + BLOCK_K
+                next_mask = n_mask[:, None] & (kn < K)[None, :]
+                w_next = tl.load(w_rows + kn[None, :], mask=next_mask, other=0.0)
+                acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
+                w = w_next
+                if ACT:
+                    u_next = tl.load(u_rows + kn[None, :], mask=next_mask, other=0.0)
+                    acc_u += xk[:, None, :] * u.to(tl.float32)[None, :, :]
+                    u = u_next
+        else:  # STAGES - 1 tiles ahead: Triton's pipeliner copies them into shared memory (cp.async) while the
+            # loop works; the first tile (loaded before the wait) is used last
+            for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+                k = k0 + offs_k
+                xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
+                tile_mask = n_mask[:, None] & (k < K)[None, :]
+                acc += xk[:, None, :] * tl.load(w_rows + k[None, :], mask=tile_mask, other=0.0).to(tl.float32)[None, :, :]
+                if ACT:
+                    acc_u += xk[:, None, :] * tl.load(u_rows + k[None, :], mask=tile_mask,
+                                                      other=0.0).to(tl.float32)[None, :, :]
+            xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, offs_k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
             acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
-            w = w_next
             if ACT:
-                u_next = tl.load(u_rows + kn[None, :], mask=next_mask, other=0.0)
                 acc_u += xk[:, None, :] * u.to(tl.float32)[None, :, :]
-                u = u_next
-    else:  # STAGES - 1 tiles ahead: Triton's pipeliner copies them into shared memory (cp.async) while the
-        # loop works; the first tile (loaded before the wait) is used last
-        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-            k = k0 + offs_k
-            xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
-            tile_mask = n_mask[:, None] & (k < K)[None, :]
-            acc += xk[:, None, :] * tl.load(w_rows + k[None, :], mask=tile_mask, other=0.0).to(tl.float32)[None, :, :]
-            if ACT:
-                acc_u += xk[:, None, :] * tl.load(u_rows + k[None, :], mask=tile_mask,
-                                                  other=0.0).to(tl.float32)[None, :, :]
-        xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, offs_k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
-        acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
-        if ACT:
-            acc_u += xk[:, None, :] * u.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, 2)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if ACT:  # the projection's outputs are rounded to the dtype first, as the unfused MLP's are
-        g = _round(y, dtype, MANUAL_BF16).to(tl.float32)
-        up = tl.sum(acc_u, 2)
-        if HAS_BIAS:
-            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        y = _act(g, ACT == 2) * _round(up, dtype, MANUAL_BF16).to(tl.float32)
-    if ADD:  # rounded as the unfused `linear(x) + residual` is: the product, then the sum. Loaded here, not
-        # before the loop: held through it, the two values per program cost o and down 2.3 us per call on an
-        # H200 (run 27 call 2); here 0.2-0.3 us.
-        y = _round(y, dtype, MANUAL_BF16).to(tl.float32) + tl.load(
-            add_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :],
-            mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
-    out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(out, _round(y, dtype, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
+        _store_outputs(acc, acc_u, offs_n, n_mask, offs_m, m_mask, b_ptr, add_ptr, y_ptr, N, stride_am, stride_ym,
+                       HAS_BIAS, ACT, ADD, MANUAL_BF16)
 
 
 def default_config(m: int, n: int, k: int, act: bool = False, norm: bool = False) -> tuple[int, int, int, int]:
@@ -210,6 +252,35 @@ PIPELINE_STAGES = 3
 
 #: the norm's first pass loads whole rows of x at once when that is at most this many values per thread
 NORM_ONE_LOAD_PER_THREAD = 16
+
+#: programs per SM of a persistent grid (persistent_programs)
+PERSISTENT_PROGRAMS_PER_SM = 6
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(m: int, n: int, config: tuple[int, int, int, int], norm: bool, act: bool,
+                        device: torch.device) -> int:
+    """The number of programs of a persistent grid for this product (the kernel's ``PERSISTENT``: each program
+    computes every P-th row block and streams its weights without a stop between them), or 0 for one
+    program per row block.
+
+    Persistent: one row, no norm, no activation, the register loop of 8 warps (K >= 8192: only 4 such
+    programs fit an SM, so one program per row block takes several waves), on a CUDA device, when there
+    are more row blocks than :data:`PERSISTENT_PROGRAMS_PER_SM` per SM. Measured in a chain of 36 Qwen3-4B
+    layers' projections with PDL on an H100 (GPU run 32, ``benchmarks/reports/gpu-2026-11-26/run32``): its
+    down projection (1,280 row blocks, 2.4 waves) 0.8 us a layer faster at 6 programs an SM (4: no
+    faster; 8: 0.5 us); the persistent grid lost everywhere else, by 0.3-5 us (o, QKV and gate/up, either
+    K loop, with the loop over (row block, K slice) flattened into one as well).
+    """
+    block_n, _, warps, stages = config
+    if m != 1 or norm or act or stages or warps < 8 or device.type != "cuda" or INTERPRET:
+        return 0
+    programs = PERSISTENT_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)
+    return programs if triton.cdiv(n, block_n) > programs else 0
 
 
 def _norm_k_pad(m: int, k: int, warps: int) -> int:
@@ -275,9 +346,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     r_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if norm == 2 else None
     if m == 0:
         return y, r_out
-    block_n, block_k, warps, *stages = config or default_config(m, n, k, act=bool(act), norm=norm > 0)
+    block_n, block_k, warps, *rest = config or default_config(m, n, k, act=bool(act), norm=norm > 0)
+    stages = rest[0] if rest else 0
+    programs = rest[1] if len(rest) > 1 else persistent_programs(m, n, (block_n, block_k, warps, stages), norm > 0,
+                                                                 bool(act), x.device)
+    if programs and stages:
+        raise ValueError(f"a persistent grid ({programs} programs) takes the register loop (STAGES 0), got {stages}")
     r = residual if residual is not None else x
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+    _skinny_gemm_kernel[(programs or triton.cdiv(n, block_n),)](
         x, r, r_out if r_out is not None else y, norm_weight if norm else weight, weight,
         bias if bias is not None else weight, add if add is not None else y, y, m, n, k, x.stride(0), r.stride(0),
         r_out.stride(0) if r_out is not None else 0, weight.stride(0), add.stride(0) if add is not None else 0,
@@ -285,7 +361,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, ADD=add is not None, MANUAL_BF16=_manual_bf16(x),
         num_warps=warps,
-        NORM_K_PAD=norm and _norm_k_pad(m, k, warps), STAGES=stages[0] if stages else 0, **launch_options(x),
+        NORM_K_PAD=norm and _norm_k_pad(m, k, warps), STAGES=stages, PERSISTENT=programs > 0, **launch_options(x),
     )
     return y, r_out
 
@@ -303,15 +379,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x: ``[M, K]``, last dimension contiguous (rows may be strided).
         weight: ``[N, K]`` (an ``nn.Linear``'s), last dimension contiguous, ``x``'s dtype and device.
         bias: ``[N]`` or None.
-        config: ``(BLOCK_N, BLOCK_K, num_warps)`` or ``(BLOCK_N, BLOCK_K, num_warps, STAGES)`` (STAGES 0 when
-            left out); None: :func:`default_config`.
+        config: ``(BLOCK_N, BLOCK_K, num_warps)``, ``(BLOCK_N, BLOCK_K, num_warps, STAGES)`` (STAGES 0 when
+            left out) or ``(..., STAGES, PROGRAMS)`` (PROGRAMS > 0: a persistent grid of that many programs,
+            with STAGES 0; 0: one program per row block; left out: :func:`persistent_programs` decides);
+            None: :func:`default_config`.
         residual: ``[M, N]`` in ``x``'s dtype, last dimension contiguous, or None; not modified.
 
     Returns:
         A new ``[M, N]`` tensor in ``x``'s dtype.
 
     Raises:
-        ValueError: shapes, dtypes, devices or strides that do not fit, more than ``MAX_ROWS`` rows.
+        ValueError: shapes, dtypes, devices or strides that do not fit, more than ``MAX_ROWS`` rows; a
+            persistent grid with the pipelined loop.
     """
     check_skinny_linear(x, weight, bias, residual)
     return _launch(x, weight, bias, weight.shape[0], config, add=residual)[0]
@@ -349,8 +428,10 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
         norm_weight: ``[K]``, ``x``'s dtype. eps, unit_offset: as in ``rms_norm`` (Gemma's ``1 + w``).
         weight: ``[N, K]``; bias: ``[N]`` or None.
         activation: None, ``"silu"``, ``"gelu_tanh"`` or ``"gelu_pytorch_tanh"``.
-        config: ``(BLOCK_N, BLOCK_K, num_warps)`` or ``(BLOCK_N, BLOCK_K, num_warps, STAGES)`` (STAGES 0 when
-            left out); None: :func:`default_config`.
+        config: ``(BLOCK_N, BLOCK_K, num_warps)``, ``(BLOCK_N, BLOCK_K, num_warps, STAGES)`` (STAGES 0 when
+            left out) or ``(..., STAGES, PROGRAMS)`` (PROGRAMS > 0: a persistent grid of that many programs,
+            with STAGES 0; 0: one program per row block; left out: :func:`persistent_programs` decides);
+            None: :func:`default_config`.
 
     Returns:
         ``(y, s)``: ``y`` a new ``[M, N]`` tensor (``[M, N / 2]`` with an activation), and the new
