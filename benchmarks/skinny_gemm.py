@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pdl", action="store_true", help="also time the kernel launched with PDL (Hopper)")
     ap.add_argument("--fused", action="store_true", help="one row: the norm (+ activation) steps around QKV "
                     "and gate/up, unfused (cuBLAS) against skinny_norm_linear")
+    ap.add_argument("--fused-only", action="store_true", help="with --fused: at one row, QKV and gate/up only "
+                    "as the engine runs them (the fused row), not also alone")
     ap.add_argument("--flush-bytes", type=int, default=256 << 20, help="bytes of weight copies per timing")
     ap.add_argument("--out", default=None)
     ap.add_argument("--replot", default=None, help="redraw the plot of this report (no GPU needed)")
@@ -142,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             for m in args.rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                if args.fused and args.fused_only and m == 1 and name in ("qkv", "gate_up"):
+                    rows.append(fused_row(model, name, n, k, weights, x, args, ft, sg, pdl, tuned))
+                    print({k: v for k, v in rows[-1].items() if k != "tiles"}, flush=True)
+                    continue
                 err = (sg.skinny_linear(x, weights[0]).float() - sg.skinny_linear_reference(x, weights[0]).float())
                 ref_scale = sg.skinny_linear_reference(x, weights[0]).float().abs().max().item()
                 cublas = time_us(lambda a, w: F.linear(a, w), weights, x)
