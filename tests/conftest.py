@@ -47,8 +47,9 @@ _MUTANTS = "tests/test_exercise_mutants.py::test_every_reference_passes_and_ever
 # handed out in collection order, and a worker takes its next file while the last tests of the current one
 # still run. So the longest files go first: a long file handed out last would leave one worker busy for
 # minutes while the other idles. Seconds per file, two workers on CI's 2 cores (2026-11-26): the mutant
-# grading 240-370 (~230 since it skips the references whose tests are in the run), generation 222, batching 195, server 175, structured 123, benchmarks 93, chunked prefill
-# 76, fused kernels 75, parity 62, the GGUF tokenizer 50; every other file under 50.
+# grading 240-370 (~230 since it skips the references whose tests are in the run), generation 222,
+# batching 195, server 175, structured 123, benchmarks 93, chunked prefill 76, fused kernels 75, parity 62,
+# the GGUF tokenizer 50; every other file under 50.
 _LONGEST_FIRST = ("test_exercise_mutants.py", "test_generation.py", "test_batching.py", "test_server.py",
                   "test_structured.py", "test_benchmarks.py", "test_chunked_prefill.py", "test_fused_kernels.py",
                   "test_parity.py", "test_gguf_tokenizer.py")

@@ -372,24 +372,20 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         tokens, token_lps, tops, offsets = [], [], [], []
         off = start
 
-        def add(text: str, lp, top):
+        def add(text: str, e: PositionLogprobs | None):
             nonlocal off
             tokens.append(text)
-            token_lps.append(lp)
-            tops.append(top)
+            token_lps.append(None if e is None else json_logprob(e.token.logprob))
+            tops.append(None if e is None else {t.decoded: json_logprob(t.logprob) for t in e.top})
             offsets.append(off)
             off += len(text)
 
         if prompt_ids is not None:
             for i, tid in enumerate(prompt_ids):
                 e = prompt_lps[i] if prompt_lps and i < len(prompt_lps) else None
-                text = tokenizer.decode([tid], skip_special_tokens=False)
-                if e is None:
-                    add(text, None, None)
-                else:
-                    add(text, json_logprob(e.token.logprob), {t.decoded: json_logprob(t.logprob) for t in e.top})
+                add(tokenizer.decode([tid], skip_special_tokens=False), e)
         for e in gen_lps or []:
-            add(e.token.decoded, json_logprob(e.token.logprob), {t.decoded: json_logprob(t.logprob) for t in e.top})
+            add(e.token.decoded, e)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def chat_lp_block(entries: list[PositionLogprobs]) -> dict:
