@@ -15,7 +15,10 @@ times the kernel launched with programmatic dependent launch (:mod:`infer.kernel
 first weight tile is loaded while the call before it finishes; the tiles are then tuned that way).
 ``--fused`` adds, at one row, the steps the decoder layer runs around its QKV and gate/up projections:
 the residual add + RMSNorm kernel, the projection (cuBLAS) and, for gate/up, the activation kernel, against
-:func:`~infer.kernels.skinny_gemm.skinny_norm_linear` doing all of it in one kernel (with ``--pdl`` too).
+:func:`~infer.kernels.skinny_gemm.skinny_norm_linear` doing all of it in one kernel (with ``--pdl`` too),
+and the engine's two kernels (``two_kernels_us``: the norm's kernel, then the skinny GEMM with the
+activation in its epilogue). A chain of one projection times each kernel alone; which of them makes a
+faster decode step is measured in the engine (GPU run 33: the two kernels).
 With ``--out``, a plot beside the report (GB/s per projection at one row); ``--replot REPORT.json``
 redraws it.
 """
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fused", action="store_true", help="one row: the norm (+ activation) steps around QKV "
                     "and gate/up, unfused (cuBLAS) against skinny_norm_linear")
     ap.add_argument("--fused-only", action="store_true", help="with --fused: at one row, QKV and gate/up only "
-                    "as the engine runs them (the fused row), not also alone")
+                    "with their norm (the fused row), not also alone")
     ap.add_argument("--flush-bytes", type=int, default=256 << 20, help="bytes of weight copies per timing")
     ap.add_argument("--out", default=None)
     ap.add_argument("--replot", default=None, help="redraw the plot of this report (no GPU needed)")
@@ -179,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["model", "proj", "M", "MB", "cublas_us", "skinny_us", "cublas_GB_s", "skinny_GB_s", "speedup"]
     if args.pdl:
         cols += ["skinny_pdl_us", "skinny_pdl_GB_s", "pdl_speedup"]
+    if args.fused:
+        cols += ["two_kernels_pdl_us" if args.pdl else "two_kernels_us"]
     if args.tune:
         cols += ["best_us", "best_tile", "best_speedup"]
     table = "skinny GEMM vs cuBLAS (bf16, weights read from HBM)\n\n" + markdown_table(rows, cols)
@@ -203,6 +208,11 @@ def fused_row(model, name, n, k, weights, x, args, ft, sg, pdl, tuned) -> dict:
     def fused(a, w, config=None):
         return sg.skinny_norm_linear(a, residual, nw, 1e-6, False, w, None, act, config=config)[0]
 
+    engine_tile = sg.default_config(1, n // 2 if act else n, k, act=bool(act), norm=True)
+
+    def two_kernels(a, w):  # the engine's one-row path (ops.add_rms_norm_linear; the residual add is upstream)
+        return sg.skinny_linear(ft.rms_norm(a, nw, 1e-6), w, None, engine_tile, activation=act)
+
     y = fused(x, weights[0])
     y_ref, _ = sg.skinny_norm_linear_reference(x, residual, nw, 1e-6, False, weights[0], None, act)
     row = {"model": model, "proj": f"norm+{name}" + ("+act" if act else ""), "N": n, "K": k, "M": 1,
@@ -212,9 +222,11 @@ def fused_row(model, name, n, k, weights, x, args, ft, sg, pdl, tuned) -> dict:
            "default_tile": list(sg.default_config(1, n // 2 if act else n, k, act=bool(act), norm=True))}
     row.update(cublas_GB_s=round(n * k * 2 / row["cublas_us"] / 1e3, 0), skinny_GB_s=round(n * k * 2 / row["skinny_us"] / 1e3, 0),
                speedup=round(row["cublas_us"] / row["skinny_us"], 2))
+    row["two_kernels_us"] = round(time_us(two_kernels, weights, x), 2)
     if args.pdl:
         with pdl.scope():
             t = time_us(fused, weights, x)
+            row["two_kernels_pdl_us"] = round(time_us(two_kernels, weights, x), 2)
         row.update(skinny_pdl_us=round(t, 2), skinny_pdl_GB_s=round(n * k * 2 / t / 1e3, 0),
                    pdl_speedup=round(row["cublas_us"] / t, 2))
     if args.tune:

@@ -91,20 +91,20 @@ def test_engine_greedy_tokens_are_the_same_with_fused_kernels(fixture, backend, 
 
 def test_one_row_decode_through_the_skinny_kernels_gives_the_unfused_tokens(tiny_llama, monkeypatch):
     """One sequence at a time: every decode step is one row, which the Triton ops send through the skinny
-    GEMM (the norm + QKV and norm + gate/up + SiLU kernels; o and down with the residual add in their
-    epilogue, ``ops.linear_residual``; the LM head). On the CPU under the interpreter, with the weights
-    kept row-major as on a GPU (the CPU layout is column-major, which those kernels do not take): the
-    greedy tokens of the unfused engine, and the epilogue add really ran."""
+    GEMM (QKV, and gate/up with SiLU in its epilogue, each after its norm's kernel; o and down with the
+    residual add in their epilogue, ``ops.linear_residual``; the LM head). On the CPU under the interpreter,
+    with the weights kept row-major as on a GPU (the CPU layout is column-major, which those kernels do not
+    take): the greedy tokens of the unfused engine, and the epilogue add and activation really ran."""
     from infer.kernels import skinny_gemm
     from infer.models.layers import CausalLM
 
     monkeypatch.setattr(CausalLM, "_set_cpu_weight_layout", lambda self, column_major: None)
-    launches = {"add": 0, "norm": 0}
+    launches = {"add": 0, "act": 0}
     launch = skinny_gemm._launch
 
     def counted(*args, **kw):
         launches["add"] += kw.get("add") is not None
-        launches["norm"] += len(args) > 6 and args[6] is not None  # norm_weight
+        launches["act"] += kw.get("act", 0) != 0
         return launch(*args, **kw)
 
     monkeypatch.setattr(skinny_gemm, "_launch", counted)
@@ -119,7 +119,7 @@ def test_one_row_decode_through_the_skinny_kernels_gives_the_unfused_tokens(tiny
     finally:
         tiny_llama.model.set_fused_ops(None)
     layers = tiny_llama.config.num_layers
-    assert launches == {"add": 2 * layers, "norm": 2 * layers}  # one one-row decode step
+    assert launches == {"add": 2 * layers, "act": layers}  # one one-row decode step
 
 
 def test_seeded_sampling_is_the_same_with_fused_kernels(tiny_llama):

@@ -241,6 +241,32 @@ def test_skinny_linear_matches_reference(dtype, m, bias, stages):
     torch.testing.assert_close(expected.double(), exact, atol=TOL[dtype][0] * 40, rtol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_skinny_linear_activation_in_its_epilogue(dtype, m, activation):
+    """skinny_linear(..., activation=a) on a merged gate/up weight: the product's halves rounded, then
+    act(gate) * up rounded once (the float32 reference), within an ulp of linear() then act_and_mul()'s
+    reference (which rounds act(gate) once more)."""
+    from infer.kernels import skinny_gemm as sk
+
+    g = torch.Generator().manual_seed(m)
+    x = rows(g, m, 70, dtype, pad=3)
+    w, b = randn(g, 38, 70, dtype=dtype, scale=0.3), randn(g, 38, dtype=dtype)
+    out = sk.skinny_linear(x, w, b, activation=activation)
+    assert out.shape == (m, 19) and out.dtype == dtype
+    expected = sk.skinny_linear_reference(x, w, b, activation=activation)
+    assert_close(out, expected, dtype)
+    # act_and_mul's reference rounds act(gate) before the product: within an ulp of the one rounding
+    assert_close(expected, ref.act_and_mul(sk.skinny_linear_reference(x, w, b), activation), dtype)
+    with pytest.raises(ValueError, match="even number of rows"):
+        sk.skinny_linear(x, w[:37], activation=activation)
+    with pytest.raises(ValueError, match="activation and a residual"):
+        sk.skinny_linear(x, w, activation=activation, residual=rows(g, m, 38, dtype))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        sk.skinny_linear(x, w, activation="relu")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, norm, activation, residual, programs", [
     (1, False, None, True, 3),      # the engine's case (a down projection + its residual add), 19 row blocks
@@ -1024,6 +1050,39 @@ def test_gpu_skinny_norm_linear_real_shapes(activation):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_gpu_add_rms_norm_linear_one_row_real_shapes(activation):
+    """The engine's one-row "norm, then project" (the norm's kernel, then the skinny GEMM at the tile of a
+    projection after a norm, the activation in its epilogue): Qwen3-0.6B/4B's QKV and gate/up, bf16, against
+    the reference ops, and bit for bit the same with PDL in a CUDA graph of back-to-back calls."""
+    from infer.kernels import pdl
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for n, k in ((4096, 1024), (6144, 2560)) if activation is None else ((6144, 1024), (19456, 2560)):
+        layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        layer.weight.data = gpu_randn(g, n, k, scale=0.02)
+        x, r = gpu_randn(g, 1, k), gpu_randn(g, 1, k)
+        nw = gpu_randn(g, k, scale=0.1) + 1
+        y_ref, s_ref = ref.add_rms_norm_linear(x.clone(), r.clone(), nw, EPS, False, layer, activation)
+        outs = []
+        for on in (False, True):
+            with pdl.scope(on):
+                y, s = ops.add_rms_norm_linear(x.clone(), r.clone(), nw, EPS, False, layer, activation)
+                xs, rs = [x.clone() for _ in range(8)], [r.clone() for _ in range(8)]
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    chain = [ops.add_rms_norm_linear(xs[i], rs[i], nw, EPS, False, layer, activation)[0]
+                             for i in range(8)]
+                graph.replay()
+                torch.cuda.synchronize()
+            assert_close(y, y_ref, torch.bfloat16)
+            assert torch.equal(s, s_ref)
+            assert all(torch.equal(c, y) for c in chain)
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
 def test_gpu_skinny_benchmark_runs(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import skinny_gemm as bench
@@ -1032,6 +1091,12 @@ def test_gpu_skinny_benchmark_runs(tmp_path):
     assert bench.main(["--models", "qwen3-0.6b", "--rows", "1", "--flush-bytes", str(64 << 20), "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert len(rows) == 5 and all(r["max_err_rel"] < 1e-2 and r["skinny_us"] > 0 for r in rows)
+    # --fused: the norm's steps around QKV and gate/up, three ways (unfused, one kernel, the engine's two)
+    assert bench.main(["--models", "qwen3-0.6b", "--rows", "1", "--projs", "qkv", "gate_up", "--pdl", "--fused",
+                       "--fused-only", "--flush-bytes", str(64 << 20), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["proj"] for r in rows] == ["norm+qkv", "norm+gate_up+act"]
+    assert all(r["max_err_rel"] < 1e-2 and r["two_kernels_us"] > 0 and r["two_kernels_pdl_us"] > 0 for r in rows)
 
 
 def compiled_variants(kernel) -> int:

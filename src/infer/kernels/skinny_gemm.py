@@ -215,17 +215,21 @@ def _skinny_gemm_kernel(
 
 def default_config(m: int, n: int, k: int, act: bool = False, norm: bool = False) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, STAGES)`` for ``m`` rows and a ``[n, k]`` weight (``act``: a merged
-    gate/up weight whose ``n`` output pairs are read as two tiles; ``norm``: the norm computed in the
-    kernel, :func:`skinny_norm_linear`).
+    gate/up weight whose ``n`` output pairs are read as two tiles; ``norm``: the projection right after a
+    norm, QKV or gate/up, whether the norm is computed in the kernel (:func:`skinny_norm_linear`) or by
+    its own kernel just before (what the engine does, :func:`infer.kernels.fused_triton.add_rms_norm_linear`)).
 
     The products are summed per element in a ``[M_PAD, BLOCK_N, BLOCK_K]`` float32 tile, in registers,
     and reduced once at the end. One row (what the engine uses): two outputs per program and 8 weights
     of each row per thread per step, i.e. many small programs, which spread the weight stream over every
     SM and start it soonest; longer steps along longer rows. These are the best tiles of
     ``benchmarks/skinny_gemm.py --tune --pdl`` at Qwen3-4B's shapes on an H100 (run 24: 1.1-1.5x cuBLAS),
-    or within 3% of the best. With the norm (no activation), 8 outputs per program: each program reads
-    the whole row of x once more for its mean square, and fewer programs read it fewer times. More rows:
-    BLOCK_K shrinks.
+    or within 3% of the best. After the norm (no activation) with rows of K >= 2,048, 8 outputs per program:
+    with the norm in the kernel each program reads the whole row of x once more for its mean square, and
+    fewer programs read it fewer times; after the norm's own kernel the same tile is still the best of three
+    in the engine (run 33, Qwen3-4B's QKV on an H200, ms per token: (8, 256, 8) 2.70, (2, 512, 2) 2.73,
+    (4, 512, 4, 3) 2.71-2.72), though not on Qwen3-0.6B's QKV of K = 1,024 ((2, 512, 2) 0.941-0.944 against
+    0.950-0.951). More rows: BLOCK_K shrinks.
 
     STAGES: one tile ahead in registers (0) everywhere but the weights of :data:`PIPELINE_ELEMENTS` or
     more (the LM head, a large gate/up), which keep :data:`PIPELINE_STAGES` - 1 tiles in flight through
@@ -238,7 +242,7 @@ def default_config(m: int, n: int, k: int, act: bool = False, norm: bool = False
         return 8, 32, 1, 0
     if m <= 1:
         stages = PIPELINE_STAGES if n * k * (2 if act else 1) >= PIPELINE_ELEMENTS else 0
-        if norm and not act:
+        if norm and not act and k >= 2048:
             return 8, 256, 8, stages
         return ((2, 512, 2) if k < 4096 else (2, 1024, 4) if k < 8192 else (2, 2048, 8)) + (stages,)
     m_pad = triton.next_power_of_2(m)
@@ -309,7 +313,7 @@ def use_skinny(m: int, n: int) -> bool:
 
 
 def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        residual: torch.Tensor | None = None) -> None:
+                        residual: torch.Tensor | None = None, activation: str | None = None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K] with the same K, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -321,6 +325,12 @@ def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         raise ValueError(f"x and weight need a contiguous last dimension (strides {x.stride()}, {weight.stride()})")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [{weight.shape[0]}] in {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(str, ACTIVATIONS))}, got {activation!r}")
+    if activation is not None and weight.shape[0] % 2:
+        raise ValueError(f"a gate/up weight has an even number of rows (gate, then up), got {weight.shape[0]}")
+    if activation is not None and residual is not None:
+        raise ValueError("an activation and a residual add in one epilogue are not supported")
     _check_residual(residual, (x.shape[0], weight.shape[0]), x, "the output")
 
 
@@ -367,10 +377,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, ...] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                  config: tuple[int, ...] | None = None, residual: torch.Tensor | None = None,
+                  activation: str | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``M <= MAX_ROWS`` rows, accumulated in float32, rounded once; with a
     ``residual``, that rounded product plus ``residual``, rounded again (the values of ``linear(x) +
-    residual``: a block's last projection and its residual add in one kernel).
+    residual``: a block's last projection and its residual add in one kernel); with an ``activation``
+    (``weight`` a merged gate/up ``[2 I, K]``), ``act(gate) * up`` of the product's rounded halves, rounded
+    once (the values of :func:`~infer.kernels.fused_triton.act_and_mul` after the projection: the MLP's
+    activation in the epilogue, ``[M, I]``).
 
     Launched with programmatic dependent launch inside an enabled :func:`infer.kernels.pdl.scope`
     (the first weight tiles are loaded before the previous kernel has finished).
@@ -384,29 +398,29 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             with STAGES 0; 0: one program per row block; left out: :func:`persistent_programs` decides);
             None: :func:`default_config`.
         residual: ``[M, N]`` in ``x``'s dtype, last dimension contiguous, or None; not modified.
+        activation: None, ``"silu"``, ``"gelu_tanh"`` or ``"gelu_pytorch_tanh"`` (not with a residual).
 
     Returns:
         A new ``[M, N]`` tensor in ``x``'s dtype.
 
     Raises:
         ValueError: shapes, dtypes, devices or strides that do not fit, more than ``MAX_ROWS`` rows; a
-            persistent grid with the pipelined loop.
+            persistent grid with the pipelined loop; an unknown activation, a gate/up weight of an odd
+            number of rows, an activation with a residual.
     """
-    check_skinny_linear(x, weight, bias, residual)
-    return _launch(x, weight, bias, weight.shape[0], config, add=residual)[0]
+    check_skinny_linear(x, weight, bias, residual, activation)
+    act = ACTIVATIONS[activation]
+    return _launch(x, weight, bias, weight.shape[0] // 2 if act else weight.shape[0], config, act=act,
+                   add=residual)[0]
 
 
 def check_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                       weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> None:
-    check_skinny_linear(x, weight, bias)
+    check_skinny_linear(x, weight, bias, activation=activation)
     _check_residual(residual, tuple(x.shape), x, "x")
     if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
         raise ValueError(f"norm_weight must be [{x.shape[1]}] in {x.dtype} on {x.device}, got "
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype} {norm_weight.device}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {', '.join(map(str, ACTIVATIONS))}, got {activation!r}")
-    if activation is not None and weight.shape[0] % 2:
-        raise ValueError(f"a gate/up weight has an even number of rows (gate, then up), got {weight.shape[0]}")
 
 
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -449,14 +463,20 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
 
 
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                            residual: torch.Tensor | None = None) -> torch.Tensor:
+                            residual: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
     """The same function in plain PyTorch: float32 products and sums, one rounding to ``x.dtype`` (then
-    ``+ residual`` in ``x.dtype``: float32 sum, one rounding)."""
-    check_skinny_linear(x, weight, bias, residual)
+    ``+ residual`` in ``x.dtype``: float32 sum, one rounding; or the activation in float32 on the rounded
+    halves, rounded once)."""
+    check_skinny_linear(x, weight, bias, residual, activation)
     y = x.float() @ weight.float().T
     if bias is not None:
         y = y + bias.float()
     y = y.to(x.dtype)
+    if activation is not None:
+        i = y.shape[1] // 2
+        g, u = y[:, :i].float(), y[:, i:].float()
+        act = F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
+        return (act * u).to(x.dtype)
     return y if residual is None else y + residual
 
 
@@ -470,13 +490,8 @@ def skinny_norm_linear_reference(x: torch.Tensor, residual: torch.Tensor | None,
 
     check_norm_linear(x, residual, norm_weight, weight, bias, activation)
     s = x if residual is None else x + residual
-    y = skinny_linear_reference(fused_reference.rms_norm(s, norm_weight, eps, unit_offset), weight, bias)
-    if activation is not None:
-        i = y.shape[1] // 2
-        g, u = y[:, :i].float(), y[:, i:].float()
-        act = F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
-        y = (act * u).to(x.dtype)
-    return y, s
+    return skinny_linear_reference(fused_reference.rms_norm(s, norm_weight, eps, unit_offset), weight, bias,
+                                   activation=activation), s
 
 
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
