@@ -484,8 +484,8 @@ def add_rms_norm_linear(
     the first layer, ``residual`` None), then :func:`linear`, then, with an ``activation``,
     :func:`act_and_mul` (``layer`` a merged gate/up projection).
 
-    Here exactly those calls (so the values of the unfused code); the Triton twin does all three in one
-    kernel at one row (batch-1 decode).
+    Here exactly those calls (so the values of the unfused code); at one row (batch-1 decode) the Triton twin
+    runs two kernels, the norm, then the projection with the activation in its epilogue.
 
     Args:
         x: ``[T, d]``: the layer's input (the previous block's output); may be overwritten.

@@ -40,7 +40,7 @@ class LlamaDecoderLayer(nn.Module):
         done), so each add rides with the projection before it or the norm after it (see
         :meth:`CausalLM.forward_fused`)."""
         norm, post, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
-        # each norm rides with the projection after it (one kernel at batch 1: ops.add_rms_norm_linear) ...
+        # each norm goes with the projection after it (ops.add_rms_norm_linear; at batch 1 two kernels) ...
         qkv, residual = ops.add_rms_norm_linear(h, residual, norm.weight, norm.eps, False, attn.qkv_proj)
         # ... and each residual add with the projection before it (at batch 1: ops.linear_residual)
         h, residual = attn.forward_fused_qkv(qkv, positions, cos_sin_cache, meta, ops, residual)
