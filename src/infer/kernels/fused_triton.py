@@ -528,8 +528,8 @@ def add_rms_norm_linear(
     Why not one kernel at one row: :func:`~infer.kernels.skinny_gemm.skinny_norm_linear` computes the
     norm in every program of the projection (thousands of times, each from the whole row), and at an
     H200's bandwidth that costs more than a small kernel's boundary under PDL. Measured in the engine,
-    Qwen3-4B batch 1, every phase 8-9 flag and ``pdl`` (GPU run 33, alternated in one call): H200 2.78-2.79
-    -> 2.70 ms per token, H100 3.36-3.37 -> 3.35, Qwen3-0.6B on the H100 1.03 -> 1.00-1.01.
+    batch 1, every phase 8-9 flag and ``pdl`` (GPU run 33, alternated in one call), ms per token: Qwen3-4B
+    2.79 -> 2.69 on an H200 and 3.36-3.37 -> 3.35 on an H100, Qwen3-0.6B 0.975 -> 0.941-0.944 (H200).
 
     Returns ``(y, residual)``; ``x`` and ``residual`` may be overwritten (the unfused path works in place).
     """

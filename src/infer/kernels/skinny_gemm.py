@@ -401,7 +401,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         activation: None, ``"silu"``, ``"gelu_tanh"`` or ``"gelu_pytorch_tanh"`` (not with a residual).
 
     Returns:
-        A new ``[M, N]`` tensor in ``x``'s dtype.
+        A new ``[M, N]`` tensor in ``x``'s dtype (``[M, N / 2]`` with an activation).
 
     Raises:
         ValueError: shapes, dtypes, devices or strides that do not fit, more than ``MAX_ROWS`` rows; a
