@@ -1025,7 +1025,6 @@ def test_gpu_skinny_norm_linear_real_shapes(activation):
     """Qwen3-0.6B/4B's norm + QKV and norm + gate/up + SiLU, bf16, one row, with the engine's tiles: against
     the reference, and bit for bit the same launched with PDL, in a CUDA graph of back-to-back calls
     (where each call starts while the one before it runs)."""
-    from infer.kernels import pdl
     from infer.kernels import skinny_gemm as sk
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -1033,20 +1032,29 @@ def test_gpu_skinny_norm_linear_real_shapes(activation):
         x, r, w = gpu_randn(g, 1, k), gpu_randn(g, 1, k), gpu_randn(g, n, k, scale=0.02)
         nw = gpu_randn(g, k, scale=0.1) + 1
         y_ref, s_ref = sk.skinny_norm_linear_reference(x, r, nw, EPS, False, w, None, activation)
-        outs = []
-        for on in (False, True):
-            with pdl.scope(on):
-                y, s = sk.skinny_norm_linear(x, r, nw, EPS, False, w, None, activation)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    chain = [sk.skinny_norm_linear(x, r, nw, EPS, False, w, None, activation)[0] for _ in range(8)]
-                graph.replay()
-                torch.cuda.synchronize()
-            assert_close(y, y_ref, torch.bfloat16)
-            assert torch.equal(s, s_ref)
-            assert all(torch.equal(c, y) for c in chain)
-            outs.append(y)
-        assert torch.equal(outs[0], outs[1])
+        same_with_pdl_in_a_graph(
+            lambda x=x, r=r, nw=nw, w=w: sk.skinny_norm_linear(x, r, nw, EPS, False, w, None, activation), y_ref, s_ref)
+
+
+def same_with_pdl_in_a_graph(call, y_ref: torch.Tensor, s_ref: torch.Tensor) -> None:
+    """``call() -> (y, s)``, once alone and 8 times back to back in a CUDA graph, PDL off and on: ``y``
+    within a bf16 rounding of ``y_ref``, ``s`` equal to ``s_ref``, and every ``y`` the same bits."""
+    from infer.kernels import pdl
+
+    outs = []
+    for on in (False, True):
+        with pdl.scope(on):
+            y, s = call()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                chain = [call()[0] for _ in range(8)]
+            graph.replay()
+            torch.cuda.synchronize()
+        assert_close(y, y_ref, torch.bfloat16)
+        assert torch.equal(s, s_ref)
+        assert all(torch.equal(c, y) for c in chain)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu
@@ -1054,9 +1062,8 @@ def test_gpu_skinny_norm_linear_real_shapes(activation):
 def test_gpu_add_rms_norm_linear_one_row_real_shapes(activation):
     """The engine's one-row "norm, then project" (the norm's kernel, then the skinny GEMM at the tile of a
     projection after a norm, the activation in its epilogue): Qwen3-0.6B/4B's QKV and gate/up, bf16, against
-    the reference ops, and bit for bit the same with PDL in a CUDA graph of back-to-back calls."""
-    from infer.kernels import pdl
-
+    the reference ops, and bit for bit the same with PDL in a CUDA graph of back-to-back calls (each on
+    copies of x and the residual, which the norm overwrites)."""
     g = torch.Generator(device="cuda").manual_seed(5)
     for n, k in ((4096, 1024), (6144, 2560)) if activation is None else ((6144, 1024), (19456, 2560)):
         layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -1064,22 +1071,9 @@ def test_gpu_add_rms_norm_linear_one_row_real_shapes(activation):
         x, r = gpu_randn(g, 1, k), gpu_randn(g, 1, k)
         nw = gpu_randn(g, k, scale=0.1) + 1
         y_ref, s_ref = ref.add_rms_norm_linear(x.clone(), r.clone(), nw, EPS, False, layer, activation)
-        outs = []
-        for on in (False, True):
-            with pdl.scope(on):
-                y, s = ops.add_rms_norm_linear(x.clone(), r.clone(), nw, EPS, False, layer, activation)
-                xs, rs = [x.clone() for _ in range(8)], [r.clone() for _ in range(8)]
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    chain = [ops.add_rms_norm_linear(xs[i], rs[i], nw, EPS, False, layer, activation)[0]
-                             for i in range(8)]
-                graph.replay()
-                torch.cuda.synchronize()
-            assert_close(y, y_ref, torch.bfloat16)
-            assert torch.equal(s, s_ref)
-            assert all(torch.equal(c, y) for c in chain)
-            outs.append(y)
-        assert torch.equal(outs[0], outs[1])
+        same_with_pdl_in_a_graph(
+            lambda x=x, r=r, nw=nw, layer=layer: ops.add_rms_norm_linear(x.clone(), r.clone(), nw, EPS, False, layer,
+                                                                         activation), y_ref, s_ref)
 
 
 @pytest.mark.gpu
