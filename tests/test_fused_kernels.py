@@ -412,18 +412,20 @@ def test_skinny_norm_linear_matches_reference(dtype, m, residual, unit_offset, a
 
 @pytest.mark.parametrize("m", [1, 2])
 def test_add_rms_norm_linear_is_the_reference(m):
-    """ops.add_rms_norm_linear (one kernel at one row, the unfused kernels at two) against the reference
-    (fused_add_rms_norm or rms_norm, linear, act_and_mul), first layer (no residual) and later ones."""
+    """ops.add_rms_norm_linear (at one row the norm's kernel, then the skinny GEMM with the activation in its
+    epilogue; the unfused kernels at two) against the reference (fused_add_rms_norm or rms_norm, linear,
+    act_and_mul), first layer (no residual) and later ones, Llama's norm and SiLU and Gemma's (1 + w) and
+    GELU-tanh."""
     g = torch.Generator().manual_seed(m)
     layer = torch.nn.Linear(40, 24, bias=False).to(DEVICE)
     nw = randn(g, 40) + 1
     for residual in (None, randn(g, m, 40)):
-        for act in (None, "silu"):
+        for unit_offset, act in ((False, None), (False, "silu"), (True, None), (True, "gelu_pytorch_tanh")):
             x = randn(g, m, 40)
-            y, s = ops.add_rms_norm_linear(x.clone(), None if residual is None else residual.clone(), nw, EPS, False,
-                                           layer, act)
+            y, s = ops.add_rms_norm_linear(x.clone(), None if residual is None else residual.clone(), nw, EPS,
+                                           unit_offset, layer, act)
             y_ref, s_ref = ref.add_rms_norm_linear(x.clone(), None if residual is None else residual.clone(), nw,
-                                                   EPS, False, layer, act)
+                                                   EPS, unit_offset, layer, act)
             torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
 
