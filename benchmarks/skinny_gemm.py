@@ -219,7 +219,7 @@ def fused_row(model, name, n, k, weights, x, args, ft, sg, pdl, tuned) -> dict:
            "MB": round(n * k * 2 / 2**20, 1), "cublas_us": round(time_us(unfused, weights, x), 2),
            "skinny_us": round(time_us(fused, weights, x), 2),
            "max_err_rel": (y.float() - y_ref.float()).abs().max().item() / y_ref.float().abs().max().item(),
-           "default_tile": list(sg.default_config(1, n // 2 if act else n, k, act=bool(act), norm=True))}
+           "default_tile": list(engine_tile)}
     row.update(cublas_GB_s=round(n * k * 2 / row["cublas_us"] / 1e3, 0), skinny_GB_s=round(n * k * 2 / row["skinny_us"] / 1e3, 0),
                speedup=round(row["cublas_us"] / row["skinny_us"], 2))
     row["two_kernels_us"] = round(time_us(two_kernels, weights, x), 2)

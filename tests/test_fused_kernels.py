@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from infer.config import RopeConfig
-from infer.kernels import fused_ops
+from infer.kernels import fused_ops, sm_count
 from infer.kernels import fused_reference as ref
 from infer.kernels import fused_triton as ops
 from infer.models import layers
@@ -317,7 +317,7 @@ def test_persistent_programs_only_for_the_measured_case():
                  (1, 2560, (2, 2048, 8, 3), False, False, cuda)]:
         assert sk.persistent_programs(*args) == 0, args
     if torch.cuda.is_available():
-        sms = sk._sm_count(0)
+        sms = sm_count(cuda)
         per_sm = sk.PERSISTENT_PROGRAMS_PER_SM
         assert sk.persistent_programs(1, 2 * per_sm * sms + 2, (2, 2048, 8, 0), False, False, cuda) == per_sm * sms
         assert sk.persistent_programs(1, 2 * per_sm * sms, (2, 2048, 8, 0), False, False, cuda) == 0

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import sm_count
 from infer.kernels.pdl import launch_options, wait_for_previous
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
@@ -296,11 +297,6 @@ def _merge_splits(part_out_ptr, part_lse_ptr, first, row_mask, num_splits, offs_
     return acc / tl.where(total > 0, total, 1.0)[:, None]
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 #: the shortest key slice the grid plans for (one key tile of the GPU kernel): a narrow batch's grid gets
 #: at most ``ceil(max_context / MIN_SPLIT_KEYS)`` slices per sequence
 MIN_SPLIT_KEYS = 64
@@ -326,8 +322,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
         max_context: an upper bound of the context lengths, known on the host (block-table width x
             block size, or the window), so that choosing never reads the device.
     """
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 2
+    sms = sm_count(device) if device.type == "cuda" else 2
     programs = batch * num_kv_heads
     target = 2 * sms
     if programs >= target:
@@ -775,8 +770,7 @@ def prefill_num_splits(programs: int, max_context: int, device: torch.device) ->
     most 16 (the partials and the merge cost memory traffic of their own)."""
     if programs < 1 or max_context <= 0:
         return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 2
+    sms = sm_count(device) if device.type == "cuda" else 2
     target = 2 * sms
     if programs >= target:
         return 1

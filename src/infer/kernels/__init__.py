@@ -13,9 +13,21 @@ and ``act_and_mul``. :func:`fused_ops` picks the module for a device.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (the current device when it has no index), cached: what
+    the decode attention's split plan and the skinny GEMM's persistent grid size their grids by."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def fused_ops(device: torch.device | str) -> ModuleType:

@@ -17,7 +17,6 @@ model layers call it through :func:`linear` for the projections where it beats c
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from infer.kernels import sm_count
 from infer.kernels.fused_triton import _act, _manual_bf16, _round
 from infer.kernels.pdl import launch_options, wait_for_previous
 
@@ -261,11 +261,6 @@ NORM_ONE_LOAD_PER_THREAD = 16
 PERSISTENT_PROGRAMS_PER_SM = 6
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def persistent_programs(m: int, n: int, config: tuple[int, int, int, int], norm: bool, act: bool,
                         device: torch.device) -> int:
     """The number of programs of a persistent grid for this product (the kernel's ``PERSISTENT``: each program
@@ -283,7 +278,7 @@ def persistent_programs(m: int, n: int, config: tuple[int, int, int, int], norm:
     block_n, _, warps, stages = config
     if m != 1 or norm or act or stages or warps < 8 or device.type != "cuda" or INTERPRET:
         return 0
-    programs = PERSISTENT_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)
+    programs = PERSISTENT_PROGRAMS_PER_SM * sm_count(device)
     return programs if triton.cdiv(n, block_n) > programs else 0
 
 
@@ -473,10 +468,10 @@ def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         y = y + bias.float()
     y = y.to(x.dtype)
     if activation is not None:
+        from infer.models.layers import ACTIVATIONS as FUNCTIONS
+
         i = y.shape[1] // 2
-        g, u = y[:, :i].float(), y[:, i:].float()
-        act = F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
-        return (act * u).to(x.dtype)
+        return (FUNCTIONS[activation](y[:, :i].float()) * y[:, i:].float()).to(x.dtype)
     return y if residual is None else y + residual
 
 
