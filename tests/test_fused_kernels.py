@@ -223,17 +223,20 @@ def test_qk_norm_rope_writes_the_kv_cache(dtype, norm, block_major):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("stages", [0, 3], ids=["register-loop", "pipelined-loop"])
-def test_skinny_linear_matches_reference(dtype, m, bias, stages):
+@pytest.mark.parametrize("warps, stages", [(1, 0), (4, 0), (1, 3)],
+                         ids=["register-loop-x-ahead", "register-loop", "pipelined-loop"])
+def test_skinny_linear_matches_reference(dtype, m, bias, warps, stages):
     """The skinny GEMM (one program per few outputs, float32 sums) against the float32 reference, with
-    K and N that are not multiples of the tiles and x's rows strided; both of its K loops (one tile ahead in
-    registers, and Triton's pipeliner with the first tile used last)."""
+    K and N that are not multiples of the tiles and x's rows strided; each of its K loops (one tile ahead in
+    registers, with x's next slice loaded ahead too (a tile of few warps) or not, and Triton's pipeliner
+    with the first tile used last)."""
     from infer.kernels import skinny_gemm as sk
 
+    assert sk.x_ahead(stages, 0, warps) == (stages == 0 and warps <= sk.X_AHEAD_MAX_WARPS)
     g = torch.Generator().manual_seed(m * 10 + bias)
     x = rows(g, m, 70, dtype, pad=5)
     w, b = randn(g, 37, 70, dtype=dtype, scale=0.3), randn(g, 37, dtype=dtype) if bias else None
-    out = sk.skinny_linear(x, w, b, config=(*sk.default_config(m, 37, 70)[:3], stages))
+    out = sk.skinny_linear(x, w, b, config=(*sk.default_config(m, 37, 70)[:2], warps, stages))
     assert out.shape == (m, 37) and out.dtype == dtype
     expected = sk.skinny_linear_reference(x, w, b)
     assert_close(out, expected, dtype)

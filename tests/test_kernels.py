@@ -166,6 +166,7 @@ DECODE_CASES = {
     "window": ([45, 6, 30], 4, 2, 32, 8, 12, 2),
     "one-block-per-seq": ([37, 60], 4, 2, 32, 64, None, None),
     "many-splits": ([40], 4, 1, 16, 16, None, 7),
+    "more-splits-than-unrolled": ([150, 9], 4, 2, 16, 8, None, 12),
 }
 
 
@@ -213,7 +214,7 @@ def test_decode_splits_agree_with_each_other():
     case = PagedCase([70, 3], 4, 1, 32, 16, torch.float32, seed=12)
     q = case.randn(2, 4, 32)
     outs = [ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                       case.scale, num_splits=s) for s in (1, 2, 5)]
+                                       case.scale, num_splits=s) for s in (1, 2, 5, 12)]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], atol=1e-6, rtol=1e-6)
 

@@ -148,7 +148,7 @@ def _paged_decode_kernel(
     stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST: tl.constexpr, USE_PDL: tl.constexpr, MERGE_UNROLL: tl.constexpr,
 ):
     # Grid (B, num_kv_heads, num_splits). Program (b, kvh, split) computes, for the GROUP query heads
     # that share KV head kvh, attention over one contiguous slice of sequence b's keys.
@@ -252,50 +252,73 @@ def _paged_decode_kernel(
         count = tl.atomic_add(counter_ptr + b64 * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
         if count == active - 1:
             o = _merge_splits(part_out_ptr, part_lse_ptr, (b64 * NUM_Q_HEADS + heads) * num_splits, g_mask,
-                              active, offs_d, d_mask, HEAD_DIM, D_PAD)
+                              active, offs_d, d_mask, HEAD_DIM, D_PAD, MERGE_UNROLL)
             tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(counter_ptr + b64 * tl.num_programs(1) + kvh, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
+def _merge_step(o, lse, acc, total, m):
+    """One split into the running merge: ``(acc, total, m)`` after split ``(o [R, D_PAD], lse [R])``."""
+    m_new = tl.maximum(m, lse)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no non-empty split yet
+    alpha = tl.exp2(m - m_safe)
+    w = tl.exp2(lse - m_safe)  # 0 for an empty split
+    return acc * alpha[:, None] + w[:, None] * o, total * alpha + w, m_new
+
+
+@triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, first, row_mask, num_splits, offs_d, d_mask,
-                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UNROLL: tl.constexpr = 0):
     """Merge the ``num_splits`` partial results of each of ``R`` rows (query heads): row ``r``'s start at
     partial ``first[r]`` (``[R]`` int64; ``row_mask`` ``[R]`` says which rows are real). Each partial is a
     normalised output ``o_s`` and its log2-sum-exp2 ``lse_s``; the merge is ``sum_s 2^lse_s o_s / sum_s
     2^lse_s``, with a running max (the online softmax, one split at a time). Every split empty (a padding
     row): zeros. Returns ``[R, D_PAD]`` float32.
 
-    The rows (a KV head's query heads) are merged side by side, and the next split's partials are loaded
-    before the current ones are used: the merge is a chain of ``num_splits`` dependent steps, not one per
-    split and head (a batch-1 decode over 6 splits of 4 heads waited on 24 round trips to L2 one after the
-    other). The loads go to L2 (.cg), never to a stale L1 line: the decode kernel merges what other
-    programs have just written. (Loading 16 splits at a time and reducing across them was slower on an
-    H200, run 19: the cross-warp reductions cost more than the dependent loads they save.)"""
+    The rows (a KV head's query heads) are merged side by side (a batch-1 decode over 6 splits of 4 heads
+    once waited on 24 round trips to L2 one after the other). The loads go to L2 (.cg), never to a stale
+    L1 line: the decode kernel merges what other programs have just written.
+
+    ``UNROLL`` > 0 (at least ``num_splits``): the loop is unrolled over ``UNROLL`` splits, those past
+    ``num_splits`` masked off, so that every split's loads are in flight at once: one trip to L2 before
+    the arithmetic, not one per split. Measured in the engine on an H200 (GPU run 34, batch 1, every phase
+    8-9 flag and ``pdl``, alternated), ms per token: Qwen3-4B 2.69 -> 2.67 (3 slices of its 5-split grid
+    in use, unrolled over 5), Qwen3-0.6B 0.935 -> 0.932; unrolled over 8 (what the decode kernel does, one
+    compiled variant for every grid of 2-8 splits), see docs/phases/09-cuda-graphs.md's run 34. ``UNROLL`` 0: a loop that loads the next split's partials before the
+    current ones are used, a chain of ``num_splits`` dependent steps (for wide grids, whose unrolled code
+    would be long). (Loading 16 splits in one tensor and reducing across them was slower on an H200, run
+    19: the cross-warp reductions cost more than the dependent loads they save.)"""
     m = tl.full(first.shape, float("-inf"), dtype=tl.float32)
     total = tl.zeros(first.shape, dtype=tl.float32)
     acc = tl.zeros([first.shape[0], D_PAD], dtype=tl.float32)
     o_mask = row_mask[:, None] & d_mask[None, :]
-    lse = tl.load(part_lse_ptr + first, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
-    o = tl.load(part_out_ptr + first[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0,
-                cache_modifier=".cg")
-    for s in range(num_splits):
-        more = s + 1 < num_splits  # the next split's partials, in flight while this one is merged
-        lse_next = tl.load(part_lse_ptr + first + s + 1, mask=row_mask & more, other=float("-inf"),
-                           cache_modifier=".cg")
-        o_next = tl.load(part_out_ptr + (first + s + 1)[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask & more,
-                         other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no non-empty split yet
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe)  # 0 for an empty split
-        acc = acc * alpha[:, None] + w[:, None] * o
-        total = total * alpha + w
-        m = m_new
-        lse, o = lse_next, o_next
+    if UNROLL:
+        for s in tl.static_range(UNROLL):
+            used = s < num_splits
+            lse = tl.load(part_lse_ptr + first + s, mask=row_mask & used, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(part_out_ptr + (first + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask & used,
+                        other=0.0, cache_modifier=".cg")
+            acc, total, m = _merge_step(o, lse, acc, total, m)
+    else:
+        lse = tl.load(part_lse_ptr + first, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_out_ptr + first[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0,
+                    cache_modifier=".cg")
+        for s in range(num_splits):
+            more = s + 1 < num_splits  # the next split's partials, in flight while this one is merged
+            lse_next = tl.load(part_lse_ptr + first + s + 1, mask=row_mask & more, other=float("-inf"),
+                               cache_modifier=".cg")
+            o_next = tl.load(part_out_ptr + (first + s + 1)[:, None] * HEAD_DIM + offs_d[None, :],
+                             mask=o_mask & more, other=0.0, cache_modifier=".cg")
+            acc, total, m = _merge_step(o, lse, acc, total, m)
+            lse, o = lse_next, o_next
     return acc / tl.where(total > 0, total, 1.0)[:, None]
 
+
+#: the decode kernel's merge is unrolled (every split's partials loaded at once) for grids of at most this
+#: many splits (see _merge_splits)
+UNROLLED_MERGE_MAX_SPLITS = 8
 
 #: the shortest key slice the grid plans for (one key tile of the GPU kernel): a narrow batch's grid gets
 #: at most ``ceil(max_context / MIN_SPLIT_KEYS)`` slices per sequence
@@ -462,6 +485,8 @@ def paged_decode_attention(
         NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"],
         UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+        # one compiled variant for every grid of 2-8 splits, one for the rest (no recompilation per split count)
+        MERGE_UNROLL=UNROLLED_MERGE_MAX_SPLITS if 1 < num_splits <= UNROLLED_MERGE_MAX_SPLITS else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q),
     )
     return out
