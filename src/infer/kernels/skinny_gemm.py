@@ -235,12 +235,14 @@ def default_config(m: int, n: int, k: int, act: bool = False, norm: bool = False
     of each row per thread per step, i.e. many small programs, which spread the weight stream over every
     SM and start it soonest; longer steps along longer rows. These are the best tiles of
     ``benchmarks/skinny_gemm.py --tune --pdl`` at Qwen3-4B's shapes on an H100 (run 24: 1.1-1.5x cuBLAS),
-    or within 3% of the best. After the norm (no activation) with rows of K >= 2,048, 8 outputs per program:
-    with the norm in the kernel each program reads the whole row of x once more for its mean square, and
-    fewer programs read it fewer times; after the norm's own kernel the same tile is still the best of three
-    in the engine (run 33, Qwen3-4B's QKV on an H200, ms per token: (8, 256, 8) 2.70, (2, 512, 2) 2.73,
-    (4, 512, 4, 3) 2.71-2.72), though not on Qwen3-0.6B's QKV of K = 1,024 ((2, 512, 2) 0.941-0.944 against
-    0.950-0.951). More rows: BLOCK_K shrinks.
+    or within 3% of the best. After the norm (no activation) with rows of K >= 2,048 (QKV): a one-warp tile,
+    (2, 256, 1), whose register loop loads x's next slice ahead (:func:`x_ahead`): 8 weights of each row per
+    thread per step, the most and smallest programs. Measured in the engine on an H200 (GPU run 34, Qwen3-4B,
+    ms per token, alternated): 2.67-2.68 -> 2.63-2.64 against the 8-output (8, 256, 8) it replaced (which
+    had been the best of three in run 33, when x was loaded at the top of each step: (2, 512, 2) 2.73,
+    (4, 512, 4, 3) 2.71-2.72); (2, 512, 1) 2.71, (4, 256, 1) 2.67, (2, 512, 2) with x ahead 2.71. Qwen3-0.6B's
+    QKV of K = 1,024 keeps the plain tile (2, 512, 2) (0.941-0.944 against 0.950-0.951 at (8, 256, 8), run 33).
+    Not measured on an H100, nor on other models' QKV. More rows: BLOCK_K shrinks.
 
     STAGES: one tile ahead in registers (0) everywhere but the weights of :data:`PIPELINE_ELEMENTS` or
     more (the LM head, a large gate/up), which keep :data:`PIPELINE_STAGES` - 1 tiles in flight through
@@ -254,7 +256,7 @@ def default_config(m: int, n: int, k: int, act: bool = False, norm: bool = False
     if m <= 1:
         stages = PIPELINE_STAGES if n * k * (2 if act else 1) >= PIPELINE_ELEMENTS else 0
         if norm and not act and k >= 2048:
-            return 8, 256, 8, stages
+            return 2, 256, 1, stages
         return ((2, 512, 2) if k < 4096 else (2, 1024, 4) if k < 8192 else (2, 2048, 8)) + (stages,)
     m_pad = triton.next_power_of_2(m)
     return 8, max(64, 512 // m_pad), 4, 0
@@ -308,7 +310,8 @@ def x_ahead(stages: int, programs: int, warps: int) -> bool:
     Qwen3-0.6B, whose QKV, o, gate/up and down all take the two-warp tile (2, 512, 2), 0.937 -> 0.876;
     Qwen3-4B's QKV at (8, 256, 8) 2.67 either way, its o at (2, 1024, 4) 2.67 -> 2.71, its persistent
     down at (2, 2048, 8) 2.67 -> 2.71, its o at (2, 512, 2) with x ahead 2.69. So: only tiles of at most
-    :data:`X_AHEAD_MAX_WARPS` warps."""
+    :data:`X_AHEAD_MAX_WARPS` warps, among them the one-warp tile Qwen3-4B's QKV now takes (2.67 -> 2.63-2.64,
+    see :func:`default_config`)."""
     return stages == 0 and not programs and warps <= X_AHEAD_MAX_WARPS
 
 
