@@ -223,16 +223,16 @@ def test_qk_norm_rope_writes_the_kv_cache(dtype, norm, block_major):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("warps, stages", [(1, 0), (4, 0), (1, 3)],
+@pytest.mark.parametrize("warps, stages, loads_x_ahead", [(1, 0, True), (4, 0, False), (1, 3, False)],
                          ids=["register-loop-x-ahead", "register-loop", "pipelined-loop"])
-def test_skinny_linear_matches_reference(dtype, m, bias, warps, stages):
+def test_skinny_linear_matches_reference(dtype, m, bias, warps, stages, loads_x_ahead):
     """The skinny GEMM (one program per few outputs, float32 sums) against the float32 reference, with
     K and N that are not multiples of the tiles and x's rows strided; each of its K loops (one tile ahead in
     registers, with x's next slice loaded ahead too (a tile of few warps) or not, and Triton's pipeliner
     with the first tile used last)."""
     from infer.kernels import skinny_gemm as sk
 
-    assert sk.x_ahead(stages, 0, warps) == (stages == 0 and warps <= sk.X_AHEAD_MAX_WARPS)
+    assert sk.x_ahead(stages, 0, warps) == loads_x_ahead  # the case runs the loop its name says
     g = torch.Generator().manual_seed(m * 10 + bias)
     x = rows(g, m, 70, dtype, pad=5)
     w, b = randn(g, 37, 70, dtype=dtype, scale=0.3), randn(g, 37, dtype=dtype) if bias else None
@@ -319,6 +319,7 @@ def test_persistent_programs_only_for_the_measured_case():
                  (1, 2560, (2, 2048, 8, 0), False, True, cuda), (1, 2560, (2, 1024, 4, 0), False, False, cuda),
                  (1, 2560, (2, 2048, 8, 3), False, False, cuda)]:
         assert sk.persistent_programs(*args) == 0, args
+    assert not sk.x_ahead(0, 96, 1)  # a persistent grid keeps its own loop (x ahead was slower there, run 34)
     if torch.cuda.is_available():
         sms = sm_count(cuda)
         per_sm = sk.PERSISTENT_PROGRAMS_PER_SM

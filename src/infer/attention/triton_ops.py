@@ -285,10 +285,10 @@ def _merge_splits(part_out_ptr, part_lse_ptr, first, row_mask, num_splits, offs_
     ``num_splits`` masked off, so that every split's loads are in flight at once: one trip to L2 before
     the arithmetic, not one per split. Measured in the engine on an H200 (GPU run 34, batch 1, every phase
     8-9 flag and ``pdl``, alternated), ms per token: Qwen3-4B 2.69 -> 2.67 (3 slices of its 5-split grid
-    in use, unrolled over 5), Qwen3-0.6B 0.935 -> 0.932; unrolled over 8 (what the decode kernel does, one
-    compiled variant for every grid of 2-8 splits), see docs/phases/09-cuda-graphs.md's run 34. ``UNROLL`` 0: a loop that loads the next split's partials before the
-    current ones are used, a chain of ``num_splits`` dependent steps (for wide grids, whose unrolled code
-    would be long). (Loading 16 splits in one tensor and reducing across them was slower on an H200, run
+    in use), Qwen3-0.6B 0.935 -> 0.932, unrolled over the grid's splits; unrolled over 8, what the decode
+    kernel does (one compiled variant for every grid of 2-8 splits), Qwen3-4B 2.69 -> 2.67 again.
+    ``UNROLL`` 0: a loop that loads the next split's partials before the current ones are used, a chain
+    of ``num_splits`` dependent steps (for wide grids, whose unrolled code would be long). (Loading 16 splits in one tensor and reducing across them was slower on an H200, run
     19: the cross-warp reductions cost more than the dependent loads they save.)"""
     m = tl.full(first.shape, float("-inf"), dtype=tl.float32)
     total = tl.zeros(first.shape, dtype=tl.float32)
