@@ -288,8 +288,9 @@ def _merge_splits(part_out_ptr, part_lse_ptr, first, row_mask, num_splits, offs_
     in use), Qwen3-0.6B 0.935 -> 0.932, unrolled over the grid's splits; unrolled over 8, what the decode
     kernel does (one compiled variant for every grid of 2-8 splits), Qwen3-4B 2.69 -> 2.67 again.
     ``UNROLL`` 0: a loop that loads the next split's partials before the current ones are used, a chain
-    of ``num_splits`` dependent steps (for wide grids, whose unrolled code would be long). (Loading 16 splits in one tensor and reducing across them was slower on an H200, run
-    19: the cross-warp reductions cost more than the dependent loads they save.)"""
+    of ``num_splits`` dependent steps (for wide grids, whose unrolled code would be long). (Loading 16
+    splits in one tensor and reducing across them was slower on an H200, run 19: the cross-warp reductions
+    cost more than the dependent loads they save.)"""
     m = tl.full(first.shape, float("-inf"), dtype=tl.float32)
     total = tl.zeros(first.shape, dtype=tl.float32)
     acc = tl.zeros([first.shape[0], D_PAD], dtype=tl.float32)
