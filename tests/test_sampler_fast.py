@@ -24,7 +24,13 @@ from infer.sampling import (
     sample_reference,
 )
 from infer.sampling.sampler import triton_usable
-from infer.sampling.triton_sampler import argmax_lse, exponential_race, race_from_probs, row_stats
+from infer.sampling.triton_sampler import (
+    argmax_logprob,
+    argmax_lse,
+    exponential_race,
+    race_from_probs,
+    row_stats,
+)
 
 NEG_INF = float("-inf")
 needs_triton = pytest.mark.skipif(
@@ -102,6 +108,10 @@ def test_argmax_lse_matches_torch(dtype):
     arg, lse = argmax_lse(x)
     assert torch.equal(arg, x.float().argmax(-1))
     torch.testing.assert_close(lse, x.float().logsumexp(-1), rtol=1e-6, atol=1e-5)
+    # the greedy path's chosen logprob from the combining kernel: what the gather it replaces gives
+    arg2, lse2, logprob = argmax_logprob(x)
+    assert torch.equal(arg2, arg) and torch.equal(lse2, lse)
+    assert torch.equal(logprob, x.gather(1, arg[:, None]).squeeze(1).float() - lse)
 
 
 @needs_triton
@@ -324,6 +334,8 @@ def test_kernels_take_the_first_nan_as_torch_argmax_does(dtype):
     arg, lse = argmax_lse(x)
     assert torch.equal(arg, x.float().argmax(-1))
     assert bool(lse[:4].isnan().all())
+    arg2, _, logprob = argmax_logprob(x)
+    assert torch.equal(arg2, arg) and bool(logprob[:4].isnan().all())
     stats = row_stats(x, torch.full((4,), 0.7), torch.full((4,), 0.1))
     assert torch.equal(stats.argmax, x.float().argmax(-1))
     g = torch.Generator().manual_seed(3)

@@ -871,9 +871,12 @@ def _check_logits(logits: torch.Tensor, t: SamplingTensors) -> None:
         )
 
 
-def _output(raw: torch.Tensor, next_tokens: torch.Tensor, log_z: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-    """The chosen tokens' raw logprobs and the top-K raw logprobs (``log_z``: ``[B]`` log-sum-exp)."""
-    chosen_logprobs = raw.gather(1, next_tokens[:, None]).squeeze(1).float() - log_z
+def _output(raw: torch.Tensor, next_tokens: torch.Tensor, log_z: torch.Tensor, t: SamplingTensors,
+            chosen_logprobs: torch.Tensor | None = None) -> SamplerOutput:
+    """The chosen tokens' raw logprobs (``chosen_logprobs``, or computed here) and the top-K raw logprobs
+    (``log_z``: ``[B]`` log-sum-exp)."""
+    if chosen_logprobs is None:
+        chosen_logprobs = raw.gather(1, next_tokens[:, None]).squeeze(1).float() - log_z
     k = t.max_num_logprobs
     if k > 0:
         top = raw.topk(min(k, raw.shape[-1]), dim=-1)  # on the model's dtype: upcasting keeps the order
@@ -1048,14 +1051,16 @@ def _top_p_on_candidates(
 
 def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """The Triton path: row statistics + the fused exponential race (:mod:`infer.sampling.triton_sampler`)."""
-    from infer.sampling.triton_sampler import argmax_lse, exponential_race, row_stats  # imports triton
+    # imports triton
+    from infer.sampling.triton_sampler import argmax_logprob, argmax_lse, exponential_race, row_stats
     raw = logits if logits.stride(-1) == 1 else logits.contiguous()
     x = _edit_logits(raw, t)
     if t.all_greedy:  # the greedy fast path: argmax + log-sum-exp in one read of the row
-        greedy, log_z = argmax_lse(x)
-        if x is not raw:
-            log_z = argmax_lse(raw)[1]
-        return _output(raw, greedy, log_z, t)
+        if x is raw:  # and the argmax's logprob from the same kernels
+            greedy, log_z, chosen = argmax_logprob(raw)
+            return _output(raw, greedy, log_z, t, chosen)
+        greedy = argmax_lse(x)[0]
+        return _output(raw, greedy, argmax_lse(raw)[1], t)
     if t.do_top_p and not t.top_p_in_top_k:
         # top-p without top-k needs sorted probabilities: truncation in PyTorch (sorting only the
         # rows that need it), then the race on the masked, temperature-scaled logits
