@@ -16,8 +16,8 @@ first weight tile is loaded while the call before it finishes; the tiles are the
 ``--fused`` adds, at one row, the steps the decoder layer runs around its QKV and gate/up projections:
 the residual add + RMSNorm kernel, the projection (cuBLAS) and, for gate/up, the activation kernel, against
 :func:`~infer.kernels.skinny_gemm.skinny_norm_linear` doing all of it in one kernel (with ``--pdl`` too),
-and the engine's two kernels (``two_kernels_us``: the norm's kernel, then the skinny GEMM with the
-activation in its epilogue). A chain of one projection times each kernel alone; which of them makes a
+and the engine's two kernels (``two_kernels_us``: :func:`~infer.kernels.fused_triton.add_rms_norm_linear`
+itself, the norm's kernel, then the skinny GEMM with the activation in its epilogue). A chain of one projection times each kernel alone; which of them makes a
 faster decode step is measured in the engine (GPU run 33: the two kernels).
 With ``--out``, a plot beside the report (GB/s per projection at one row); ``--replot REPORT.json``
 redraws it.
@@ -29,6 +29,7 @@ import argparse
 import itertools
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402, F401
@@ -208,10 +209,10 @@ def fused_row(model, name, n, k, weights, x, args, ft, sg, pdl, tuned) -> dict:
     def fused(a, w, config=None):
         return sg.skinny_norm_linear(a, residual, nw, 1e-6, False, w, None, act, config=config)[0]
 
-    engine_tile = sg.default_config(1, n // 2 if act else n, k, act=bool(act), norm=True)
+    engine_tile = sg.after_norm_config(weights[0], act)
 
-    def two_kernels(a, w):  # the engine's one-row path (ops.add_rms_norm_linear; the residual add is upstream)
-        return sg.skinny_linear(ft.rms_norm(a, nw, 1e-6), w, None, engine_tile, activation=act)
+    def two_kernels(a, w):  # the engine's one-row path itself (the residual add is upstream, in o or down)
+        return ft.add_rms_norm_linear(a, None, nw, 1e-6, False, SimpleNamespace(weight=w, bias=None), act)[0]
 
     y = fused(x, weights[0])
     y_ref, _ = sg.skinny_norm_linear_reference(x, residual, nw, 1e-6, False, weights[0], None, act)

@@ -327,6 +327,19 @@ def test_persistent_programs_only_for_the_measured_case():
         assert sk.persistent_programs(1, 2 * per_sm * sms, (2, 2048, 8, 0), False, False, cuda) == 0
 
 
+def test_after_norm_config_is_the_tile_of_the_products_outputs(monkeypatch):
+    """The tile of a projection after its norm (what add_rms_norm_linear and benchmarks/skinny_gemm.py launch) is
+    default_config's for one row, norm=True, and a merged gate/up's outputs, half its rows: Qwen3-1.7B's
+    gate/up (2 x 6,144 rows of 2,048) has 12.6 M weights per half, under PIPELINE_ELEMENTS, so the register
+    loop (STAGES 0); counted as 25.2 M rows it would be pipelined. Qwen3-4B's QKV: the one-warp tile."""
+    from infer.kernels import skinny_gemm as sk
+
+    monkeypatch.setattr(sk, "INTERPRET", False)  # the GPU's policy, not the interpreter's one tiny tile
+    assert sk.after_norm_config(torch.empty(2 * 6144, 2048, device="meta"), "silu") == (2, 512, 2, 0)
+    assert sk.default_config(1, 2 * 6144, 2048, act=True, norm=True) == (2, 512, 2, 3)
+    assert sk.after_norm_config(torch.empty(6144, 2560, device="meta")) == (2, 256, 1, 0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("bias", [False, True])

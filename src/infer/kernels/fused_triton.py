@@ -539,7 +539,6 @@ def add_rms_norm_linear(
     if (x.dim() == 2 and x.shape[0] == 1 and getattr(layer, "parallel", None) is None and skinny_gemm.fits(x, w)
             and (residual is None or residual.stride(-1) == 1)):
         normed, residual = add_rms_norm(x, residual, weight, eps, unit_offset)
-        n = w.shape[0] // 2 if activation else w.shape[0]
-        config = skinny_gemm.default_config(1, n, w.shape[1], act=activation is not None, norm=True)
+        config = skinny_gemm.after_norm_config(w, activation)
         return skinny_gemm.skinny_linear(normed, w, layer.bias, config, activation=activation), residual
     return norm_linear_steps(sys.modules[__name__], x, residual, weight, eps, unit_offset, layer, activation)

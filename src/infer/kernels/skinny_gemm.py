@@ -262,6 +262,14 @@ def default_config(m: int, n: int, k: int, act: bool = False, norm: bool = False
     return 8, max(64, 512 // m_pad), 4, 0
 
 
+def after_norm_config(weight: torch.Tensor, activation: str | None = None) -> tuple[int, int, int, int]:
+    """:func:`default_config` of a one-row projection right after its norm (QKV, or gate/up with its
+    ``activation``): the tile :func:`infer.kernels.fused_triton.add_rms_norm_linear` launches ``weight``
+    (``[N, K]``; a merged gate/up's ``N / 2`` outputs with an activation) with."""
+    n, k = weight.shape
+    return default_config(1, n // 2 if activation else n, k, act=activation is not None, norm=True)
+
+
 #: one-row weights of at least this many elements are streamed with Triton's pipeliner (default_config)
 PIPELINE_ELEMENTS = 40 << 20
 PIPELINE_STAGES = 3
