@@ -17,8 +17,9 @@ first weight tile is loaded while the call before it finishes; the tiles are the
 the residual add + RMSNorm kernel, the projection (cuBLAS) and, for gate/up, the activation kernel, against
 :func:`~infer.kernels.skinny_gemm.skinny_norm_linear` doing all of it in one kernel (with ``--pdl`` too),
 and the engine's two kernels (``two_kernels_us``: :func:`~infer.kernels.fused_triton.add_rms_norm_linear`
-itself, the norm's kernel, then the skinny GEMM with the activation in its epilogue). A chain of one projection times each kernel alone; which of them makes a
-faster decode step is measured in the engine (GPU run 33: the two kernels).
+itself, the norm's kernel, then the skinny GEMM with the activation in its epilogue). A chain of one
+projection times each kernel alone; which of them makes a faster decode step is measured in the engine
+(GPU run 33: the two kernels).
 With ``--out``, a plot beside the report (GB/s per projection at one row); ``--replot REPORT.json``
 redraws it.
 """

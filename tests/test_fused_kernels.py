@@ -328,8 +328,8 @@ def test_persistent_programs_only_for_the_measured_case():
 
 
 def test_after_norm_config_is_the_tile_of_the_products_outputs(monkeypatch):
-    """The tile of a projection after its norm (what add_rms_norm_linear and benchmarks/skinny_gemm.py launch) is
-    default_config's for one row, norm=True, and a merged gate/up's outputs, half its rows: Qwen3-1.7B's
+    """The tile of a projection after its norm (what add_rms_norm_linear and benchmarks/skinny_gemm.py
+    launch) is default_config's for one row, norm=True, and a merged gate/up's outputs, half its rows: Qwen3-1.7B's
     gate/up (2 x 6,144 rows of 2,048) has 12.6 M weights per half, under PIPELINE_ELEMENTS, so the register
     loop (STAGES 0); counted as 25.2 M rows it would be pipelined. Qwen3-4B's QKV: the one-warp tile."""
     from infer.kernels import skinny_gemm as sk

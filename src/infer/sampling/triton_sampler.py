@@ -58,8 +58,8 @@ from infer.kernels.fused_triton import first_argmax
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 
-__all__ = ["INTERPRET", "RowStats", "apply_token_bitmask", "argmax_logprob", "argmax_lse", "exponential_race", "race_from_probs",
-           "row_stats"]
+__all__ = ["INTERPRET", "RowStats", "apply_token_bitmask", "argmax_logprob", "argmax_lse", "exponential_race",
+           "race_from_probs", "row_stats"]
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -298,12 +298,14 @@ def row_stats(
     scaled = temperature is not None
     s_kept = torch.empty(b, dtype=torch.float32, device=x.device)
     _kept_sum_tile_kernel[(b, num_tiles)](
-        x, x.stride(0), v, temperature if scaled else m, min_p if min_p is not None else m, top_k_floor if top_k_floor is not None else m,
+        x, x.stride(0), v, temperature if scaled else m, min_p if min_p is not None else m,
+        top_k_floor if top_k_floor is not None else m,
         m, s, tile_sum_x, num_tiles,  # tile_sum_x is free again: reused for the partial sums
         SCALED=scaled, MIN_P=min_p is not None, FLOOR=top_k_floor is not None, EXACT=not INTERPRET,
         BLOCK=block, num_warps=8,
     )
-    _sum_tiles_kernel[(b,)](tile_sum_x, num_tiles, s_kept, TILES=triton.next_power_of_2(num_tiles), num_warps=1)
+    tiles = triton.next_power_of_2(num_tiles)
+    _sum_tiles_kernel[(b,)](tile_sum_x, num_tiles, s_kept, TILES=tiles, num_warps=1)
     return RowStats(argmax, lse, m, s, s_kept)
 
 
