@@ -232,40 +232,12 @@ def _check(x: torch.Tensor) -> None:
                            f"triton is imported to run them on the CPU (got a {x.device} tensor)")
 
 
-def _stats(x: torch.Tensor, temperature: torch.Tensor | None, logprob: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, ...]:
-    """:func:`row_stats`' first read: ``(argmax, lse, m, s, tile_sum_x)`` (``tile_sum_x``: ``[B, tiles]``
-    float32 scratch the second read reuses); with ``logprob`` (``[B]`` float32) also ``max(x) - lse`` there."""
-    _check(x)
-    b, v = x.shape
-    dev = x.device
-    f32 = {"dtype": torch.float32, "device": dev}
-    argmax, lse, m, s = torch.empty(b, dtype=torch.int64, device=dev), *(torch.empty(b, **f32) for _ in range(3))
-    if b == 0:
-        return argmax, lse, m, s, s
-    block = _block(v)
-    num_tiles = triton.cdiv(v, block)
-    scaled = temperature is not None
-    temp = temperature if scaled else m
-    tile_max, tile_sum_x, tile_sum_y = (torch.empty(b, num_tiles, **f32) for _ in range(3))
-    tile_arg = torch.empty(b, num_tiles, dtype=torch.int32, device=dev)
-    _stats_tile_kernel[(b, num_tiles)](
-        x, x.stride(0), v, temp, tile_max, tile_arg, tile_sum_x, tile_sum_y, num_tiles,
-        SCALED=scaled, EXACT=not INTERPRET, BLOCK=block, num_warps=8,
-    )
-    _stats_combine_kernel[(b,)](
-        tile_max, tile_arg, tile_sum_x, tile_sum_y, num_tiles, v, temp, argmax, lse, m, s,
-        logprob if logprob is not None else m, SCALED=scaled, EXACT=not INTERPRET,
-        TILES=triton.next_power_of_2(num_tiles), LOGPROB=logprob is not None, num_warps=1,
-    )
-    return argmax, lse, m, s, tile_sum_x
-
-
 def row_stats(
     x: torch.Tensor,
     temperature: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
     top_k_floor: torch.Tensor | None = None,
+    logprob: torch.Tensor | None = None,
 ) -> RowStats:
     """Argmax, log-sum-exp, and the softmax normaliser of ``x / T``: one or two reads of ``x``.
 
@@ -281,6 +253,8 @@ def row_stats(
         min_p: ``[B]`` float32 in [0, 1], or ``None`` for no min-p.
         top_k_floor: ``[B]`` float32, the k-th largest value of ``x / T`` (``-inf`` for rows
             without top-k), or ``None`` for no top-k.
+        logprob: ``[B]`` float32 to fill with ``max(x) - lse`` (the argmax's logprob, written by the
+            kernel that combines the tiles), or ``None``.
 
     Returns:
         :class:`RowStats`.
@@ -289,22 +263,38 @@ def row_stats(
         ValueError: ``x`` is not a floating ``[B, V]`` tensor with a contiguous last dimension.
         RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    argmax, lse, m, s, tile_sum_x = _stats(x, temperature)
+    _check(x)
     b, v = x.shape
-    if b == 0 or (min_p is None and top_k_floor is None):
+    dev = x.device
+    f32 = {"dtype": torch.float32, "device": dev}
+    argmax, lse, m, s = torch.empty(b, dtype=torch.int64, device=dev), *(torch.empty(b, **f32) for _ in range(3))
+    if b == 0:
         return RowStats(argmax, lse, m, s, s)
     block = _block(v)
     num_tiles = triton.cdiv(v, block)
+    tiles = triton.next_power_of_2(num_tiles)
     scaled = temperature is not None
-    s_kept = torch.empty(b, dtype=torch.float32, device=x.device)
+    temp = temperature if scaled else m
+    tile_max, tile_sum_x, tile_sum_y = (torch.empty(b, num_tiles, **f32) for _ in range(3))
+    tile_arg = torch.empty(b, num_tiles, dtype=torch.int32, device=dev)
+    _stats_tile_kernel[(b, num_tiles)](
+        x, x.stride(0), v, temp, tile_max, tile_arg, tile_sum_x, tile_sum_y, num_tiles,
+        SCALED=scaled, EXACT=not INTERPRET, BLOCK=block, num_warps=8,
+    )
+    _stats_combine_kernel[(b,)](
+        tile_max, tile_arg, tile_sum_x, tile_sum_y, num_tiles, v, temp, argmax, lse, m, s,
+        logprob if logprob is not None else m, SCALED=scaled, EXACT=not INTERPRET, TILES=tiles,
+        LOGPROB=logprob is not None, num_warps=1,
+    )
+    if min_p is None and top_k_floor is None:
+        return RowStats(argmax, lse, m, s, s)
+    s_kept = torch.empty(b, **f32)
     _kept_sum_tile_kernel[(b, num_tiles)](
-        x, x.stride(0), v, temperature if scaled else m, min_p if min_p is not None else m,
-        top_k_floor if top_k_floor is not None else m,
+        x, x.stride(0), v, temp, min_p if min_p is not None else m, top_k_floor if top_k_floor is not None else m,
         m, s, tile_sum_x, num_tiles,  # tile_sum_x is free again: reused for the partial sums
         SCALED=scaled, MIN_P=min_p is not None, FLOOR=top_k_floor is not None, EXACT=not INTERPRET,
         BLOCK=block, num_warps=8,
     )
-    tiles = triton.next_power_of_2(num_tiles)
     _sum_tiles_kernel[(b,)](tile_sum_x, num_tiles, s_kept, TILES=tiles, num_warps=1)
     return RowStats(argmax, lse, m, s, s_kept)
 
@@ -350,8 +340,8 @@ def argmax_logprob(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """
     _check(x)
     logprob = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    argmax, lse, *_ = _stats(x, None, logprob)
-    return argmax, lse, logprob
+    stats = row_stats(x, logprob=logprob)
+    return stats.argmax, stats.lse, logprob
 
 
 # ----------------------------------------------------------------------------- the race
