@@ -883,11 +883,11 @@ def test_kernels_compile_for_an_h100(tmp_path):
                  "persistent_add_pdl"):
         assert any(k.startswith("cp.async") for k in loads[name]) == name.startswith("pipelined"), (name, loads[name])
     # with PDL these read before their wait what no kernel of the step writes: the projections their first
-    # weight tiles, the QK norm + RoPE its position, cos/sin row and norm weights, the decode attention its
-    # sequence's length (its split plan); the plain norms and the activation have nothing to read early
+    # weight tiles, the norms their weight, the QK norm + RoPE its position, cos/sin row and norm weights,
+    # the decode attention its sequence's length (its split plan); the activation has nothing to read early
     early = {n for n, kinds in loads.items() if "load-before-wait" in kinds}
     assert early == {"skinny_pdl", "add_pdl", "norm_act_pdl", "norm_one_load_pdl", "pipelined_norm_act_pdl",
-                     "persistent_add_pdl", "qk128True", "qk256True", "decode_pdl"}, early
+                     "persistent_add_pdl", "rmsTrue", "addTrue", "qk128True", "qk256True", "decode_pdl"}, early
 
 
 PDL_SCRIPT = r"""

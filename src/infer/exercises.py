@@ -287,7 +287,8 @@ EXERCISES: dict[str, Exercise] = {
             "One program per row, in place: the sum of the row and its residual, rounded to the dtype, is "
             "the new residual (store it); the RMSNorm of that rounded sum replaces the row. Load both rows "
             "before storing either, compute in float32, and use the row helper _rms_norm_row for the norm "
-            "(it keeps Llama's and Gemma's rounding orders). Runs under TRITON_INTERPRET=1 on a CPU.",
+            "(it keeps Llama's and Gemma's rounding orders; the norm weight w is loaded for you before the "
+            "PDL wait). Runs under TRITON_INTERPRET=1 on a CPU.",
             30,
         ),
         Exercise(

@@ -104,11 +104,10 @@ def _manual_bf16(x: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _rms_norm_row(x, w_ptr, offs, mask, eps, N: tl.constexpr, UNIT_OFFSET: tl.constexpr, DTYPE: tl.constexpr,
+def _rms_norm_row(x, w, eps, N: tl.constexpr, UNIT_OFFSET: tl.constexpr, DTYPE: tl.constexpr,
                   MANUAL_BF16: tl.constexpr):
-    """float32 row ``x`` -> the normalized row rounded to DTYPE."""
+    """float32 row ``x`` and float32 norm weight ``w`` -> the normalized row rounded to DTYPE."""
     r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h = x * r
     if UNIT_OFFSET:  # Gemma: (1 + w) in float32, one rounding
         y = h * (1.0 + w)
@@ -123,13 +122,16 @@ def _rms_norm_kernel(
     N: tl.constexpr, BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr, MANUAL_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # One program per row: load it once, reduce, scale, store.
-    wait_for_previous(USE_PDL)
+    # One program per row: load it once, reduce, scale, store. The norm weight is no kernel's output: it
+    # is loaded before the PDL wait (infer.kernels.pdl), while the kernel that writes x still runs, instead
+    # of after the reduction, where its trip to memory was on every layer's critical path.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    y = _rms_norm_row(x, w_ptr, offs, mask, eps, N, UNIT_OFFSET, out_ptr.dtype.element_ty, MANUAL_BF16)
+    y = _rms_norm_row(x, w, eps, N, UNIT_OFFSET, out_ptr.dtype.element_ty, MANUAL_BF16)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
@@ -140,7 +142,9 @@ def _add_rms_norm_kernel(
     USE_PDL: tl.constexpr,
 ):
     # One program per row: s = x + residual rounded to the dtype (stored as the new residual), then the
-    # norm of that rounded s (stored over x). Each program reads its row before writing it.
+    # norm of that rounded s (stored over x). Each program reads its row before writing it. The norm
+    # weight w (float32 [BLOCK]) is no kernel's output: it is loaded before the PDL wait.
+    w = tl.load(w_ptr + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < N, other=0.0).to(tl.float32)
     wait_for_previous(USE_PDL)  # (infer.kernels.pdl: a no-op unless launched with PDL)
     # >>> EXERCISE fused_add_rms_norm_kernel
     row = tl.program_id(0).to(tl.int64)
@@ -150,8 +154,7 @@ def _add_rms_norm_kernel(
     r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     s = _round(x + r, res_ptr.dtype.element_ty, MANUAL_BF16)
     tl.store(res_ptr + row * stride_r + offs, s, mask=mask)
-    y = _rms_norm_row(s.to(tl.float32), w_ptr, offs, mask, eps, N, UNIT_OFFSET, x_ptr.dtype.element_ty,
-                      MANUAL_BF16)
+    y = _rms_norm_row(s.to(tl.float32), w, eps, N, UNIT_OFFSET, x_ptr.dtype.element_ty, MANUAL_BF16)
     tl.store(x_ptr + row * stride_x + offs, y, mask=mask)
     # <<< EXERCISE fused_add_rms_norm_kernel
 
