@@ -184,7 +184,7 @@ def write_report(report: dict[str, Any], out: str | Path | None, table: str) -> 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+            return f"{v:.4g}" if abs(v) < 100 else f"{v:.0f}"
         return str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
