@@ -19,9 +19,10 @@ tile of the weight matrix is loaded before the wait and the load overlaps the pr
 only), plans its split and lets its unused programs exit before the wait
 (:mod:`infer.attention.triton_ops`); the QK norm + RoPE loads the token's position, cache slot, cos/sin
 row and norm weights before it, and the RMSNorm kernels their weight (:mod:`infer.kernels.fused_triton`);
-the activation kernel just waits at its start and gains the overlap of its launch. TensorRT-LLM, FlashInfer and SGLang's kernels use the same two
-instructions; CUTLASS's example 63 prefetches weights the same way. Inside a CUDA graph the attribute
-is recorded as a programmatic edge, so replays keep the overlap.
+the activation kernel just waits at its start and gains the overlap of its launch. TensorRT-LLM,
+FlashInfer and SGLang's kernels use the same two instructions; CUTLASS's example 63 prefetches weights the
+same way. Inside a CUDA graph the attribute is recorded as a programmatic edge, so replays keep the
+overlap.
 
 The rule every kernel here follows: with ``USE_PDL`` it calls :func:`wait_for_previous` before its
 first load of anything another kernel writes, and before its first store. A kernel that is not
