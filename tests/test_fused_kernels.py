@@ -823,6 +823,11 @@ for uo in (False, True):
                   "BLOCK_H": 512 // d, "HAS_NORM": True, "UNIT_OFFSET": uo, "MANUAL_BF16": False,
                   "WRITE_CACHE": uo, "NUM_KV_HEADS": 8, "USE_PDL": uo}  # with and without the cache write, PDL
         out[f"qk{d}{uo}"] = compile_(ft._qk_norm_rope_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 2)
+    if uo:  # the norm before gate/up: the next kernel may launch before this one's wait
+        out["rms_launch_early"] = compile_(ft._rms_norm_kernel, {"x_ptr": bf, "w_ptr": bf, "out_ptr": bf,
+                                           "stride_x": "i32", "stride_o": "i32", "LAUNCH_NEXT_EARLY": "constexpr",
+                                           **{k: v for k, v in norm_sig.items() if k != "stride_x"}},
+                                           {**c, "UNIT_OFFSET": False, "LAUNCH_NEXT_EARLY": True}, 8)
     out[f"act{uo}"] = compile_(ft._act_and_mul_kernel, {"gu_ptr": bf, "out_ptr": bf, "stride_gu": "i32",
                                "stride_o": "i32", "I": "constexpr", "BLOCK": "constexpr", "GELU_TANH": "constexpr",
                                "MANUAL_BF16": "constexpr", "USE_PDL": "constexpr"},
@@ -871,13 +876,17 @@ def test_kernels_compile_for_an_h100(tmp_path):
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loads = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(loads) == 18
+    assert len(loads) == 19
+    early_launch = loads.pop("rms_launch_early")
     for name, kinds in loads.items():
         if not name.startswith(("qk", "decode")):
             assert "ld.global.v4.b32" in kinds, (name, kinds)
         # USE_PDL compiles the wait and the launch of the next kernel, in that order; without it, neither
         pdl = name.endswith(("True", "_pdl"))
         assert ("griddepcontrol.wait" in kinds) == pdl and ("wait-before-launch" in kinds) == pdl, (name, kinds)
+    # the norm before gate/up (launch_next_early): both instructions, the launch first, the weight before the wait
+    assert {"griddepcontrol.wait", "griddepcontrol.launch_dependents", "load-before-wait"} <= set(early_launch)
+    assert "wait-before-launch" not in early_launch, early_launch
     # the skinny GEMM's pipelined K loop streams W through shared memory; its register loop never does
     for name in ("skinny", "skinny_pdl", "add_pdl", "norm_act_pdl", "norm_one_load_pdl", "pipelined_norm_act_pdl",
                  "persistent_add_pdl"):

@@ -94,3 +94,15 @@ def wait_for_previous(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     # <<< EXERCISE pdl_wait
+
+
+@triton.jit
+def launch_next_then_wait(USE_PDL: tl.constexpr):
+    """:func:`wait_for_previous` in the other order: let the next kernel start launching at once, then
+    wait for the previous one. For a small kernel between two large ones: the next kernel's programs are
+    placed, and load what no kernel writes, while the kernel before this one still runs, instead of
+    only once it has completed (this kernel cannot let them go before its own wait otherwise). Safe: the
+    next kernel's wait still waits for this one to complete, and this one completes after its own wait."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
