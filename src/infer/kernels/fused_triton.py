@@ -129,7 +129,7 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if LAUNCH_NEXT_EARLY:  # the next kernel launches before this one waits (see rms_norm)
+    if LAUNCH_NEXT_EARLY:  # the next kernel launches before this one waits (add_rms_norm_linear says when)
         launch_next_then_wait(USE_PDL)
     else:
         wait_for_previous(USE_PDL)
