@@ -338,8 +338,7 @@ def argmax_logprob(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
         ValueError: ``x`` is not a floating ``[B, V]`` tensor with a contiguous last dimension.
         RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    _check(x)
-    logprob = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    logprob = x.new_empty(x.shape[:-1], dtype=torch.float32)  # [B] (row_stats checks x before any use)
     stats = row_stats(x, logprob=logprob)
     return stats.argmax, stats.lse, logprob
 
