@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
-PATH = re.compile(r"(?<![\w./-])((?:src/infer|tests|benchmarks|scripts)/[\w./*-]*[\w*])(::[\w\[\]\-.]+)?")
+PATH = re.compile(r"(?<![\w./-])((?:src/infer|tests|benchmarks|scripts|classroom)/[\w./*-]*[\w*])(::[\w\[\]\-.]+)?")
 FILE = re.compile(r"^[\w.-]+\.(py|md|json|toml|sh|jinja|txt|yml|yaml|png|cpp|h)$")
 CHECKPOINT = re.compile(r"^[\w.-]+\.(gguf|safetensors)$|^model\.safetensors\.index\.json$")  # a model's files
 SPAN = re.compile(r"`([^`\n]+)`")

@@ -1,5 +1,5 @@
 """The exercise grader, both ways: every reference solution PASSes, every mutant (a plausible wrong
-solution, src/infer/exercise_mutants.py) FAILs, each graded in a workspace of its own.
+solution, classroom/mutants.py) FAILs, each graded in a workspace of its own.
 
 A file of its own: the grading is the suite's longest test (2.5-6 minutes on 2 cores), so that under
 pytest-xdist (scripts/test.sh, one file per unit of work) it is handed out on its own, first
@@ -7,8 +7,9 @@ pytest-xdist (scripts/test.sh, one file per unit of work) it is handed out on it
 
 from __future__ import annotations
 
-from infer.exercise_mutants import _ALL
-from infer.exercises import EXERCISES, grade_mutants
+from classroom.exercises import EXERCISES
+from classroom.grading import grade_mutants
+from classroom.mutants import _ALL
 
 
 def passed_here(tests: tuple[str, ...], outcomes: dict[str, str]) -> bool:

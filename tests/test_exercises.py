@@ -12,19 +12,9 @@ import sys
 
 import pytest
 
-from infer.exercise_mutants import _ALL, MUTANTS, apply_mutant
-from infer.exercises import (
-    EXERCISES,
-    MANIFEST,
-    REPO,
-    find_regions,
-    grade,
-    grading_env,
-    prepare,
-    region_text,
-    selected,
-    stub,
-)
+from classroom.exercises import EXERCISES, MANIFEST, REPO, find_regions, region_text, selected, stub
+from classroom.grading import grade, grading_env, prepare
+from classroom.mutants import _ALL, MUTANTS, apply_mutant
 
 
 def test_every_marker_is_registered_and_every_exercise_has_a_region():
@@ -57,10 +47,10 @@ def test_every_exercise_has_mutants_that_apply():
 
 def test_the_exercises_page_lists_every_exercise_in_list_order():
     """docs/exercises.md's table of current exercises: one row per registered exercise, in the order
-    ``python -m infer.exercises list`` prints them, each naming its file and its number of grading tests."""
+    ``python -m classroom list`` prints them, each naming its file and its number of grading tests."""
     import re
 
-    from infer.exercises import ordered
+    from classroom.exercises import ordered
 
     page = (REPO / "docs" / "exercises.md").read_text()
     rows = [line for line in page.split("## Current exercises", 1)[1].splitlines() if re.match(r"\| \d+ \| `", line)]
@@ -87,7 +77,8 @@ def test_a_prepared_workspace_is_graded_on_its_exercises_with_the_instructors_te
         prepare(ws, [])
     prepare(ws, [EXERCISES["apply_rope"]])
     assert json.loads((ws / MANIFEST).read_text()) == {"exercises": ["apply_rope"]}
-    check = subprocess.run([sys.executable, "-c", "import infer.llm, infer.exercises"], cwd=ws,
+    assert not (ws / "classroom").exists()  # the grader and its mutant table (reference fragments) stay behind
+    check = subprocess.run([sys.executable, "-c", "import infer.llm, infer.server.app"], cwd=ws,
                            env={"PYTHONPATH": str(ws / "src")}, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr  # everything else still imports
     # the page's command, as written, in the workspace (no PYTHONPATH): it tests the stub, not an

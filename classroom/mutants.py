@@ -1,11 +1,11 @@
 """Plausible wrong solutions of every exercise (mutants), which the grader must FAIL.
 
 A grading test that a wrong solution passes misleads a student ("PASS") and an instructor
-(the score). So for each exercise of :mod:`infer.exercises` this module keeps a few mistakes
+(the score). So for each exercise of :mod:`classroom.exercises` this module keeps a few mistakes
 students really make (an off-by-one, an inclusive instead of an exclusive bound, a forgotten
 flag or case, rebinding a list the caller holds instead of editing it), each written as small
 edits of the reference solution: ``(reference text, wrong text)`` pairs applied inside the
-exercise's region. ``python -m infer.exercises mutants`` grades each one in a workspace of its
+exercise's region. ``python -m classroom mutants`` grades each one in a workspace of its
 own with that exercise's tests; ``tests/test_exercise_mutants.py`` requires every one to FAIL (and
 every reference to PASS). A mutant whose reference text is no longer in the region is an error,
 so the list cannot silently go stale when the code changes.
@@ -40,7 +40,7 @@ def apply_mutant(text: str, mutant: Mutant) -> str:
         ValueError: an edit's reference text is not found exactly once in the region (the
             reference changed: update the mutant), or the edit changes nothing.
     """
-    from infer.exercises import region_text, replace_region
+    from classroom.exercises import region_text, replace_region
 
     body = region_text(text, mutant.exercise)
     for old, new in mutant.edits:
