@@ -195,7 +195,7 @@ def tune(name: str, m: dict, tokens: list[int], dtype, device, ceil: dict, gen, 
 
     from infer.kernels import fused_triton as ft
 
-    saved = (ft._num_warps, ft._qk_rope_config, ft._act_block)
+    saved = (ft.num_warps_for, ft._qk_rope_config, ft._act_block)
     warps_list = (1, 2, 4, 8, 16) if gpu else (1, 4)
     rows = []
     item = torch.empty((), dtype=dtype).element_size()
@@ -209,7 +209,7 @@ def tune(name: str, m: dict, tokens: list[int], dtype, device, ceil: dict, gen, 
                 key, values = extra.get(op, (None, (None,)))
                 for warps in warps_list:
                     for v in values:
-                        ft._num_warps = lambda _e, w=warps: w
+                        ft.num_warps_for = lambda _e, w=warps: w
                         if op == "qk_norm_rope":
                             ft._qk_rope_config = lambda h, _d, bh=v, w=warps: (min(bh, triton.next_power_of_2(h)), w)
                         if op == "act_and_mul":
@@ -226,7 +226,7 @@ def tune(name: str, m: dict, tokens: list[int], dtype, device, ceil: dict, gen, 
                         print({k: round(x, 3) if isinstance(x, float) else x for k, x in row.items()}, flush=True)
                 case.sets.clear()
     finally:
-        ft._num_warps, ft._qk_rope_config, ft._act_block = saved
+        ft.num_warps_for, ft._qk_rope_config, ft._act_block = saved
     return rows
 
 
@@ -246,9 +246,10 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
-    from infer.kernels import fused_triton
 
-    if device.type == "cpu" and not fused_triton.INTERPRET:
+    from infer.kernels import triton_common
+
+    if device.type == "cpu" and not triton_common.INTERPRET:
         ap.error("on the CPU the kernels run under the Triton interpreter: set TRITON_INTERPRET=1")
     gpu = device.type == "cuda"
     models = {k: MODELS[k] for k in (args.models or MODELS)} if gpu else CPU_MODEL

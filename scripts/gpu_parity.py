@@ -139,7 +139,7 @@ def infer_logits(path: Path, prompts: list[torch.Tensor], device: torch.device, 
     """
     from infer.attention import AttentionMetadata, TorchAttentionBackend
     from infer.attention.triton_backend import TritonAttentionBackend
-    from infer.engine.model_runner import fused_ops
+    from infer.kernels import fused_ops
     from infer.loader import load_model
 
     t0 = time.perf_counter()

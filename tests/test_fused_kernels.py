@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.config import RopeConfig
-from infer.kernels import fused_ops, sm_count
+from infer.config import EngineConfig, RopeConfig
+from infer.kernels import fused_ops
 from infer.kernels import fused_reference as ref
 from infer.kernels import fused_triton as ops
+from infer.kernels.triton_common import INTERPRET, sm_count
 from infer.models import layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -472,7 +473,7 @@ def test_pdl_scope_is_per_thread_and_never_on_the_cpu():
     cuda_like = type("T", (), {"is_cuda": True})()
     seen = []
     with pdl.scope():
-        assert pdl.launch_pdl(cuda_like) == (not ops.INTERPRET)
+        assert pdl.launch_pdl(cuda_like) == (not INTERPRET)
         assert not pdl.launch_pdl(torch.zeros(1))
         t = threading.Thread(target=lambda: seen.append(pdl.launch_pdl(cuda_like)))
         t.start()
@@ -481,7 +482,7 @@ def test_pdl_scope_is_per_thread_and_never_on_the_cpu():
             assert not pdl.launch_pdl(cuda_like)
     assert seen == [False] and not pdl.launch_pdl(cuda_like)
     with pytest.raises(ValueError, match="CUDA device"):
-        pdl.check_supported(torch.device("cpu"))
+        EngineConfig(device="cpu", pdl=True).validate()
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -716,9 +717,11 @@ def test_empty_batches(impl):
     assert impl.act_and_mul(torch.zeros(0, 16, device=DEVICE), "silu").shape == (0, 8)
 
 
-def test_fused_ops_picks_the_module_for_the_device():
-    assert fused_ops("cpu") is ref
-    assert fused_ops(torch.device("cuda", 0)) is ops
+def test_fused_ops_picks_the_module_for_the_backend():
+    assert fused_ops("torch") is ref
+    assert fused_ops("triton") is ops
+    with pytest.raises(ValueError, match="unknown backend"):
+        fused_ops("cuda")
     for name in ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache"):
         import inspect
 
@@ -953,7 +956,7 @@ def test_wait_for_previous_waits_then_lets_the_next_kernel_launch(tmp_path):
 # ---------------------------------------------------------------------------------- benchmark smoke test
 
 
-@pytest.mark.skipif(not ops.INTERPRET, reason="the CPU smoke run needs the Triton interpreter")
+@pytest.mark.skipif(not INTERPRET, reason="the CPU smoke run needs the Triton interpreter")
 def test_benchmark_smoke(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import fused_kernels
@@ -968,7 +971,7 @@ def test_benchmark_smoke(tmp_path):
     tuned = report["tune"]
     assert {r["op"] for r in tuned} == set(fused_kernels.OPS) and all(r["fused_us"] > 0 for r in tuned)
     assert {r["num_warps"] for r in tuned} == {1, 4} and {r["block_h"] for r in tuned if "block_h" in r} == {1, 2, 4, 8}
-    assert fused_kernels.tune is not None and ops._num_warps(4096) == 8  # the defaults are restored
+    assert fused_kernels.tune is not None and ops.num_warps_for(4096) == 8  # the defaults are restored
 
 
 # ---------------------------------------------------------------------------------- GPU, real shapes

@@ -222,7 +222,7 @@ def test_smollm2_vocabulary_never_joins_a_digit(smollm2):
     numeric character next to anything else."""
     import unicodedata
 
-    from infer.loader.gguf_tokenizer import bytes_to_unicode
+    from infer.tokenizer import bytes_to_unicode
 
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
     tok = smollm2.tokenizer

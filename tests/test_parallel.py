@@ -230,8 +230,8 @@ def _alive(pid: int) -> bool:
 def test_validate_rejects_sizes_that_do_not_split_the_model(smollm2, gemma3):
     with pytest.raises(ValueError, match="9 query heads do not split evenly"):
         EngineConfig(tensor_parallel_size=2).validate_model(smollm2.config)
-    with pytest.raises(ValueError, match="9 query heads"):  # validate() reads the GGUF header for it
-        EngineConfig(model=str(smollm2.path), device="cpu", tensor_parallel_size=2).validate()
+    with pytest.raises(ValueError, match="9 query heads"):  # the engine reads the GGUF header for it, no rank starts
+        LLMEngine(EngineConfig(model=str(smollm2.path), device="cpu", tensor_parallel_size=2))
     EngineConfig(tensor_parallel_size=2).validate_model(gemma3.config)  # 4 heads, 1 KV head: copied
     with pytest.raises(ValueError, match="no experts"):
         EngineConfig(expert_parallel_size=2).validate_model(gemma3.config)

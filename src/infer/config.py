@@ -379,9 +379,10 @@ class EngineConfig:
                 raise ValueError("pdl needs attention_backend='triton' (or 'auto' on CUDA): it changes how the "
                                  "Triton kernels are launched, and the torch backend has none")
             if torch.cuda.is_available():
-                from infer.kernels.pdl import check_supported
-
-                check_supported(dev)
+                major, minor = torch.cuda.get_device_capability(dev)
+                if major < 9:
+                    raise ValueError(f"pdl needs a GPU of compute capability >= 9.0 (Hopper or later), {dev} is "
+                                     f"{major}.{minor}; turn it off")
         if self.moe_backend not in MOE_BACKENDS:
             raise ValueError(f"moe_backend must be one of {', '.join(MOE_BACKENDS)}, got {self.moe_backend!r}")
         if self.moe_backend == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -455,17 +456,11 @@ class EngineConfig:
         if dev.type == "cuda" and torch.cuda.device_count() < self.world_size:
             raise ValueError(f"{self.world_size} ranks need {self.world_size} GPUs (one per rank); "
                              f"{torch.cuda.device_count()} are visible")
-        from infer.errors import ModelLoadError
-        from infer.loader import read_model_config
-
-        try:
-            model = read_model_config(self.model)  # config.json or the GGUF header only
-        except ModelLoadError:
-            return  # loading the model reports it, with the file
-        self.validate_model(model)
 
     def validate_model(self, model: ModelConfig) -> None:
-        """Reject parallel sizes that do not split ``model`` evenly, with the reason.
+        """Reject parallel sizes that do not split ``model`` evenly, with the reason. (The engine calls
+        this with the checkpoint's config before it starts any worker: :meth:`validate` checks the
+        flags alone and reads no file.)
 
         Tensor parallelism splits whole query heads, whole KV heads (or copies each KV head to
         ``tp / num_kv_heads`` ranks when there are fewer KV heads than ranks), the MLP's

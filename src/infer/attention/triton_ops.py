@@ -32,16 +32,14 @@ runs bf16 arithmetic on raw integers, so under it every bf16 load is converted t
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import sm_count
 from infer.kernels.pdl import launch_options, wait_for_previous
+from infer.kernels.triton_common import INTERPRET, check_launchable, sm_count
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "no sliding window": farther back than any context
 
@@ -123,7 +121,7 @@ def reshape_and_cache(
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
-    _check_launchable(k_cache)
+    check_launchable(k_cache)
     _, block_size, hkv, d = k_cache.shape
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
@@ -460,7 +458,7 @@ def paged_decode_attention(
         raise ValueError(f"min_split_keys must be >= 0, got {min_split_keys}")
     if batch == 0:
         return out
-    _check_launchable(q)
+    check_launchable(q)
     block_size = k_cache.shape[1]
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
@@ -759,7 +757,7 @@ def paged_prefill_attention(
         return out
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
-    _check_launchable(q)
+    check_launchable(q)
     d_pad = max(16, triton.next_power_of_2(d))
     cfg = _prefill_config(d_pad, q.dtype)
     m_tiles = triton.cdiv(max_query_len, cfg["BLOCK_M"])
@@ -871,10 +869,3 @@ def _check_out(out: torch.Tensor | None, q: torch.Tensor, shape: tuple[int, ...]
     if shape[-1] > 1 and out.stride(-1) != 1:
         raise ValueError(f"out must have a contiguous last dimension (strides {out.stride()})")
     return out
-
-
-def _check_launchable(x: torch.Tensor) -> None:
-    if x.device.type != "cuda" and not INTERPRET:
-        raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
-                           f"imported to run them on the CPU (got a {x.device} tensor)")
-

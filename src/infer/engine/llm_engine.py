@@ -18,12 +18,13 @@ import time
 from infer.config import EngineConfig
 from infer.detokenizer import IncrementalDetokenizer
 from infer.engine.kv_cache_manager import KVCacheManager
-from infer.engine.model_runner import ModelRunner, StepResult, fused_ops, num_kv_blocks
+from infer.engine.model_runner import ModelRunner, StepResult, num_kv_blocks
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.scheduler import ScheduledSeq, Scheduler
 from infer.engine.sequence import PLACEHOLDER, Request, SeqStatus, Sequence
-from infer.errors import EngineStepError, InvalidRequestError, ParallelWorkerError
-from infer.loader import LoadedModel, load_model
+from infer.errors import EngineStepError, InvalidRequestError, ModelLoadError, ParallelWorkerError
+from infer.kernels import fused_ops
+from infer.loader import LoadedModel, load_model, read_model_config
 from infer.outputs import RequestOutput
 from infer.sampling import RequestOutputKind, SamplingParams
 
@@ -32,6 +33,17 @@ log = logging.getLogger("infer")
 _FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15 & ((1 << 63) - 1)  # decorrelates the n sequences of a request
+
+
+def _check_parallel_split(config: EngineConfig) -> None:
+    """Reject parallel sizes that do not split the checkpoint evenly (:meth:`EngineConfig.validate_model`),
+    before any worker starts. Reads ``config.json`` or the GGUF header only; a checkpoint that cannot be
+    read is left to the loader, which reports it with the file."""
+    try:
+        model = read_model_config(config.model)
+    except ModelLoadError:
+        return
+    config.validate_model(model)
 
 
 class LLMEngine:
@@ -51,6 +63,7 @@ class LLMEngine:
         self.config = config.validate()
         self.workers = None  # tensor/expert parallelism (phase 14): the other ranks' processes
         if config.world_size > 1:
+            _check_parallel_split(config)
             try:
                 self._init_parallel(config, loaded, progress)
             except BaseException:

@@ -310,18 +310,6 @@ def make_attention_backend(name: str, device: torch.device):
     raise ValueError(f"unknown attention backend {name!r}")
 
 
-def fused_ops(attention_backend: str):
-    """The module of fused operations (phase 8) that goes with an attention backend: the Triton
-    kernels with ``"triton"``, their plain-PyTorch twins (the same functions) with ``"torch"``."""
-    if attention_backend == "triton":
-        from infer.kernels import fused_triton
-
-        return fused_triton
-    from infer.kernels import fused_reference
-
-    return fused_reference
-
-
 def chunk_extent(seq: Sequence, num_new_tokens: int) -> tuple[int, int, bool]:
     """Where a step's ``num_new_tokens`` tokens of ``seq`` sit, for prefill chunks and decodes alike.
 

@@ -1,45 +1,40 @@
-"""Fused operations of the decoder layers (phase 8, the ``fused_kernels`` flag).
+"""Every kernel of the engine, each beside its plain-PyTorch reference (the tests compare the two).
 
-Two modules with the same functions, signatures and in-place behaviour:
+* Fused decoder-layer operations (phase 8, ``EngineConfig.fused_kernels``): :mod:`.fused_triton`
+  (Triton) and :mod:`.fused_reference` (plain PyTorch, what runs on the CPU), the same functions with
+  the same signatures; :mod:`.skinny_gemm`, the one-row projections of batch-1 decode.
+* Mixture of experts (phase 15, ``EngineConfig.moe_backend``): :mod:`.moe_triton` (tokens sorted by
+  expert, a grouped GEMM) and :mod:`.moe_reference` (a loop over experts).
+* :mod:`.pdl` (programmatic dependent launch), :mod:`.triton_common` (helpers every Triton kernel
+  shares), :mod:`.activations` (the MLP activations by name).
 
-* :mod:`infer.kernels.fused_triton`: Triton kernels (CUDA tensors; CPU tensors under
-  ``TRITON_INTERPRET=1``, for tests).
-* :mod:`infer.kernels.fused_reference`: plain PyTorch, the fewest ops that give exactly the values of
-  the unfused code in :mod:`infer.models.layers` in float32 (what runs on the CPU).
-
-The operations: ``rms_norm``, ``fused_add_rms_norm``, ``qk_norm_rope`` (with ``build_cos_sin_cache``)
-and ``act_and_mul``. :func:`fused_ops` picks the module for a device.
+Triton modules import on any machine; launching needs CUDA tensors, or CPU tensors with
+``TRITON_INTERPRET=1`` set before Triton is imported (the tests do that). :func:`fused_ops` and
+:func:`moe_ops` pick the implementation once, from the engine's backend choice.
 """
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
-import torch
 
+def fused_ops(backend: str) -> ModuleType:
+    """The module of fused operations (phase 8) that goes with an attention backend: the Triton kernels
+    (:mod:`infer.kernels.fused_triton`) with ``"triton"``, their plain-PyTorch twins, the same functions
+    (:mod:`infer.kernels.fused_reference`), with ``"torch"``.
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA ``device`` (the current device when it has no index), cached: what
-    the decode attention's split plan and the skinny GEMM's persistent grid size their grids by."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def fused_ops(device: torch.device | str) -> ModuleType:
-    """The module implementing the fused operations on ``device``: the Triton kernels on a CUDA device,
-    the plain-PyTorch references elsewhere (on the CPU, the interpreter would be far slower)."""
-    if torch.device(device).type == "cuda":
+    Raises:
+        ValueError: another name.
+    """
+    if backend == "triton":
         from infer.kernels import fused_triton
 
         return fused_triton
-    from infer.kernels import fused_reference
+    if backend == "torch":
+        from infer.kernels import fused_reference
 
-    return fused_reference
+        return fused_reference
+    raise ValueError(f"unknown backend {backend!r}; expected 'torch' or 'triton'")
 
 
 def moe_ops(backend: str) -> ModuleType:

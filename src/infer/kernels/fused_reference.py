@@ -32,14 +32,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from infer.kernels.activations import ACTIVATION_NAMES
+
 __all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache",
            "ACTIVATION_NAMES", "linear", "linear_residual", "add_rms_norm", "add_rms_norm_linear"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-#: Activation names :func:`act_and_mul` accepts -> the kernel's activation. The names of
-#: ``infer.models.layers.ACTIVATIONS`` (Hugging Face's ``hidden_act`` values) are all here.
-ACTIVATION_NAMES = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 # ============================================================================ RMSNorm

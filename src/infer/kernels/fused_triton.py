@@ -29,7 +29,6 @@ the conversion to float32 right after every load avoids.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -47,57 +46,18 @@ from infer.kernels.fused_reference import (
     norm_linear_steps,
 )
 from infer.kernels.pdl import launch_next_then_wait, launch_options, wait_for_previous
+from infer.kernels.triton_common import (
+    check_launchable,
+    manual_bf16,
+    num_warps_for,
+    round_to,
+    silu_or_gelu_tanh,
+)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
 _MAX_ROW = 1 << 16  # widest row the single-pass norm kernels take (registers: 64k fp32 per program)
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache", "linear",
            "linear_residual", "add_rms_norm", "add_rms_norm_linear"]
-
-
-def _num_warps(elements: int) -> int:
-    """Warps for a program over ``elements`` values: about 256 per warp (8 per thread), 1 to 8 warps."""
-    return max(1, min(8, elements // 256))
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
-    """float32 ``x`` rounded to ``DTYPE`` (to nearest, ties to even), as a ``DTYPE`` tensor.
-
-    On a GPU this is ``x.to(DTYPE)`` (``cvt.rn``). The interpreter truncates float32 -> bfloat16
-    instead, so under it (``MANUAL_BF16``) the rounding is done on the bits: add ``0x7FFF`` plus the
-    lowest kept bit, keep the upper 16 bits (NaN payloads aside, which these kernels never produce).
-    """
-    if MANUAL_BF16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = b + 0x7FFF + ((b >> 16) & 1)
-        return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(DTYPE)
-
-
-@triton.jit
-def first_argmax(best, best_i, n):
-    """The max of a 1-D block and the smallest index ``best_i`` that attains it, ``torch.argmax``'s
-    rule: a NaN counts as larger than any number, so the first NaN wins and the max is NaN. ``n``:
-    an index past every real one (padding lanes hold it or a value no real one loses to).
-
-    Used wherever a kernel turns values into an index (the sampler's argmax and exponential race,
-    MoE routing). The NaNs are taken out before the max on purpose: the GPU's max returns the other
-    operand of a NaN (the interpreter's NumPy max returns the NaN), so no lane would equal the max and
-    the index would come out as ``n``, past the row. Fed to the next gather or embedding lookup, that
-    index is a device-side assert, which ends the CUDA context for every request; the logits of a
-    model that overflowed in float16 are enough."""
-    nan = best != best
-    first_nan = tl.min(tl.where(nan, best_i, n), axis=0)
-    top = tl.max(tl.where(nan, float("-inf"), best), axis=0)
-    first = tl.min(tl.where(best == top, best_i, n), axis=0)
-    has_nan = first_nan < n
-    return tl.where(has_nan, float("nan"), top), tl.where(has_nan, first_nan, first)
-
-
-def _manual_bf16(x: torch.Tensor) -> bool:
-    return INTERPRET and x.dtype == torch.bfloat16
 
 
 # ============================================================================ RMSNorm (+ residual add)
@@ -112,8 +72,8 @@ def _rms_norm_row(x, w, eps, N: tl.constexpr, UNIT_OFFSET: tl.constexpr, DTYPE: 
     if UNIT_OFFSET:  # Gemma: (1 + w) in float32, one rounding
         y = h * (1.0 + w)
     else:  # Llama: round the normalized row first, then the product (exact in fp32) rounds again
-        y = _round(h, DTYPE, MANUAL_BF16).to(tl.float32) * w
-    return _round(y, DTYPE, MANUAL_BF16)
+        y = round_to(h, DTYPE, MANUAL_BF16).to(tl.float32) * w
+    return round_to(y, DTYPE, MANUAL_BF16)
 
 
 @triton.jit
@@ -155,7 +115,7 @@ def _add_rms_norm_kernel(
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    s = _round(x + r, res_ptr.dtype.element_ty, MANUAL_BF16)
+    s = round_to(x + r, res_ptr.dtype.element_ty, MANUAL_BF16)
     tl.store(res_ptr + row * stride_r + offs, s, mask=mask)
     y = _rms_norm_row(s.to(tl.float32), w, eps, N, UNIT_OFFSET, x_ptr.dtype.element_ty, MANUAL_BF16)
     tl.store(x_ptr + row * stride_x + offs, y, mask=mask)
@@ -206,10 +166,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bo
     if t == 0:
         return out
     block = _row_block(d)
-    _check_launchable(x)
+    check_launchable(x)
     _rms_norm_kernel[(t,)](
         x, weight, out, x.stride(0), out.stride(0), eps,
-        N=d, BLOCK=block, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(x), num_warps=_num_warps(block),
+        N=d, BLOCK=block, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(x), num_warps=num_warps_for(block),
         LAUNCH_NEXT_EARLY=bool(launch_next_early), **launch_options(x),
     )
     return out
@@ -243,10 +203,10 @@ def fused_add_rms_norm(
     if t == 0:
         return x, residual
     block = _row_block(d)
-    _check_launchable(x)
+    check_launchable(x)
     _add_rms_norm_kernel[(t,)](
         x, residual, weight, x.stride(0), residual.stride(0), eps,
-        N=d, BLOCK=block, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(x), num_warps=_num_warps(block),
+        N=d, BLOCK=block, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(x), num_warps=num_warps_for(block),
         **launch_options(x),
     )
     return x, residual
@@ -306,13 +266,13 @@ def _qk_norm_rope_kernel(
         # rounded before the rotation)
         r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
         if UNIT_OFFSET:
-            x1 = _round(x1 * r * (1.0 + w1), dtype, MANUAL_BF16).to(tl.float32)
-            x2 = _round(x2 * r * (1.0 + w2), dtype, MANUAL_BF16).to(tl.float32)
+            x1 = round_to(x1 * r * (1.0 + w1), dtype, MANUAL_BF16).to(tl.float32)
+            x2 = round_to(x2 * r * (1.0 + w2), dtype, MANUAL_BF16).to(tl.float32)
         else:
-            x1 = _round(_round(x1 * r, dtype, MANUAL_BF16).to(tl.float32) * w1, dtype, MANUAL_BF16).to(tl.float32)
-            x2 = _round(_round(x2 * r, dtype, MANUAL_BF16).to(tl.float32) * w2, dtype, MANUAL_BF16).to(tl.float32)
-    y1 = _round(x1 * cos - x2 * sin, dtype, MANUAL_BF16)
-    y2 = _round(x2 * cos + x1 * sin, dtype, MANUAL_BF16)
+            x1 = round_to(round_to(x1 * r, dtype, MANUAL_BF16).to(tl.float32) * w1, dtype, MANUAL_BF16).to(tl.float32)
+            x2 = round_to(round_to(x2 * r, dtype, MANUAL_BF16).to(tl.float32) * w2, dtype, MANUAL_BF16).to(tl.float32)
+    y1 = round_to(x1 * cos - x2 * sin, dtype, MANUAL_BF16)
+    y2 = round_to(x2 * cos + x1 * sin, dtype, MANUAL_BF16)
     tl.store(ptr1, y1, mask=mask)
     tl.store(ptr2, y2, mask=mask)
     if WRITE_CACHE:
@@ -336,7 +296,7 @@ def _qk_rope_config(num_heads: int, head_dim: int) -> tuple[int, int]:
     batch-1 decode still spreads over several SMs and a 2048-token prefill has no tiny programs."""
     half_pad = triton.next_power_of_2(head_dim // 2)
     block_h = max(1, min(triton.next_power_of_2(num_heads), 256 // half_pad))
-    return block_h, _num_warps(2 * block_h * half_pad)
+    return block_h, num_warps_for(2 * block_h * half_pad)
 
 
 def qk_norm_rope(
@@ -385,7 +345,7 @@ def qk_norm_rope(
     t = qkv.shape[0]
     heads = num_heads + num_kv_heads
     if t > 0:
-        _check_launchable(qkv)
+        check_launchable(qkv)
         block_h, warps = _qk_rope_config(heads, head_dim)
         has_norm = q_weight is not None
         write = kv_cache is not None
@@ -397,7 +357,7 @@ def qk_norm_rope(
             *(k_cache.stride()[:3] if write else (0, 0, 0)), k_cache.shape[1] if write else 1,
             NUM_Q_HEADS=num_heads, NUM_HEADS=heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
             HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h, HAS_NORM=has_norm,
-            UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=_manual_bf16(qkv), WRITE_CACHE=write,
+            UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(qkv), WRITE_CACHE=write,
             NUM_KV_HEADS=num_kv_heads, num_warps=warps, **launch_options(qkv),
         )
     q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
@@ -407,9 +367,6 @@ def qk_norm_rope(
 
 
 # ============================================================================ act(gate) * up
-
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a constexpr: jitted code reads no plain globals
-
 
 @triton.jit
 def _act_and_mul_kernel(
@@ -425,21 +382,8 @@ def _act_and_mul_kernel(
     mask = offs < I
     g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + offs, _round(_act(g, GELU_TANH) * u, out_ptr.dtype.element_ty, MANUAL_BF16),
+    tl.store(out_ptr + t * stride_o + offs, round_to(silu_or_gelu_tanh(g, GELU_TANH) * u, out_ptr.dtype.element_ty, MANUAL_BF16),
              mask=mask)
-
-
-@triton.jit
-def _act(g, GELU_TANH: tl.constexpr):
-    """SiLU or tanh-GELU of float32 ``g``, in float32."""
-    if GELU_TANH:
-        # 0.5 g (1 + tanh(y)) = g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3): tanh through exp
-        # (libdevice's tanh does not run in the interpreter). The exponent is capped at 80 so that exp
-        # never overflows: for g that negative the result is ~g * 1e-35 either way.
-        y = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        return g / (1.0 + tl.exp(tl.minimum(-2.0 * y, 80.0)))
-    else:
-        return g / (1.0 + tl.exp(tl.minimum(-g, 80.0)))  # silu(g) = g * sigmoid(g)
 
 
 def _act_block(i: int) -> int:
@@ -468,20 +412,14 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     out = torch.empty((t, i), dtype=gate_up.dtype, device=gate_up.device)
     if t == 0 or i == 0:
         return out
-    _check_launchable(gate_up)
+    check_launchable(gate_up)
     block = _act_block(i)
     _act_and_mul_kernel[(t, triton.cdiv(i, block))](
         gate_up, out, gate_up.stride(0), out.stride(0),
-        I=i, BLOCK=block, GELU_TANH=kind == "gelu_tanh", MANUAL_BF16=_manual_bf16(gate_up),
-        num_warps=_num_warps(block), **launch_options(gate_up),
+        I=i, BLOCK=block, GELU_TANH=kind == "gelu_tanh", MANUAL_BF16=manual_bf16(gate_up),
+        num_warps=num_warps_for(block), **launch_options(gate_up),
     )
     return out
-
-
-def _check_launchable(x: torch.Tensor) -> None:
-    if x.device.type != "cuda" and not INTERPRET:
-        raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
-                           f"imported to run them on the CPU (got a {x.device} tensor)")
 
 
 # ============================================================================ projections

@@ -31,13 +31,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from infer.kernels.activations import ACTIVATIONS
+
 __all__ = ["select_experts", "moe_align_block_size", "fused_experts", "check_experts"]
 
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +191,7 @@ def fused_experts(
         ValueError: from :func:`check_experts`.
     """
     check_experts(x, w13, w2, topk_weights, topk_ids)
-    act = _ACTIVATIONS[activation]
+    act = ACTIVATIONS[activation]
     out = torch.zeros_like(x)
     for e in range(w13.shape[0]):
         token, slot = torch.where(topk_ids == e + expert_start)

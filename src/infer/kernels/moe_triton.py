@@ -32,17 +32,15 @@ interpreter and graph capture). On the CPU this runs only under ``TRITON_INTERPR
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from infer.kernels import moe_reference
-from infer.kernels.fused_triton import _round, act_and_mul, first_argmax
+from infer.kernels.fused_triton import act_and_mul
 from infer.kernels.moe_reference import check_experts, max_padded_tokens
+from infer.kernels.triton_common import INTERPRET, first_argmax, round_to
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 1024  # larger steps sort with the reference's parallel device ops
 
 __all__ = ["fused_experts", "select_experts", "moe_align_block_size", "block_config", "grouped_gemm"]
@@ -219,7 +217,7 @@ def _grouped_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    c = _round(acc, c_ptr.dtype.element_ty, MANUAL_BF16)
+    c = round_to(acc, c_ptr.dtype.element_ty, MANUAL_BF16)
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
 

@@ -39,7 +39,7 @@ same for the norm before QKV was slower (2.70), and running every kernel that wa
 
 :func:`scope` turns it on for the kernels launched inside it (the model runner wraps every forward in
 it when the flag is set), :func:`launch_options` is what the kernel wrappers pass to a launch. It
-needs a CUDA device of compute capability 9.0 or later (:func:`check_supported`); the interpreter
+needs a CUDA device of compute capability 9.0 or later (``EngineConfig.validate`` checks); the interpreter
 (``TRITON_INTERPRET=1``) never uses it.
 """
 
@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from infer.kernels.triton_common import INTERPRET
+
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("infer_pdl", default=False)
 
 
@@ -81,16 +81,6 @@ def launch_options(x: torch.Tensor) -> dict:
     and Triton's ``launch_pdl``, on (:func:`launch_pdl`) or off together."""
     on = launch_pdl(x)
     return {"USE_PDL": on, "launch_pdl": on}
-
-
-def check_supported(device: torch.device) -> None:
-    """Raise ``ValueError`` unless ``device`` can run kernels with PDL (CUDA, compute capability >= 9.0)."""
-    if device.type != "cuda":
-        raise ValueError(f"pdl needs a CUDA device (programmatic dependent launch is a CUDA feature), got {device}")
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        raise ValueError(f"pdl needs a GPU of compute capability >= 9.0 (Hopper or later), {device} is "
-                         f"{major}.{minor}; turn it off")
 
 
 @triton.jit

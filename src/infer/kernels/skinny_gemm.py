@@ -17,18 +17,15 @@ model layers call it through :func:`linear` for the projections where it beats c
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from infer.kernels import sm_count
-from infer.kernels.fused_triton import _act, _manual_bf16, _round
+from infer.kernels import activations, fused_reference
 from infer.kernels.pdl import launch_options, wait_for_previous
+from infer.kernels.triton_common import INTERPRET, manual_bf16, round_to, silu_or_gelu_tanh, sm_count
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 8  # the most rows skinny_linear takes
 
 
@@ -40,7 +37,7 @@ def _squares(x_rows, r_rows, r_out_rows, k, m_mask, K, pid, NORM: tl.constexpr, 
     mk = m_mask[:, None] & (k < K)[None, :]
     s = tl.load(x_rows + k[None, :], mask=mk, other=0.0).to(tl.float32)
     if NORM == 2:
-        s = _round(s + tl.load(r_rows + k[None, :], mask=mk, other=0.0).to(tl.float32), DTYPE, MANUAL_BF16)
+        s = round_to(s + tl.load(r_rows + k[None, :], mask=mk, other=0.0).to(tl.float32), DTYPE, MANUAL_BF16)
         if pid == 0:
             tl.store(r_out_rows + k[None, :], s, mask=mk)
         s = s.to(tl.float32)
@@ -57,14 +54,14 @@ def _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM: tl.constexpr, UNI
     xk = tl.load(x_rows + k[None, :], mask=mk, other=0.0).to(tl.float32)
     if NORM:
         if NORM == 2:
-            xk = _round(xk + tl.load(r_rows + k[None, :], mask=mk, other=0.0).to(tl.float32), DTYPE,
+            xk = round_to(xk + tl.load(r_rows + k[None, :], mask=mk, other=0.0).to(tl.float32), DTYPE,
                         MANUAL_BF16).to(tl.float32)
         nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         h = xk * rstd[:, None]
         if UNIT_OFFSET:
-            xk = _round(h * (1.0 + nw), DTYPE, MANUAL_BF16).to(tl.float32)
+            xk = round_to(h * (1.0 + nw), DTYPE, MANUAL_BF16).to(tl.float32)
         else:
-            xk = _round(_round(h, DTYPE, MANUAL_BF16).to(tl.float32) * nw, DTYPE, MANUAL_BF16).to(tl.float32)
+            xk = round_to(round_to(h, DTYPE, MANUAL_BF16).to(tl.float32) * nw, DTYPE, MANUAL_BF16).to(tl.float32)
     return xk
 
 
@@ -78,19 +75,19 @@ def _store_outputs(acc, acc_u, offs_n, n_mask, offs_m, m_mask, b_ptr, add_ptr, y
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if ACT:  # the projection's outputs are rounded to the dtype first, as the unfused MLP's are
-        g = _round(y, dtype, MANUAL_BF16).to(tl.float32)
+        g = round_to(y, dtype, MANUAL_BF16).to(tl.float32)
         up = tl.sum(acc_u, 2)
         if HAS_BIAS:
             up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        y = _act(g, ACT == 2) * _round(up, dtype, MANUAL_BF16).to(tl.float32)
+        y = silu_or_gelu_tanh(g, ACT == 2) * round_to(up, dtype, MANUAL_BF16).to(tl.float32)
     if ADD:  # rounded as the unfused `linear(x) + residual` is: the product, then the sum. Loaded here, not
         # before the loop: held through it, the two values per program cost o and down 2.3 us per call on an
         # H200 (run 27 call 2); here 0.2-0.3 us.
-        y = _round(y, dtype, MANUAL_BF16).to(tl.float32) + tl.load(
+        y = round_to(y, dtype, MANUAL_BF16).to(tl.float32) + tl.load(
             add_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :],
             mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
     out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(out, _round(y, dtype, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out, round_to(y, dtype, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -405,7 +402,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         r_out.stride(0) if r_out is not None else 0, weight.stride(0), add.stride(0) if add is not None else 0,
         y.stride(0), n * weight.stride(0) if act else 0, eps,
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, ADD=add is not None, MANUAL_BF16=_manual_bf16(x),
+        NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, ADD=add is not None, MANUAL_BF16=manual_bf16(x),
         num_warps=warps,
         NORM_K_PAD=norm and _norm_k_pad(m, k, warps), STAGES=stages, PERSISTENT=programs > 0,
         X_AHEAD=x_ahead(stages, programs, warps), **launch_options(x),
@@ -510,10 +507,8 @@ def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         y = y + bias.float()
     y = y.to(x.dtype)
     if activation is not None:
-        from infer.models.layers import ACTIVATIONS as FUNCTIONS
-
         i = y.shape[1] // 2
-        return (FUNCTIONS[activation](y[:, :i].float()) * y[:, i:].float()).to(x.dtype)
+        return (activations.ACTIVATIONS[activation](y[:, :i].float()) * y[:, i:].float()).to(x.dtype)
     return y if residual is None else y + residual
 
 
@@ -523,8 +518,6 @@ def skinny_norm_linear_reference(x: torch.Tensor, residual: torch.Tensor | None,
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`skinny_norm_linear` in plain PyTorch: :func:`~infer.kernels.fused_reference.rms_norm`,
     :func:`skinny_linear_reference`, and the activation in float32 on the rounded halves, rounded once."""
-    from infer.kernels import fused_reference
-
     check_norm_linear(x, residual, norm_weight, weight, bias, activation)
     s = x if residual is None else x + residual
     return skinny_linear_reference(fused_reference.rms_norm(s, norm_weight, eps, unit_offset), weight, bias,

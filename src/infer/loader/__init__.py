@@ -22,7 +22,7 @@ from infer.config import ModelConfig, default_device, parse_dtype
 from infer.errors import ModelLoadError
 from infer.loader.registry import DEFAULT_MODEL, SHIPPED_MODELS, resolve_model
 from infer.models import MODEL_CLASSES, CausalLM
-from infer.parallel.state import shard
+from infer.parallel.state import ParallelState, building_for, shard
 from infer.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "SHIPPED_MODELS", "LoadedModel", "ModelLoadError", "load_model", "read_model_config",
@@ -69,6 +69,12 @@ def _skip_init():
     finally:
         for n, f in saved.items():
             setattr(torch.nn.init, n, f)
+
+
+def _whole_model_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every parameter of ``cfg``'s whole (unsharded) model, built on ``meta``."""
+    with torch.device("meta"), _skip_init(), building_for(ParallelState()):
+        return [(n, tuple(p.shape)) for n, p in MODEL_CLASSES[cfg.architecture](cfg).named_parameters()]
 
 
 class _StackedParams:
@@ -227,7 +233,7 @@ def load_model(
         if not cfg.eos_token_ids and tokenizer is not None:
             cfg.eos_token_ids = list(tokenizer.eos_token_ids)
         if spec is not None:  # no weight files: random weights generated on the device
-            tensors, total = synthetic.iter_random_tensors(cfg, spec, device, dtype), None
+            tensors, total = synthetic.iter_random_tensors(cfg, spec, _whole_model_shapes(cfg), device, dtype), None
         else:
             tensors, total = hf.iter_safetensors(files), hf.count_tensors(files)
         net = materialize(cfg, tensors, device, dtype, path, total, progress)

@@ -25,6 +25,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from infer.errors import ModelLoadError
+from infer.tokenizer import bytes_to_unicode
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -48,20 +49,6 @@ _PRE_TOKENIZERS = {
     "llama-bpe": (False, _LLAMA3_SPLIT),
     "qwen2": (False, _QWEN2_SPLIT),
 }
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
 
 
 def _add_special(tk: Tokenizer, tokens: list[str], types: list[int], keep=lambda t: True,

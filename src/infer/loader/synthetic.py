@@ -36,17 +36,14 @@ def random_weights_spec(path: Path) -> dict[str, Any] | None:
     return spec if isinstance(spec, dict) and spec.get("random_weights") else None
 
 
-def iter_random_tensors(cfg: ModelConfig, spec: dict[str, Any], device: torch.device,
-                        dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every parameter of ``cfg``'s model, generated on ``device`` in ``dtype``."""
-    from infer.loader import _skip_init
-    from infer.models import MODEL_CLASSES
-    from infer.parallel.state import ParallelState, building_for
+def iter_random_tensors(cfg: ModelConfig, spec: dict[str, Any], shapes: list[tuple[str, tuple[int, ...]]],
+                        device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every parameter of ``cfg``'s model, generated on ``device`` in ``dtype``.
 
-    # the whole model's shapes (a tensor-parallel rank generates every tensor whole, with the same
-    # seed as the others, and keeps its piece: infer.parallel.state.shard)
-    with torch.device("meta"), _skip_init(), building_for(ParallelState()):
-        shapes = [(n, tuple(p.shape)) for n, p in MODEL_CLASSES[cfg.architecture](cfg).named_parameters()]
+    ``shapes``: ``(name, shape)`` of each parameter of the *whole* model (a tensor-parallel rank
+    generates every tensor whole, with the same seed as the others, and keeps its piece:
+    :func:`infer.parallel.state.shard`).
+    """
     std = float(spec.get("init_std", 0.02))
     gen = torch.Generator(device=device).manual_seed(int(spec.get("seed", 0)))
     for name, shape in shapes:

@@ -19,6 +19,7 @@ from torch import nn
 
 from infer.attention.metadata import AttentionMetadata
 from infer.config import ModelConfig, RopeConfig
+from infer.kernels.activations import ACTIVATIONS
 from infer.parallel.state import get_parallel, mark_shard, tp_rank, tp_size
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -317,13 +318,6 @@ class VocabParallelEmbedding(nn.Embedding):
         h = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
         return self.parallel.all_reduce(h * mine[:, None].to(h.dtype))
         # <<< EXERCISE vocab_parallel_embedding
-
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
 
 
 class GatedMLP(nn.Module):

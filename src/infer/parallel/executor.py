@@ -53,9 +53,9 @@ import torch.distributed as dist
 
 from infer.config import EngineConfig
 from infer.engine.cuda_graphs import packed_size
-from infer.engine.model_runner import ModelRunner, fused_ops, num_kv_blocks
+from infer.engine.model_runner import ModelRunner, num_kv_blocks
 from infer.errors import ParallelWorkerError
-from infer.kernels import pdl
+from infer.kernels import fused_ops, pdl
 from infer.parallel.state import ParallelState, building_for, set_parallel
 
 log = logging.getLogger("infer")

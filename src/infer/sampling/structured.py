@@ -254,7 +254,7 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
     UTF-8 bytes and no JSON would ever get a space. SentencePiece vocabularies (Gemma) use
     ``"▁"`` for a space and ``<0xAB>`` for byte fallback.
     """
-    from infer.loader.gguf_tokenizer import bytes_to_unicode
+    from infer.tokenizer import bytes_to_unicode
 
     backend = tokenizer.backend
     decoder = json.loads(backend.to_str()).get("decoder") or {}

@@ -46,7 +46,6 @@ set before Triton is imported (the tests' conftest does it). Under the interpret
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -54,9 +53,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from infer.kernels.fused_triton import first_argmax
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, like @triton.jit does at import
+from infer.kernels.triton_common import INTERPRET, first_argmax
 
 __all__ = ["INTERPRET", "RowStats", "apply_token_bitmask", "argmax_logprob", "argmax_lse", "exponential_race",
            "race_from_probs", "row_stats"]
