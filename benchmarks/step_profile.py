@@ -152,7 +152,7 @@ def _time_launches(engine, marks: dict[str, Any]) -> list:
 def _unsync_window(engine, num_steps: int, device, feed=None) -> dict[str, float]:
     """Run ``num_steps`` steps without synchronizing; returns the mean wall time per step and the
     part of it spent waiting for the device (inside :meth:`StepResult.host_outputs`), in ms."""
-    from infer.engine.model_runner import StepResult
+    from infer.engine.step import StepResult
 
     waits: list[float] = []
     host_outputs = StepResult.host_outputs

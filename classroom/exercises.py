@@ -146,7 +146,7 @@ EXERCISES: dict[str, Exercise] = {
             30, _engine("abort_request", "sampling_or_reject"),
         ),
         Exercise(
-            "batch_ready", 3, "src/infer/engine/scheduler.py",
+            "batch_ready", 3, "src/infer/engine/batching.py",
             ("tests/test_batching.py::test_static_batch_waits_for_timeout_or_a_full_batch",
              "tests/test_batching.py::test_static_batch_counts_sequences_not_requests",
              "tests/test_batching.py::test_continuous_admits_at_every_step_and_static_waits_for_the_batch"),
@@ -156,7 +156,7 @@ EXERCISES: dict[str, Exercise] = {
             10, _engine("batch_ready"),
         ),
         Exercise(
-            "flatten_batch", 3, "src/infer/engine/model_runner.py",
+            "flatten_batch", 3, "src/infer/engine/step.py",
             ("tests/test_batching.py::test_batched_greedy_tokens_are_the_argmax_of_a_cache_free_forward",
              "tests/test_batching.py::test_abort_mid_batch_frees_its_row_and_disturbs_nobody[continuous]",
              "tests/test_batching.py::test_n_sequences_share_one_prefill"),
@@ -201,7 +201,7 @@ EXERCISES: dict[str, Exercise] = {
             20,
         ),
         Exercise(
-            "block_free", 5, "src/infer/engine/kv_cache_manager.py",
+            "block_free", 5, "src/infer/engine/block_pool.py",
             ("tests/test_paged.py::test_block_pool_hands_out_lowest_first_and_counts_holders",
              "tests/test_paged.py::test_block_pool_rejects_misuse",
              "tests/test_paged.py::test_block_pool_random_walk_keeps_its_invariants",
@@ -270,7 +270,7 @@ EXERCISES: dict[str, Exercise] = {
             30, _engine("chunk_schedule"),
         ),
         Exercise(
-            "chunk_key_length", 6, "src/infer/engine/model_runner.py",
+            "chunk_key_length", 6, "src/infer/engine/step.py",
             ("tests/test_chunked_prefill.py::test_chunk_extent_by_hand",),
             "Where does a chunk's first token sit, how many keys do its queries see (what is in the cache "
             "once this step writes its own K/V: not the whole prompt), and when does a sequence sample "

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from infer.config import EngineConfig
-from infer.engine.model_runner import chunk_extent
 from infer.engine.scheduler import PREFILL_TOKEN_BUCKETS
+from infer.engine.step import chunk_extent
 from infer.sampling import SamplingParams
 from tests.test_batching import assert_pool_full, make_engine
 

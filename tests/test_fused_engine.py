@@ -162,7 +162,7 @@ def test_block_table_rows_stage_what_every_step_reads(tiny_llama, rows):
     they are taken back and rebuilt often."""
     import numpy as np
 
-    from infer.engine.model_runner import BlockTableRows, block_table_array
+    from infer.engine.step import BlockTableRows, block_table_array
 
     bytes_per_block = 4 * tiny_llama.config.kv_bytes_per_token(torch.float32)  # blocks of 4 tokens: long tables
     eng = make_engine(tiny_llama, batching="continuous", kv_cache="paged", block_size=4, prefix_caching=True,
@@ -196,11 +196,11 @@ def test_stage_decodes_stages_what_the_general_path_computes(tiny_llama, chunked
     holds, at every such step of a paged engine with preemptions and prefix caching (and with chunked
     prefill under a 3-token budget, one-token prompt chunks among the decodes, which sample nothing),
     the ids, positions, slots, context lengths, block tables and sampled rows that the general path's
-    ``_flatten`` and ``slot_mapping`` compute, in ``replay``'s packed layout with its padding rows."""
+    ``flatten`` and ``slot_mapping`` compute, in ``replay``'s packed layout with its padding rows."""
     import numpy as np
 
     from infer.engine.cuda_graphs import bucket_for, graph_batch_sizes, stage_decodes
-    from infer.engine.model_runner import BlockTableRows
+    from infer.engine.step import BlockTableRows, flatten
 
     bytes_per_block = 4 * tiny_llama.config.kv_bytes_per_token(torch.float32)
     extra = dict(chunked_prefill=True, max_num_batched_tokens=3) if chunked else {}
@@ -215,7 +215,7 @@ def test_stage_decodes_stages_what_the_general_path_computes(tiny_llama, chunked
         if all(item.num_tokens == 1 for item in scheduled) and not any(item.forks for item in scheduled):
             b = len(scheduled)
             bs = bucket_for(b, sizes)
-            ids, positions, _, seq_lens, tables, firsts, sample_at, sampled = runner._flatten(scheduled)
+            ids, positions, _, seq_lens, tables, firsts, sample_at, sampled = flatten(scheduled)
             slots = runner.kv_cache.slot_mapping(tables, firsts, [1] * b)
             h = np.full(4 * bs + b * 24, -7, dtype=np.int64)
             width, rows = stage_decodes([item.seq for item in scheduled], kept, 4, h, bs)

@@ -14,7 +14,8 @@ import torch
 from infer.attention import KVCache
 from infer.config import EngineConfig
 from infer.engine import LLMEngine
-from infer.engine.kv_cache_manager import BlockPool, KVCacheManager
+from infer.engine.block_pool import BlockPool
+from infer.engine.kv_cache_manager import KVCacheManager
 from infer.engine.sequence import Request, Sequence
 from infer.errors import InvalidRequestError
 from infer.sampling import SamplingParams

@@ -27,7 +27,7 @@ mini-sglang's ``GraphRunner`` all do this):
 * **One memory pool.** Tensors a graph allocates while it is captured stay reserved for its
   replays. All graphs share one pool and are captured largest first, so the smaller ones reuse
   the largest one's memory (they never run at the same time). The engine counts this memory
-  before it sizes the KV cache (:func:`~infer.engine.model_runner.num_kv_blocks`).
+  before it sizes the KV cache (:func:`~infer.engine.memory.num_kv_blocks`).
 
 **Prefill graphs** (``cuda_graph_prefill_max_tokens``). A step that prefills *one* sequence alone
 (a lone request's prompt, a prompt chunk, the few tokens left after a prefix-cache hit) is as
@@ -79,7 +79,7 @@ import torch
 from tqdm.auto import tqdm
 
 from infer.attention import AttentionMetadata, KVCache
-from infer.engine.model_runner import BlockTableRows, patch_input_ids
+from infer.engine.step import BlockTableRows, ForwardOutput, StepInputs, patch_input_ids
 
 log = logging.getLogger("infer")
 
@@ -132,6 +132,7 @@ def mixed_graph_sizes(max_tokens: int) -> list[int]:
 _BLOCK_TABLE = operator.attrgetter("block_table")
 _NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
 _TOKEN_IDS = operator.attrgetter("token_ids")
+_SEQ = operator.attrgetter("seq")
 
 
 def stage_decodes(seqs: list, table_rows: BlockTableRows, block_size: int, h: np.ndarray, bs: int
@@ -271,9 +272,54 @@ class CUDAGraphRunner:
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
-    def can_run(self, num_tokens: int, num_decodes: int) -> bool:
-        """Is this step decode-only and no wider than the largest captured bucket?"""
-        return bool(self.graphs) and num_tokens == num_decodes and num_tokens <= self.sizes[-1]
+    def run(self, step: StepInputs) -> ForwardOutput | None:
+        """Run ``step`` through a captured graph if one fits it; ``None`` if none does (the model runner
+        then runs it eagerly). The routes, tried in order:
+
+        * a decode-only step no wider than the largest decode bucket: its bucket's graph (forward + LM
+          head of every row), its inputs staged straight from the sequences (:func:`stage_decodes`);
+        * one sequence prefilling alone (a prompt, a chunk, a prefix hit's suffix), within the largest
+          prefill bucket and without prompt logprobs: its bucket's graph (LM head on the last row);
+        * decodes beside one prompt chunk (chunked prefill's usual step): its bucket's whole-step graph;
+        * any other step within the largest mixed bucket: its bucket's pieces, the attention eagerly
+          between them.
+
+        Returns:
+            The :class:`~infer.engine.step.ForwardOutput`: logits of the rows that sample (decode and
+            prefill graphs), or the hidden states of every token (mixed steps).
+        """
+        if step.is_decode_only and self.graphs and step.num_tokens <= self.sizes[-1]:
+            return self._run_decode(step)
+        if not (self.prefill_graphs or self.mixed_full or self.mixed):
+            return None
+        f = step.flat
+        t = len(f.ids)
+        if len(f.scheduled) == 1 and self.can_run_prefill(t) and f.scheduled[0].seq.params.prompt_logprobs is None:
+            logits = self.replay_prefill(f.ids, f.positions, f.slots, f.seq_lens[0], f.tables[0], step.flat_patch)
+            if len(f.sampled) > 1:  # n > 1: the forks sample from the same logits
+                logits = logits.expand(len(f.sampled), -1).contiguous()
+            return ForwardOutput(f.sampled, logits=logits)
+        if self.can_run_mixed_full(t, len(f.scheduled), f.num_decodes):
+            hidden = self.replay_mixed_full(f.ids, f.positions, f.slots, f.seq_lens, f.tables, f.num_decodes,
+                                            step.flat_patch)
+            return ForwardOutput(f.sampled, hidden=hidden)
+        if self.can_run_mixed(t):
+            hidden = self.replay_mixed(f.ids, f.positions, f.slots, step.metadata, step.flat_patch)
+            return ForwardOutput(f.sampled, hidden=hidden)
+        return None
+
+    def _run_decode(self, step: StepInputs) -> ForwardOutput:
+        """A decode-only step through its bucket's graph; a one-token prompt chunk among the decodes
+        samples nothing (its row's logits are dropped)."""
+        seqs = list(map(_SEQ, step.scheduled))
+        logits, rows = self.replay(seqs, step.decode_patch())
+        if rows is not None:
+            if not len(rows):
+                return ForwardOutput([])
+            rows = rows.tolist()
+            seqs = [seqs[r] for r in rows]
+            logits = logits[step.to_device(rows, torch.int64)]
+        return ForwardOutput(seqs, logits=logits)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         """Metadata over the static buffers' first ``bs`` rows. Its host fields are what the

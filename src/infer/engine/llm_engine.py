@@ -18,12 +18,12 @@ import time
 from infer.config import EngineConfig
 from infer.detokenizer import IncrementalDetokenizer
 from infer.engine.kv_cache_manager import KVCacheManager
-from infer.engine.model_runner import ModelRunner, StepResult, num_kv_blocks
+from infer.engine.model_runner import ModelRunner
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.scheduler import ScheduledSeq, Scheduler
 from infer.engine.sequence import PLACEHOLDER, Request, SeqStatus, Sequence
+from infer.engine.step import StepResult
 from infer.errors import EngineStepError, InvalidRequestError, ModelLoadError, ParallelWorkerError
-from infer.kernels import fused_ops
 from infer.loader import LoadedModel, load_model, read_model_config
 from infer.outputs import RequestOutput
 from infer.sampling import RequestOutputKind, SamplingParams
@@ -73,55 +73,38 @@ class LLMEngine:
         self.loaded = loaded or load_model(
             config.model, config.resolved_device(), config.resolved_dtype(), progress=progress
         )
+        self._require_tokenizer()
+        self.runner = ModelRunner.from_config(config, self.loaded)
         self._init_rest(config, progress)
 
     def _init_parallel(self, config: EngineConfig, loaded: LoadedModel | None, progress: bool) -> None:
         """Start the worker ranks, load rank 0's shard, build a runner that drives every rank."""
-        from functools import partial
-
-        from infer.parallel.executor import ParallelModelRunner, Workers, build_runner
+        from infer.engine.executor import ParallelModelRunner, Workers, build_runner
 
         if loaded is not None:
             raise ValueError("tensor/expert parallelism loads each rank's shard from config.model; "
                              "a preloaded model cannot be passed")
         self.workers = Workers(config)
-        self.loaded, self.runner = build_runner(config, self.workers.state, partial(ParallelModelRunner, self.workers),
-                                                progress)
-        self._init_rest(config, progress, self.runner)
+        self.loaded, self.runner = build_runner(config, self.workers.state, ParallelModelRunner, progress,
+                                                workers=self.workers)
+        self._require_tokenizer()
+        self._init_rest(config, progress)
 
-    def _init_rest(self, config: EngineConfig, progress: bool, runner: ModelRunner | None = None) -> None:
-        """Everything after loading: the model runner (unless a parallel one is given), KV cache, scheduler."""
+    def _require_tokenizer(self) -> None:
         if self.loaded.tokenizer is None:
             raise ValueError(f"{self.loaded.path}: the model has no tokenizer (tokenizer.json)")
+
+    def _init_rest(self, config: EngineConfig, progress: bool) -> None:
+        """Everything after the model runner: warm-up, graph capture, the block manager, the scheduler."""
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
-        self.max_model_len = config.default_max_model_len(mcfg.max_position_embeddings)
+        self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = list(dict.fromkeys(mcfg.eos_token_ids or self.tokenizer.eos_token_ids))
         self.vocab_size = mcfg.vocab_size
         budget = config.resolved_max_num_batched_tokens(self.max_model_len)
         paged = config.kv_cache == "paged"
-        block_size = config.block_size if paged else self.max_model_len  # contiguous: one block per sequence
+        block_size = self.runner.kv_cache.block_size
         backend = config.resolved_attention_backend()
-        if runner is None:
-            # the forward that will run is the one the memory profile measures
-            self.loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, self.max_model_len)
-            if hasattr(self.loaded.model, "set_moe_impl"):  # an MoE model (phase 15): how its experts run
-                from infer.kernels import moe_ops
-
-                self.loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
-            graph_bs = min(config.cuda_graph_max_batch_size, config.max_num_seqs) if config.cuda_graphs else 0
-            # no step prefills more than the budget or the context
-            graph_prefill = min(config.cuda_graph_prefill_max_tokens, budget, self.max_model_len) if graph_bs else 0
-            graph_mixed = min(config.cuda_graph_mixed_max_tokens, budget) if graph_bs else 0
-            num_blocks = num_kv_blocks(self.loaded, block_size, self.max_model_len, config.max_num_seqs, budget,
-                                       config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs,
-                                       graph_prefill, graph_mixed)
-            self.runner = ModelRunner(self.loaded, num_blocks, block_size, contiguous=not paged,
-                                      attention_backend=backend, max_model_len=self.max_model_len,
-                                      cuda_graphs=config.cuda_graphs, cuda_graph_max_batch_size=graph_bs or 1,
-                                      block_major=config.kv_offload != "none" and backend == "triton",
-                                      cuda_graph_prefill_max_tokens=graph_prefill,
-                                      cuda_graph_mixed_max_tokens=graph_mixed, pdl=config.pdl)
         num_blocks = self.runner.kv_cache.num_blocks
         log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, batching=%s, "
                  "max_num_batched_tokens=%d, chunked_prefill=%s, fused_kernels=%s, cuda_graphs=%s, "

@@ -1,16 +1,17 @@
 """The model runner decides *how* a scheduled step runs: tensors, KV cache, forward, sampling.
 
-Input: the scheduler's ``[(sequence, num_new_tokens), ...]``. It flattens every sequence's
-new tokens into ``input_ids[T]`` / ``positions[T]``, builds the attention metadata (where
-each sequence starts, its context length, the KV slots its new tokens go to), runs one
-forward, computes logits only where a token will be sampled (the last new token of each
-sequence whose tokens are all in the cache after this step), and samples all of them in one
-batched call.
+Input: the scheduler's ``[(sequence, num_new_tokens), ...]``. :meth:`ModelRunner.execute` makes one
+decision, graph or eager (:mod:`infer.engine.cuda_graphs` runs the step if a captured graph fits
+it), and otherwise flattens every sequence's new tokens into ``input_ids[T]`` / ``positions[T]``
+(:mod:`infer.engine.step`), builds the attention metadata (where each sequence starts, its context
+length, the KV slots its new tokens go to), runs one forward, computes logits only where a token
+will be sampled (the last new token of each sequence whose tokens are all in the cache after this
+step), and samples all of them in one batched call.
 
 With chunked prefill (phase 6) a scheduled sequence may run only a *chunk* of its prompt:
 tokens ``first .. first + n - 1`` with ``first = num_computed_tokens``. Nothing else changes
-here: the chunk's keys are the cached prefix plus the chunk (:func:`chunk_extent`), the
-attention backends already read a cached prefix through the block table, and a sequence
+here: the chunk's keys are the cached prefix plus the chunk (:func:`~infer.engine.step.chunk_extent`),
+the attention backends already read a cached prefix through the block table, and a sequence
 samples only after its last chunk.
 """
 
@@ -21,269 +22,25 @@ import logging
 import operator
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from infer.attention import AttentionMetadata, KVCache, TorchAttentionBackend
+from infer.attention import AttentionMetadata, KVCache, TorchAttentionBackend, make_attention_backend
+from infer.config import EngineConfig
+from infer.engine.memory import kv_heads_per_rank, num_kv_blocks
 from infer.engine.scheduler import ScheduledSeq
-from infer.engine.sequence import PLACEHOLDER, Sequence
-from infer.kernels import pdl
+from infer.engine.sequence import Sequence
+from infer.engine.step import ForwardOutput, StepInputs, StepResult, block_table_array, patch_input_ids
+from infer.kernels import fused_ops, moe_ops, pdl
 from infer.loader import LoadedModel
-from infer.sampling import SamplerOutput, SamplingTensors, sample
+from infer.sampling import SamplingTensors, sample
 
 log = logging.getLogger("infer")
 
-_NUM_TOKENS = operator.attrgetter("num_tokens")
-_FORKS = operator.attrgetter("forks")
-_SEQ = operator.attrgetter("seq")
 _PARAMS = operator.attrgetter("params")
 _SEED = operator.attrgetter("seed")
 _NUM_OUTPUT_TOKENS = operator.attrgetter("num_output_tokens")
-
-
-@dataclass
-class StepResult:
-    """What one forward produced.
-
-    Attributes:
-        sampled: the sequences that sampled a token, in the sampler's row order (a request's
-            forks sample right after the sequence that prefilled for them).
-        sampler_output: their tokens and logprobs (device tensors).
-        prompt_logprobs: ``id(sequence) -> (chosen [L] f32, ranks [L], top_ids [L, K],
-            top_logprobs [L, K])`` for the prompt positions computed this step (CPU tensors),
-            for sequences that asked for prompt logprobs.
-        before_next_sampling: async scheduling: set by the engine when the *next* step's sampling
-            needs this step's tokens on the host (penalty counts, a structured-output automaton).
-            The next :meth:`ModelRunner.execute` calls it once its forward is launched and before
-            it builds its sampling tensors, so the host applies these tokens while the device runs
-            that forward (vLLM and SGLang fill the grammar bitmask of step N + 1 the same way).
-    """
-
-    sampled: list[Sequence]
-    sampler_output: SamplerOutput | None
-    prompt_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-    before_next_sampling: Callable[[], None] | None = None
-    _host: tuple[torch.Tensor, ...] | None = None
-    _ready: torch.cuda.Event | None = None
-
-    def start_copy_to_host(self) -> None:
-        """Start copying the sampled tokens (and logprobs) to pinned host memory, in stream order,
-        without waiting: :meth:`host_outputs` waits for this copy only, not for work enqueued after
-        it (async scheduling enqueues the next step's forward before reading this one's tokens)."""
-        out = self.sampler_output
-        if out is None or self._host is not None:
-            return
-        need_lp = any(s.params.logprobs is not None for s in self.sampled)
-        tensors = [out.next_tokens] + ([out.logprobs, out.top_logprob_ids, out.top_logprobs] if need_lp else [])
-        if out.next_tokens.device.type != "cuda":
-            self._host = tuple(tensors)
-            return
-        self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                           for t in tensors)
-        self._ready = torch.cuda.Event()
-        self._ready.record()
-
-    def host_outputs(self) -> tuple[list, list | None, list | None, list | None]:
-        """``(tokens, chosen logprobs, top ids, top logprobs)`` as host lists (the logprob ones None
-        when no sampled sequence asked for logprobs); waits for :meth:`start_copy_to_host`'s copy."""
-        self.start_copy_to_host()
-        if self._ready is not None:
-            self._ready.synchronize()
-        lists = [t.tolist() for t in self._host]
-        return (lists[0], *(lists[1:] if len(lists) > 1 else (None, None, None)))
-
-
-def patch_input_ids(input_ids: torch.Tensor, patch: tuple[torch.Tensor | None, torch.Tensor]) -> None:
-    """Async scheduling: write the tokens the previous step sampled into this step's ``input_ids``
-    (``[T]`` int64, on the device). ``patch`` is ``(flat positions [P] int64, tokens [P] int64)``,
-    or ``(None, tokens)`` when the positions are the first ``P``."""
-    index, tokens = patch
-    if index is None:
-        input_ids[: tokens.shape[0]].copy_(tokens)
-    else:
-        input_ids.index_copy_(0, index, tokens)
-
-
-def kv_heads_per_rank(model) -> int:
-    """KV heads this process caches: all of them, or with tensor parallelism its rank's share."""
-    return model.model.layers[0].self_attn.num_kv_heads
-
-
-def num_kv_blocks(
-    loaded: LoadedModel,
-    block_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    kv_cache_memory_bytes: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    cuda_graph_batch_size: int = 0,
-    cuda_graph_prefill_tokens: int = 0,
-    cuda_graph_mixed_tokens: int = 0,
-) -> int:
-    """How many KV-cache blocks of ``block_size`` tokens to allocate.
-
-    The budget is ``kv_cache_memory_bytes`` if given; on CUDA otherwise, as vLLM does, the
-    memory left under ``gpu_memory_utilization`` of the GPU after the weights and a profiling
-    forward of ``max_num_batched_tokens`` tokens (the largest step's activations), and, with CUDA
-    graphs (``cuda_graph_batch_size`` > 0, the largest bucket), the memory their shared pool will
-    keep: the peak of a decode forward + LM head of that many sequences, or of a one-sequence
-    prefill of ``cuda_graph_prefill_tokens`` (or ``cuda_graph_mixed_tokens``) tokens if larger, plus
-    what the mixed-step pieces keep between them (every layer's q, k, v and attention output for
-    each bucket, :func:`~infer.engine.cuda_graphs.mixed_graph_sizes`); on CPU otherwise, room
-    for ``max_num_seqs`` sequences of ``max_model_len`` tokens (pages are only touched when
-    written).
-
-    Returns:
-        ``min(budget // block_bytes, max_num_seqs * ceil(max_model_len / block_size))``: more
-        blocks than ``max_num_seqs`` full-length sequences can hold would sit idle. For the
-        contiguous cache (``block_size = max_model_len``) that is the number of rows.
-
-    Raises:
-        ValueError: when not even one ``max_model_len``-token sequence fits, with the numbers.
-    """
-    cfg = loaded.config
-    p = next(loaded.model.parameters())
-    # tensor parallelism: each rank caches only its KV heads
-    block_bytes = cfg.kv_bytes_per_token(p.dtype) * block_size * kv_heads_per_rank(loaded.model) // cfg.num_kv_heads
-    per_seq = -(-max_model_len // block_size)
-    cap = max_num_seqs * per_seq
-    if kv_cache_memory_bytes is not None:
-        budget, where = kv_cache_memory_bytes, "kv_cache_memory_bytes"
-    elif p.device.type == "cuda":
-        budget, where = _profile_free_gpu_memory(loaded, max_model_len, max_num_seqs, max_num_batched_tokens,
-                                                 gpu_memory_utilization, cuda_graph_batch_size,
-                                                 cuda_graph_prefill_tokens, cuda_graph_mixed_tokens), \
-            "gpu_memory_utilization"
-    else:
-        return cap
-    blocks = min(cap, budget // block_bytes)
-    if blocks < per_seq:
-        seq_bytes = per_seq * block_bytes
-        raise ValueError(
-            f"the KV cache budget ({where}: {budget / 2**30:.2f} GiB) cannot hold one sequence of "
-            f"max_model_len={max_model_len} tokens ({seq_bytes / 2**30:.2f} GiB); lower max_model_len or "
-            f"raise the budget"
-        )
-    return int(blocks)
-
-
-@torch.inference_mode()
-def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_seqs: int, num_tokens: int,
-                             utilization: float, graph_batch_size: int = 0, graph_prefill_tokens: int = 0,
-                             graph_mixed_tokens: int = 0) -> int:
-    """Bytes left for the KV cache after a forward of ``num_tokens`` tokens (no cache) and, when
-    ``graph_batch_size`` > 0, the CUDA graphs' memory pool (estimated by an eager decode forward of
-    that many sequences and, with ``graph_prefill_tokens``, an eager one-sequence prefill of that
-    many tokens: the larger is the largest graph's working set; the pool is shared by all graphs)."""
-    model, cfg = loaded.model, loaded.config
-    dev = next(model.parameters()).device
-    model.set_attention_backend(TorchAttentionBackend())
-    torch.cuda.synchronize(dev)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(dev)
-    lens = [max_model_len] * (num_tokens // max_model_len) + ([num_tokens % max_model_len] if num_tokens % max_model_len else [])
-    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=dev)
-    pos = torch.cat([torch.arange(n, device=dev) for n in lens])
-    hidden = model(ids, pos, AttentionMetadata.for_prefill(lens, dev))
-    model.compute_logits(hidden[: max_num_seqs]).float().softmax(-1)  # the sampler's working set
-    del hidden
-    torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev)
-    graph_bytes = 0
-    if graph_batch_size:
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        n = graph_batch_size
-        logits = model.compute_logits(model(ids[:n], torch.zeros_like(ids[:n]), AttentionMetadata.for_prefill([1] * n, dev)))
-        del logits
-        torch.cuda.synchronize(dev)
-        graph_bytes = torch.cuda.max_memory_allocated(dev) - base
-        t = min(max(graph_prefill_tokens, graph_mixed_tokens), num_tokens)
-        if t > 1:
-            torch.cuda.reset_peak_memory_stats(dev)
-            hidden = model(ids[:t], torch.arange(t, device=dev),
-                           AttentionMetadata.for_prefill([t], dev))
-            del hidden
-            torch.cuda.synchronize(dev)
-            graph_bytes = max(graph_bytes, torch.cuda.max_memory_allocated(dev) - base)
-        if graph_mixed_tokens:  # the holes between the pieces: q, k, v and output per layer and bucket
-            from infer.engine.cuda_graphs import mixed_graph_sizes
-
-            attn = model.model.layers[0].self_attn
-            per_token = 2 * (attn.num_heads + attn.num_kv_heads) * attn.head_dim * next(model.parameters()).element_size()
-            graph_bytes += per_token * cfg.num_layers * sum(mixed_graph_sizes(graph_mixed_tokens))
-        log.info("CUDA graphs: %.0f MiB kept for their memory pool (decode batch %d, prefill %d tokens)",
-                 graph_bytes / 2**20, n, t)
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(dev).total_memory
-    # memory held outside PyTorch's allocator (CUDA context, other processes) also counts
-    free, _ = torch.cuda.mem_get_info(dev)
-    outside = total - free - torch.cuda.memory_reserved(dev)
-    return max(0, int(total * utilization) - peak - outside - graph_bytes)
-
-
-def block_table_array(tables: list[list[int]], width: int, out: np.ndarray | None = None) -> np.ndarray:
-    """int32 ``[B, width]`` block tables, padded with 0; one C-level copy per row, 6x faster than
-    building a flat list. With ``out`` (a reused buffer), the tables are written into its first rows
-    and the columns past each table keep whatever they held: no kernel reads past a sequence's length."""
-    rows = np.zeros((len(tables), width), dtype=np.int32) if out is None else out
-    for i, t in enumerate(tables):
-        rows[i, : len(t)] = t
-    return rows
-
-
-class BlockTableRows:
-    """Host copies of the block tables that steps read, kept from step to step (CUDA-graph staging).
-
-    Converting every running sequence's ``block_table`` from its Python list at every step is the
-    largest piece of a wide decode step's host work (256 tables of up to 67 blocks: 0.76 ms on an
-    H100 machine's host, 0.19 ms on the development CPU). But a table only grows, one block every
-    ``block_size`` tokens, between the moments it is replaced by a new list (admission, preemption,
-    freeing: :mod:`infer.engine.kv_cache_manager`). So each list gets a row here the first time it
-    is seen, later steps write only what it gained, and a step's tables are one gather of rows
-    (6x faster at 256 sequences on the CPU). vLLM's persistent batch keeps its block table the same
-    way. A list and its length say what its row holds; the row's entry keeps the list alive, so its
-    ``id`` is not reused while the row is.
-
-    Args:
-        rows: rows kept; at least the widest step's number of tables (more rows: fewer rebuilds,
-            which happen when the rows of lists no longer in use have to be taken back).
-        max_blocks: the longest table.
-    """
-
-    def __init__(self, rows: int, max_blocks: int) -> None:
-        self.table = np.zeros((rows, max_blocks), dtype=np.int64)
-        self._rows: dict[int, list] = {}  # id(list) -> [row, the list, entries written]
-        self._free = list(range(rows - 1, -1, -1))
-        self.rebuilds = 0
-
-    def gather(self, tables: list[list[int]], width: int, out: np.ndarray) -> None:
-        """Write ``tables`` (at most ``rows`` of them, none longer than ``width``) into ``out``, an int64
-        ``[len(tables), width]`` array; columns past a table's length hold anything (no kernel reads
-        past a sequence's length)."""
-        if len(self._free) < len(tables):  # take back every row: the step's tables are written anew
-            self._rows.clear()
-            self._free = list(range(len(self.table) - 1, -1, -1))
-            self.rebuilds += 1
-        rows, table = self._rows, self.table
-        idx = []
-        for t in tables:
-            entry = rows.get(id(t))
-            n = len(t)
-            if entry is None:
-                r = self._free.pop()
-                table[r, :n] = t
-                rows[id(t)] = [r, t, n]
-                idx.append(r)
-            else:
-                if entry[2] != n:  # it grew since
-                    table[entry[0], entry[2]:n] = t[entry[2]:]
-                    entry[2] = n
-                idx.append(entry[0])
-        np.take(table[:, :width], idx, axis=0, out=out)
 
 
 def _with_pdl(method):
@@ -299,41 +56,12 @@ def _with_pdl(method):
     return wrapped
 
 
-def make_attention_backend(name: str, device: torch.device):
-    """The attention backend called ``name`` (``"torch"`` or ``"triton"``), chosen once per engine."""
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "triton":
-        from infer.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(device)
-    raise ValueError(f"unknown attention backend {name!r}")
-
-
-def chunk_extent(seq: Sequence, num_new_tokens: int) -> tuple[int, int, bool]:
-    """Where a step's ``num_new_tokens`` tokens of ``seq`` sit, for prefill chunks and decodes alike.
-
-    Returns:
-        ``(first, kv_len, samples)``: the position of the first new token (the tokens whose K/V
-        is cached already), the number of keys the new tokens attend over after this step writes
-        theirs (the cached prefix plus the chunk: never the whole prompt, whose later tokens are
-        not in the cache yet), and whether the sequence samples a token this step (only when
-        every one of its tokens is computed: after the last chunk of a prompt, or of the prompt
-        and generated tokens recomputed after a preemption).
-    """
-    # >>> EXERCISE chunk_key_length
-    first = seq.num_computed_tokens
-    kv_len = first + num_new_tokens
-    return first, kv_len, kv_len == len(seq.token_ids)
-    # <<< EXERCISE chunk_key_length
-
-
 class ModelRunner:
     """Owns the model on its device, the KV cache and the attention backend.
 
     Args:
         loaded: the model from :func:`infer.loader.load_model`.
-        num_blocks, block_size: the KV cache's blocks (see :func:`num_kv_blocks`).
+        num_blocks, block_size: the KV cache's blocks (see :func:`~infer.engine.memory.num_kv_blocks`).
         contiguous: one block per sequence (``block_size = max_model_len``): the contiguous cache.
         attention_backend: ``"torch"`` or ``"triton"``.
         max_model_len: the longest sequence (tokens): sizes the block-table buffers of the CUDA
@@ -381,6 +109,43 @@ class ModelRunner:
                                           prefill_max_tokens=cuda_graph_prefill_max_tokens,
                                           mixed_max_tokens=cuda_graph_mixed_max_tokens,
                                           attention_backend=self.attention_backend)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, loaded: LoadedModel,
+                    agree_num_blocks: Callable[[int], int] | None = None, **kwargs) -> ModelRunner:
+        """The runner an engine with ``config`` uses for ``loaded``: the model's forward (fused ops,
+        MoE backend) chosen first, since the memory profile measures it; then the KV pool sized by
+        :func:`~infer.engine.memory.num_kv_blocks`, its blocks, the attention backend and the graphs.
+
+        Args:
+            agree_num_blocks: tensor parallelism: maps this rank's block count to the count every rank
+                uses (the smallest; rank 0's scheduler hands out block ids that must exist everywhere).
+            kwargs: passed to the constructor (a subclass's own arguments).
+        """
+        mcfg = loaded.config
+        max_model_len = config.default_max_model_len(mcfg.max_position_embeddings)
+        budget = config.resolved_max_num_batched_tokens(max_model_len)
+        paged = config.kv_cache == "paged"
+        block_size = config.block_size if paged else max_model_len  # contiguous: one block per sequence
+        backend = config.resolved_attention_backend()
+        loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, max_model_len)
+        if hasattr(loaded.model, "set_moe_impl"):  # an MoE model (phase 15): how its experts run
+            loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
+        graph_bs = min(config.cuda_graph_max_batch_size, config.max_num_seqs) if config.cuda_graphs else 0
+        # no step prefills more than the budget or the context
+        graph_prefill = min(config.cuda_graph_prefill_max_tokens, budget, max_model_len) if graph_bs else 0
+        graph_mixed = min(config.cuda_graph_mixed_max_tokens, budget) if graph_bs else 0
+        num_blocks = num_kv_blocks(loaded, block_size, max_model_len, config.max_num_seqs, budget,
+                                   config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs,
+                                   graph_prefill, graph_mixed)
+        if agree_num_blocks is not None:
+            num_blocks = agree_num_blocks(num_blocks)
+        return cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
+                   max_model_len=max_model_len, cuda_graphs=config.cuda_graphs,
+                   cuda_graph_max_batch_size=graph_bs or 1,
+                   block_major=config.kv_offload != "none" and backend == "triton",
+                   cuda_graph_prefill_max_tokens=graph_prefill, cuda_graph_mixed_max_tokens=graph_mixed,
+                   pdl=config.pdl, **kwargs)
 
     @torch.inference_mode()
     @_with_pdl
@@ -437,118 +202,50 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    @staticmethod
-    def _placeholders(scheduled: list[ScheduledSeq], starts: list[int], prev: StepResult) -> tuple[list, list]:
-        """Async scheduling: where this step's input holds tokens the previous step sampled and the
-        host has not seen yet (:data:`~infer.engine.sequence.PLACEHOLDER`).
-
-        Returns:
-            ``(flat positions in input_ids, rows of prev's sampled tokens)``, one pair per placeholder
-            (a sequence holds at most one: the previous step's token is its last).
-        """
-        row_of = {id(s): r for r, s in enumerate(prev.sampled)}
-        flat, rows = [], []
-        for k, item in enumerate(scheduled):
-            seq = item.seq
-            last = len(seq.token_ids) - 1
-            if seq.token_ids[last] == PLACEHOLDER and seq.num_computed_tokens <= last:
-                flat.append(starts[k] + last - seq.num_computed_tokens)
-                rows.append(row_of[id(seq)])
-        return flat, rows
-
-    def _patch(self, scheduled: list[ScheduledSeq], starts, prev: StepResult | None
-               ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        """Async scheduling: the :func:`patch_input_ids` argument that puts ``prev``'s sampled tokens
-        into this step's input ids (``starts``: each sequence's first flat index), or ``None``."""
-        if prev is None or prev.sampler_output is None:
-            return None
-        sampled, tokens = prev.sampled, prev.sampler_output.next_tokens
-        n = len(sampled)
-        if (0 < n <= len(scheduled) and starts[n] == n
-                and all(map(operator.is_, (item.seq for item in scheduled[:n]), sampled))
-                and all(item.seq.token_ids[-1] == PLACEHOLDER for item in scheduled[:n])):
-            # the usual decode step: the previous step's rows, in its order, are this step's first
-            # ids, each decoding its one placeholder (a sequence that finished or was preempted since
-            # breaks the match): a device-to-device copy, no index tensors to build and send
-            return None, tokens[:n]
-        flat, rows = self._placeholders(scheduled, starts, prev)
-        if flat and flat == rows and flat[-1] == len(flat) - 1:  # the same, found the long way
-            return None, tokens[: len(flat)]
-        if flat:
-            return (self._to_device(flat, torch.int64),
-                    tokens[self._to_device(rows, torch.int64)])
-        return None
-
     @torch.inference_mode()
     @_with_pdl
     def execute(self, scheduled: list[ScheduledSeq], eos_ids: list[int], prev: StepResult | None = None) -> StepResult:
         """Run one step over ``scheduled`` and sample the sequences that are ready to.
 
+        The one decision is graph or eager: the CUDA-graph runner (phase 9) runs the step if one of
+        its captured graphs fits it, else the model runs eagerly (nano-vllm's ``run_model``,
+        mini-sglang's ``GraphRunner``). Either way the rest is the same: forks get their copy of the
+        prompt's last block, then logits, prompt logprobs and sampling.
+
         Args:
-            prev: async scheduling: the previous step, whose sampled tokens (still on the device)
-                replace the placeholders in this step's input ids, on the device. Its
-                ``before_next_sampling``, if set, is called after this step's forward is launched
-                and before its sampling tensors are built.
+            prev: async scheduling: the previous step, whose sampled tokens (still on the device) replace
+                the placeholders in this step's input ids, on the device. Its ``before_next_sampling``,
+                if set, is called after this step's forward is launched and before its sampling tensors
+                are built.
 
         Returns:
             The :class:`StepResult`, its tokens still on the device (:meth:`StepResult.host_outputs`
             reads them; their copy to the host is already started).
         """
-        graphs = self.graphs
-        if (graphs is not None and graphs.can_run(sum(map(_NUM_TOKENS, scheduled)), len(scheduled))
-                and not any(map(_FORKS, scheduled))):
-            # a decode-only step (every sequence runs one token; a 1-token prompt shared by forks
-            # takes the general path): replay the captured graph of its bucket (forward + logits of
-            # every row), its inputs staged straight from the sequences (stage_decodes)
-            seqs = list(map(_SEQ, scheduled))
-            patch = self._patch(scheduled, range(len(seqs) + 1), prev)
-            logits, rows = graphs.replay(seqs, patch)
-            if rows is not None:  # a one-token prefill chunk among the decodes samples nothing
-                if not len(rows):
-                    return StepResult([], None, {})
-                rows = rows.tolist()
-                seqs = [seqs[r] for r in rows]
-                logits = logits[self._to_device(rows, torch.int64)]
-            self._before_sampling(prev)
-            return self._result(seqs, sample(logits, self._sampling_tensors(seqs, eos_ids)), {})
-        # decodes first (stable), so the attention gets them as one slice (AttentionMetadata)
-        scheduled = sorted(scheduled, key=lambda item: item.num_tokens != 1)
-        ids, positions, starts, seq_lens, tables, firsts, sample_at, sampled = self._flatten(scheduled)
-        slots = self.kv_cache.slot_mapping(tables, firsts, [s.num_tokens for s in scheduled])
-        num_decodes = sum(1 for s in scheduled if s.num_tokens == 1)
-        patch = self._patch(scheduled, starts, prev)
-        if (self.graphs is not None and len(scheduled) == 1 and self.graphs.can_run_prefill(len(ids))
-                and scheduled[0].seq.params.prompt_logprobs is None):
-            # one sequence prefills alone (a prompt, a chunk, a prefix hit's suffix): its bucket's graph
-            logits = self.graphs.replay_prefill(ids, positions, slots, seq_lens[0], tables[0], patch)
+        step = StepInputs(scheduled, prev, self)
+        out = self.graphs.run(step) if self.graphs is not None else None
+        if out is None:
+            out = self._run_eager(step)
+        if step.has_forks:
             self._copy_fork_blocks(scheduled)
-            if not sampled:
-                return StepResult([], None, {})
-            if len(sampled) > 1:  # n > 1: the forks sample from the same logits
-                logits = logits.expand(len(sampled), -1).contiguous()
-            self._before_sampling(prev)
-            return self._result(sampled, sample(logits, self._sampling_tensors(sampled, eos_ids)), {})
-        if self.graphs is not None and self.graphs.can_run_mixed_full(len(ids), len(scheduled), num_decodes):
-            # decodes beside one prompt chunk (chunked prefill's usual step): its bucket's whole-step graph
-            hidden = self.graphs.replay_mixed_full(ids, positions, slots, seq_lens, tables, num_decodes, patch)
-        else:
-            meta = self._metadata(starts, seq_lens, self._to_device(slots, torch.int64), tables, num_decodes)
-            if self.graphs is not None and self.graphs.can_run_mixed(len(ids)):
-                # a step with several prompts: its bucket's pieces, the attention eagerly between them
-                hidden = self.graphs.replay_mixed(ids, positions, slots, meta, patch)
-            else:
-                input_ids = self._to_device(ids, torch.int64)
-                if patch is not None:
-                    patch_input_ids(input_ids, patch)
-                hidden = self._forward(input_ids, self._to_device(positions, torch.int64), meta)
-        self._copy_fork_blocks(scheduled)
-        prompt_lp = self._prompt_logprobs(scheduled, starts, hidden)
-        if not sampled:
+        logits, prompt_lp = out.logits, {}
+        if out.hidden is not None:  # the LM head on the rows that sample, and the prompt logprobs
+            prompt_lp = self._prompt_logprobs(step.flat.scheduled, step.flat.starts, out.hidden)
+            if out.sampled:
+                logits = self._logits(out.hidden, step.flat.sample_at)
+        if not out.sampled:
             return StepResult([], None, prompt_lp)
-        logits = self._logits(hidden, sample_at)
         self._before_sampling(prev)
-        tensors = self._sampling_tensors(sampled, eos_ids)
-        return self._result(sampled, sample(logits, tensors), prompt_lp)
+        return self._result(out.sampled, sample(logits, self._sampling_tensors(out.sampled, eos_ids)), prompt_lp)
+
+    def _run_eager(self, step: StepInputs) -> ForwardOutput:
+        """The step's forward, launched kernel by kernel: the hidden states of every token."""
+        f = step.flat
+        input_ids = self._to_device(f.ids, torch.int64)
+        if step.flat_patch is not None:
+            patch_input_ids(input_ids, step.flat_patch)
+        hidden = self._forward(input_ids, self._to_device(f.positions, torch.int64), step.metadata)
+        return ForwardOutput(f.sampled, hidden=hidden)
 
     def _copy_fork_blocks(self, scheduled: list[ScheduledSeq]) -> None:
         """``n > 1``: after the prompt's forward, each fork gets its copy of the prompt's last,
@@ -571,7 +268,7 @@ class ModelRunner:
             hook()
 
     # The three places a step touches the model or the cache. Tensor parallelism (phase 14,
-    # infer.parallel.executor) overrides them to run the same call on every rank.
+    # infer.engine.executor) overrides them to run the same call on every rank.
 
     def _metadata(self, starts: list[int], seq_lens: list[int], slot_mapping: torch.Tensor,
                   tables: list[list[int]], num_decodes: int) -> AttentionMetadata:
@@ -613,39 +310,6 @@ class ModelRunner:
         rows = block_table_array(tables, width)
         t = torch.from_numpy(rows)
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
-
-    @staticmethod
-    def _flatten(scheduled: list[ScheduledSeq]):
-        """The step as flat host lists (see :class:`~infer.attention.AttentionMetadata`).
-
-        Returns:
-            ``(input_ids [T], positions [T], query_start_loc [B + 1], seq_lens [B],
-            block_tables [B][*], first new position of each sequence [B], sample_at, sampled)``:
-            ``sample_at`` are the flat indices whose logits are sampled, one per sequence in
-            ``sampled`` (a sequence whose prompt is complete after this step, then its forks,
-            which sample from the same position).
-        """
-        # >>> EXERCISE flatten_batch
-        ids: list[int] = []
-        positions: list[int] = []
-        starts, seq_lens, tables, firsts = [0], [], [], []
-        sample_at: list[int] = []
-        sampled: list[Sequence] = []
-        for item in scheduled:
-            seq, n = item.seq, item.num_tokens
-            first, kv_len, samples = chunk_extent(seq, n)
-            ids.extend(seq.token_ids[first : first + n])
-            positions.extend(range(first, first + n))
-            starts.append(starts[-1] + n)
-            seq_lens.append(kv_len)
-            tables.append(seq.block_table)
-            firsts.append(first)
-            if samples:  # every token is in the cache after this step: sample the next one
-                for s in (seq, *item.forks):
-                    sample_at.append(starts[-1] - 1)
-                    sampled.append(s)
-        return ids, positions, starts, seq_lens, tables, firsts, sample_at, sampled
-        # <<< EXERCISE flatten_batch
 
     def _sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int]) -> SamplingTensors:
         """The step's :class:`SamplingTensors` for ``seqs`` (the sampler's rows, in order).

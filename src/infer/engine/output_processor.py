@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from infer.engine.model_runner import StepResult
 from infer.engine.sequence import PLACEHOLDER, Request, SeqStatus, Sequence
+from infer.engine.step import StepResult
 from infer.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from infer.sampling.params import RequestOutputKind
 from infer.tokenizer import Tokenizer

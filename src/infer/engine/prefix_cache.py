@@ -41,7 +41,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from infer.engine.kv_cache_manager import BlockPool
+from infer.engine.block_pool import BlockPool
 
 #: the key of a full block: SHA-256 digest (32 bytes) of its parent's key, tokens and extra keys
 BlockHash = bytes

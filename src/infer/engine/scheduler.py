@@ -6,16 +6,9 @@ decode alike. KV-cache space is handed out in blocks by a
 :class:`~infer.engine.kv_cache_manager.KVCacheManager` (one block of ``max_model_len`` tokens
 per sequence for the contiguous cache, ``block_size``-token blocks for the paged one).
 
-Three admission policies share everything else (``EngineConfig.batching``):
-
-* ``"none"`` (phase 1): one request at a time. A request is admitted when nothing runs.
-* ``"static"`` (phase 3): a *batch* of up to ``max_num_seqs`` sequences is admitted when
-  nothing runs and either the batch is full or the oldest waiting request has waited
-  ``batch_wait_timeout_ms``. The batch runs until every member finishes; arrivals wait for
-  the next batch (FasterTransformer-style request-level batching).
-* ``"continuous"`` (phase 4): iteration-level scheduling from Orca (Yu et al., OSDI 2022):
-  at *every* step, waiting requests are admitted while the token budget, the sequence
-  limit and the KV cache allow, and finished sequences leave at once.
+The admission policy (``EngineConfig.batching``: one request at a time, static batches, or
+continuous batching) is an object chosen once (:mod:`infer.engine.batching`); everything else is
+shared.
 
 Each step is built the same way whatever the policy (vLLM v1's scheduler order):
 
@@ -48,10 +41,10 @@ whole prompt, so a half-prefilled sequence needs no new block until it decodes.
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from infer.engine.batching import make_batching_policy
 from infer.engine.kv_cache_manager import KVCacheManager
 from infer.engine.sequence import Request, SeqStatus, Sequence
 
@@ -78,7 +71,8 @@ class Scheduler:
 
     Args:
         kv: the block manager of the KV cache.
-        policy: ``"none"``, ``"static"`` or ``"continuous"`` (module docstring).
+        policy: ``"none"``, ``"static"`` or ``"continuous"``: the batching policy
+            (:mod:`infer.engine.batching`), made once here.
         max_num_seqs: the most sequences running at once.
         max_num_batched_tokens: the most tokens (prefill + decode) in one step.
         batch_wait_timeout_s: static batching: the longest the oldest request waits for a
@@ -108,15 +102,12 @@ class Scheduler:
         chunked_prefill: bool = False,
         long_prefill_token_threshold: int | None = None,
     ) -> None:
-        if policy not in ("none", "static", "continuous"):
-            raise ValueError(f"unknown batching policy {policy!r}")
-        self.policy = policy
+        self.policy = make_batching_policy(policy, max_num_seqs, batch_wait_timeout_s)
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.batch_wait_timeout_s = batch_wait_timeout_s
         self.chunked_prefill = chunked_prefill
         if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
             raise ValueError(f"long_prefill_token_threshold must be >= 1, got {long_prefill_token_threshold}")
@@ -146,21 +137,6 @@ class Scheduler:
         """Are there KV blocks and sequence slots for all of ``request``'s unfinished sequences?"""
         n = len(request.unfinished_seqs)
         return len(self.running) + n <= self.max_num_seqs and self.kv.can_admit(request)
-
-    def _batch_ready(self) -> bool:
-        """Static batching: is it time to start a batch?
-
-        Yes when nothing runs and either the waiting requests' sequences fill a batch
-        (``max_num_seqs``) or the oldest has waited ``batch_wait_timeout_s``.
-        """
-        # >>> EXERCISE batch_ready
-        if self.running or not self.waiting:
-            return False
-        queued = sum(len(r.seqs) for r in self.waiting)
-        if queued >= self.max_num_seqs:
-            return True
-        return time.perf_counter() - self.waiting[0].arrival_time >= self.batch_wait_timeout_s
-        # <<< EXERCISE batch_ready
 
     def _first_prefill(self, request: Request) -> int:
         """Tokens of the first prefill an admitted request runs (its prompt, or after a
@@ -203,24 +179,23 @@ class Scheduler:
         """Admit waiting requests (FIFO) while they fit; append their prefills to ``scheduled``.
 
         Returns the token budget left. The first request that does not fit stops admission
-        (later ones never overtake it). ``"none"`` admits one request into an empty engine;
-        ``"static"`` admits a whole batch when :meth:`_batch_ready` (a member whose prompt does
-        not fit this step's budget is admitted anyway and prefills in a later step);
-        ``"continuous"`` admits at every step while KV blocks, sequence slots and budget allow.
+        (later ones never overtake it). The policy (:mod:`infer.engine.batching`) says whether
+        admission runs this step (``admits_now``: "none" into an empty engine, "static" when a batch
+        is ready, "continuous" always), whether a request whose first prefill does not fit the budget
+        left is admitted anyway (``admits_past_budget``: a static batch starts together) and whether
+        admission stops after one request (``one_request_at_a_time``: "none").
         """
         # >>> EXERCISE admission
-        if self.policy == "none" and self.running:
-            return budget
-        if self.policy == "static" and not self._batch_ready():
+        if not self.policy.admits_now(self):
             return budget
         while self.waiting and self._has_room(self.waiting[0]):
             request = self.waiting[0]
             need = 1 if self.chunked_prefill else self._first_prefill(request)  # chunked: any room starts it
-            if need > budget and self.policy != "static":
+            if need > budget and not self.policy.admits_past_budget:
                 break
             self.waiting.popleft()
             budget = self._admit(request, budget, scheduled)
-            if self.policy == "none":
+            if self.policy.one_request_at_a_time:
                 break
         return budget
         # <<< EXERCISE admission

@@ -8,7 +8,7 @@ are plain ``nn.Linear``/``nn.Embedding`` shapes and the single-process engine is
 
 Two process groups: ``group`` is the one the model's collectives use (NCCL on CUDA, gloo on the
 CPU); ``cpu_group`` (gloo, the same group on the CPU) carries the host-side step messages rank 0
-broadcasts (:mod:`infer.parallel.executor`), so the host never waits for the device to send them.
+broadcasts (:mod:`infer.engine.executor`), so the host never waits for the device to send them.
 """
 
 from __future__ import annotations

@@ -53,9 +53,10 @@ import torch.distributed as dist
 
 from infer.config import EngineConfig
 from infer.engine.cuda_graphs import packed_size
-from infer.engine.model_runner import ModelRunner, num_kv_blocks
+from infer.engine.model_runner import ModelRunner
 from infer.errors import ParallelWorkerError
-from infer.kernels import fused_ops, pdl
+from infer.kernels import pdl
+from infer.loader import load_model
 from infer.parallel.state import ParallelState, building_for, set_parallel
 
 log = logging.getLogger("infer")
@@ -159,7 +160,7 @@ class ParallelModelRunner(ModelRunner):
         ParallelWorkerError: a collective failed (a rank died): the workers are stopped.
     """
 
-    def __init__(self, workers: Workers, *args, **kwargs) -> None:
+    def __init__(self, *args, workers: Workers, **kwargs) -> None:
         self.workers = workers
         super().__init__(*args, **kwargs)
         if self.graphs is not None:
@@ -239,31 +240,15 @@ def serve(runner: ModelRunner, state: ParallelState) -> None:
             raise RuntimeError(f"unknown command {cmd}")
 
 
-def build_runner(config: EngineConfig, state: ParallelState, runner_cls=ModelRunner, progress: bool = False):
-    """Load this rank's shard and build its model runner the way :class:`LLMEngine` does (the same
-    max_model_len, block size, fused ops and KV-pool size on every rank). Returns ``(loaded, runner)``."""
-    from infer.loader import load_model
-
+def build_runner(config: EngineConfig, state: ParallelState, runner_cls=ModelRunner, progress: bool = False,
+                 **runner_kwargs):
+    """Load this rank's shard and build its model runner the way :class:`LLMEngine` does
+    (:meth:`ModelRunner.from_config`: the same max_model_len, block size, fused ops and, agreed between
+    the ranks, KV-pool size on every rank). Returns ``(loaded, runner)``."""
     with building_for(state):
         loaded = load_model(config.model, rank_device(config, state.rank), config.resolved_dtype(), progress=progress)
-    mcfg = loaded.config
-    max_model_len = config.default_max_model_len(mcfg.max_position_embeddings)
-    budget = config.resolved_max_num_batched_tokens(max_model_len)
-    paged = config.kv_cache == "paged"
-    block_size = config.block_size if paged else max_model_len
-    backend = config.resolved_attention_backend()
-    loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, max_model_len)
-    if hasattr(loaded.model, "set_moe_impl"):  # an MoE model (phase 15): how its experts run
-        from infer.kernels import moe_ops
-
-        loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
-    graph_bs = min(config.cuda_graph_max_batch_size, config.max_num_seqs) if config.cuda_graphs else 0
-    num_blocks = num_kv_blocks(loaded, block_size, max_model_len, config.max_num_seqs, budget,
-                               config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs)
-    num_blocks = agree_num_blocks(state, num_blocks)
-    runner = runner_cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
-                        max_model_len=max_model_len, cuda_graphs=config.cuda_graphs,
-                        cuda_graph_max_batch_size=graph_bs or 1, pdl=config.pdl)
+    runner = runner_cls.from_config(config, loaded, agree_num_blocks=lambda n: agree_num_blocks(state, n),
+                                    **runner_kwargs)
     return loaded, runner
 
 

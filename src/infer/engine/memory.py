@@ -1,0 +1,137 @@
+"""How many KV-cache blocks an engine gets: the memory budget, profiled on a GPU (phase 5).
+
+vLLM's rule (``determine_available_memory``): on a GPU the KV cache gets what is left of
+``gpu_memory_utilization`` of the device after the weights, the activations of the largest step
+(measured by a profiling forward) and, with CUDA graphs (phase 9), their memory pool. On a CPU the
+cache is sized for ``max_num_seqs`` full-length sequences (pages are only touched when written),
+unless ``kv_cache_memory_bytes`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from infer.attention import AttentionMetadata, TorchAttentionBackend
+from infer.engine.cuda_graphs import mixed_graph_sizes
+from infer.loader import LoadedModel
+
+log = logging.getLogger("infer")
+
+
+def kv_heads_per_rank(model) -> int:
+    """KV heads this process caches: all of them, or with tensor parallelism its rank's share."""
+    return model.model.layers[0].self_attn.num_kv_heads
+
+
+def num_kv_blocks(
+    loaded: LoadedModel,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    cuda_graph_batch_size: int = 0,
+    cuda_graph_prefill_tokens: int = 0,
+    cuda_graph_mixed_tokens: int = 0,
+) -> int:
+    """How many KV-cache blocks of ``block_size`` tokens to allocate.
+
+    The budget is ``kv_cache_memory_bytes`` if given; on CUDA otherwise, as vLLM does, the
+    memory left under ``gpu_memory_utilization`` of the GPU after the weights and a profiling
+    forward of ``max_num_batched_tokens`` tokens (the largest step's activations), and, with CUDA
+    graphs (``cuda_graph_batch_size`` > 0, the largest bucket), the memory their shared pool will
+    keep: the peak of a decode forward + LM head of that many sequences, or of a one-sequence
+    prefill of ``cuda_graph_prefill_tokens`` (or ``cuda_graph_mixed_tokens``) tokens if larger, plus
+    what the mixed-step pieces keep between them (every layer's q, k, v and attention output for
+    each bucket, :func:`~infer.engine.cuda_graphs.mixed_graph_sizes`); on CPU otherwise, room
+    for ``max_num_seqs`` sequences of ``max_model_len`` tokens (pages are only touched when
+    written).
+
+    Returns:
+        ``min(budget // block_bytes, max_num_seqs * ceil(max_model_len / block_size))``: more
+        blocks than ``max_num_seqs`` full-length sequences can hold would sit idle. For the
+        contiguous cache (``block_size = max_model_len``) that is the number of rows.
+
+    Raises:
+        ValueError: when not even one ``max_model_len``-token sequence fits, with the numbers.
+    """
+    cfg = loaded.config
+    p = next(loaded.model.parameters())
+    # tensor parallelism: each rank caches only its KV heads
+    block_bytes = cfg.kv_bytes_per_token(p.dtype) * block_size * kv_heads_per_rank(loaded.model) // cfg.num_kv_heads
+    per_seq = -(-max_model_len // block_size)
+    cap = max_num_seqs * per_seq
+    if kv_cache_memory_bytes is not None:
+        budget, where = kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    elif p.device.type == "cuda":
+        budget, where = _profile_free_gpu_memory(loaded, max_model_len, max_num_seqs, max_num_batched_tokens,
+                                                 gpu_memory_utilization, cuda_graph_batch_size,
+                                                 cuda_graph_prefill_tokens, cuda_graph_mixed_tokens), \
+            "gpu_memory_utilization"
+    else:
+        return cap
+    blocks = min(cap, budget // block_bytes)
+    if blocks < per_seq:
+        seq_bytes = per_seq * block_bytes
+        raise ValueError(
+            f"the KV cache budget ({where}: {budget / 2**30:.2f} GiB) cannot hold one sequence of "
+            f"max_model_len={max_model_len} tokens ({seq_bytes / 2**30:.2f} GiB); lower max_model_len or "
+            f"raise the budget"
+        )
+    return int(blocks)
+
+
+@torch.inference_mode()
+def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_seqs: int, num_tokens: int,
+                             utilization: float, graph_batch_size: int = 0, graph_prefill_tokens: int = 0,
+                             graph_mixed_tokens: int = 0) -> int:
+    """Bytes left for the KV cache after a forward of ``num_tokens`` tokens (no cache) and, when
+    ``graph_batch_size`` > 0, the CUDA graphs' memory pool (estimated by an eager decode forward of
+    that many sequences and, with ``graph_prefill_tokens``, an eager one-sequence prefill of that
+    many tokens: the larger is the largest graph's working set; the pool is shared by all graphs)."""
+    model, cfg = loaded.model, loaded.config
+    dev = next(model.parameters()).device
+    model.set_attention_backend(TorchAttentionBackend())
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    lens = [max_model_len] * (num_tokens // max_model_len) + ([num_tokens % max_model_len] if num_tokens % max_model_len else [])
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=dev)
+    pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+    hidden = model(ids, pos, AttentionMetadata.for_prefill(lens, dev))
+    model.compute_logits(hidden[: max_num_seqs]).float().softmax(-1)  # the sampler's working set
+    del hidden
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    graph_bytes = 0
+    if graph_batch_size:
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        n = graph_batch_size
+        logits = model.compute_logits(model(ids[:n], torch.zeros_like(ids[:n]), AttentionMetadata.for_prefill([1] * n, dev)))
+        del logits
+        torch.cuda.synchronize(dev)
+        graph_bytes = torch.cuda.max_memory_allocated(dev) - base
+        t = min(max(graph_prefill_tokens, graph_mixed_tokens), num_tokens)
+        if t > 1:
+            torch.cuda.reset_peak_memory_stats(dev)
+            hidden = model(ids[:t], torch.arange(t, device=dev),
+                           AttentionMetadata.for_prefill([t], dev))
+            del hidden
+            torch.cuda.synchronize(dev)
+            graph_bytes = max(graph_bytes, torch.cuda.max_memory_allocated(dev) - base)
+        if graph_mixed_tokens:  # the holes between the pieces: q, k, v and output per layer and bucket
+            attn = model.model.layers[0].self_attn
+            per_token = 2 * (attn.num_heads + attn.num_kv_heads) * attn.head_dim * next(model.parameters()).element_size()
+            graph_bytes += per_token * cfg.num_layers * sum(mixed_graph_sizes(graph_mixed_tokens))
+        log.info("CUDA graphs: %.0f MiB kept for their memory pool (decode batch %d, prefill %d tokens)",
+                 graph_bytes / 2**20, n, t)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(dev).total_memory
+    # memory held outside PyTorch's allocator (CUDA context, other processes) also counts
+    free, _ = torch.cuda.mem_get_info(dev)
+    outside = total - free - torch.cuda.memory_reserved(dev)
+    return max(0, int(total * utilization) - peak - outside - graph_bytes)
