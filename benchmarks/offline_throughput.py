@@ -202,15 +202,19 @@ class _FirstTokenClock:
         pass
 
 
+def _hf_sampling(temperature: float) -> dict[str, Any]:
+    """HF ``GenerationConfig`` sampling fields: greedy at temperature 0, else plain temperature sampling
+    (no top-k, no top-p), as infer samples."""
+    if temperature > 0:
+        return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    return dict(do_sample=False)
+
+
 def _hf_generation_config(temperature: float, max_new: int, pad_id: int, compiled: bool, max_cache_len: int | None):
     from transformers import GenerationConfig
 
-    kw: dict[str, Any] = dict(max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad_id)
-    if temperature > 0:
-        kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    else:
-        kw.update(do_sample=False)
-    cfg = GenerationConfig(**kw)
+    cfg = GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad_id,
+                           **_hf_sampling(temperature))
     if compiled:
         cfg.cache_implementation = "static"
         if max_cache_len is not None:
@@ -349,12 +353,7 @@ def run_hf_cb(model, wl: Workload, temperature: float, progress: bool = True, wa
 
     from transformers import GenerationConfig
 
-    kw: dict[str, Any] = dict(max_new_tokens=max(wl.output_lens), eos_token_id=-1)
-    if temperature > 0:
-        kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    else:
-        kw.update(do_sample=False)
-    cfg = GenerationConfig(**kw)
+    cfg = GenerationConfig(max_new_tokens=max(wl.output_lens), eos_token_id=-1, **_hf_sampling(temperature))
     cm_kwargs: dict[str, Any] = {"generation_config": cfg}
     try:
         from transformers.generation.continuous_batching.utils import WorkloadHints
