@@ -37,7 +37,7 @@ import statistics
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
 import torch
 from common import (
     environment,

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
 import torch
 from common import (
     capture_calls,

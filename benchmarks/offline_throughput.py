@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common  # noqa: F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
 import torch
 from common import (
     ceilings,

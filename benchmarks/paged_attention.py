@@ -38,7 +38,7 @@ import json
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
 import torch
 import torch.nn.functional as F
 from common import (

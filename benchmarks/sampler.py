@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 
-import common  # noqa: F401  (sets the OMP policy before torch loads)
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
 import torch
 from common import (
     ceilings,

@@ -32,7 +32,7 @@ import itertools
 from pathlib import Path
 from types import SimpleNamespace
 
-import common  # noqa: F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
 import torch
 import torch.nn.functional as F
 from common import environment, markdown_table, out_argument, save_figure, write_report

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common  # noqa: F401  (sets the OMP policy before torch loads)
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
 import torch
 from common import (
     environment,
