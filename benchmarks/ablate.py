@@ -2,7 +2,7 @@
 
     python benchmarks/ablate.py --workload offline --scale 0.05 --out /tmp/abl
     python benchmarks/ablate.py --workload offline --model /path/qwen3-0.6b --device cuda --max-num-seqs 256 \\
-        --out reports/ablation-offline
+        --out benchmarks/runs/ablation-offline
     python benchmarks/ablate.py --workload serve --scale 0.05 --request-rates 1 4 inf --out /tmp/abl-serve
     python benchmarks/ablate.py --workload offline --flags batching --dry-run        # list the configurations
     # chunked prefill alone, on its own workload: 4 decode streams, a 3000-token prompt arriving
@@ -49,12 +49,13 @@ continuous`` beside ``--flags chunked_prefill``) fix the rest of the configurati
 ``serve``); the others go to the workload program. The ceilings (bandwidth, matmul rate) are
 measured once, here, after the runs.
 
-Output in ``--out DIR``: ``ablation.json`` (commit, hardware, versions, ceilings, the base
-EngineConfig, every configuration with its full EngineConfig, status and figures, the
-workload), ``ablation.md`` (config, output tok/s, total tok/s, TTFT p50/p99, TPOT p50/p99,
-speedup vs all-off), ``ablation_throughput.png``, ``ablation_latency.png`` and, for ``serve``,
-``ablation_vs_rate.png`` (latency and throughput vs request rate, one line per configuration);
-each run's own report and log are in ``DIR/runs/``. Method: docs/contributing.md.
+Output in ``--out DIR`` (default ``benchmarks/runs/ablation/``): ``ablation.json`` (commit,
+hardware, versions, ceilings, the base EngineConfig, every configuration with its full
+EngineConfig, status and figures, the workload), ``ablation.md`` (config, output tok/s, total
+tok/s, TTFT p50/p99, TPOT p50/p99, speedup vs all-off), ``ablation_throughput.png``,
+``ablation_latency.png`` and, for ``serve``, ``ablation_vs_rate.png`` (latency and throughput vs
+request rate, one line per configuration); each run's own report and log are in ``DIR/runs/``.
+Method: docs/contributing.md.
 """
 
 from __future__ import annotations
@@ -72,10 +73,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import (
+    ceilings,
+    environment,
+    format_overrides,
+    format_value,
+    markdown_table,
+    out_argument,
+    plot_throughput,
+    save_figure,
+    write_report,
+)
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import ceilings, environment, markdown_table, save_figure, write_report  # noqa: E402
-from offline_throughput import format_overrides, format_value, plot_throughput  # noqa: E402
 
 OFFLINE = HERE / "offline_throughput.py"
 SERVE = HERE / "serve_bench.py"
@@ -352,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve: serve_bench's --workload (default: random)")
     ap.add_argument("--request-rates", type=float, nargs="+", default=[1.0, 4.0, 16.0, math.inf],
                     help="serve: offered request rates, inf = all at once (default: 1 4 16 inf)")
-    ap.add_argument("--out", default="ablation", help="output directory (default: ./ablation)")
+    out_argument(ap, "ablation", "output directory")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per configuration before it counts as failed")
     ap.add_argument("--no-ceilings", dest="ceilings", action="store_false", help="do not measure the ceilings")
     ap.add_argument("--dry-run", action="store_true", help="list the configurations (and skips) and stop")

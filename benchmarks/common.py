@@ -1,10 +1,21 @@
 """Shared pieces of the benchmark programs (method: docs/contributing.md and docs/benchmarks.md).
 
+Every program imports this module before torch (it sets the OpenMP spin below, which libgomp reads
+once) and imports nothing from another program: what two programs share lives here or, for the
+requests they send, in workloads.py.
+
+* :data:`RUNS`, :func:`out_argument`: where a run writes unless ``--out`` says otherwise,
+  ``benchmarks/runs/`` (ignored by git).
 * :func:`ceilings`: memory bandwidth (a large copy, bytes read + written) and matmul rate
   (bf16 on GPU, fp32 on CPU, random data), measured in the same run as the benchmark.
 * :func:`environment`: commit, hardware, library versions: what every report records.
 * :func:`decode_floor_s`: the batch-1 decode floor (bytes one step must read / bandwidth).
 * :func:`write_report`: JSON + a Markdown table generated from it.
+* :func:`parse_overrides`, :func:`parse_infer_configs`, :func:`infer_label`: EngineConfig overrides
+  written on a command line (``--infer-configs "batching=none;batching=continuous"``).
+* :func:`model_info`, :func:`make_llm`, :func:`load_hf`: a model's facts without its weights, an
+  infer ``LLM`` and the HF transformers peer on the same weights.
+* :func:`plot_throughput`, :func:`save_figure`: figures.
 """
 
 from __future__ import annotations
@@ -16,13 +27,39 @@ if "OMP_WAIT_POLICY" not in os.environ:  # see src/infer/__init__.py; before tor
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import platform  # noqa: E402
+import socket
 import statistics
 import subprocess
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
 import torch
+
+#: Where a run writes (reports, logs, plots) unless ``--out`` says otherwise; ignored by git. Results
+#: the docs cite are kept as small summaries under ``benchmarks/results/``.
+RUNS = Path(__file__).resolve().parent / "runs"
+
+
+def out_argument(parser, name: str, what: str) -> None:
+    """Add ``--out`` to ``parser`` (or an argument group), by default ``benchmarks/runs/NAME``
+    (``name=""``: the folder itself, for programs whose ``--out`` is a directory)."""
+    parser.add_argument("--out", default=str(RUNS / name), help=f"{what} (default: benchmarks/runs/{name})")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the GPU when there is one, else the CPU; any other name as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on (for a server or a process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def sync(device: torch.device | str) -> None:
@@ -70,15 +107,12 @@ def ttft_alone(engine, prompt: list[int]) -> float:
 
 
 def engine_overrides(items: list[str]) -> dict[str, Any]:
-    """``FIELD=VALUE`` command-line items (``--engine-args``) as EngineConfig keyword arguments:
-    ``true``/``false`` become booleans, integers ints, anything else stays a string."""
-    kw: dict[str, Any] = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--engine-args: expected FIELD=VALUE, got {item!r}")
-        kw[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
-    return kw
+    """``FIELD=VALUE`` command-line items (``--engine-args``) as EngineConfig keyword arguments, each
+    value of its field's type (:func:`parse_overrides`)."""
+    try:
+        return parse_overrides(",".join(items))
+    except ValueError as e:
+        raise SystemExit(f"--engine-args: {e}") from None
 
 
 def ceilings(device: str | torch.device, quick: bool = False) -> dict[str, float]:
@@ -181,6 +215,11 @@ def write_report(report: dict[str, Any], out: str | Path | None, table: str) -> 
         print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
+def print_row(row: dict[str, Any]) -> None:
+    """One result row on stdout as it lands (floats to 3 decimals): a run cut short keeps what it printed."""
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+
 def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):
@@ -190,10 +229,6 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------- helpers of the
-# throughput programs (offline_throughput.py, ablate.py)
 
 
 def percentiles_ms(xs: list[float], name: str) -> dict[str, float | None]:
@@ -235,6 +270,123 @@ def capture_calls(fn, n: int):
     return graph
 
 
+# ---------------------------------------------------------------------------------- EngineConfig overrides
+
+
+def _field_base_type(name: str) -> tuple[type, bool]:
+    from infer.config import EngineConfig
+
+    kind = typing.get_type_hints(EngineConfig)[name]
+    args = typing.get_args(kind)
+    optional = type(None) in args
+    base = next((t for t in args if t is not type(None)), kind) if args else kind
+    return base, optional
+
+
+def parse_value(name: str, text: str) -> Any:
+    """A ``field=value`` string value as the EngineConfig field's type."""
+    base, optional = _field_base_type(name)
+    low = text.strip().lower()
+    if base is str:
+        return text.strip()
+    if optional and low in ("none", "null"):
+        return None
+    if base is bool:
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}: {text!r} is not a boolean")
+    return base(text)
+
+
+def parse_overrides(spec: str) -> dict[str, Any]:
+    """``"batching=continuous,max_num_seqs=16"`` -> ``{"batching": "continuous", "max_num_seqs": 16}``."""
+    from infer.config import EngineConfig
+
+    out: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        if "=" not in item:
+            raise ValueError(f"{item!r}: expected field=value")
+        k, v = (x.strip() for x in item.split("=", 1))
+        k = k.replace("-", "_")
+        if k not in EngineConfig.field_names():
+            raise ValueError(f"{k!r} is not an EngineConfig field ({', '.join(EngineConfig.field_names())})")
+        out[k] = parse_value(k, v)
+    return out
+
+
+def format_value(v: Any) -> str:
+    """A value as :func:`parse_value` reads it back (``true``/``false``, ``none``)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "none" if v is None else str(v)
+
+
+def format_overrides(overrides: dict[str, Any]) -> str:
+    """The inverse of :func:`parse_overrides`."""
+    return ",".join(f"{k}={format_value(v)}" for k, v in overrides.items())
+
+
+def parse_infer_configs(spec: str | None) -> list[dict[str, Any]]:
+    """``--infer-configs``: ``;``-separated :func:`parse_overrides` items, one infer run each (none: one run, ``{}``)."""
+    if not spec:
+        return [{}]
+    return [parse_overrides(item) for item in spec.split(";") if item.strip()] or [{}]
+
+
+def infer_label(overrides: dict[str, Any]) -> str:
+    """The name of an infer run in tables and reports: ``infer[batching=continuous,...]``."""
+    return f"infer[{format_overrides(overrides)}]" if overrides else "infer"
+
+
+# ---------------------------------------------------------------------------------- models
+
+
+def model_info(spec: str):
+    """``(path, ModelConfig)`` of a short name / .gguf / HF directory, without loading weights."""
+    from infer.loader import resolve_model
+
+    path = resolve_model(spec)
+    if path.is_dir():
+        from infer.loader import hf
+
+        cfg, _ = hf.model_config_from_dir(path)
+    else:
+        from infer.loader import gguf as g
+
+        reader = g.open_gguf(path)
+        cfg = g.model_config_from_gguf(g.read_metadata(reader), {t.name for t in reader.tensors}, path)
+        del reader
+    return path, cfg
+
+
+def make_llm(model: str, engine_kwargs: dict[str, Any], max_model_len: int, progress: bool):
+    """An infer ``LLM`` of ``model`` with EngineConfig ``engine_kwargs``; ``max_model_len`` where they
+    leave it None (a workload's longest prompt + output: the KV cache sized for the workload)."""
+    from infer import LLM
+
+    kw = dict(engine_kwargs)
+    kw.pop("model", None)
+    if kw.get("max_model_len") is None:
+        kw["max_model_len"] = max_model_len
+    return LLM(model, progress=progress, **kw)
+
+
+def load_hf(path: Path, device: str, dtype: torch.dtype):
+    """HF transformers' model of the same weights (an HF directory, or a .gguf beside its config), eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    if path.suffix == ".gguf":
+        m = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return m.to(device).eval()
+
+
+# ---------------------------------------------------------------------------------- figures
+
+
 def save_figure(fig, path: str | Path) -> None:
     """Lay out ``fig``, write it to ``path`` as a PNG (parent folders made), close it, say where."""
     import matplotlib.pyplot as plt
@@ -244,3 +396,31 @@ def save_figure(fig, path: str | Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+def plot_throughput(rows: list[dict[str, Any]], path: str | Path, title: str) -> None:
+    """Bar chart: output tok/s (and total tok/s, lighter) per engine/config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    # "infer[batching=continuous,kv_cache=paged]" as one line per flag, so neighbours never overlap
+    labels = [r["label"].replace("[", "\n").replace(",", "\n").rstrip("]") for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows) + 2), 4.5))
+    out = [r["output_tok_per_s"] for r in rows]
+    tot = [r["total_tok_per_s"] for r in rows]
+    bars = ax.bar(x - 0.2, out, 0.4, label="output tok/s")
+    ax.bar(x + 0.2, tot, 0.4, label="total tok/s (prompt + output)", alpha=0.45)
+    for b, v in zip(bars, out):
+        ax.annotate(f"{v:,.0f}" if v >= 100 else f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_ylabel("tokens / s")
+    ax.set_ylim(bottom=0)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    save_figure(fig, path)

@@ -1,6 +1,6 @@
 """One-row products on the CPU: how fast each way of computing ``x @ W.T`` streams the weight.
 
-    python benchmarks/cpu_gemv.py --out benchmarks/reports/cpu-DATE/gemv          # SmolLM2-135M's shapes
+    python benchmarks/cpu_gemv.py                                                  # SmolLM2-135M's shapes
     OMP_WAIT_POLICY=PASSIVE python benchmarks/cpu_gemv.py                          # workers that never spin
 
 Batch-1 decode is a chain of matrix-vector products, so its speed is the rate at which they read the
@@ -18,6 +18,9 @@ Reported: microseconds per call and GB/s (weight bytes / time), and per decode t
 and one LM head) in ms, next to the machine's copy bandwidth measured in the same run. The OpenMP wait
 policy matters: each split product is a parallel region, and a worker that sleeps between regions
 (``OMP_WAIT_POLICY=PASSIVE``) costs tens of microseconds to wake (``src/infer/__init__.py``).
+
+Writes ``cpu_gemv.json`` (environment, ceilings, the OpenMP settings, every product) and
+``cpu_gemv.md`` (the table) into ``--out DIR`` (default ``benchmarks/runs/``).
 """
 
 from __future__ import annotations
@@ -25,14 +28,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402, F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
-import torch  # noqa: E402
-from common import ceilings, environment, markdown_table, write_report  # noqa: E402
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
+import torch
+from common import ceilings, environment, markdown_table, out_argument, write_report
 
 # SmolLM2-135M: hidden 576, 9 q / 3 kv heads of 64, intermediate 1536, vocabulary 49,152, 30 layers
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=1, help="rows of x (decode batch) [1]")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    ap.add_argument("--out", default=None, help="directory for cpu_gemv.json and .md")
+    out_argument(ap, "", "directory for cpu_gemv.json and .md")
     ap.add_argument("--quick", action="store_true", help="one weight copy, few calls: checks the program only")
     args = ap.parse_args(argv)
     if args.threads:

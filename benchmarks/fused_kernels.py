@@ -1,6 +1,6 @@
 """Fused decoder-layer ops (phase 8): each Triton kernel vs its PyTorch reference vs the unfused code.
 
-    python benchmarks/fused_kernels.py --out benchmarks/reports/gpu-DATE        # H100/H200, ~1-2 min
+    python benchmarks/fused_kernels.py                                           # H100/H200, ~1-2 min
     python benchmarks/fused_kernels.py --models qwen3-4b --tokens 1 2048        # a subset
     python benchmarks/fused_kernels.py --tune --tokens 1 256 2048               # + launch-choice sweep
     TRITON_INTERPRET=1 python benchmarks/fused_kernels.py --device cpu --out /tmp/fk  # smoke test
@@ -30,7 +30,7 @@ of the device copy bandwidth (read + write) measured in the same run (``common.c
 reference and unfused columns are given as times and as speed-ups of the fused kernel over them.
 
 Writes ``fused_kernels.json`` (commit, hardware, versions, ceilings, every row) and
-``fused_kernels.md`` (the table) into ``--out``. On the CPU (``--device cpu``, ``TRITON_INTERPRET=1``)
+``fused_kernels.md`` (the table) into ``--out DIR`` (default ``benchmarks/runs/``). On the CPU (``--device cpu``, ``TRITON_INTERPRET=1``)
 the same program runs at tiny float32 shapes with wall-clock timing; it checks the program, not the
 speed.
 """
@@ -39,14 +39,23 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
-import torch  # noqa: E402
-from common import capture_calls, ceilings, environment, markdown_table, sync, timed, write_report  # noqa: E402
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
+import torch
+from common import (
+    capture_calls,
+    ceilings,
+    environment,
+    markdown_table,
+    out_argument,
+    print_row,
+    resolve_device,
+    sync,
+    timed,
+    write_report,
+)
 
 MODELS = {
     "qwen3-0.6b": {"hidden": 1024, "hq": 16, "hkv": 8, "d": 128, "inter": 3072, "theta": 1e6},
@@ -223,7 +232,7 @@ def tune(name: str, m: dict, tokens: list[int], dtype, device, ceil: dict, gen, 
                         if key:
                             row[key] = v
                         rows.append(row)
-                        print({k: round(x, 3) if isinstance(x, float) else x for k, x in row.items()}, flush=True)
+                        print_row(row)
                 case.sets.clear()
     finally:
         ft.num_warps_for, ft._qk_rope_config, ft._act_block = saved
@@ -233,7 +242,7 @@ def tune(name: str, m: dict, tokens: list[int], dtype, device, ceil: dict, gen, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto", help="cuda, cpu (needs TRITON_INTERPRET=1) or auto")
-    ap.add_argument("--out", default=None, help="directory for fused_kernels.json/.md")
+    out_argument(ap, "", "directory for fused_kernels.json/.md")
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS),
                     help="model shapes (default: all; ignored on the CPU, which uses one tiny shape)")
     ap.add_argument("--tokens", type=int, nargs="+", default=None,
@@ -244,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
 
     from infer.kernels import triton_common
 
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 for t in tokens:
                     row = run_row(op, name, m, t, dtype, device, ceil, gen)
                     rows.append(row)
-                    print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+                    print_row(row)
         tuned = [r for name, m in models.items() for r in tune(name, m, tokens, dtype, device, ceil, gen, gpu)] \
             if args.tune else None
     sync(device)

@@ -20,7 +20,10 @@ Usage (GPU, a synthetic checkpoint from scripts/make_synthetic_checkpoint.py)::
     python benchmarks/greedy_agreement.py --model /tmp/ck/qwen3-0.6b --device cuda --dtype bfloat16 \\
         --num-prompts 64 --prompt-len 128 --output-len 256 \\
         --infer-configs "batching=continuous,kv_cache=paged;batching=continuous,kv_cache=paged,fused_kernels=true,cuda_graphs=true,async_scheduling=true" \\
-        --out greedy_agreement.json
+        --out benchmarks/runs/greedy_agreement_qwen3-0.6b.json
+
+Writes the JSON report (environment, model, workload, every configuration's agreement with the
+baseline) to ``--out`` (default ``benchmarks/runs/greedy_agreement.json``).
 
 Exit status 1 when a configuration's identical share is below ``--min-identical``, or a
 divergence is not a near tie (margin above ``--tie-nats``).
@@ -31,16 +34,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import environment  # noqa: E402
-from offline_throughput import infer_label, parse_infer_configs  # noqa: E402
+from common import (
+    environment,
+    free_device_memory,
+    infer_label,
+    out_argument,
+    parse_infer_configs,
+    resolve_device,
+)
 
 
 def run_config(model: str, overrides: dict, prompts, prompt_len: int, output_len: int, device: str,
@@ -65,8 +71,7 @@ def run_config(model: str, overrides: dict, prompts, prompt_len: int, output_len
                         for p in c.logprobs])
     config = llm.config.to_dict()
     del llm
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()
     return tokens, margins, {"wall_s": round(wall, 2), "engine_config": config}
 
 
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a divergence where the baseline's top-2 margin is at most this is a near tie")
     ap.add_argument("--min-identical", type=float, default=0.0,
                     help="exit 1 when a configuration's identical share is below this")
-    ap.add_argument("--out", default=None)
+    out_argument(ap, "greedy_agreement.json", "JSON report")
     args = ap.parse_args(argv)
 
     configs = parse_infer_configs(args.infer_configs)
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"at a divergence {row['max_margin_at_divergence_nats']:.3f} nats"
                   f"{' FAIL' if bad else ''}", flush=True)
         results.append(row)
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
+    device = str(resolve_device(args.device))
     report = {"kind": "greedy_agreement", "env": environment(device),
               "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts,
               "prompt_len": args.prompt_len, "output_len": args.output_len, "tie_nats": args.tie_nats,

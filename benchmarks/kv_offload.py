@@ -2,12 +2,13 @@
 
     # CPU (smollm2-135m): bandwidths, then a 3000-token prefix restored from the disk tier vs recomputed
     python benchmarks/kv_offload.py --device cpu --model smollm2-135m --shapes smollm2-135m \\
-        --prefix-lens 500 1000 2000 3000 --tier disk --out benchmarks/reports/cpu-2026-11-23/phase10
+        --prefix-lens 500 1000 2000 3000 --tier disk
     # GPU (Qwen3-4B shapes, a synthetic checkpoint): H2D bandwidth, 8k/16k from the host tier, multi-turn
     python benchmarks/kv_offload.py --device cuda --model /tmp/qwen3-4b --shapes qwen3-4b \\
         --prefix-lens 1024 4096 8192 16384 --tier host --multi-turn --out /tmp/phase10-gpu
 
-Three parts, in one process, one report (``kv_offload.json``, ``kv_offload.md``, plots):
+Three parts, in one process, one report (``kv_offload.json``, ``kv_offload.md``, ``kv_offload.png``, in
+``--out DIR``, default ``benchmarks/runs/``):
 
 1. **bandwidths** (``--shapes`` picks the KV block's shape; no model needed): host memcpy, one
    block across all layers gathered from the KV cache into a host buffer with the block-major
@@ -32,20 +33,19 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import torch  # noqa: E402
-from common import (  # noqa: E402
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
+import torch
+from common import (
     engine_overrides,
     environment,
     free_device_memory,
     markdown_table,
+    out_argument,
     save_figure,
     sync,
     timed,
@@ -53,8 +53,8 @@ from common import (  # noqa: E402
     write_report,
 )
 
-from infer.attention.kv_cache import KVCache  # noqa: E402
-from infer.engine.kv_offload import BlockCopier, DiskTier, block_nbytes, block_shape  # noqa: E402
+from infer.attention.kv_cache import KVCache
+from infer.engine.kv_offload import BlockCopier, DiskTier, block_nbytes, block_shape
 
 #: (num_layers, num_kv_heads, head_dim) of the KV cache of some models
 SHAPES = {"smollm2-135m": (30, 3, 64), "qwen3-4b": (36, 8, 128), "qwen3-0.6b": (28, 8, 128)}
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine-args", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="EngineConfig overrides of every engine (e.g. fused_kernels=true cuda_graphs=true)")
-    ap.add_argument("--out", type=Path, default=None)
+    out_argument(ap, "", "directory for kv_offload.json/.md/.png")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     from infer.config import parse_dtype
@@ -386,9 +386,10 @@ def main(argv: list[str] | None = None) -> int:
             "itl_mean_ms", "prefix_cache_hit_rate", "kv_offload_hit_tokens", "kv_offload_stored_blocks"])
     print(table)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_report(report, args.out / "kv_offload.json", table)
-        plot(report, args.out / "kv_offload.png")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_report(report, out / "kv_offload.json", table)
+        plot(report, out / "kv_offload.png")
     tmp.cleanup()
     return 0
 

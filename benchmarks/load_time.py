@@ -2,7 +2,7 @@
 to HF transformers loading the same GGUF.
 
     python benchmarks/load_time.py                          # smollm2-135m, 3 repeats, medians
-    python benchmarks/load_time.py --model gemma3-270m --repeats 5 --out results/load_gemma.json
+    python benchmarks/load_time.py --model gemma3-270m --repeats 5 --out benchmarks/runs/load_gemma.json
 
 Every measurement runs in a fresh Python process (imports included, nothing warmed by an
 earlier measurement in the same process), on the CPU, in float32:
@@ -20,6 +20,9 @@ The child takes ``perf_counter`` at its very first line and prints the time to e
 (interpreter start-up and exit included). Peak RSS is the child's
 ``getrusage(RUSAGE_SELF).ru_maxrss``. The GGUF is read once before the first measurement so
 that every run finds it in the OS page cache. Medians over ``--repeats`` (runs interleaved).
+
+Writes the JSON report (commit, hardware, versions, every run and the medians) to ``--out`` (default
+``benchmarks/runs/load_time.json``) and the Markdown table beside it (``.md``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from common import cpu_model, out_argument, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is Paris, and the capital of Italy is Rome. The capital of Spain"
@@ -119,14 +124,6 @@ def git_commit() -> str:
 
 
 def hardware() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     mem_gb = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -134,7 +131,7 @@ def hardware() -> dict[str, Any]:
                 mem_gb = round(int(line.split()[1]) / 2**20, 1)
     except OSError:
         pass
-    return {"cpu": cpu, "cpu_cores": os.cpu_count(), "memory_gb": mem_gb, "platform": platform.platform()}
+    return {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "memory_gb": mem_gb, "platform": platform.platform()}
 
 
 def versions() -> dict[str, Any]:
@@ -172,10 +169,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                    help="what to measure (default: all)")
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed to one child process")
-    p.add_argument("--out", help="write the report as JSON here (and a Markdown table beside it)")
+    out_argument(p, "load_time.json", "write the report as JSON here (and a Markdown table beside it)")
     args = p.parse_args(argv)
 
-    sys.path.insert(0, str(ROOT / "src"))
     from infer.loader.registry import shipped_model_path
 
     path = shipped_model_path(args.model)  # also assembles gemma's chunks once, outside the timings
@@ -255,13 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for v, s in speedup.items():
         table += (f"\n\nSpeed-up, {VARIANTS[v][0]} vs HF: {s['ready']:.2f}x to ready "
                   f"({s['wall']:.2f}x process wall); HF peak RSS is {s['peak_rss']:.2f}x infer's")
-    print(table)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
-        out.with_suffix(".md").write_text(table + "\n")
-        print(f"\nwrote {out} and {out.with_suffix('.md')}")
+    write_report(report, args.out, table)
     return report
 
 

@@ -1,6 +1,6 @@
 """The fused MoE kernel (phase 15): Triton sort-by-expert + grouped GEMM vs the loop over experts.
 
-    python benchmarks/moe_kernel.py --out benchmarks/reports/gpu-DATE/phase15      # H100/H200, ~2 min
+    python benchmarks/moe_kernel.py                                                # H100/H200, ~2 min
     python benchmarks/moe_kernel.py --tokens 1 8 64 --tune                          # + tile-size sweep
     python benchmarks/moe_kernel.py --device cpu --tokens 1 2 4 8 16 32 64          # the loop on the CPU
     TRITON_INTERPRET=1 python benchmarks/moe_kernel.py --device cpu --shapes tiny   # smoke test
@@ -25,7 +25,8 @@ Bytes: at T tokens the layer reads the weights of every expert hit at least once
 ``fused_gb_s`` = those bytes / the fused time and ``fused_frac`` that as a fraction of the copy
 bandwidth measured in the same run. ``tflops`` = ``2 * T * k * 3 * H * I`` / the fused time.
 
-Writes ``moe_kernel.json`` / ``.md`` and ``moe_kernel.png`` (time and bytes vs T) into ``--out``.
+Writes ``moe_kernel.json`` / ``.md`` and ``moe_kernel.png`` (time and bytes vs T) into ``--out DIR``
+(default ``benchmarks/runs/``).
 """
 
 from __future__ import annotations
@@ -35,14 +36,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
-import torch  # noqa: E402
-from common import (  # noqa: E402
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
+import torch
+from common import (
     capture_calls,
     ceilings,
     environment,
     markdown_table,
+    out_argument,
+    print_row,
+    resolve_device,
     save_figure,
     sync,
     timed,
@@ -176,12 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=None,
                     help=f"numbers of tokens (default {GPU_TOKENS} on a GPU, {CPU_TOKENS} on the CPU)")
     ap.add_argument("--tune", action="store_true", help="also sweep the kernel's tile sizes (GPU)")
-    ap.add_argument("--out", default=None, help="directory for moe_kernel.json/.md/.png")
+    out_argument(ap, "", "directory for moe_kernel.json/.md/.png")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     gpu = device.type == "cuda"
     from infer.kernels import moe_triton
 
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in tokens:
             row = run_row(name, m, t, dtype, device, ceil, fused, args.seed)
             rows.append(row)
-            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+            print_row(row)
         tuned = tune(m, tokens, dtype, device, args.seed) if args.tune and gpu else None
     sync(device)
     env = environment(device)

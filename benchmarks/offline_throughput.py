@@ -4,7 +4,7 @@
     python benchmarks/offline_throughput.py --engines infer,hf --scale 0.05 --out /tmp/ot
     python benchmarks/offline_throughput.py --model /path/qwen3-0.6b --device cuda --max-num-seqs 256 \\
         --engines infer,hf,hf-compiled,hf-cb --infer-configs "batching=none;batching=continuous" \\
-        --out reports/offline_qwen3-0.6b.json --plot reports/offline_qwen3-0.6b.png
+        --out benchmarks/runs/offline_qwen3-0.6b.json --plot benchmarks/runs/offline_qwen3-0.6b.png
 
 Workload (nano-vllm's ``bench.py``): ``--num-requests`` requests (256); request i has a prompt
 of ``randint(min_len, max_len)`` random token ids, each ``randint(0, token_max)`` (0-10000,
@@ -46,213 +46,45 @@ Engines (``--engines``, comma separated; several in one run so ratios come from 
 * ``hf-cb``: transformers' continuous batching (the manager behind ``generate_batch``; per-request
   ``max_new_tokens``, EOS disabled), when the installed version has it.
 
-Output: the Markdown table on stdout; ``--out X.json`` writes the JSON report (commit, every
-EngineConfig, model, dtype, hardware, versions, workload and seed, ceilings, every figure and
-every request) and ``X.md``; ``--out DIR`` (no ``.json``) writes ``DIR/offline_throughput.{json,md,png}``;
-``--plot X.png`` a bar chart of output tok/s per engine/config. Method: docs/contributing.md.
+Output: the Markdown table on stdout; the JSON report (commit, every EngineConfig, model, dtype,
+hardware, versions, workload and seed, ceilings, every figure and every request) in ``--out X.json``
+(default ``benchmarks/runs/offline_throughput.json``) and the table in ``X.md`` beside it; ``--out DIR``
+(no ``.json``) writes ``DIR/offline_throughput.{json,md,png}``; ``--plot X.png`` a bar chart of output
+tok/s per engine/config. Method: docs/contributing.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import random
-import sys
 import time
-import typing
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
-import torch  # noqa: E402
-from common import (  # noqa: E402
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
+import torch
+from common import (
     ceilings,
     environment,
     free_device_memory,
+    infer_label,
+    load_hf,
+    make_llm,
     markdown_table,
+    model_info,
+    out_argument,
+    parse_infer_configs,
     percentiles_ms,
-    save_figure,
+    plot_throughput,
     sync,
     write_report,
 )
-from tqdm.auto import tqdm  # noqa: E402
+from tqdm.auto import tqdm
+from workloads import DEFAULT_TOKEN_MAX, Workload, build_workload, scaled_sizes, warmup_workload
 
-# nano-vllm's bench.py
-DEFAULT_NUM_REQUESTS = 256
-DEFAULT_MIN_LEN = 100
-DEFAULT_MAX_LEN = 1024
-DEFAULT_TOKEN_MAX = 10000
 ENGINES = ("infer", "hf", "hf-compiled", "hf-cb")
-WARMUP_REQUESTS, WARMUP_PROMPT, WARMUP_OUTPUT = 4, 16, 4
-
-# ---------------------------------------------------------------------------------- workload
-
-
-@dataclasses.dataclass
-class Workload:
-    """The requests: ``prompts[i]`` (token ids) asks for ``output_lens[i]`` tokens."""
-
-    prompts: list[list[int]]
-    output_lens: list[int]
-    params: dict[str, Any]
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.prompts)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    @property
-    def max_seq_len(self) -> int:
-        return max(len(p) + o for p, o in zip(self.prompts, self.output_lens))
-
-
-def scaled_sizes(scale: float = 1.0, num_requests: int | None = None, min_len: int | None = None,
-                 max_len: int | None = None, min_output_len: int | None = None,
-                 max_output_len: int | None = None) -> dict[str, int]:
-    """nano-vllm's sizes times ``scale`` (each at least 1).
-
-    Explicit values win; the output bounds default to the prompt bounds; a scaled bound that
-    would cross an explicit one is clipped to it (``--max-len 8`` alone gives lengths up to 8).
-
-    Raises:
-        ValueError: when two explicit bounds cross.
-    """
-    def s(x: int) -> int:
-        return max(1, round(x * scale))
-
-    def bounds(lo: int | None, hi: int | None, dlo: int, dhi: int) -> tuple[int, int]:
-        if lo is not None and hi is not None:
-            return lo, hi
-        if lo is not None:
-            return lo, max(lo, dhi)
-        if hi is not None:
-            return min(dlo, hi), hi
-        return dlo, dhi
-
-    lo, hi = bounds(min_len, max_len, s(DEFAULT_MIN_LEN), s(DEFAULT_MAX_LEN))
-    olo, ohi = bounds(min_output_len, max_output_len, lo, hi)
-    out = {"num_requests": num_requests or s(DEFAULT_NUM_REQUESTS), "min_len": lo, "max_len": hi,
-           "min_output_len": olo, "max_output_len": ohi}
-    for a, b in (("min_len", "max_len"), ("min_output_len", "max_output_len")):
-        if out[b] < out[a] or out[a] < 1:
-            raise ValueError(f"{b}={out[b]} < {a}={out[a]}" if out[a] >= 1 else f"{a} must be >= 1")
-    return out
-
-
-def build_workload(num_requests: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0,
-                   min_output_len: int | None = None, max_output_len: int | None = None,
-                   token_max: int = DEFAULT_TOKEN_MAX) -> Workload:
-    """nano-vllm's requests: prompt lengths, token ids and output lengths all uniform (inclusive)."""
-    min_output_len = min_len if min_output_len is None else min_output_len
-    max_output_len = max_len if max_output_len is None else max_output_len
-    hi = min(token_max, vocab_size - 1)
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, hi) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_requests)]
-    output_lens = [rng.randint(min_output_len, max_output_len) for _ in range(num_requests)]
-    params = {"num_requests": num_requests, "min_len": min_len, "max_len": max_len,
-              "min_output_len": min_output_len, "max_output_len": max_output_len, "seed": seed,
-              "token_range": [0, hi], "ignore_eos": True}
-    return Workload(prompts, output_lens, params)
-
-
-def warmup_workload(wl: Workload) -> Workload:
-    """The untimed warm-up: the first few requests, cut to 16 prompt tokens and 4 output tokens."""
-    k = min(WARMUP_REQUESTS, wl.num_requests)
-    return Workload([p[:WARMUP_PROMPT] for p in wl.prompts[:k]], [min(o, WARMUP_OUTPUT) for o in wl.output_lens[:k]],
-                    {"warmup": True})
-
-
-# ---------------------------------------------------------------------------------- engine overrides
-
-
-def _field_base_type(name: str) -> tuple[type, bool]:
-    from infer.config import EngineConfig
-
-    kind = typing.get_type_hints(EngineConfig)[name]
-    args = typing.get_args(kind)
-    optional = type(None) in args
-    base = next((t for t in args if t is not type(None)), kind) if args else kind
-    return base, optional
-
-
-def parse_value(name: str, text: str) -> Any:
-    """A ``field=value`` string value as the EngineConfig field's type."""
-    base, optional = _field_base_type(name)
-    low = text.strip().lower()
-    if base is str:
-        return text.strip()
-    if optional and low in ("none", "null"):
-        return None
-    if base is bool:
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name}: {text!r} is not a boolean")
-    return base(text)
-
-
-def parse_overrides(spec: str) -> dict[str, Any]:
-    """``"batching=continuous,max_num_seqs=16"`` -> ``{"batching": "continuous", "max_num_seqs": 16}``."""
-    from infer.config import EngineConfig
-
-    out: dict[str, Any] = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        if "=" not in item:
-            raise ValueError(f"{item!r}: expected field=value")
-        k, v = (x.strip() for x in item.split("=", 1))
-        k = k.replace("-", "_")
-        if k not in EngineConfig.field_names():
-            raise ValueError(f"{k!r} is not an EngineConfig field ({', '.join(EngineConfig.field_names())})")
-        out[k] = parse_value(k, v)
-    return out
-
-
-def format_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return "none" if v is None else str(v)
-
-
-def format_overrides(overrides: dict[str, Any]) -> str:
-    """The inverse of :func:`parse_overrides`."""
-    return ",".join(f"{k}={format_value(v)}" for k, v in overrides.items())
-
-
-def parse_infer_configs(spec: str | None) -> list[dict[str, Any]]:
-    if not spec:
-        return [{}]
-    return [parse_overrides(item) for item in spec.split(";") if item.strip()] or [{}]
-
 
 # ---------------------------------------------------------------------------------- model facts
-
-
-def model_info(spec: str):
-    """``(path, ModelConfig)`` of a short name / .gguf / HF directory, without loading weights."""
-    from infer.loader import resolve_model
-
-    path = resolve_model(spec)
-    if path.is_dir():
-        from infer.loader import hf
-
-        cfg, _ = hf.model_config_from_dir(path)
-    else:
-        from infer.loader import gguf as g
-
-        reader = g.open_gguf(path)
-        cfg = g.model_config_from_gguf(g.read_metadata(reader), {t.name for t in reader.tensors}, path)
-        del reader
-    return path, cfg
 
 
 def workload_flops(model_config, wl: Workload) -> float:
@@ -307,10 +139,6 @@ def summarize(engine: str, label: str, wl: Workload, wall: float, tokens: list[i
 # ---------------------------------------------------------------------------------- infer
 
 
-def infer_label(overrides: dict[str, Any]) -> str:
-    return f"infer[{format_overrides(overrides)}]" if overrides else "infer"
-
-
 class _AnnouncingList(list):
     """A list of results that prints each one's headline as it lands (a run cut short by a time
     limit still leaves its finished numbers in the log)."""
@@ -355,16 +183,6 @@ def run_infer(llm, wl: Workload, temperature: float, progress: bool = True, warm
     return summarize("infer", label, wl, wall, tokens, ttft, e2e, tpot, extra=llm.engine.stats())
 
 
-def make_llm(model: str, engine_kwargs: dict[str, Any], wl: Workload, progress: bool):
-    from infer import LLM
-
-    kw = dict(engine_kwargs)
-    kw.pop("model", None)
-    if kw.get("max_model_len") is None:
-        kw["max_model_len"] = wl.max_seq_len
-    return LLM(model, progress=progress, **kw)
-
-
 # ---------------------------------------------------------------------------------- HF transformers
 
 
@@ -384,15 +202,19 @@ class _FirstTokenClock:
         pass
 
 
+def _hf_sampling(temperature: float) -> dict[str, Any]:
+    """HF ``GenerationConfig`` sampling fields: greedy at temperature 0, else plain temperature sampling
+    (no top-k, no top-p), as infer samples."""
+    if temperature > 0:
+        return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    return dict(do_sample=False)
+
+
 def _hf_generation_config(temperature: float, max_new: int, pad_id: int, compiled: bool, max_cache_len: int | None):
     from transformers import GenerationConfig
 
-    kw: dict[str, Any] = dict(max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad_id)
-    if temperature > 0:
-        kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    else:
-        kw.update(do_sample=False)
-    cfg = GenerationConfig(**kw)
+    cfg = GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad_id,
+                           **_hf_sampling(temperature))
     if compiled:
         cfg.cache_implementation = "static"
         if max_cache_len is not None:
@@ -531,12 +353,7 @@ def run_hf_cb(model, wl: Workload, temperature: float, progress: bool = True, wa
 
     from transformers import GenerationConfig
 
-    kw: dict[str, Any] = dict(max_new_tokens=max(wl.output_lens), eos_token_id=-1)
-    if temperature > 0:
-        kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    else:
-        kw.update(do_sample=False)
-    cfg = GenerationConfig(**kw)
+    cfg = GenerationConfig(max_new_tokens=max(wl.output_lens), eos_token_id=-1, **_hf_sampling(temperature))
     cm_kwargs: dict[str, Any] = {"generation_config": cfg}
     try:
         from transformers.generation.continuous_batching.utils import WorkloadHints
@@ -607,34 +424,6 @@ COLUMNS = ["label", "output_tok_per_s", "total_tok_per_s", "req_per_s", "wall_s"
            "mean_kv_utilization", "tokens_ok", "speedup"]
 
 
-def plot_throughput(rows: list[dict[str, Any]], path: str | Path, title: str) -> None:
-    """Bar chart: output tok/s (and total tok/s, lighter) per engine/config."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    # "infer[batching=continuous,kv_cache=paged]" as one line per flag, so neighbours never overlap
-    labels = [r["label"].replace("[", "\n").replace(",", "\n").rstrip("]") for r in rows]
-    x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows) + 2), 4.5))
-    out = [r["output_tok_per_s"] for r in rows]
-    tot = [r["total_tok_per_s"] for r in rows]
-    bars = ax.bar(x - 0.2, out, 0.4, label="output tok/s")
-    ax.bar(x + 0.2, tot, 0.4, label="total tok/s (prompt + output)", alpha=0.45)
-    for b, v in zip(bars, out):
-        ax.annotate(f"{v:,.0f}" if v >= 100 else f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                    ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylabel("tokens / s")
-    ax.set_ylim(bottom=0)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=9)
-    save_figure(fig, path)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from infer.config import add_engine_args
 
@@ -666,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up")
     r.add_argument("--no-ceilings", dest="ceilings", action="store_false",
                    help="do not measure bandwidth / matmul ceilings (ablate.py measures them once instead)")
-    r.add_argument("--out", default=None, help="report: X.json (and X.md), or a directory (offline_throughput.*)")
+    out_argument(r, "offline_throughput.json", "report: X.json (and X.md), or a directory (offline_throughput.*)")
     r.add_argument("--plot", default=None, help="PNG bar chart of tok/s per engine/config")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_engine_args(ap)
@@ -730,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                 skipped.append({"label": label, "reason": str(e)})
                 continue
             print(f"{label}: loading ...", flush=True)
-            llm = make_llm(base.model, kw, wl, progress)
+            llm = make_llm(base.model, kw, wl.max_seq_len, progress)
             engine_configs[label] = llm.config.to_dict() | {"resolved_max_model_len": llm.engine.max_model_len}
             print(f"{label}: running ...", flush=True)
             results.append(run_infer(llm, wl, args.temperature, progress, args.warmup, label))
@@ -738,8 +527,6 @@ def main(argv: list[str] | None = None) -> int:
             free_device_memory()
     hf_engines = [e for e in engines if e.startswith("hf")]
     if hf_engines:
-        from single_stream import load_hf
-
         batch = args.hf_batch_size or base.max_num_seqs
         print(f"HF transformers: loading {path} ...", flush=True)
         hf = load_hf(path, device, dtype)

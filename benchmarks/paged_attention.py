@@ -1,6 +1,6 @@
 """Paged attention kernels: decode bandwidth and prefill FLOP rate, next to PyTorch SDPA.
 
-    python benchmarks/paged_attention.py --out benchmarks/reports/gpu-DATE           # H100/H200, ~1 min
+    python benchmarks/paged_attention.py                                            # H100/H200, ~1 min
     python benchmarks/paged_attention.py --tune [decode|prefill]                    # tile sweeps
     python benchmarks/paged_attention.py --plot DIR/paged_attention.json            # PNG from a report
     TRITON_INTERPRET=1 python benchmarks/paged_attention.py --device cpu --out /tmp/pa  # smoke test
@@ -23,7 +23,8 @@ on a GPU); and an extend step (512 new tokens after a 1536-token cached prefix) 
 
 Writes ``paged_attention.json`` (commit, hardware, versions, ceilings, every row), ``paged_attention.md``
 (the tables) and, when matplotlib is installed, ``paged_attention.png`` (bandwidth fraction vs context,
-one line per batch, Triton solid, SDPA dashed) into ``--out``.
+one line per batch, Triton solid, SDPA dashed) into ``--out DIR`` (default ``benchmarks/runs/``);
+``--plot REPORT.json`` draws the PNG of an existing report beside it.
 
 On the CPU (``--device cpu``, with ``TRITON_INTERPRET=1``) the same program runs at tiny shapes in
 float32; it checks the program, not the speed.
@@ -34,15 +35,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from common import capture_calls, ceilings, environment, markdown_table, sync, timed, write_report  # noqa: E402
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
+import torch
+import torch.nn.functional as F
+from common import (
+    capture_calls,
+    ceilings,
+    environment,
+    markdown_table,
+    out_argument,
+    print_row,
+    resolve_device,
+    sync,
+    timed,
+    write_report,
+)
 
 GPU_SHAPE = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16, "dtype": "bfloat16"}
 CPU_SHAPE = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 32, "block_size": 16, "dtype": "float32"}
@@ -225,7 +235,7 @@ def tune(ops, shape: dict, device, ceil: dict, gen, what: str = "all") -> list[d
 
     def note(row):
         rows.append(row)
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        print_row(row)
 
     if what in ("all", "decode"):
         _tune_decode(ops, shape, device, ceil, gen, note)
@@ -323,7 +333,7 @@ def plot(report: dict, path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto", help="cuda, cpu (needs TRITON_INTERPRET=1) or auto")
-    ap.add_argument("--out", default=None, help="directory for paged_attention.json/.md/.png")
+    out_argument(ap, "", "directory for paged_attention.json/.md/.png")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes")
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="decode context lengths")
     ap.add_argument("--prefill", type=int, nargs=2, default=None, metavar=("SEQS", "TOKENS"),
@@ -338,8 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.plot)
         return 0 if plot(json.loads(path.read_text()), path.with_suffix(".png")) else 1
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     from infer.attention import triton_ops as ops
 
     if device.type == "cpu" and not ops.INTERPRET:
@@ -365,14 +374,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             row = decode_row(ops, batch, ctx, shape, device, ceil, gen)
             decode.append(row)
-            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+            print_row(row)
             if gpu:
                 torch.cuda.empty_cache()
     prefill = []
     for q_len, prefix in ((pre_t, 0), (pre_t // 4, pre_t - pre_t // 4)):
         row = prefill_row(ops, pre_b, q_len, prefix, shape, device, ceil, gen)
         prefill.append(row)
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        print_row(row)
     tuned = tune(ops, shape, device, ceil, gen, args.tune) if args.tune else None
     sync(device)
 

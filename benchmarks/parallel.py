@@ -1,9 +1,9 @@
 """Tensor and expert parallelism: what splitting a model over ranks costs and buys (phases 14-15).
 
     python benchmarks/parallel.py --model gemma3-270m --moe-model /tmp/tiny-qwen3-moe \\
-        --out benchmarks/reports/cpu-2026-11-23/14-tensor-parallelism/parallel.json     # CPU, 2 gloo ranks
+        --out benchmarks/runs/parallel_cpu.json                                       # CPU, 2 gloo ranks
     python benchmarks/parallel.py --device cuda --model /tmp/qwen3-4b --moe-model /tmp/qwen3-30b-a3b-4l \\
-        --decode-tokens 128 --requests 64 --prompt-len 256 --output-len 128 --out reports/parallel_h200x2.json
+        --decode-tokens 128 --requests 64 --prompt-len 256 --output-len 128 --out benchmarks/runs/parallel_h200x2.json
 
 Runs unchanged on 2 GPUs (NCCL) and on a 2-core CPU (gloo). Two parts, each in one run so the
 ratios come from one run:
@@ -22,6 +22,10 @@ ratios come from one run:
 
 On the CPU this is a correctness path: two ranks share two cores with the other processes and every
 collective is a TCP round trip, so the numbers say what the communication costs, not a speed-up.
+
+Writes the JSON report (environment, arguments, every collective and engine row) to ``--out``
+(default ``benchmarks/runs/parallel.json``), the Markdown tables (``.md``) and a bar chart (``.png``)
+beside it.
 """
 
 from __future__ import annotations
@@ -30,40 +34,24 @@ import argparse
 import datetime
 import os
 import random
-import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-
-from common import environment, free_device_memory, markdown_table, save_figure, write_report  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _timed(fn, cuda: bool, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from common import (
+    environment,
+    free_device_memory,
+    free_port,
+    markdown_table,
+    out_argument,
+    parse_overrides,
+    save_figure,
+    timed,
+    write_report,
+)
 
 
 def _collectives_rank(rank: int, world: int, port: int, device: str, dtype: str, hidden: int, vocab: int,
@@ -80,13 +68,13 @@ def _collectives_rank(rank: int, world: int, port: int, device: str, dtype: str,
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     for b in batches:
         x = torch.randn(b, hidden, device=dev, dtype=dt)
-        t = _timed(lambda x=x: dist.all_reduce(x), cuda, iters)
+        t = timed(lambda x=x: dist.all_reduce(x), dev, iters, warmup=3)
         size = x.numel() * item
         rows.append({"collective": "all_reduce", "batch": b, "shape": f"[{b}, {hidden}]", "bytes": size,
                      "latency_us": t * 1e6, "busbw_gb_s": 2 * (world - 1) / world * size / t / 1e9})
         lg = torch.randn(b, vocab // world, device=dev, dtype=dt)
         full = torch.empty(world * b, vocab // world, device=dev, dtype=dt)
-        t = _timed(lambda full=full, lg=lg: gather(full, lg), cuda, iters)
+        t = timed(lambda full=full, lg=lg: gather(full, lg), dev, iters, warmup=3)
         size = full.numel() * item
         rows.append({"collective": "all_gather (logits)", "batch": b, "shape": f"[{b}, {vocab // world}] x {world}",
                      "bytes": size, "latency_us": t * 1e6, "busbw_gb_s": (world - 1) / world * size / t / 1e9})
@@ -94,7 +82,7 @@ def _collectives_rank(rank: int, world: int, port: int, device: str, dtype: str,
         send = torch.randn(n, hidden, device=dev, dtype=dt)
         recv = torch.empty_like(send)
         splits = [n // world] * world
-        t = _timed(lambda r=recv, s=send, p=splits: dist.all_to_all_single(r, s, p, p), cuda, iters)
+        t = timed(lambda r=recv, s=send, p=splits: dist.all_to_all_single(r, s, p, p), dev, iters, warmup=3)
         size = send.numel() * item
         rows.append({"collective": "all_to_all (dispatch)", "batch": b, "shape": f"[{n}, {hidden}]", "bytes": size,
                      "latency_us": t * 1e6, "busbw_gb_s": (world - 1) / world * size / t / 1e9})
@@ -108,7 +96,7 @@ def measure_collectives(args) -> list[dict]:
     ctx = torch.multiprocessing.get_context("spawn")
     manager = ctx.Manager()
     out = manager.dict()
-    port = _port()
+    port = free_port()
     argv = (args.ranks, port, args.device, args.dtype, args.hidden, args.vocab, args.top_k, args.batches,
             args.iters, out)
     procs = [ctx.Process(target=_collectives_rank, args=(r, *argv)) for r in range(args.ranks)]
@@ -189,14 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--flags", default="", help="EngineConfig overrides for every engine run, as offline_throughput's "
                     "--infer-configs items (e.g. fused_kernels=true,cuda_graphs=true)")
     ap.add_argument("--skip-collectives", action="store_true")
-    ap.add_argument("--out", default=None, help="JSON report (a .md table and a .png plot beside it)")
+    out_argument(ap, "parallel.json", "JSON report (a .md table and a .png plot beside it)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from offline_throughput import parse_overrides
-
     from infer.loader import read_model_config
 
     args.engine_flags = parse_overrides(args.flags)

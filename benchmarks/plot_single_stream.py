@@ -11,7 +11,7 @@ cache + torch.compile, whichever the report holds), its height the measured TPOT
 label the TPOT and the fraction of the floor it reaches (floor / TPOT). A dashed line across each group is
 the decode floor of that row (bytes one decode step must read / measured copy bandwidth).
 The y axis is logarithmic when the bars span more than a factor of 20, so a 3 ms bar and a
-50 ms bar are both readable.
+50 ms bar are both readable. Writes the PNG to ``--out`` (default ``benchmarks/runs/single_stream.png``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+from common import out_argument
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -111,11 +112,11 @@ def plot(groups: list[dict], engines: list[str], out: Path, title: str | None) -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("reports", nargs="+", type=Path, help="single_stream JSON reports")
-    ap.add_argument("--out", type=Path, required=True, help="PNG to write")
+    out_argument(ap, "single_stream.png", "PNG to write")
     ap.add_argument("--title", default=None, help="figure title")
     args = ap.parse_args(argv)
     groups, engines = load_groups(args.reports)
-    plot(groups, engines, args.out, args.title)
+    plot(groups, engines, Path(args.out), args.title)
     print(f"wrote {args.out}")
     return 0
 

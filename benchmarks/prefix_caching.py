@@ -6,7 +6,8 @@ cache off and on, in one process (no HTTP server needed: runs where fastapi is n
     # the GPU run (Qwen3-4B shapes, synthetic weights)
     python scripts/make_synthetic_checkpoint.py qwen3-4b /tmp/qwen3-4b --device cuda
     python benchmarks/prefix_caching.py --model /tmp/qwen3-4b --device cuda --max-model-len 8192 \\
-        --prefix-lens 1024 2048 4096 --num-requests 64 --request-rate 8 --out pc.json --plot pc.png
+        --prefix-lens 1024 2048 4096 --num-requests 64 --request-rate 8 --out benchmarks/runs/pc.json \\
+        --plot benchmarks/runs/pc.png
     # only a plot: TTFT per request of serve_bench runs (e.g. an ablation's runs/*.json)
     python benchmarks/prefix_caching.py --serve-reports off=runs/all-off.json on=runs/prefix_caching_true.json \\
         --plot ttft.png
@@ -37,6 +38,10 @@ the prefill tokens the engine ran, and ``prefix_cache_host_share``: the fraction
 time spent in the prefix cache's host work (hashing, keying blocks, lookups), timed directly,
 which bounds what the flag can cost where nothing is shared even when run-to-run noise is larger
 than that. All requests are greedy with ``ignore_eos``.
+
+Writes the JSON report (environment, the EngineConfig with the flag on, arguments, both parts' rows)
+to ``--out`` (default ``benchmarks/runs/prefix_caching.json``) and the Markdown tables beside it
+(``.md``); ``--plot X.png`` draws TTFT vs prefix length and throughput per workload.
 """
 
 from __future__ import annotations
@@ -45,18 +50,17 @@ import argparse
 import heapq
 import math
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
-from common import (  # noqa: E402
+from common import (
+    RUNS,
     engine_overrides,
     environment,
     free_device_memory,
     markdown_table,
+    out_argument,
     percentiles_ms,
     save_figure,
     sync,
@@ -338,13 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-rate", type=float, default=math.inf,
                     help="part 2: Poisson arrivals of requests (conversations for multi-turn) per second")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="JSON report (and .md beside it)")
+    out_argument(ap, "prefix_caching.json", "JSON report (and .md beside it)")
     ap.add_argument("--plot", default=None, help="PNG: TTFT vs prefix length, throughput per workload")
     ap.add_argument("--serve-reports", nargs="+", default=None, metavar="LABEL=REPORT.json",
-                    help="only plot (to --plot) the per-request TTFT of serve_bench reports, in send order")
+                    help="only plot (to --plot, default benchmarks/runs/ttft_per_request.png) the per-request TTFT "
+                         "of serve_bench reports, in send order")
     args = ap.parse_args(argv)
     if args.serve_reports:
-        plot_serve_reports(args.serve_reports, args.plot or "ttft_per_request.png")
+        plot_serve_reports(args.serve_reports, args.plot or str(RUNS / "ttft_per_request.png"))
         return 0
 
     cfg = engine_config(args, True).validate()

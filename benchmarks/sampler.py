@@ -1,6 +1,6 @@
 """The sampler alone: the plain-PyTorch reference pipeline against the fast paths, per parameter mix.
 
-    python benchmarks/sampler.py --out benchmarks/reports/sampler.json          # GPU: 1/32/256 rows
+    python benchmarks/sampler.py                                               # GPU: 1/32/256 rows
     python benchmarks/sampler.py --device cpu --rows 1,8 --vocab 32000 --dtypes float32 --quick
 
 For each batch size (``--rows``), logits dtype (``--dtypes``) and parameter mix, random logits
@@ -23,23 +23,27 @@ median wall time on a CPU), the speed-up, ``agree`` (the share of rows where bot
 token for the same seeds: 1.0 expected, see ``infer.sampling.triton_sampler``), ``floor_ms`` (one
 read of the logits at the copy bandwidth measured in this run: the least any sampler must
 spend), and ``from_params_ms`` (host time to build the batch's tensors, device copy included).
-The JSON report (``--out``) also records the environment; a Markdown table is written beside it.
+The JSON report (``--out``, default ``benchmarks/runs/sampler.json``) also records the environment and
+the ceilings; a Markdown table is written beside it (``.md``).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402, F401  (sets the OMP policy before torch loads)
-import torch  # noqa: E402
-from common import ceilings, environment, markdown_table, sync, timed, write_report  # noqa: E402
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
+import torch
+from common import (
+    ceilings,
+    environment,
+    free_device_memory,
+    markdown_table,
+    out_argument,
+    timed,
+    write_report,
+)
 
-from infer.sampling import SamplingParams, SamplingTensors, sample, sample_reference  # noqa: E402
+from infer.sampling import SamplingParams, SamplingTensors, sample, sample_reference
 
 MIXES = {
     "greedy": SamplingParams(temperature=0),
@@ -58,17 +62,6 @@ def _time_ms(fn, device: torch.device, repeats: int) -> float:
 
         return float(triton.testing.do_bench(fn, warmup=5, rep=max(25, repeats * 5), return_mode="median"))
     return timed(fn, device, repeats=repeats, warmup=1) * 1e3
-
-
-def _host_ms(fn, device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:]) * 1e3
 
 
 def run_case(rows: int, vocab: int, dtype: torch.dtype, mix: str, device: torch.device, repeats: int,
@@ -96,7 +89,7 @@ def run_case(rows: int, vocab: int, dtype: torch.dtype, mix: str, device: torch.
     row = {
         "rows": rows, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."), "mix": mix,
         "reference_ms": ref_ms, "fast_ms": fast_ms, "speedup": ref_ms / fast_ms, "agree": agree,
-        "from_params_ms": _host_ms(build, device, repeats), "use_triton": t.use_triton,
+        "from_params_ms": timed(build, device, repeats=repeats, warmup=1) * 1e3, "use_triton": t.use_triton,
     }
     if bandwidth_gb_s:
         row["floor_ms"] = logits.numel() * logits.element_size() / (bandwidth_gb_s * 1e9) * 1e3
@@ -112,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixes", default=",".join(MIXES), help=f"parameter mixes (default {','.join(MIXES)})")
     ap.add_argument("--repeats", type=int, default=10, help="timing repeats (CPU) / scale of do_bench's window")
     ap.add_argument("--quick", action="store_true", help="smaller ceilings measurement, fewer repeats")
-    ap.add_argument("--out", default=None, help="JSON report path (a .md table is written beside it)")
+    out_argument(ap, "sampler.json", "JSON report path (a .md table is written beside it)")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -132,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"rows {rows:4d} {r['dtype']:9s} {mix:12s} reference {r['reference_ms']:8.3f} ms  "
                       f"fast {r['fast_ms']:8.3f} ms  x{r['speedup']:.1f}  agree {r['agree']:.4f}", flush=True)
                 results.append(r)
-                common.free_device_memory()
+                free_device_memory()
     report = {"benchmark": "sampler", "environment": environment(device), "ceilings": ceil,
               "args": vars(args), "results": results}
     cols = ["rows", "dtype", "mix", "reference_ms", "fast_ms", "speedup", "agree", "floor_ms", "from_params_ms"]

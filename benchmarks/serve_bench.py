@@ -56,9 +56,10 @@ Prompts: random common words, about one token each (see workloads.py); the serve
 ``usage.prompt_tokens`` is recorded to check that. ``--token-prompts`` sends token ids instead
 (exact lengths; /v1/completions only, accepted by infer and vLLM).
 
-Output: the Markdown table on stdout; with ``--out X.json`` the JSON report (client
-environment, server command, workload parameters, seed, per-rate aggregates, raw per-request
-records) and ``X.md``; with ``--plot X.png`` latency and throughput vs request rate.
+Output: the Markdown table on stdout; the JSON report (client environment, server command,
+workload parameters, seed, per-rate aggregates, raw per-request records) in ``--out X.json``
+(default ``benchmarks/runs/serve_bench.json``) and the table in ``X.md``; with ``--plot X.png``
+latency and throughput vs request rate.
 Method: docs/contributing.md ("How infer is measured") and docs/benchmarks.md.
 """
 
@@ -72,7 +73,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -82,11 +82,17 @@ from typing import Any
 
 import httpx
 import numpy as np
+from common import (
+    environment,
+    free_port,
+    markdown_table,
+    out_argument,
+    percentiles_ms,
+    save_figure,
+    write_report,
+)
 from tqdm import tqdm
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, markdown_table, save_figure, write_report  # noqa: E402
-from workloads import Request, build_requests  # noqa: E402
+from workloads import Request, build_requests
 
 # ---------------------------------------------------------------------------------- one request
 
@@ -295,15 +301,6 @@ def _headers(args) -> dict[str, str]:
 # ---------------------------------------------------------------------------------- aggregates
 
 
-def stats_ms(xs: list[float], name: str) -> dict[str, float | None]:
-    keys = ("mean", "p50", "p90", "p99")
-    if not xs:
-        return {f"{name}_{k}_ms": None for k in keys}
-    a = 1e3 * np.asarray(xs, dtype=float)
-    vals = (a.mean(), *np.percentile(a, [50, 90, 99]))
-    return {f"{name}_{k}_ms": float(v) for k, v in zip(keys, vals)}
-
-
 def aggregate(recs: list[dict], rate: float, workload: str) -> dict[str, Any]:
     ok = [r for r in recs if r["success"]]
     duration = (max(r["end_s"] for r in recs) - min(r["send_s"] for r in recs)) if recs else 0.0
@@ -325,38 +322,38 @@ def aggregate(recs: list[dict], rate: float, workload: str) -> dict[str, Any]:
         "mean_input_len_asked": float(np.mean([r["input_len"] for r in recs])) if recs else None,
         "mean_output_tokens": out_tok / len(ok) if ok else None,
     }
-    agg.update(stats_ms([r["ttft"] for r in ok], "ttft"))
-    agg.update(stats_ms([r["tpot"] for r in ok if r["tpot"] is not None], "tpot"))
-    agg.update(stats_ms([g for r in ok for g in r["itl"]], "itl"))
-    agg.update(stats_ms([r["e2e"] for r in ok], "e2e"))
+    agg.update(percentiles_ms([r["ttft"] for r in ok], "ttft"))
+    agg.update(percentiles_ms([r["tpot"] for r in ok if r["tpot"] is not None], "tpot"))
+    agg.update(percentiles_ms([g for r in ok for g in r["itl"]], "itl"))
+    agg.update(percentiles_ms([r["e2e"] for r in ok], "e2e"))
     if workload == "long-prompt-interference":
         short = [r for r in ok if r["kind"] == "short"]
         long_ = [r for r in ok if r["kind"] == "long"]
         agg["short_completed"], agg["long_completed"] = len(short), len(long_)
-        agg.update(stats_ms([g for r in short for g in r["itl"]], "short_itl"))
-        agg.update(stats_ms([r["ttft"] for r in short], "short_ttft"))
-        agg.update(stats_ms([r["ttft"] for r in long_], "long_ttft"))
+        agg.update(percentiles_ms([g for r in short for g in r["itl"]], "short_itl"))
+        agg.update(percentiles_ms([r["ttft"] for r in short], "short_ttft"))
+        agg.update(percentiles_ms([r["ttft"] for r in long_], "long_ttft"))
     if workload == "decode-interference":
         streams = [r for r in ok if r["kind"] == "stream"]
         long_ = [r for r in ok if r["kind"] == "long"]
         gaps = [g for r in streams for g in r["itl"]]
         agg["stream_completed"], agg["long_completed"] = len(streams), len(long_)
-        agg.update(stats_ms(gaps, "stream_itl"))
+        agg.update(percentiles_ms(gaps, "stream_itl"))
         agg["stream_itl_max_ms"] = 1e3 * max(gaps) if gaps else None
-        agg.update(stats_ms([r["tpot"] for r in streams if r["tpot"] is not None], "stream_tpot"))
-        agg.update(stats_ms([r["ttft"] for r in long_], "long_ttft"))
-        agg.update(stats_ms([r["e2e"] for r in long_], "long_e2e"))
+        agg.update(percentiles_ms([r["tpot"] for r in streams if r["tpot"] is not None], "stream_tpot"))
+        agg.update(percentiles_ms([r["ttft"] for r in long_], "long_ttft"))
+        agg.update(percentiles_ms([r["e2e"] for r in long_], "long_e2e"))
     cached = [r for r in ok if r.get("cached_tokens") is not None and r["prompt_tokens"]]
     if cached:  # prefix caching: prompt tokens the server found cached (usage.prompt_tokens_details)
         agg["cached_tokens"] = sum(r["cached_tokens"] for r in cached)
         agg["prefix_hit_rate"] = agg["cached_tokens"] / sum(r["prompt_tokens"] for r in cached)
     if workload == "multi-turn" and ok:
-        agg.update(stats_ms([r["ttft"] for r in ok if r["turn"] == 0], "ttft_first_turn"))
-        agg.update(stats_ms([r["ttft"] for r in ok if r["turn"] > 0], "ttft_later_turns"))
+        agg.update(percentiles_ms([r["ttft"] for r in ok if r["turn"] == 0], "ttft_first_turn"))
+        agg.update(percentiles_ms([r["ttft"] for r in ok if r["turn"] > 0], "ttft_later_turns"))
     if workload == "shared-prefix" and ok:
         first = min(ok, key=lambda r: r["send_s"])
         agg["ttft_first_ms"] = 1e3 * first["ttft"]
-        agg.update(stats_ms([r["ttft"] for r in ok if r is not first], "ttft_rest"))
+        agg.update(percentiles_ms([r["ttft"] for r in ok if r is not first], "ttft_rest"))
     errors: dict[str, int] = {}
     for r in recs:
         if not r["success"]:
@@ -366,12 +363,6 @@ def aggregate(recs: list[dict], rate: float, workload: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_server(args) -> tuple[subprocess.Popen, str, list[str], Path]:
@@ -638,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reset-prefix-cache", action="store_true",
                    help="POST /reset_prefix_cache (infer's and vLLM's endpoint, at the server's root) before each "
                         "rate, so that every rate starts with a cold prefix cache")
-    r.add_argument("--out", default=None, help="JSON report (and the Markdown table beside it, .md)")
+    out_argument(r, "serve_bench.json", "JSON report (and the Markdown table beside it, .md)")
     r.add_argument("--plot", default=None, help="PNG: TTFT, TPOT/ITL and throughput vs request rate")
     r.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     return ap

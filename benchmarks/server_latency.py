@@ -1,7 +1,7 @@
 """What the HTTP server costs: start-up, idle memory, and TTFT/TPOT through HTTP vs in-process.
 
     python benchmarks/server_latency.py                      # smollm2-135m on this machine
-    python benchmarks/server_latency.py --output-len 128 --repeats 10 --out report.json
+    python benchmarks/server_latency.py --output-len 128 --repeats 10 --out benchmarks/runs/server_latency_10.json
 
 1. Starts ``python -m infer.server`` in a fresh process and times the command to ``/health``
    answering and to the first completed answer; reads the server's idle RSS.
@@ -28,6 +28,9 @@ Next to the client-side numbers, each HTTP run also records where the time went:
 * the 1-minute load average before, and during the pairs the CPU share used by other
   processes and stolen by the hypervisor (Linux), so that a run taken while the machine was
   busy can be recognised as such.
+
+Writes the JSON report (environment, EngineConfig, workload, start-up, every pair) to ``--out``
+(default ``benchmarks/runs/server_latency.json``) and the Markdown table beside it (``.md``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,7 +49,6 @@ from pathlib import Path
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 if "torch" in sys.modules:  # see below
     raise SystemExit("torch was loaded before benchmarks/common.py could set OMP_WAIT_POLICY")
 # common sets OMP_WAIT_POLICY=PASSIVE, which libgomp reads once, when torch loads it: common must be
@@ -56,13 +57,8 @@ if "torch" in sys.modules:  # see below
 # the "15% server overhead" (2026-11-22): a sorted import block had moved torch above common.
 import common  # noqa: E402, F401  (first: before torch)
 import torch  # noqa: E402
-from common import environment, markdown_table, write_report  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import environment, free_port, markdown_table, out_argument, write_report  # noqa: E402
+from workloads import random_prompt  # noqa: E402
 
 
 def stream_http(client: httpx.Client, port: int, prompt: list[int], n: int) -> tuple[float, float]:
@@ -164,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10, help="HTTP/offline pairs (default: 10)")
-    ap.add_argument("--out", default=None)
+    out_argument(ap, "server_latency.json", "JSON report (and .md beside it)")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()[0]
     if load_before >= 0.5:
@@ -197,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
         llm = LLM(args.model, progress=False, max_model_len=args.prompt_len + args.output_len + 16)
         vocab = llm.engine.vocab_size
-        g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(100, vocab - 100, (args.prompt_len,), generator=g).tolist()
+        prompt = random_prompt(vocab, args.prompt_len, 0)
         stream_http(client, port, prompt, 8)
         stream_offline(llm, prompt, 8)  # warm both
         pairs = []

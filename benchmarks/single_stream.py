@@ -12,26 +12,34 @@ transformers runs the same weights in the same process: ``eager`` is its default
 ``generate``; ``compiled`` uses ``cache_implementation="static"``, with which transformers compiles its
 forward with ``torch.compile`` (GPU only). ``--infer-configs "kv_cache=contiguous;kv_cache=paged"``
 runs one infer per ``;``-separated set of EngineConfig overrides (as in offline_throughput.py).
+
+Writes the JSON report (commit, hardware, versions, every EngineConfig, workload, ceilings, every
+row) to ``--out`` (default ``benchmarks/runs/single_stream.json``) and the Markdown table beside it
+(``.md``); ``plot_single_stream.py`` draws reports.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402, F401  (before torch: it sets OMP_WAIT_POLICY, which libgomp reads once)
-import torch  # noqa: E402
-from common import ceilings, decode_floor_s, environment, markdown_table, sync, write_report  # noqa: E402
-
-
-def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
+import torch
+from common import (
+    ceilings,
+    decode_floor_s,
+    environment,
+    free_device_memory,
+    infer_label,
+    load_hf,
+    markdown_table,
+    out_argument,
+    parse_infer_configs,
+    sync,
+    write_report,
+)
+from workloads import random_prompt
 
 
 def bench_infer(llm, prompt: list[int], output_len: int, repeats: int) -> dict[str, float]:
@@ -54,16 +62,6 @@ def bench_infer(llm, prompt: list[int], output_len: int, repeats: int) -> dict[s
         ttfts.append(first - start)
         tpots.append((end - first) / (n - 1))
     return {"ttft_ms": 1e3 * statistics.median(ttfts[1:]), "tpot_ms": 1e3 * statistics.median(tpots[1:])}
-
-
-def load_hf(path: Path, device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    if path.suffix == ".gguf":
-        m = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    else:
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return m.to(device).eval()
 
 
 def bench_hf(model, prompt: list[int], output_len: int, repeats: int, compiled: bool) -> dict[str, float]:
@@ -111,10 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                     help='";"-separated EngineConfig overrides, one infer run each, e.g. '
                          '"attention_backend=torch;attention_backend=triton" (default: one run, defaults)')
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="write the JSON report here (and a .md beside it)")
+    out_argument(ap, "single_stream.json", "write the JSON report here (and a .md beside it)")
     args = ap.parse_args(argv)
-
-    from offline_throughput import infer_label, parse_infer_configs
 
     from infer.llm import LLM
 
@@ -145,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         path = llm.engine.loaded.path
         del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()
     from infer.loader.synthetic import random_weights_spec
 
     if args.hf and path.is_dir() and random_weights_spec(path) is not None:
@@ -169,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"engine": f"hf-{mode}", "prompt": plen, **r, "floor_ms": floor_ms,
                          "tok_s": 1e3 / r["tpot_ms"], "floor_frac": floor_ms / r["tpot_ms"]})
         del hf
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()
     for row in rows:
         base = next((x for x in rows if x["engine"] == "hf-eager" and x["prompt"] == row["prompt"]), None)
         row["speedup_vs_hf_eager"] = base["tpot_ms"] / row["tpot_ms"] if base else ""

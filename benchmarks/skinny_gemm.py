@@ -20,23 +20,22 @@ and the engine's two kernels (``two_kernels_us``: :func:`~infer.kernels.fused_tr
 itself, the norm's kernel, then the skinny GEMM with the activation in its epilogue). A chain of one
 projection times each kernel alone; which of them makes a faster decode step is measured in the engine
 (GPU run 33: the two kernels).
-With ``--out``, a plot beside the report (GB/s per projection at one row); ``--replot REPORT.json``
-redraws it.
+Writes the JSON report (environment, every row) to ``--out`` (default ``benchmarks/runs/skinny_gemm.json``),
+the Markdown table (``.md``) and a plot (``.png``: GB/s per projection at one row) beside it;
+``--replot REPORT.json`` redraws the plot.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402, F401
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from common import environment, markdown_table, save_figure, write_report  # noqa: E402
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
+import torch
+import torch.nn.functional as F
+from common import environment, markdown_table, out_argument, save_figure, write_report
 
 # (hidden, q heads, kv heads, head_dim, intermediate, vocab)
 MODELS = {"qwen3-0.6b": (1024, 16, 8, 128, 3072, 151936), "qwen3-4b": (2560, 32, 8, 128, 9728, 151936),
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fused-only", action="store_true", help="with --fused: at one row, QKV and gate/up only "
                     "with their norm (the fused row), not also alone")
     ap.add_argument("--flush-bytes", type=int, default=256 << 20, help="bytes of weight copies per timing")
-    ap.add_argument("--out", default=None)
+    out_argument(ap, "skinny_gemm.json", "JSON report (a .md table and a .png plot beside it)")
     ap.add_argument("--replot", default=None, help="redraw the plot of this report (no GPU needed)")
     args = ap.parse_args(argv)
     if args.replot:

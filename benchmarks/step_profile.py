@@ -3,7 +3,7 @@
     python benchmarks/step_profile.py --scale 0.05                         # CPU, smollm2
     python benchmarks/step_profile.py --model /tmp/infer-ckpt/qwen3-0.6b --device cuda \\
         --dtype bfloat16 --max-num-seqs 256 \\
-        --infer-configs "batching=continuous;batching=continuous,kv_cache=paged" --out reports/step.json
+        --infer-configs "batching=continuous;batching=continuous,kv_cache=paged" --out benchmarks/runs/step_qwen3-0.6b.json
 
 The offline workload of ``offline_throughput.py`` (nano-vllm's, ``--scale`` to shrink it) is
 submitted at once; the engine runs ``--skip`` steps (the prefills, so the window below sees
@@ -35,6 +35,10 @@ step, so ``output`` includes building them; each carries what ``--output-kind`` 
 ``delta`` as the server's streams ask: only what is new). ``--host-profile N`` runs N more steps under cProfile
 and lists the functions with the most cumulative host time (cProfile slows Python about 2x: read
 the shares, not the times).
+
+Writes the JSON report (environment, workload, arguments, every configuration's row with its top
+kernels, host ops and functions) to ``--out`` (default ``benchmarks/runs/step_profile.json``) and the
+Markdown tables beside it (``.md``).
 """
 
 from __future__ import annotations
@@ -42,17 +46,26 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402, F401  (sets the OMP policy before torch loads)
-import offline_throughput as ot  # noqa: E402
-import torch  # noqa: E402
-from common import environment, free_device_memory, markdown_table, sync, write_report  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
+import torch
+from common import (
+    environment,
+    free_device_memory,
+    infer_label,
+    make_llm,
+    markdown_table,
+    model_info,
+    out_argument,
+    parse_infer_configs,
+    sync,
+    write_report,
+)
+from tqdm import tqdm
+from workloads import build_workload, scaled_sizes, warmup_workload
 
 
 def _drive(engine, num_steps: int, device, phases: dict[str, list[float]] | None = None, feed=None) -> int:
@@ -259,7 +272,7 @@ def mixed_workload(args, vocab_size: int):
     tokens than every window of this run takes (so the batch stays the same); the long prompts come
     from :class:`_LongPromptFeed` once the streams decode."""
     steps = args.skip + args.steps + args.unsync_steps + 2 * args.profile_steps + args.host_profile + 64
-    wl = ot.build_workload(args.streams, args.stream_prompt_len, args.stream_prompt_len, vocab_size, args.seed,
+    wl = build_workload(args.streams, args.stream_prompt_len, args.stream_prompt_len, vocab_size, args.seed,
                            min_output_len=steps, max_output_len=steps)
     wl.params.update(long_len=args.long_len, streams=args.streams, stream_prompt_len=args.stream_prompt_len)
     return wl
@@ -268,10 +281,10 @@ def mixed_workload(args, vocab_size: int):
 def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str, Any]:
     from infer import SamplingParams
 
-    llm = ot.make_llm(model, {**args.engine_kwargs, **overrides}, wl, progress=not args.no_progress)
+    llm = make_llm(model, {**args.engine_kwargs, **overrides}, wl.max_seq_len, progress=not args.no_progress)
     engine, device = llm.engine, llm.config.resolved_device()
     # warm up (kernels compiled, allocator primed) on the small workload, as offline_throughput does
-    w = ot.warmup_workload(wl)
+    w = warmup_workload(wl)
     llm.generate(w.prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for o in w.output_lens], use_tqdm=False)
     kind = {}
     if args.stream and "output_kind" in SamplingParams.field_names():  # (older sources: cumulative only)
@@ -318,7 +331,7 @@ def profile_config(model: str, overrides: dict[str, Any], wl, args) -> dict[str,
         engine.abort_request(rid)
     kv = engine.scheduler.kv
     row = {
-        "label": ot.infer_label(overrides) + (f" stream ({kind['output_kind'].name.lower() if kind else 'cumulative'})"
+        "label": infer_label(overrides) + (f" stream ({kind['output_kind'].name.lower() if kind else 'cumulative'})"
                                               if args.stream else ""), "steps_timed": n,
         "seqs_per_step": mean["seqs"], "tokens_per_step": mean["tokens"],
         "schedule_ms": mean["schedule"] * 1e3, "execute_ms": mean["execute"] * 1e3, "output_ms": mean["output"] * 1e3,
@@ -384,20 +397,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-profile", type=int, default=0, help="steps under cProfile (host functions) [0]")
     ap.add_argument("--top", type=int, default=12, help="rows of the kernel and host-op tables [12]")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--out", default=None, help="JSON report (and .md beside it)")
+    out_argument(ap, "step_profile.json", "JSON report (and .md beside it)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    model, cfg = ot.model_info(args.model)
+    model, cfg = model_info(args.model)
     model = str(model)
-    sizes = ot.scaled_sizes(args.scale, args.num_requests, args.min_len, args.max_len, args.min_output_len,
+    sizes = scaled_sizes(args.scale, args.num_requests, args.min_len, args.max_len, args.min_output_len,
                             args.max_output_len)
     if args.long_len:
         wl = mixed_workload(args, cfg.vocab_size)
     else:
-        wl = ot.build_workload(sizes["num_requests"], sizes["min_len"], sizes["max_len"], cfg.vocab_size, args.seed,
+        wl = build_workload(sizes["num_requests"], sizes["min_len"], sizes["max_len"], cfg.vocab_size, args.seed,
                                min_output_len=sizes["min_output_len"], max_output_len=sizes["max_output_len"])
     args.engine_kwargs = {k: v for k, v in (("device", args.device), ("dtype", args.dtype),
                                             ("max_num_seqs", args.max_num_seqs),
@@ -405,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.long_len:
         args.engine_kwargs["max_model_len"] = max(wl.max_seq_len, args.long_len + 16)
     rows = []
-    configs = ot.parse_infer_configs(args.infer_configs)
+    configs = parse_infer_configs(args.infer_configs)
     for overrides in tqdm(configs, desc="configs", disable=args.no_progress):
         rows.append(profile_config(model, overrides, wl, args))
         free_device_memory()

@@ -1,6 +1,6 @@
 """Structured output (phase 13): index compile time, per-step masking overhead, constrained throughput.
 
-    python benchmarks/structured_output.py --out benchmarks/reports/cpu-2026-11-23/phase13/structured.json
+    python benchmarks/structured_output.py                       # smollm2-135m on this CPU
     # GPU, Qwen3-0.6B shapes (a synthetic checkpoint: its byte-level BPE tokenizer fills the 151,936 ids)
     python scripts/make_synthetic_checkpoint.py qwen3-0.6b /tmp/qwen3-0.6b
     python benchmarks/structured_output.py --model /tmp/qwen3-0.6b --device cuda --dtype bfloat16 \\
@@ -22,36 +22,39 @@ Three measurements, all in one process:
 3. **Throughput**: ``--num-requests`` requests with the JSON schemas vs the same requests
    unconstrained (``ignore_eos`` to the same ``max_tokens``), output tokens per second.
 
-Writes ``structured.json`` / ``.md`` and ``structured.png`` (TPOT per batch size and mode).
+Writes the JSON report to ``--out`` (default ``benchmarks/runs/structured_output.json``), the Markdown
+tables (``.md``) and a plot (``.png``: TPOT per batch size and mode) beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
 import torch
+from common import environment, markdown_table, out_argument, save_figure, sync, timed, write_report
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import environment, markdown_table, save_figure, sync, timed, write_report  # noqa: E402
-
-from infer.config import EngineConfig  # noqa: E402
-from infer.engine.llm_engine import LLMEngine  # noqa: E402
-from infer.sampling import SamplingParams, SamplingTensors, sample  # noqa: E402
-from infer.sampling.structured import IndexCache, StructuredOutputsParams  # noqa: E402
+from infer.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.sampling import SamplingParams, SamplingTensors, sample
+from infer.sampling.structured import IndexCache, StructuredOutputsParams
 
 OPEN_REGEX = "[a-zA-Z ,.]+"
+TEST_FILE = Path(__file__).resolve().parent.parent / "tests" / "test_structured.py"
 
 
 def schemas() -> dict:
-    from tests.test_structured import SCHEMAS
-
-    return SCHEMAS
+    """The schema suite of tests/test_structured.py (``SCHEMAS``), read from that file: the test suite
+    is not on this program's import path."""
+    spec = importlib.util.spec_from_file_location("test_structured", TEST_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SCHEMAS
 
 
 def compile_times(engine: LLMEngine) -> list[dict]:
@@ -159,7 +162,7 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--fused-kernels", action="store_true")
     ap.add_argument("--attention-backend", default=None)
-    ap.add_argument("--out", default=None)
+    out_argument(ap, "structured_output.json", "JSON report (a .md table and a .png plot beside it)")
     args, extra = ap.parse_known_args()
     if extra:
         ap.error(f"unknown arguments {extra}")

@@ -1,22 +1,29 @@
-"""Prompt generation for the serving benchmarks, without a tokenizer (so any server will do).
+"""The requests the benchmark programs send: prompts made without a tokenizer, so any model (and any
+server) will do.
 
-Text prompts are random words from :data:`WORDS`, joined by spaces. Every word is a short,
-common, lower-case English word, which BPE tokenizers with a vocabulary of 32k or more
-(GPT-2, Llama 2/3, SmolLM, Qwen, Gemma) encode as one token together with its leading space,
-so ``n`` words are approximately ``n`` tokens (plus a BOS token, and plus the chat template's
-tokens on ``/v1/chat/completions``). The benchmark records the server's own count
+**Serving prompts** (serve_bench.py). Text prompts are random words from :data:`WORDS`, joined by
+spaces. Every word is a short, common, lower-case English word, which BPE tokenizers with a
+vocabulary of 32k or more (GPT-2, Llama 2/3, SmolLM, Qwen, Gemma) encode as one token together with
+its leading space, so ``n`` words are approximately ``n`` tokens (plus a BOS token, and plus the chat
+template's tokens on ``/v1/chat/completions``). The benchmark records the server's own count
 (``usage.prompt_tokens``) whenever the server reports usage, so the approximation is checked
 in every report rather than trusted.
 
 Token-id prompts (``token_prompt``) are exact: ``n`` ids drawn uniformly from a range that
 is valid for every common vocabulary. Only ``/v1/completions`` accepts them (infer and vLLM do;
 OpenAI itself does not).
+
+**The offline workload** (offline_throughput.py, step_profile.py): nano-vllm's ``bench.py``
+requests, :func:`build_workload` (:class:`Workload`), their sizes scaled by :func:`scaled_sizes`.
+
+**One prompt of random token ids** (single_stream.py, server_latency.py): :func:`random_prompt`.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 WORDS = (
     "the of and to in is you that it he was for on are as with his they at be this have from or "
@@ -122,3 +129,107 @@ def build_requests(workload: str, num_requests: int, input_len: int, output_len:
     else:
         raise ValueError(f"unknown workload {workload!r}")
     return reqs
+
+
+# ---------------------------------------------------------------------------------- the offline workload
+
+
+# nano-vllm's bench.py
+DEFAULT_NUM_REQUESTS = 256
+DEFAULT_MIN_LEN = 100
+DEFAULT_MAX_LEN = 1024
+DEFAULT_TOKEN_MAX = 10000
+WARMUP_REQUESTS, WARMUP_PROMPT, WARMUP_OUTPUT = 4, 16, 4
+
+
+@dataclass
+class Workload:
+    """The requests: ``prompts[i]`` (token ids) asks for ``output_lens[i]`` tokens."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+    params: dict[str, Any]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(len(p) + o for p, o in zip(self.prompts, self.output_lens))
+
+
+def scaled_sizes(scale: float = 1.0, num_requests: int | None = None, min_len: int | None = None,
+                 max_len: int | None = None, min_output_len: int | None = None,
+                 max_output_len: int | None = None) -> dict[str, int]:
+    """nano-vllm's sizes times ``scale`` (each at least 1).
+
+    Explicit values win; the output bounds default to the prompt bounds; a scaled bound that
+    would cross an explicit one is clipped to it (``--max-len 8`` alone gives lengths up to 8).
+
+    Raises:
+        ValueError: when two explicit bounds cross.
+    """
+    def s(x: int) -> int:
+        return max(1, round(x * scale))
+
+    def bounds(lo: int | None, hi: int | None, dlo: int, dhi: int) -> tuple[int, int]:
+        if lo is not None and hi is not None:
+            return lo, hi
+        if lo is not None:
+            return lo, max(lo, dhi)
+        if hi is not None:
+            return min(dlo, hi), hi
+        return dlo, dhi
+
+    lo, hi = bounds(min_len, max_len, s(DEFAULT_MIN_LEN), s(DEFAULT_MAX_LEN))
+    olo, ohi = bounds(min_output_len, max_output_len, lo, hi)
+    out = {"num_requests": num_requests or s(DEFAULT_NUM_REQUESTS), "min_len": lo, "max_len": hi,
+           "min_output_len": olo, "max_output_len": ohi}
+    for a, b in (("min_len", "max_len"), ("min_output_len", "max_output_len")):
+        if out[b] < out[a] or out[a] < 1:
+            raise ValueError(f"{b}={out[b]} < {a}={out[a]}" if out[a] >= 1 else f"{a} must be >= 1")
+    return out
+
+
+def build_workload(num_requests: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0,
+                   min_output_len: int | None = None, max_output_len: int | None = None,
+                   token_max: int = DEFAULT_TOKEN_MAX) -> Workload:
+    """nano-vllm's requests: prompt lengths, token ids and output lengths all uniform (inclusive)."""
+    min_output_len = min_len if min_output_len is None else min_output_len
+    max_output_len = max_len if max_output_len is None else max_output_len
+    hi = min(token_max, vocab_size - 1)
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, hi) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_requests)]
+    output_lens = [rng.randint(min_output_len, max_output_len) for _ in range(num_requests)]
+    params = {"num_requests": num_requests, "min_len": min_len, "max_len": max_len,
+              "min_output_len": min_output_len, "max_output_len": max_output_len, "seed": seed,
+              "token_range": [0, hi], "ignore_eos": True}
+    return Workload(prompts, output_lens, params)
+
+
+def warmup_workload(wl: Workload) -> Workload:
+    """The untimed warm-up: the first few requests, cut to 16 prompt tokens and 4 output tokens."""
+    k = min(WARMUP_REQUESTS, wl.num_requests)
+    return Workload([p[:WARMUP_PROMPT] for p in wl.prompts[:k]], [min(o, WARMUP_OUTPUT) for o in wl.output_lens[:k]],
+                    {"warmup": True})
+
+
+# ---------------------------------------------------------------------------------- one random prompt
+
+
+def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
+    """``n`` token ids uniform in ``[100, vocab - 100)`` (clear of the special tokens at either end),
+    from torch's CPU generator seeded with ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (n,), generator=g).tolist()

@@ -62,16 +62,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from make_synthetic_checkpoint import PRESETS, make_checkpoint, parse_dtype
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-try:
-    import infer  # noqa: F401
-except ImportError:  # not installed: use the source tree
-    sys.path.insert(0, str(ROOT / "src"))
-
-from make_synthetic_checkpoint import PRESETS, make_checkpoint, parse_dtype  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_PRESETS = ["qwen3-0.6b", "qwen3-4b", "gemma3-1b"]
 ALL_EXTRA = ["llama3-8b", "qwen3-30b-a3b-4l"]  # the MoE one: Qwen3-30B-A3B's layer shapes, 4 layers

@@ -15,7 +15,8 @@
 # needs fastapi, starlette, uvicorn, pydantic, pydantic-core, typing-inspection, annotated-types,
 # annotated-doc and opentelemetry-api (see benchmarks/reports/gpu-2026-11-22/NOTES.md).
 #
-# What lands in $OUT (the device tool brings back at most 8 files, so keep it few):
+# What lands in $OUT (default: a new benchmarks/runs/gpu-suite-<date>-<time>/, ignored by git; the
+# device tool sets $OUT and brings back at most 8 files, so keep it few):
 #   suite.log      everything every section printed, with a header per section;
 #   summary.json   each section's exit status and seconds (also at the end of suite.log);
 #   <report>.json  what sections write (parity.json, parity_fp32.json, ...).
@@ -28,7 +29,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-OUT="${OUT:-/tmp/gpu-suite-out}"
+OUT="${OUT:-$PWD/benchmarks/runs/gpu-suite-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 MAX_OUT_FILES=8

@@ -180,7 +180,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode character table (byte-level BPE's alphabet)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from infer.tokenizer import bytes_to_unicode as table
 
     return table()

@@ -32,15 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import traceback
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 
 def run(path: Path, kw: dict, prompts: list[list[int]], args) -> tuple[list[list[float]], list[list[int]]]:

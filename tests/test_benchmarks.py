@@ -1,4 +1,5 @@
-"""The throughput benchmark programs (offline_throughput.py, ablate.py, step_profile.py), at tiny sizes.
+"""The throughput benchmark programs (offline_throughput.py, ablate.py, step_profile.py) and what they
+share (common.py, workloads.py), at tiny sizes.
 
 These check what the programs count and write, never how fast anything is.
 """
@@ -16,36 +17,38 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import ablate  # noqa: E402
+import common  # noqa: E402
 import offline_throughput as ot  # noqa: E402
 import serve_bench  # noqa: E402
 import step_profile  # noqa: E402
+import workloads  # noqa: E402
 
 # ---------------------------------------------------------------------------------- workload
 
 
 def test_scaled_sizes_follow_nano_vllm_and_explicit_values_win():
-    assert ot.scaled_sizes() == {"num_requests": 256, "min_len": 100, "max_len": 1024,
-                                 "min_output_len": 100, "max_output_len": 1024}
-    assert ot.scaled_sizes(0.1) == {"num_requests": 26, "min_len": 10, "max_len": 102,
-                                    "min_output_len": 10, "max_output_len": 102}
-    s = ot.scaled_sizes(0.1, num_requests=3, max_len=8, min_output_len=2)  # the scaled min_len 10 is clipped to 8
+    assert workloads.scaled_sizes() == {"num_requests": 256, "min_len": 100, "max_len": 1024,
+                                        "min_output_len": 100, "max_output_len": 1024}
+    assert workloads.scaled_sizes(0.1) == {"num_requests": 26, "min_len": 10, "max_len": 102,
+                                           "min_output_len": 10, "max_output_len": 102}
+    s = workloads.scaled_sizes(0.1, num_requests=3, max_len=8, min_output_len=2)  # the scaled min_len 10 is clipped to 8
     assert s == {"num_requests": 3, "min_len": 8, "max_len": 8, "min_output_len": 2, "max_output_len": 8}
-    assert ot.scaled_sizes(1.0, min_len=2000)["max_len"] == 2000
+    assert workloads.scaled_sizes(1.0, min_len=2000)["max_len"] == 2000
     with pytest.raises(ValueError):
-        ot.scaled_sizes(0.1, min_len=20, max_len=8)
-    assert ot.scaled_sizes(0.001)["num_requests"] >= 1 and ot.scaled_sizes(0.001)["min_len"] >= 1
+        workloads.scaled_sizes(0.1, min_len=20, max_len=8)
+    assert workloads.scaled_sizes(0.001)["num_requests"] >= 1 and workloads.scaled_sizes(0.001)["min_len"] >= 1
 
 
 def test_workload_lengths_are_in_range_and_deterministic():
-    w = ot.build_workload(200, 10, 20, vocab_size=500, seed=3, min_output_len=2, max_output_len=5)
+    w = workloads.build_workload(200, 10, 20, vocab_size=500, seed=3, min_output_len=2, max_output_len=5)
     assert w.num_requests == 200
     assert all(10 <= len(p) <= 20 for p in w.prompts)
     assert all(2 <= o <= 5 for o in w.output_lens)
     assert {len(p) for p in w.prompts} == set(range(10, 21))  # uniform over the whole range
     assert all(0 <= t <= 499 for p in w.prompts for t in p)  # capped at the vocabulary
-    again = ot.build_workload(200, 10, 20, vocab_size=500, seed=3, min_output_len=2, max_output_len=5)
+    again = workloads.build_workload(200, 10, 20, vocab_size=500, seed=3, min_output_len=2, max_output_len=5)
     assert (again.prompts, again.output_lens) == (w.prompts, w.output_lens)
-    other = ot.build_workload(200, 10, 20, vocab_size=500, seed=4, min_output_len=2, max_output_len=5)
+    other = workloads.build_workload(200, 10, 20, vocab_size=500, seed=4, min_output_len=2, max_output_len=5)
     assert other.prompts != w.prompts
     assert w.prompt_tokens == sum(map(len, w.prompts)) and w.output_tokens == sum(w.output_lens)
     assert w.max_seq_len == max(len(p) + o for p, o in zip(w.prompts, w.output_lens))
@@ -56,24 +59,24 @@ def test_workload_at_scale_1_is_nano_vllms():
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
     outs = [rng.randint(100, 1024) for _ in range(256)]
-    s = ot.scaled_sizes(1.0)
-    w = ot.build_workload(s["num_requests"], s["min_len"], s["max_len"], 151936, 0,
-                          s["min_output_len"], s["max_output_len"])
+    s = workloads.scaled_sizes(1.0)
+    w = workloads.build_workload(s["num_requests"], s["min_len"], s["max_len"], 151936, 0,
+                                 s["min_output_len"], s["max_output_len"])
     assert w.prompts == prompts and w.output_lens == outs
 
 
 def test_engine_overrides_parse_to_field_types_and_round_trip():
-    ov = ot.parse_overrides("batching=continuous, max_num_seqs=16,max-model-len=none,gpu_memory_utilization=0.5")
+    ov = common.parse_overrides("batching=continuous, max_num_seqs=16,max-model-len=none,gpu_memory_utilization=0.5")
     assert ov == {"batching": "continuous", "max_num_seqs": 16, "max_model_len": None,
                   "gpu_memory_utilization": 0.5}
-    assert ot.parse_overrides(ot.format_overrides(ov)) == ov
-    assert ot.parse_overrides("batching=none") == {"batching": "none"}  # a string field keeps "none"
-    assert ot.parse_infer_configs("batching=none;batching=static") == [{"batching": "none"}, {"batching": "static"}]
-    assert ot.parse_infer_configs(None) == [{}]
+    assert common.parse_overrides(common.format_overrides(ov)) == ov
+    assert common.parse_overrides("batching=none") == {"batching": "none"}  # a string field keeps "none"
+    assert common.parse_infer_configs("batching=none;batching=static") == [{"batching": "none"}, {"batching": "static"}]
+    assert common.parse_infer_configs(None) == [{}]
     with pytest.raises(ValueError, match="not an EngineConfig field"):
-        ot.parse_overrides("warp_speed=9")
+        common.parse_overrides("warp_speed=9")
     with pytest.raises(ValueError):
-        ot.parse_overrides("batching")
+        common.parse_overrides("batching")
 
 
 # ---------------------------------------------------------------------------------- HF padded batches
@@ -85,7 +88,7 @@ def test_hf_padded_batches_count_only_each_requests_own_tokens(compiled):
     from tests.hf_reference import tiny_hf_model
 
     model = tiny_hf_model("llama").eval()
-    wl = ot.build_workload(5, 2, 6, vocab_size=384, seed=1)
+    wl = workloads.build_workload(5, 2, 6, vocab_size=384, seed=1)
     wl.output_lens = [3, 7, 2, 5, 4]
     widths = [max(len(p) for p in wl.prompts[i:i + 2]) for i in (0, 2, 4)]
     assert ot.hf_static_cache_len(wl, 2) == max(w + o for w, o in zip(widths, [7, 5, 4]))
@@ -125,12 +128,12 @@ def test_hf_continuous_batching_gives_each_request_its_own_length(older):
     if older:
         model = _OlderTransformers(model)
         assert not hasattr(model, "continuous_batching_context_manager") and ot.hf_cb_available(model)
-    wl = ot.build_workload(5, 2, 6, vocab_size=384, seed=1)
+    wl = workloads.build_workload(5, 2, 6, vocab_size=384, seed=1)
     wl.output_lens = [3, 7, 2, 5, 4]
     # A bounded cache: left to size itself, transformers takes 60% of the free RAM (~14 GB here).
     # every request here holds at most 6 + 7 tokens: one 256-token page each; 250 + 7 tokens take two
     assert ot.hf_cb_blocks_for(wl) == 5
-    assert ot.hf_cb_blocks_for(ot.Workload([[1] * 250, [1] * 6], [7, 3], {})) == 3
+    assert ot.hf_cb_blocks_for(workloads.Workload([[1] * 250, [1] * 6], [7, 3], {})) == 3
     r = ot.run_hf_cb(model, wl, temperature=0.0, progress=False, warmup=False, num_blocks=ot.hf_cb_blocks_for(wl),
                      max_batch_tokens=64)
     assert r["errors"] == [] and r["tokens_ok"]

@@ -477,9 +477,11 @@ def test_sampler_benchmark_runs_and_reports(tmp_path):
     """benchmarks/sampler.py end to end on a tiny CPU case: a JSON report with every mix timed."""
     import importlib.util
     import json
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "sampler.py"
+    sys.path.insert(0, str(path.parent))  # its shared helpers (benchmarks/common.py)
     spec = importlib.util.spec_from_file_location("sampler_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
