@@ -297,7 +297,7 @@ def test_sse_events_survive_clients_that_split_lines_like_str_splitlines():
     back to the same object, whatever the text."""
     import httpx
 
-    from infer.server.app import sse_event
+    from infer.server.responses import sse_event
 
     text = "a\u2028b\x85c\x1cd\u2029e\x0bf\x0cg\x1dh\x1ei\r\nj\u00e9\ufffd\U0001f600"
     event = sse_event({"choices": [{"text": text}]})
