@@ -105,7 +105,7 @@ EXERCISES: dict[str, Exercise] = {
             15, _engine("stop_check"),
         ),
         Exercise(
-            "sampling_or_reject", 2, "src/infer/server/app.py",
+            "sampling_or_reject", 2, "src/infer/server/serving.py",
             ("tests/test_server.py::test_bad_request[min_tokens-over-max_tokens]",
              "tests/test_server.py::test_bad_request[temperature-negative]",
              "tests/test_server.py::test_bad_request[stop-empty-string]",
@@ -123,12 +123,12 @@ EXERCISES: dict[str, Exercise] = {
             10, _engine("sampling_or_reject"),
         ),
         Exercise(
-            "chat_sse", 2, "src/infer/server/app.py",
+            "chat_sse", 2, "src/infer/server/routes/chat.py",
             ("tests/test_server.py::test_chat_stream_n_logprobs_usage_and_done",
              "tests/test_server.py::test_stream_include_usage",
              "tests/test_server.py::test_chat_stream_equals_non_stream"),
             "Turn the engine's stream of RequestOutputs into OpenAI chat.completion.chunk events (the "
-            "non-streamed handler below builds the same fields). Each output carries, per sequence, only "
+            "non-streamed answer, chat_response above, builds the same fields). Each output carries, per sequence, only "
             "what is new; each choice index must end exactly once; the stream ends with the usage chunk "
             "(when asked for) and the SSE terminator of the OpenAI API.",
             25, _engine("chat_sse", "sampling_or_reject"),

@@ -176,6 +176,31 @@ def test_health_and_models(server, client):
     assert models.data[0].object == "model"
 
 
+def test_openapi_operations_are_stable(server):
+    """The operations of ``/openapi.json``, in order, with the ids and summaries FastAPI derives
+    from the handlers' names: clients generated from the schema call them by these ids, so moving or
+    renaming a handler must not change them. A handler's docstring would become its operation's
+    description: only ``reset_prefix_cache`` has one. No 422 (this server answers 400)."""
+    schema = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    ops = [(path, method, op["operationId"], op["summary"])
+           for path, item in schema["paths"].items() for method, op in item.items()]
+    assert ops == [
+        ("/health", "get", "health_health_get", "Health"),
+        ("/v1/models", "get", "models_v1_models_get", "Models"),
+        ("/v1/models/{model_id}", "get", "model_v1_models__model_id__get", "Model"),
+        ("/tokenize", "post", "tokenize_tokenize_post", "Tokenize"),
+        ("/detokenize", "post", "detokenize_detokenize_post", "Detokenize"),
+        ("/tokenizer_info", "get", "tokenizer_info_tokenizer_info_get", "Tokenizer Info"),
+        ("/reset_prefix_cache", "post", "reset_prefix_cache_reset_prefix_cache_post", "Reset Prefix Cache"),
+        ("/metrics", "get", "prom_metrics_get", "Prom"),
+        ("/v1/completions", "post", "completions_v1_completions_post", "Completions"),
+        ("/v1/chat/completions", "post", "chat_v1_chat_completions_post", "Chat"),
+    ]
+    described = [op["operationId"] for item in schema["paths"].values() for op in item.values() if "description" in op]
+    assert described == ["reset_prefix_cache_reset_prefix_cache_post"]
+    assert not any("422" in op["responses"] for item in schema["paths"].values() for op in item.values())
+
+
 def test_completion_greedy_equals_offline(server, client, llm):
     resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     [choice] = resp.choices
@@ -297,7 +322,7 @@ def test_sse_events_survive_clients_that_split_lines_like_str_splitlines():
     back to the same object, whatever the text."""
     import httpx
 
-    from infer.server.app import sse_event
+    from infer.server.responses import sse_event
 
     text = "a\u2028b\x85c\x1cd\u2029e\x0bf\x0cg\x1dh\x1ei\r\nj\u00e9\ufffd\U0001f600"
     event = sse_event({"choices": [{"text": text}]})

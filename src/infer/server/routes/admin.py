@@ -1,0 +1,34 @@
+"""The operator's endpoints: vLLM's ``POST /reset_prefix_cache`` and Prometheus' ``GET /metrics``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from infer.server.async_engine import EngineDead
+from infer.server.protocol import ResetPrefixCacheResponse
+from infer.server.responses import error_response, openapi_responses
+from infer.server.serving import State
+
+router = APIRouter()
+
+
+@router.post("/reset_prefix_cache", responses=openapi_responses(ResetPrefixCacheResponse,
+                                                                "The prefix cache was reset", 503))
+async def reset_prefix_cache(state: State) -> JSONResponse:
+    """vLLM's endpoint: forget every cached KV block (phase 7), e.g. between benchmark runs."""
+    try:
+        dropped = await state.engine.call(lambda eng: eng.reset_prefix_cache())
+    except EngineDead:
+        return error_response(503, "the engine is not running", None, "server_unavailable")
+    return JSONResponse({"prefix_caching": state.prefix_caching, "num_blocks_dropped": dropped})
+
+
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text exposition format",
+                             "content": {"text/plain": {"schema": {"type": "string"}}}}})
+async def prom(state: State) -> Response:
+    engine = state.engine
+    body = state.metrics.render(engine.num_running, engine.num_waiting, engine.engine.scheduler.kv_cache_usage(),
+                                engine.num_preemptions, scheduler=engine.engine.scheduler)
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
