@@ -85,7 +85,7 @@ EXERCISES: dict[str, Exercise] = {
             20,
         ),
         Exercise(
-            "top_p", 1, "src/infer/sampling/sampler.py",
+            "top_p", 1, "src/infer/sampling/logits_processors.py",
             ("tests/test_sampler.py::test_top_p_keeps_exact_sets", "tests/test_sampler.py::test_top_p_edges",
              "tests/test_sampler.py::test_top_p_stops_where_the_mass_reaches_top_p_exactly",
              "tests/test_sampler.py::test_truncated_frequencies_match_distribution"),
@@ -192,7 +192,7 @@ EXERCISES: dict[str, Exercise] = {
             40,
         ),
         Exercise(
-            "top_k", 4, "src/infer/sampling/sampler.py",
+            "top_k", 4, "src/infer/sampling/logits_processors.py",
             ("tests/test_sampler.py::test_top_k_keeps_exact_sets", "tests/test_sampler.py::test_top_k_ties_and_infs",
              "tests/test_sampler.py::test_top_k_clamps_k_to_one"),
             "Per row keep the k largest logits (k differs per row and may be out of range) and write -inf "
