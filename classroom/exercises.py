@@ -232,7 +232,7 @@ EXERCISES: dict[str, Exercise] = {
             25, _engine("preemption"),
         ),
         Exercise(
-            "paged_decode_inner_loop", 5, "src/infer/attention/triton_ops.py",
+            "paged_decode_inner_loop", 5, "src/infer/kernels/decode_attention.py",
             ("tests/test_kernels.py::test_decode_matches_reference",
              "tests/test_kernels.py::test_decode_splits_agree_with_each_other"),
             "One key tile of the Triton paged decode kernel (runs under TRITON_INTERPRET=1 on a CPU). Find "
@@ -244,7 +244,7 @@ EXERCISES: dict[str, Exercise] = {
             60,
         ),
         Exercise(
-            "decode_split_plan", 5, "src/infer/attention/triton_ops.py",
+            "decode_split_plan", 5, "src/infer/kernels/decode_attention.py",
             ("tests/test_kernels.py::test_decode_split_plan",),
             "How many key slices the decode kernel's grid has per sequence, and how short a slice may be. "
             "A batch too narrow to fill the GPU splits every sequence the way decode_num_splits says, with "
