@@ -8,7 +8,7 @@
 Shapes are Qwen3-4B's attention (32 query heads, 8 KV heads, head_dim 128, bf16) over a paged cache
 of 16-token blocks, every sequence of a batch at the same context length.
 
-Decode (one new token per sequence, ``infer.attention.triton_ops.paged_decode_attention``): for each
+Decode (one new token per sequence, ``infer.kernels.decode_attention.paged_decode_attention``): for each
 batch x context, the kernel time (``triton.testing.do_bench``, median, after warm-up; do_bench also
 clears the L2 cache before every run, and the calls rotate among several block tables that place the
 sequences on different physical blocks), the bandwidth it reaches (K/V bytes read / time) and that as
@@ -17,9 +17,10 @@ read + written / time). Beside it, PyTorch's ``F.scaled_dot_product_attention(en
 the same K/V already gathered into contiguous ``[B, Hkv, ctx, D]`` (its best case: it gets the
 layout for free), and the gather (``k_cache[block_table]``) + SDPA that a paged cache would cost it.
 
-Prefill (``paged_prefill_attention``): 8 sequences x 2048 new tokens, causal, FLOP rate and MFU
-against the measured bf16 matmul rate, next to SDPA with ``is_causal`` on contiguous inputs (FlashAttention
-on a GPU); and an extend step (512 new tokens after a 1536-token cached prefix) for the kernel alone.
+Prefill (``infer.kernels.prefill_attention.paged_prefill_attention``): 8 sequences x 2048 new tokens,
+causal, FLOP rate and MFU against the measured bf16 matmul rate, next to SDPA with ``is_causal`` on
+contiguous inputs (FlashAttention on a GPU); and an extend step (512 new tokens after a 1536-token
+cached prefix) for the kernel alone.
 
 Writes ``paged_attention.json`` (commit, hardware, versions, ceilings, every row), ``paged_attention.md``
 (the tables) and, when matplotlib is installed, ``paged_attention.png`` (bandwidth fraction vs context,
@@ -123,7 +124,8 @@ def sdpa_backend(device: torch.device):
 
 def decode_row(ops, batch: int, ctx: int, shape: dict, device, ceil: dict, gen, num_splits=None,
                with_sdpa: bool = True) -> dict:
-    """One decode measurement: Triton kernel, SDPA on gathered K/V, gather + SDPA."""
+    """One decode measurement: Triton kernel, SDPA on gathered K/V, gather + SDPA (``ops``: the module
+    :mod:`infer.kernels.decode_attention`)."""
     hq, hkv, d, bs = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"], shape["block_size"]
     dtype = DTYPES[shape["dtype"]]
     item = torch.empty((), dtype=dtype).element_size()
@@ -191,7 +193,8 @@ def decode_row(ops, batch: int, ctx: int, shape: dict, device, ceil: dict, gen, 
 def prefill_row(ops, batch: int, q_len: int, prefix: int, shape: dict, device, ceil: dict, gen,
                 with_sdpa: bool = True, max_context: int | None = None) -> dict:
     """One prefill (prefix 0) or extend measurement; SDPA is_causal beside it when there is no prefix.
-    ``max_context``: passed on, so the kernel splits the keys as the engine's step would (None: 1 split)."""
+    ``ops``: the module :mod:`infer.kernels.prefill_attention`. ``max_context``: passed on, so the kernel
+    splits the keys as the engine's step would (None: 1 split)."""
     hq, hkv, d, bs = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"], shape["block_size"]
     dtype = DTYPES[shape["dtype"]]
     ctx = prefix + q_len
@@ -226,7 +229,7 @@ def prefill_row(ops, batch: int, q_len: int, prefix: int, shape: dict, device, c
     return row
 
 
-def tune(ops, shape: dict, device, ceil: dict, gen, what: str = "all") -> list[dict]:
+def tune(decode_ops, prefill_ops, shape: dict, device, ceil: dict, gen, what: str = "all") -> list[dict]:
     """Sweep the decode kernel's split counts and tiles (``what`` "all" or "decode"), and the prefill
     kernel's tiles ("all" or "prefill": a prefill of 8 x 2048 tokens, and the extend of a chunked-prefill
     step, 512 new tokens after a 4096-token prefix, split as the engine splits it); how the defaults
@@ -238,9 +241,9 @@ def tune(ops, shape: dict, device, ceil: dict, gen, what: str = "all") -> list[d
         print_row(row)
 
     if what in ("all", "decode"):
-        _tune_decode(ops, shape, device, ceil, gen, note)
+        _tune_decode(decode_ops, shape, device, ceil, gen, note)
     if what in ("all", "prefill"):
-        _tune_prefill(ops, shape, device, ceil, gen, note)
+        _tune_prefill(prefill_ops, shape, device, ceil, gen, note)
     return rows
 
 
@@ -349,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if plot(json.loads(path.read_text()), path.with_suffix(".png")) else 1
 
     device = resolve_device(args.device)
-    from infer.attention import triton_ops as ops
+    from infer.kernels import decode_attention, prefill_attention
+    from infer.kernels.triton_common import INTERPRET
 
-    if device.type == "cpu" and not ops.INTERPRET:
+    if device.type == "cpu" and not INTERPRET:
         ap.error("on the CPU the kernels run under the Triton interpreter: set TRITON_INTERPRET=1")
     gpu = device.type == "cuda"
     shape = GPU_SHAPE if gpu else CPU_SHAPE
@@ -372,17 +376,18 @@ def main(argv: list[str] | None = None) -> int:
             if gpu and 2.2 * kv + ROTATE_BYTES > torch.cuda.mem_get_info(device)[0]:
                 print(f"decode B={batch} ctx={ctx}: skipped (memory)", flush=True)
                 continue
-            row = decode_row(ops, batch, ctx, shape, device, ceil, gen)
+            row = decode_row(decode_attention, batch, ctx, shape, device, ceil, gen)
             decode.append(row)
             print_row(row)
             if gpu:
                 torch.cuda.empty_cache()
     prefill = []
     for q_len, prefix in ((pre_t, 0), (pre_t // 4, pre_t - pre_t // 4)):
-        row = prefill_row(ops, pre_b, q_len, prefix, shape, device, ceil, gen)
+        row = prefill_row(prefill_attention, pre_b, q_len, prefix, shape, device, ceil, gen)
         prefill.append(row)
         print_row(row)
-    tuned = tune(ops, shape, device, ceil, gen, args.tune) if args.tune else None
+    tuned = (tune(decode_attention, prefill_attention, shape, device, ceil, gen, args.tune) if args.tune
+             else None)
     sync(device)
 
     report = {

@@ -85,7 +85,7 @@ EXERCISES: dict[str, Exercise] = {
             20,
         ),
         Exercise(
-            "top_p", 1, "src/infer/sampling/sampler.py",
+            "top_p", 1, "src/infer/sampling/logits_processors.py",
             ("tests/test_sampler.py::test_top_p_keeps_exact_sets", "tests/test_sampler.py::test_top_p_edges",
              "tests/test_sampler.py::test_top_p_stops_where_the_mass_reaches_top_p_exactly",
              "tests/test_sampler.py::test_truncated_frequencies_match_distribution"),
@@ -192,7 +192,7 @@ EXERCISES: dict[str, Exercise] = {
             40,
         ),
         Exercise(
-            "top_k", 4, "src/infer/sampling/sampler.py",
+            "top_k", 4, "src/infer/sampling/logits_processors.py",
             ("tests/test_sampler.py::test_top_k_keeps_exact_sets", "tests/test_sampler.py::test_top_k_ties_and_infs",
              "tests/test_sampler.py::test_top_k_clamps_k_to_one"),
             "Per row keep the k largest logits (k differs per row and may be out of range) and write -inf "
@@ -232,7 +232,7 @@ EXERCISES: dict[str, Exercise] = {
             25, _engine("preemption"),
         ),
         Exercise(
-            "paged_decode_inner_loop", 5, "src/infer/attention/triton_ops.py",
+            "paged_decode_inner_loop", 5, "src/infer/kernels/decode_attention.py",
             ("tests/test_kernels.py::test_decode_matches_reference",
              "tests/test_kernels.py::test_decode_splits_agree_with_each_other"),
             "One key tile of the Triton paged decode kernel (runs under TRITON_INTERPRET=1 on a CPU). Find "
@@ -244,7 +244,7 @@ EXERCISES: dict[str, Exercise] = {
             60,
         ),
         Exercise(
-            "decode_split_plan", 5, "src/infer/attention/triton_ops.py",
+            "decode_split_plan", 5, "src/infer/kernels/decode_attention.py",
             ("tests/test_kernels.py::test_decode_split_plan",),
             "How many key slices the decode kernel's grid has per sequence, and how short a slice may be. "
             "A batch too narrow to fill the GPU splits every sequence the way decode_num_splits says, with "

@@ -621,10 +621,10 @@ def test_warm_up_compiles_the_split_extend_before_any_request(tiny_llama_cuda):
     attention kernel (Triton's compile hook sees none); the warm-up itself writes no K/V."""
     from triton import knobs
 
-    from infer.attention import triton_ops
+    from infer.kernels import prefill_attention
 
     loaded = tiny_llama_cuda
-    for kernel in (triton_ops._paged_prefill_kernel, triton_ops._prefill_combine_kernel):
+    for kernel in (prefill_attention._paged_prefill_kernel, prefill_attention._prefill_combine_kernel):
         kernel.device_caches.clear()  # as in a fresh process (other tests compiled them already)
     compiled: list[str] = []
 
@@ -633,14 +633,14 @@ def test_warm_up_compiles_the_split_extend_before_any_request(tiny_llama_cuda):
         return False  # compile as usual
 
     splits: list[int] = []
-    real_splits = triton_ops.prefill_num_splits
+    real_splits = prefill_attention.prefill_num_splits
 
     def counting_splits(*a):
         splits.append(real_splits(*a))
         return splits[-1]
 
     old_hook, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
-    triton_ops.prefill_num_splits = counting_splits
+    prefill_attention.prefill_num_splits = counting_splits
     try:
         eng = LLMEngine(EngineConfig(model=str(loaded.path), device="cuda", dtype="float32", max_model_len=4096,
                                      batching="continuous", max_num_seqs=4, kv_cache="paged", chunked_prefill=True,
@@ -667,7 +667,7 @@ def test_warm_up_compiles_the_split_extend_before_any_request(tiny_llama_cuda):
             eng.step()
     finally:
         knobs.runtime.jit_cache_hook = old_hook
-        triton_ops.prefill_num_splits = real_splits
+        prefill_attention.prefill_num_splits = real_splits
         loaded.model.set_fused_ops(None)
     assert {"_paged_prefill_kernel", "_prefill_combine_kernel"} <= set(at_start)
     assert max(splits) > 1, "no extend split its keys: the test proves nothing"

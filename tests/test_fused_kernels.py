@@ -848,7 +848,7 @@ for name, norm, act, add, use_pdl, k_pad in (
               "ACT": act, "ADD": add, "USE_PDL": use_pdl, "MANUAL_BF16": False, "NORM_K_PAD": k_pad,
               "STAGES": 3 if name.startswith("pipelined") else 0, "PERSISTENT": name.startswith("persistent")}
     out[name] = compile_(sk._skinny_gemm_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, 4)
-from infer.attention import triton_ops as to
+from infer.kernels import decode_attention as to
 sig = {"q_ptr": bf, "k_cache_ptr": bf, "v_cache_ptr": bf, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
        "out_ptr": bf, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32",
        "window": "i32", "num_splits": "i32", "min_split_keys": "i32", "stride_qb": "i32", "stride_qh": "i32",

@@ -24,8 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.attention import paged_reference as ref
-from infer.attention import triton_ops as ops
+from infer.kernels import attention_reference as ref  # the plain-PyTorch twins
+from infer.kernels import decode_attention as dec  # paged decode (split-KV), its split plan
+from infer.kernels import kv_cache_write as kvw  # reshape_and_cache
+from infer.kernels import prefill_attention as pre  # variable-length extend attention
+from infer.kernels.triton_common import INTERPRET
 
 ROOT = Path(__file__).resolve().parent.parent
 # The kernels run where the tensors are: the GPU when there is one (the tests then cover the GPU tile
@@ -146,7 +149,7 @@ def test_reshape_and_cache_matches_reference(dtype, block_size):
     value = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
     assert not key.is_contiguous()
     k1, v1, k2, v2 = k0.clone(), v0.clone(), k0.clone(), v0.clone()
-    ops.reshape_and_cache(key, value, k1, v1, slots)
+    kvw.reshape_and_cache(key, value, k1, v1, slots)
     ref.reshape_and_cache(key, value, k2, v2, slots)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
     flat = k1.view(-1, hkv, d)
@@ -177,7 +180,7 @@ def test_decode_matches_reference(name, dtype):
     case = PagedCase(seq_lens, hq, hkv, d, bs, dtype, seed=zlib.crc32(name.encode()) % 1000)
     q = case.randn(len(seq_lens), hq, d)
     out = poisoned(q)
-    got = ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+    got = dec.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
                                      window=window, out=out, num_splits=splits)
     assert got is out
     k32, v32 = case.float_caches()
@@ -189,7 +192,7 @@ def test_decode_matches_reference(name, dtype):
 def test_decode_bf16_under_the_interpreter():
     case = PagedCase([21, 40], 4, 2, 32, 16, torch.bfloat16, seed=7)
     q = case.randn(2, 4, 32)
-    out = ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+    out = dec.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
                                      num_splits=2)
     k32, v32 = case.float_caches()
     expected = ref.paged_decode_attention(q.float(), k32, v32, case.block_tables, case.seq_lens, case.scale)
@@ -202,7 +205,7 @@ def test_decode_honours_views_of_q_and_out():
     q = big_q[2:5]  # decode rows of a bigger flattened batch
     big_out = torch.full((9, 4, 32), float("nan"), device=DEVICE)
     out = big_out[4:7]
-    ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+    dec.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
                                out=out, num_splits=2)
     expected = ref.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                           case.scale)
@@ -213,7 +216,7 @@ def test_decode_honours_views_of_q_and_out():
 def test_decode_splits_agree_with_each_other():
     case = PagedCase([70, 3], 4, 1, 32, 16, torch.float32, seed=12)
     q = case.randn(2, 4, 32)
-    outs = [ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+    outs = [dec.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                        case.scale, num_splits=s) for s in (1, 2, 5, 12)]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], atol=1e-6, rtol=1e-6)
@@ -231,7 +234,7 @@ def test_decode_min_split_keys(min_keys):
     expected = ref.paged_decode_attention(q, k32, v32, case.block_tables, case.seq_lens, case.scale)
     case.seq_lens[-1] = 0  # now a padding row
     out = poisoned(q)
-    ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+    dec.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
                                out=out, num_splits=6, min_split_keys=min_keys)
     assert_close(out[:4], expected[:4], torch.float32)
     assert torch.equal(out[4], torch.zeros_like(out[4]))
@@ -239,10 +242,10 @@ def test_decode_min_split_keys(min_keys):
 
 def test_decode_split_plan():
     cpu = torch.device("cpu")  # 2 "SMs": a batch fills the CPU from 4 programs
-    assert ops.decode_split_plan(1, 1, 32768, cpu) == (4, 0)  # narrow: every sequence split, no minimum
-    assert ops.decode_split_plan(64, 8, 1024, cpu) == (1, ops.LONG_SPLIT_KEYS)  # wide and short: one slice
-    assert ops.decode_split_plan(64, 8, 16384, cpu) == (16384 // ops.LONG_SPLIT_KEYS, ops.LONG_SPLIT_KEYS)
-    assert ops.decode_split_plan(64, 8, 10**7, cpu) == (64, ops.LONG_SPLIT_KEYS)  # at most 64 slices
+    assert dec.decode_split_plan(1, 1, 32768, cpu) == (4, 0)  # narrow: every sequence split, no minimum
+    assert dec.decode_split_plan(64, 8, 1024, cpu) == (1, dec.LONG_SPLIT_KEYS)  # wide and short: one slice
+    assert dec.decode_split_plan(64, 8, 16384, cpu) == (16384 // dec.LONG_SPLIT_KEYS, dec.LONG_SPLIT_KEYS)
+    assert dec.decode_split_plan(64, 8, 10**7, cpu) == (64, dec.LONG_SPLIT_KEYS)  # at most 64 slices
 
 
 # ---------------------------------------------------------------------------------- prefill
@@ -273,7 +276,7 @@ def test_prefill_matches_reference(name, dtype):
     case = PagedCase(seq_lens, hq, hkv, d, bs, dtype, seed=zlib.crc32(name.encode()) % 1000 + 1)
     q, qsl, starts = prefill_inputs(case, q_lens, 2, hq, d)
     out = poisoned(q)
-    got = ops.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens,
+    got = pre.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens,
                                       max(q_lens), case.scale, window=window, out=out)
     assert got is out
     k32, v32 = case.float_caches()
@@ -294,7 +297,7 @@ def test_split_kv_prefill_matches_reference(name, num_splits):
     case = PagedCase(seq_lens, hq, hkv, d, bs, torch.float32, seed=zlib.crc32(name.encode()) % 1000 + 7)
     q, qsl, starts = prefill_inputs(case, q_lens, 2, hq, d)
     out = poisoned(q)
-    ops.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens,
+    pre.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens,
                                 max(q_lens), case.scale, window=window, out=out, num_splits=num_splits)
     k32, v32 = case.float_caches()
     expected = ref.paged_prefill_attention(q.float(), k32, v32, case.block_tables, qsl, case.seq_lens,
@@ -306,16 +309,16 @@ def test_split_kv_prefill_matches_reference(name, num_splits):
 
 def test_prefill_num_splits_fills_the_gpu_only_when_needed():
     cpu = torch.device("cpu")  # 2 "SMs" there: a target of 4 programs
-    assert ops.prefill_num_splits(64, 4096, cpu) == 1  # enough programs
-    assert ops.prefill_num_splits(1, 4096, cpu) == 4
-    assert ops.prefill_num_splits(1, 1000, cpu) == 1  # keys too few to split (512 per split at least)
-    assert ops.prefill_num_splits(1, 0, cpu) == 1  # no context bound given
+    assert pre.prefill_num_splits(64, 4096, cpu) == 1  # enough programs
+    assert pre.prefill_num_splits(1, 4096, cpu) == 4
+    assert pre.prefill_num_splits(1, 1000, cpu) == 1  # keys too few to split (512 per split at least)
+    assert pre.prefill_num_splits(1, 0, cpu) == 1  # no context bound given
 
 
 def test_prefill_bf16_under_the_interpreter_and_default_out():
     case = PagedCase([24, 18], 4, 2, 32, 16, torch.bfloat16, seed=21)
     q, qsl, starts = prefill_inputs(case, [10, 18], 0, 4, 32)
-    out = ops.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens, 18,
+    out = pre.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens, 18,
                                       case.scale, window=13)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     k32, v32 = case.float_caches()
@@ -336,9 +339,9 @@ def test_write_then_attend_round_trip():
     table = torch.tensor([[3, 1, 0]], dtype=torch.int32)
     pos = torch.arange(n)
     slots = table[0, pos // bs].long() * bs + pos % bs
-    ops.reshape_and_cache(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
+    kvw.reshape_and_cache(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
     i32 = {"dtype": torch.int32, "device": DEVICE}
-    out = ops.paged_prefill_attention(q.to(DEVICE), k_cache, v_cache, table.to(DEVICE), torch.tensor([0, n], **i32),
+    out = pre.paged_prefill_attention(q.to(DEVICE), k_cache, v_cache, table.to(DEVICE), torch.tensor([0, n], **i32),
                                       torch.tensor([n], **i32), n, d**-0.5)
     expected = naive_attention(q, k, v, list(range(n)), d**-0.5, None)
     torch.testing.assert_close(out.cpu().double(), expected, atol=1e-5, rtol=1e-5)
@@ -380,7 +383,7 @@ def test_bad_inputs_raise_value_errors():
     case = PagedCase([5, 9], 4, 2, 16, 4, torch.float32, seed=51)
     q = case.randn(2, 4, 16)
     kc, vc, bt, sl = case.k_cache, case.v_cache, case.block_tables, case.seq_lens
-    decode = ops.paged_decode_attention
+    decode = dec.paged_decode_attention
     cases = [
         (lambda: decode(q[0], kc, vc, bt, sl, 1.0), "q must be"),
         (lambda: decode(case.randn(2, 3, 16), kc, vc, bt, sl, 1.0), "multiple"),
@@ -393,13 +396,13 @@ def test_bad_inputs_raise_value_errors():
         (lambda: decode(q, kc, vc, bt, sl, 1.0, num_splits=0), "num_splits"),
         (lambda: decode(q, kc, vc, bt, sl, 1.0, out=torch.empty(2, 4, 8)), "out must have shape"),
         (lambda: decode(q.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, bt, sl, 1.0), "contiguous"),
-        (lambda: ops.paged_prefill_attention(q, kc, vc, bt, torch.tensor([0, 1], dtype=torch.int32), sl, 1, 1.0),
+        (lambda: pre.paged_prefill_attention(q, kc, vc, bt, torch.tensor([0, 1], dtype=torch.int32), sl, 1, 1.0),
          "seq_lens must be"),
-        (lambda: ops.paged_prefill_attention(q, kc, vc, bt, torch.tensor([0, 1, 2]), sl, 1, 1.0),
+        (lambda: pre.paged_prefill_attention(q, kc, vc, bt, torch.tensor([0, 1, 2]), sl, 1, 1.0),
          "query_start_loc must be int32"),
-        (lambda: ops.reshape_and_cache(q[:, :2], q[:, :2], kc, vc, torch.tensor([0, 1], dtype=torch.int32)),
+        (lambda: kvw.reshape_and_cache(q[:, :2], q[:, :2], kc, vc, torch.tensor([0, 1], dtype=torch.int32)),
          "slot_mapping must be int64"),
-        (lambda: ops.reshape_and_cache(q, q, kc, vc, torch.tensor([0, 1])), "key heads"),
+        (lambda: kvw.reshape_and_cache(q, q, kc, vc, torch.tensor([0, 1])), "key heads"),
     ]
     for fn, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -410,10 +413,10 @@ def test_empty_batches_are_no_ops():
     case = PagedCase([5], 2, 2, 16, 4, torch.float32, seed=52)
     q = case.randn(0, 2, 16)
     empty_i32 = torch.zeros(0, dtype=torch.int32)
-    out = ops.paged_decode_attention(q, case.k_cache, case.v_cache, torch.zeros(0, 3, dtype=torch.int32), empty_i32,
+    out = dec.paged_decode_attention(q, case.k_cache, case.v_cache, torch.zeros(0, 3, dtype=torch.int32), empty_i32,
                                      1.0)
     assert out.shape == (0, 2, 16)
-    ops.reshape_and_cache(q[:, :2], q[:, :2], case.k_cache, case.v_cache, torch.zeros(0, dtype=torch.int64))
+    kvw.reshape_and_cache(q[:, :2], q[:, :2], case.k_cache, case.v_cache, torch.zeros(0, dtype=torch.int64))
 
 
 def test_runtime_ints_are_not_specialized():
@@ -421,19 +424,19 @@ def test_runtime_ints_are_not_specialized():
     def names(kernel):  # JITFunction and the interpreter's InterpretedFunction keep them differently
         return set(getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"])
 
-    assert {"stride_bt", "num_splits", "min_split_keys", "window"} <= names(ops._paged_decode_kernel)
-    assert {"stride_bt", "window"} <= names(ops._paged_prefill_kernel)
+    assert {"stride_bt", "num_splits", "min_split_keys", "window"} <= names(dec._paged_decode_kernel)
+    assert {"stride_bt", "window"} <= names(pre._paged_prefill_kernel)
 
 
 def test_auto_num_splits():
     cpu = torch.device("cpu")
-    assert ops.decode_num_splits(64, 8, 4096, cpu) == 1  # enough programs already
-    assert ops.decode_num_splits(1, 1, 32768, cpu) == 4  # 2 x "2 SMs" on the CPU
-    assert ops.decode_num_splits(1, 1, 100, cpu) == 2  # no more slices than max_context holds of 64 keys
-    assert ops.decode_num_splits(1, 1, 129, cpu) == 3 and ops.decode_num_splits(1, 1, 64, cpu) == 1
+    assert dec.decode_num_splits(64, 8, 4096, cpu) == 1  # enough programs already
+    assert dec.decode_num_splits(1, 1, 32768, cpu) == 4  # 2 x "2 SMs" on the CPU
+    assert dec.decode_num_splits(1, 1, 100, cpu) == 2  # no more slices than max_context holds of 64 keys
+    assert dec.decode_num_splits(1, 1, 129, cpu) == 3 and dec.decode_num_splits(1, 1, 64, cpu) == 1
 
 
-@pytest.mark.skipif(not ops.INTERPRET, reason="the CPU smoke run needs the Triton interpreter")
+@pytest.mark.skipif(not INTERPRET, reason="the CPU smoke run needs the Triton interpreter")
 def test_benchmark_smoke(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import paged_attention
@@ -503,7 +506,7 @@ def test_gpu_decode_real_shapes(head_dim, group, block_size):
     k32, v32 = case.float_caches()
     for window, splits in ((None, None), (None, 4), (512, None)):
         out = poisoned(q)
-        ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+        dec.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
                                    window=window, out=out, num_splits=splits)
         expected = ref.paged_decode_attention(q.float(), k32, v32, case.block_tables, case.seq_lens, case.scale,
                                               window=window)
@@ -520,7 +523,7 @@ def test_gpu_decode_long_contexts(head_dim, group, window):
     q = gpu_randn(case, len(seq_lens), hkv * group, head_dim)
     k32, v32 = case.float_caches()
     out = poisoned(q)
-    ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+    dec.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
                                window=window, out=out)
     expected = ref.paged_decode_attention(q.float(), k32, v32, case.block_tables, case.seq_lens, case.scale,
                                           window=window)
@@ -545,7 +548,7 @@ def test_gpu_prefill_real_shapes(head_dim, group, block_size):
     k32, v32 = case.float_caches()
     for window in (None, 256):
         out = poisoned(q)
-        ops.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens,
+        pre.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens,
                                     max(q_lens), case.scale, window=window, out=out)
         expected = ref.paged_prefill_attention(q.float(), k32, v32, case.block_tables, qsl, case.seq_lens,
                                                max(q_lens), case.scale, window=window)
@@ -561,13 +564,13 @@ def test_gpu_float32_is_ieee_not_tf32():
     case = gpu_case([3000, 517], 8, 2, 128, 16, seed=99, dtype=torch.float32)
     q = gpu_randn(case, 2, 8, 128)
     k64, v64 = case.float_caches(torch.float64)
-    out = ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+    out = dec.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
                                      num_splits=3)
     expected = ref.paged_decode_attention(q.double(), k64, v64, case.block_tables, case.seq_lens, case.scale)
     assert rel_err(out, expected) < 1e-5
     qsl = torch.tensor([0, 600, 917], dtype=torch.int32, device="cuda")
     qp = gpu_randn(case, 917, 8, 128)
-    out = ops.paged_prefill_attention(qp, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens, 600,
+    out = pre.paged_prefill_attention(qp, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens, 600,
                                       case.scale)
     expected = ref.paged_prefill_attention(qp.double(), k64, v64, case.block_tables, qsl, case.seq_lens, 600,
                                            case.scale)
@@ -585,7 +588,7 @@ def test_gpu_reshape_and_cache():
     k1 = torch.randn(nb, bs, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
     v1 = torch.randn(nb, bs, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
     k2, v2 = k1.clone(), v1.clone()
-    ops.reshape_and_cache(key, value, k1, v1, slots)
+    kvw.reshape_and_cache(key, value, k1, v1, slots)
     ref.reshape_and_cache(key, value, k2, v2, slots)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
@@ -604,7 +607,7 @@ def test_gpu_no_recompilation_across_batches_widths_and_splits():
         q = gpu_randn(case, b, hq, d)
         table = torch.zeros(b, w, dtype=torch.int32, device="cuda")
         table[:, :min(w, big.shape[1])] = big[:b, :w]
-        ops.paged_decode_attention(q, case.k_cache, case.v_cache, table, case.seq_lens[:b], case.scale,
+        dec.paged_decode_attention(q, case.k_cache, case.v_cache, table, case.seq_lens[:b], case.scale,
                                    window=window, num_splits=splits)
 
     def prefill(b, w, q_len, window=None):
@@ -612,13 +615,13 @@ def test_gpu_no_recompilation_across_batches_widths_and_splits():
         q = gpu_randn(case, b * q_len + 3, hq, d)
         table = torch.zeros(b, w, dtype=torch.int32, device="cuda")
         table[:, :min(w, big.shape[1])] = big[:b, :w]
-        ops.paged_prefill_attention(q, case.k_cache, case.v_cache, table, qsl, case.seq_lens[:b], q_len,
+        pre.paged_prefill_attention(q, case.k_cache, case.v_cache, table, qsl, case.seq_lens[:b], q_len,
                                     case.scale, window=window)
 
     decode(2, 10, 1)
     decode(2, 10, 2)  # both store paths of the decode kernel (the split one merges in the kernel)
     prefill(2, 10, 30)
-    kernels = (ops._paged_decode_kernel, ops._paged_prefill_kernel)
+    kernels = (dec._paged_decode_kernel, pre._paged_prefill_kernel)
     before = [compiled_variants(k) for k in kernels]
     for b, w, splits, window in ((1, 7, 1, None), (8, 16, 3, 50), (5, 33, 1, 1), (3, 64, 16, 17), (7, 9, None, None)):
         decode(b, w, splits, window)
@@ -648,11 +651,11 @@ def test_gpu_split_decode_merges_the_same_result_every_launch():
     case = gpu_case(seq_lens, 32, 8, 128, 16, seed=91)
     q = gpu_randn(case, len(seq_lens), 32, 128)
     k32, v32 = case.float_caches()
-    first = ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+    first = dec.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
                                        num_splits=48)
     expected = ref.paged_decode_attention(q.float(), k32, v32, case.block_tables, case.seq_lens, case.scale)
     assert rel_err(first, expected) < 1e-2
     for _ in range(200):
-        out = ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+        out = dec.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                          case.scale, num_splits=48)
         assert torch.equal(out, first)

@@ -89,7 +89,7 @@ def test_copier_round_trip_moves_every_layer_of_a_block(block_major):
 def test_triton_kernels_read_and_write_the_block_major_cache():
     """The Triton write and attention kernels take the cache's strides: on a block-major layer view
     (interpreted on the CPU) they give exact attention over the raw K/V, and write only their slots."""
-    from infer.attention import triton_ops as ops
+    from infer.kernels import decode_attention, kv_cache_write, prefill_attention
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(31)
@@ -102,18 +102,20 @@ def test_triton_kernels_read_and_write_the_block_major_cache():
     table = torch.tensor([[3, 1, 0]], dtype=torch.int32)
     pos = torch.arange(n)
     slots = table[0, pos // bs].long() * bs + pos % bs
-    ops.reshape_and_cache(k.float().to(dev), v.float().to(dev), k_cache, v_cache, slots.to(dev))
+    kv_cache_write.reshape_and_cache(k.float().to(dev), v.float().to(dev), k_cache, v_cache,
+                                     slots.to(dev))
     assert torch.isnan(kv.blocks[:, :, [0, 2]]).all() and torch.isnan(kv.blocks[2]).all()  # other layers, block 2
     i32 = {"dtype": torch.int32, "device": dev}
-    out = ops.paged_prefill_attention(q.float().to(dev), k_cache, v_cache, table.to(dev), torch.tensor([0, n], **i32),
-                                      torch.tensor([n], **i32), n, d**-0.5)
+    out = prefill_attention.paged_prefill_attention(q.float().to(dev), k_cache, v_cache, table.to(dev),
+                                                    torch.tensor([0, n], **i32), torch.tensor([n], **i32), n,
+                                                    d**-0.5)
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
         attn_mask=causal, scale=d**-0.5).transpose(0, 1)
     torch.testing.assert_close(out.cpu().double(), expected, atol=1e-5, rtol=1e-5)
-    dec = ops.paged_decode_attention(q[-1:].float().to(dev), k_cache, v_cache, table.to(dev),
-                                     torch.tensor([n], **i32), d**-0.5)
+    dec = decode_attention.paged_decode_attention(q[-1:].float().to(dev), k_cache, v_cache, table.to(dev),
+                                                  torch.tensor([n], **i32), d**-0.5)
     torch.testing.assert_close(dec.cpu().double(), expected[-1:], atol=1e-5, rtol=1e-5)
 
 

@@ -292,9 +292,9 @@ def _splitmix_uniform(seed: int, step: int, v: int) -> float:
 def test_random_uniform_matches_its_definition_across_row_slices(monkeypatch, slice_elements):
     """The CPU path hashes a few rows at a time in reused buffers (7 elements: rows one or two at a
     time); every value equals the definition computed with Python integers."""
-    import infer.sampling.sampler as sampler_mod
+    import infer.sampling.rng as rng_mod
 
-    monkeypatch.setattr(sampler_mod, "_CPU_SLICE_ELEMENTS", slice_elements)
+    monkeypatch.setattr(rng_mod, "_CPU_SLICE_ELEMENTS", slice_elements)
     seeds = torch.tensor([0, 1, -5, 2**62, 12345], dtype=torch.int64)
     steps = torch.tensor([0, 7, 3, 10**12, 1], dtype=torch.int64)
     u = random_uniform(seeds, steps, 3)
@@ -307,7 +307,7 @@ def test_sample_from_probs_truncated_rows_race_only_their_candidates(kept):
     """Rows truncated to a few tokens (the CPU races only those, up to V / 16 = 3,072 here) draw
     exactly what the race over the whole vocabulary draws, for many seeds; equal probabilities
     included (ties go to the lowest id either way)."""
-    from infer.sampling.sampler import _random_uniform_at
+    from infer.sampling.rng import _random_uniform_at
 
     torch.manual_seed(kept)
     b, v = 64, 49_152

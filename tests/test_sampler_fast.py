@@ -23,7 +23,7 @@ from infer.sampling import (
     sample_from_probs,
     sample_reference,
 )
-from infer.sampling.sampler import triton_usable
+from infer.sampling.metadata import triton_usable
 from infer.sampling.triton_sampler import (
     argmax_logprob,
     argmax_lse,
@@ -399,9 +399,9 @@ def test_from_params_flags_and_packing():
 
 
 def test_from_params_rejects_triton_without_interpreter(monkeypatch):
-    import infer.sampling.sampler as sampler_mod
+    import infer.sampling.metadata as metadata_mod
 
-    monkeypatch.setattr(sampler_mod, "triton_usable", lambda device: False)
+    monkeypatch.setattr(metadata_mod, "triton_usable", lambda device: False)
     with pytest.raises(ValueError, match="use_triton=True"):
         build([SamplingParams()], 10, use_triton=True)
 
@@ -505,7 +505,7 @@ _TOP_K_INDEX = 9_031_885
 
 
 def test_uniforms_stay_below_one_at_the_top_24_bit_value():
-    from infer.sampling.sampler import random_uniform
+    from infer.sampling.rng import random_uniform
 
     u = random_uniform(torch.tensor([0]), torch.tensor([0]), _TOP_K_INDEX + 1)[0]
     assert u[_TOP_K_INDEX].item() == 1.0 - 2.0**-24  # the clamp: the largest float32 below 1

@@ -19,7 +19,7 @@ from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.errors import InvalidRequestError
 from infer.sampling import SamplingParams, SamplingTensors, sample, sample_reference
-from infer.sampling.sampler import triton_usable
+from infer.sampling.metadata import triton_usable
 from infer.sampling.structured import (
     GuideMasks,
     IndexCache,

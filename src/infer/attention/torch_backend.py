@@ -2,7 +2,7 @@
 
 The same code serves the contiguous and the paged cache: decodes are one batched SDPA over
 rows (the cache's own rows, or each sequence's blocks gathered into one), prefills one SDPA
-each. (:mod:`infer.attention.paged_reference` holds the plain-PyTorch twins of the Triton
+each. (:mod:`infer.kernels.attention_reference` holds the plain-PyTorch twins of the Triton
 kernels, for their tests; :func:`paged_attention` dispatches a step to such a pair.)
 For each sequence of the flattened batch it reads the sequence's context (from the KV cache,
 or the step's own K/V when there is no cache) and attends with an explicit
@@ -158,7 +158,7 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     """Attention of one step over one layer's paged cache: decodes, then prefills.
 
     The model runner puts the ``meta.num_decodes`` decode sequences first, so their queries are
-    ``q[:num_decodes]`` and go to ``decode_fn`` (:func:`~infer.attention.paged_reference.
+    ``q[:num_decodes]`` and go to ``decode_fn`` (:func:`~infer.kernels.attention_reference.
     paged_decode_attention` or its Triton twin) in one call; the remaining sequences (prefills,
     with or without a cached prefix) go to ``prefill_fn`` in one call.
 
@@ -257,7 +257,7 @@ class TorchAttentionBackend:
       :func:`sdpa_attention` each over their row.
     * Paged cache: the same, after gathering each decode sequence's blocks into a row (the slots
       are computed once per step from the block tables and shared by the layers); prefills read
-      their context through :meth:`KVCache.read`. :mod:`infer.attention.paged_reference` holds
+      their context through :meth:`KVCache.read`. :mod:`infer.kernels.attention_reference` holds
       the plain-PyTorch twins of the Triton kernels, same signatures, for the kernel tests.
     """
 

@@ -1,11 +1,14 @@
-"""Attention through the Triton kernels of :mod:`infer.attention.triton_ops` (the CUDA default).
+"""Attention through the Triton kernels of :mod:`infer.kernels` (the CUDA default).
 
 The same steps as the plain-PyTorch backend, each one kernel launch per layer:
 
-1. ``reshape_and_cache``: scatter the step's new K/V into their cache slots;
-2. ``paged_decode_attention``: the step's decode sequences (first in the batch), split-KV;
-3. ``paged_prefill_attention``: the remaining sequences, variable-length, reading any cached
-   prefix from the blocks (split over the keys too, when a few new tokens meet a long prefix).
+1. ``reshape_and_cache`` (:mod:`infer.kernels.kv_cache_write`): scatter the step's new K/V into
+   their cache slots;
+2. ``paged_decode_attention`` (:mod:`infer.kernels.decode_attention`): the step's decode sequences
+   (first in the batch), split-KV;
+3. ``paged_prefill_attention`` (:mod:`infer.kernels.prefill_attention`): the remaining sequences,
+   variable-length, reading any cached prefix from the blocks (split over the keys too, when a few
+   new tokens meet a long prefix).
 
 The contiguous cache is a paged cache with one block per sequence, so the same kernels serve
 both. A cache-less forward (parity gate, memory profiling) uses the plain-PyTorch path.
@@ -29,9 +32,12 @@ class TritonAttentionBackend:
     cache_write_in_rope = True
 
     def __init__(self, device: torch.device | str) -> None:
-        from infer.attention import triton_ops  # imports triton
+        # these import triton
+        from infer.kernels import decode_attention, kv_cache_write, prefill_attention
 
-        self.ops = triton_ops
+        self.kv_cache_write = kv_cache_write
+        self.decode_attention = decode_attention
+        self.prefill_attention = prefill_attention
         self.device = torch.device(device)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -48,7 +54,7 @@ class TritonAttentionBackend:
             return cacheless_attention(q, k, v, meta, scale, window)
         k_cache, v_cache = cache.layer(layer_idx)
         if not kv_written:
-            self.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            self.kv_cache_write.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         # flash-decoding split plan: once per step and window size, from host numbers only (no sync)
         key = ("decode_fn", window)
         decode = meta.scratch.get(key)
@@ -56,10 +62,10 @@ class TritonAttentionBackend:
             max_len = max(meta.seq_lens_cpu[: meta.num_decodes])
             if window is not None:
                 max_len = min(max_len, window)
-            splits, min_keys = self.ops.decode_split_plan(meta.decode_split_batch or meta.num_decodes, k.shape[1],
-                                                          max_len, self.device)
-            decode = meta.scratch[key] = functools.partial(self.ops.paged_decode_attention, num_splits=splits,
-                                                           min_split_keys=min_keys)
+            splits, min_keys = self.decode_attention.decode_split_plan(
+                meta.decode_split_batch or meta.num_decodes, k.shape[1], max_len, self.device)
+            decode = meta.scratch[key] = functools.partial(self.decode_attention.paged_decode_attention,
+                                                           num_splits=splits, min_split_keys=min_keys)
         # extends split their keys too when they are few programs over long contexts (also from host
         # numbers: under a CUDA graph, the capture's context bound)
         key = ("prefill_fn", window)
@@ -68,5 +74,6 @@ class TritonAttentionBackend:
             ctx = max(meta.seq_lens_cpu[meta.num_decodes:], default=0)
             if window is not None:
                 ctx = min(ctx, window + meta.max_query_len)
-            prefill = meta.scratch[key] = functools.partial(self.ops.paged_prefill_attention, max_context=ctx)
+            prefill = meta.scratch[key] = functools.partial(self.prefill_attention.paged_prefill_attention,
+                                                            max_context=ctx)
         return paged_attention(q, k_cache, v_cache, meta, scale, window, decode, prefill)

@@ -63,7 +63,7 @@ rows have slot -1 (no K/V written) and are not passed to the attention.
 
 Other steps (wider than the largest bucket, or with the buckets off) run eagerly. Sampling
 runs eagerly after the replay, on the graph's logits: its randomness comes from each
-sequence's own ``(seed, step)`` counter (:mod:`infer.sampling.sampler`), so no random state is
+sequence's own ``(seed, step)`` counter (:mod:`infer.sampling.rng`), so no random state is
 frozen into a graph and replaying never repeats the same draws.
 """
 

@@ -1,5 +1,10 @@
 """Every kernel of the engine, each beside its plain-PyTorch reference (the tests compare the two).
 
+* Paged attention (phase 5): :mod:`.kv_cache_write` (the cache write, ``reshape_and_cache``),
+  :mod:`.decode_attention` (PagedAttention + flash-decoding: split-KV, its merge and split plan),
+  :mod:`.prefill_attention` (variable-length extend attention), and :mod:`.attention_reference`, their
+  plain-PyTorch twins. The interface a model calls (``AttentionMetadata``, ``KVCache``, the backends)
+  stays in :mod:`infer.attention`, which imports these modules (never the reverse).
 * Fused decoder-layer operations (phase 8, ``EngineConfig.fused_kernels``): :mod:`.fused_triton`
   (Triton) and :mod:`.fused_reference` (plain PyTorch, what runs on the CPU), the same functions with
   the same signatures; :mod:`.skinny_gemm`, the one-row projections of batch-1 decode.

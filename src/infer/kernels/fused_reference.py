@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.kernels.activations import ACTIVATION_NAMES
+from infer.kernels.attention_reference import reshape_and_cache
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache",
            "ACTIVATION_NAMES", "linear", "linear_residual", "add_rms_norm", "add_rms_norm_linear"]
@@ -207,7 +208,7 @@ def qk_norm_rope(
         eps, unit_offset: as in :func:`rms_norm`.
         kv_cache: ``(k_cache, v_cache)``, one layer's ``[num_blocks, block_size, num_kv_heads,
             head_dim]`` in ``qkv``'s dtype: the rotated k and the v of token ``t`` are stored at flat
-            slot ``slot_mapping[t]`` (:func:`infer.attention.paged_reference.reshape_and_cache`; the
+            slot ``slot_mapping[t]`` (:func:`infer.kernels.attention_reference.reshape_and_cache`; the
             Triton kernel does it in the same launch, as vLLM's and SGLang's fused RoPE kernels do).
         slot_mapping: int64 ``[T]`` with ``kv_cache``; negative slots are skipped (padding).
 
@@ -242,8 +243,6 @@ def qk_norm_rope(
     torch.add(c, e, out=qk[..., half:])
     q, k, v = heads[:, :hq], heads[:, hq:h], heads[:, h:]
     if kv_cache is not None:
-        from infer.attention.paged_reference import reshape_and_cache
-
         check_cache_write(qkv, kv_cache, slot_mapping, num_kv_heads, head_dim)
         reshape_and_cache(k, v, *kv_cache, slot_mapping)
     return q, k, v

@@ -328,7 +328,7 @@ def qk_norm_rope(
         kv_cache: ``(k_cache, v_cache)``, one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``
             in qkv's dtype (strided blocks allowed, last dimension contiguous): the rotated k and the v of
             token ``t`` are stored at slot ``slot_mapping[t]``, as
-            :func:`infer.attention.triton_ops.reshape_and_cache` would (vLLM and SGLang fuse the same
+            :func:`infer.kernels.kv_cache_write.reshape_and_cache` would (vLLM and SGLang fuse the same
             write into their RoPE kernels). ``None``: the cache is not touched.
         slot_mapping: int64 ``[T]`` with ``kv_cache``; negative slots are skipped (padding).
 

@@ -17,7 +17,7 @@ projection at batch 1 the independent work is most of it: the weights are never 
 tile of the weight matrix is loaded before the wait and the load overlaps the previous kernel's tail
 (:mod:`infer.kernels.skinny_gemm`); the decode attention reads the sequence's length (written by the host
 only), plans its split and lets its unused programs exit before the wait
-(:mod:`infer.attention.triton_ops`); the QK norm + RoPE loads the token's position, cache slot, cos/sin
+(:mod:`infer.kernels.decode_attention`); the QK norm + RoPE loads the token's position, cache slot, cos/sin
 row and norm weights before it, and the RMSNorm kernels their weight (:mod:`infer.kernels.fused_triton`);
 the activation kernel just waits at its start and gains the overlap of its launch. TensorRT-LLM,
 FlashInfer and SGLang's kernels use the same two instructions; CUTLASS's example 63 prefetches weights the

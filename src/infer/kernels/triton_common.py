@@ -6,6 +6,10 @@
 * :func:`silu_or_gelu_tanh`: SiLU or tanh-GELU in float32 (the gated MLP's activation).
 * :func:`manual_bf16`, :func:`num_warps_for`, :func:`check_launchable`, :func:`sm_count`: host-side
   choices every launcher makes the same way.
+* :func:`check_paged_cache`, :func:`check_query`, :func:`check_index`, :func:`check_window`,
+  :func:`check_out`, :func:`unused_buffer`, :data:`LOG2E`, :data:`NO_WINDOW`: what the paged-cache
+  kernels (:mod:`infer.kernels.kv_cache_write`, :mod:`infer.kernels.decode_attention`,
+  :mod:`infer.kernels.prefill_attention`) check and share.
 
 Importing this module works on any machine (it launches nothing).
 """
@@ -102,3 +106,117 @@ def sm_count(device: torch.device) -> int:
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# ============================================================================ the paged-cache kernels
+
+# What the launchers of the paged-cache kernels (infer.kernels.kv_cache_write, .decode_attention and
+# .prefill_attention) share: their input checks, two constants and a placeholder buffer.
+
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: qk_scale = scale * log2(e), exp2 for exp
+NO_WINDOW = 1 << 30  # "no sliding window": farther back than any context
+
+
+@functools.cache
+def unused_buffer(device: torch.device) -> torch.Tensor:
+    """A float32 scratch tensor for a pointer argument a launch does not use (the split partials of an
+    unsplit launch): float32 like the real ones, so that it compiles no new variant."""
+    return torch.empty(16, dtype=torch.float32, device=device)
+
+
+def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Check a layer's paged cache: ``k_cache`` and ``v_cache`` of shape ``[num_blocks, block_size,
+    num_kv_heads, head_dim]``, the same shape, dtype (float32, float16 or bfloat16), device and strides,
+    the last dimension contiguous.
+
+    Raises:
+        ValueError: any of these does not hold.
+    """
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}")
+    if v_cache.device != k_cache.device:
+        raise ValueError(f"v_cache is on {v_cache.device}, k_cache on {k_cache.device}")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache and v_cache must have the same strides ({k_cache.stride()} vs "
+                         f"{v_cache.stride()})")
+    if k_cache.shape[3] > 1 and k_cache.stride(3) != 1:
+        raise ValueError(f"k_cache/v_cache must have a contiguous last dimension (strides {k_cache.stride()})")
+    if k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"cache dtype must be float32, float16 or bfloat16, got {k_cache.dtype}")
+
+
+def check_query(q: torch.Tensor, k_cache: torch.Tensor, name: str) -> tuple[int, int, int, int]:
+    """Check ``q`` (called ``name`` in the messages) against the cache: ``[tokens, num_heads, head_dim]``,
+    the cache's head_dim, dtype and device, ``num_heads`` a multiple of its KV heads, the last dimension
+    contiguous. Returns ``(tokens, num_heads, num_kv_heads, head_dim)``.
+
+    Raises:
+        ValueError: any of these does not hold.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"{name} must be [tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if d != k_cache.shape[3]:
+        raise ValueError(f"{name} head_dim {d} differs from the cache's {k_cache.shape[3]}")
+    if hq % hkv != 0:
+        raise ValueError(f"{name} has {hq} heads, not a multiple of the cache's {hkv} KV heads")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"{name} dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
+    if q.device != k_cache.device:
+        raise ValueError(f"{name} is on {q.device}, the cache on {k_cache.device}")
+    if d > 1 and q.stride(2) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (strides {q.stride()})")
+    return n, hq, hkv, d
+
+
+def check_index(x: torch.Tensor, name: str, k_cache: torch.Tensor) -> None:
+    """Check an index tensor (block tables, sequence lengths, query offsets): int32, on the cache's
+    device, its rows contiguous.
+
+    Raises:
+        ValueError: any of these does not hold.
+    """
+    if x.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {x.dtype}")
+    if x.device != k_cache.device:
+        raise ValueError(f"{name} is on {x.device}, the cache on {k_cache.device}")
+    if x.dim() == 2 and x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{name} rows must be contiguous (strides {x.stride()})")
+    if x.dim() == 1 and x.shape[0] > 1 and x.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (stride {x.stride()})")
+
+
+def check_window(window: int | None) -> None:
+    """Check a sliding window: a positive int (tokens), or None for none.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+
+
+def check_out(out: torch.Tensor | None, q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``out``, checked to be ``shape`` in q's dtype on q's device with a contiguous last dimension, or
+    a new ``torch.empty`` of that shape if None.
+
+    Raises:
+        ValueError: a given ``out`` that does not fit.
+    """
+    if out is None:
+        return torch.empty(shape, dtype=q.dtype, device=q.device)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+    if out.dtype != q.dtype:
+        raise ValueError(f"out dtype {out.dtype} differs from q's {q.dtype}")
+    if out.device != q.device:
+        raise ValueError(f"out is on {out.device}, q on {q.device}")
+    if shape[-1] > 1 and out.stride(-1) != 1:
+        raise ValueError(f"out must have a contiguous last dimension (strides {out.stride()})")
+    return out

@@ -1,7 +1,7 @@
 """Triton kernels of the sampler (phase 8): row statistics and the fused exponential race.
 
 The plain-PyTorch pipeline of :mod:`infer.sampling.sampler` makes many passes over the ``[B, V]``
-logits, and its counter-based random numbers (:func:`~infer.sampling.sampler.random_uniform`)
+logits, and its counter-based random numbers (:func:`~infer.sampling.rng.random_uniform`)
 materialise several ``[B, V]`` int64 tensors (8 bytes per element each, written and read back):
 at 256 rows x 151,936 vocabulary that is gigabytes of memory traffic per step. Two steps replace
 it, each splitting every row into tiles of ``BLOCK`` columns (one program per row and tile, so

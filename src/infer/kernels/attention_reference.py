@@ -1,10 +1,15 @@
-"""Plain-PyTorch versions of the paged-cache operations of :mod:`infer.attention.triton_ops`.
+"""Plain-PyTorch twins of the paged-cache kernels: the cache write, decode and prefill attention.
 
-Same signatures, same semantics: the tests compare each Triton kernel against the function of the
-same name here, and the CPU backend calls these for a paged cache. They gather each sequence's
-blocks through its block table with advanced indexing (``k_cache[block_table]``), mask, and run one
-``F.scaled_dot_product_attention``: the idea of PagedAttention (Kwon et al., SOSP 2023,
-arXiv:2309.06180) without its kernel, paying one copy of the context per call.
+Same signatures, same semantics as :func:`infer.kernels.kv_cache_write.reshape_and_cache`,
+:func:`infer.kernels.decode_attention.paged_decode_attention` and
+:func:`infer.kernels.prefill_attention.paged_prefill_attention`: the tests compare each Triton kernel
+against the function of the same name here, and the fused CPU forward writes its cache with
+:func:`reshape_and_cache` (:mod:`infer.kernels.fused_reference`). The attention functions gather
+each sequence's blocks through its block table with advanced indexing
+(``k_cache[block_table]``), mask, and run one ``F.scaled_dot_product_attention``: the idea of
+PagedAttention (Kwon et al., SOSP 2023, arXiv:2309.06180) without its kernel, paying one copy of the
+context per call. (:mod:`infer.kernels.fused_reference` and :mod:`infer.kernels.moe_reference` are
+the plain-PyTorch twins of the other kernels.)
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``; position ``p`` of a sequence is
 in block ``block_table[p // block_size]`` at offset ``p % block_size``.
