@@ -68,7 +68,7 @@ def test_the_step_and_every_route_handler_fit_on_one_screen():
     execute = next(fn for fn in _functions(runner) if fn.name == "execute")
     assert _length(execute) <= ONE_SCREEN
     handlers = []
-    for path in (SRC / "server").glob("*.py"):
+    for path in (SRC / "server").rglob("*.py"):
         for fn in _functions(ast.parse(path.read_text())):
             routes = [d for d in fn.decorator_list if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
                       and d.func.attr in ("get", "post", "put", "delete", "api_route")]
