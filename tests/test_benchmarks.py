@@ -451,3 +451,30 @@ def test_step_profile_stream_builds_every_requests_output_at_every_step(tmp_path
         assert row["label"].endswith(" stream (delta)") == stream and row["kv_blocks_leaked"] == 0
         calls[stream] = sum(f["calls_per_step"] for f in row["host_functions"] if f["function"].endswith("(make_output)"))
     assert calls == {False: 0, True: 4}
+
+
+# ---------------------------------------------------------------------------------- results plots
+
+
+def test_plot_results_reads_the_table_under_its_heading_and_plots_its_numbers(tmp_path):
+    import plot_results
+
+    results = tmp_path / "r.md"
+    results.write_text("# t\n\n## first\n\n| a | b |\n|---|---|\n| x | 9 |\n\n"
+                       "## decode\n- Command: `python benchmarks/x.py`\n\n"
+                       "| model | eager | graphs |\n|---|---|---|\n| `Qwen3-0.6B` | 3.33 ms | 0.935 ms |\n"
+                       "| Qwen3-4B | 7,650 | n/a |\n\nText after the table.\n\n## after\n")
+    header, rows = plot_results.read_table(results, "decode")
+    assert header == ["model", "eager", "graphs"]
+    assert rows == [["`Qwen3-0.6B`", "3.33 ms", "0.935 ms"], ["Qwen3-4B", "7,650", "n/a"]]
+    assert [plot_results.value(c) for c in ("3.33 ms", "7,650", "1.7x", "-2e-3", "n/a")] == [3.33, 7650.0, 1.7,
+                                                                                               -0.002, None]
+    with pytest.raises(ValueError, match="no '## missing' heading"):
+        plot_results.read_table(results, "missing")
+    with pytest.raises(ValueError, match="no table"):
+        plot_results.read_table(results, "after")
+    out = tmp_path / "p.png"
+    assert plot_results.main([str(results), "--table", "decode", "--y", "eager", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="not in the table"):  # "graphs" has a cell that is no number: not default
+        plot_results.plot(header, rows, ["speed"], None, "t", False, tmp_path / "q.png")
