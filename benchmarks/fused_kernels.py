@@ -25,9 +25,10 @@ launch overhead is left out: this is the device time a captured decode step pays
 data is tiny and the time is the kernels' latency (a few µs per launch), not bandwidth.
 
 Bandwidth: ``fused_gb_s`` = the bytes the fused op must move (each input read once, each output
-written once; listed per op in notes/fused_ops.md) / its time, and ``fused_frac`` that as a fraction
-of the device copy bandwidth (read + write) measured in the same run (``common.ceilings``). The
-reference and unfused columns are given as times and as speed-ups of the fused kernel over them.
+written once; per element in the table of docs/phases/08-fused-kernels.md) / its time, and
+``fused_frac`` that as a fraction of the device copy bandwidth (read + write) measured in the same run
+(``common.ceilings``). The reference and unfused columns are given as times and as speed-ups of the
+fused kernel over them.
 
 Writes ``fused_kernels.json`` (commit, hardware, versions, ceilings, every row) and
 ``fused_kernels.md`` (the table) into ``--out DIR`` (default ``benchmarks/runs/``). On the CPU (``--device cpu``, ``TRITON_INTERPRET=1``)
