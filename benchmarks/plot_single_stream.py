@@ -1,8 +1,8 @@
 """Plot single-stream reports: TPOT per engine per model, with the batch-1 decode floor marked.
 
-    python benchmarks/plot_single_stream.py benchmarks/reports/gpu-2026-11-22/single_qwen3-0.6b.json \\
-        benchmarks/reports/gpu-2026-11-22/single_qwen3-4b.json --out docs/img/single_stream_gpu.png
-    python benchmarks/plot_single_stream.py benchmarks/reports/cpu-2026-11-22/single_smollm2.json \\
+    python benchmarks/plot_single_stream.py benchmarks/runs/single_qwen3-0.6b.json \\
+        benchmarks/runs/single_qwen3-4b.json --out docs/img/single_stream_gpu.png
+    python benchmarks/plot_single_stream.py benchmarks/runs/single_stream.json \\
         --out docs/img/single_stream_cpu.png
 
 Reads one or more JSON reports written by ``benchmarks/single_stream.py --out`` and draws one

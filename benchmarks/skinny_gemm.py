@@ -19,7 +19,7 @@ the residual add + RMSNorm kernel, the projection (cuBLAS) and, for gate/up, the
 and the engine's two kernels (``two_kernels_us``: :func:`~infer.kernels.fused_triton.add_rms_norm_linear`
 itself, the norm's kernel, then the skinny GEMM with the activation in its epilogue). A chain of one
 projection times each kernel alone; which of them makes a faster decode step is measured in the engine
-(GPU run 33: the two kernels).
+(the two kernels).
 Writes the JSON report (environment, every row) to ``--out`` (default ``benchmarks/runs/skinny_gemm.json``),
 the Markdown table (``.md``) and a plot (``.png``: GB/s per projection at one row) beside it;
 ``--replot REPORT.json`` redraws the plot.

@@ -140,7 +140,7 @@ EXERCISES: dict[str, Exercise] = {
              "tests/test_server.py::test_graceful_shutdown_on_sigterm"),
             "Runs on the engine thread when a client goes away or the server shuts down. The request must "
             "leave the engine (its KV blocks freed), be counted as finished with finish_reason 'abort' "
-            "(look at how _step records finished requests), and whoever waits on its stream must get a "
+            "(look at how _deliver_step records finished requests), and whoever waits on its stream must get a "
             "final output, shaped as the request's output kind asks (the engine builds every output the "
             "same way). A request that already finished, or that nobody knows, needs nothing.",
             30, _engine("abort_request", "sampling_or_reject"),

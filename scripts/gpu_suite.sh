@@ -13,7 +13,7 @@
 # src/ (PYTHONPATH). Wheels of missing packages may be carried in .whl/ (see the device tool's
 # README); they are installed into /tmp/site without touching the image. The server section
 # needs fastapi, starlette, uvicorn, pydantic, pydantic-core, typing-inspection, annotated-types,
-# annotated-doc and opentelemetry-api (see benchmarks/reports/gpu-2026-11-22/NOTES.md).
+# annotated-doc and opentelemetry-api.
 #
 # What lands in $OUT (default: a new benchmarks/runs/gpu-suite-<date>-<time>/, ignored by git; the
 # device tool sets $OUT and brings back at most 8 files, so keep it few):
@@ -288,7 +288,7 @@ section_step_parallel() {
     local dense=${PARALLEL_DENSE:-qwen3-8b} base="batching=continuous,kv_cache=paged,fused_kernels=true,cuda_graphs=true"
     [ -d "$CKPT/$dense" ] || "$PY" scripts/make_synthetic_checkpoint.py "$dense" "$CKPT/$dense" || return 1
     # two requests of 128 prompt and 512 output tokens, one at a time: every timed step is a batch-1
-    # decode (run 17 used --scale 0.01 alone: outputs of a few tokens, so the window held prefills
+    # decode (--scale 0.01 alone gave outputs of a few tokens, so the window held prefills
     # and idle steps, and the profile saw no kernels)
     "$PY" benchmarks/step_profile.py --model "$CKPT/$dense" --device cuda --dtype bfloat16 --scale 0.01 \
         --num-requests 2 --min-len 128 --max-len 128 --min-output-len 512 --max-output-len 512 \

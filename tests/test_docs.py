@@ -16,6 +16,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
 PATH = re.compile(r"(?<![\w./-])((?:src/infer|tests|benchmarks|scripts|classroom)/[\w./*-]*[\w*])(::[\w\[\]\-.]+)?")
@@ -189,3 +191,63 @@ def test_the_checker_catches_stale_names():
     assert problems_in("`tests/test_paged.py::test_no_such_test`", names, params)
     assert not problems_in("`KVCache.read(layer_idx, block_table, length)` in `src/infer/attention/kv_cache.py`",
                            names, params)
+
+
+# ---------------------------------------------------------------------------------- pages teach
+
+PHASES = sorted((ROOT / "docs" / "phases").glob("[0-9][0-9]-*.md"))
+RESULTS = ROOT / "benchmarks" / "results"
+MAX_PAGE_LINES = 450
+SOURCE_LINK = re.compile(r"\]\((?:\.\./)+src/infer/[\w/]+\.py(?:#[\w-]+)?\)")
+
+
+def markdown_tables(text: str) -> list[str]:
+    """The Markdown tables of ``text`` (runs of lines starting with ``|``, header and rule included),
+    code blocks left out."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    found, rows = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            rows.append(line.rstrip())
+        else:
+            if len(rows) >= 3:
+                found.append("\n".join(rows))
+            rows = []
+    return found
+
+
+def measured_section(page: Path) -> str:
+    """The ``## Measured`` section of a phase page (empty if it has none: a planned phase)."""
+    parts = page.read_text().split("\n## Measured", 1)
+    return parts[1].split("\n## ", 1)[0] if len(parts) == 2 else ""
+
+
+def test_markdown_tables_are_found_whole_and_outside_code_blocks():
+    text = "a\n| h | i |\n|---|---|\n| 1 | 2 |\nb\n```\n| x | y |\n|---|---|\n| 3 | 4 |\n```\n| c |\n"
+    assert markdown_tables(text) == ["| h | i |\n|---|---|\n| 1 | 2 |"]
+
+
+@pytest.mark.parametrize("page", PHASES, ids=lambda p: p.stem)
+def test_phase_pages_are_lessons_not_lab_notebooks(page):
+    """At most 450 lines; a page that explains implemented code links to the modules it explains; no run
+    history (run numbers, the deleted run folders)."""
+    text = page.read_text()
+    assert len(text.splitlines()) <= MAX_PAGE_LINES, f"{page.name}: {len(text.splitlines())} lines"
+    if measured_section(page):  # an implemented phase
+        assert SOURCE_LINK.search(text), f"{page.name} links to no module under src/infer/"
+    assert "benchmarks/reports" not in text
+    assert not re.search(r"\brun \d+ call \d+\b|\bcall \d+ of run \d+\b", text), "run history belongs in commits"
+
+
+def test_every_measured_table_is_kept_with_its_provenance():
+    """Each table of docs/benchmarks.md and of a phase page's Measured section stands verbatim in a file
+    of benchmarks/results/, where its commit, hardware and command are recorded."""
+    kept = "\n".join(p.read_text() for p in RESULTS.glob("*.md"))
+    quoted = [("docs/benchmarks.md", t) for t in markdown_tables((ROOT / "docs" / "benchmarks.md").read_text())]
+    quoted += [(f"docs/phases/{p.name}", t) for p in PHASES for t in markdown_tables(measured_section(p))]
+    assert len(quoted) >= 20
+    missing = [f"{where}: {t.splitlines()[0][:90]}" for where, t in quoted if t not in kept]
+    assert missing == [], "tables not found verbatim in benchmarks/results/:\n" + "\n".join(missing)
+    for p in RESULTS.glob("[0-9]*.md"):
+        text = p.read_text()
+        assert "Commit" in text and "ommand" in text, f"{p.name} records no commit or command"

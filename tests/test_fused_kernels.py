@@ -320,7 +320,7 @@ def test_persistent_programs_only_for_the_measured_case():
                  (1, 2560, (2, 2048, 8, 0), False, True, cuda), (1, 2560, (2, 1024, 4, 0), False, False, cuda),
                  (1, 2560, (2, 2048, 8, 3), False, False, cuda)]:
         assert sk.persistent_programs(*args) == 0, args
-    assert not sk.x_ahead(0, 96, 1)  # a persistent grid keeps its own loop (x ahead was slower there, run 34)
+    assert not sk.x_ahead(0, 96, 1)  # a persistent grid keeps its own loop (x ahead was slower there)
     if torch.cuda.is_available():
         sms = sm_count(cuda)
         per_sm = sk.PERSISTENT_PROGRAMS_PER_SM

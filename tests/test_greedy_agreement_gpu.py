@@ -3,7 +3,7 @@
 In bfloat16 the fused kernels round differently from the unfused ops, so a near tie (the two best
 tokens within a few bf16 ulps) may flip and the continuations part; float32 must agree exactly
 (tests/test_benchmarks.py). This fails when the identical share drops below what was measured
-(benchmarks/reports/gpu-2026-11-23/run13-h200/NOTES.md) or when a divergence is not a near tie.
+or when a divergence is not a near tie.
 """
 
 from __future__ import annotations

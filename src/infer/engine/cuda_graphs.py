@@ -146,9 +146,9 @@ def stage_decodes(seqs: list, table_rows: BlockTableRows, block_size: int, h: np
     or with chunked prefill the last token of a prompt chunk of one), its context is ``p + 1`` keys and
     its slot ``table[p // block_size] * block_size + p % block_size``, read from the block-table rows
     ``table_rows`` keeps between steps. Per sequence this is the same as the general path's
-    ``ModelRunner._flatten`` and ``KVCache.slot_mapping`` (tested against them at every step), without
+    ``flatten`` (:mod:`infer.engine.step`) and ``KVCache.slot_mapping`` (tested against them at every step), without
     their per-token Python loops: 82 against 261 us at 256 sequences on the development CPU, 259 against
-    842 us on an H100 machine's host (run 23, the kept table rows' gather included in both). vLLM's
+    842 us on an H100 machine's host (the kept table rows' gather included in both). vLLM's
     persistent batch computes its slot mapping from a kept block table the same way.
 
     Returns:
@@ -505,7 +505,7 @@ class CUDAGraphRunner:
         lengths]`` (:attr:`packed`'s first ``4 * bs`` entries, the same addresses at every replay) into
         the static buffers, then the forward and the LM head of every row. The two copies are part of
         the graph: two launches fewer per step on the host (three such copies and the replay took 265 us
-        of an H100 machine's host time against 58 us for the replay alone, run 22 call 10)."""
+        of an H100 machine's host time against 58 us for the replay alone)."""
         self._ids_pos_slots[:, :bs].copy_(self.packed[: 3 * bs].view(3, bs))
         self.seq_lens[:bs].copy_(self.packed[3 * bs: 4 * bs])
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))

@@ -342,7 +342,7 @@ class ModelRunner:
                                 ) -> SamplingTensors:
         """``stateless``: no row has a penalty, a ``min_tokens`` ban or a guide, so no row needs a token
         history, a suppressed id or a bitmask (nothing per row to gather: 181 against 273 us at 256 rows on
-        the development CPU, 753 against 1,060 us on an H100 machine's host, run 23)."""
+        the development CPU, 753 against 1,060 us on an H100 machine's host)."""
         if stateless:
             return SamplingTensors.from_params(list(map(_PARAMS, seqs)), seeds=list(map(_SEED, seqs)),
                                                steps=list(map(_NUM_OUTPUT_TOKENS, seqs)), prompt_ids_list=None,

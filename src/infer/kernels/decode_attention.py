@@ -94,7 +94,7 @@ def _paged_decode_kernel(
     end = tl.minimum(start + keys_per_split, seq_len)
     # With PDL (infer.kernels.pdl) everything above runs while the previous kernel (the QK norm + RoPE that
     # writes q and this step's K and V) finishes: the sequence's length is written by the host only, and the
-    # programs past the used slices are gone before the wait. Measured on an H200 at batch 1 (run 26 call 7):
+    # programs past the used slices are gone before the wait. Measured on an H200 at batch 1:
     # Qwen3-4B 3.04 -> 2.99 ms per token against waiting first. Everything below reads what that kernel wrote.
     wait_for_previous(USE_PDL)
 
@@ -205,13 +205,13 @@ def _merge_splits(part_out_ptr, part_lse_ptr, first, row_mask, num_splits, offs_
 
     ``UNROLL`` > 0 (at least ``num_splits``): the loop is unrolled over ``UNROLL`` splits, those past
     ``num_splits`` masked off, so that every split's loads are in flight at once: one trip to L2 before
-    the arithmetic, not one per split. Measured in the engine on an H200 (GPU run 34, batch 1, every phase
+    the arithmetic, not one per split. Measured in the engine on an H200 (batch 1, every phase
     8-9 flag and ``pdl``, alternated), ms per token: Qwen3-4B 2.69 -> 2.67 (3 slices of its 5-split grid
     in use), Qwen3-0.6B 0.935 -> 0.932, unrolled over the grid's splits; unrolled over 8, what the decode
     kernel does (one compiled variant for every grid of 2-8 splits), Qwen3-4B 2.69 -> 2.67 again.
     ``UNROLL`` 0: a loop that loads the next split's partials before the current ones are used, a chain
     of ``num_splits`` dependent steps (for wide grids, whose unrolled code would be long). (Loading 16
-    splits in one tensor and reducing across them was slower on an H200, run 19: the cross-warp reductions
+    splits in one tensor and reducing across them was slower on an H200: the cross-warp reductions
     cost more than the dependent loads they save.)"""
     m = tl.full(first.shape, float("-inf"), dtype=tl.float32)
     total = tl.zeros(first.shape, dtype=tl.float32)
@@ -259,7 +259,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     an H100 (benchmarks/paged_attention.py --tune, Qwen3-4B shapes): batch 64 x 4k runs best unsplit
     (99% of the copy bandwidth; 2 splits 97%), batch 8 x 32k best with 4-8 splits (96-98%; unsplit 45%),
     batch 1 x 32k with 24-64 (74-80%; unsplit 6%). At batch-1 decode one-tile slices beat longer ones
-    (run 29, H100, ms per token, alternated): Qwen3-4B over 129-256 keys 3.43-3.44 -> 3.39-3.41 against two
+    (H100, ms per token, alternated): Qwen3-4B over 129-256 keys 3.43-3.44 -> 3.39-3.41 against two
     slices of up to 128 keys, what a 256-key minimum gave a 264-token ``max_model_len`` (one unsplit slice:
     3.45), over 1,025-1,152 keys 3.61 -> 3.58 against five of ~256; Qwen3-0.6B 1.06-1.07 -> 1.03-1.04. The
     merge costs less than the chain of dependent tile loads a longer slice waits on.
@@ -333,8 +333,8 @@ def paged_decode_attention(
     token's included, are already in the cache. The kernel walks the block table one key tile at a
     time (Kwon et al., SOSP 2023, arXiv:2309.06180), keeps a FlashAttention-2 online softmax per query
     head, serves all ``G = Hq / Hkv`` query heads of a KV head in one program (GQA: each K/V tile is
-    read once), and splits long contexts over several programs whose partial results a second kernel
-    merges by their log-sum-exp (flash-decoding, Dao et al. 2023).
+    read once), and splits long contexts over several programs whose partial results the last of them to
+    finish merges by their log-sum-exp, in the same launch (flash-decoding, Dao et al. 2023).
 
     Args:
         q: ``[B, Hq, D]`` (may be a row-slice view of a bigger tensor; last dimension contiguous).

@@ -479,7 +479,7 @@ def add_rms_norm_linear(
     Why not one kernel at one row: :func:`~infer.kernels.skinny_gemm.skinny_norm_linear` computes the
     norm in every program of the projection (thousands of times, each from the whole row), and at an
     H200's bandwidth that costs more than a small kernel's boundary under PDL. Measured in the engine,
-    batch 1, every phase 8-9 flag and ``pdl`` (GPU run 33, alternated in one call), ms per token: Qwen3-4B
+    batch 1, every phase 8-9 flag and ``pdl`` (alternated in one call), ms per token: Qwen3-4B
     2.79 -> 2.69 on an H200 and 3.36-3.37 -> 3.35 on an H100, Qwen3-0.6B 0.975 -> 0.941-0.944 (H200).
 
     Returns ``(y, residual)``; ``x`` and ``residual`` may be overwritten (the unfused path works in place).
@@ -491,7 +491,7 @@ def add_rms_norm_linear(
             and (residual is None or residual.stride(-1) == 1)):
         if residual is None:
             # Before gate/up (an activation), gate/up launches before the norm's wait: its programs are
-            # placed and load their first weight tiles while o still runs (GPU run 36, H200, ms per token:
+            # placed and load their first weight tiles while o still runs (H200, ms per token:
             # Qwen3-4B 2.625-2.627 -> 2.600, Qwen3-0.6B 0.863-0.864 -> 0.848-0.849). Before QKV it was slower
             # (2.70): QKV's one-warp programs are better placed after the down projection has finished.
             normed = _rms_norm(x, weight, eps, unit_offset, None, launch_next_early=activation is not None)

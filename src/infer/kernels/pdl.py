@@ -34,8 +34,8 @@ i.e. before N has completed. Where a small kernel sits between two large ones, t
 starts placing its programs and fetching its first weights only once the first has finished. The norm
 before the MLP's gate/up therefore uses :func:`launch_next_then_wait` instead (let the next kernel launch,
 then wait): gate/up's programs are placed while the o projection still runs. Measured on an H200 (GPU
-run 36, batch 1, ms per token): Qwen3-4B 2.625-2.627 -> 2.600, Qwen3-0.6B 0.863-0.864 -> 0.848-0.849. The
-same for the norm before QKV was slower (2.70), and running every kernel that way had been too (run 29).
+batch 1, ms per token): Qwen3-4B 2.625-2.627 -> 2.600, Qwen3-0.6B 0.863-0.864 -> 0.848-0.849. The
+same for the norm before QKV was slower (2.70), and running every kernel that way had been too.
 
 :func:`scope` turns it on for the kernels launched inside it (the model runner wraps every forward in
 it when the flag is set), :func:`launch_options` is what the kernel wrappers pass to a launch. It

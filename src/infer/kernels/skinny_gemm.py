@@ -82,7 +82,7 @@ def _store_outputs(acc, acc_u, offs_n, n_mask, offs_m, m_mask, b_ptr, add_ptr, y
         y = silu_or_gelu_tanh(g, ACT == 2) * round_to(up, dtype, MANUAL_BF16).to(tl.float32)
     if ADD:  # rounded as the unfused `linear(x) + residual` is: the product, then the sum. Loaded here, not
         # before the loop: held through it, the two values per program cost o and down 2.3 us per call on an
-        # H200 (run 27 call 2); here 0.2-0.3 us.
+        # H200; here 0.2-0.3 us.
         y = round_to(y, dtype, MANUAL_BF16).to(tl.float32) + tl.load(
             add_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :],
             mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
@@ -231,21 +231,21 @@ def default_config(m: int, n: int, k: int, act: bool = False, norm: bool = False
     and reduced once at the end. One row (what the engine uses): two outputs per program and 8 weights
     of each row per thread per step, i.e. many small programs, which spread the weight stream over every
     SM and start it soonest; longer steps along longer rows. These are the best tiles of
-    ``benchmarks/skinny_gemm.py --tune --pdl`` at Qwen3-4B's shapes on an H100 (run 24: 1.1-1.5x cuBLAS),
+    ``benchmarks/skinny_gemm.py --tune --pdl`` at Qwen3-4B's shapes on an H100 (1.1-1.5x cuBLAS),
     or within 3% of the best. After the norm (no activation) with rows of K >= 2,048 (QKV): a one-warp tile,
     (2, 256, 1), whose register loop loads x's next slice ahead (:func:`x_ahead`): 8 weights of each row per
-    thread per step, the most and smallest programs. Measured in the engine on an H200 (GPU run 34, Qwen3-4B,
+    thread per step, the most and smallest programs. Measured in the engine on an H200 (Qwen3-4B,
     ms per token, alternated): 2.67-2.68 -> 2.63-2.64 against the 8-output (8, 256, 8) it replaced (which
-    had been the best of three in run 33, when x was loaded at the top of each step: (2, 512, 2) 2.73,
+    had been the best of three when x was loaded at the top of each step: (2, 512, 2) 2.73,
     (4, 512, 4, 3) 2.71-2.72); (2, 512, 1) 2.71, (4, 256, 1) 2.67, (2, 512, 2) with x ahead 2.71. Qwen3-0.6B's
-    QKV of K = 1,024 keeps the plain tile (2, 512, 2) (0.941-0.944 against 0.950-0.951 at (8, 256, 8), run 33).
+    QKV of K = 1,024 keeps the plain tile (2, 512, 2) (0.941-0.944 against 0.950-0.951 at (8, 256, 8)).
     Not measured on an H100, nor on other models' QKV. More rows: BLOCK_K shrinks.
 
     STAGES: one tile ahead in registers (0) everywhere but the weights of :data:`PIPELINE_ELEMENTS` or
     more (the LM head, a large gate/up), which keep :data:`PIPELINE_STAGES` - 1 tiles in flight through
     shared memory. A one-wave projection is slower that way (its loads wait on the extra trip through
     shared memory, with no later wave to hide it); a stream of many waves needs the bytes in flight
-    (run 28, H100, us per call: Qwen3-4B's gate/up 39.5 -> 38.0, Qwen3-8B's 77.0 -> 69.8 and its down
+    (H100, us per call: Qwen3-4B's gate/up 39.5 -> 38.0, Qwen3-8B's 77.0 -> 69.8 and its down
     39.0 -> 38.0, Qwen3-0.6B's LM head 117 -> 102; Qwen3-4B's QKV, o and down 0.3-1.8 us slower).
     """
     if INTERPRET:
@@ -288,7 +288,7 @@ def persistent_programs(m: int, n: int, config: tuple[int, int, int, int], norm:
     Persistent: one row, no norm, no activation, the register loop of 8 warps (K >= 8192: only 4 such
     programs fit an SM, so one program per row block takes several waves), on a CUDA device, when there
     are more row blocks than :data:`PERSISTENT_PROGRAMS_PER_SM` per SM. Measured in a chain of 36 Qwen3-4B
-    layers' projections with PDL on an H100 (GPU run 32, ``benchmarks/reports/gpu-2026-11-26/run32``): its
+    layers' projections with PDL on an H100: its
     down projection (1,280 row blocks, 2.4 waves) 0.8 us a layer faster at 6 programs an SM (4: no
     faster; 8: 0.5 us); the persistent grid lost everywhere else, by 0.3-5 us (o, QKV and gate/up, either
     K loop, with the loop over (row block, K slice) flattened into one as well).
@@ -310,7 +310,7 @@ def x_ahead(stages: int, programs: int, warps: int) -> bool:
 
     Each step's slice of x comes from L2 (the previous kernel wrote it); loaded at the top of the step,
     its round trip is paid before the step's products, and by the first programs of an SM on every step.
-    Loaded ahead it travels with the weights. Measured in the engine on an H200 (GPU run 34, batch 1,
+    Loaded ahead it travels with the weights. Measured in the engine on an H200 (batch 1,
     every phase 8-9 flag and ``pdl``, alternated, with the attention's unrolled merge), ms per token:
     Qwen3-0.6B, whose QKV, o, gate/up and down all take the two-warp tile (2, 512, 2), 0.937 -> 0.876;
     Qwen3-4B's QKV at (8, 256, 8) 2.67 either way, its o at (2, 1024, 4) 2.67 -> 2.71, its persistent
@@ -326,7 +326,7 @@ def _norm_k_pad(m: int, k: int, warps: int) -> int:
 
     One load is one trip to L2 instead of ``K / BLOCK_K`` trips one after the other, before any product
     can start; but it holds ``M_PAD * K_PAD / threads`` values per thread at once. Measured on an H200
-    (run 25 call 9, with PDL): up to 16 values per thread it is faster (Qwen3-4B norm + QKV 12.3 -> 11.6 us,
+    (with PDL): up to 16 values per thread it is faster (Qwen3-4B norm + QKV 12.3 -> 11.6 us,
     Qwen3-0.6B norm + QKV 6.26 -> 5.76 and norm + gate/up + SiLU 7.17 -> 6.84), at 64 (Qwen3-4B's gate/up
     tile of 2 warps) slower (31.3 -> 31.6 us): the registers it holds cost the weight stream occupancy."""
     k_pad = triton.next_power_of_2(k)
@@ -336,9 +336,9 @@ def _norm_k_pad(m: int, k: int, warps: int) -> int:
 def use_skinny(m: int, n: int) -> bool:
     """Does :func:`skinny_linear` beat cuBLAS for ``m`` rows and ``n`` outputs?
 
-    At one row, everywhere measured: on an H100 (run 24, ``benchmarks/skinny_gemm.py --tune --pdl``)
+    At one row, everywhere measured: on an H100 (``benchmarks/skinny_gemm.py --tune --pdl``)
     1.08-1.47x at every Qwen3-4B projection and 1.24x on its LM head (cuBLAS splits K on the narrow
-    ones and reaches 1.7-2.5 TB/s); on an H200 (run 19, an earlier version of the kernel) 1.4-3.1x on
+    ones and reaches 1.7-2.5 TB/s); on an H200 (an earlier version of the kernel) 1.4-3.1x on
     Qwen3-0.6B's narrow projections. From two rows on this kernel (a broadcast and a sum, no tensor
     cores) falls behind.
     """
