@@ -38,7 +38,8 @@ def test_normalisation():
 def test_valid_edges():
     SamplingParams(top_p=1.0, min_p=1.0, min_tokens=16, max_tokens=16)
     SamplingParams(max_tokens=None, min_tokens=10_000)
-    SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1e-3)
+    SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01)
+    SamplingParams(repetition_penalty=100, temperature=100)
     SamplingParams(logprobs=0, prompt_logprobs=20, seed=-5)
     SamplingParams(seed=2**70)
 
@@ -112,13 +113,15 @@ def test_invalid_values_raise_naming_the_field(field, kwargs):
 
 def test_messages_are_precise():
     cases = [
-        ({"temperature": NAN}, "temperature must be >= 0 and finite, got nan"),
-        ({"temperature": -1}, "temperature must be >= 0 and finite, got -1.0"),
+        ({"temperature": NAN}, "temperature must be in [0, 100], got nan"),
+        ({"temperature": -1}, "temperature must be in [0, 100], got -1.0"),
+        ({"temperature": 1e39}, "temperature must be in [0, 100], got 1e+39"),  # inf in float32
         ({"temperature": "hot"}, "temperature must be a number (int or float), got 'hot' (str)"),
         ({"top_p": 0}, "top_p must be in (0, 1], got 0.0"),
         ({"min_p": 2}, "min_p must be in [0, 1], got 2.0"),
         ({"top_k": -5}, "top_k must be -1 or 0 (disabled) or >= 1, got -5"),
-        ({"repetition_penalty": 0}, "repetition_penalty must be > 0 and finite, got 0.0"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in [0.01, 100], got 0.0"),
+        ({"repetition_penalty": 1e-50}, "repetition_penalty must be in [0.01, 100], got 1e-50"),  # 0 in float32
         ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2], got 3.0"),
         ({"n": 0}, "n must be an int >= 1, got 0"),
         ({"max_tokens": 0}, "max_tokens must be an int >= 1 or None, got 0"),
@@ -131,6 +134,14 @@ def test_messages_are_precise():
         with pytest.raises(ValueError) as info:
             SamplingParams(**kwargs)
         assert str(info.value) == message
+
+
+def test_a_tiny_positive_temperature_is_raised_to_the_smallest_one_that_stays_finite():
+    """vLLM's rule: float32 logits divided by a temperature below 0.01 may overflow (1 / 1e-39 is inf in
+    float32), and sampling that cold is greedy in all but name."""
+    assert SamplingParams(temperature=1e-39).temperature == 0.01
+    assert SamplingParams(temperature=0.005).temperature == 0.01
+    assert SamplingParams(temperature=0).temperature == 0.0 and SamplingParams(temperature=0.02).temperature == 0.02
 
 
 def test_from_dict():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +18,13 @@ from typing import Any
 
 #: Largest ``logprobs`` / ``prompt_logprobs`` a request may ask for (OpenAI's limit is 20).
 MAX_LOGPROBS = 20
+#: ``temperature``'s range. The sampler divides float32 logits by it: above 100 (1e39 is inf in float32)
+#: or near 0 (``1 / 1e-39`` is inf) a row of finite logits becomes inf or NaN. A positive temperature
+#: below ``MIN_TEMPERATURE`` is raised to it, as vLLM does (it samples almost greedily already).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
+#: ``repetition_penalty``'s range: the penalty divides or multiplies logits, so 1e-50 (0 in float32)
+#: would make them inf.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -69,15 +75,16 @@ class SamplingParams:
             full".
         min_tokens: EOS and ``stop_token_ids`` are banned until this many tokens have been
             generated (0 <= min_tokens <= max_tokens).
-        temperature: softmax temperature (>= 0, finite). ``0`` means greedy (argmax).
+        temperature: softmax temperature in [0, 100]. ``0`` means greedy (argmax); a positive value
+            below 0.01 is raised to 0.01 (vLLM's rule: float32 logits divided by less overflow).
         top_k: keep the ``top_k`` most likely tokens; ``-1`` or ``0`` disables it (``0`` is
             normalised to ``-1``). Otherwise >= 1.
         top_p: nucleus sampling: keep the smallest set of tokens whose probability mass is
             >= ``top_p``. In (0, 1]; ``1`` disables it.
         min_p: keep tokens whose probability is >= ``min_p`` times the top token's. In
             [0, 1]; ``0`` disables it.
-        repetition_penalty: CTRL-style penalty on every token of prompt + output (> 0,
-            finite); ``1`` disables it, > 1 discourages repetition.
+        repetition_penalty: CTRL-style penalty on every token of prompt + output, in
+            [0.01, 100]; ``1`` disables it, > 1 discourages repetition.
         presence_penalty: OpenAI presence penalty over output tokens, in [-2, 2].
         frequency_penalty: OpenAI frequency penalty over output tokens, in [-2, 2].
         seed: an ``int`` makes the request's random stream reproducible; ``None`` lets the
@@ -137,9 +144,9 @@ class SamplingParams:
 
         # --- the distribution transforms
         t = self._check_real("temperature", self.temperature)
-        if not (math.isfinite(t) and t >= 0.0):
-            raise ValueError(f"temperature must be >= 0 and finite, got {t}")
-        self.temperature = t
+        if not (0.0 <= t <= MAX_TEMPERATURE):  # also false for nan
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}")
+        self.temperature = max(t, MIN_TEMPERATURE) if t > 0.0 else 0.0
 
         if not _is_int(self.top_k):
             raise _type_error("top_k", "an int (-1 or 0 to disable, or >= 1)", self.top_k)
@@ -158,8 +165,9 @@ class SamplingParams:
         self.min_p = m
 
         r = self._check_real("repetition_penalty", self.repetition_penalty)
-        if not (math.isfinite(r) and r > 0.0):
-            raise ValueError(f"repetition_penalty must be > 0 and finite, got {r}")
+        if not (MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {r}")
         self.repetition_penalty = r
 
         for name in ("presence_penalty", "frequency_penalty"):
