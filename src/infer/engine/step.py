@@ -67,8 +67,9 @@ class StepResult:
         out = self.sampler_output
         if out is None or self._host is not None:
             return
-        need_lp = any(s.params.logprobs is not None for s in self.sampled)
-        tensors = [out.next_tokens] + ([out.logprobs, out.top_logprob_ids, out.top_logprobs] if need_lp else [])
+        # the chosen logprobs always: NaN marks a row that had no token to sample (infer.sampling.sampler)
+        need_top = any(s.params.logprobs is not None for s in self.sampled)
+        tensors = [out.next_tokens, out.logprobs] + ([out.top_logprob_ids, out.top_logprobs] if need_top else [])
         if out.next_tokens.device.type != "cuda":
             self._host = tuple(tensors)
             return
@@ -77,14 +78,15 @@ class StepResult:
         self._ready = torch.cuda.Event()
         self._ready.record()
 
-    def host_outputs(self) -> tuple[list, list | None, list | None, list | None]:
-        """``(tokens, chosen logprobs, top ids, top logprobs)`` as host lists (the logprob ones None
-        when no sampled sequence asked for logprobs); waits for :meth:`start_copy_to_host`'s copy."""
+    def host_outputs(self) -> tuple[list, list, list | None, list | None]:
+        """``(tokens, chosen logprobs, top ids, top logprobs)`` as host lists (the top ones None when no
+        sampled sequence asked for logprobs; a NaN chosen logprob marks a row that had no token to
+        sample); waits for :meth:`start_copy_to_host`'s copy."""
         self.start_copy_to_host()
         if self._ready is not None:
             self._ready.synchronize()
         lists = [t.tolist() for t in self._host]
-        return (lists[0], *(lists[1:] if len(lists) > 1 else (None, None, None)))
+        return (lists[0], lists[1], *(lists[2:] if len(lists) > 2 else (None, None)))
 
 
 def patch_input_ids(input_ids: torch.Tensor, patch: tuple[torch.Tensor | None, torch.Tensor]) -> None:

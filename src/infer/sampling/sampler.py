@@ -58,6 +58,17 @@ parameter disables a step (``top_k = V``, ``top_p = 1``, ``min_p = 0``, penaltie
 passes through that step bit-for-bit unchanged, which is what makes a row's result
 independent of the other rows in the batch.
 
+A row with no token to sample
+-----------------------------
+A model that overflows (NaN or inf logits), or suppression and a grammar that together leave no
+token, give a row that no rule can sample from; argmax would silently answer token 0. Such a row's
+``logprobs`` entry is NaN instead (the raw logprob of its token is NaN whenever the raw logits are
+not finite; rows whose edited or truncated logits hold no finite value are set to NaN), so the
+engine ends that request with ``finish_reason="error"`` and keeps the token out of its output
+(:class:`~infer.engine.output_processor.OutputProcessor`). The token itself stays a valid id: with
+async scheduling it is on its way into the next step's input before the host sees it. Sampling
+parameters cannot cause it: their ranges keep finite logits finite (:class:`SamplingParams`).
+
 Randomness
 ----------
 There is no shared ``torch.Generator``: the uniform ``u[b, v]`` of the race is a hash of
@@ -118,7 +129,7 @@ class SamplerOutput:
     Attributes:
         next_tokens: ``[B]`` int64, the chosen token of each row.
         logprobs: ``[B]`` float32, the raw logprob (``log_softmax`` of the model's logits) of
-            the chosen token.
+            the chosen token; NaN for a row that had no token to sample (see the module docstring).
         top_logprob_ids: ``[B, K]`` int64, the K most likely tokens under the raw logprobs,
             most likely first (``K = max_num_logprobs``; a row that asked for fewer uses a
             prefix).
@@ -155,6 +166,16 @@ def _output(raw: torch.Tensor, next_tokens: torch.Tensor, log_z: torch.Tensor, t
     return SamplerOutput(
         next_tokens=next_tokens, logprobs=chosen_logprobs, top_logprob_ids=top_ids, top_logprobs=top_lps
     )
+
+
+def _without_samplable_token(out: SamplerOutput, *maxima: torch.Tensor) -> SamplerOutput:
+    """Set ``out.logprobs`` to NaN in the rows where one of ``maxima`` (``[B]``: a row's largest edited or
+    truncated logit) is not finite: nothing in that row could be sampled."""
+    ok = torch.isfinite(maxima[0])
+    for m in maxima[1:]:
+        ok &= torch.isfinite(m)
+    out.logprobs = torch.where(ok, out.logprobs, float("nan"))
+    return out
 
 
 def _mask_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -198,6 +219,7 @@ def sample_reference(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
 
     # 6. greedy rows
     greedy_tokens = logits.argmax(dim=-1)
+    edited_max = logits.amax(dim=-1)
     if t.all_greedy:
         next_tokens = greedy_tokens
     else:
@@ -213,7 +235,7 @@ def sample_reference(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         probs = torch.softmax(logits, dim=-1)
         random_tokens = sample_from_probs(probs, t.seeds, t.steps)
         next_tokens = torch.where(t.temperature == 0, greedy_tokens, random_tokens)
-    return _output(raw_logits, next_tokens, log_z[:, 0], t)
+    return _without_samplable_token(_output(raw_logits, next_tokens, log_z[:, 0], t), edited_max)
 
 
 def _edit_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -259,11 +281,13 @@ def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     log_z = torch.logsumexp(raw, dim=-1)
     x = _edit_logits(raw, t)
     if t.all_greedy:  # the greedy fast path: an argmax (and the log-sum-exp for the logprob)
-        return _output(raw, x.argmax(dim=-1), log_z, t)
+        out = _output(raw, x.argmax(dim=-1), log_z, t)
+        return out if x is raw else _without_samplable_token(out, x.amax(dim=-1))
     probs = torch.softmax(_truncate(x, t), dim=-1)
     random_tokens = sample_from_probs(probs, t.seeds, t.steps)
     greedy = x.argmax(dim=-1) if t.any_greedy else random_tokens
-    return _output(raw, _merge_greedy(t, greedy, random_tokens), log_z, t)
+    return _without_samplable_token(_output(raw, _merge_greedy(t, greedy, random_tokens), log_z, t),
+                                    x.amax(dim=-1))
 
 
 def _top_k_floor(
@@ -324,11 +348,11 @@ def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     raw = logits if logits.stride(-1) == 1 else logits.contiguous()
     x = _edit_logits(raw, t)
     if t.all_greedy:  # the greedy fast path: argmax + log-sum-exp in one read of the row
-        if x is raw:  # and the argmax's logprob from the same kernels
+        if x is raw:  # and the argmax's logprob from the same kernels (NaN for a row with none)
             greedy, log_z, chosen = argmax_logprob(raw)
             return _output(raw, greedy, log_z, t, chosen)
-        greedy = argmax_lse(x)[0]
-        return _output(raw, greedy, argmax_lse(raw)[1], t)
+        greedy, lse_x = argmax_lse(x)
+        return _without_samplable_token(_output(raw, greedy, argmax_lse(raw)[1], t), lse_x)
     if t.do_top_p and not t.top_p_in_top_k:
         # top-p without top-k needs sorted probabilities: truncation in PyTorch (sorting only the
         # rows that need it), then the race on the masked, temperature-scaled logits
@@ -349,7 +373,8 @@ def _sample_triton(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
             race_stats = stats._replace(s_kept=s_final)
         random_tokens = exponential_race(x, race_stats, t.seeds, t.steps, temperature, min_p, floor)
     log_z = stats.lse if x is raw else argmax_lse(raw)[1]
-    return _output(raw, _merge_greedy(t, stats.argmax, random_tokens), log_z, t)
+    return _without_samplable_token(_output(raw, _merge_greedy(t, stats.argmax, random_tokens), log_z, t),
+                                    stats.m)
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:

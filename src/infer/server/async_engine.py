@@ -9,7 +9,12 @@ queues (vLLM's ``AsyncLLM`` does the same with a separate process):
   adding returns through a ``concurrent.futures.Future`` so a bad request is rejected (HTTP 400)
   before anything is streamed;
 * the engine thread drains the inbox, runs a step, and hands each :class:`RequestOutput` to the
-  request's ``asyncio.Queue``: one ``loop.call_soon_threadsafe`` per step puts them all.
+  request's ``asyncio.Queue``: one ``loop.call_soon_threadsafe`` per step puts them all;
+* prompts are checked and tokenized *before* they reach the engine thread, on a small pool of
+  tokenizer threads (:meth:`AsyncEngine.preprocess`; the tokenizer releases the GIL), so a long
+  prompt stalls neither the event loop nor the engine's steps, and one too long for the context is
+  rejected unread (:class:`~infer.engine.input_processor.InputProcessor`). The engine thread only
+  schedules and runs steps.
 
 The engine object is touched by the engine thread only, so it needs no locks.
 
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infer.engine import LLMEngine
+from infer.engine.input_processor import TokensPrompt
 from infer.engine.output_processor import OutputProcessor
 from infer.errors import EngineStepError
 from infer.outputs import RequestOutput
@@ -133,6 +139,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopping = threading.Event()
         self._pending_adds = 0
+        # prompts are tokenized here, off the event loop and the engine thread (see preprocess)
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="infer-tokenize")
         self.error: BaseException | None = None
         # numbers the event loop may read at any time (written by the engine thread)
         self.num_running = 0
@@ -150,12 +158,14 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     async def submit(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int] | TokensPrompt, params: SamplingParams, request_id: str | None = None
     ) -> RequestStream:
-        """Queue a request; return once the engine has accepted it (not when it is admitted).
+        """Tokenize the prompt off the engine thread (:meth:`tokenize`), then queue the request; return
+        once the engine has accepted it (not when it is admitted).
 
         Raises:
-            InvalidRequestError / ValueError: the engine rejected the request (nothing is queued).
+            InvalidRequestError / ValueError: the prompt is invalid or the engine rejected the request
+                (nothing is queued).
             EngineOverloaded: too many requests are waiting.
             EngineDead: the engine is shutting down or has crashed.
 
@@ -171,11 +181,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._pending_adds += 1
-        self._inbox.put(("add", (rid, prompt, params, stream), fut))
-        if not self._thread.is_alive() and not fut.done():  # raced with a shutdown
-            fut.set_exception(EngineDead("the engine is shutting down"))
+        self._pending_adds += 1  # its place is taken while it is tokenized
         try:
+            (prompt,) = await self.tokenize([prompt])
+            self._inbox.put(("add", (rid, prompt, params, stream), fut))
+            if not self._thread.is_alive() and not fut.done():  # raced with a shutdown
+                fut.set_exception(EngineDead("the engine is shutting down"))
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             self.abort(rid)  # the caller went away while the engine was accepting it
@@ -184,43 +195,69 @@ class AsyncEngine:
             self._pending_adds -= 1
         return RequestStream(self, rid, stream.queue)
 
-    async def submit_many(self, prompts: list[str | list[int]], params: SamplingParams) -> list[RequestStream]:
-        """Queue several prompts (one HTTP request's) as one unit; return once all are accepted.
+    async def preprocess(self, fn: Callable, *args) -> Any:
+        """``fn(*args)`` on a tokenizer thread (tokenizing, rendering a chat template): the event loop
+        serves other connections and the engine thread steps meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    async def tokenize(self, prompts: list[str | list[int] | TokensPrompt]) -> list[TokensPrompt]:
+        """Each prompt checked and tokenized on the tokenizer threads
+        (:meth:`~infer.engine.input_processor.InputProcessor.process`).
+
+        Raises:
+            InvalidRequestError: the first bad prompt's, its message starting with ``prompt[i]:`` when
+                there are several.
+        """
+        process = self.engine.input_processor.process
+        done = await asyncio.gather(*(self.preprocess(process, p) for p in prompts), return_exceptions=True)
+        for i, r in enumerate(done):
+            if isinstance(r, BaseException):
+                if len(prompts) > 1 and isinstance(r, ValueError):
+                    r.args = (f"prompt[{i}]: {r}", *r.args[1:])
+                raise r
+        return done
+
+    async def submit_many(self, prompts: list[str | list[int] | TokensPrompt], params: SamplingParams
+                          ) -> list[RequestStream]:
+        """Tokenize several prompts (one HTTP request's) off the engine thread (:meth:`tokenize`), then
+        queue them as one unit; return once all are accepted.
 
         The ``max_waiting`` limit is checked once, for the unit: a request carrying more prompts
         than ``max_num_seqs`` queues the rest instead of being refused. All adds go to the
         engine thread at once (one round trip, not one step per prompt).
 
         Raises:
-            InvalidRequestError / ValueError: the engine rejected a prompt (nothing stays
-                queued); its message starts with ``prompt[i]:`` when there are several.
+            InvalidRequestError / ValueError: a prompt is invalid or the engine rejected one (nothing
+                stays queued); the message starts with ``prompt[i]:`` when there are several.
             EngineOverloaded, EngineDead: as :meth:`submit`.
         """
         if not self.alive:
             raise EngineDead("the engine is not running")
         if self.num_waiting + self._pending_adds >= self.max_waiting:
             raise EngineOverloaded(f"{self.num_waiting} requests are already waiting (max {self.max_waiting})")
-        loop = asyncio.get_running_loop()
+        n = len(prompts)
+        self._pending_adds += n  # their places are taken while they are tokenized
         adds = []
-        for prompt in prompts:
-            rid = f"req-{next(self._ids)}"
-            stream = _Stream(loop, asyncio.Queue())
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            adds.append((rid, stream, fut))
-            self._inbox.put(("add", (rid, prompt, params, stream), fut))
-        self._pending_adds += len(adds)
-        if not self._thread.is_alive():  # raced with a shutdown
-            for _, _, fut in adds:
-                if not fut.done():
-                    fut.set_exception(EngineDead("the engine is shutting down"))
         try:
+            prompts = await self.tokenize(prompts)
+            loop = asyncio.get_running_loop()
+            for prompt in prompts:
+                rid = f"req-{next(self._ids)}"
+                stream = _Stream(loop, asyncio.Queue())
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                adds.append((rid, stream, fut))
+                self._inbox.put(("add", (rid, prompt, params, stream), fut))
+            if not self._thread.is_alive():  # raced with a shutdown
+                for _, _, fut in adds:
+                    if not fut.done():
+                        fut.set_exception(EngineDead("the engine is shutting down"))
             results = await asyncio.gather(*(asyncio.wrap_future(f) for _, _, f in adds), return_exceptions=True)
         except asyncio.CancelledError:
             for rid, _, _ in adds:
                 self.abort(rid)
             raise
         finally:
-            self._pending_adds -= len(adds)
+            self._pending_adds -= n
         errors = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if errors:
             for rid, _, _ in adds:
@@ -265,6 +302,7 @@ class AsyncEngine:
             return
         self._inbox.put(("shutdown", None, None))
         self._thread.join(timeout)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ engine-thread side
 

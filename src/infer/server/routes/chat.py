@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from infer.errors import InvalidRequestError
 from infer.outputs import PositionLogprobs, RequestOutput
 from infer.sampling import SamplingParams
 from infer.server.protocol import ChatCompletionRequest, ChatCompletionResponse
@@ -51,13 +52,16 @@ log = logging.getLogger("infer.server")
 router = APIRouter()
 
 
-def parse_chat(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int], SamplingParams, ToolSpec]:
+async def parse_chat(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int], SamplingParams, ToolSpec]:
     """The prompt's token ids (the messages, and the tools if any, rendered by the chat template),
-    the sampling parameters and the request's tools.
+    the sampling parameters and the request's tools. The template is rendered and its text tokenized
+    on the engine handle's tokenizer threads (:meth:`AsyncEngine.preprocess`), after a size check
+    that refuses messages too long for the context unread.
 
     Raises:
         Reject: 404 for another model's name; 400 naming the field for a bad value, a field infer
-            does not implement, messages the chat template refuses or renders to zero tokens.
+            does not implement, messages longer than the context can hold, messages the chat template
+            refuses or renders to zero tokens.
     """
     check_model(req.model, state)
     params = sampling_or_reject(req)
@@ -65,11 +69,46 @@ def parse_chat(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int
     template_kwargs = req.chat_template_kwargs
     if tools.template_tools is not None:
         template_kwargs = {**(template_kwargs or {}), "tools": tools.template_tools}
-    text = render_chat(state.tokenizer, req.message_dicts(), req.add_generation_prompt, template_kwargs)
-    ids = state.tokenizer.encode(text, add_special_tokens=False)
+    messages = req.message_dicts()
+    inputs = state.engine.engine.input_processor
+    try:
+        inputs.check_chars(_text_size(messages), "messages")
+    except InvalidRequestError as e:
+        raise Reject(error_response(400, str(e), "messages")) from None
+    ids = await state.engine.preprocess(_render_and_encode, state.tokenizer, inputs, messages,
+                                        req.add_generation_prompt, template_kwargs)
+    return ids, params, tools
+
+
+def _text_size(obj) -> int:
+    """Characters of every string of a message structure: what a chat template can put into the prompt."""
+    if isinstance(obj, str):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(map(_text_size, obj.values()))
+    if isinstance(obj, (list, tuple)):
+        return sum(map(_text_size, obj))
+    return 0
+
+
+def _render_and_encode(tokenizer, inputs, messages: list[dict], add_generation_prompt: bool,
+                       template_kwargs: dict | None) -> list[int]:
+    """On a tokenizer thread: the messages rendered by the chat template, then tokenized (the template
+    writes the special tokens itself).
+
+    Raises:
+        Reject: 400 naming ``messages`` (the template refused them, or they render to zero tokens or
+            to more text than the context can hold) or ``chat_template_kwargs``.
+    """
+    text = render_chat(tokenizer, messages, add_generation_prompt, template_kwargs)
+    try:
+        inputs.check_text_size(text, "messages")
+    except InvalidRequestError as e:
+        raise Reject(error_response(400, str(e), "messages")) from None
+    ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise Reject(error_response(400, "the chat template rendered these messages to zero tokens", "messages"))
-    return ids, params, tools
+    return ids
 
 
 def chat_lp_block(entries: list[PositionLogprobs]) -> dict:
@@ -239,7 +278,7 @@ async def chat_events(stream: ChatStream, streams: Streams) -> AsyncIterator[str
 @router.post("/v1/chat/completions", responses=openapi_responses(ChatCompletionResponse, "The chat completion",
                                                                  400, 404, 413, 500, 503, stream=True))
 async def chat(req: ChatCompletionRequest, request: Request, state: State) -> Response:
-    ids, params, tools = parse_chat(req, state)
+    ids, params, tools = await parse_chat(req, state)
     streams = await submit_all(state.engine, [ids], params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if req.ignored_fields():
