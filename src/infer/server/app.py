@@ -22,8 +22,8 @@ A request's path, e.g. ``POST /v1/chat/completions`` (``routes/chat.py``):
 4. Shape: ``chat_response`` builds the JSON body, or ``ChatStream.chat_sse`` the SSE chunks.
 
 This module only wires: the state the handlers read (``app.state.server``), the error handlers,
-the body-size limit, the OpenAPI schema with the served model's bounds, and the routers of
-``routes/`` (each endpoint's code).
+the body-size limit, the HTTP metrics, the OpenAPI schema with the served model's bounds, and the
+routers of ``routes/`` (each endpoint's code).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer.server.async_engine import AsyncEngine
-from infer.server.metrics import Metrics
+from infer.server.metrics import Metrics, cache_config_labels
 from infer.server.protocol import MAX_N
 from infer.server.responses import Reject, error_response
 from infer.server.routes import admin, chat, completions, health, models
@@ -165,8 +166,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
 
     Wires what the routes need (``app.state.server``, a ``ServerState``; also ``app.state.engine``
     and ``app.state.metrics``), counts each finished request in the Prometheus metrics
-    (``engine.on_finished``), answers every error in OpenAI's body, refuses bodies over
-    ``max_body_bytes`` (413) and includes the routers of ``routes/``.
+    (``engine.on_finished``) and each HTTP request by route and status (``http_requests_total``),
+    answers every error in OpenAI's body, refuses bodies over ``max_body_bytes`` (413) and
+    includes the routers of ``routes/``.
     """
     app = FastAPI(title="infer", description="OpenAI-compatible API of the infer engine")
     eng = engine.engine
@@ -174,7 +176,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
               "n": min(MAX_N, eng.scheduler.max_num_seqs)}
     app.openapi = lambda: openapi_schema(app, limits)
 
-    metrics = Metrics(model_name)
+    metrics = Metrics(model_name, eng.max_model_len, cache_config_labels(eng))
     engine.on_finished = metrics.request_finished
     app.state.engine = engine
     app.state.metrics = metrics
@@ -186,6 +188,12 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     app.add_exception_handler(Reject, rejected)
     app.add_exception_handler(Exception, unexpected_error)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    # outermost middleware: counts every response, the 413s above and the 500s of an exception
+    # included, labelled with the route's template (``/v1/models/{model_id:path}``, never the raw
+    # path; ``none`` for an unknown path) and the exact status; /metrics and /health are left out
+    # (polled by scrapers and probes, they would drown the API's counts), as vLLM does
+    Instrumentator(should_group_status_codes=False, excluded_handlers=["^/metrics$", "^/health$"],
+                   registry=metrics.registry).instrument(app)
 
     # in this order, the paths of /openapi.json (and /docs) are listed as they always were
     for routes in (health, models, admin, completions, chat):

@@ -29,6 +29,7 @@ async def reset_prefix_cache(state: State) -> JSONResponse:
                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def prom(state: State) -> Response:
     engine = state.engine
-    body = state.metrics.render(engine.num_running, engine.num_waiting, engine.engine.scheduler.kv_cache_usage(),
-                                engine.num_preemptions, scheduler=engine.engine.scheduler)
+    eng = engine.engine
+    body = state.metrics.render(engine.num_running, engine.num_waiting, eng.scheduler.kv_cache_usage(),
+                                engine.num_preemptions, scheduler=eng.scheduler, output_processor=eng.output_processor)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
