@@ -1,36 +1,55 @@
-"""Phase 2: what the server tells its operator (``/metrics``).
+"""Phase 2: what the server tells its operator (``/metrics``) and whom it serves (``--api-key``).
 
-A ``python -m infer.server`` subprocess on the tiny random-weight Llama (``tiny_llama``),
-``server``, driven over real HTTP (raw ``httpx``). A failing engine step needs a fault injected
-into the model runner, so that test runs the app in-process (``tests/test_server_faults.py``'s
-``Fault``).
+Two ``python -m infer.server`` subprocesses on the tiny random-weight Llama (``tiny_llama``),
+started together when the module begins: ``server`` without a key, ``keyed`` with the key in
+``$INFER_API_KEY``. Both are driven over real HTTP (raw ``httpx``, and the official ``openai``
+client for the key). A failing engine step needs a fault injected into the model runner, so that
+test runs the app in-process (``tests/test_server_faults.py``'s ``Fault``).
 
 Checked: every HTTP request is counted by route template and status, 4xx and 5xx included; a
 request whose step failed counts as ``finished_reason="error"``; the per-request and per-step
 histograms count what was sent; the process and garbage-collector series are there and no
-``*_created`` one is.
+``*_created`` one is; with a key, every route but ``/health`` and ``/metrics`` answers 401 in
+OpenAI's error body without it, and ``/openapi.json`` declares the bearer scheme on exactly
+those routes; a server listening beyond loopback without a key warns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
 
 pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
 from infer.config import EngineConfig  # noqa: E402
 from infer.engine import LLMEngine  # noqa: E402
+from infer.server.__main__ import is_loopback, resolve_api_key, warn_if_exposed  # noqa: E402
 from infer.server.app import build_app  # noqa: E402
 from infer.server.async_engine import AsyncEngine  # noqa: E402
 from tests.server_fixture import ServerProcess, metric_value, wait_until  # noqa: E402
 from tests.test_server import assert_error, wait_idle  # noqa: E402
 from tests.test_server_faults import Fault  # noqa: E402
 
+KEY = "sk-test-0123456789"
 MODEL = "tiny"
-CMPL = "/v1/completions"
+CMPL, CHATP = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+# every route that needs the key, with a request it answers 200
+PROTECTED = [
+    ("POST", CMPL, {"prompt": [5, 6, 7], "max_tokens": 2}),
+    ("POST", CHATP, {"messages": MSG, "max_tokens": 2}),
+    ("GET", "/v1/models", None),
+    ("GET", f"/v1/models/{MODEL}", None),
+    ("POST", "/tokenize", {"prompt": "hello"}),
+    ("POST", "/detokenize", {"tokens": [5, 6]}),
+    ("GET", "/tokenizer_info", None),
+    ("POST", "/reset_prefix_cache", None),
+]
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -49,6 +68,8 @@ def _servers(request, tiny_llama, tmp_path_factory):
     try:
         if "server" in used:
             started["open"] = ServerProcess(log_dir, args, "open", env)
+        if "keyed" in used:
+            started["keyed"] = ServerProcess(log_dir, args, "keyed", {**env, "INFER_API_KEY": KEY})
         yield started
     finally:
         for s in started.values():
@@ -58,6 +79,11 @@ def _servers(request, tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(_servers) -> ServerProcess:
     return _servers["open"].wait_ready()
+
+
+@pytest.fixture(scope="module")
+def keyed(_servers) -> ServerProcess:
+    return _servers["keyed"].wait_ready()
 
 
 def call(srv: ServerProcess, method: str, path: str, body=None, headers=None) -> httpx.Response:
@@ -215,3 +241,91 @@ def test_token_gaps_are_counted_per_distinct_previous_time():
     assert le[0.025] == 3 and le[1.0] == 2 and le[2.5] == 1 and sum(h.counts) == 6
     assert h.sum == pytest.approx(3 * 0.02 + 2 * 1.0 + 2.0)
     assert h.cumulative()[-1] == ("+Inf", 6)
+
+
+# ---------------------------------------------------------------------------- --api-key
+
+
+def test_without_a_key_everything_is_open(server):
+    """A server without a key serves every route with or without a header (the ``openai`` client
+    always sends one), and its schema declares no security."""
+    for method, path, body in PROTECTED:
+        for headers in (None, {"Authorization": "Bearer anything"}):
+            r = call(server, method, path, body, headers)
+            assert r.status_code == 200, (path, r.text)
+    schema = call(server, "GET", "/openapi.json").json()
+    assert "securitySchemes" not in schema.get("components", {})
+    assert not any("security" in op for item in schema["paths"].values() for op in item.values())
+
+
+def test_key_is_required_on_every_api_route(keyed):
+    """No header, a wrong key or another scheme: 401 in OpenAI's body (``invalid_api_key``, with
+    ``WWW-Authenticate: Bearer``), counted in ``http_requests_total``; the key: 200. ``/health`` and
+    ``/metrics`` answer without it."""
+    for method, path, body in PROTECTED:
+        for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY}x"},
+                        {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}):
+            r = call(keyed, method, path, body, headers)
+            err = assert_error(r, 401)
+            assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error", err
+            assert r.headers["www-authenticate"] == "Bearer"
+        r = call(keyed, method, path, body, {"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200, (path, r.text)
+    assert call(keyed, "GET", "/health").status_code == 200
+    assert call(keyed, "GET", "/metrics").status_code == 200
+    wait_until(lambda: http_count(keyed.metrics(), CMPL, 401) >= 5, 10, "the 401s to be counted")
+
+
+def test_openai_client_with_the_key(keyed):
+    good = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert [m.id for m in good.models.list().data] == [MODEL]
+    assert good.completions.create(model=MODEL, prompt="hello", max_tokens=2).usage.completion_tokens == 2
+    chat = good.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    bad = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="not-the-key", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+    assert e.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        list(bad.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, stream=True))
+
+
+def test_schema_declares_the_bearer_scheme_on_protected_routes_only(server, keyed):
+    """With a key, ``/openapi.json`` declares HTTP bearer on every protected operation; removing
+    that declaration leaves the schema of the server without a key, unchanged."""
+    plain = call(server, "GET", "/openapi.json").json()
+    schema = call(keyed, "GET", "/openapi.json", headers=None).json()
+    assert schema["components"].pop("securitySchemes") == {
+        "HTTPBearer": {"type": "http", "scheme": "bearer", "description": "The server's API key (`--api-key`)"}}
+    secured = []
+    for path, item in schema["paths"].items():
+        for op in item.values():
+            if op.pop("security", None) == [{"HTTPBearer": []}]:
+                secured.append(path)
+    assert sorted(secured) == sorted({"/v1/models/{model_id}" if "/v1/models/" in p else p
+                                      for _, p, _ in PROTECTED})
+    assert schema == plain
+
+
+def test_api_key_comes_from_the_flag_then_the_environment():
+    assert resolve_api_key("a", {"INFER_API_KEY": "b", "VLLM_API_KEY": "c"}) == "a"
+    assert resolve_api_key(None, {"INFER_API_KEY": "b", "VLLM_API_KEY": "c"}) == "b"
+    assert resolve_api_key(None, {"VLLM_API_KEY": "c"}) == "c"
+    assert resolve_api_key(None, {"INFER_API_KEY": ""}) is None
+    assert resolve_api_key("", {}) is None
+
+
+def test_warns_when_listening_beyond_loopback_without_a_key(caplog):
+    log = logging.getLogger("infer.server")
+    with caplog.at_level(logging.WARNING, logger="infer.server"):
+        assert warn_if_exposed("0.0.0.0", None, log)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "0.0.0.0" in caplog.records[0].getMessage() and "--api-key" in caplog.records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="infer.server"):
+        assert not warn_if_exposed("0.0.0.0", KEY, log)
+        for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+            assert is_loopback(host) and not warn_if_exposed(host, None, log)
+        for host in ("::", "192.168.1.5", "example.com"):
+            assert not is_loopback(host) and warn_if_exposed(host, None, log)
+    assert len(caplog.records) == 3

@@ -1,4 +1,6 @@
-"""The operator's endpoints: vLLM's ``POST /reset_prefix_cache`` and Prometheus' ``GET /metrics``."""
+"""The operator's endpoints: vLLM's ``POST /reset_prefix_cache`` (``router``: it needs the API key
+when the server has one) and Prometheus' ``GET /metrics`` (``metrics_router``: open, as vLLM's, for
+the scraper)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from infer.server.responses import error_response, openapi_responses
 from infer.server.serving import State
 
 router = APIRouter()
+metrics_router = APIRouter()
 
 
 @router.post("/reset_prefix_cache", responses=openapi_responses(ResetPrefixCacheResponse,
@@ -24,9 +27,9 @@ async def reset_prefix_cache(state: State) -> JSONResponse:
     return JSONResponse({"prefix_caching": state.prefix_caching, "num_blocks_dropped": dropped})
 
 
-@router.get("/metrics", response_class=PlainTextResponse,
-            responses={200: {"description": "Prometheus text exposition format",
-                             "content": {"text/plain": {"schema": {"type": "string"}}}}})
+@metrics_router.get("/metrics", response_class=PlainTextResponse,
+                    responses={200: {"description": "Prometheus text exposition format",
+                                     "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def prom(state: State) -> Response:
     engine = state.engine
     eng = engine.engine
