@@ -34,7 +34,8 @@ class ServerProcess:
         log_dir: where ``<name>.stdout`` / ``<name>.stderr`` are written.
         args: extra command-line flags (``--max-model-len 1024`` ...).
         name: names the log files.
-        env: extra environment variables.
+        env: extra environment variables. ``INFER_API_KEY`` and ``VLLM_API_KEY`` are emptied unless
+            given here: a key in the developer's environment would make every server require it.
     """
 
     def __init__(self, log_dir: Path, args: list[str], name: str = "server", env: dict[str, str] | None = None):
@@ -46,7 +47,7 @@ class ServerProcess:
         self._out = open(self.stdout_path, "wb")  # noqa: SIM115 (closed in stop())
         self._err = open(self.stderr_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(self.cmd, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, "INFER_API_KEY": "", "VLLM_API_KEY": "", **(env or {})})
 
     # ------------------------------------------------------------------ logs
 

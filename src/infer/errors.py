@@ -40,10 +40,13 @@ class EngineStepError(RuntimeError):
 
     Attributes:
         request_ids: the requests that were in the step (now aborted, ``finish_reason="error"``).
+        outputs: their final outputs (``RequestOutput``, ``finish_reason="error"``, with their
+            timings), for whoever counts finished requests (the server's metrics).
     """
 
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+    def __init__(self, request_ids: list[str], cause: BaseException, outputs: list | None = None) -> None:
         self.request_ids = request_ids
+        self.outputs = outputs or []
         super().__init__(f"an engine step failed with {type(cause).__name__}: {cause}; "
                          f"its {len(request_ids)} request(s) were aborted")
 

@@ -92,8 +92,9 @@ class RequestOutput:
             the request asked for ``prompt_logprobs``.
         outputs: one per sequence, ordered by index.
         finished: True when every sequence has finished.
-        metrics: timing of the request (seconds, ``time.perf_counter`` clock): ``arrival``,
-            ``first_token``, ``finished``.
+        metrics: timing of the request (seconds, ``time.perf_counter`` clock): ``arrival`` (added),
+            ``first_scheduled`` (first admitted by the scheduler), ``first_token``, ``finished``; each
+            once it happened.
         num_cached_tokens: prefix caching (phase 7): prompt tokens whose K/V was found in the
             prefix cache at admission (vLLM's field; the server reports it as OpenAI's
             ``usage.prompt_tokens_details.cached_tokens``); None without prefix caching.

@@ -405,7 +405,8 @@ class LLMEngine:
     @contextlib.contextmanager
     def _failing_requests_abort(self, *steps: list[ScheduledSeq]):
         """An exception in the forward or the output processing aborts the steps' requests
-        (``finish_reason="error"``, blocks freed) and becomes an :class:`EngineStepError`."""
+        (``finish_reason="error"``, blocks freed) and becomes an :class:`EngineStepError` carrying
+        their final outputs."""
         try:
             yield
         except Exception as e:
@@ -413,11 +414,15 @@ class LLMEngine:
                 steps = (*steps, self._in_flight[0])
                 self._in_flight = None
             failed = list(dict.fromkeys(item.seq.request.request_id for sched in steps for item in sched))
+            outputs, now = [], time.perf_counter()
             for rid in failed:
-                self.abort_request(rid, finish_reason="error")
+                req = self.requests.get(rid)
+                if self.abort_request(rid, finish_reason="error"):
+                    req.finished_time = now
+                    outputs.append(self.output_processor.make_output(req, final_only=True))
             if isinstance(e, ParallelWorkerError):
                 raise  # a rank is gone: the engine cannot step again (the server stops and says 503)
-            raise EngineStepError(failed, e) from e
+            raise EngineStepError(failed, e, outputs) from e
 
     def _finish(self, scheduled: list[ScheduledSeq], finished: list[Sequence], stream: bool) -> list[RequestOutput]:
         """Free what finished and build the step's outputs (one per request that took part)."""

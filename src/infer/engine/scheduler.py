@@ -41,14 +41,17 @@ whole prompt, so a half-prefilled sequence needs no new block until it decodes.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from infer.engine.batching import make_batching_policy
+from infer.engine.histogram import BucketCounts
 from infer.engine.kv_cache_manager import KVCacheManager
 from infer.engine.sequence import Request, SeqStatus, Sequence
 
 #: upper bounds (inclusive) of the prefill-tokens-per-step histogram (``infer:iteration_prefill_tokens``)
+#: and of the tokens-per-step one (``infer:iteration_tokens_total``; vLLM's buckets)
 PREFILL_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -90,6 +93,8 @@ class Scheduler:
             a later step), and a histogram of prefill tokens per step (counts per bucket of
             :data:`PREFILL_TOKEN_BUCKETS`, the last counting steps above the largest bound; only
             steps with prefill tokens are counted).
+        iteration_tokens: tokens (prefill and decode) run by each step, a
+            :class:`~infer.engine.histogram.BucketCounts` over :data:`PREFILL_TOKEN_BUCKETS`.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class Scheduler:
         self.num_prefill_tokens = 0
         self.num_chunked_steps = 0
         self.prefill_tokens_buckets = [0] * (len(PREFILL_TOKEN_BUCKETS) + 1)
+        self.iteration_tokens = BucketCounts(PREFILL_TOKEN_BUCKETS)
         self.num_steps = 0
         self.num_preemptions = 0
         self.max_running = 0
@@ -158,6 +164,8 @@ class Scheduler:
         chunked prefill, their first chunks) that fit ``budget`` (the others run in later steps).
         Returns the budget left."""
         self.kv.admit(request)  # prefix caching: sets num_computed_tokens past the cached prefix
+        if request.first_scheduled_time is None:  # its queueing ends (infer:request_queue_time_seconds)
+            request.first_scheduled_time = time.perf_counter()
         seqs = request.unfinished_seqs
         for seq in seqs:
             seq.status = SeqStatus.RUNNING
@@ -238,8 +246,10 @@ class Scheduler:
         return scheduled
 
     def _record(self, scheduled: list[ScheduledSeq]) -> None:
-        """Per-step statistics: batch width and how full the reserved KV slots are."""
+        """Per-step statistics: batch width, tokens run, and how full the reserved KV slots are."""
         self.num_steps += 1
+        num_tokens = sum(s.num_tokens for s in scheduled)
+        self.iteration_tokens.observe(num_tokens)
         self.max_running = max(self.max_running, len(self.running))
         self.running_sum += len(self.running)
         prefill = [s for s in scheduled if s.num_tokens > 1 or s.seq.in_prefill]
@@ -251,13 +261,14 @@ class Scheduler:
                 self.num_chunked_steps += 1
         reserved = (self.kv.num_blocks - self.kv.num_free_blocks) * self.kv.block_size
         if reserved:
-            held = sum(s.num_computed_tokens for s in self.running) + sum(s.num_tokens for s in scheduled)
+            held = sum(s.num_computed_tokens for s in self.running) + num_tokens
             self.kv_utilization_sum += min(1.0, held / reserved)
 
     def reset_stats(self) -> None:
         self.num_steps = self.num_preemptions = self.max_running = self.running_sum = 0
         self.num_prefill_tokens = self.num_chunked_steps = 0
         self.prefill_tokens_buckets = [0] * (len(PREFILL_TOKEN_BUCKETS) + 1)
+        self.iteration_tokens.reset()
         self.kv_utilization_sum = 0.0
         self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
 

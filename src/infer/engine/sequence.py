@@ -112,8 +112,12 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    # timestamps (``time.perf_counter``): added; first admitted by the scheduler (the end of its
+    # queueing; a preempted request keeps its first); its first and latest sampled tokens; finished
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     #: prefix caching: prompt tokens found in the cache at its first admission (None before it)

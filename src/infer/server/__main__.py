@@ -3,6 +3,7 @@
     python -m infer.server                                  # smollm2-135m on 127.0.0.1:8000
     python -m infer.server --model gemma3-270m --port 8001
     python -m infer.server --help                           # every flag
+    INFER_API_KEY=secret python -m infer.server --host 0.0.0.0  # reachable from the network: set a key
 
 Every :class:`~infer.config.EngineConfig` field is a flag. SIGINT/SIGTERM shut down
 gracefully: in-flight requests end with ``finish_reason="abort"`` (streams get their final
@@ -12,7 +13,9 @@ chunk and ``[DONE]``), then the process exits.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import sys
 import time
 
@@ -31,8 +34,37 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait for admission before the server answers 503 (default: 256)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on every route but /health and /metrics (default: "
+                        "$INFER_API_KEY, else vLLM's $VLLM_API_KEY, else none)")
     add_engine_args(p)
     return p
+
+
+def resolve_api_key(flag: str | None, env=os.environ) -> str | None:
+    """The API key: ``--api-key``, else ``$INFER_API_KEY``, else vLLM's ``$VLLM_API_KEY`` (a vLLM
+    user's deployment that sets it must not end up open), else None; an empty value means none."""
+    return flag or env.get("INFER_API_KEY") or env.get("VLLM_API_KEY") or None
+
+
+def is_loopback(host: str) -> bool:
+    """Does ``--host`` bind only this machine (``localhost``, 127.0.0.0/8, ``::1``)?"""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another host name: it may resolve to any interface
+        return False
+
+
+def warn_if_exposed(host: str, api_key: str | None, log: logging.Logger) -> bool:
+    """Log a warning when the server listens beyond this machine without an API key; returns
+    whether it did."""
+    if api_key or is_loopback(host):
+        return False
+    log.warning("serving on %s without an API key: anyone who can reach this port can use the model; "
+                "set --api-key (or INFER_API_KEY)", host)
+    return True
 
 
 def freeze_startup_heap() -> int:
@@ -73,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = async_engine.engine
     name = args.served_model_name or args.model
-    app = build_app(async_engine, name)
+    api_key = resolve_api_key(args.api_key)
+    app = build_app(async_engine, name, api_key=api_key)
+    warn_if_exposed(args.host, api_key, log)
     frozen = freeze_startup_heap()
     log.info("model %s loaded on %s in %.1f s (%d start-up objects frozen out of garbage collection); "
-             "serving on http://%s:%d", name, engine.runner.device, time.perf_counter() - start, frozen,
-             args.host, args.port)
+             "serving on http://%s:%d%s", name, engine.runner.device, time.perf_counter() - start, frozen,
+             args.host, args.port, " (API key required)" if api_key else "")
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: end in-flight requests first

@@ -8,6 +8,8 @@ OpenAI's, so the official ``openai`` client works unchanged; streaming is Server
 body ``{"error": {"message", "type", "param", "code"}}``; the engine never sees it. A request whose
 engine step failed gets a 500 (a stream: a last error event), and 503 once the engine has
 stopped (see ``async_engine.py``). ``GET /openapi.json`` types every request and response.
+With an API key (``auth.py``), every route but ``/health`` and ``/metrics`` answers 401 to a
+request without ``Authorization: Bearer <key>``.
 
 A request's path, e.g. ``POST /v1/chat/completions`` (``routes/chat.py``):
 
@@ -22,8 +24,8 @@ A request's path, e.g. ``POST /v1/chat/completions`` (``routes/chat.py``):
 4. Shape: ``chat_response`` builds the JSON body, or ``ChatStream.chat_sse`` the SSE chunks.
 
 This module only wires: the state the handlers read (``app.state.server``), the error handlers,
-the body-size limit, the OpenAPI schema with the served model's bounds, and the routers of
-``routes/`` (each endpoint's code).
+the body-size limit, the HTTP metrics, the OpenAPI schema with the served model's bounds, and the
+routers of ``routes/`` (each endpoint's code), the API key's check attached to those it protects.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer.server.async_engine import AsyncEngine
-from infer.server.metrics import Metrics
+from infer.server.auth import api_key_dependency
+from infer.server.metrics import Metrics, cache_config_labels
 from infer.server.protocol import MAX_N
 from infer.server.responses import Reject, error_response
 from infer.server.routes import admin, chat, completions, health, models
@@ -160,13 +164,16 @@ def openapi_schema(app: FastAPI, limits: dict[str, int]) -> dict:
 # ---------------------------------------------------------------------------- the app
 
 
-def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
+              api_key: str | None = None) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``model_name``.
 
     Wires what the routes need (``app.state.server``, a ``ServerState``; also ``app.state.engine``
     and ``app.state.metrics``), counts each finished request in the Prometheus metrics
-    (``engine.on_finished``), answers every error in OpenAI's body, refuses bodies over
-    ``max_body_bytes`` (413) and includes the routers of ``routes/``.
+    (``engine.on_finished``) and each HTTP request by route and status (``http_requests_total``),
+    answers every error in OpenAI's body, refuses bodies over ``max_body_bytes`` (413) and
+    includes the routers of ``routes/``. With ``api_key``, every router but ``/health``'s and
+    ``/metrics``' requires ``Authorization: Bearer <api_key>`` (``auth.py``).
     """
     app = FastAPI(title="infer", description="OpenAI-compatible API of the infer engine")
     eng = engine.engine
@@ -174,7 +181,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
               "n": min(MAX_N, eng.scheduler.max_num_seqs)}
     app.openapi = lambda: openapi_schema(app, limits)
 
-    metrics = Metrics(model_name)
+    metrics = Metrics(model_name, eng.max_model_len, cache_config_labels(eng))
     engine.on_finished = metrics.request_finished
     app.state.engine = engine
     app.state.metrics = metrics
@@ -186,8 +193,19 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     app.add_exception_handler(Reject, rejected)
     app.add_exception_handler(Exception, unexpected_error)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    # outermost middleware: counts every response, the 413s above and the 500s of an exception
+    # included, labelled with the route's template (``/v1/models/{model_id:path}``, never the raw
+    # path; ``none`` for an unknown path) and the exact status; /metrics and /health are left out
+    # (polled by scrapers and probes, they would drown the API's counts), as vLLM does
+    Instrumentator(should_group_status_codes=False, excluded_handlers=["^/metrics$", "^/health$"],
+                   registry=metrics.registry).instrument(app)
 
+    protected = [api_key_dependency(api_key)] if api_key else []
     # in this order, the paths of /openapi.json (and /docs) are listed as they always were
-    for routes in (health, models, admin, completions, chat):
-        app.include_router(routes.router)
+    app.include_router(health.router)
+    app.include_router(models.router, dependencies=protected)
+    app.include_router(admin.router, dependencies=protected)
+    app.include_router(admin.metrics_router)
+    app.include_router(completions.router, dependencies=protected)
+    app.include_router(chat.router, dependencies=protected)
     return app

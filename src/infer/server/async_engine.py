@@ -385,11 +385,14 @@ class AsyncEngine:
         # <<< EXERCISE abort_request
 
     def _fail_step(self, e: EngineStepError, failures: int) -> None:
-        """A step failed: log it once, end its requests' streams with :class:`RequestFailed`
-        (the engine has aborted them), and re-raise ``e`` after ``max_step_failures`` in a row."""
+        """A step failed: log it once, count its requests as finished (``finish_reason="error"``,
+        from the final outputs ``e`` carries), end their streams with :class:`RequestFailed` (the
+        engine has aborted them), and re-raise ``e`` after ``max_step_failures`` in a row."""
         cause = e.__cause__ or e
         log.error("engine step failed (%d in a row); failing its requests %s", failures, ", ".join(e.request_ids),
                   exc_info=cause)
+        for out in e.outputs:
+            self._record_finished(out)
         if failures >= self.max_step_failures:
             raise e
         for rid in e.request_ids:

@@ -1,4 +1,6 @@
-"""The operator's endpoints: vLLM's ``POST /reset_prefix_cache`` and Prometheus' ``GET /metrics``."""
+"""The operator's endpoints: vLLM's ``POST /reset_prefix_cache`` (``router``: it needs the API key
+when the server has one) and Prometheus' ``GET /metrics`` (``metrics_router``: open, as vLLM's, for
+the scraper)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from infer.server.responses import error_response, openapi_responses
 from infer.server.serving import State
 
 router = APIRouter()
+metrics_router = APIRouter()
 
 
 @router.post("/reset_prefix_cache", responses=openapi_responses(ResetPrefixCacheResponse,
@@ -24,11 +27,12 @@ async def reset_prefix_cache(state: State) -> JSONResponse:
     return JSONResponse({"prefix_caching": state.prefix_caching, "num_blocks_dropped": dropped})
 
 
-@router.get("/metrics", response_class=PlainTextResponse,
-            responses={200: {"description": "Prometheus text exposition format",
-                             "content": {"text/plain": {"schema": {"type": "string"}}}}})
+@metrics_router.get("/metrics", response_class=PlainTextResponse,
+                    responses={200: {"description": "Prometheus text exposition format",
+                                     "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def prom(state: State) -> Response:
     engine = state.engine
-    body = state.metrics.render(engine.num_running, engine.num_waiting, engine.engine.scheduler.kv_cache_usage(),
-                                engine.num_preemptions, scheduler=engine.engine.scheduler)
+    eng = engine.engine
+    body = state.metrics.render(engine.num_running, engine.num_waiting, eng.scheduler.kv_cache_usage(),
+                                engine.num_preemptions, scheduler=eng.scheduler, output_processor=eng.output_processor)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
