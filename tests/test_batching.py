@@ -373,6 +373,21 @@ def test_nan_logits_end_their_request_with_an_error_not_token_0(tiny_llama, devi
     assert all(outs[rid].finish_reason == "length" for rid in sound)
 
 
+def test_the_cpu_kv_pool_takes_at_most_half_the_available_memory(tiny_llama, monkeypatch):
+    """Without kv_cache_memory_bytes, a CPU pool holds max_num_seqs full-length sequences, unless that is
+    more than half of what the host has available (its pages are all touched in time: a server's memory
+    grows to the pool's size); too little memory for one sequence is an error at start-up, not an OOM."""
+    from infer.engine import memory
+
+    row = tiny_llama.config.kv_bytes_per_token(torch.float32) * 128  # one 128-token sequence
+    assert make_engine(tiny_llama, max_model_len=128, max_num_seqs=8).kv_manager.num_blocks == 8
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 2 * 3 * row + 7)
+    assert make_engine(tiny_llama, max_model_len=128, max_num_seqs=8).kv_manager.num_blocks == 3
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: row)
+    with pytest.raises(ValueError, match="available memory.*cannot hold one sequence"):
+        make_engine(tiny_llama, max_model_len=128, max_num_seqs=8)
+
+
 def test_kv_memory_budget_sizes_the_cache(tiny_llama):
     cfg = tiny_llama.config
     row = cfg.kv_bytes_per_token(torch.float32) * 128

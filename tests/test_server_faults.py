@@ -109,8 +109,27 @@ async def wait_for(predicate, timeout=30.0):
     raise AssertionError("timed out")
 
 
-def fault_records(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "infer.server" and r.exc_info]
+@pytest.fixture
+def caplog():
+    """The engine handle's log records with a traceback, captured by a handler on its own logger
+    (``infer.server``): what another test of the same process did to the root logger's handlers or to
+    propagation (libraries that configure logging) cannot hide them. Shadows pytest's ``caplog``."""
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger, handler = logging.getLogger("infer.server"), Collect(logging.ERROR)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def fault_records(records) -> list[logging.LogRecord]:
+    return [r for r in records if r.name == "infer.server" and r.exc_info]
 
 
 def test_step_fault_fails_only_that_step(served, caplog):

@@ -10,6 +10,7 @@ unless ``kv_cache_memory_bytes`` says otherwise.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -18,6 +19,26 @@ from infer.engine.cuda_graphs import mixed_graph_sizes
 from infer.loader import LoadedModel
 
 log = logging.getLogger("infer")
+
+
+#: On a CPU without ``kv_cache_memory_bytes``: the KV pool takes at most this share of the memory the host
+#: has available at start-up (``MemAvailable``), so that touching all of it cannot exhaust the machine.
+CPU_KV_FRACTION = 0.5
+
+
+def host_available_bytes() -> int | None:
+    """Memory the host can give without swapping (Linux's ``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def kv_heads_per_rank(model) -> int:
@@ -47,8 +68,11 @@ def num_kv_blocks(
     prefill of ``cuda_graph_prefill_tokens`` (or ``cuda_graph_mixed_tokens``) tokens if larger, plus
     what the mixed-step pieces keep between them (every layer's q, k, v and attention output for
     each bucket, :func:`~infer.engine.cuda_graphs.mixed_graph_sizes`); on CPU otherwise, room
-    for ``max_num_seqs`` sequences of ``max_model_len`` tokens (pages are only touched when
-    written).
+    for ``max_num_seqs`` sequences of ``max_model_len`` tokens, but no more than
+    :data:`CPU_KV_FRACTION` of the memory the host has available when the engine starts. (The
+    pool is allocated at once and its pages are touched as sequences write them: a server's resident
+    memory grows towards the pool's size as it serves, and stays there: SmolLM2's pool at 8 sequences
+    of 4,096 tokens is 1.5 GB.)
 
     Returns:
         ``min(budget // block_bytes, max_num_seqs * ceil(max_model_len / block_size))``: more
@@ -72,7 +96,10 @@ def num_kv_blocks(
                                                  cuda_graph_prefill_tokens, cuda_graph_mixed_tokens), \
             "gpu_memory_utilization"
     else:
-        return cap
+        available = host_available_bytes()
+        if available is None:
+            return cap
+        budget, where = int(CPU_KV_FRACTION * available), f"{CPU_KV_FRACTION:.0%} of the host's available memory"
     blocks = min(cap, budget // block_bytes)
     if blocks < per_seq:
         seq_bytes = per_seq * block_bytes
