@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from classroom.exercises import REPO, selected
+from classroom.exercises import MANIFEST, REPO, selected
 from classroom.grading import grade, grade_mutants, prepare
 
 
@@ -20,12 +20,15 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "prepare":
             p.add_argument("--out", type=Path, required=True, help="new workspace directory")
         if cmd == "grade":
-            p.add_argument("--root", type=Path, default=REPO,
-                           help="workspace to grade (default: this repository); without --phase/--exercise "
-                                "the exercises `prepare` recorded there")
+            p.add_argument("--root", type=Path, required=True,
+                           help="the workspace to grade (made by `prepare`); without --phase/--exercise, the "
+                                "exercises `prepare` recorded there. `--root .` in this repository grades the "
+                                "reference solutions themselves")
         if cmd == "mutants":
             p.add_argument("--jobs", type=int, default=2, help="mutants graded at once")
     args = ap.parse_args(argv)
+    if args.cmd == "grade":
+        args.root = _workspace(args.root.expanduser())
     if args.cmd == "grade" and args.phase is None and not args.exercise:
         results = grade(args.root.expanduser(), None)
         return 0 if all(results.values()) else 1
@@ -46,6 +49,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(refs.values()) and not any(got.values()) else 1
     results = grade(args.root.expanduser(), chosen)
     return 0 if all(results.values()) else 1
+
+
+def _workspace(root: Path) -> Path:
+    """The directory to grade: ``root`` itself if it is a workspace or this repository, else the workspace
+    that contains it (a student who runs ``--root .`` from a subfolder of their workspace).
+
+    Raises:
+        SystemExit: ``root`` is inside neither (grading a copy that ``prepare`` did not make).
+    """
+    root = root.resolve()
+    for d in (root, *root.parents):
+        if (d / MANIFEST).is_file() or d == REPO:
+            return d
+    raise SystemExit(f"{root} is not a workspace made by `python -m classroom prepare` (no {MANIFEST} in it or "
+                     "above it): name the workspace with --root")
 
 
 if __name__ == "__main__":

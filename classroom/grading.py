@@ -22,24 +22,51 @@ from classroom.exercises import EXERCISES, MANIFEST, REPO, TESTS, Exercise, orde
 
 
 def prepare(out: Path, exercises: list[Exercise], root: Path = REPO) -> None:
-    """Copy the repository (without .git, .venv, caches) to ``out``, stub the exercises and
-    record their names in ``out/.infer-exercises.json`` (what :func:`grade` grades by default).
+    """Copy the repository (the files git tracks or would track: no .git, environments, builds, caches or
+    the classroom tooling) to ``out``, stub the exercises and record their names in
+    ``out/.infer-exercises.json`` (what :func:`grade` grades by default).
 
     Raises:
         SystemExit: no exercises, or ``out`` exists and is not empty.
     """
     if not exercises:
         raise SystemExit("no exercises to prepare")
-    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", "site",
-                                    ".ruff_cache", ".whl", "classroom", MANIFEST)
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} exists and is not empty")
-    shutil.copytree(root, out, ignore=ignore, dirs_exist_ok=True)
+    files = _repository_files(root)
+    if files is None:  # not a git checkout: everything but builds, caches and environments
+        ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", "site",
+                                        ".ruff_cache", ".whl", "classroom", MANIFEST)
+        shutil.copytree(root, out, ignore=ignore, dirs_exist_ok=True)
+    else:
+        for rel in files:
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / rel, out / rel)
     for e in exercises:
         path = out / e.file
         path.write_text(stub(path.read_text(), e.name, e.hint))
     (out / MANIFEST).write_text(json.dumps({"exercises": [e.name for e in exercises]}, indent=1) + "\n")
+    # no grader and no mutant table in a workspace (they hold reference fragments): `python -m classroom`
+    # there only says where grading happens
+    (out / "classroom").mkdir()
+    (out / "classroom" / "__init__.py").write_text('"""Graded from the course repository, not from here."""\n')
+    (out / "classroom" / "__main__.py").write_text(
+        "raise SystemExit('this is a workspace made by `python -m classroom prepare`: grade it from the course "
+        "repository, with `python -m classroom grade --root ' + __import__('os').getcwd() + '`')\n")
     print(f"prepared {out} with {len(exercises)} exercise(s): {', '.join(e.name for e in exercises)}")
+
+
+def _repository_files(root: Path) -> list[str] | None:
+    """The files a workspace gets: what git tracks in ``root`` and what it would track (untracked, not
+    ignored: a student's new file), without the classroom tooling; None when ``root`` is no git checkout.
+    Ignored files (virtual environments, builds, benchmark runs, local scratch folders) stay behind."""
+    try:
+        ls = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [f for f in dict.fromkeys(ls.stdout.split("\0"))
+            if f and not f.startswith("classroom/") and f != MANIFEST and (root / f).is_file()]
 
 
 def prepared(root: Path) -> list[Exercise] | None:

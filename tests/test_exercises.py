@@ -77,7 +77,10 @@ def test_a_prepared_workspace_is_graded_on_its_exercises_with_the_instructors_te
         prepare(ws, [])
     prepare(ws, [EXERCISES["apply_rope"]])
     assert json.loads((ws / MANIFEST).read_text()) == {"exercises": ["apply_rope"]}
-    assert not (ws / "classroom").exists()  # the grader and its mutant table (reference fragments) stay behind
+    # the grader and its mutant table (reference fragments) stay behind; `python -m classroom` there says so
+    assert sorted(f.name for f in (ws / "classroom").iterdir()) == ["__init__.py", "__main__.py"]
+    there = subprocess.run([sys.executable, "-m", "classroom", "grade"], cwd=ws, capture_output=True, text=True)
+    assert there.returncode == 1 and "grade it from the course repository" in there.stderr, there.stderr
     check = subprocess.run([sys.executable, "-c", "import infer.llm, infer.server.app"], cwd=ws,
                            env={"PYTHONPATH": str(ws / "src")}, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr  # everything else still imports
@@ -99,3 +102,49 @@ def test_a_prepared_workspace_is_graded_on_its_exercises_with_the_instructors_te
     (ws / "src" / "infer").rename(ws / "src" / "elsewhere")
     with pytest.raises(SystemExit, match="refusing to grade"):
         grading_env(ws)
+
+
+def test_grade_needs_the_workspace_named(tmp_path, capsys):
+    """Grading without --root once graded the repository's reference solutions and printed PASS to a
+    student who meant their workspace: --root is required, and must be a workspace (or a folder inside
+    one, or the repository itself, deliberately)."""
+    from classroom.__main__ import _workspace, main
+
+    with pytest.raises(SystemExit) as e:
+        main(["grade", "--exercise", "top_p"])
+    assert e.value.code == 2 and "--root" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="not a workspace made by"):
+        main(["grade", "--root", str(tmp_path), "--exercise", "top_p"])
+    ws = tmp_path / "ws"
+    prepare(ws, [EXERCISES["apply_rope"]])
+    assert _workspace(ws / "src" / "infer") == ws.resolve() and _workspace(REPO / "docs") == REPO
+
+
+def _significant_lines(body: str) -> list[str]:
+    return [line.strip() for line in body.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def test_a_workspace_holds_no_reference_solution(tmp_path):
+    """Every exercise prepared: no file of the workspace outside ``src/`` (tests, docs pages, scripts,
+    benchmarks) contains the body of an exercise region, as three or more consecutive significant lines:
+    the pages explain the idea and show the signature, never the solution. (Inside ``src/`` a kernel's
+    preamble or a subclass's override may share lines with an exercise: that is the engine's own code.)"""
+    ws = tmp_path / "all"
+    prepare(ws, list(EXERCISES.values()))
+    bodies = {}
+    for e in EXERCISES.values():
+        lines = _significant_lines(region_text((REPO / e.file).read_text(), e.name))
+        if len(lines) >= 3:
+            bodies[e.name] = lines
+    leaks = []
+    for path in ws.rglob("*"):
+        if (not path.is_file() or path.suffix not in (".py", ".md", ".txt", ".sh", ".yml", ".toml", ".json")
+                or path.relative_to(ws).parts[0] == "src"):
+            continue
+        text = "\n".join(line.strip() for line in path.read_text(errors="replace").splitlines())
+        for name, lines in bodies.items():
+            for i in range(len(lines) - 2):
+                if "\n".join(lines[i:i + 3]) in text:
+                    leaks.append(f"{path.relative_to(ws)}: {name}: {lines[i]}")
+                    break
+    assert leaks == []
