@@ -251,3 +251,67 @@ def test_every_measured_table_is_kept_with_its_provenance():
     for p in RESULTS.glob("[0-9]*.md"):
         text = p.read_text()
         assert "Commit" in text and "ommand" in text, f"{p.name} records no commit or command"
+
+
+# ---------------------------------------------------------------------------- docs/index.md cannot go stale
+
+INDEX = ROOT / "docs" / "index.md"
+
+
+def _rows(text: str, header: str) -> list[list[str]]:
+    """The body rows (cells stripped) of the table whose header line starts with ``header``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_the_index_lists_every_engine_flag_with_its_default_and_phase():
+    import dataclasses
+
+    from infer.config import EngineConfig
+
+    rows = _rows(INDEX.read_text(), "| Field (`--flag`)")
+    want = []
+    for f in dataclasses.fields(EngineConfig):
+        d = f.default
+        default = "none" if d is None else (f"`{d!r}`" if isinstance(d, str) else f"`{d}`")
+        want.append([f"`{f.name}`", default, str(f.metadata["phase"])])
+    assert [r[:3] for r in rows] == want
+
+
+def test_the_course_path_covers_every_implemented_phase_with_the_catalogues_exercises():
+    from collections import Counter
+
+    from classroom.exercises import EXERCISES
+
+    minutes, count = Counter(), Counter()
+    for e in EXERCISES.values():
+        minutes[e.phase] += e.minutes
+        count[e.phase] += 1
+    rows = _rows(INDEX.read_text(), "| Session | Phase |")
+    phases = [int(re.match(r"\[(\d+)\.", r[1])[1]) for r in rows]
+    implemented = sorted(int(p.name[:2]) for p in PHASES if measured_section(p))
+    assert sorted(phases) == implemented and len(set(phases)) == len(phases)
+    assert [r[0] for r in rows] == [str(i + 1) for i in range(len(rows))]
+    for phase, row in zip(phases, rows):
+        assert row[4] == f"{minutes[phase]} min ({count[phase]})", (phase, row[4])
+
+
+def test_the_index_statuses_follow_the_pages_and_the_module_table_the_package():
+    text = INDEX.read_text()
+    for row in _rows(text, "| # | Phase |"):
+        page = ROOT / "docs" / re.search(r"\]\((phases/[\w.-]+\.md)\)", row[1])[1]
+        done = row[-1].startswith("done")
+        assert done == bool(measured_section(page)), (page.name, row[-1][:40])
+        assert done == (RESULTS / page.name).exists(), f"{page.name}: done, and its measured results?"
+    listed = " ".join(r[0] for r in _rows(text, "| Module | What it holds |"))
+    for child in sorted((ROOT / "src" / "infer").iterdir()):
+        if child.name.startswith("_") or child.suffix not in ("", ".py") or child.name == "py.typed":
+            continue
+        rel = f"src/infer/{child.name}" + ("/" if child.is_dir() else "")
+        assert rel in listed or rel.rstrip("/") in listed, f"docs/index.md's module table misses {rel}"

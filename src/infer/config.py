@@ -184,7 +184,8 @@ def parse_dtype(value: str | torch.dtype | None, device: str | torch.device) -> 
 
 
 def _flag(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field whose ``help`` text becomes the command-line flag's help."""
+    """A dataclass field whose ``help`` text becomes the command-line flag's help; ``phase``: the phase
+    whose page explains it (docs/index.md's table of flags is checked against these)."""
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -198,100 +199,100 @@ class EngineConfig:
     """
 
     model: str = _flag("smollm2-135m", "model: a short name (smollm2-135m, gemma3-270m), a .gguf file or a "
-                       "Hugging Face model directory")
-    device: str = _flag("auto", "cpu, cuda, cuda:N or auto (cuda when a GPU is visible)")
-    dtype: str = _flag("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+                       "Hugging Face model directory", phase=0)
+    device: str = _flag("auto", "cpu, cuda, cuda:N or auto (cuda when a GPU is visible)", phase=0)
+    dtype: str = _flag("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16", phase=0)
     max_model_len: int | None = _flag(None, "longest sequence in tokens (prompt + output); default: the "
-                                      "model's context length, capped at 4096 on CPU and 32768 on CUDA")
-    max_num_seqs: int = _flag(8, "most sequences that hold KV-cache space at once (n > 1 counts n)")
-    seed: int = _flag(0, "seed of the engine's random stream (requests with their own seed ignore it)")
+                                      "model's context length, capped at 4096 on CPU and 32768 on CUDA", phase=1)
+    max_num_seqs: int = _flag(8, "most sequences that hold KV-cache space at once (n > 1 counts n)", phase=3)
+    seed: int = _flag(0, "seed of the engine's random stream (requests with their own seed ignore it)", phase=1)
     # ---- phases 3-4: batching
     batching: str = _flag("none", "none: one request at a time; static: a batch of up to max_num_seqs runs until "
                           "all of it finishes; continuous: admit and retire requests at every step (Orca)",
-                          choices=BATCHING_MODES, ablation=BATCHING_MODES)
+                          choices=BATCHING_MODES, ablation=BATCHING_MODES, phase=3)
     max_num_batched_tokens: int | None = _flag(None, "per-step token budget (prefill + decode tokens in one "
                                                "forward); default: max(max_model_len, 2048), or 2048 with "
-                                               "chunked_prefill")
+                                               "chunked_prefill", phase=4)
     # ---- phase 6: chunked prefill
     chunked_prefill: bool = _flag(False, "split prompts into chunks under max_num_batched_tokens and run them in the "
                                   "same steps as the running decodes (decode tokens first, prefill chunks fill the rest "
                                   "of the budget; Sarathi-Serve, vLLM's default); lets max_num_batched_tokens be "
-                                  "smaller than max_model_len", ablation=(False, True))
+                                  "smaller than max_model_len", ablation=(False, True), phase=6)
     long_prefill_token_threshold: int | None = _flag(None, "chunked prefill: the most prompt tokens one request "
                                                      "may prefill in one step, so several long prompts share the "
-                                                     "budget (vLLM's name); default: no per-request cap")
+                                                     "budget (vLLM's name); default: no per-request cap", phase=6)
     batch_wait_timeout_ms: float = _flag(20.0, "static batching: how long the first waiting request waits for "
-                                         "others to fill a batch (ms)")
+                                         "others to fill a batch (ms)", phase=3)
     # ---- phase 5: paged KV cache
     kv_cache: str = _flag("contiguous", "contiguous: one max_model_len row per sequence, reserved at admission; "
                           "paged: blocks of block_size tokens taken as a sequence grows, preemption (recompute) when "
-                          "they run out (vLLM's PagedAttention)", choices=KV_CACHE_LAYOUTS, ablation=KV_CACHE_LAYOUTS)
-    block_size: int = _flag(16, "paged KV cache: tokens per block")
+                          "they run out (vLLM's PagedAttention)", choices=KV_CACHE_LAYOUTS, ablation=KV_CACHE_LAYOUTS, phase=5)
+    block_size: int = _flag(16, "paged KV cache: tokens per block", phase=5)
     attention_backend: str = _flag("auto", "auto (triton on CUDA, torch on CPU), torch (plain PyTorch, the "
                                    "reference) or triton (the Triton kernels; on a CPU only under TRITON_INTERPRET=1)",
-                                   choices=ATTENTION_BACKENDS, ablation=("torch", "triton"))
+                                   choices=ATTENTION_BACKENDS, ablation=("torch", "triton"), phase=5)
     # ---- phase 7: prefix caching
     prefix_caching: bool = _flag(False, "paged KV cache: keep computed full blocks keyed by a hash of their tokens and "
                                  "of the tokens before them, find a new request's longest cached prefix and prefill "
                                  "only the rest; freed cached blocks are evicted LRU (vLLM's automatic prefix "
-                                 "caching)", ablation=(False, True))
+                                 "caching)", ablation=(False, True), phase=7)
     # ---- KV-cache sizing
     kv_cache_memory_bytes: int | None = _flag(None, "KV-cache budget in bytes; default: room for max_num_seqs "
-                                              "full-length rows on CPU, gpu_memory_utilization on CUDA")
+                                              "full-length rows on CPU, gpu_memory_utilization on CUDA", phase=5)
     gpu_memory_utilization: float = _flag(0.9, "CUDA: fraction of GPU memory the engine may use (weights, "
-                                          "activations of the largest step, KV cache), as in vLLM")
+                                          "activations of the largest step, KV cache), as in vLLM", phase=5)
     # ---- phase 8: fused kernels
     fused_kernels: bool = _flag(False, "merge the Q/K/V and gate/up projections into one GEMM each and run "
                                 "RMSNorm + residual add, QK-norm + RoPE and SiLU/GELU(gate) * up as one kernel "
                                 "each (Triton with the triton attention backend, the same fused functions in "
-                                "plain PyTorch with the torch one)", ablation=(False, True))
+                                "plain PyTorch with the torch one)", ablation=(False, True), phase=8)
     # ---- phase 9: CUDA graphs
     cuda_graphs: bool = _flag(False, "CUDA: capture decode-only steps as CUDA graphs, one per batch-size bucket, "
                               "and replay them (one launch per step instead of one per kernel); needs the "
-                              "triton attention backend", ablation=(False, True))
+                              "triton attention backend", ablation=(False, True), phase=9)
     async_scheduling: bool = _flag(False, "schedule and prepare step N + 1 and process step N - 1's tokens "
                                    "(stop checks, detokenization, streaming) while the device runs step N; the "
-                                   "same outputs, one step later", ablation=(False, True))
+                                   "same outputs, one step later", ablation=(False, True), phase=9)
     pdl: bool = _flag(False, "CUDA, compute capability >= 9.0 (Hopper): launch the Triton kernels of a step "
                       "(norms, RoPE, decode attention, the one-row projections) with programmatic dependent "
                       "launch, so each starts while the one before it finishes (a projection loads its first "
-                      "weights before it waits); needs the triton attention backend", ablation=(False, True))
+                      "weights before it waits); needs the triton attention backend", ablation=(False, True), phase=9)
     # ---- phase 15: mixture of experts
     moe_backend: str = _flag("auto", "MoE models: how the experts run. torch: a loop over experts (Hugging Face's; "
                              "syncs with the host); triton: tokens sorted by expert and one grouped GEMM per "
                              "projection (vLLM's fused_moe; graph-capturable); auto: triton on CUDA, torch on the "
                              "CPU (triton there only under TRITON_INTERPRET=1)", choices=MOE_BACKENDS,
-                             ablation=("torch", "triton"))
+                             ablation=("torch", "triton"), phase=15)
     cuda_graph_max_batch_size: int = _flag(256, "cuda_graphs: the largest decode batch captured (buckets 1, 2, "
-                                           "4, 8, then steps of 8 up to this); larger decode steps run eagerly")
+                                           "4, 8, then steps of 8 up to this); larger decode steps run eagerly", phase=9)
     cuda_graph_prefill_max_tokens: int = _flag(0, "cuda_graphs: also capture steps that prefill one sequence "
                                                "alone (a prompt, a prompt chunk, the suffix after a prefix-cache "
                                                "hit) of up to this many tokens, in buckets 16, 32, 64, ... (powers "
-                                               "of 2); 0: every prefill and mixed step runs eagerly")
+                                               "of 2); 0: every prefill and mixed step runs eagerly", phase=9)
     cuda_graph_mixed_max_tokens: int = _flag(0, "cuda_graphs: also capture mixed steps of up to this many "
                                              "tokens, in buckets 64, 128, 256, ... (powers of 2): decodes beside "
                                              "one prompt chunk as one whole graph, other mixed steps (several "
                                              "prompts) piecewise, graphs between the attention calls, which run "
                                              "eagerly (vLLM's full and piecewise CUDA graphs); 0: such steps run "
-                                             "eagerly")
+                                             "eagerly", phase=9)
     # ---- phase 10: KV offload
     kv_offload: str = _flag("none", "prefix blocks evicted from the device's KV cache go to a tier below instead "
                             "of being dropped, and a prefix hit there is copied back: none; host (host memory, "
                             "pinned on CUDA); disk (host, then memory-mapped files in kv_offload_dir below it); "
-                            "needs prefix_caching", choices=KV_OFFLOAD_MODES, ablation=("none", "host"))
-    kv_offload_bytes: int = _flag(4 << 30, "kv_offload: capacity of the host tier in bytes")
+                            "needs prefix_caching", choices=KV_OFFLOAD_MODES, ablation=("none", "host"), phase=10)
+    kv_offload_bytes: int = _flag(4 << 30, "kv_offload: capacity of the host tier in bytes", phase=10)
     kv_offload_dir: str | None = _flag(None, "kv_offload='disk': directory of the disk tier's file (deleted at "
-                                       "shutdown)")
+                                       "shutdown)", phase=10)
     kv_offload_disk_bytes: int | None = _flag(None, "kv_offload='disk': capacity of the disk tier in bytes; "
-                                              "default: 4 x kv_offload_bytes")
+                                              "default: 4 x kv_offload_bytes", phase=10)
     # ---- phases 14-15: tensor and expert parallelism
     tensor_parallel_size: int = _flag(1, "ranks (one process each, torch.distributed: NCCL on CUDA, gloo on the CPU) "
                                       "the model is split over, Megatron-style: attention heads, MLP columns and the "
-                                      "vocabulary; rank 0 schedules and samples", ablation=(1, 2))
+                                      "vocabulary; rank 0 schedules and samples", ablation=(1, 2), phase=14)
     expert_parallel_size: int = _flag(1, "MoE models: ranks the experts are partitioned over (tokens go to their "
                                       "experts' rank and back with all-to-all); attention and dense layers run "
                                       "tensor-parallel over the same ranks (tensor_parallel_size is 1 or equal)",
-                                      ablation=(1, 2))
+                                      ablation=(1, 2), phase=15)
 
     def resolved_device(self) -> torch.device:
         return torch.device(default_device() if self.device in (None, "auto") else self.device)
