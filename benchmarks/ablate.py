@@ -23,7 +23,9 @@ first ("off") value; the runs are:
 
 * ``all-off``: the base;
 * for each picked flag and each of its other values: the base with only that flag changed;
-* ``all-on``: every picked flag at its last value.
+* ``all-on``: every picked flag at its last value;
+* ``optimize`` (when every flag is picked): ``--optimize`` and no flag set, so the engine turns
+  on what this device supports (the start-up log of its run says what).
 
 Configurations that coincide are run once (``batching=continuous`` is also ``all-on`` while
 batching is the only flag). A configuration that ``EngineConfig.validate()`` rejects is
@@ -94,8 +96,10 @@ SERVE_DEFAULTS = {"num_requests": 200, "input_len": 512, "output_len": 256}
 # ---------------------------------------------------------------------------------- configurations
 
 
-def ablation_configs(values: dict[str, tuple], flags: list[str] | None = None) -> list[dict[str, Any]]:
-    """``[{"name", "overrides", "aliases"}]``: all-off, each flag's other values, all-on; no duplicates.
+def ablation_configs(values: dict[str, tuple], flags: list[str] | None = None,
+                     optimize: bool = False) -> list[dict[str, Any]]:
+    """``[{"name", "overrides", "aliases"}]``: all-off, each flag's other values, all-on and, with
+    ``optimize``, ``optimize`` (the one switch, no flag set: what the engine picks here); no duplicates.
 
     ``values`` is ``{flag: (off, ..., on)}``; ``overrides`` sets every flag of ``values`` (the
     ones not picked stay off). A configuration equal to an earlier one is not repeated: its
@@ -120,6 +124,8 @@ def ablation_configs(values: dict[str, tuple], flags: list[str] | None = None) -
         for v in values[f][1:]:
             add(f"{f}={format_value(v)}", {**off, f: v})
     add("all-on", {**off, **{f: values[f][-1] for f in flags}})
+    if optimize:
+        add("optimize", {"optimize": True})
     return configs
 
 
@@ -156,7 +162,7 @@ def usable_all_on(configs: list[dict[str, Any]], values: dict[str, tuple], flags
     overrides, left_off = dict(off), []
     for f in flags:
         ok = [c["overrides"][f] for c in configs
-              if c["status"] == "pending" and c["overrides"] == {**off, f: c["overrides"][f]} and c["overrides"][f] != off[f]]
+              if c["status"] == "pending" and c["overrides"] == {**off, f: c["overrides"].get(f)} and c["overrides"][f] != off[f]]
         if ok:
             overrides[f] = ok[-1]
         elif len(values[f]) > 1:
@@ -377,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     values = EngineConfig.ablation_values()
     flags = [f.strip() for f in args.flags.split(",") if f.strip()] if args.flags else None
     try:
-        configs = ablation_configs(values, flags)
+        configs = ablation_configs(values, flags, optimize=flags is None)
     except ValueError as e:
         ap.error(str(e))
     given, rest = split_engine_args(passthrough)

@@ -240,6 +240,8 @@ def test_ablation_configs_are_all_off_each_value_all_on_without_duplicates():
     values = {"a": (False, True), "b": ("x", "y", "z")}
     cs = ablate.ablation_configs(values)
     assert [c["name"] for c in cs] == ["all-off", "a=true", "b=y", "b=z", "all-on"]
+    assert ablate.ablation_configs(values, optimize=True)[-1] == {"name": "optimize", "overrides": {"optimize": True},
+                                                                  "aliases": []}
     assert [c["overrides"] for c in cs] == [
         {"a": False, "b": "x"}, {"a": True, "b": "x"}, {"a": False, "b": "y"}, {"a": False, "b": "z"},
         {"a": True, "b": "z"},

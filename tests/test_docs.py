@@ -278,8 +278,11 @@ def test_the_index_lists_every_engine_flag_with_its_default_and_phase():
     rows = _rows(INDEX.read_text(), "| Field (`--flag`)")
     want = []
     for f in dataclasses.fields(EngineConfig):
-        d = f.default
-        default = "none" if d is None else (f"`{d!r}`" if isinstance(d, str) else f"`{d}`")
+        d, md = f.default, f.metadata
+        show = lambda v: f"`{v!r}`" if isinstance(v, str) else f"`{v}`"  # noqa: E731
+        default = (f"{show(md['off'])}, optimize: {show(md['on'])}" if "off" in md
+                   else f"{show(md['with_cuda_graphs'])} with cuda_graphs, else `0`" if "with_cuda_graphs" in md
+                   else "none" if d is None else show(d))
         want.append([f"`{f.name}`", default, str(f.metadata["phase"])])
     assert [r[:3] for r in rows] == want
 

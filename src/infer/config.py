@@ -189,9 +189,18 @@ def _flag(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+def _optimization(off: Any, on: Any, help: str, **kw: Any) -> Any:
+    """A field left unset (``None``) by default: :meth:`EngineConfig.validate` sets it to ``off`` (the
+    phase-by-phase default), or to ``on`` with ``optimize`` where the device and the other flags
+    allow it. A value given explicitly always wins."""
+    return _flag(None, help, off=off, on=on, **kw)
+
+
 @dataclass
 class EngineConfig:
-    """Every knob of the engine. Each optimization is one field, off by default.
+    """Every knob of the engine. Each optimization is one field, off by default; ``optimize``
+    turns on every one that the device, the model and the other flags allow (the fields left
+    unset hold ``None`` until :meth:`validate` resolves them).
 
     The command-line flags of ``python -m infer.generate`` and ``python -m infer.server`` are
     generated from these fields (:func:`add_engine_args`), so each field is a flag with the
@@ -207,14 +216,14 @@ class EngineConfig:
     max_num_seqs: int = _flag(8, "most sequences that hold KV-cache space at once (n > 1 counts n)", phase=3)
     seed: int = _flag(0, "seed of the engine's random stream (requests with their own seed ignore it)", phase=1)
     # ---- phases 3-4: batching
-    batching: str = _flag("none", "none: one request at a time; static: a batch of up to max_num_seqs runs until "
+    batching: str | None = _optimization("none", "continuous", "none: one request at a time; static: a batch of up to max_num_seqs runs until "
                           "all of it finishes; continuous: admit and retire requests at every step (Orca)",
                           choices=BATCHING_MODES, ablation=BATCHING_MODES, phase=3)
     max_num_batched_tokens: int | None = _flag(None, "per-step token budget (prefill + decode tokens in one "
                                                "forward); default: max(max_model_len, 2048), or 2048 with "
                                                "chunked_prefill", phase=4)
     # ---- phase 6: chunked prefill
-    chunked_prefill: bool = _flag(False, "split prompts into chunks under max_num_batched_tokens and run them in the "
+    chunked_prefill: bool | None = _optimization(False, True, "split prompts into chunks under max_num_batched_tokens and run them in the "
                                   "same steps as the running decodes (decode tokens first, prefill chunks fill the rest "
                                   "of the budget; Sarathi-Serve, vLLM's default); lets max_num_batched_tokens be "
                                   "smaller than max_model_len", ablation=(False, True), phase=6)
@@ -224,7 +233,7 @@ class EngineConfig:
     batch_wait_timeout_ms: float = _flag(20.0, "static batching: how long the first waiting request waits for "
                                          "others to fill a batch (ms)", phase=3)
     # ---- phase 5: paged KV cache
-    kv_cache: str = _flag("contiguous", "contiguous: one max_model_len row per sequence, reserved at admission; "
+    kv_cache: str | None = _optimization("contiguous", "paged", "contiguous: one max_model_len row per sequence, reserved at admission; "
                           "paged: blocks of block_size tokens taken as a sequence grows, preemption (recompute) when "
                           "they run out (vLLM's PagedAttention)", choices=KV_CACHE_LAYOUTS, ablation=KV_CACHE_LAYOUTS, phase=5)
     block_size: int = _flag(16, "paged KV cache: tokens per block", phase=5)
@@ -232,7 +241,7 @@ class EngineConfig:
                                    "reference) or triton (the Triton kernels; on a CPU only under TRITON_INTERPRET=1)",
                                    choices=ATTENTION_BACKENDS, ablation=("torch", "triton"), phase=5)
     # ---- phase 7: prefix caching
-    prefix_caching: bool = _flag(False, "paged KV cache: keep computed full blocks keyed by a hash of their tokens and "
+    prefix_caching: bool | None = _optimization(False, True, "paged KV cache: keep computed full blocks keyed by a hash of their tokens and "
                                  "of the tokens before them, find a new request's longest cached prefix and prefill "
                                  "only the rest; freed cached blocks are evicted LRU (vLLM's automatic prefix "
                                  "caching)", ablation=(False, True), phase=7)
@@ -242,18 +251,18 @@ class EngineConfig:
     gpu_memory_utilization: float = _flag(0.9, "CUDA: fraction of GPU memory the engine may use (weights, "
                                           "activations of the largest step, KV cache), as in vLLM", phase=5)
     # ---- phase 8: fused kernels
-    fused_kernels: bool = _flag(False, "merge the Q/K/V and gate/up projections into one GEMM each and run "
+    fused_kernels: bool | None = _optimization(False, True, "merge the Q/K/V and gate/up projections into one GEMM each and run "
                                 "RMSNorm + residual add, QK-norm + RoPE and SiLU/GELU(gate) * up as one kernel "
                                 "each (Triton with the triton attention backend, the same fused functions in "
                                 "plain PyTorch with the torch one)", ablation=(False, True), phase=8)
     # ---- phase 9: CUDA graphs
-    cuda_graphs: bool = _flag(False, "CUDA: capture decode-only steps as CUDA graphs, one per batch-size bucket, "
+    cuda_graphs: bool | None = _optimization(False, True, "CUDA: capture decode-only steps as CUDA graphs, one per batch-size bucket, "
                               "and replay them (one launch per step instead of one per kernel); needs the "
                               "triton attention backend", ablation=(False, True), phase=9)
-    async_scheduling: bool = _flag(False, "schedule and prepare step N + 1 and process step N - 1's tokens "
+    async_scheduling: bool | None = _optimization(False, True, "schedule and prepare step N + 1 and process step N - 1's tokens "
                                    "(stop checks, detokenization, streaming) while the device runs step N; the "
                                    "same outputs, one step later", ablation=(False, True), phase=9)
-    pdl: bool = _flag(False, "CUDA, compute capability >= 9.0 (Hopper): launch the Triton kernels of a step "
+    pdl: bool | None = _optimization(False, True, "CUDA, compute capability >= 9.0 (Hopper): launch the Triton kernels of a step "
                       "(norms, RoPE, decode attention, the one-row projections) with programmatic dependent "
                       "launch, so each starts while the one before it finishes (a projection loads its first "
                       "weights before it waits); needs the triton attention backend", ablation=(False, True), phase=9)
@@ -265,16 +274,25 @@ class EngineConfig:
                              ablation=("torch", "triton"), phase=15)
     cuda_graph_max_batch_size: int = _flag(256, "cuda_graphs: the largest decode batch captured (buckets 1, 2, "
                                            "4, 8, then steps of 8 up to this); larger decode steps run eagerly", phase=9)
-    cuda_graph_prefill_max_tokens: int = _flag(0, "cuda_graphs: also capture steps that prefill one sequence "
-                                               "alone (a prompt, a prompt chunk, the suffix after a prefix-cache "
-                                               "hit) of up to this many tokens, in buckets 16, 32, 64, ... (powers "
-                                               "of 2); 0: every prefill and mixed step runs eagerly", phase=9)
-    cuda_graph_mixed_max_tokens: int = _flag(0, "cuda_graphs: also capture mixed steps of up to this many "
+    cuda_graph_prefill_max_tokens: int | None = _flag(None, "cuda_graphs: also capture steps that prefill one "
+                                                      "sequence alone (a prompt, a prompt chunk, the suffix after a "
+                                                      "prefix-cache hit) of up to this many tokens, in buckets 16, "
+                                                      "32, 64, ... (powers of 2); default with cuda_graphs: 512 "
+                                                      "(at most max_num_batched_tokens); 0: none",
+                                                      with_cuda_graphs=512, phase=9)
+    cuda_graph_mixed_max_tokens: int | None = _flag(None, "cuda_graphs: also capture mixed steps of up to this many "
                                              "tokens, in buckets 64, 128, 256, ... (powers of 2): decodes beside "
                                              "one prompt chunk as one whole graph, other mixed steps (several "
                                              "prompts) piecewise, graphs between the attention calls, which run "
-                                             "eagerly (vLLM's full and piecewise CUDA graphs); 0: such steps run "
-                                             "eagerly", phase=9)
+                                             "eagerly (vLLM's full and piecewise CUDA graphs); default with cuda_graphs: "
+                                             "512 (at most max_num_batched_tokens); 0: such steps run "
+                                             "eagerly", with_cuda_graphs=512, phase=9)
+    # ---- the one switch
+    optimize: bool = _flag(False, "turn on every optimization this device and model support, for each flag "
+                           "left unset: continuous batching, the paged KV cache, prefix caching, chunked "
+                           "prefill, fused kernels, async scheduling, and on CUDA the Triton kernels, CUDA graphs "
+                           "(decode, prefill and mixed steps) and on Hopper pdl; a flag set on the command line "
+                           "keeps its value. The engine logs what is on and why anything is off", phase=9)
     # ---- phase 10: KV offload
     kv_offload: str = _flag("none", "prefix blocks evicted from the device's KV cache go to a tier below instead "
                             "of being dropped, and a prefix hit there is copied back: none; host (host memory, "
@@ -315,6 +333,7 @@ class EngineConfig:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: 'cuda' was asked for but no CUDA GPU is visible")
         self.resolved_dtype()  # raises on an unknown dtype
+        self._resolve_unset(dev)
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:
@@ -412,6 +431,66 @@ class EngineConfig:
         self._validate_kv_offload()
         self._validate_parallel(dev)
         return self
+
+    def _resolve_unset(self, dev: torch.device) -> None:
+        """Give every optimization left unset (``None``) its value: its ``off`` value (the
+        phase-by-phase default) or, with ``optimize``, its ``on`` value wherever
+        :meth:`_why_not` finds nothing against it; the reasons an optimization stays off are kept
+        in :attr:`optimization_notes` (``{field: reason}``). A value given explicitly is kept.
+        Then the graph sizes beyond decode (``with_cuda_graphs``) follow ``cuda_graphs``. Idempotent."""
+        if getattr(self, "optimization_notes", None) is not None:
+            return  # resolved already
+        notes: dict[str, str] = {}
+        for f in dataclasses.fields(self):  # in declaration order: kv_cache is settled before prefix_caching
+            if "off" not in f.metadata:
+                continue
+            if getattr(self, f.name) is not None:
+                if self.optimize and getattr(self, f.name) == f.metadata["off"]:
+                    notes[f.name] = "turned off explicitly"
+                continue
+            reason = self._why_not(f.name, dev) if self.optimize else None
+            setattr(self, f.name, f.metadata["on"] if self.optimize and reason is None else f.metadata["off"])
+            if reason is not None:
+                notes[f.name] = reason
+        for f in dataclasses.fields(self):
+            if "with_cuda_graphs" in f.metadata and getattr(self, f.name) is None:
+                # the model runner clamps these to the step budget and the context length
+                on = self.cuda_graphs and self.world_size == 1
+                setattr(self, f.name, f.metadata["with_cuda_graphs"] if on else 0)
+        self.optimization_notes = notes
+
+    def _why_not(self, name: str, dev: torch.device) -> str | None:
+        """Why ``optimize`` leaves the optimization ``name`` off on ``dev`` with the other flags as
+        they are, or ``None`` if nothing stands against it."""
+        graphs = ("needs a CUDA device" if dev.type != "cuda"
+                  else "needs the triton attention backend" if self.resolved_attention_backend() != "triton"
+                  else "needs the triton MoE backend" if self.resolved_moe_backend() != "triton"
+                  else "expert parallelism is not captured in graphs" if self.expert_parallel_size > 1
+                  else None)
+        if name == "prefix_caching" and self.kv_cache != "paged":
+            return "needs kv_cache='paged'"
+        if name == "cuda_graphs":
+            return graphs
+        if name == "pdl":
+            if graphs in ("needs a CUDA device", "needs the triton attention backend"):
+                return graphs
+            if torch.cuda.get_device_capability(dev)[0] < 9:
+                return "needs a GPU of compute capability 9.0 or later (Hopper)"
+        return None
+
+    def optimization_summary(self) -> str:
+        """One line for the start-up log: which optimizations are on, and with ``optimize``, why any
+        is off (after :meth:`validate`)."""
+        flags = {"batching": self.batching, "kv_cache": self.kv_cache}
+        on = [f"{k}={v}" for k, v in flags.items()]
+        on += [name for name in ("prefix_caching", "chunked_prefill", "fused_kernels", "async_scheduling",
+                                 "cuda_graphs", "pdl") if getattr(self, name)]
+        if self.cuda_graphs:
+            on.append(f"graphs for prefill <= {self.cuda_graph_prefill_max_tokens} and mixed steps <= "
+                      f"{self.cuda_graph_mixed_max_tokens} tokens")
+        notes = getattr(self, "optimization_notes", {})
+        off = "; off: " + ", ".join(f"{k} ({v})" for k, v in notes.items()) if notes else ""
+        return ("optimize: " if self.optimize else "optimizations: ") + ", ".join(on) + off
 
     def _validate_kv_offload(self) -> None:
         if self.kv_offload not in KV_OFFLOAD_MODES:
@@ -573,7 +652,11 @@ def add_engine_args(parser) -> None:
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        md = f.metadata
+        default = (f"{md['off']}; {md['on']} with --optimize" if "off" in md
+                   else f"{md['with_cuda_graphs']} with --cuda-graphs, else 0" if "with_cuda_graphs" in md
+                   else f.default)
+        help_text = f"{md.get('help', '')} (default: {default})"
         if base is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:

@@ -107,12 +107,9 @@ class LLMEngine:
         block_size = self.runner.kv_cache.block_size
         backend = config.resolved_attention_backend()
         num_blocks = self.runner.kv_cache.num_blocks
-        log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, batching=%s, "
-                 "max_num_batched_tokens=%d, chunked_prefill=%s, fused_kernels=%s, cuda_graphs=%s, "
-                 "async_scheduling=%s, pdl=%s",
-                 config.kv_cache, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**30, backend,
-                 config.batching, budget, config.chunked_prefill, config.fused_kernels, config.cuda_graphs,
-                 config.async_scheduling, config.pdl)
+        log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, max_num_batched_tokens=%d",
+                 config.kv_cache, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**30, backend, budget)
+        log.info("%s", config.optimization_summary())
         warm_s = self.runner.warm_up()
         if warm_s:
             log.info("warm-up: the attention kernels' variants launched once in %.1f s", warm_s)
