@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -901,25 +902,43 @@ def test_engine_is_built_on_the_engine_thread():
 
 # ---------------------------------------------------------------------------- third-party clients
 
-FUZZ_EXAMPLES = 30
+#: schemathesis' examples per operation: completions and chat are the deep ones
+FUZZ_EXAMPLES, FUZZ_EXAMPLES_GENERATE = 30, 100
+#: requests each of completions and chat must have been sent: served ones and refused ones
+FUZZ_MIN_CASES, FUZZ_MIN_SERVED, FUZZ_MIN_REFUSED = 80, 40, 10
 
 
 @pytest.mark.thirdparty
 def test_schemathesis_fuzz(server, tmp_path):
-    """schemathesis 4 generates requests from the server's OpenAPI schema (valid ones and
-    schema-violating ones, 30 per operation, fixed seed; generated work capped by
-    tests/schemathesis_hooks.py) and checks every response: no 5xx, status codes, content types,
-    headers and bodies as the schema documents them, schema-violating requests rejected, 405 with
-    ``Allow``. Left out: ``positive_data_acceptance`` (cross-field rules such as ``min_tokens <=
-    max_tokens`` or ``best_of == n`` cannot be stated in the schema) and the coverage phase (its
-    boundary cases, 1,024 prompts x 16 tokens, skip the hooks and take minutes on a CPU). Then
-    the server is healthy and gives the greedy answer it gave before."""
+    """schemathesis 4 generates requests from the server's OpenAPI schema, valid ones and
+    schema-violating ones (``FUZZ_EXAMPLES`` per operation, ``FUZZ_EXAMPLES_GENERATE`` for
+    completions and chat; fixed seed; the work each one asks capped by tests/schemathesis_hooks.py,
+    which also keeps them inside the few rules no schema can state), and runs all its checks on
+    every response, without stopping at the first failure: no 5xx; every request the schema allows
+    served, every one it refuses refused (the schema states what the server enforces: ranges,
+    rules across fields, the model's limits); status codes, content types, headers and bodies as
+    the schema documents them; 405 with ``Allow``; and stateful sequences. Left out: the coverage
+    phase (its boundary cases, 1,024 prompts x 16 tokens, skip the hooks and take minutes on a CPU).
+
+    The hooks log each request sent: every operation was tested; completions and chat got at least
+    ``FUZZ_MIN_CASES`` requests each, served and refused ones; every status is a 2xx or a 4xx the
+    schema declares for its operation. Then the server is healthy and gives the greedy answer it
+    gave before."""
     pytest.importorskip("schemathesis")
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
-           "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    root = Path(__file__).resolve().parent.parent
+    log = tmp_path / "requests.jsonl"
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks", "INFER_FUZZ_LOG": str(log),
+           # the hooks import infer: the src/ of these tests (conftest.py put it first)
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
            "INFER_FUZZ_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "INFER_FUZZ_MAX_N": "8"}
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json",
-           "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+    config = tmp_path / "schemathesis.toml"
+    # the schema's order of operations: schemathesis' own ("auto") feeds values from earlier
+    # responses to later operations, and completions then drew 1 schema-violating request in 100
+    config.write_text(f'[phases.fuzzing]\noperation-ordering = "none"\n\n'
+                      f'[[operations]]\ninclude-path-regex = "/completions$"\n'
+                      f"generation.max-examples = {FUZZ_EXAMPLES_GENERATE}\n")
+    cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "run",
+           f"{server.url}/openapi.json", "--checks", "all",
            "--phases", "examples,fuzzing,stateful", "--max-examples", str(FUZZ_EXAMPLES), "--seed", "1",
            "--workers", "1", "--generation-database", "none", "--request-timeout", "60", "--no-color",
            "--output-sanitize", "false", "--continue-on-failure", "--report", "junit",
@@ -928,6 +947,28 @@ def test_schemathesis_fuzz(server, tmp_path):
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-8000:]}\n{run.stderr[-2000:]}\n{server.logs()}"
     assert "No issues found" in run.stdout, run.stdout[-4000:]
+
+    schema = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    declared = {f"{method.upper()} {path}": {int(code) for code in op["responses"]}
+                for path, item in schema["paths"].items() for method, op in item.items()}
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    by_op: dict[str, list[dict]] = {}
+    for r in sent:
+        by_op.setdefault(r["operation"], []).append(r)
+    assert set(by_op) == set(declared), sorted(by_op)
+    for op, records in by_op.items():
+        for r in records:
+            assert r["status"] < 500 and (r["status"] < 300 or r["status"] in declared[op]), (op, r)
+    for op in ("POST /v1/completions", "POST /v1/chat/completions"):
+        served = [r for r in by_op[op] if r["status"] < 300]
+        refused = [r for r in by_op[op] if r["status"] >= 400]
+        assert len(by_op[op]) >= FUZZ_MIN_CASES, (op, len(by_op[op]))
+        assert len(served) >= FUZZ_MIN_SERVED and len(refused) >= FUZZ_MIN_REFUSED, (op, len(served), len(refused))
+        # the schema allows the model's name only: every valid request reaches the engine and is served
+        assert all(r["status"] < 300 for r in by_op[op] if r["mode"] == "positive"), op
+    generated = re.search(r"(\d+) generated", run.stdout)
+    assert generated and int(generated.group(1)) >= sum(len(by_op[op]) for op in by_op if "completions" in op), \
+        run.stdout[-2000:]
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     wait_idle(server)
     assert greedy_text(server) == server.baseline

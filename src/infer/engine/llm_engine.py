@@ -198,10 +198,15 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: for an empty/oversized prompt, ``max_tokens`` past the
-                context, ``n`` above ``max_num_seqs`` or a duplicate id.
+                context, ``n`` above ``max_num_seqs``, ``stop_token_ids`` outside the vocabulary
+                or a duplicate id.
         """
         params = params or SamplingParams()
         text, ids = self.tokenize_prompt(prompt)
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:  # (>= 0: SamplingParams checked) one would also break min_tokens' ban list
+            raise InvalidRequestError(f"stop token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                                      param="stop_token_ids")
         limit = self.max_model_len
         if len(ids) >= limit:
             raise InvalidRequestError(

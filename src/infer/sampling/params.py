@@ -25,6 +25,8 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
 #: ``repetition_penalty``'s range: the penalty divides or multiplies logits, so 1e-50 (0 in float32)
 #: would make them inf.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+#: ``presence_penalty`` and ``frequency_penalty`` are in ``[-MAX_PENALTY, MAX_PENALTY]`` (OpenAI's range).
+MAX_PENALTY = 2.0
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -172,8 +174,8 @@ class SamplingParams:
 
         for name in ("presence_penalty", "frequency_penalty"):
             v = self._check_real(name, getattr(self, name))
-            if not (-2.0 <= v <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+            if not (-MAX_PENALTY <= v <= MAX_PENALTY):
+                raise ValueError(f"{name} must be in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
             setattr(self, name, v)
 
         # --- randomness

@@ -132,13 +132,16 @@ class _BodyLimit:
 # ---------------------------------------------------------------------------- OpenAPI schema
 
 
-def _fill_limits(node: Any, limits: dict[str, int]) -> None:
+def _fill_limits(node: Any, limits: dict[str, Any]) -> None:
     """Replace the ``x-infer-limit`` markers of the request models (protocol.py) by the served
-    model's bounds: ``maximum`` for an integer, ``maxItems`` for an array."""
+    model's bounds: ``maximum`` for an integer, ``maxItems`` for an array (``vocab``, ``context``,
+    ``n``), ``enum`` for the model's name (``model``), ``pattern`` for a text prompt
+    (``prompt_text``; none when every character has a token)."""
     if isinstance(node, dict):
         kind = node.pop("x-infer-limit", None)
-        if kind is not None:
-            node["maxItems" if node.get("type") == "array" else "maximum"] = limits[kind]
+        if kind is not None and limits.get(kind) is not None:
+            key = {"model": "enum", "prompt_text": "pattern"}.get(kind)
+            node[key or ("maxItems" if node.get("type") == "array" else "maximum")] = limits[kind]
         for v in node.values():
             _fill_limits(v, limits)
     elif isinstance(node, list):
@@ -146,9 +149,18 @@ def _fill_limits(node: Any, limits: dict[str, int]) -> None:
             _fill_limits(v, limits)
 
 
+def _prompt_pattern(tokenizer) -> str | None:
+    """A text prompt encodes to at least one token when it holds a character that has one: the
+    regex of such a character, from the characters below U+0100 (every byte of a byte-level BPE)
+    that encode to nothing alone (SmolLM2: six ASCII control characters). None if there are none."""
+    none = [c for c in map(chr, range(0x100)) if not tokenizer.encode(c, add_special_tokens=False)]
+    return "[^" + "".join(f"\\u{ord(c):04x}" for c in none) + "]" if none else None
+
+
 def openapi_schema(app: FastAPI, limits: dict[str, int]) -> dict:
     """FastAPI's schema of ``app``, minus its 422 (this server answers 400), with the model's
-    bounds (``limits``: ``vocab``, ``context``, ``n``); built once, then cached on the app."""
+    bounds (``limits``: ``vocab``, ``context``, ``n``; and, from ``app.state.server``, its name
+    and the characters its tokenizer has no token for); built once, then cached on the app."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version="1.0", description=app.description, routes=app.routes)
         for path in schema["paths"].values():
@@ -156,7 +168,9 @@ def openapi_schema(app: FastAPI, limits: dict[str, int]) -> dict:
                 op.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
-        _fill_limits(schema, limits)
+        state = app.state.server
+        _fill_limits(schema, {**limits, "model": [state.model_name],
+                              "prompt_text": _prompt_pattern(state.tokenizer)})
         app.openapi_schema = schema
     return app.openapi_schema
 

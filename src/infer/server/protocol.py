@@ -6,11 +6,27 @@ Field names, defaults and shapes follow OpenAI's API reference (``/v1/completion
 ``skip_special_tokens``). Unknown fields are rejected (``extra="forbid"``), and so are OpenAI
 fields infer does not implement (``suffix``, ``best_of > n``, a non-empty ``logit_bias``,
 ``tools``...), each with an HTTP 400 that names the field: a request is never half-served.
-Range checks live in :class:`~infer.sampling.SamplingParams` (one place for the library and
-the server); the fields below carry the same ranges, so that the OpenAPI schema states them
-and a schema-valid request is not refused for a range. Limits that depend on the served model
-(the vocabulary, the context, ``max_num_seqs``) are marked ``x-infer-limit`` and filled in by
-the app when it builds its schema.
+The OpenAPI schema (``/openapi.json``) states what the server enforces, so that a client (or a
+fuzzer) can tell a request that will be served from one that will be refused:
+
+* The sampling ranges are checked by :class:`~infer.sampling.SamplingParams` (one place for the
+  library and the server; its 400 names the field and the range): the fields carry the same
+  ranges, from its constants, for the schema only (:func:`_number_in`).
+* Rules across fields (``stream_options`` only with ``stream``, one output constraint per
+  request...) are in each model's ``allOf``, each an ``anyOf`` of the ways to satisfy it
+  (``_COMMON_RULES``...); the checks that enforce them are the methods below (``_check_common``...).
+* Fields whose Python type is broader than what is served (``tool_choice``,
+  ``structured_outputs``...) keep it, so that their own check gives the 400 its message, and
+  carry the narrower schema (``WithJsonSchema``). Fields infer refuses entirely (``suffix``, a
+  non-empty ``logit_bias``) are declared empty.
+* Limits that depend on the served model (the vocabulary, the context, ``max_num_seqs``, the
+  model's name, the characters its tokenizer has no token for) are marked ``x-infer-limit``
+  and filled in by the app when it builds its schema.
+
+A few rules no JSON Schema can state remain: ``min_tokens <= max_tokens``, ``best_of == n``, a
+prompt that fits the context with its ``max_tokens``, a ``tool_choice`` naming one of the
+``tools`` (with distinct names), a regex or JSON schema that compiles. Each is refused with a
+400 naming the field.
 
 The response models at the end only document the responses (the OpenAPI schema); the
 endpoints build their JSON directly.
@@ -18,6 +34,7 @@ endpoints build their JSON directly.
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -30,12 +47,21 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     Tag,
+    WithJsonSchema,
 )
 
+from infer.chat import apply_chat_template, render_chat_template
 from infer.sampling import SamplingParams
-from infer.sampling.params import MAX_LOGPROBS, RequestOutputKind
+from infer.sampling.params import (
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    RequestOutputKind,
+)
 from infer.sampling.structured import StructuredOutputsParams
-from infer.server.tools import ToolSpec
+from infer.server.tools import NAME_PATTERN, ToolSpec
 
 
 class UnsupportedField(ValueError):
@@ -68,12 +94,27 @@ def _limit(kind: str) -> dict:
 
 #: A token id: ``0 <= id < vocab_size``.
 TokenId = _int(ge=0, json_schema_extra=_limit("vocab"))
+#: The ``model`` field: the served model's name (another one is answered 404), or none.
+ModelName = Annotated[str, Field(json_schema_extra=_limit("model"))] | None
 #: Most sequences (prompts x n) one completions request may carry.
 MAX_SEQS_PER_REQUEST = 1024
 #: Largest ``n`` (also at most the engine's ``max_num_seqs``).
 MAX_N = 16
 _Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+def _number_in(low: float, high: float, *, open_low: bool = False) -> Any:
+    """A number in ``[low, high]`` (``(low, high]`` with ``open_low``), a range that
+    :class:`SamplingParams` checks (its 400 names the field and the range): stated here for the
+    schema only."""
+    return Annotated[_Float, Field(json_schema_extra={"exclusiveMinimum" if open_low else "minimum": low,
+                                                      "maximum": high})]
+
+
+#: A text prompt: it must encode to at least one token (the schema's ``pattern``: a character the
+#: tokenizer has a token for; SmolLM2 has none for six ASCII control characters).
+PromptText = Annotated[str, Field(min_length=1, json_schema_extra=_limit("prompt_text"))]
 
 #: OpenAI request fields that do not change what is generated.
 IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key")
@@ -82,8 +123,106 @@ IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "safety_identifie
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
+# ---------------------------------------------------------------------------- rules across fields (JSON Schema)
+# Each rule is an ``anyOf`` of the ways to satisfy it ("either stream_options is null, or stream
+# is true"): schemathesis' generator handles a product of these, not of if/then or not.
+
+
+def _either(*alternatives: dict) -> dict:
+    """JSON Schema: a body that matches at least one of ``alternatives``."""
+    return {"anyOf": list(alternatives)}
+
+
+def _fields(**schemas: dict) -> dict:
+    """JSON Schema: each field, if present, matches its schema."""
+    return {"properties": schemas}
+
+
+def _is(name: str, value: Any) -> dict:
+    """JSON Schema: field ``name`` is present and equals ``value``."""
+    return {"required": [name], "properties": {name: {"const": value}}}
+
+
+_NULL = {"type": "null"}
+#: The spellings of an output constraint (see ``_structured``), each as "not given" and "given".
+_CONSTRAINTS = {
+    "response_format": ({"anyOf": [_NULL, {"properties": {"type": {"const": "text"}}}]},
+                        {"type": "object", "required": ["type"],
+                         "properties": {"type": {"enum": ["json_object", "json_schema"]}}}),
+    "structured_outputs": (_NULL, {"type": "object"}),
+    "guided_json": (_NULL, {"type": ["object", "string"]}),
+    "guided_regex": (_NULL, {"type": "string"}),
+    "guided_choice": (_NULL, {"type": "array"}),
+}
+#: No output constraint.
+_NO_CONSTRAINT = _fields(**{name: absent for name, (absent, _) in _CONSTRAINTS.items()})
+#: At most one output constraint per request.
+_ONE_CONSTRAINT = _either(_NO_CONSTRAINT, *(
+    {"required": [name], "properties": {**_NO_CONSTRAINT["properties"], name: given}}
+    for name, (_, given) in _CONSTRAINTS.items()))
+
+#: What ``_check_common`` and ``_structured`` enforce.
+_COMMON_RULES = [
+    _either(_fields(stream_options=_NULL), _is("stream", True)),
+    _ONE_CONSTRAINT,
+]
+#: What ``CompletionRequest.sampling_params`` enforces (``max_tokens: 0`` only scores the prompt).
+_COMPLETION_RULES = [
+    _either(_fields(max_tokens={"anyOf": [_NULL, {"type": "integer", "minimum": 1}]}), _is("echo", True)),
+]
+#: What ``ChatCompletionRequest.sampling_params`` and ``ToolSpec`` enforce. One more rule could be
+#: stated, "a ``tool_choice`` other than ``none`` needs ``tools``", but each rule doubles the
+#: alternatives of this 40-field object, and with it they are more than schemathesis' generator
+#: (jsonschema-rs' canonical form) takes: its fuzz test keeps generated requests inside that rule.
+_CHAT_RULES = [
+    _either(_fields(top_logprobs={"enum": [0, None]}), _is("logprobs", True)),
+    # a forced tool call is constrained decoding: no other output constraint with it
+    _either(_fields(tool_choice={"enum": ["none", "auto", None]}), _NO_CONSTRAINT),
+]
+
+#: ``tools`` items (``ToolSpec`` checks them): functions with distinct names.
+_TOOL_SCHEMA = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": NAME_PATTERN},
+        "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "a JSON schema (compiled when the call is forced)"}}}}}
+#: ``tool_choice`` (``ToolSpec`` checks it; a named function must be one of ``tools``).
+_TOOL_CHOICE_SCHEMA = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+    {"type": "null"}]}
+_JSON_SCHEMA = {"type": ["object", "string"], "description": "a JSON schema (an object or its JSON text)"}
+#: vLLM's ``structured_outputs`` (``StructuredOutputsParams`` checks it): exactly one constraint.
+_STRUCTURED_OUTPUTS_SCHEMA = {"anyOf": [
+    {"type": "object", "additionalProperties": False,
+     "properties": {"json": {"type": ["object", "string", "null"]}, "regex": {"type": ["string", "null"]},
+                    "choice": {"anyOf": [{"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                                         _NULL]},
+                    "json_object": {"type": "boolean"}, "whitespace_pattern": {"type": ["string", "null"]}},
+     # exactly one of json, regex, choice, json_object: true
+     "anyOf": [{"required": [name], "properties": {"json": _NULL, "regex": _NULL, "choice": _NULL,
+                                                  "json_object": {"const": False}, name: given}}
+               for name, given in (("json", {"type": ["object", "string"]}), ("regex", {"type": "string"}),
+                                   ("choice", {"type": "array"}), ("json_object", {"const": True}))]},
+    {"type": "null"}]}
+#: Names the chat template renderer takes itself: not allowed in ``chat_template_kwargs``.
+_RENDERER_ARGS = sorted({name for f in (apply_chat_template, render_chat_template)
+                         for name, p in inspect.signature(f).parameters.items() if p.kind != p.VAR_KEYWORD})
+_TEMPLATE_KWARGS_SCHEMA = {"anyOf": [
+    {"type": "object", "propertyNames": {"not": {"enum": _RENDERER_ARGS}},
+     "properties": {"documents": {"anyOf": [{"type": "array", "items": {"type": "object"}}, {"type": "null"}]}}},
+    {"type": "null"}]}
+
+
+# ---------------------------------------------------------------------------- request bodies
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_either(
+        _fields(continuous_usage_stats={"enum": [False, None]}), _is("include_usage", True)))
     include_usage: StrictBool | None = False
     continuous_usage_stats: StrictBool | None = False
 
@@ -91,7 +230,10 @@ class StreamOptions(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (phase 13)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_either(
+        _fields(type={"enum": ["text", "json_object"]}),
+        {"required": ["json_schema"], "properties": {"json_schema": {
+            "type": "object", "required": ["schema"], "properties": {"schema": _JSON_SCHEMA}}}}))
     type: str = Field(json_schema_extra={"enum": ["text", "json_object", "json_schema"]})  # others: a 400
     json_schema: dict[str, Any] | None = None
 
@@ -101,14 +243,14 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    temperature: Annotated[_Float, Field(ge=0)] | None = None
-    top_p: Annotated[_Float, Field(gt=0, le=1)] | None = None
+    model: ModelName = None
+    temperature: _number_in(0.0, MAX_TEMPERATURE) | None = None
+    top_p: _number_in(0.0, 1.0, open_low=True) | None = None
     n: _int(ge=1, le=MAX_N, json_schema_extra=_limit("n")) = 1
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     seed: Int | None = None
-    presence_penalty: Annotated[_Float, Field(ge=-2, le=2)] | None = 0.0
-    frequency_penalty: Annotated[_Float, Field(ge=-2, le=2)] | None = 0.0
+    presence_penalty: _number_in(-MAX_PENALTY, MAX_PENALTY) | None = 0.0
+    frequency_penalty: _number_in(-MAX_PENALTY, MAX_PENALTY) | None = 0.0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # not supported: the schema says "empty"; the server's 400 says why
@@ -122,20 +264,20 @@ class _Common(BaseModel):
     prompt_cache_key: str | None = None
     # vLLM's extras
     top_k: _int(ge=-1) | None = None
-    min_p: Annotated[_Float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[_Float, Field(gt=0)] | None = None
+    min_p: _number_in(0.0, 1.0) | None = None
+    repetition_penalty: _number_in(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY) | None = None
     ignore_eos: StrictBool = False
     min_tokens: _int(ge=0, json_schema_extra=_limit("context")) = 0
-    stop_token_ids: list[_int(ge=0)] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     # structured output (phase 13): OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* spellings (see _structured)
     response_format: ResponseFormat | None = None
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: Annotated[dict[str, Any] | None, WithJsonSchema(_STRUCTURED_OUTPUTS_SCHEMA)] = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
 
     def ignored_fields(self) -> list[str]:
         """The fields given that do not change generation (the server logs them at debug level)."""
@@ -229,8 +371,9 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """``POST /v1/completions``."""
 
-    prompt: (NonEmptyStr
-             | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_SEQS_PER_REQUEST)]
+    model_config = ConfigDict(json_schema_extra={"allOf": [*_COMMON_RULES, *_COMPLETION_RULES]})
+    prompt: (PromptText
+             | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_SEQS_PER_REQUEST)]
              | Annotated[list[TokenId], Field(min_length=1, json_schema_extra=_limit("context"))]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1, json_schema_extra=_limit("context"))]],
                          Field(min_length=1, max_length=MAX_SEQS_PER_REQUEST)])
@@ -306,15 +449,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [*_COMMON_RULES, *_CHAT_RULES]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: _int(ge=1, json_schema_extra=_limit("context")) | None = None
     max_completion_tokens: _int(ge=1, json_schema_extra=_limit("context")) | None = None
     logprobs: StrictBool = False
     top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: StrictBool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, WithJsonSchema(_TEMPLATE_KWARGS_SCHEMA)] = None
+    tools: Annotated[list[dict[str, Any]] | None,
+                     WithJsonSchema({"anyOf": [{"type": "array", "items": _TOOL_SCHEMA}, {"type": "null"}]})] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema(_TOOL_CHOICE_SCHEMA)] = None
     parallel_tool_calls: StrictBool | None = None
 
     def tool_spec(self) -> ToolSpec:
@@ -330,8 +475,8 @@ class ChatCompletionRequest(_Common):
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
-        if self.top_logprobs is not None and not self.logprobs:
-            raise UnsupportedField("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.top_logprobs and not self.logprobs:  # 0 asks for nothing: accepted, as OpenAI does
+            raise UnsupportedField("top_logprobs", "top_logprobs > 0 requires logprobs to be true")
         structured = None
         schema = self.tool_spec().schema()
         if schema is not None:  # a forced tool call is constrained decoding
@@ -369,7 +514,7 @@ class TokenizeCompletionRequest(BaseModel):
     """``POST /tokenize`` with a text prompt (vLLM's shape)."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: ModelName = None
     prompt: str
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool = False
@@ -379,11 +524,11 @@ class TokenizeChatRequest(BaseModel):
     """``POST /tokenize`` with chat messages, rendered by the model's chat template (vLLM's shape)."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: ModelName = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, WithJsonSchema(_TEMPLATE_KWARGS_SCHEMA)] = None
     return_token_strs: StrictBool = False
 
     def message_dicts(self) -> list[dict[str, Any]]:
@@ -394,7 +539,7 @@ class DetokenizeRequest(BaseModel):
     """``POST /detokenize`` (vLLM's shape)."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: ModelName = None
     tokens: list[TokenId]
 
 

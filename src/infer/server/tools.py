@@ -23,7 +23,9 @@ from typing import Any
 
 __all__ = ["ToolSpec", "parse_tool_calls", "tool_call_dicts"]
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+#: What a function name may be (OpenAI's rule: 1-64 letters, digits, ``_``, ``.`` or ``-``).
+NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
+_NAME = re.compile(NAME_PATTERN)
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -45,7 +47,7 @@ class ToolSpec:
             if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
                 raise _error("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
             name = fn.get("name")
-            if not isinstance(name, str) or not _NAME.match(name):
+            if not isinstance(name, str) or not _NAME.fullmatch(name):
                 raise _error("tools", f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -, got {name!r}")
             if name in self.functions:
                 raise _error("tools", f"tools[{i}]: duplicate function name {name!r}")
