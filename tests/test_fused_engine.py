@@ -326,9 +326,10 @@ def _slots_written(cache) -> list[int]:
 
 
 def _mixed_engine(loaded) -> LLMEngine:
-    """Chunked prefill under a 64-token budget with mixed-step graphs of up to 64 tokens, its cache NaN."""
+    """Chunked prefill under a 64-token budget with mixed-step graphs of up to 64 tokens (no prefill
+    graphs: a prompt alone runs as a mixed step too), its cache NaN."""
     eng = _gpu_engine(loaded, kv_cache="paged", block_size=4, cuda_graphs=True, cuda_graph_max_batch_size=4,
-                      cuda_graph_mixed_max_tokens=64, max_num_batched_tokens=64, chunked_prefill=True,
+                      cuda_graph_mixed_max_tokens=64, cuda_graph_prefill_max_tokens=0, max_num_batched_tokens=64, chunked_prefill=True,
                       fused_kernels=True)
     eng.runner.kv_cache.k.fill_(float("nan"))
     return eng
