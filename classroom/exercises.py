@@ -373,7 +373,8 @@ EXERCISES: dict[str, Exercise] = {
             ("tests/test_kv_offload.py::test_break_even_tokens",),
             "Restoring n tokens costs a fixed latency plus n times the bytes per token over the bandwidth; "
             "recomputing them costs n over the prefill rate. Return the smallest n for which the restore is "
-            "strictly faster, or None if it never is.",
+            "strictly faster, or None if it never is. Compute exactly, with fractions.Fraction: the arguments "
+            "may be plain ints or floats, and in floating point a tie can round to a win.",
             10,
         ),
         # ---------------------------------------------------------------- phase 13
