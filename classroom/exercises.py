@@ -383,8 +383,9 @@ EXERCISES: dict[str, Exercise] = {
             ("tests/test_structured.py::test_token_bitmask_matches_the_per_token_reference_and_leaves_other_rows_alone",
              "tests/test_structured.py::test_sampler_masks_only_constrained_rows_and_logprobs_are_of_the_masked_distribution"),
             "Unpack each int32 word of the [R, W] bitmask into its 32 bits (bit j of word w is token 32 w + j), "
-            "keep the first V, and set the disallowed logits of the listed rows to -inf. Return a new tensor: "
-            "the input must not change, and the rows not listed must be bit-for-bit the input's.",
+            "keep the first V (a mask of fewer than ceil(V / 32) words disallows the tokens past its bits), and "
+            "set the disallowed logits of the listed rows to -inf. Return a new tensor: the input must not "
+            "change, and the rows not listed must be bit-for-bit the input's.",
             20,
         ),
         Exercise(
@@ -392,7 +393,9 @@ EXERCISES: dict[str, Exercise] = {
             ("tests/test_structured.py::test_choice_regex_matches_exactly_the_choices",
              "tests/test_structured.py::test_bad_constraints_raise_value_error"),
             "A choice constraint by hand: the regular expression whose language is exactly the given strings "
-            "(a choice may hold regex metacharacters), and a ValueError for an empty list or an empty choice.",
+            "(a choice may hold regex metacharacters), which stays one unit when a longer pattern is built "
+            "around it. Raise ValueError for anything but a non-empty list of non-empty strings (an empty "
+            "list, an empty or non-string choice, a bare string).",
             10,
         ),
         # ---------------------------------------------------------------- phase 15: MoE

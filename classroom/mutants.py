@@ -302,6 +302,19 @@ _ALL = [
         '    out = logits.masked_fill(~allowed[:1], float("-inf"))')),
     _m("token_bitmask", "in_place", "writes -inf into the caller's logits",
        ("    out = logits.clone()\n", "    out = logits\n")),
+    _m("token_bitmask", "short_mask_allows_the_rest", "a mask shorter than the vocabulary allows the tokens past "
+       "its last word", ("value=False)", "value=True)")),
+    _m("token_bitmask", "short_mask_unpadded", "a mask shorter than the vocabulary is not padded (a shape error)",
+       ("    if allowed.shape[1] < vocab:\n", "    if False:\n")),
+    _m("token_bitmask", "last_token_dropped", "keeps V - 1 bits: the last token is never allowed",
+       ("[:, :vocab].bool()", "[:, :vocab - 1].bool()")),
+    _m("token_bitmask", "word_major_bits", "reads the bits bit-major (token j W + w), not word-major",
+       ("bits.view(bitmask.shape[0], -1)", "bits.transpose(1, 2).reshape(bitmask.shape[0], -1)")),
+    _m("token_bitmask", "mask_row_is_logits_row", "mask row r applied to logits row r, not to rows[r]",
+       ('    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))',
+        '    out[:len(rows)] = logits[:len(rows)].masked_fill(~allowed, float("-inf"))')),
+    _m("token_bitmask", "finite_min", "the dtype's lowest finite value instead of -inf",
+       ('masked_fill(~allowed, float("-inf"))', "masked_fill(~allowed, torch.finfo(logits.dtype).min)")),
     _m("choice_regex", "unescaped", "joins the choices without escaping: 'a.b' also matches 'aXb'",
        ('"|".join(re.escape(c) for c in choices)', '"|".join(choices)')),
     _m("choice_regex", "no_group", "no group around the alternation: the anchors of a longer regex bind to "
@@ -310,6 +323,18 @@ _ALL = [
     _m("choice_regex", "empty_allowed", "accepts an empty list (a constraint no output satisfies)",
        ("    if not isinstance(choices, (list, tuple)) or not choices:\n",
         "    if not isinstance(choices, (list, tuple)):\n")),
+    _m("choice_regex", "empty_choice_allowed", "accepts an empty string among the choices (the empty output "
+       "satisfies the constraint)", ("if not isinstance(c, str) or not c:", "if not isinstance(c, str):")),
+    _m("choice_regex", "non_string_choice", "checks only that a choice is non-empty: a number escapes to a "
+       "TypeError, not a ValueError", ("if not isinstance(c, str) or not c:", "if not c:")),
+    _m("choice_regex", "string_as_list", "a bare string is taken as a list of its characters ('yes' -> y|e|s)",
+       ("if not isinstance(choices, (list, tuple)) or not choices:", "if not choices:")),
+    _m("choice_regex", "anchored", "anchors the alternation with ^ and $: it no longer composes",
+       ('return "(" + "|".join(re.escape(c) for c in choices) + ")"',
+        'return "^(" + "|".join(re.escape(c) for c in choices) + ")$"')),
+    _m("choice_regex", "each_choice_grouped", "groups each choice, not the alternation",
+       ('return "(" + "|".join(re.escape(c) for c in choices) + ")"',
+        'return "|".join("(" + re.escape(c) + ")" for c in choices)')),
     # ---------------------------------------------------------------- phase 15: MoE
     _m("moe_topk_routing", "never_renormalized", "norm_topk_prob ignored: the kept weights do not sum to 1",
        ("    if renormalize:\n        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)\n", "")),
