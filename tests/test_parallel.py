@@ -306,18 +306,23 @@ def test_column_row_parallel_pair_equals_one_linear():
     torch.manual_seed(0)
     w1, w2, b2, x = torch.randn(12, 6), torch.randn(5, 12), torch.randn(5), torch.randn(3, 6)
     want = torch.nn.functional.linear(torch.relu(x @ w1.T), w2, b2)
+    want_no_bias = torch.nn.functional.linear(torch.relu(x @ w1.T), w2)
 
     def rank(r, ps):
         with building_for(ps):
             down = RowParallelLinear(6, 5)
+            down_no_bias = RowParallelLinear(6, 5, bias=False)  # as Llama's o_proj and down_proj
         up = w1[r * 6:(r + 1) * 6]  # this rank's columns of the first layer (no communication)
         with torch.no_grad():
             down.weight.copy_(w2[:, r * 6:(r + 1) * 6])
             down.bias.copy_(b2)
-        return down(torch.relu(x @ up.T))
+            down_no_bias.weight.copy_(w2[:, r * 6:(r + 1) * 6])
+        h = torch.relu(x @ up.T)
+        return down(h), down_no_bias(h)
 
-    for got in two_ranks(rank):
+    for got, got_no_bias in two_ranks(rank):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_no_bias, want_no_bias, rtol=1e-5, atol=1e-5)
 
 
 def test_vocab_parallel_embedding_equals_one_table():
