@@ -402,6 +402,7 @@ EXERCISES: dict[str, Exercise] = {
         Exercise(
             "moe_topk_routing", 15, "src/infer/kernels/moe_reference.py",
             ("tests/test_moe.py::test_select_experts_matches_hand_computation",
+             "tests/test_moe.py::test_select_experts_takes_the_softmax_in_float32",
              "tests/test_moe.py::test_renormalized_top_k_is_softmax_of_top_k_logits"),
             "Route each token: the softmax of its router logits over the experts (in float32), the top_k "
             "largest probabilities and their experts, largest first; with renormalize (Hugging Face's "
@@ -415,9 +416,9 @@ EXERCISES: dict[str, Exercise] = {
              "tests/test_moe.py::test_triton_moe_align_block_size_equals_reference"),
             "Sort the (token, expert) pairs by expert for the grouped GEMM: pad each expert's count up to a "
             "multiple of block_size, find where each expert's run starts in the padded buffer, give every "
-            "pair its slot (its expert's start plus its rank among that expert's pairs; the dropped key "
-            "num_experts goes to the scratch slot `size`), and the expert of each block. Device tensor ops "
-            "only: no .item(), no Python loop over pairs (a CUDA graph captures this).",
+            "pair its slot (its expert's start plus its rank among that expert's pairs, which keep their order; "
+            "the dropped key num_experts goes to the scratch slot `size`), and the expert of each block. Device "
+            "tensor ops only: no .item(), no Python loop over pairs (a CUDA graph captures this).",
             30,
         ),
         # ---------------------------------------------------------------- phase 14
@@ -439,8 +440,9 @@ EXERCISES: dict[str, Exercise] = {
         Exercise(
             "moe_dispatch_combine", 15, "src/infer/parallel/moe.py",
             ("tests/test_parallel.py::test_expert_parallel_moe_equals_all_experts_on_one_rank",),
-            "Take this rank's chunk of the tokens, route them, send each (token, expert) pair's row to the rank "
-            "holding the expert with dist.all_to_all_single (count first: the split sizes), run the local "
+            "Take this rank's chunk of the tokens (each pair is computed once, on one rank), route them, send "
+            "each (token, expert) pair's row to the rank holding the expert (contiguous blocks of E / W experts "
+            "per rank) with dist.all_to_all_single (count first: the split sizes), run the local "
             "experts with weight 1, send the results back, weight and sum them per token, then all-gather "
             "the chunks so every rank has the whole output.", 40,
         ),

@@ -345,12 +345,39 @@ _ALL = [
         "    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)\n",
         "    top_logits, topk_ids = torch.topk(router_logits.float(), top_k, dim=-1)\n"
         "    topk_weights = torch.softmax(top_logits, dim=-1)\n")),
+    _m("moe_topk_routing", "softmax_in_input_dtype", "the softmax taken in the logits' dtype (bf16), cast to "
+       "float32 after", ("torch.softmax(router_logits, dim=-1, dtype=torch.float32)",
+                         "torch.softmax(router_logits, dim=-1).float()")),
+    _m("moe_topk_routing", "softmax_over_tokens", "the softmax over the tokens (dim 0), not the experts",
+       ("torch.softmax(router_logits, dim=-1, dtype=torch.float32)",
+        "torch.softmax(router_logits, dim=0, dtype=torch.float32)")),
+    _m("moe_topk_routing", "always_renormalized", "renormalizes when not asked",
+       ("    if renormalize:\n", "    if True:\n")),
+    _m("moe_topk_routing", "unsorted", "top-k without its order: the largest probability need not come first",
+       ("torch.topk(probs, top_k, dim=-1)", "torch.topk(probs, top_k, dim=-1, sorted=False)")),
+    _m("moe_topk_routing", "sigmoid_scores", "sigmoid scores (DeepSeek-V3's router), not a softmax",
+       ("torch.softmax(router_logits, dim=-1, dtype=torch.float32)", "torch.sigmoid(router_logits.float())")),
     _m("moe_align_block_size", "runs_not_padded", "experts' runs not padded to the block: blocks mix experts",
        ("padded = (counts + block_size - 1) // block_size * block_size", "padded = counts.clone()")),
     _m("moe_align_block_size", "rank_from_padded_start", "a pair's rank counted from the padded start",
        ("torch.arange(n, device=device) - start[sorted_key]", "torch.arange(n, device=device) - padded_start[sorted_key]")),
     _m("moe_align_block_size", "block_expert_left_search", "a block starting where an expert's run ends is "
        "labelled with that expert", ("block_start, right=True)", "block_start, right=False)")),
+    _m("moe_align_block_size", "unstable_sort", "an unstable sort: within an expert the pairs lose token order",
+       ("torch.sort(key, stable=True)", "torch.sort(key)")),
+    _m("moe_align_block_size", "inclusive_start", "an inclusive cumulative sum for where each expert's pairs begin",
+       ("start = counts.cumsum(0) - counts", "start = counts.cumsum(0)")),
+    _m("moe_align_block_size", "exact_multiple_padded", "pads a run that already fills its blocks (and an empty "
+       "expert) by one more block", ("padded = (counts + block_size - 1) // block_size * block_size",
+                                      "padded = (counts // block_size + 1) * block_size")),
+    _m("moe_align_block_size", "dropped_pairs_placed", "the pairs of experts held elsewhere get a slot after the "
+       "last run instead of the scratch slot",
+       ("torch.where(sorted_key < num_experts, padded_start[sorted_key] + rank, size)",
+        "(padded_start[sorted_key] + rank).clamp(max=size)")),
+    _m("moe_align_block_size", "block_expert_from_starts", "searches the runs' starts, not their ends: every "
+       "block labelled with the next expert",
+       ("torch.searchsorted(padded_end[:num_experts], block_start, right=True)",
+        "torch.searchsorted(padded_start[:num_experts], block_start, right=True)")),
     # ---------------------------------------------------------------- phase 14
     _m("row_parallel_linear", "no_all_reduce", "returns this rank's partial sum",
        ("y = self.parallel.all_reduce(F.linear(x, self.weight))", "y = F.linear(x, self.weight)")),
@@ -395,6 +422,21 @@ _ALL = [
        ("token = order // k", "token = order % k")),
     _m("moe_dispatch_combine", "owner_round_robin", "sends expert e to rank e % W, but ranks hold blocks of experts",
        ("dest = flat[order] // experts.num_local_experts", "dest = flat[order] % w")),
+    _m("moe_dispatch_combine", "owner_by_world_size", "owner = expert // W (the number of ranks), not // E_local",
+       ("dest = flat[order] // experts.num_local_experts", "dest = flat[order] // w")),
+    _m("moe_dispatch_combine", "every_rank_all_tokens", "no split: every rank routes and computes every token "
+       "(the right output, W times the expert work and traffic)",
+       ("    per = -(-t // w)\n", "    per = t\n"),
+       ("    lo, hi = min(rank * per, t), min((rank + 1) * per, t)\n", "    lo, hi = 0, t\n")),
+    _m("moe_dispatch_combine", "floor_chunk", "chunks of T // W tokens: the remainder is never computed",
+       ("per = -(-t // w)", "per = max(1, t // w)")),
+    _m("moe_dispatch_combine", "splits_not_reversed", "the results go back with the dispatch's splits",
+       ("y = _all_to_all(y_recv, len(order), send_splits, recv_splits, ps)",
+        "y = _all_to_all(y_recv, len(order), recv_splits, send_splits, ps)")),
+    _m("moe_dispatch_combine", "combine_overwrites", "index_copy_ for index_add_: a token keeps one expert's output",
+       ("out.index_add_(0, token,", "out.index_copy_(0, token,")),
+    _m("moe_dispatch_combine", "weights_in_pair_order", "the routing weights in pair order, the outputs in sorted order",
+       ("weights.flatten()[order, None]", "weights.flatten()[:, None]")),
 ]
 
 MUTANTS: dict[str, list[Mutant]] = {}

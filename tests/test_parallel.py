@@ -344,7 +344,8 @@ def test_expert_parallel_moe_equals_all_experts_on_one_rank():
     from infer.config import ModelConfig, RopeConfig
     from infer.models.moe import SparseMoeBlock
 
-    cfg = ModelConfig("qwen3_moe", 64, 8, 16, 1, 2, 2, 4, 1e-6, 64, RopeConfig(1e4), num_experts=4,
+    # 6 experts, 3 per rank: an expert's rank is its id // 3 (not // 2, the number of ranks)
+    cfg = ModelConfig("qwen3_moe", 64, 8, 16, 1, 2, 2, 4, 1e-6, 64, RopeConfig(1e4), num_experts=6,
                       num_experts_per_tok=2, moe_intermediate_size=6, norm_topk_prob=True)
     torch.manual_seed(0)
     full = SparseMoeBlock(cfg)
@@ -357,14 +358,26 @@ def test_expert_parallel_moe_equals_all_experts_on_one_rank():
         with torch.inference_mode():
             want = full(x)
 
-        def rank(r, ps, x=x):
+        rows = [0, 0]  # the rows each rank's experts computed
+
+        def rank(r, ps, x=x, rows=rows):
             ps.ep = True
             with building_for(ps):
-                block = SparseMoeBlock(cfg)
-            return _load(block, state)(x)
+                block = _load(SparseMoeBlock(cfg), state)
+            forward = block.experts.forward
+
+            def counted(h, *args, **kwargs):
+                rows[r] += h.shape[0]
+                return forward(h, *args, **kwargs)
+
+            block.experts.forward = counted
+            return block(x)
 
         for got in two_ranks(rank):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # each (token, expert) pair is computed once, by the rank holding the expert: a rank works on
+        # its own chunk of the tokens, not on all of them
+        assert sum(rows) == t * cfg.num_experts_per_tok, rows
 
 
 # ---------------------------------------------------------------------------- GPUs (NCCL)
