@@ -427,7 +427,7 @@ EXERCISES: dict[str, Exercise] = {
             ("tests/test_parallel.py::test_column_row_parallel_pair_equals_one_linear",),
             "The second layer of a column/row-parallel pair: this rank holds a slice of the weight's input "
             "columns and receives exactly those features. What does its product miss, how many collectives "
-            "complete it, and when may the bias be added?", 10,
+            "complete it, and when may the bias be added (a layer may have none: Llama's o_proj)?", 10,
         ),
         Exercise(
             "vocab_parallel_embedding", 14, "src/infer/models/layers.py",
