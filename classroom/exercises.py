@@ -373,7 +373,8 @@ EXERCISES: dict[str, Exercise] = {
             ("tests/test_kv_offload.py::test_break_even_tokens",),
             "Restoring n tokens costs a fixed latency plus n times the bytes per token over the bandwidth; "
             "recomputing them costs n over the prefill rate. Return the smallest n for which the restore is "
-            "strictly faster, or None if it never is.",
+            "strictly faster, or None if it never is. Compute exactly, with fractions.Fraction: the arguments "
+            "may be plain ints or floats, and in floating point a tie can round to a win.",
             10,
         ),
         # ---------------------------------------------------------------- phase 13
@@ -382,8 +383,9 @@ EXERCISES: dict[str, Exercise] = {
             ("tests/test_structured.py::test_token_bitmask_matches_the_per_token_reference_and_leaves_other_rows_alone",
              "tests/test_structured.py::test_sampler_masks_only_constrained_rows_and_logprobs_are_of_the_masked_distribution"),
             "Unpack each int32 word of the [R, W] bitmask into its 32 bits (bit j of word w is token 32 w + j), "
-            "keep the first V, and set the disallowed logits of the listed rows to -inf. Return a new tensor: "
-            "the input must not change, and the rows not listed must be bit-for-bit the input's.",
+            "keep the first V (a mask of fewer than ceil(V / 32) words disallows the tokens past its bits), and "
+            "set the disallowed logits of the listed rows to -inf. Return a new tensor: the input must not "
+            "change, and the rows not listed must be bit-for-bit the input's.",
             20,
         ),
         Exercise(
@@ -391,13 +393,16 @@ EXERCISES: dict[str, Exercise] = {
             ("tests/test_structured.py::test_choice_regex_matches_exactly_the_choices",
              "tests/test_structured.py::test_bad_constraints_raise_value_error"),
             "A choice constraint by hand: the regular expression whose language is exactly the given strings "
-            "(a choice may hold regex metacharacters), and a ValueError for an empty list or an empty choice.",
+            "(a choice may hold regex metacharacters), which stays one unit when a longer pattern is built "
+            "around it. Raise ValueError for anything but a non-empty list of non-empty strings (an empty "
+            "list, an empty or non-string choice, a bare string).",
             10,
         ),
         # ---------------------------------------------------------------- phase 15: MoE
         Exercise(
             "moe_topk_routing", 15, "src/infer/kernels/moe_reference.py",
             ("tests/test_moe.py::test_select_experts_matches_hand_computation",
+             "tests/test_moe.py::test_select_experts_takes_the_softmax_in_float32",
              "tests/test_moe.py::test_renormalized_top_k_is_softmax_of_top_k_logits"),
             "Route each token: the softmax of its router logits over the experts (in float32), the top_k "
             "largest probabilities and their experts, largest first; with renormalize (Hugging Face's "
@@ -411,9 +416,9 @@ EXERCISES: dict[str, Exercise] = {
              "tests/test_moe.py::test_triton_moe_align_block_size_equals_reference"),
             "Sort the (token, expert) pairs by expert for the grouped GEMM: pad each expert's count up to a "
             "multiple of block_size, find where each expert's run starts in the padded buffer, give every "
-            "pair its slot (its expert's start plus its rank among that expert's pairs; the dropped key "
-            "num_experts goes to the scratch slot `size`), and the expert of each block. Device tensor ops "
-            "only: no .item(), no Python loop over pairs (a CUDA graph captures this).",
+            "pair its slot (its expert's start plus its rank among that expert's pairs, which keep their order; "
+            "the dropped key num_experts goes to the scratch slot `size`), and the expert of each block. Device "
+            "tensor ops only: no .item(), no Python loop over pairs (a CUDA graph captures this).",
             30,
         ),
         # ---------------------------------------------------------------- phase 14
@@ -422,7 +427,7 @@ EXERCISES: dict[str, Exercise] = {
             ("tests/test_parallel.py::test_column_row_parallel_pair_equals_one_linear",),
             "The second layer of a column/row-parallel pair: this rank holds a slice of the weight's input "
             "columns and receives exactly those features. What does its product miss, how many collectives "
-            "complete it, and when may the bias be added?", 10,
+            "complete it, and when may the bias be added (a layer may have none: Llama's o_proj)?", 10,
         ),
         Exercise(
             "vocab_parallel_embedding", 14, "src/infer/models/layers.py",
@@ -435,8 +440,9 @@ EXERCISES: dict[str, Exercise] = {
         Exercise(
             "moe_dispatch_combine", 15, "src/infer/parallel/moe.py",
             ("tests/test_parallel.py::test_expert_parallel_moe_equals_all_experts_on_one_rank",),
-            "Take this rank's chunk of the tokens, route them, send each (token, expert) pair's row to the rank "
-            "holding the expert with dist.all_to_all_single (count first: the split sizes), run the local "
+            "Take this rank's chunk of the tokens (each pair is computed once, on one rank), route them, send "
+            "each (token, expert) pair's row to the rank holding the expert (contiguous blocks of E / W experts "
+            "per rank) with dist.all_to_all_single (count first: the split sizes), run the local "
             "experts with weight 1, send the results back, weight and sum them per token, then all-gather "
             "the chunks so every rank has the whole output.", 40,
         ),

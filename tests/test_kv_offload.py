@@ -216,6 +216,9 @@ def test_break_even_tokens():
     # saving per token 1/100 - 1/200 = 1/200 s; fixed 1/20 s: restore ties at n = 10, wins from 11
     assert break_even_tokens(1, 200, 100, F(1, 20)) == 11 == brute(1, 200, 100, F(1, 20))
     assert break_even_tokens(1, 200, 100, 0) == 1  # no fixed cost: one token already wins
+    # plain ints: 1/5 - 1/10 = 1/10 s saved per token, 3/10 s fixed: a tie at 3, a win from 4 (in floats
+    # 0.3 / 0.1 is 2.9999999999999996, and the tie would count as a win)
+    assert break_even_tokens(1, 10, 5, F(3, 10)) == 4 == brute(1, 10, 5, F(3, 10))
     assert break_even_tokens(2, 200, 100, F(1, 20)) is None  # the copy costs as much as the compute
     assert break_even_tokens(3, 200, 100, 1) is None
     for bpt, bw, tps, fixed in [(147456, 50e9, 20000, 0.002), (46080, 2e9, 600, F(3, 100)), (7, 1000, 90, F(1, 7))]:

@@ -62,6 +62,21 @@ def test_select_experts_matches_hand_computation(renormalize):
         assert weights[t].tolist() == pytest.approx(want, rel=1e-6)
 
 
+def test_select_experts_takes_the_softmax_in_float32():
+    """bf16 and fp16 router logits: the weights are the float32 softmax of those values (a softmax taken
+    in the logits' dtype and cast afterwards is off by ~1e-3, relatively)."""
+    g = torch.Generator().manual_seed(5)
+    # distinct multiples of 1/4 below 4, exact in both dtypes: no ties in the order
+    values = torch.stack([torch.randperm(16, generator=g) for _ in range(4)]).double() / 4
+    for dtype in (torch.bfloat16, torch.float16):
+        weights, ids = ref.select_experts(values.to(dtype), 4, False)
+        assert weights.dtype == torch.float32
+        p = torch.softmax(values, dim=-1)  # float64, of the same values
+        want = p.topk(4, dim=-1)
+        assert torch.equal(ids.long(), want.indices)
+        torch.testing.assert_close(weights.double(), want.values, rtol=1e-6, atol=0)
+
+
 def test_renormalized_top_k_is_softmax_of_top_k_logits():
     """Qwen3-MoE's order (softmax, top-k, renormalize) equals Mixtral's (top-k, softmax)."""
     logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(4))

@@ -306,18 +306,23 @@ def test_column_row_parallel_pair_equals_one_linear():
     torch.manual_seed(0)
     w1, w2, b2, x = torch.randn(12, 6), torch.randn(5, 12), torch.randn(5), torch.randn(3, 6)
     want = torch.nn.functional.linear(torch.relu(x @ w1.T), w2, b2)
+    want_no_bias = torch.nn.functional.linear(torch.relu(x @ w1.T), w2)
 
     def rank(r, ps):
         with building_for(ps):
             down = RowParallelLinear(6, 5)
+            down_no_bias = RowParallelLinear(6, 5, bias=False)  # as Llama's o_proj and down_proj
         up = w1[r * 6:(r + 1) * 6]  # this rank's columns of the first layer (no communication)
         with torch.no_grad():
             down.weight.copy_(w2[:, r * 6:(r + 1) * 6])
             down.bias.copy_(b2)
-        return down(torch.relu(x @ up.T))
+            down_no_bias.weight.copy_(w2[:, r * 6:(r + 1) * 6])
+        h = torch.relu(x @ up.T)
+        return down(h), down_no_bias(h)
 
-    for got in two_ranks(rank):
+    for got, got_no_bias in two_ranks(rank):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_no_bias, want_no_bias, rtol=1e-5, atol=1e-5)
 
 
 def test_vocab_parallel_embedding_equals_one_table():
@@ -339,7 +344,8 @@ def test_expert_parallel_moe_equals_all_experts_on_one_rank():
     from infer.config import ModelConfig, RopeConfig
     from infer.models.moe import SparseMoeBlock
 
-    cfg = ModelConfig("qwen3_moe", 64, 8, 16, 1, 2, 2, 4, 1e-6, 64, RopeConfig(1e4), num_experts=4,
+    # 6 experts, 3 per rank: an expert's rank is its id // 3 (not // 2, the number of ranks)
+    cfg = ModelConfig("qwen3_moe", 64, 8, 16, 1, 2, 2, 4, 1e-6, 64, RopeConfig(1e4), num_experts=6,
                       num_experts_per_tok=2, moe_intermediate_size=6, norm_topk_prob=True)
     torch.manual_seed(0)
     full = SparseMoeBlock(cfg)
@@ -352,14 +358,26 @@ def test_expert_parallel_moe_equals_all_experts_on_one_rank():
         with torch.inference_mode():
             want = full(x)
 
-        def rank(r, ps, x=x):
+        rows = [0, 0]  # the rows each rank's experts computed
+
+        def rank(r, ps, x=x, rows=rows):
             ps.ep = True
             with building_for(ps):
-                block = SparseMoeBlock(cfg)
-            return _load(block, state)(x)
+                block = _load(SparseMoeBlock(cfg), state)
+            forward = block.experts.forward
+
+            def counted(h, *args, **kwargs):
+                rows[r] += h.shape[0]
+                return forward(h, *args, **kwargs)
+
+            block.experts.forward = counted
+            return block(x)
 
         for got in two_ranks(rank):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # each (token, expert) pair is computed once, by the rank holding the expert: a rank works on
+        # its own chunk of the tokens, not on all of them
+        assert sum(rows) == t * cfg.num_experts_per_tok, rows
 
 
 # ---------------------------------------------------------------------------- GPUs (NCCL)

@@ -98,6 +98,11 @@ def test_token_bitmask_matches_the_per_token_reference_and_leaves_other_rows_alo
     for r in (0, 2, 4):
         assert torch.equal(out[r], logits[r])  # bit for bit
     assert not torch.equal(out, logits)
+    # a mask shorter than the vocabulary (2 words for 77 tokens): the tokens past its 64 bits are disallowed
+    short = bitmask[:, :2].contiguous()
+    out = apply_token_bitmask(logits, short, rows)
+    assert torch.equal(out, apply_token_bitmask_reference(logits, short, rows))
+    assert torch.isneginf(out[rows, 64:]).all() and torch.equal(out[[0, 2, 4]], logits[[0, 2, 4]])
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or triton_usable("cpu")), reason="needs a GPU or TRITON_INTERPRET=1")
@@ -163,8 +168,11 @@ def test_choice_regex_matches_exactly_the_choices():
         assert not re.fullmatch(rx, wrong)
     # it composes: inside a longer pattern it is still one unit
     assert re.fullmatch(rx + "!", "yes!") and not re.fullmatch(rx + "!", "yes")
-    with pytest.raises(ValueError, match="non-empty"):
-        choice_regex([])
+    # anything but a non-empty list of non-empty strings is a ValueError (the server's 400), never a
+    # regex that also accepts the empty output, nor a string read as a list of its characters
+    for bad in ([], ["yes", ""], ["yes", 5], ["yes", None], "yes"):
+        with pytest.raises(ValueError, match="non-empty"):
+            choice_regex(bad)
 
 
 # ----------------------------------------------------------------------------- bad input

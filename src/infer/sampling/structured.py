@@ -59,10 +59,13 @@ _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id",
 
 
 def choice_regex(choices: list[str]) -> str:
-    """The regex whose language is exactly ``choices`` (each escaped, joined by ``|``).
+    """The regex whose language is exactly ``choices``: each choice matched literally (its regex
+    metacharacters escaped), the alternation one group, so that the regex stays one unit inside a
+    longer pattern (``choice_regex(["a", "b"]) + "!"`` matches ``a!`` and ``b!`` only).
 
     Raises:
-        ValueError: an empty list, or a choice that is not a non-empty string.
+        ValueError: anything but a non-empty list (or tuple) of non-empty strings: an empty list, an
+            empty or non-string choice, a bare string.
     """
     # >>> EXERCISE choice_regex
     if not isinstance(choices, (list, tuple)) or not choices:
@@ -457,7 +460,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 
     Args:
         logits: ``[B, V]`` float.
-        bitmask: ``[R, W]`` int32, ``W = ceil(V / 32)``, on the logits' device.
+        bitmask: ``[R, W]`` int32 on the logits' device; ``W = ceil(V / 32)`` words, or fewer (the
+            tokens past bit ``32 W`` are disallowed).
         rows: ``[R]`` int64, the logits row each mask row applies to (distinct).
 
     Returns:
