@@ -311,6 +311,11 @@ class EngineConfig:
                                       "experts' rank and back with all-to-all); attention and dense layers run "
                                       "tensor-parallel over the same ranks (tensor_parallel_size is 1 or equal)",
                                       ablation=(1, 2), phase=15)
+    # ---- watching the engine (docs/reading-the-engine.md)
+    trace: str | None = _flag(None, "record what every engine step did (the sequences it ran, prefill chunk or decode, "
+                              "tokens, budget, preemptions, prefix-cache hits, graph or eager, host and device time) "
+                              "and write it to this path as a Chrome trace (JSON) for ui.perfetto.dev or "
+                              "chrome://tracing, at shutdown and at exit; off by default, and free when off", phase=9)
 
     def resolved_device(self) -> torch.device:
         return torch.device(default_device() if self.device in (None, "auto") else self.device)
@@ -430,6 +435,10 @@ class EngineConfig:
                              "ranks replay only decode graphs (mixed steps there run eagerly); set it to 0")
         self._validate_kv_offload()
         self._validate_parallel(dev)
+        if self.trace is not None:
+            folder = os.path.dirname(os.path.abspath(self.trace)) if self.trace else ""
+            if not self.trace or os.path.isdir(self.trace) or not os.path.isdir(folder):
+                raise ValueError(f"trace: {self.trace!r} is not a file path in an existing directory")
         return self
 
     def _resolve_unset(self, dev: torch.device) -> None:

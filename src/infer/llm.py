@@ -49,6 +49,18 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def close(self) -> None:
+        """Shut the engine down (:meth:`LLMEngine.shutdown`): the KV offload tiers released, a parallel
+        engine's worker processes stopped and, with ``trace=PATH``, the step trace written. Idempotent;
+        ``with LLM(...) as llm:`` calls it on leaving the block."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @staticmethod
     def _normalize(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, str):

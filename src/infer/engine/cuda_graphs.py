@@ -286,7 +286,8 @@ class CUDAGraphRunner:
 
         Returns:
             The :class:`~infer.engine.step.ForwardOutput`: logits of the rows that sample (decode and
-            prefill graphs), or the hidden states of every token (mixed steps).
+            prefill graphs), or the hidden states of every token (mixed steps); its ``graph`` names the
+            route (``"decode"``, ``"prefill"``, ``"mixed-whole"``, ``"mixed-pieces"``, in the order above).
         """
         if step.is_decode_only and self.graphs and step.num_tokens <= self.sizes[-1]:
             return self._run_decode(step)
@@ -298,14 +299,14 @@ class CUDAGraphRunner:
             logits = self.replay_prefill(f.ids, f.positions, f.slots, f.seq_lens[0], f.tables[0], step.flat_patch)
             if len(f.sampled) > 1:  # n > 1: the forks sample from the same logits
                 logits = logits.expand(len(f.sampled), -1).contiguous()
-            return ForwardOutput(f.sampled, logits=logits)
+            return ForwardOutput(f.sampled, logits=logits, graph="prefill")
         if self.can_run_mixed_full(t, len(f.scheduled), f.num_decodes):
             hidden = self.replay_mixed_full(f.ids, f.positions, f.slots, f.seq_lens, f.tables, f.num_decodes,
                                             step.flat_patch)
-            return ForwardOutput(f.sampled, hidden=hidden)
+            return ForwardOutput(f.sampled, hidden=hidden, graph="mixed-whole")
         if self.can_run_mixed(t):
             hidden = self.replay_mixed(f.ids, f.positions, f.slots, step.metadata, step.flat_patch)
-            return ForwardOutput(f.sampled, hidden=hidden)
+            return ForwardOutput(f.sampled, hidden=hidden, graph="mixed-pieces")
         return None
 
     def _run_decode(self, step: StepInputs) -> ForwardOutput:
@@ -315,11 +316,11 @@ class CUDAGraphRunner:
         logits, rows = self.replay(seqs, step.decode_patch())
         if rows is not None:
             if not len(rows):
-                return ForwardOutput([])
+                return ForwardOutput([], graph="decode")
             rows = rows.tolist()
             seqs = [seqs[r] for r in rows]
             logits = logits[step.to_device(rows, torch.int64)]
-        return ForwardOutput(seqs, logits=logits)
+        return ForwardOutput(seqs, logits=logits, graph="decode")
 
     def _meta(self, bs: int) -> AttentionMetadata:
         """Metadata over the static buffers' first ``bs`` rows. Its host fields are what the

@@ -14,6 +14,7 @@ import itertools
 import logging
 import random
 import time
+import weakref
 
 from infer.config import EngineConfig
 from infer.detokenizer import IncrementalDetokenizer
@@ -24,6 +25,7 @@ from infer.engine.output_processor import OutputProcessor
 from infer.engine.scheduler import ScheduledSeq, Scheduler
 from infer.engine.sequence import PLACEHOLDER, Request, SeqStatus, Sequence
 from infer.engine.step import StepResult
+from infer.engine.step_trace import StepRecorder
 from infer.errors import EngineStepError, InvalidRequestError, ModelLoadError, ParallelWorkerError
 from infer.loader import LoadedModel, load_model, read_model_config
 from infer.outputs import RequestOutput
@@ -135,6 +137,32 @@ class LLMEngine:
         self._req_ids = itertools.count()
         self.index_cache = None  # structured output: compiled constraints (IndexCache), made on first use
         self._compiling: dict[str, tuple[Request, concurrent.futures.Future]] = {}
+        self.tracer = self._make_tracer(budget) if config.trace is not None else None
+
+    def _make_tracer(self, budget: int) -> StepRecorder:
+        """``EngineConfig.trace``: a :class:`~infer.engine.step_trace.StepRecorder` hooked into the
+        scheduler and the model runner; its trace is written at :meth:`shutdown`, when the engine is
+        collected, or at interpreter exit, whichever comes first (:meth:`write_trace` writes it now)."""
+        c = self.config
+        info = {"model": c.model, "device": str(self.runner.device), "flags": c.optimization_summary()}
+        tracer = StepRecorder(c.trace, cuda=self.runner.device.type == "cuda", budget=budget, info=info)
+        self.runner.on_executed = tracer.executed
+        self.scheduler.on_preempt = tracer.preempted
+        self._trace_at_exit = weakref.finalize(self, tracer.write)
+        log.info("step trace: recording every step, written to %s at shutdown", c.trace)
+        return tracer
+
+    def write_trace(self, path: str | None = None) -> str:
+        """Write the step trace recorded so far (``EngineConfig.trace``) as Chrome trace JSON, to
+        ``path`` (default: ``EngineConfig.trace``); recording goes on. Returns the path written.
+
+        Raises:
+            RuntimeError: the engine records no trace (``trace`` unset).
+            OSError: the file cannot be written.
+        """
+        if self.tracer is None:
+            raise RuntimeError("this engine records no step trace: start it with trace=PATH (--trace PATH)")
+        return self.tracer.write(path)
 
     def _make_offloader(self):
         """Phase 10: the tiers below the KV cache, fed by the prefix cache's evictions and
@@ -157,12 +185,20 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if self.offloader is not None:
             self.offloader.flush()
+        if self.tracer is not None:
+            self.tracer.scheduled(self, scheduled)
         return scheduled
 
     def shutdown(self) -> None:
         """Release what outlives a step: the KV offload tiers (their copies finish, the disk
         tier's file is deleted) and the worker processes of a parallel engine. Idempotent; the
-        engine must not step afterwards."""
+        engine must not step afterwards. With ``EngineConfig.trace``, the step trace is written.
+        """
+        if getattr(self, "tracer", None) is not None:
+            try:
+                self._trace_at_exit()  # writes it once (then neither collection nor exit writes it again)
+            except OSError:
+                log.exception("the step trace could not be written to %s", self.config.trace)
         if getattr(self, "offloader", None) is not None:  # None until _init_rest (a failed start too)
             self.offloader.close()
         if self.workers is not None:
@@ -393,6 +429,20 @@ class LLMEngine:
                 (``finish_reason="error"``) and their KV-cache blocks freed before this is raised,
                 so the engine can step on for the others. Their partial results are dropped.
         """
+        tracer = self.tracer
+        if tracer is None:
+            return self._step(stream)
+        tracer.begin(self)  # EngineConfig.trace: this step is recorded (infer.engine.step_trace)
+        try:
+            outputs = self._step(stream)
+        except BaseException:
+            tracer.abandon()
+            raise
+        tracer.end(self)
+        return outputs
+
+    def _step(self, stream: bool) -> list[RequestOutput]:
+        """:meth:`step`'s work: admit compiled requests, then one synchronous or async step."""
         admitted = self._admit_compiled(wait=not self.scheduler.has_unfinished() and self._in_flight is None)
         if self.config.async_scheduling:
             return admitted + self._step_async(stream)
@@ -432,6 +482,8 @@ class LLMEngine:
         for seq in finished:
             seq.status = SeqStatus.FINISHED
             self.scheduler.free(seq)
+        if self.tracer is not None:
+            self.tracer.finished(finished)
         outputs = []
         for req in dict.fromkeys(item.seq.request for item in scheduled):
             if req.request_id not in self.requests:

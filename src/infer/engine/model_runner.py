@@ -101,6 +101,9 @@ class ModelRunner:
         self._bitmask_turn = 0
         # the last step's sampling tensors, reused while the same sequences sample (_sampling_tensors)
         self._last_sampling: tuple[list[Sequence], SamplingTensors] | None = None
+        #: step traces (:mod:`infer.engine.step_trace`): called with the step's ForwardOutput once all of
+        #: the step's work is launched (on a CPU: done); None, the default, costs one check per step
+        self.on_executed: Callable[[ForwardOutput], None] | None = None
         if cuda_graphs:
             from infer.engine.cuda_graphs import CUDAGraphRunner
 
@@ -233,10 +236,15 @@ class ModelRunner:
             prompt_lp = self._prompt_logprobs(step.flat.scheduled, step.flat.starts, out.hidden)
             if out.sampled:
                 logits = self._logits(out.hidden, step.flat.sample_at)
-        if not out.sampled:
-            return StepResult([], None, prompt_lp)
-        self._before_sampling(prev)
-        return self._result(out.sampled, sample(logits, self._sampling_tensors(out.sampled, eos_ids)), prompt_lp)
+        if out.sampled:
+            self._before_sampling(prev)
+            tensors = self._sampling_tensors(out.sampled, eos_ids)
+            result = self._result(out.sampled, sample(logits, tensors), prompt_lp)
+        else:
+            result = StepResult([], None, prompt_lp)
+        if self.on_executed is not None:
+            self.on_executed(out)
+        return result
 
     def _run_eager(self, step: StepInputs) -> ForwardOutput:
         """The step's forward, launched kernel by kernel: the hidden states of every token."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from infer.engine.batching import make_batching_policy
@@ -126,6 +127,8 @@ class Scheduler:
         self.max_running = 0
         self.running_sum = 0
         self.kv_utilization_sum = 0.0
+        #: step traces (:mod:`infer.engine.step_trace`): called with each request :meth:`preempt` preempts
+        self.on_preempt: Callable[[Request], None] | None = None
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -320,6 +323,8 @@ class Scheduler:
                 seq.num_computed_tokens = 0
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        if self.on_preempt is not None:
+            self.on_preempt(request)
 
     # ------------------------------------------------------------------ leaving
 

@@ -345,8 +345,12 @@ class ForwardOutput:
             runs the LM head inside the graph).
         hidden: ``[T, hidden]`` final hidden states of every token otherwise: the runner computes
             prompt logprobs from them and the sampled rows' logits (:attr:`FlatStep.sample_at`).
+        graph: the captured graph that ran the step (:meth:`CUDAGraphRunner.run`'s routes:
+            ``"decode"``, ``"prefill"``, ``"mixed-whole"``, ``"mixed-pieces"``), None when it ran
+            eagerly (read by step traces, :mod:`infer.engine.step_trace`).
     """
 
     sampled: list[Sequence]
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    graph: str | None = None
