@@ -137,7 +137,9 @@ class LLMEngine:
         self._req_ids = itertools.count()
         self.index_cache = None  # structured output: compiled constraints (IndexCache), made on first use
         self._compiling: dict[str, tuple[Request, concurrent.futures.Future]] = {}
-        self.tracer = self._make_tracer(budget) if config.trace is not None else None
+        self.tracer: StepRecorder | None = None
+        if config.trace is not None:
+            self.tracer = self._make_tracer(budget)
 
     def _make_tracer(self, budget: int) -> StepRecorder:
         """``EngineConfig.trace``: a :class:`~infer.engine.step_trace.StepRecorder` hooked into the
@@ -146,11 +148,19 @@ class LLMEngine:
         c = self.config
         info = {"model": c.model, "device": str(self.runner.device), "flags": c.optimization_summary()}
         tracer = StepRecorder(c.trace, cuda=self.runner.device.type == "cuda", budget=budget, info=info)
-        self.runner.on_executed = tracer.executed
-        self.scheduler.on_preempt = tracer.preempted
+        self.set_tracer(tracer)
         self._trace_at_exit = weakref.finalize(self, tracer.write)
         log.info("step trace: recording every step, written to %s at shutdown", c.trace)
         return tracer
+
+    def set_tracer(self, tracer: StepRecorder | None) -> None:
+        """Record the next steps into ``tracer`` (a :class:`~infer.engine.step_trace.StepRecorder`), or
+        record nothing (None: the engine then pays the four ``is not None`` checks alone).
+        ``benchmarks/trace_overhead.py`` alternates the two in one engine; the trace written at
+        shutdown stays the one ``EngineConfig.trace`` made."""
+        self.tracer = tracer
+        self.runner.on_executed = tracer.executed if tracer is not None else None
+        self.scheduler.on_preempt = tracer.preempted if tracer is not None else None
 
     def write_trace(self, path: str | None = None) -> str:
         """Write the step trace recorded so far (``EngineConfig.trace``) as Chrome trace JSON, to
