@@ -259,14 +259,19 @@ EXERCISES: dict[str, Exercise] = {
              "tests/test_chunked_prefill.py::test_decodes_go_first_even_behind_an_older_prefill",
              "tests/test_chunked_prefill.py::test_forks_share_one_chunked_prefill",
              "tests/test_chunked_prefill.py::test_long_prefill_token_threshold_shares_the_budget",
+             "tests/test_chunked_prefill.py::test_prefill_chunks_share_the_budget_in_admission_order",
+             "tests/test_chunked_prefill.py::test_a_preemption_gives_its_tokens_back_to_the_budget",
+             "tests/test_chunked_prefill.py::test_without_chunking_a_prompt_that_does_not_fit_waits_whole",
              "tests/test_chunked_prefill.py::test_chunked_matches_unchunked[llama-paged-7]",
              "tests/test_chunked_prefill.py::test_chunked_matches_unchunked[gemma3-contiguous-32]",
              "tests/test_chunked_prefill.py::test_preempted_half_prefilled_and_recomputed_sequences"),
             "The running sequences' share of a step's token budget. With chunked prefill, decodes go "
-            "before prefill chunks (decode-maximal batching), and a prompt gets only what the budget (and "
-            "the per-request threshold) leaves; a sequence that cannot get a block may be preempted, which "
-            "changes what is left. A request's forks share its prefill: they may only join the chunk that "
-            "completes the prompt.",
+            "before prefill chunks (decode-maximal batching), the prompts keep their admission order, and a "
+            "prompt gets only what the budget (and the per-request threshold) leaves; without it, a prompt "
+            "runs whole or waits, and smaller work behind it still runs. A sequence that cannot get a block "
+            "may be preempted, which changes what is left: the sequences a preemption takes out of the batch "
+            "no longer spend the budget. A request's forks share its prefill: they may only join the chunk "
+            "that completes the prompt.",
             30, _engine("chunk_schedule"),
         ),
         Exercise(
