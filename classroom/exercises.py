@@ -339,29 +339,36 @@ EXERCISES: dict[str, Exercise] = {
             "block_hash_chain", 7, "src/infer/engine/prefix_cache.py",
             ("tests/test_prefix_caching.py::test_block_keys_are_chained_sha256_of_full_blocks",),
             "The keys of a token stream's full blocks: block i's key is hash_block_tokens of block i - 1's "
-            "key (NONE_HASH for the first) and block i's tokens, so a key names the whole prefix up to its "
-            "block's end. A partly filled last block has no key. Keys already known for a prefix of the "
-            "stream are kept, and the chain continues from the last of them.",
+            "key (NONE_HASH for the first), block i's tokens and the extra keys, so a key names the whole "
+            "prefix up to its block's end. A partly filled last block has no key; a full last block has one. "
+            "Keys already known for a prefix of the stream are kept as given (not hashed again: a sequence "
+            "extends its keys at every step), and the chain continues from the last of them.",
             10,
         ),
         Exercise(
             "prefix_lookup", 7, "src/infer/engine/kv_cache_manager.py",
             ("tests/test_prefix_caching.py::test_lookup_walks_to_the_first_miss_and_keeps_the_last_token",
              "tests/test_prefix_caching.py::test_lookup_stops_at_a_miss_even_when_later_blocks_are_cached",
+             "tests/test_prefix_caching.py::test_lookup_compares_each_blocks_tokens_not_only_its_key",
+             "tests/test_prefix_caching.py::test_lookup_covers_the_generated_tokens_too",
              "tests/test_prefix_caching.py::test_outputs_identical_with_the_cache[plain]"),
             "The longest cached prefix of a sequence, as block ids: walk its block keys from the first, "
-            "asking the pool for each (the pool checks the block's tokens too), and stop at the first miss. "
-            "Never take the sequence's last token from the cache: its forward gives the logits the next "
-            "token is sampled from.",
+            "asking the pool for each (a key alone is not proof: the block's tokens must match too), and "
+            "stop at the first miss. All of the sequence's tokens count (after a preemption they include "
+            "its generated ones), but never take its last token from the cache: its forward gives the "
+            "logits the next token is sampled from. Only look: the caller takes the blocks.",
             15, _engine("prefix_lookup", "block_hash_chain"),
         ),
         Exercise(
             "lru_eviction", 7, "src/infer/engine/prefix_cache.py",
             ("tests/test_prefix_caching.py::test_eviction_is_lru_tail_first_and_reports_intact_blocks",
+             "tests/test_prefix_caching.py::test_a_kept_lookup_is_redone_after_an_eviction_or_a_new_key",
              "tests/test_prefix_caching.py::test_a_miss_after_eviction"),
-            "Take a cached free block for new data: the least recently freed one. Tell on_evict (when set) "
-            "about it while its key and tokens are still in the pool, then make sure nobody can find it by "
-            "its old key again.",
+            "Take a cached free block for new data: the least recently freed one. Tell on_evict (only when "
+            "one is set) about it while its key and tokens are still in the pool, then make sure nobody can "
+            "find it by its old key again: not the key map, not the block's own key and tokens, not a lookup "
+            "the manager kept (the pool's generation tells it when those are stale; a pool method does all "
+            "three). Count it in num_evictions (a metric the tests read).",
             10, _engine("lru_eviction", "block_hash_chain", "prefix_lookup"),
         ),
         # ---------------------------------------------------------------- phase 10
