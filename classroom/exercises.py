@@ -284,12 +284,14 @@ EXERCISES: dict[str, Exercise] = {
         ),
         Exercise(
             "fused_add_rms_norm_kernel", 8, "src/infer/kernels/fused_triton.py",
-            ("tests/test_fused_kernels.py::test_fused_add_rms_norm_matches_reference",),
+            ("tests/test_fused_kernels.py::test_fused_add_rms_norm_matches_reference",
+             "tests/test_fused_kernels.py::test_fused_add_rms_norm_normalizes_the_rounded_sum"),
             "One program per row, in place: the sum of the row and its residual, rounded to the dtype, is "
-            "the new residual (store it); the RMSNorm of that rounded sum replaces the row. Load both rows "
-            "before storing either, compute in float32, and use the row helper _rms_norm_row for the norm "
-            "(it keeps Llama's and Gemma's rounding orders; the norm weight w is loaded for you before the "
-            "PDL wait). Runs under TRITON_INTERPRET=1 on a CPU.",
+            "the new residual (store it); the RMSNorm of that rounded sum, not of the float32 one, replaces "
+            "the row. Each tensor's rows have their own stride, and a row has N elements in a BLOCK-wide "
+            "program. Load both rows before storing either, compute in float32, and use the row helper "
+            "_rms_norm_row for the norm (it keeps Llama's and Gemma's rounding orders; the norm weight w is "
+            "loaded for you before the PDL wait). Runs under TRITON_INTERPRET=1 on a CPU.",
             30,
         ),
         Exercise(

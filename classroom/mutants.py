@@ -212,6 +212,12 @@ _ALL = [
     _m("fused_add_rms_norm_kernel", "residual_with_x_stride", "addresses the residual's rows with x's row stride",
        ("r = tl.load(res_ptr + row * stride_r + offs", "r = tl.load(res_ptr + row * stride_x + offs"),
        ("tl.store(res_ptr + row * stride_r + offs", "tl.store(res_ptr + row * stride_x + offs")),
+    _m("fused_add_rms_norm_kernel", "x_with_residual_stride", "addresses x's rows with the residual's row stride",
+       ("x = tl.load(x_ptr + row * stride_x + offs", "x = tl.load(x_ptr + row * stride_r + offs"),
+       ("tl.store(x_ptr + row * stride_x + offs", "tl.store(x_ptr + row * stride_r + offs")),
+    _m("fused_add_rms_norm_kernel", "unmasked_stores", "stores the whole BLOCK: the lanes past the row's end too",
+       ("tl.store(res_ptr + row * stride_r + offs, s, mask=mask)", "tl.store(res_ptr + row * stride_r + offs, s)"),
+       ("tl.store(x_ptr + row * stride_x + offs, y, mask=mask)", "tl.store(x_ptr + row * stride_x + offs, y)")),
     _m("fused_add_rms_norm_kernel", "mean_over_the_block", "the mean square taken over the padded BLOCK, not the N "
        "real elements", ("w, eps, N, UNIT_OFFSET", "w, eps, BLOCK, UNIT_OFFSET")),
     _m("fused_add_rms_norm_kernel", "unmasked_loads", "loads the padding lanes past the row's end too",
