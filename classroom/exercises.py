@@ -305,7 +305,8 @@ EXERCISES: dict[str, Exercise] = {
             "bucket_for", 9, "src/infer/engine/cuda_graphs.py",
             ("tests/test_fused_engine.py::test_bucket_for_picks_the_smallest_bucket_that_holds_the_batch",),
             "A step of B sequences replays the graph of the smallest captured size that holds all of them "
-            "(the rest are padding rows); a step wider than every graph runs eagerly.",
+            "(the rest are padding rows); a step wider than every graph runs eagerly. sizes is any ascending "
+            "list (decode batch sizes, prefill token counts), possibly empty: search it, assume no pattern.",
             5,
         ),
         Exercise(
@@ -329,11 +330,14 @@ EXERCISES: dict[str, Exercise] = {
         Exercise(
             "overlap_loop", 9, "src/infer/engine/llm_engine.py",
             ("tests/test_async_scheduling.py::test_a_sequence_holds_one_placeholder_while_its_step_runs",
+             "tests/test_async_scheduling.py::test_placeholders_go_to_the_sampled_sequences_and_their_tokens_count_as_computed",
              "tests/test_async_scheduling.py::test_async_scheduling_gives_the_synchronous_outputs[paged]"),
             "One async step: launch the scheduled step (its input reads the previous step's tokens on the "
-            "device), then let the host catch up with the previous step's outputs while the device works, "
-            "then mark which sequences now wait for a token still on the device. Think about the order: "
-            "what must the previous step's tokens replace, and which sequences need no placeholder?",
+            "device) and count its tokens as computed at once (the next step is scheduled before its outputs "
+            "are processed), then let the host catch up with the previous step's outputs while the device "
+            "works, then mark which sequences now wait for a token still on the device. Think about the "
+            "order: what must the previous step's tokens replace, and which sequences sample this step (a "
+            "fork of a shared prefill does; a prompt's middle chunk does not)?",
             30, _engine("overlap_loop"),
         ),
         # ---------------------------------------------------------------- phase 7

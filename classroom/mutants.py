@@ -303,7 +303,7 @@ _ALL = [
        ("            if not seq.is_finished:\n                seq.token_ids.append(PLACEHOLDER)",
         "            seq.token_ids.append(PLACEHOLDER)")),
     _m("overlap_loop", "processes_before_launch", "applies the previous step's tokens before launching this one: "
-       "the same outputs, but the host waits for the device and nothing overlaps",
+       "nothing overlaps, and a sequence that finished there is freed under the step about to run it",
        ("            result = self.runner.execute(scheduled, self.eos_token_ids, prev)\n"
         "            self.output_processor.advance(scheduled)\n"
         "            outputs += self._process_in_flight(stream)\n",
