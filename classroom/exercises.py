@@ -259,14 +259,19 @@ EXERCISES: dict[str, Exercise] = {
              "tests/test_chunked_prefill.py::test_decodes_go_first_even_behind_an_older_prefill",
              "tests/test_chunked_prefill.py::test_forks_share_one_chunked_prefill",
              "tests/test_chunked_prefill.py::test_long_prefill_token_threshold_shares_the_budget",
+             "tests/test_chunked_prefill.py::test_prefill_chunks_share_the_budget_in_admission_order",
+             "tests/test_chunked_prefill.py::test_a_preemption_gives_its_tokens_back_to_the_budget",
+             "tests/test_chunked_prefill.py::test_without_chunking_a_prompt_that_does_not_fit_waits_whole",
              "tests/test_chunked_prefill.py::test_chunked_matches_unchunked[llama-paged-7]",
              "tests/test_chunked_prefill.py::test_chunked_matches_unchunked[gemma3-contiguous-32]",
              "tests/test_chunked_prefill.py::test_preempted_half_prefilled_and_recomputed_sequences"),
             "The running sequences' share of a step's token budget. With chunked prefill, decodes go "
-            "before prefill chunks (decode-maximal batching), and a prompt gets only what the budget (and "
-            "the per-request threshold) leaves; a sequence that cannot get a block may be preempted, which "
-            "changes what is left. A request's forks share its prefill: they may only join the chunk that "
-            "completes the prompt.",
+            "before prefill chunks (decode-maximal batching), the prompts keep their admission order, and a "
+            "prompt gets only what the budget (and the per-request threshold) leaves; without it, a prompt "
+            "runs whole or waits, and smaller work behind it still runs. A sequence that cannot get a block "
+            "may be preempted, which changes what is left: the sequences a preemption takes out of the batch "
+            "no longer spend the budget. A request's forks share its prefill: they may only join the chunk "
+            "that completes the prompt.",
             30, _engine("chunk_schedule"),
         ),
         Exercise(
@@ -279,12 +284,14 @@ EXERCISES: dict[str, Exercise] = {
         ),
         Exercise(
             "fused_add_rms_norm_kernel", 8, "src/infer/kernels/fused_triton.py",
-            ("tests/test_fused_kernels.py::test_fused_add_rms_norm_matches_reference",),
+            ("tests/test_fused_kernels.py::test_fused_add_rms_norm_matches_reference",
+             "tests/test_fused_kernels.py::test_fused_add_rms_norm_normalizes_the_rounded_sum"),
             "One program per row, in place: the sum of the row and its residual, rounded to the dtype, is "
-            "the new residual (store it); the RMSNorm of that rounded sum replaces the row. Load both rows "
-            "before storing either, compute in float32, and use the row helper _rms_norm_row for the norm "
-            "(it keeps Llama's and Gemma's rounding orders; the norm weight w is loaded for you before the "
-            "PDL wait). Runs under TRITON_INTERPRET=1 on a CPU.",
+            "the new residual (store it); the RMSNorm of that rounded sum, not of the float32 one, replaces "
+            "the row. Each tensor's rows have their own stride, and a row has N elements in a BLOCK-wide "
+            "program. Load both rows before storing either, compute in float32, and use the row helper "
+            "_rms_norm_row for the norm (it keeps Llama's and Gemma's rounding orders; the norm weight w is "
+            "loaded for you before the PDL wait). Runs under TRITON_INTERPRET=1 on a CPU.",
             30,
         ),
         Exercise(
@@ -298,7 +305,8 @@ EXERCISES: dict[str, Exercise] = {
             "bucket_for", 9, "src/infer/engine/cuda_graphs.py",
             ("tests/test_fused_engine.py::test_bucket_for_picks_the_smallest_bucket_that_holds_the_batch",),
             "A step of B sequences replays the graph of the smallest captured size that holds all of them "
-            "(the rest are padding rows); a step wider than every graph runs eagerly.",
+            "(the rest are padding rows); a step wider than every graph runs eagerly. sizes is any ascending "
+            "list (decode batch sizes, prefill token counts), possibly empty: search it, assume no pattern.",
             5,
         ),
         Exercise(
@@ -322,11 +330,14 @@ EXERCISES: dict[str, Exercise] = {
         Exercise(
             "overlap_loop", 9, "src/infer/engine/llm_engine.py",
             ("tests/test_async_scheduling.py::test_a_sequence_holds_one_placeholder_while_its_step_runs",
+             "tests/test_async_scheduling.py::test_placeholders_go_to_the_sampled_sequences_and_their_tokens_count_as_computed",
              "tests/test_async_scheduling.py::test_async_scheduling_gives_the_synchronous_outputs[paged]"),
             "One async step: launch the scheduled step (its input reads the previous step's tokens on the "
-            "device), then let the host catch up with the previous step's outputs while the device works, "
-            "then mark which sequences now wait for a token still on the device. Think about the order: "
-            "what must the previous step's tokens replace, and which sequences need no placeholder?",
+            "device) and count its tokens as computed at once (the next step is scheduled before its outputs "
+            "are processed), then let the host catch up with the previous step's outputs while the device "
+            "works, then mark which sequences now wait for a token still on the device. Think about the "
+            "order: what must the previous step's tokens replace, and which sequences sample this step (a "
+            "fork of a shared prefill does; a prompt's middle chunk does not)?",
             30, _engine("overlap_loop"),
         ),
         # ---------------------------------------------------------------- phase 7
@@ -334,29 +345,36 @@ EXERCISES: dict[str, Exercise] = {
             "block_hash_chain", 7, "src/infer/engine/prefix_cache.py",
             ("tests/test_prefix_caching.py::test_block_keys_are_chained_sha256_of_full_blocks",),
             "The keys of a token stream's full blocks: block i's key is hash_block_tokens of block i - 1's "
-            "key (NONE_HASH for the first) and block i's tokens, so a key names the whole prefix up to its "
-            "block's end. A partly filled last block has no key. Keys already known for a prefix of the "
-            "stream are kept, and the chain continues from the last of them.",
+            "key (NONE_HASH for the first), block i's tokens and the extra keys, so a key names the whole "
+            "prefix up to its block's end. A partly filled last block has no key; a full last block has one. "
+            "Keys already known for a prefix of the stream are kept as given (not hashed again: a sequence "
+            "extends its keys at every step), and the chain continues from the last of them.",
             10,
         ),
         Exercise(
             "prefix_lookup", 7, "src/infer/engine/kv_cache_manager.py",
             ("tests/test_prefix_caching.py::test_lookup_walks_to_the_first_miss_and_keeps_the_last_token",
              "tests/test_prefix_caching.py::test_lookup_stops_at_a_miss_even_when_later_blocks_are_cached",
+             "tests/test_prefix_caching.py::test_lookup_compares_each_blocks_tokens_not_only_its_key",
+             "tests/test_prefix_caching.py::test_lookup_covers_the_generated_tokens_too",
              "tests/test_prefix_caching.py::test_outputs_identical_with_the_cache[plain]"),
             "The longest cached prefix of a sequence, as block ids: walk its block keys from the first, "
-            "asking the pool for each (the pool checks the block's tokens too), and stop at the first miss. "
-            "Never take the sequence's last token from the cache: its forward gives the logits the next "
-            "token is sampled from.",
+            "asking the pool for each (a key alone is not proof: the block's tokens must match too), and "
+            "stop at the first miss. All of the sequence's tokens count (after a preemption they include "
+            "its generated ones), but never take its last token from the cache: its forward gives the "
+            "logits the next token is sampled from. Only look: the caller takes the blocks.",
             15, _engine("prefix_lookup", "block_hash_chain"),
         ),
         Exercise(
             "lru_eviction", 7, "src/infer/engine/prefix_cache.py",
             ("tests/test_prefix_caching.py::test_eviction_is_lru_tail_first_and_reports_intact_blocks",
+             "tests/test_prefix_caching.py::test_a_kept_lookup_is_redone_after_an_eviction_or_a_new_key",
              "tests/test_prefix_caching.py::test_a_miss_after_eviction"),
-            "Take a cached free block for new data: the least recently freed one. Tell on_evict (when set) "
-            "about it while its key and tokens are still in the pool, then make sure nobody can find it by "
-            "its old key again.",
+            "Take a cached free block for new data: the least recently freed one. Tell on_evict (only when "
+            "one is set) about it while its key and tokens are still in the pool, then make sure nobody can "
+            "find it by its old key again: not the key map, not the block's own key and tokens, not a lookup "
+            "the manager kept (the pool's generation tells it when those are stale; a pool method does all "
+            "three). Count it in num_evictions (a metric the tests read).",
             10, _engine("lru_eviction", "block_hash_chain", "prefix_lookup"),
         ),
         # ---------------------------------------------------------------- phase 10

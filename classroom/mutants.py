@@ -177,16 +177,80 @@ _ALL = [
        ("kv_len = first + num_new_tokens", "kv_len = max(first + num_new_tokens, seq.num_prompt_tokens)")),
     _m("chunk_key_length", "samples_at_prompt_end", "samples once the prompt is done, also mid-recompute",
        ("kv_len == len(seq.token_ids)", "kv_len >= seq.num_prompt_tokens")),
+    _m("chunk_schedule", "shortest_prefill_first", "prefill chunks go shortest first, not in admission order",
+       ("order.sort(key=lambda s: s.num_uncomputed_tokens > 1)", "order.sort(key=lambda s: s.num_uncomputed_tokens)")),
+    _m("chunk_schedule", "threshold_ignored", "a chunk is whatever the budget leaves: no per-request cap, and "
+       "without chunking a prompt is cut too", ("n = self._chunk(want, budget)", "n = min(want, budget)")),
+    _m("chunk_schedule", "budget_not_given_back", "a preemption takes sequences out of the batch but not their "
+       "tokens out of the budget spent", ("                budget = self.max_num_batched_tokens - sum(s.num_tokens for s in "
+                                           "scheduled)\n", "")),
+    _m("chunk_schedule", "preempted_still_runs", "a sequence preempted earlier in this step is scheduled anyway",
+       ("if seq.status is not SeqStatus.RUNNING or self._waits_for_shared_prefill(seq):",
+        "if self._waits_for_shared_prefill(seq):")),
+    _m("chunk_schedule", "unfit_prefill_ends_the_step", "without chunking, a prompt that does not fit ends the step: "
+       "the decodes behind it wait", ("                if want == 1 or self.chunked_prefill:\n"
+                                       "                    break  # the budget is spent\n"
+                                       "                continue  # a prefill that does not fit this step; smaller work may\n",
+                                       "                break\n")),
+    _m("chunk_key_length", "first_from_the_end", "the chunk is taken as the last num_new_tokens tokens (a decode's view)",
+       ("first = seq.num_computed_tokens", "first = len(seq.token_ids) - num_new_tokens")),
+    _m("chunk_key_length", "chunk_keys_only", "the queries see their own chunk's keys, not the cached prefix",
+       ("kv_len = first + num_new_tokens", "kv_len = num_new_tokens")),
+    _m("chunk_key_length", "samples_one_early", "samples when one token is still uncomputed (>= len - 1)",
+       ("kv_len == len(seq.token_ids)", "kv_len >= len(seq.token_ids) - 1")),
+    _m("chunk_key_length", "samples_at_prompt_end_only", "samples exactly when the prompt completes: never after "
+       "a recompute past the prompt", ("kv_len == len(seq.token_ids)", "kv_len == seq.num_prompt_tokens")),
     # ---------------------------------------------------------------- phase 8
     _m("fused_add_rms_norm_kernel", "residual_not_stored", "the new residual is never written back",
        ("    tl.store(res_ptr + row * stride_r + offs, s, mask=mask)\n", "")),
     _m("fused_add_rms_norm_kernel", "norm_of_the_input", "normalizes the row itself, not row + residual",
        ("y = _rms_norm_row(s.to(tl.float32),", "y = _rms_norm_row(x,")),
+    _m("fused_add_rms_norm_kernel", "norm_of_the_unrounded_sum", "stores the rounded sum but normalizes the float32 "
+       "one (the unfused code normalizes what it stored)", ("y = _rms_norm_row(s.to(tl.float32),", "y = _rms_norm_row(x + r,")),
+    _m("fused_add_rms_norm_kernel", "sum_not_rounded", "leaves the rounding of the sum to the store",
+       ("s = round_to(x + r, res_ptr.dtype.element_ty, MANUAL_BF16)", "s = x + r")),
+    _m("fused_add_rms_norm_kernel", "residual_with_x_stride", "addresses the residual's rows with x's row stride",
+       ("r = tl.load(res_ptr + row * stride_r + offs", "r = tl.load(res_ptr + row * stride_x + offs"),
+       ("tl.store(res_ptr + row * stride_r + offs", "tl.store(res_ptr + row * stride_x + offs")),
+    _m("fused_add_rms_norm_kernel", "x_with_residual_stride", "addresses x's rows with the residual's row stride",
+       ("x = tl.load(x_ptr + row * stride_x + offs", "x = tl.load(x_ptr + row * stride_r + offs"),
+       ("tl.store(x_ptr + row * stride_x + offs", "tl.store(x_ptr + row * stride_r + offs")),
+    _m("fused_add_rms_norm_kernel", "unmasked_stores", "stores the whole BLOCK: the lanes past the row's end too",
+       ("tl.store(res_ptr + row * stride_r + offs, s, mask=mask)", "tl.store(res_ptr + row * stride_r + offs, s)"),
+       ("tl.store(x_ptr + row * stride_x + offs, y, mask=mask)", "tl.store(x_ptr + row * stride_x + offs, y)")),
+    _m("fused_add_rms_norm_kernel", "mean_over_the_block", "the mean square taken over the padded BLOCK, not the N "
+       "real elements", ("w, eps, N, UNIT_OFFSET", "w, eps, BLOCK, UNIT_OFFSET")),
+    _m("fused_add_rms_norm_kernel", "unmasked_loads", "loads the padding lanes past the row's end too",
+       ("x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)", "x = tl.load(x_ptr + row * stride_x + offs)"),
+       ("r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)", "r = tl.load(res_ptr + row * stride_r + offs)")),
     # ---------------------------------------------------------------- phase 9
     _m("graph_buckets", "inclusive_range", "range(8, max + 1, 8) then the max again: a size twice",
        ("range(8, max_batch_size, 8)", "range(8, max_batch_size + 1, 8)")),
     _m("graph_buckets", "small_sizes_unchecked", "1, 2, 4 captured even above the largest size",
        ("[b for b in (1, 2, 4) if b < max_batch_size]", "[1, 2, 4]")),
+    _m("graph_buckets", "largest_only_if_multiple", "the largest size is captured only when it is a multiple of 8",
+       ("    sizes += list(range(8, max_batch_size, 8))\n    sizes.append(max_batch_size)\n",
+        "    sizes += list(range(8, max_batch_size + 1, 8))\n")),
+    _m("graph_buckets", "powers_of_two", "doubles past 4 (8, 16, 32, ...) instead of every multiple of 8",
+       ("    sizes += list(range(8, max_batch_size, 8))\n",
+        "    sizes += [1 << k for k in range(3, max_batch_size.bit_length()) if 1 << k < max_batch_size]\n")),
+    _m("graph_buckets", "multiples_from_16", "the multiples of 8 start at 16: 8 is never captured",
+       ("range(8, max_batch_size, 8)", "range(16, max_batch_size, 8)")),
+    _m("graph_buckets", "stops_a_multiple_early", "the multiples of 8 stop one short of the largest size's",
+       ("range(8, max_batch_size, 8)", "range(8, max_batch_size - 8, 8)")),
+    _m("bucket_for", "decode_pattern_arithmetic", "computes the bucket from the decode sizes' pattern instead of "
+       "searching sizes", ("    for size in sizes:\n        if size >= batch_size:\n            return size\n    return None\n",
+                           "    if batch_size > sizes[-1]:\n        return None\n"
+                           "    if batch_size <= 4:\n        return 1 << (batch_size - 1).bit_length()\n"
+                           "    return min(-(-batch_size // 8) * 8, sizes[-1])\n")),
+    _m("bucket_for", "largest_that_fits_inside", "rounds down: the largest size not above the batch",
+       ("    for size in sizes:\n        if size >= batch_size:\n            return size\n    return None\n",
+        "    for size in reversed(sizes):\n        if size <= batch_size:\n            return size\n    return None\n")),
+    _m("bucket_for", "guard_reads_the_last", "checks the widest size first, which an empty list does not have",
+       ("    for size in sizes:\n", "    if batch_size > sizes[-1]:\n        return None\n    for size in sizes:\n")),
+    _m("bucket_for", "index_not_size", "returns the bucket's index in sizes, not its size",
+       ("    for size in sizes:\n        if size >= batch_size:\n            return size\n",
+        "    for i, size in enumerate(sizes):\n        if size >= batch_size:\n            return i\n")),
     _m("bucket_for", "strict_bound", "a batch that exactly fills a bucket goes to the next one",
        ("if size >= batch_size:", "if size > batch_size:")),
     _m("bucket_for", "widest_instead_of_none", "a batch wider than every graph is sent to the largest one",
@@ -208,12 +272,26 @@ _ALL = [
     _m("pdl_wait", "always", "emits the instructions without PDL too",
        ("    if USE_PDL:\n        tl.extra.cuda.gdc_wait()\n        tl.extra.cuda.gdc_launch_dependents()\n",
         "    tl.extra.cuda.gdc_wait()\n    tl.extra.cuda.gdc_launch_dependents()\n")),
+    _m("pdl_wait", "never_lets_the_next_launch", "waits, but never lets the next kernel launch early",
+       ("        tl.extra.cuda.gdc_launch_dependents()\n", "")),
+    _m("pdl_wait", "inverted_flag", "emits the instructions only without PDL",
+       ("    if USE_PDL:\n", "    if not USE_PDL:\n")),
+    _m("pdl_wait", "barrier_for_wait", "a block-wide barrier in place of the wait for the previous kernel",
+       ("        tl.extra.cuda.gdc_wait()\n", "        tl.debug_barrier()\n")),
     _m("prefill_buckets", "max_twice", "a maximum that is a power of 2 is captured twice",
        ("while t < max_tokens:", "while t <= max_tokens:")),
     _m("prefill_buckets", "starts_at_one", "buckets 1, 2, 4, 8 too: a one-token step is a decode",
        ("    t = 16\n", "    t = 1\n")),
     _m("prefill_buckets", "one_token_graph", "a maximum of 1 captures a one-token prefill graph",
        ("if max_tokens < 2:", "if max_tokens < 1:")),
+    _m("prefill_buckets", "multiples_of_16", "steps of 16 (16, 32, 48, ...) instead of doubling",
+       ("        t *= 2\n", "        t += 16\n")),
+    _m("prefill_buckets", "nothing_below_16", "no graph when the maximum is under 16",
+       ("if max_tokens < 2:", "if max_tokens < 16:")),
+    _m("prefill_buckets", "two_is_a_decode", "a maximum of 2 captures nothing (<= 2 for < 2)",
+       ("if max_tokens < 2:", "if max_tokens <= 2:")),
+    _m("prefill_buckets", "maximum_first", "the maximum is put first, not last: the list is not ascending",
+       ("    return sizes + [max_tokens]\n", "    return [max_tokens] + sizes\n")),
     _m("overlap_loop", "placeholders_before_processing", "marks the new placeholders before the previous "
        "step's tokens are applied, so those replace the wrong slot",
        ("            outputs += self._process_in_flight(stream)\n", ""),
@@ -224,6 +302,20 @@ _ALL = [
     _m("overlap_loop", "placeholder_for_finished", "a sequence that finished still gets a placeholder",
        ("            if not seq.is_finished:\n                seq.token_ids.append(PLACEHOLDER)",
         "            seq.token_ids.append(PLACEHOLDER)")),
+    _m("overlap_loop", "processes_before_launch", "applies the previous step's tokens before launching this one: "
+       "nothing overlaps, and a sequence that finished there is freed under the step about to run it",
+       ("            result = self.runner.execute(scheduled, self.eos_token_ids, prev)\n"
+        "            self.output_processor.advance(scheduled)\n"
+        "            outputs += self._process_in_flight(stream)\n",
+        "            outputs += self._process_in_flight(stream)\n"
+        "            result = self.runner.execute(scheduled, self.eos_token_ids, prev)\n"
+        "            self.output_processor.advance(scheduled)\n")),
+    _m("overlap_loop", "placeholders_for_scheduled", "placeholders for the scheduled sequences, not the sampled ones "
+       "(a fork gets none, a mid-prompt chunk one)",
+       ("        for seq in result.sampled:  # their tokens are on the device: the next step reads them there\n",
+        "        for seq in (item.seq for item in scheduled):\n")),
+    _m("overlap_loop", "never_advanced", "this step's tokens are never counted as computed",
+       ("            self.output_processor.advance(scheduled)\n", "")),
     # ---------------------------------------------------------------- phase 7
     _m("block_hash_chain", "unchained", "every block hashed alone: the same tokens after another prefix collide",
        ("parent = hash_block_tokens(parent, ", "parent = hash_block_tokens(NONE_HASH, ")),
@@ -231,12 +323,28 @@ _ALL = [
        ("range(len(hashes), len(token_ids) // block_size)", "range(len(hashes), -(-len(token_ids) // block_size))")),
     _m("block_hash_chain", "known_not_continued", "the chain restarts after the known keys",
        ("parent = hashes[-1] if hashes else NONE_HASH", "parent = NONE_HASH")),
+    _m("block_hash_chain", "known_recomputed", "ignores the known keys and hashes the whole stream again (every "
+       "growing sequence rehashes all its blocks at every step)",
+       ("hashes = list(known or [])", "hashes = []")),
+    _m("block_hash_chain", "extra_keys_dropped", "the extra keys are not hashed: an adapter's blocks hit another's",
+       ("token_ids[i * block_size : (i + 1) * block_size], extra_keys)", "token_ids[i * block_size : (i + 1) * block_size])")),
+    _m("block_hash_chain", "last_token_kept_out", "the lookup's rule (never the last token) applied to the keys: a "
+       "stream that fills its last block gets no key for it",
+       ("range(len(hashes), len(token_ids) // block_size)", "range(len(hashes), (len(token_ids) - 1) // block_size)")),
     _m("prefix_lookup", "last_token_cached", "a full hit takes the last token from the cache too",
        ("max_blocks = (len(tokens) - 1) // bs", "max_blocks = len(tokens) // bs")),
     _m("prefix_lookup", "skips_misses", "goes on past a miss and takes later cached blocks",
        ("            if block is None:\n                break\n", "            if block is None:\n                continue\n")),
     _m("prefix_lookup", "first_block_tokens", "checks every block against the first block's tokens",
        ("tokens[i * bs : (i + 1) * bs]", "tokens[:bs]")),
+    _m("prefix_lookup", "trusts_the_key", "takes the block the key maps to without comparing its tokens",
+       ("block = self.pool.lookup(h, tokens[i * bs : (i + 1) * bs])", "block = self.pool.cached.get(h)")),
+    _m("prefix_lookup", "prompt_only", "looks up the prompt only: a preempted sequence misses the blocks of the "
+       "tokens it generated", ("max_blocks = (len(tokens) - 1) // bs", "max_blocks = (seq.num_prompt_tokens - 1) // bs")),
+    _m("prefix_lookup", "takes_the_blocks", "touches the hits during the lookup (which admission asks three times)",
+       ("        return hits\n", "        self.pool.touch(hits)\n        return hits\n")),
+    _m("prefix_lookup", "full_blocks_minus_one", "always leaves the last full block out, even when the last token is "
+       "in a partial block after it", ("max_blocks = (len(tokens) - 1) // bs", "max_blocks = len(tokens) // bs - 1")),
     _m("lru_eviction", "most_recent_first", "evicts the most recently freed block",
        ("self.cached_free.popitem(last=False)", "self.cached_free.popitem()")),
     _m("lru_eviction", "stale_key", "the evicted block keeps its key: a later lookup finds overwritten K/V",
@@ -246,6 +354,18 @@ _ALL = [
         "        self._uncache(b)\n",
         "        self._uncache(b)\n        if self.on_evict is not None:\n"
         "            self.on_evict(self.block_hash[b], b, self.block_tokens[b])\n")),
+    _m("lru_eviction", "hook_always_called", "calls on_evict even when none is set",
+       ("        if self.on_evict is not None:\n            self.on_evict(", "        if True:\n            self.on_evict(")),
+    _m("lru_eviction", "forgotten_by_hand", "drops the key by hand without bumping the pool's generation: a kept "
+       "lookup still returns the evicted block", ("        self._uncache(b)\n",
+                                                  "        del self.cached[self.block_hash[b]]\n"
+                                                  "        self.block_hash[b] = self.block_tokens[b] = None\n")),
+    _m("lru_eviction", "not_counted", "the eviction is not counted (num_evictions, a metric)",
+       ("        self.num_evictions += 1\n", "")),
+    _m("lru_eviction", "key_map_only", "drops the key from the map, but the block keeps its key and tokens",
+       ("        self._uncache(b)\n", "        del self.cached[self.block_hash[b]]\n")),
+    _m("lru_eviction", "lowest_id_first", "evicts the cached free block with the lowest id, not the least recently freed",
+       ("b, _ = self.cached_free.popitem(last=False)", "b = min(self.cached_free)\n        del self.cached_free[b]")),
     # ---------------------------------------------------------------- phase 10
     _m("tiered_lookup", "device_only_prefix", "stops at the first block the device lacks, never looking below",
        ("        for name, contains in lower_tiers:\n            if contains(h):\n",

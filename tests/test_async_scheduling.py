@@ -123,6 +123,28 @@ def test_a_sequence_holds_one_placeholder_while_its_step_runs(tiny_llama):
     assert PLACEHOLDER not in seq.token_ids and len(seq.token_ids) == 8
 
 
+def test_placeholders_go_to_the_sampled_sequences_and_their_tokens_count_as_computed(tiny_llama):
+    """Chunked prefill, budget 8: an n = 2 request's 5-token prompt and the first 3 tokens of a 20-token
+    prompt run in step 1. Both sequences of the first sample (the fork from the shared prompt), so
+    each holds a placeholder; the second is mid-prompt and holds none. Each step's tokens count as
+    computed once it is launched: the placeholder is the one token left."""
+    eng = make_engine(tiny_llama, batching="continuous", max_model_len=64, async_scheduling=True,
+                      chunked_prefill=True, max_num_batched_tokens=8)
+    a = eng.add_request([11, 12, 13, 14, 15], SamplingParams(n=2, max_tokens=4, temperature=0.0, ignore_eos=True))
+    b = eng.add_request(list(range(30, 50)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    eng.step()
+    assert [s.token_ids[-1] for s in a.seqs] == [PLACEHOLDER, PLACEHOLDER] and PLACEHOLDER not in b.seqs[0].token_ids
+    assert [s.num_computed_tokens for s in (*a.seqs, b.seqs[0])] == [5, 5, 3]
+    eng.step()  # a's two decodes, then 6 more of b's prompt
+    assert [s.num_computed_tokens for s in (*a.seqs, b.seqs[0])] == [6, 6, 9]
+    assert [s.token_ids.count(PLACEHOLDER) for s in a.seqs] == [1, 1] and PLACEHOLDER not in b.seqs[0].token_ids
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert all(PLACEHOLDER not in s.token_ids and s.num_output_tokens == 4 for s in a.seqs)
+    assert b.seqs[0].num_output_tokens == 3
+    assert_pool_full(eng)
+
+
 def _record_order(eng) -> list[str]:
     """Wrap the runner's forward and sampling-tensor build and the output processor's apply (the
     real functions, called through) to record the order in which a step's parts run."""

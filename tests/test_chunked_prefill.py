@@ -202,6 +202,7 @@ def test_chunk_extent_by_hand(tiny_llama):
     seq.token_ids += [1, 2, 3]  # a preempted sequence recomputing its prompt and 3 generated tokens
     seq.num_computed_tokens = 16
     assert chunk_extent(seq, 5) == (16, 21, False)  # past the prompt, not at the end: no sample
+    assert chunk_extent(seq, 6) == (16, 22, False)  # one token short of the end: no sample yet
     assert chunk_extent(seq, 7) == (16, 23, True)
 
 
@@ -272,6 +273,77 @@ def test_long_prefill_token_threshold_shares_the_budget(tiny_llama):
     assert [s.num_tokens for s in items] == [8, 8, 8]
     for r in ("req-0", "req-1", "req-2"):
         assert eng.abort_request(r)
+    assert_pool_full(eng)
+
+
+def schedule_trace(engine, steps: int) -> list[list[tuple[str, int]]]:
+    """Run up to ``steps`` steps by hand; each step's batch as ``(request id, tokens)`` in order."""
+    trace = []
+    for _ in range(steps):
+        if not engine.has_unfinished_requests():
+            break
+        items = engine.scheduler.schedule()
+        trace.append([(s.seq.request.request_id, s.num_tokens) for s in items])
+        result = engine.runner.execute(items, engine.eos_token_ids)
+        for seq in engine.output_processor.apply(result, items):
+            engine.scheduler.free(seq)
+    return trace
+
+
+def test_prefill_chunks_share_the_budget_in_admission_order(tiny_llama):
+    """Prompts of 40, 30 and 20 tokens under a budget of 20 and a cap of 8: after the first step's
+    admissions, the running prompts take their chunks in admission order (the oldest first, not the
+    shortest), each at most the cap; decodes go first once a prompt completes."""
+    eng = make_engine(tiny_llama, chunked_prefill=True, max_num_batched_tokens=20, long_prefill_token_threshold=8,
+                      **KW)
+    for i, n in enumerate((40, 30, 20)):
+        eng.add_request(list(range(10 + i, 10 + i + n)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                        request_id=f"r{i}")
+    assert schedule_trace(eng, 5) == [
+        [("r0", 8), ("r1", 8), ("r2", 4)],  # admitted: the cap, the cap, what is left
+        [("r0", 8), ("r1", 8), ("r2", 4)],  # running: the same order, the same cap
+        [("r0", 8), ("r1", 8), ("r2", 4)],
+        [("r0", 8), ("r1", 6), ("r2", 6)],  # r1's last chunk leaves r2 more
+        [("r1", 1), ("r0", 8), ("r2", 2)],  # r1 decodes first
+    ]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_pool_full(eng)
+
+
+def test_a_preemption_gives_its_tokens_back_to_the_budget(tiny_llama):
+    """n = 3 decoding beside an older prompt's chunks (budget 8, cap 7), in a pool that runs dry between
+    the forks: two of them got their blocks and sit in the batch when the third preempts their own
+    request. Their tokens leave the batch, and the budget: the prompt's chunk takes what the batch
+    really leaves (its cap, 7), not 8 - 2."""
+    cfg = tiny_llama.config
+    eng = make_engine(tiny_llama, chunked_prefill=True, max_num_batched_tokens=8, long_prefill_token_threshold=7,
+                      kv_cache="paged", block_size=4, kv_cache_memory_bytes=26 * 4 * cfg.kv_bytes_per_token(torch.float32),
+                      **{**KW, "max_model_len": 96})
+    eng.add_request(list(range(100, 180)), SamplingParams(max_tokens=2, temperature=0.0), request_id="x")
+    eng.add_request([20, 21, 22, 23, 24, 25], SamplingParams(n=3, max_tokens=8, temperature=0.0, ignore_eos=True),
+                    request_id="r")
+    trace = schedule_trace(eng, 9)
+    # x's chunks and r's one-token prefill, then r's three decodes beside x until position 8 needs a
+    # block in each fork: only two are left
+    assert trace[:8] == [[("x", 7), ("r", 1)]] * 5 + [[("r", 1), ("x", 7)]] + [[("r", 1)] * 3 + [("x", 5)]] * 2
+    assert eng.num_preemptions == 1 and trace[8] == [("x", 7)]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_pool_full(eng)
+
+
+def test_without_chunking_a_prompt_that_does_not_fit_waits_whole(tiny_llama):
+    """Static batching, chunking off, budget 16: the whole batch is admitted at once, but the 15-token
+    prompt does not fit beside the 7 + 8 + 1 of the others. It is not cut into a chunk, and it does not
+    stop the step: the decodes behind it run, and it runs alone once they are done."""
+    eng = make_engine(tiny_llama, batching="static", max_model_len=16, max_num_seqs=4, max_num_batched_tokens=16,
+                      batch_wait_timeout_ms=0)
+    for i, n in enumerate((7, 8, 15, 1)):
+        eng.add_request([10 + i] * n, SamplingParams(max_tokens=1 if n == 15 else 4, temperature=0.0, ignore_eos=True),
+                        request_id=f"r{i}")
+    assert schedule_trace(eng, 6) == [[("r0", 7), ("r1", 8), ("r3", 1)]] + [[("r0", 1), ("r1", 1), ("r3", 1)]] * 3 \
+        + [[("r2", 15)]]
     assert_pool_full(eng)
 
 

@@ -149,9 +149,13 @@ def test_graph_batch_sizes():
 
 
 def test_bucket_for_picks_the_smallest_bucket_that_holds_the_batch():
-    sizes = graph_batch_sizes(20)
+    sizes = [1, 2, 4, 8, 16, 20]  # graph_batch_sizes(20)
     assert [bucket_for(b, sizes) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 20)] == [1, 2, 4, 4, 8, 8, 16, 16, 20, 20]
     assert bucket_for(21, sizes) is None
+    # any ascending list, not the decode sizes' pattern: the prefill buckets of a 100-token maximum
+    sizes = [16, 32, 64, 100]
+    assert [bucket_for(t, sizes) for t in (2, 16, 17, 64, 65, 100, 101)] == [16, 16, 32, 64, 100, 100, None]
+    assert bucket_for(1, []) is None  # no graph at all: every step is wider than all of them
 
 
 @pytest.mark.parametrize("rows", [8, 64], ids=["rebuilds", "roomy"])
@@ -278,8 +282,7 @@ def test_prefill_graph_sizes_are_powers_of_two_up_to_the_maximum():
     assert prefill_graph_sizes(16) == [16]
     assert prefill_graph_sizes(48) == [16, 32, 48]
     assert prefill_graph_sizes(512) == [16, 32, 64, 128, 256, 512]
-    sizes = prefill_graph_sizes(100)
-    assert [bucket_for(t, sizes) for t in (2, 16, 17, 64, 65, 100, 101)] == [16, 16, 32, 64, 100, 100, None]
+    assert prefill_graph_sizes(100) == [16, 32, 64, 100]
 
 
 def test_mixed_graph_sizes_are_powers_of_two_from_64_up_to_the_maximum():

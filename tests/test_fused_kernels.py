@@ -112,15 +112,26 @@ def test_rms_norm_reference_is_the_unfused_function(dtype, unit_offset):
 # ---------------------------------------------------------------------------------- fused_add_rms_norm
 
 
+def padded(src: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(view, buffer)``: a copy of ``src`` as rows of stride ``d + pad`` (starting ``pad // 2`` in) of
+    a NaN-filled buffer. (``clone()`` of a strided view is contiguous: it would test no stride.)"""
+    t, d = src.shape
+    buf = torch.full((t, d + pad), float("nan"), dtype=src.dtype, device=src.device)
+    view = buf[:, pad // 2 : pad // 2 + d]
+    view.copy_(src)
+    return view, buf
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("t,d", [(1, 72), (6, 33)])
 def test_fused_add_rms_norm_matches_reference(dtype, unit_offset, t, d):
     g = torch.Generator().manual_seed(100 + t * d + unit_offset)
     x0 = rows(g, t, d, dtype)
-    r0 = rows(g, t, d, dtype, pad=4, scale=3)  # a strided residual
+    r0 = rows(g, t, d, dtype, scale=3)
     w = randn(g, d, dtype=dtype, scale=0.5)
-    x1, r1 = x0.clone(), r0.clone()
+    # strided rows, a different stride each (d + 6 and d + 4): each row is found by its own stride
+    (x1, xbuf), (r1, rbuf) = padded(x0, 6), padded(r0, 4)
     xr, rr = x0.clone(), r0.clone()
     got = ops.fused_add_rms_norm(x1, r1, w, EPS, unit_offset)
     assert got[0] is x1 and got[1] is r1  # in place: (x, residual) now hold (normed, new residual)
@@ -128,6 +139,28 @@ def test_fused_add_rms_norm_matches_reference(dtype, unit_offset, t, d):
     assert exp[0] is xr and exp[1] is rr
     assert torch.equal(r1, rr)  # one correctly rounded add in both
     assert_close(x1, xr, dtype)
+    assert torch.isnan(xbuf).sum() == 6 * t and torch.isnan(rbuf).sum() == 4 * t  # nothing written past a row
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_fused_add_rms_norm_normalizes_the_rounded_sum(dtype, unit_offset):
+    """The norm is taken of the new residual as stored (x + residual rounded to the dtype), as the unfused
+    ``h = h + x; rms_norm(h)`` does, not of the float32 sum. By hand: x is +-16 everywhere, the residual
+    +-3/8 of an ulp of 16 everywhere but in row element 0, so the rounded sum is +-16 in every element,
+    its root mean square exactly 16 and the output exactly +-1.5 (w = 1.5; Gemma: 1 + w with w = 0.5).
+    The float32 sum's root mean square is above 16, and element 0 would come out an ulp low."""
+    d = 33
+    sign = torch.tensor([1.0, -1.0]).repeat(d)[:d]
+    frac = 0.375 * 16 * torch.finfo(dtype).eps  # 3/8 of an ulp of 16: the sum rounds back to 16
+    x = (16 * sign)[None].to(dtype).to(DEVICE)
+    res = (frac * sign)[None].to(dtype).to(DEVICE)
+    res[0, 0] = 0
+    w = torch.full((d,), 0.5 if unit_offset else 1.5, dtype=dtype, device=DEVICE)
+    for impl in (ref, ops):  # the hand values are the reference's too
+        out, new_res = impl.fused_add_rms_norm(x.clone(), res.clone(), w, EPS, unit_offset)
+        assert torch.equal(new_res.float().cpu(), 16 * sign[None]), impl.__name__
+        assert torch.equal(out.float().cpu(), 1.5 * sign[None]), impl.__name__
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -53,6 +53,10 @@ def test_block_keys_are_chained_sha256_of_full_blocks():
     grown = toks + [14, 15, 16, 17]
     assert block_hashes(grown, 4, known=block_hashes(toks, 4)) == block_hashes(grown, 4)
     assert block_hashes(grown, 4, known=[k0]) == block_hashes(grown, 4)
+    # the known keys are taken as given (not hashed again) and the chain goes on from the last of them
+    mark = bytes(range(32))
+    assert block_hashes(grown, 4, known=[mark]) == [mark, sha(mark, [9, 10, 11, 12]),
+                                                     sha(sha(mark, [9, 10, 11, 12]), [13, 14, 15, 16])]
     # extra keys (an adapter, say) change every key
     assert block_hashes(toks, 4, extra_keys=("lora-a",))[0] != k0
 
@@ -111,6 +115,36 @@ def test_lookup_stops_at_a_miss_even_when_later_blocks_are_cached():
     assert b1 in taken and kv.pool.cached_free.keys() == {b0, b2}
     assert kv.find_cached_prefix(_seq(list(range(10, 23)))) == [b0]
     kv.pool.free(taken)
+    kv.pool.check_invariants()
+
+
+def test_lookup_compares_each_blocks_tokens_not_only_its_key():
+    """Block 1's key maps to a block holding other tokens (a hash collision, planted): the lookup
+    stops there, taking block 0 only, although block 2's key and tokens are cached."""
+    kv = _manager(num_blocks=8)
+    tokens = list(range(10, 23))  # 3 full blocks and a last token
+    keys = block_hashes(tokens, 4)
+    blocks = kv.pool.allocate(3)
+    for i, (b, k) in enumerate(zip(blocks, keys)):
+        assert kv.pool.cache_block(b, k, [0, 0, 0, 0] if i == 1 else tokens[4 * i : 4 * i + 4])
+    kv.pool.free(blocks)
+    assert kv.find_cached_prefix(_seq(tokens)) == blocks[:1]
+    kv.pool.check_invariants()
+
+
+def test_lookup_covers_the_generated_tokens_too():
+    """A sequence readmitted after a preemption (5 prompt tokens, 8 generated) finds the blocks of its
+    generated tokens too: the lookup walks all of its tokens (but the last), not only its prompt."""
+    kv = _manager(num_blocks=8)
+    a = _seq(list(range(10, 23)))
+    _compute(kv, a)
+    blocks = list(a.block_table)
+    kv.free(a)
+    req = Request("p", None, list(range(10, 15)), SamplingParams())
+    back = Sequence(0, req, 0, list(range(10, 23)), 0, None, num_prompt_tokens=5)
+    req.seqs.append(back)
+    assert back.num_output_tokens == 8
+    assert kv.find_cached_prefix(back) == blocks[:3]
     kv.pool.check_invariants()
 
 
@@ -186,9 +220,14 @@ def test_eviction_is_lru_tail_first_and_reports_intact_blocks():
     assert pool.ref_counts[b[0]] == 1 and pool.num_free == 0
     with pytest.raises(RuntimeError):
         pool.allocate(1)
-    pool.free([b[0], b[1]])
+    pool.free([b[0], b[1]])  # last-first: b[1] is now the least recently freed
     pool.check_invariants()
-    assert pool.reset() == 2 and pool.cached == {} and pool.num_cached_free == 0
+    pool.on_evict = None  # no hook set: the eviction just happens
+    assert pool.allocate(1) == [b[1]] and pool.num_evictions == 5
+    assert pool.lookup(kb[1], [204, 205, 206, 207]) is None
+    pool.free([b[1]])  # no key any more: a plain free block
+    pool.check_invariants()
+    assert pool.reset() == 1 and pool.cached == {} and pool.num_cached_free == 0
     pool.check_invariants()
 
 
