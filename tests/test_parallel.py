@@ -123,7 +123,9 @@ def moe_path(tmp_path_factory):
     return _checkpoint(tmp_path_factory, "tiny-qwen3-moe")  # 8 experts, top-2, layer 1 dense
 
 
-@pytest.mark.parametrize("par", [{"tensor_parallel_size": 2}, {"expert_parallel_size": 2}], ids=["tp", "ep"])
+@pytest.mark.parametrize("par", [{"tensor_parallel_size": 2}, {"expert_parallel_size": 2},
+                                 {"expert_parallel_size": 2, "all2all_backend": "fixed_capacity"}],
+                         ids=["tp", "ep", "ep-fixed-capacity"])
 def test_moe_parallel_greedy_equals_one_rank(moe_path, par):
     one, many = _pair(moe_path, par, batching="continuous")
     try:
@@ -378,6 +380,65 @@ def test_expert_parallel_moe_equals_all_experts_on_one_rank():
         # each (token, expert) pair is computed once, by the rank holding the expert: a rank works on
         # its own chunk of the tokens, not on all of them
         assert sum(rows) == t * cfg.num_experts_per_tok, rows
+
+
+def test_fixed_capacity_dispatch_equals_dynamic_and_drops_only_overflow():
+    """all2all_backend='fixed_capacity' on two gloo ranks (threads): with the default (worst-case)
+    capacity it equals the dynamic dispatch and one rank holding every expert; with a capacity
+    factor that overflows, each dropped pair (beyond the capacity of its destination rank, in token
+    order) is exactly the one missing from the sum."""
+    from infer.config import ModelConfig, RopeConfig
+    from infer.kernels import moe_reference
+    from infer.models.moe import SparseMoeBlock
+    from infer.parallel.moe import dispatch_capacity
+
+    cfg = ModelConfig("qwen3_moe", 64, 8, 16, 1, 2, 2, 4, 1e-6, 64, RopeConfig(1e4), num_experts=6,
+                      num_experts_per_tok=2, moe_intermediate_size=6, norm_topk_prob=True)
+    torch.manual_seed(0)
+    full = SparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0, 0.5)
+    state = dict(full.state_dict())
+    k, w, e_local = 2, 2, 3
+    x = torch.randn(7, 8)  # chunks of 4 and 3 tokens
+    with torch.inference_mode():
+        want = full(x)
+        weights, ids = full.route(x)
+
+    def run(all2all, factor=None):
+        def rank(r, ps):
+            ps.ep, ps.all2all, ps.capacity_factor = True, all2all, factor
+            with building_for(ps):
+                block = _load(SparseMoeBlock(cfg), state)
+            return block(x)
+        return two_ranks(rank)
+
+    dynamic, fixed = run("dynamic"), run("fixed_capacity")
+    for d, f in zip(dynamic, fixed):
+        torch.testing.assert_close(f, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(f, d, rtol=1e-6, atol=1e-7)
+    assert dispatch_capacity(4, k, e_local, w) == 8  # worst case: every pair of a chunk to one rank
+
+    # overflow: capacity 2 rows per destination; the reference drops, per source chunk and destination
+    # rank, every pair after the first 2 (pairs in token order), computed here with plain loops
+    factor = 0.5
+    kept = torch.ones_like(weights, dtype=torch.bool)
+    for lo, hi in ((0, 4), (4, 7)):
+        cap = dispatch_capacity(4, k, e_local, w, factor)
+        assert cap == 2
+        seen = [0] * w
+        for t in range(lo, hi):
+            for j in range(k):
+                d = int(ids[t, j]) // e_local
+                kept[t, j] = seen[d] < cap
+                seen[d] += 1
+    assert not kept.all(), "the case must overflow"
+    with torch.inference_mode():
+        want_dropped = moe_reference.fused_experts(x, full.experts.gate_up_proj, full.experts.down_proj,
+                                                   weights * kept, ids)
+    for got in run("fixed_capacity", factor):
+        torch.testing.assert_close(got, want_dropped, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- GPUs (NCCL)

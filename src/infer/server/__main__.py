@@ -84,6 +84,17 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
+def _run_node(config) -> int:
+    """``--node-rank`` > 0: run this machine's ranks of node 0's engine until it shuts them down;
+    no HTTP server here."""
+    from infer.engine.executor import run_node
+    from infer.engine.llm_engine import _check_parallel_split
+
+    config.validate()
+    _check_parallel_split(config)
+    return run_node(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import uvicorn
@@ -97,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         config = engine_config_from_args(args)
+        if config.node_rank > 0:  # more than one machine: this one only runs its ranks (node 0 serves)
+            return _run_node(config)
         # built on the engine thread, which then steps it: one OpenMP pool in the process (see
         # async_engine.py's docstring for what a second one costs)
         async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=args.max_waiting_requests)
