@@ -139,6 +139,38 @@ def test_moe_parallel_greedy_equals_one_rank(moe_path, par):
         many.shutdown()
 
 
+# ---------------------------------------------------------------------------- two machines
+
+
+def test_two_nodes_one_rank_each_equal_one_rank(llama_path):
+    """nnodes=2 on one host: node 1 is `python -m infer.server --node-rank 1` (it only runs its rank,
+    rank 1), node 0 an engine here (rank 0); they meet at 127.0.0.1:port over gloo and give one rank's
+    greedy tokens; node 0's shutdown ends node 1 cleanly."""
+    from infer.engine.executor import _free_port
+
+    port = _free_port()
+    flags = dict(model=str(llama_path), device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2,
+                 nnodes=2, master_addr="127.0.0.1", master_port=port)
+    argv = [sys.executable, "-m", "infer.server"]
+    for name, value in {**flags, "node_rank": 1}.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    node1 = subprocess.Popen(argv, env=os.environ.copy(), stderr=subprocess.PIPE, text=True)
+    try:
+        node0 = LLMEngine(EngineConfig(**flags, node_rank=0), progress=False)
+        try:
+            assert node0.workers.procs == []  # every other rank is on node 1
+            got = _tokens(_run(node0, PROMPTS, GREEDY))
+        finally:
+            node0.shutdown()
+        assert node1.wait(30) == 0, node1.stderr.read()
+    finally:
+        node1.kill()
+        node1.wait()
+    one = LLMEngine(EngineConfig(**{k: v for k, v in flags.items() if k in ("model", "device", "dtype",
+                                                                        "max_model_len")}), progress=False)
+    assert got == _tokens(_run(one, PROMPTS, GREEDY))
+
+
 # ---------------------------------------------------------------------------- failures
 
 

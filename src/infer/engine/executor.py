@@ -46,7 +46,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 import weakref
 
 import torch
@@ -293,6 +292,13 @@ def _worker_main(rank: int, world_size: int, url: str, config: EngineConfig, par
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 decides
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(message)s")
+    code = run_rank(rank, world_size, url, config)
+    os._exit(code)  # skip interpreter teardown: the process group's C++ threads may still be winding down
+
+
+def run_rank(rank: int, world_size: int, url: str, config: EngineConfig) -> int:
+    """Everything a rank other than 0 does: join the group, build its runner, :func:`serve` until
+    SHUTDOWN, leave. Returns the exit code: 0, or 1 after logging the failure."""
     try:
         state = init_rank(rank, world_size, url, config)
         set_parallel(state)
@@ -305,9 +311,9 @@ def _worker_main(rank: int, world_size: int, url: str, config: EngineConfig, par
     except Exception:
         log.exception("rank %d failed", rank)
         sys.stderr.flush()
-        os._exit(1)
+        return 1
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: the process group's C++ threads may still be winding down
+    return 0
 
 
 class Workers:
@@ -380,12 +386,13 @@ def _spawn_ranks(ranks, url: str, config: EngineConfig) -> list:
     return procs
 
 
-def run_node(config: EngineConfig, poll_s: float = 0.2) -> int:
+def run_node(config: EngineConfig) -> int:
     """A machine other than node 0 (``node_rank`` > 0): run its ranks until node 0 shuts them down.
 
     Its ranks join node 0's process group at :func:`rendezvous_url` and run :func:`serve`; node 0's
-    engine schedules, samples and serves. Returns 0 when every rank exited cleanly, else 1 (the
-    others are stopped as soon as one fails).
+    engine schedules, samples and serves. The node's first rank runs in this process, the others
+    in spawned workers. Returns 0 when every rank exited cleanly, else 1. The caller should leave
+    with ``os._exit`` (the process group's threads may still be winding down).
 
     Raises:
         ValueError: ``node_rank`` is 0 (node 0 runs :class:`~infer.engine.LLMEngine`).
@@ -395,19 +402,15 @@ def run_node(config: EngineConfig, poll_s: float = 0.2) -> int:
         raise ValueError("run_node is for node_rank > 0; node 0 runs the engine (LLMEngine, infer.server)")
     local = local_world_size(config)
     first = config.node_rank * local
+    url = rendezvous_url(config)
     log.info("node %d of %d: ranks %d .. %d, rendezvous at %s", config.node_rank, config.nnodes, first,
-             first + local - 1, rendezvous_url(config))
-    procs = _spawn_ranks(range(first, first + local), rendezvous_url(config), config)
-    try:
-        while any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            time.sleep(poll_s)
-    finally:
-        _stop(procs, graceful=all(p.exitcode in (None, 0) for p in procs))
-    codes = [p.exitcode for p in procs]
+             first + local - 1, url)
+    procs = _spawn_ranks(range(first + 1, first + local), url, config)
+    code = run_rank(first, config.world_size, url, config)
+    _stop(procs, graceful=code == 0)
+    codes = [code, *(p.exitcode for p in procs)]
     if any(codes):
-        log.error("node %d: ranks exited with %s", config.node_rank, codes)
+        log.error("node %d: ranks %d .. exited with %s", config.node_rank, first, codes)
     return 1 if any(codes) else 0
 
 

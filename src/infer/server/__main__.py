@@ -92,7 +92,10 @@ def _run_node(config) -> int:
 
     config.validate()
     _check_parallel_split(config)
-    return run_node(config)
+    code = run_node(config)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: the process group's threads may still be winding down
 
 
 def main(argv: list[str] | None = None) -> int:
