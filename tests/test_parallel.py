@@ -486,12 +486,24 @@ def test_fixed_capacity_dispatch_equals_dynamic_and_drops_only_overflow():
                                         ("tiny-qwen3-moe", {"tensor_parallel_size": 2, "cuda_graphs": True}),
                                         ("tiny-llama", {"tensor_parallel_size": 2, "cuda_graphs": True,
                                                         "fused_kernels": True, "async_scheduling": True,
-                                                        "pdl": True})])
+                                                        "pdl": True}),
+                                        ("tiny-llama", {"tensor_parallel_size": 2, "all_reduce_backend": "symm_mem"}),
+                                        ("tiny-llama", {"tensor_parallel_size": 2, "cuda_graphs": True,
+                                                        "fused_kernels": True, "all_reduce_backend": "symm_mem",
+                                                        "symm_mem_one_shot_max_bytes": 0}),
+                                        ("tiny-llama", {"tensor_parallel_size": 2, "cuda_graphs": True,
+                                                        "fused_kernels": True, "async_scheduling": True,
+                                                        "all_reduce_backend": "symm_mem"}),
+                                        ("tiny-qwen3-moe", {"expert_parallel_size": 2,
+                                                            "all2all_backend": "fixed_capacity"}),
+                                        ("tiny-qwen3-moe", {"expert_parallel_size": 2, "cuda_graphs": True,
+                                                            "all2all_backend": "fixed_capacity"})])
 def test_two_gpus_greedy_equals_one_gpu_fp32(tmp_path_factory, preset, par):
     """The same code over NCCL on 2 GPUs (Triton attention and experts), fp32: tokens equal one GPU's
     eager run, also when every rank replays captured decode graphs (3 sequences: bucket 4, one
-    padding row) with async scheduling patching the input ids on rank 0, and with every rank's kernels
-    launched with PDL (Hopper)."""
+    padding row) with async scheduling patching the input ids on rank 0, with every rank's kernels
+    launched with PDL (Hopper), with the all-reduces on symmetric memory (one-shot, and two-shot
+    forced), and with expert parallelism's fixed-capacity dispatch, eager and in graphs."""
     sys.path.insert(0, str(SCRIPTS))
     from make_synthetic_checkpoint import make_checkpoint
 
