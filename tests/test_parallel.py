@@ -517,3 +517,36 @@ def test_two_gpus_greedy_equals_one_gpu_fp32(tmp_path_factory, preset, par):
         assert _tokens(_run(many, PROMPTS, GREEDY)) == ref
     finally:
         many.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@pytest.mark.parametrize("flags", [{}, {"cuda_graphs": True, "fused_kernels": True}], ids=["eager", "graphs"])
+def test_two_nodes_of_two_gpus_equal_one_gpu_fp32(tmp_path_factory, flags):
+    """TP=4 as 2 "nodes" x 2 GPUs of one host (NCCL): node 1 is `python -m infer.server --node-rank 1`
+    seeing GPUs 2 and 3, node 0 an engine here on GPUs 0 and 1; one GPU's greedy tokens."""
+    from infer.engine.executor import _free_port
+
+    sys.path.insert(0, str(SCRIPTS))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    path = make_checkpoint("tiny-llama", tmp_path_factory.mktemp("two-nodes"), dtype="float32", device="cuda")
+    base = dict(model=str(path), device="cuda", dtype="float32", max_model_len=128, batching="continuous", **flags)
+    one = LLMEngine(EngineConfig(**base), progress=False)
+    ref = _tokens(_run(one, PROMPTS, GREEDY))
+    del one
+    multi = dict(base, tensor_parallel_size=4, nnodes=2, master_addr="127.0.0.1", master_port=_free_port())
+    argv = [sys.executable, "-m", "infer.server"]
+    for name, value in {**multi, "node_rank": 1}.items():
+        argv += [f"--{name.replace('_', '-')}"] if value is True else [f"--{name.replace('_', '-')}", str(value)]
+    node1 = subprocess.Popen(argv, env={**os.environ, "CUDA_VISIBLE_DEVICES": "2,3"}, stderr=subprocess.PIPE, text=True)
+    try:
+        node0 = LLMEngine(EngineConfig(**multi, node_rank=0), progress=False)
+        try:
+            assert _tokens(_run(node0, PROMPTS, GREEDY)) == ref
+        finally:
+            node0.shutdown()
+        assert node1.wait(60) == 0, node1.stderr.read()
+    finally:
+        node1.kill()
+        node1.wait()

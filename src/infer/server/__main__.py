@@ -5,6 +5,10 @@
     python -m infer.server --help                           # every flag
     INFER_API_KEY=secret python -m infer.server --host 0.0.0.0  # reachable from the network: set a key
 
+With ``--nnodes N`` the tensor/expert-parallel ranks span N machines: node 0 (``--node-rank 0``)
+serves; on the others (``--node-rank 1 ..``, same flags) the process only runs that machine's ranks
+(no HTTP server) and exits when node 0 shuts down (docs/phases/14-tensor-parallelism.md).
+
 Every :class:`~infer.config.EngineConfig` field is a flag. SIGINT/SIGTERM shut down
 gracefully: in-flight requests end with ``finish_reason="abort"`` (streams get their final
 chunk and ``[DONE]``), then the process exits.
@@ -100,19 +104,23 @@ def _run_node(config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.node_rank > 0:  # more than one machine: this one only runs its ranks (node 0 serves)
+        try:
+            return _run_node(engine_config_from_args(args))
+        except (ValueError, TypeError, ModelLoadError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     import uvicorn
 
     from infer.engine import LLMEngine
     from infer.server.app import build_app
     from infer.server.async_engine import AsyncEngine
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("infer.server")
     start = time.perf_counter()
     try:
         config = engine_config_from_args(args)
-        if config.node_rank > 0:  # more than one machine: this one only runs its ranks (node 0 serves)
-            return _run_node(config)
         # built on the engine thread, which then steps it: one OpenMP pool in the process (see
         # async_engine.py's docstring for what a second one costs)
         async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=args.max_waiting_requests)
