@@ -4,9 +4,10 @@ Reference: the same engine with one rank on the same weights (fp32). Checked: gr
 dense model with split KV heads (tiny Llama; paged cache, chunked prefill, n = 2 forks, prompt
 logprobs: every command the workers run), of one with a single KV head copied to both ranks and
 tied embeddings (tiny Gemma 3, fused forward), of Qwen3-MoE with tensor-parallel experts and with
-expert parallelism; a worker killed mid-request ends the request with an error and the server
-reports it (503) instead of hanging; SIGTERM to an engine process leaves no worker behind;
-validate_model's reasons.
+expert parallelism (dynamic and fixed-capacity dispatch); two "machines" on this host (nnodes=2,
+node 1 a separate `infer.server --node-rank 1` process); a worker killed mid-request ends the
+request with an error and the server reports it (503) instead of hanging; SIGTERM to an engine
+process leaves no worker behind; validate_model's reasons.
 
 The layers' collectives are also graded in one process (the exercises): two threads, each with
 its own gloo group over a shared in-memory store, play the two ranks.
