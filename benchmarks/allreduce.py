@@ -6,7 +6,7 @@ kernels, eager and inside a CUDA graph (issue 55; phase 14's all_reduce_backend)
 
 Needs ``--ranks`` CUDA GPUs of one host (spawned processes, one per GPU; NVLink multicast stays
 off: ``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` unless set). For every size
-from ``--min-bytes`` to ``--max-bytes`` (powers of 4, bf16 ``[1, n]`` messages; 8 KB is one row of
+from ``--min-bytes`` to ``--max-bytes`` (powers of 2, bf16 ``[1, n]`` messages; 8 KB is one row of
 a 4096-wide model) and every method, through the engine's own code path
 (:class:`infer.parallel.allreduce.SymmMemAllReduce` with its crossover forced to one algorithm, and
 ``dist.all_reduce``):
@@ -112,7 +112,7 @@ def _rank(rank: int, world: int, port: int, args, out: dict) -> None:
         if rank == 0:
             print_row(row)
         rows.append(row)
-        size *= 4
+        size *= 2
     if rank == 0:
         out["rows"] = rows
     dist.barrier()

@@ -172,6 +172,22 @@ def test_two_nodes_one_rank_each_equal_one_rank(llama_path):
     assert got == _tokens(_run(one, PROMPTS, GREEDY))
 
 
+def test_rendezvous_url_of_one_machine_and_of_several(monkeypatch):
+    from infer.engine.executor import local_world_size, rendezvous_url
+
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    one = EngineConfig(device="cpu", tensor_parallel_size=2)
+    assert rendezvous_url(one).startswith("tcp://127.0.0.1:")  # one machine: torchrun's variables unused
+    two = EngineConfig(device="cpu", tensor_parallel_size=4, nnodes=2)
+    assert rendezvous_url(two) == "tcp://10.1.2.3:29555" and local_world_size(two) == 2
+    assert rendezvous_url(EngineConfig(device="cpu", tensor_parallel_size=4, nnodes=2, master_addr="h",
+                                       master_port=1234)) == "tcp://h:1234"  # the fields win
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("MASTER_PORT")
+    assert rendezvous_url(two) == "tcp://127.0.0.1:29500"
+
+
 # ---------------------------------------------------------------------------- failures
 
 
