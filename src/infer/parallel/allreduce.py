@@ -52,9 +52,11 @@ def choose_algorithm(nbytes: int, dtype: torch.dtype, one_shot_max_bytes: int, m
         symmetric buffer's size), ``"nccl"`` above it, and ``"nccl"`` for a dtype the kernels do
         not support or a size that is not a multiple of 16 bytes.
     """
+    # >>> EXERCISE all_reduce_choice
     if dtype not in SYMM_MEM_DTYPES or nbytes % ALIGN or nbytes == 0 or nbytes > max_bytes:
         return NCCL
     return ONE_SHOT if nbytes <= one_shot_max_bytes else TWO_SHOT
+    # <<< EXERCISE all_reduce_choice
 
 
 class SymmMemAllReduce:
