@@ -454,6 +454,14 @@ EXERCISES: dict[str, Exercise] = {
             "ids it holds, contribute nothing for the others, and combine the ranks' results with one "
             "collective (self.parallel.all_reduce).", 15,
         ),
+        Exercise(
+            "all_reduce_choice", 14, "src/infer/parallel/allreduce.py",
+            ("tests/test_allreduce.py::test_choose_algorithm_by_size_and_dtype",),
+            "Which all-reduce a message takes: one-shot up to one_shot_max_bytes (inclusive), two-shot up to "
+            "the symmetric buffer's max_bytes, NCCL above it, and NCCL for what the symmetric-memory kernels "
+            "cannot do: a dtype outside SYMM_MEM_DTYPES, an empty message or a size that is not a multiple "
+            "of ALIGN bytes.", 10,
+        ),
         # ---------------------------------------------------------------- phase 15 (expert parallelism)
         Exercise(
             "moe_dispatch_combine", 15, "src/infer/parallel/moe.py",

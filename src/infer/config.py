@@ -28,6 +28,8 @@ KV_CACHE_LAYOUTS = ("contiguous", "paged")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_OFFLOAD_MODES = ("none", "host", "disk")
 MOE_BACKENDS = ("auto", "torch", "triton")
+ALL_REDUCE_BACKENDS = ("nccl", "symm_mem")
+ALL2ALL_BACKENDS = ("dynamic", "fixed_capacity")
 
 
 @dataclass(frozen=True)
@@ -311,6 +313,34 @@ class EngineConfig:
                                       "experts' rank and back with all-to-all); attention and dense layers run "
                                       "tensor-parallel over the same ranks (tensor_parallel_size is 1 or equal)",
                                       ablation=(1, 2), phase=15)
+    # ---- phases 14-15: collectives that scale (issue 55), and more than one machine
+    all_reduce_backend: str = _flag("nccl", "tensor parallelism on CUDA: how the layers' all-reduces run: nccl; "
+                                    "symm_mem (PyTorch symmetric memory: each rank reads its peers' buffers "
+                                    "directly, one-shot for small messages, two-shot above "
+                                    "symm_mem_one_shot_max_bytes, NCCL above symm_mem_max_bytes; capturable in "
+                                    "CUDA graphs). On the CPU (gloo) both run gloo's all-reduce",
+                                    choices=ALL_REDUCE_BACKENDS, phase=14)
+    symm_mem_one_shot_max_bytes: int = _flag(128 << 10, "all_reduce_backend='symm_mem': messages up to this many "
+                                             "bytes use the one-shot all-reduce, larger ones two-shot", phase=14)
+    symm_mem_max_bytes: int = _flag(8 << 20, "all_reduce_backend='symm_mem': size of the symmetric buffer each "
+                                    "rank allocates once; larger messages go to NCCL", phase=14)
+    all2all_backend: str = _flag("dynamic", "expert parallelism: how tokens reach their experts' ranks: dynamic "
+                                 "(all-to-all with split sizes read on the host: one sync per MoE layer, no "
+                                 "CUDA graphs); fixed_capacity (every rank sends a fixed number of padded rows "
+                                 "to every rank, counts stay on the device: capturable in CUDA graphs)",
+                                 choices=ALL2ALL_BACKENDS, phase=15)
+    ep_capacity_factor: float | None = _flag(None, "all2all_backend='fixed_capacity': rows a rank sends to each "
+                                             "rank = this factor x its pairs / ranks (GShard's capacity factor); "
+                                             "pairs over it are dropped. Default: the worst case, nothing is "
+                                             "dropped", phase=15)
+    nnodes: int = _flag(1, "machines the tensor/expert-parallel ranks span (world_size / nnodes ranks each); "
+                        "every machine runs the same command with its own --node-rank", phase=14)
+    node_rank: int = _flag(0, "this machine's index, 0 .. nnodes - 1: node 0 schedules and serves, the others "
+                           "only run their ranks", phase=14)
+    master_addr: str | None = _flag(None, "nnodes > 1: address of node 0, where the ranks meet (torch.distributed's "
+                                    "TCP rendezvous); default: $MASTER_ADDR, else 127.0.0.1", phase=14)
+    master_port: int | None = _flag(None, "nnodes > 1: a free port on node 0 for the rendezvous; default: "
+                                    "$MASTER_PORT, else 29500", phase=14)
     # ---- watching the engine (docs/reading-the-engine.md)
     trace: str | None = _flag(None, "record what every engine step did (the sequences it ran, prefill chunk or decode, "
                               "tokens, budget, preemptions, prefix-cache hits, graph or eager, host and device time) "
@@ -385,10 +415,10 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cuda_graphs:
-            if self.expert_parallel_size > 1:
-                raise ValueError("cuda_graphs with expert_parallel_size > 1 is not supported: the expert-parallel "
-                                 "all-to-all sizes its messages from each step's routing, read on the host, and a "
-                                 "graph replays fixed sizes (tensor_parallel_size works with cuda_graphs)")
+            if self.expert_parallel_size > 1 and self.all2all_backend != "fixed_capacity":
+                raise ValueError("cuda_graphs with expert_parallel_size > 1 needs all2all_backend='fixed_capacity': "
+                                 "the dynamic all-to-all sizes its messages from each step's routing, read on the "
+                                 "host, and a graph replays fixed sizes")
             if dev.type != "cuda":
                 raise ValueError("cuda_graphs needs a CUDA device: graphs capture GPU kernel launches, and on the "
                                  f"CPU ({self.device!r}) there are none to capture")
@@ -474,7 +504,8 @@ class EngineConfig:
         graphs = ("needs a CUDA device" if dev.type != "cuda"
                   else "needs the triton attention backend" if self.resolved_attention_backend() != "triton"
                   else "needs the triton MoE backend" if self.resolved_moe_backend() != "triton"
-                  else "expert parallelism is not captured in graphs" if self.expert_parallel_size > 1
+                  else "expert parallelism needs all2all_backend='fixed_capacity' in graphs"
+                  if self.expert_parallel_size > 1 and self.all2all_backend != "fixed_capacity"
                   else None)
         if name == "prefix_caching" and self.kv_cache != "paged":
             return "needs kv_cache='paged'"
@@ -537,14 +568,41 @@ class EngineConfig:
             raise ValueError(f"expert_parallel_size={ep} with tensor_parallel_size={tp}: attention runs "
                              "tensor-parallel over the expert-parallel ranks, so the two must be equal (or "
                              "tensor_parallel_size=1)")
+        self._validate_collectives()
         if self.world_size == 1:
             return
         if self.kv_offload != "none":
             raise ValueError(f"kv_offload={self.kv_offload!r} with tensor/expert parallelism is not supported: the "
                              "tiers copy one process's KV cache, and every rank holds its own part of each block")
-        if dev.type == "cuda" and torch.cuda.device_count() < self.world_size:
-            raise ValueError(f"{self.world_size} ranks need {self.world_size} GPUs (one per rank); "
+        local = self.world_size // self.nnodes
+        if dev.type == "cuda" and torch.cuda.device_count() < local:
+            raise ValueError(f"{local} ranks on this machine need {local} GPUs (one per rank); "
                              f"{torch.cuda.device_count()} are visible")
+
+    def _validate_collectives(self) -> None:
+        """The fields of issue 55: the all-reduce and all-to-all backends and the machines."""
+        if self.all_reduce_backend not in ALL_REDUCE_BACKENDS:
+            raise ValueError(f"all_reduce_backend must be one of {', '.join(ALL_REDUCE_BACKENDS)}, "
+                             f"got {self.all_reduce_backend!r}")
+        if self.symm_mem_one_shot_max_bytes < 0 or self.symm_mem_max_bytes < 0:
+            raise ValueError(f"symm_mem_one_shot_max_bytes and symm_mem_max_bytes must be >= 0, got "
+                             f"{self.symm_mem_one_shot_max_bytes} and {self.symm_mem_max_bytes}")
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise ValueError(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got "
+                             f"{self.all2all_backend!r}")
+        if self.ep_capacity_factor is not None:
+            if not self.ep_capacity_factor > 0:
+                raise ValueError(f"ep_capacity_factor must be > 0, got {self.ep_capacity_factor}")
+            if self.all2all_backend != "fixed_capacity":
+                raise ValueError("ep_capacity_factor sizes the fixed-capacity dispatch; it needs "
+                                 "all2all_backend='fixed_capacity'")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"nnodes must be >= 1 and node_rank in 0 .. nnodes - 1, got nnodes={self.nnodes}, "
+                             f"node_rank={self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks do not split evenly over nnodes={self.nnodes} machines")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port (1 .. 65535), got {self.master_port}")
 
     def validate_model(self, model: ModelConfig) -> None:
         """Reject parallel sizes that do not split ``model`` evenly, with the reason. (The engine calls
