@@ -43,7 +43,8 @@ def host_available_bytes() -> int | None:
 
 def kv_heads_per_rank(model) -> int:
     """KV heads this process caches: all of them, or with tensor parallelism its rank's share."""
-    return model.model.layers[0].self_attn.num_kv_heads
+    # (the first layer with attention: a hybrid model's first layers may be linear attention, phase 17)
+    return next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn")).num_kv_heads
 
 
 def num_kv_blocks(
