@@ -587,9 +587,17 @@ class EngineConfig:
         ``tp / num_kv_heads`` ranks when there are fewer KV heads than ranks), the MLP's
         intermediate columns and the vocabulary (embedding rows, LM-head rows) in equal parts.
 
+        A hybrid model (phase 17, linear-attention layers with a recurrent state) runs without the
+        optimizations that do not handle that state yet: prefix caching (a cached prefix's KV blocks
+        would come without the state after it), KV offload, fused kernels, CUDA graphs and
+        tensor/expert parallelism. Each one asked for explicitly is an error; under ``optimize`` it is
+        turned off and the reason noted in the start-up log (:meth:`optimization_summary`).
+
         Raises:
-            ValueError: naming the dimension that does not divide.
+            ValueError: naming the dimension that does not divide, or the flag a hybrid model does not support.
         """
+        if model.is_hybrid:
+            self._fit_hybrid(model)
         w = self.world_size
         if w == 1:
             return
@@ -615,6 +623,32 @@ class EngineConfig:
         for ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} cannot split this {model.architecture} model: {why}")
+
+    def _fit_hybrid(self, model: ModelConfig) -> None:
+        """:meth:`validate_model` for a hybrid model (phase 17)."""
+        why = {
+            "prefix_caching": "a cached prefix's KV blocks would come without the linear-attention state after "
+                              "it (state snapshots are not implemented), so it would reuse stale state",
+            "fused_kernels": "the fused forward covers attention-only layers",
+            "cuda_graphs": "the recurrent-state slots are not graph inputs yet",
+        }
+        notes = getattr(self, "optimization_notes", None) or {}
+        for name, reason in why.items():
+            if not getattr(self, name):
+                continue
+            if not self.optimize:
+                raise ValueError(f"{name} is not supported for hybrid models ({model.architecture}): {reason}")
+            setattr(self, name, False)
+            notes[name] = f"not supported for hybrid models ({model.architecture})"
+        if not self.cuda_graphs:
+            self.cuda_graph_prefill_max_tokens = self.cuda_graph_mixed_max_tokens = 0
+        self.optimization_notes = notes
+        if self.kv_offload != "none":
+            raise ValueError(f"kv_offload is not supported for hybrid models ({model.architecture}): it moves "
+                             "prefix blocks, and prefix caching is off for them")
+        if self.world_size > 1:
+            raise ValueError(f"tensor/expert parallelism is not supported for hybrid models ({model.architecture}): "
+                             "the Gated DeltaNet layers are not split across ranks")
 
     def resolved_attention_backend(self) -> str:
         """``"torch"`` or ``"triton"``: ``auto`` is triton on CUDA, torch on the CPU."""
