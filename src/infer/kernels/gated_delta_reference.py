@@ -176,6 +176,51 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out.reshape(h, -1, dv)[:, :t].transpose(0, 1), state
 
 
+def split_qkv(y: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolution's output ``[T, C]`` (q, then k, then v channels) as float32 ``q, k [T, Hv, Dk]``
+    (L2-normalized; each key head repeated for the ``Hv / Hk`` consecutive value heads it serves) and
+    ``v [T, Hv, Dv]``."""
+    t, key_dim = y.shape[0], num_k_heads * head_k_dim
+    q, k, v = torch.split(y.float(), [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
+    rep = num_v_heads // num_k_heads
+    q = l2norm(q.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(rep, dim=1)
+    k = l2norm(k.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(rep, dim=1)
+    return q, k, v.reshape(t, num_v_heads, head_v_dim)
+
+
+def decode_step(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, weight: torch.Tensor,
+                num_k_heads: int, scale: float | None = None) -> torch.Tensor:
+    """One decode token for each of ``B`` sequences through a Gated DeltaNet layer's mixer, from and back
+    to the sequences' state slots: :func:`causal_conv1d_update`, :func:`split_qkv`, then
+    :func:`gated_delta_step` (the plain-PyTorch twin of
+    :func:`infer.kernels.gated_delta_triton.decode_step`, which fuses each half into one kernel).
+
+    Args:
+        mixed: ``[B, C]`` the ``in_proj_qkv`` output (before the convolution).
+        g, beta: float32 / model dtype ``[B, Hv]``.
+        conv_state: ``[S, C, K - 1]`` one layer's conv states (all slots); updated in place.
+        ssm_state: float32 ``[S, Hv, Dk, Dv]`` one layer's delta-rule states; updated in place.
+        slots: int64 ``[B]`` each sequence's slot; has_state: bool ``[B]``, False for a sequence that
+            starts here (its slot is read as zeros).
+        weight: ``[C, K]`` the convolution's weights.
+
+    Returns:
+        float32 ``[B, Hv, Dv]``.
+    """
+    num_v_heads, dk, dv = ssm_state.shape[1:]
+    keep = has_state[:, None, None]
+    conv = torch.where(keep, conv_state[slots], 0)
+    ssm = torch.where(keep[..., None], ssm_state[slots], 0)
+    y, conv = causal_conv1d_update(mixed, conv, weight)
+    q, k, v = split_qkv(y, num_k_heads, dk, num_v_heads, dv)
+    o, ssm = gated_delta_step(ssm, q, k, v, g, beta, scale)
+    conv_state.index_copy_(0, slots, conv.to(conv_state.dtype))
+    ssm_state.index_copy_(0, slots, ssm)
+    return o
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The Gated DeltaNet output norm: ``rms_norm(x) * w * silu(gate)`` per head.
 

@@ -101,6 +101,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = RMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.decode_ops = gdr  # the decode step's implementation (Qwen3_5ForCausalLM.set_attention_backend)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``x [T, hidden]`` (every sequence's new tokens) -> ``[T, hidden]``."""
@@ -113,22 +114,13 @@ class GatedDeltaNet(nn.Module):
         o = gdr.gated_rms_norm(core, z, self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(t, self.value_dim))
 
-    def qkv(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The convolution's output ``[T, C]`` as float32 ``q, k [T, Hv, Dk]`` (L2-normalized, each key head
-        repeated for the ``Hv / Hk`` value heads it serves) and ``v [T, Hv, Dv]``."""
-        t = y.shape[0]
-        q, k, v = torch.split(y.float(), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = self.nv // self.nk
-        q = gdr.l2norm(q.reshape(t, self.nk, self.dk)).repeat_interleave(rep, dim=1)
-        k = gdr.l2norm(k.reshape(t, self.nk, self.dk)).repeat_interleave(rep, dim=1)
-        return q, k, v.reshape(t, self.nv, self.dv)
-
     def mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The short convolution and the gated delta rule over every sequence of the step, each from its
         slot's state (zeros for a sequence whose first new position is 0), writing the state back.
 
         The decode rows (the first ``num_decodes`` sequences, one token each) go together through
-        the recurrent step; each prefill (or prefill chunk) through the chunked form.
+        the recurrent step (``self.decode_ops.decode_step``: the Triton kernels with the Triton attention
+        backend, else their plain-PyTorch twins); each prefill (or prefill chunk) through the chunked form.
 
         Returns:
             float32 ``[T, Hv, Dv]``.
@@ -140,23 +132,19 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(mixed.shape[0], self.nv, self.dv, dtype=torch.float32, device=mixed.device)
         nd = meta.num_decodes if cache is not None else 0
         if nd:
-            slots = meta.state_slots[:nd]
-            conv, ssm = cache.conv[idx, slots], cache.ssm[idx, slots]  # gathered copies
-            fresh = [i for i in range(nd) if first[i] == 0]
-            if fresh:  # a one-token prompt: its slot holds another sequence's leftovers
-                conv[fresh], ssm[fresh] = 0, 0
-            y, conv = gdr.causal_conv1d_update(mixed[:nd], conv, weight)
-            q, k, v = self.qkv(y)
-            out[:nd], ssm = gdr.gated_delta_step(ssm, q, k, v, g[:nd], beta[:nd])
-            cache.conv[idx].index_copy_(0, slots, conv.to(cache.conv.dtype))
-            cache.ssm[idx].index_copy_(0, slots, ssm)
+            has_state = meta.scratch.get("decode_has_state")
+            if has_state is None:  # once per step: False for a one-token prompt (its slot holds leftovers)
+                has_state = meta.scratch["decode_has_state"] = torch.tensor(
+                    [p > 0 for p in first[:nd]], device=mixed.device)
+            out[:nd] = self.decode_ops.decode_step(mixed[:nd], g[:nd], beta[:nd], cache.conv[idx], cache.ssm[idx],
+                                                   meta.state_slots[:nd], has_state, weight, self.nk)
         for i in range(nd, meta.num_seqs):
             a, b = starts[i], starts[i + 1]
             slot = meta.state_slots_cpu[i] if cache is not None else None
             resume = cache is not None and first[i] > 0  # a later chunk, or a decode
             conv0 = cache.conv[idx, slot] if resume else None
             y, conv = gdr.causal_conv1d(mixed[a:b], weight, conv0)
-            q, k, v = self.qkv(y)
+            q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
             out[a:b], ssm = gdr.chunk_gated_delta_rule(q, k, v, g[a:b], beta[a:b], cache.ssm[idx, slot] if resume else None)
             if cache is not None:
                 cache.conv[idx, slot] = conv
@@ -205,9 +193,19 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.ops = None
 
     def set_attention_backend(self, backend) -> None:
+        """The attention layers' backend; the Gated DeltaNet layers' decode step follows it (the Triton
+        kernels of :mod:`infer.kernels.gated_delta_triton` with the Triton backend)."""
+        from infer.attention import TorchAttentionBackend
+
         self.attn_backend = backend
+        if isinstance(backend, TorchAttentionBackend):
+            ops = gdr
+        else:
+            from infer.kernels import gated_delta_triton as ops
         for layer in self.model.layers:
-            if not layer.is_linear:
+            if layer.is_linear:
+                layer.linear_attn.decode_ops = ops
+            else:
                 layer.self_attn.backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
