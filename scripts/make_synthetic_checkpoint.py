@@ -153,6 +153,12 @@ PRESETS: dict[str, Preset] = {
     # Qwen3.5-4B: 24 Gated DeltaNet + 8 gated-attention layers (hybrid linear attention, phase 17)
     "qwen3.5-4b": Preset("qwen3_5", _qwen3_5(2560, 32, 16, 4, 9216, 16, 32), description="Qwen3.5-4B shapes "
                          "(text; 3 Gated DeltaNet layers per gated-attention layer)"),
+    # a CPU-sized pair of similar size for benchmarks/hybrid.py: 8 layers, hidden 512 (hybrid: 6 + 2)
+    "small-qwen3.5": Preset("qwen3_5", _qwen3_5(512, 8, 8, 2, 1536, 4, 8, vocab=4096, head_dim=64, lin_head_dim=64,
+                                                max_pos=32768),
+                            description="small Qwen3.5 (6 Gated DeltaNet + 2 gated-attention layers, CPU benchmark)"),
+    "small-qwen3": Preset("qwen3", _qwen3(512, 8, 8, 2, 1536, vocab=4096, head_dim=64, max_pos=32768),
+                          description="small Qwen3 (8 attention layers, CPU benchmark beside small-qwen3.5)"),
     "llama3-8b": Preset("llama", _llama(4096, 32, 32, 8, 14336), bos_token="<|begin_of_text|>",
                         description="Llama-3.1-8B shapes (llama3 rope scaling)", max_shard_size="5GB"),
     "gemma3-1b": Preset("gemma3", _gemma3(1152, 26, 4, 1, 6912), bos_token="<bos>",
