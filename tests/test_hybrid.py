@@ -27,49 +27,60 @@ def _rule_inputs(t: int, h: int, dk: int, dv: int, seed: int):
     return q, k, v, decay, beta, s0
 
 
-def test_chunked_and_recurrent_forms_agree_with_each_other_and_hf():
+def test_recurrent_and_chunked_forms_agree():
     """The chunked (prefill) and recurrent (decode) forms give the same outputs and final state, from a
-    nonzero initial state, over lengths that are not multiples of the chunk, and both equal Hugging
-    Face's torch fallbacks; two chunks run one after the other (the state carried) equal one run."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
-
+    nonzero initial state, over a length that is not a multiple of the chunk; two chunked calls one after
+    the other (the state carried between them, as chunked prefill does) equal one call."""
     q, k, v, g, beta, s0 = _rule_inputs(150, 3, 16, 8, seed=0)
     o_rec, s_rec = gdr.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     o_chk, s_chk = gdr.chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=32)
     torch.testing.assert_close(o_chk, o_rec, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(s_chk, s_rec, atol=2e-5, rtol=1e-5)
-    o_hf, s_hf = hf.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial_state=s0[None],
-                                                 output_final_state=True)
-    torch.testing.assert_close(o_chk, o_hf[0], atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(s_chk, s_hf[0], atol=2e-5, rtol=1e-5)
-    o_hf, s_hf = hf.torch_recurrent_gated_delta_rule(q[None, :9], k[None, :9], v[None, :9], g[None, :9], beta[None, :9],
-                                                     initial_state=s0[None], output_final_state=True)
-    torch.testing.assert_close(o_rec[:9], o_hf[0], atol=1e-5, rtol=1e-5)
     o1, s1 = gdr.chunk_gated_delta_rule(q[:70], k[:70], v[:70], g[:70], beta[:70], s0, chunk_size=32)
     o2, s2 = gdr.chunk_gated_delta_rule(q[70:], k[70:], v[70:], g[70:], beta[70:], s1, chunk_size=32)
     torch.testing.assert_close(torch.cat([o1, o2]), o_rec, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(s2, s_rec, atol=2e-5, rtol=1e-5)
 
 
-def test_conv1d_prefill_equals_token_by_token_updates_and_hf():
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
-
+def test_conv1d_update_steps_equal_the_prefill_convolution():
+    """The same tokens one at a time from a zero state (batched over two rows) equal the prefill form, and
+    so does the prefill split in two calls (the state carries the last K - 1 inputs across)."""
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(11, 6, generator=g), torch.randn(6, 4, generator=g)
     y, state = gdr.causal_conv1d(x, w, None)
-    torch.testing.assert_close(y, hf.causal_conv1d_fn(x.t()[None], w, None, activation="silu")[0].t())
-    # the same tokens one at a time from a zero state, batched over two copies
     s, ys = torch.zeros(2, 6, 3), []
     for i in range(11):
         yi, s = gdr.causal_conv1d_update(x[i].expand(2, 6), s, w)
         ys.append(yi[1])
     torch.testing.assert_close(torch.stack(ys), y, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(s[0], state)
-    # split in two calls: the state carries the last K - 1 inputs across
     y1, s1 = gdr.causal_conv1d(x[:5], w, None)
     y2, s2 = gdr.causal_conv1d(x[5:], w, s1)
     torch.testing.assert_close(torch.cat([y1, y2]), y)
     torch.testing.assert_close(s2, state)
+
+
+def test_delta_rule_and_conv1d_equal_hf():
+    """Both forms of the rule against Hugging Face's torch fallbacks (its chunked and recurrent
+    ``qwen3_5`` functions), GQA-free heads, nonzero initial state; the convolution against its
+    ``causal_conv1d_fn``."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    q, k, v, g, beta, s0 = _rule_inputs(150, 3, 16, 8, seed=0)
+    o_chk, s_chk = gdr.chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    o_hf, s_hf = hf.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial_state=s0[None],
+                                                 output_final_state=True)
+    torch.testing.assert_close(o_chk, o_hf[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s_chk, s_hf[0], atol=2e-5, rtol=1e-5)
+    o_rec, s_rec = gdr.recurrent_gated_delta_rule(q[:9], k[:9], v[:9], g[:9], beta[:9], s0)
+    o_hf, s_hf = hf.torch_recurrent_gated_delta_rule(q[None, :9], k[None, :9], v[None, :9], g[None, :9],
+                                                     beta[None, :9], initial_state=s0[None], output_final_state=True)
+    torch.testing.assert_close(o_rec, o_hf[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_rec, s_hf[0], atol=1e-5, rtol=1e-5)
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(11, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    torch.testing.assert_close(gdr.causal_conv1d(x, w, None)[0],
+                               hf.causal_conv1d_fn(x.t()[None], w, None, activation="silu")[0].t())
 
 
 # ---------------------------------------------------------------------------------- the model
