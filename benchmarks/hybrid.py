@@ -60,8 +60,9 @@ def make_model_dir(preset: str, root: Path) -> Path:
     return make_checkpoint(preset, root / preset, dtype="bf16", device="cpu", random_weights=True)
 
 
-def decode_tpot(engine, prompt: list[int], steps: int) -> float:
-    """Median seconds of ``steps`` decode steps of one request running alone, after its prefill."""
+def decode_tpot(engine, prompt: list[int], steps: int) -> tuple[float, float]:
+    """``(median, min)`` seconds of ``steps`` decode steps of one request running alone, after its prefill
+    (the minimum is the steadier number on a shared CPU, where other processes stretch some steps)."""
     from infer.sampling import SamplingParams
 
     engine.add_request(prompt, SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
@@ -78,7 +79,7 @@ def decode_tpot(engine, prompt: list[int], steps: int) -> float:
         times.append(time.perf_counter() - t)
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
 def measure_model(path: Path, contexts: list[int], steps: int, device: str, dtype: str, overrides: dict[str, Any],
@@ -96,10 +97,11 @@ def measure_model(path: Path, contexts: list[int], steps: int, device: str, dtyp
     rng = random.Random(0)
     for n in contexts:
         prompt = [rng.randrange(cfg.vocab_size - 8) for _ in range(n)]
-        tpot = decode_tpot(engine, prompt, steps)
+        tpot, best = decode_tpot(engine, prompt, steps)
         kv, state = cfg.kv_bytes_per_token(dt) * n, cfg.state_bytes_per_seq(dt)
         row = {"model": path.name, "layers": f"{cfg.num_layers - cfg.num_kv_layers} linear + {cfg.num_kv_layers} attn",
-               "context": n, "tpot_ms": tpot * 1e3, "kv_mib": kv / 2**20, "state_mib": state / 2**20,
+               "context": n, "tpot_ms": tpot * 1e3, "min_step_ms": best * 1e3, "kv_mib": kv / 2**20,
+               "state_mib": state / 2**20,
                "floor_ms": decode_floor_s(cfg, dt, n, bandwidth) * 1e3}
         row["floor_ratio"] = row["tpot_ms"] / row["floor_ms"]
         print_row(row)
@@ -109,51 +111,59 @@ def measure_model(path: Path, contexts: list[int], steps: int, device: str, dtyp
     return rows
 
 
-def kernel_rows(cfg, device: torch.device) -> list[dict[str, Any]]:
-    """The decode step (batch 1 and 16) and a 4,096-token chunked prefill of one Gated DeltaNet layer."""
-    from infer.kernels import gated_delta_reference as ref
-    from infer.kernels import gated_delta_triton as tri
-
+def _fla():
+    """flash-linear-attention's ``(chunk, fused_recurrent)`` gated delta rule, or ``(None, why not)``."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except ImportError as e:
-        fla, why = None, f"fla not importable ({e})"
-    else:
-        fla, why = (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule), None
+        return None, f"fla not importable ({e})"
+    return (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule), None
+
+
+def decode_kernel_row(cfg, b: int, device: torch.device, fla) -> dict[str, Any]:
+    """One Gated DeltaNet layer's decode step for ``b`` sequences: plain PyTorch, infer's Triton, fla's."""
+    from infer.kernels import gated_delta_reference as ref
+    from infer.kernels import gated_delta_triton as tri
+
     nk, hv, dk, dv, k = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                          cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
-    c, dtype, rows = 2 * nk * dk + hv * dv, torch.bfloat16, []
+    c, dtype = 2 * nk * dk + hv * dv, torch.bfloat16
     w = torch.randn(c, k, device=device, dtype=dtype) * 0.3
-    for b in (1, 16):
-        slots, has = torch.arange(b, device=device), torch.ones(b, dtype=torch.bool, device=device)
-        conv = torch.zeros(64, c, k - 1, device=device, dtype=dtype)
-        ssm = torch.zeros(64, hv, dk, dv, device=device)
-        x = torch.randn(b, c, device=device, dtype=dtype)
-        g = -torch.rand(b, hv, device=device)
-        beta = torch.rand(b, hv, device=device, dtype=dtype)
-        row = {"op": f"decode step, batch {b}"}
-        row["torch_us"] = timed(lambda: ref.decode_step(x, g, beta, conv, ssm, slots, has, w, nk), device, 20, 3) * 1e6
-        row["infer_triton_us"] = timed(lambda: tri.decode_step(x, g, beta, conv, ssm, slots, has, w, nk), device,
-                                       20, 3) * 1e6
-        if fla is not None:
-            y = ref.causal_conv1d_update(x, conv[:b], w)[0]
-            q, kk, v = ref.split_qkv(y, nk, dk, hv, dv)
-            q, kk, v = (t.to(dtype)[:, None] for t in (q, kk, v))
-            state = ssm[:b]
-            row["fla_us"] = timed(lambda: fla[1](q, kk, v, g[:, None], beta[:, None], initial_state=state,
-                                                 output_final_state=True), device, 20, 3) * 1e6
-        rows.append(row)
-        print_row(row)
-    t = 4096
+    slots, has = torch.arange(b, device=device), torch.ones(b, dtype=torch.bool, device=device)
+    conv = torch.zeros(64, c, k - 1, device=device, dtype=dtype)
+    ssm = torch.zeros(64, hv, dk, dv, device=device)
+    x = torch.randn(b, c, device=device, dtype=dtype)
+    g, beta = -torch.rand(b, hv, device=device), torch.rand(b, hv, device=device, dtype=dtype)
+    row = {"op": f"decode step, batch {b}"}
+    row["torch_us"] = timed(lambda: ref.decode_step(x, g, beta, conv, ssm, slots, has, w, nk), device, 20, 3) * 1e6
+    row["infer_triton_us"] = timed(lambda: tri.decode_step(x, g, beta, conv, ssm, slots, has, w, nk), device,
+                                   20, 3) * 1e6
+    if fla is not None:  # its recurrent rule alone (the convolution done beforehand), [B, T=1, H, D] inputs
+        q, kk, v = (t.to(dtype)[:, None] for t in ref.split_qkv(ref.causal_conv1d_update(x, conv[:b], w)[0],
+                                                                nk, dk, hv, dv))
+        state = ssm[:b]
+        row["fla_us"] = timed(lambda: fla[1](q, kk, v, g[:, None], beta[:, None], initial_state=state,
+                                             output_final_state=True), device, 20, 3) * 1e6
+    return row
+
+
+def kernel_rows(cfg, device: torch.device) -> list[dict[str, Any]]:
+    """The decode step (batch 1 and 16) and a 4,096-token chunked prefill of one Gated DeltaNet layer."""
+    from infer.kernels import gated_delta_reference as ref
+
+    fla, why = _fla()
+    rows = [decode_kernel_row(cfg, b, device, fla) for b in (1, 16)]
+    hv, dk, dv, t = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, 4096
     q, kk = (ref.l2norm(torch.randn(t, hv, dk, device=device)) for _ in range(2))
     v, g, beta = torch.randn(t, hv, dv, device=device), -torch.rand(t, hv, device=device), torch.rand(t, hv, device=device)
     row = {"op": f"chunked prefill, {t} tokens"}
     row["torch_us"] = timed(lambda: ref.chunk_gated_delta_rule(q, kk, v, g, beta), device, 5, 1) * 1e6
     if fla is not None:
-        args = [a.to(dtype)[None] for a in (q, kk, v)] + [g[None], beta.to(dtype)[None]]
+        args = [a.to(torch.bfloat16)[None] for a in (q, kk, v)] + [g[None], beta.to(torch.bfloat16)[None]]
         row["fla_us"] = timed(lambda: fla[0](*args, output_final_state=True), device, 5, 1) * 1e6
     rows.append(row)
-    print_row(row)
+    for r in rows:
+        print_row(r)
     if why:
         print(why)
     return rows
@@ -169,7 +179,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for model in dict.fromkeys(r["model"] for r in rows):
         rs = [r for r in rows if r["model"] == model]
         label = f"{model} ({rs[0]['layers']})"
-        ax1.plot([r["context"] for r in rs], [r["tpot_ms"] for r in rs], "o-", label=label)
+        line = ax1.plot([r["context"] for r in rs], [r["min_step_ms"] for r in rs], "o-", label=f"{label}, fastest")
+        ax1.plot([r["context"] for r in rs], [r["tpot_ms"] for r in rs], "o--", color=line[0].get_color(), alpha=0.5,
+                 label=f"{label}, median")
         ax2.plot([r["context"] for r in rs], [r["kv_mib"] + r["state_mib"] for r in rs], "o-", label=label)
     for ax, what in ((ax1, "decode step, batch 1 (ms)"), (ax2, "KV + state per sequence (MiB)")):
         ax.set_xscale("log", base=2)
@@ -203,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure_model(make_model_dir(preset, Path(tmp)), args.contexts, args.steps, str(device), dtype,
                                   overrides, bw)
     hybrid = {r["context"]: r for r in rows if r["model"] == args.hybrid}
-    for r in rows:  # the dense model's TPOT over the hybrid's, at the same context
+    for r in rows:  # the dense model's step over the hybrid's, at the same context (median and min)
         r["vs_hybrid"] = r["tpot_ms"] / hybrid[r["context"]]["tpot_ms"]
-    cols = ["model", "layers", "context", "tpot_ms", "vs_hybrid", "floor_ms", "floor_ratio", "kv_mib", "state_mib"]
+        r["min_vs_hybrid"] = r["min_step_ms"] / hybrid[r["context"]]["min_step_ms"]
+    cols = ["model", "layers", "context", "tpot_ms", "vs_hybrid", "min_step_ms", "min_vs_hybrid", "floor_ms",
+            "floor_ratio", "kv_mib", "state_mib"]
     table = markdown_table(rows, cols)
     krows = []
     if args.kernels:
