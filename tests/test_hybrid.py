@@ -111,6 +111,7 @@ def test_logits_match_hf_over_several_chunks(tiny_qwen35):
 
     loaded, hf = tiny_qwen35
     assert loaded.config.layer_types.count("linear_attention") == 3 and loaded.config.num_kv_layers == 1
+    assert loaded.config.num_params() == sum(p.numel() for p in hf.parameters())
     seqs = [[(7 * i + 3) % 500 for i in range(150)], [5, 6, 7]]
     for seq, got in zip(seqs, infer_logits(loaded.model, seqs)):
         ref = hf_logits(hf, seq)
