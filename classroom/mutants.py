@@ -455,6 +455,22 @@ _ALL = [
     _m("choice_regex", "each_choice_grouped", "groups each choice, not the alternation",
        ('return "(" + "|".join(re.escape(c) for c in choices) + ")"',
         'return "|".join("(" + re.escape(c) + ")" for c in choices)')),
+    # ---------------------------------------------------------------- phase 17: hybrid linear attention
+    _m("gated_delta_step", "decay_after_write", "the decay applied after the delta write (and the prediction "
+       "read from the undecayed state)",
+       ("    state = state * g.float().exp()[..., None, None]\n    predicted", "    predicted"),
+       ("    o = (state", "    state = state * g.float().exp()[..., None, None]\n    o = (state")),
+    _m("gated_delta_step", "no_delta", "plain linear attention: writes beta * v, not the error the state makes",
+       ("u = (v - predicted) * beta.float()[..., None]", "u = v * beta.float()[..., None]")),
+    _m("gated_delta_step", "read_before_write", "the output read from the state before this token's write",
+       ("    state = state + k[..., :, None] * u[..., None, :]\n    o = (state * q[..., :, None]).sum(-2)\n",
+        "    o = (state * q[..., :, None]).sum(-2)\n    state = state + k[..., :, None] * u[..., None, :]\n")),
+    _m("conv1d_update", "state_not_shifted", "keeps the oldest inputs: drops the new token from the state",
+       ("window[:, :, 1:]", "window[:, :, :-1]")),
+    _m("conv1d_update", "new_token_first", "the new token put before the stored ones: the taps meet the "
+       "wrong inputs", ("torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=2)",
+                        "torch.cat([x[:, :, None], conv_state.to(x.dtype)], dim=2)")),
+    _m("conv1d_update", "no_silu", "the convolution without its SiLU", ("F.silu(y).to(x.dtype)", "y.to(x.dtype)")),
     # ---------------------------------------------------------------- phase 15: MoE
     _m("moe_topk_routing", "never_renormalized", "norm_topk_prob ignored: the kept weights do not sum to 1",
        ("    if renormalize:\n        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)\n", "")),

@@ -61,7 +61,7 @@ class ModelConfig:
     ``rope_local`` instead of ``rope``.
     """
 
-    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_moe"
+    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_moe" | "qwen3_5"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -93,6 +93,15 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalize the top-k routing probabilities to sum to 1
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+    # ---- hybrid linear attention (phase 17, Qwen3.5): layer_types "linear_attention" are Gated DeltaNet
+    # layers, with a fixed-size recurrent state per sequence instead of a KV cache
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of each head
+    attn_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the attention output
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -113,6 +122,32 @@ class ModelConfig:
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (all of them unless ``partial_rotary_factor`` < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (phase 17): they keep a recurrent state, not K/V."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that cache K/V (every layer but the linear-attention ones)."""
+        return sum(t != "linear_attention" for t in self.layer_types)
+
+    def state_bytes_per_seq(self, dtype: torch.dtype) -> int:
+        """Bytes of recurrent state one sequence holds across the linear-attention layers (0 for a
+        model without any): the conv state (``K - 1`` inputs of the q/k/v channels, in ``dtype``) and
+        the delta-rule state (``[Hv, Dk, Dv]``, float32) of each."""
+        n = len(self.layer_types) - self.num_kv_layers
+        conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        ssm = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return n * (conv_dim * (self.linear_conv_kernel_dim - 1) * itemsize + ssm)
+
     def window_of(self, layer_idx: int) -> int | None:
         """Sliding window (tokens) of a layer, or None for a full-attention layer."""
         return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
@@ -124,10 +159,16 @@ class ModelConfig:
         token uses in each MoE layer (plus the router): the weights a batch-1 decode step reads.
         """
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        norms = (4 if self.norm_unit_offset else 2) * h + (2 * d if self.qk_norm else 0)
+        attn = h * d * (self.num_heads * (3 if self.attn_output_gate else 2) + self.num_kv_heads * 2)
+        norms = (4 if self.norm_unit_offset and not self.is_hybrid else 2) * h + (2 * d if self.qk_norm else 0)
+        hk, hv = self.linear_num_key_heads * self.linear_key_head_dim, self.linear_num_value_heads * self.linear_value_head_dim
+        conv = 2 * hk + hv  # Gated DeltaNet (phase 17): in_proj_qkv/z/b/a, conv1d, A_log, dt_bias, norm, out_proj
+        linear = h * (conv + 2 * hv + 2 * self.linear_num_value_heads) + conv * self.linear_conv_kernel_dim + \
+            2 * self.linear_num_value_heads + self.linear_value_head_dim
         total = 0
         for layer in range(self.num_layers):
+            if self.layer_types[layer] == "linear_attention":
+                total -= attn + (2 * d if self.qk_norm else 0) - linear
             if self.is_moe_layer(layer):
                 experts = self.num_experts_per_tok if active else self.num_experts
                 mlp = experts * 3 * h * self.moe_intermediate_size + self.num_experts * h  # + router
@@ -140,7 +181,7 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V cached for one token across all layers."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
 def default_device() -> str:
@@ -613,9 +654,17 @@ class EngineConfig:
         ``tp / num_kv_heads`` ranks when there are fewer KV heads than ranks), the MLP's
         intermediate columns and the vocabulary (embedding rows, LM-head rows) in equal parts.
 
+        A hybrid model (phase 17, linear-attention layers with a recurrent state) runs without the
+        optimizations that do not handle that state yet: prefix caching (a cached prefix's KV blocks
+        would come without the state after it), KV offload, fused kernels, CUDA graphs and
+        tensor/expert parallelism. Each one asked for explicitly is an error; under ``optimize`` it is
+        turned off and the reason noted in the start-up log (:meth:`optimization_summary`).
+
         Raises:
-            ValueError: naming the dimension that does not divide.
+            ValueError: naming the dimension that does not divide, or the flag a hybrid model does not support.
         """
+        if model.is_hybrid:
+            self._fit_hybrid(model)
         w = self.world_size
         if w == 1:
             return
@@ -641,6 +690,32 @@ class EngineConfig:
         for ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} cannot split this {model.architecture} model: {why}")
+
+    def _fit_hybrid(self, model: ModelConfig) -> None:
+        """:meth:`validate_model` for a hybrid model (phase 17)."""
+        why = {
+            "prefix_caching": "a cached prefix's KV blocks would come without the linear-attention state after "
+                              "it (state snapshots are not implemented), so it would reuse stale state",
+            "fused_kernels": "the fused forward covers attention-only layers",
+            "cuda_graphs": "the recurrent-state slots are not graph inputs yet",
+        }
+        notes = getattr(self, "optimization_notes", None) or {}
+        for name, reason in why.items():
+            if not getattr(self, name):
+                continue
+            if not self.optimize:
+                raise ValueError(f"{name} is not supported for hybrid models ({model.architecture}): {reason}")
+            setattr(self, name, False)
+            notes[name] = f"not supported for hybrid models ({model.architecture})"
+        if not self.cuda_graphs:
+            self.cuda_graph_prefill_max_tokens = self.cuda_graph_mixed_max_tokens = 0
+        self.optimization_notes = notes
+        if self.kv_offload != "none":
+            raise ValueError(f"kv_offload is not supported for hybrid models ({model.architecture}): it moves "
+                             "prefix blocks, and prefix caching is off for them")
+        if self.world_size > 1:
+            raise ValueError(f"tensor/expert parallelism is not supported for hybrid models ({model.architecture}): "
+                             "the Gated DeltaNet layers are not split across ranks")
 
     def resolved_attention_backend(self) -> str:
         """``"torch"`` or ``"triton"``: ``auto`` is triton on CUDA, torch on the CPU."""
