@@ -72,7 +72,8 @@ class LLMEngine:
                 raise
             return
         self.loaded = loaded or load_model(
-            config.model, config.resolved_device(), config.resolved_dtype(), progress=progress
+            config.model, config.resolved_device(), config.resolved_dtype(), progress=progress,
+            quantization=config.quantization,
         )
         self._require_tokenizer()
         self.runner = ModelRunner.from_config(config, self.loaded)

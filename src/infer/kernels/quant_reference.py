@@ -133,8 +133,13 @@ def quantize(w: torch.Tensor, method: str, block: tuple[int, int] | None = None
 def dequantize(qweight: torch.Tensor, weight_scale: torch.Tensor, method: str, block: tuple[int, int],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The real weight ``[N, K]``: ``q * scale`` computed in float32, rounded once to ``dtype``."""
-    q = unpack_int4(qweight) if method == "int4" else qweight
-    return (q.float() * expand_scale(weight_scale, tuple(q.shape), block)).to(dtype)
+    q = (unpack_int4(qweight) if method == "int4" else qweight).float()
+    (n, k), (br, bc) = q.shape, block
+    if br == 1 and weight_scale.shape[1] == 1:  # per output channel: a broadcast
+        return q.mul_(weight_scale).to(dtype)
+    if br == 1 and k % bc == 0:  # whole groups along each row
+        return q.view(n, k // bc, bc).mul_(weight_scale[:, :, None]).view(n, k).to(dtype)
+    return q.mul_(expand_scale(weight_scale, (n, k), block)).to(dtype)
 
 
 def quantized_linear_reference(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
