@@ -54,8 +54,10 @@ def _compressed_tensors_scheme(q: dict[str, Any], source: Path) -> QuantScheme:
         raise ModelLoadError(source, "compressed-tensors: asymmetric weights (a zero point) are not supported")
     bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
     fmt = q.get("format") or group.get("format")
-    if kind == "int" and bits == 8 and strategy == "channel" and fmt in ("int-quantized", "naive-quantized"):
-        return QuantScheme("int8", (1, 0), prequantized=True, format="compressed-tensors")
+    if kind == "int" and bits == 8 and strategy in ("channel", "group") and fmt in ("int-quantized", "naive-quantized",
+                                                                                   "pack-quantized"):
+        group = int(w["group_size"]) if strategy == "group" else 0
+        return QuantScheme("int8", (1, group), prequantized=True, format="compressed-tensors")
     if kind == "int" and bits == 4 and strategy == "group" and fmt == "pack-quantized":
         return QuantScheme("int4", (1, int(w["group_size"])), prequantized=True, format="compressed-tensors")
     if kind == "float" and bits == 8 and fmt in ("float-quantized", "naive-quantized"):
@@ -138,7 +140,12 @@ class QuantizedParams:
 
     def _take_stored(self, prefix: str, leaf: str, t: torch.Tensor, module: QuantizedLinear) -> None:
         """One tensor of a pre-quantized checkpoint, by its name in the format."""
-        if leaf in ("weight", "weight_packed"):  # fp8 / int8 values, or int4 packed 8 per int32
+        if leaf == "weight_packed" and module.method == "int8":  # 4 per int32, each stored + 128: one byte each
+            t = t.to(self.device)
+            shifts = torch.arange(0, 32, 8, device=t.device, dtype=torch.int32)
+            t = (((t[:, :, None] >> shifts) & 0xFF) - 128).to(torch.int8).flatten(1)
+            self._put(f"{prefix}.qweight", t, module.qweight)
+        elif leaf in ("weight", "weight_packed"):  # fp8 / int8 values, or int4 packed 8 per int32 (our layout)
             self._put(f"{prefix}.qweight", t.to(self.device, copy=True), module.qweight)
         elif leaf in ("weight_scale_inv", "weight_scale"):
             s = t.to(device=self.device, dtype=torch.float32, copy=True)
