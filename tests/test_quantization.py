@@ -175,7 +175,7 @@ def dequantized(model: nn.Module):
 
 
 def _greedy(loaded, prompts, **kw):
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     eng = make_engine(loaded, batching="continuous", kv_cache="paged", block_size=16, max_model_len=128, **kw)
     return drive(eng, [(0, p, params) for p in prompts])
 
@@ -195,14 +195,15 @@ def test_int8_engine_gives_the_tokens_of_the_dequantized_model(smollm2_int8, smo
         assert isinstance(smollm2_int8.model.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
     finally:
         smollm2_int8.model.set_fused_ops(None)
-    # against the float model: how many greedy tokens agree before the first difference
-    full = _greedy(smollm2, prompts)
-    agree = []
-    for i in ref:
-        a, b = ours[i][0], full[i][0]
-        agree.append(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
-    print(f"int8 vs float32 SmolLM2-135M: greedy tokens agree for the first {agree} of 12")
-    assert min(agree) >= 3
+    # against the float model: top-1 agreement, teacher-forced on the int8 model's greedy continuations
+    seqs = [prompts[i] + ours[i][0] for i in sorted(ours)]
+    same = total = 0
+    for p, seq, a, b in zip(prompts, seqs, infer_logits(smollm2_int8.model, seqs), infer_logits(smollm2.model, seqs)):
+        gen = slice(len(p) - 1, len(seq) - 1)  # the positions that predicted a generated token
+        same += int((a[gen].argmax(-1) == b[gen].argmax(-1)).sum())
+        total += a[gen].shape[0]
+    print(f"int8 vs float32 SmolLM2-135M: top-1 agreement {same}/{total}")
+    assert same >= 0.75 * total
 
 
 # ---------------------------------------------------------------------------- pre-quantized checkpoints
