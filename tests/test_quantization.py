@@ -319,3 +319,28 @@ def test_unsupported_quantization_configs_are_rejected(tmp_path):
     assert scheme_from_hf_config({}, tmp_path) is None
     assert QuantScheme.online("int4").block_for(256) == (1, 128)
     assert QuantScheme.online("int8").block_for(256) == (1, 256)
+
+
+# ---------------------------------------------------------------------------- the benchmark
+
+
+def test_benchmark_runs_at_tiny_size(tiny_llama, tmp_path):
+    """benchmarks/quantization.py: its kernel and quality parts on the tiny checkpoint (what it counts and
+    writes, not how fast anything is)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import quantization as bench
+
+    path = str(tiny_llama.path)
+    assert bench.main(["--device", "cpu", "--model", path, "--quality-model", path, "--parts", "kernels", "quality",
+                       "--batch-sizes", "1", "--repeats", "1", "--quality-tokens", "48", "--window", "16",
+                       "--methods", "none", "int8", "int4", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "quantization.json").read_text())
+    assert {(r["projection"], r["method"]) for r in rep["kernels"]} == {
+        (p, m) for p in ("qkv", "o", "gate_up", "down") for m in ("none", "int8", "int4")}
+    none, *rest = rep["quality"]
+    assert none["method"] == "none" and none["top1_agreement"] == 1.0 and none["tokens"] == 47
+    assert all(0 < r["perplexity"] < float("inf") and 0 <= r["top1_agreement"] <= 1 for r in rest)
+    assert (tmp_path / "quantization.png").is_file() and (tmp_path / "quantization.md").is_file()
