@@ -82,13 +82,12 @@ def bench_kernels(cfg, methods, batch_sizes, device, dtype, repeats: int) -> lis
             base_us = None
             for method in methods:
                 if method == "none":
-                    fn, nbytes = (lambda: F.linear(x, w)), w.numel() * w.element_size()
+                    args, nbytes = (F.linear, x, w), w.numel() * w.element_size()
                 else:
                     q, s = qref.quantize(w, method)
-                    block = qref.default_block(method, k)
-                    fn = (lambda q=q, s=s, b=block, me=method: quantized_linear(x, q, s, me, b))
+                    args = (quantized_linear, x, q, s, method, qref.default_block(method, k))
                     nbytes = q.numel() * q.element_size() + s.numel() * s.element_size()
-                us = 1e6 * timed(fn, device, repeats=repeats, warmup=2)
+                us = 1e6 * timed(lambda a=args: a[0](*a[1:]), device, repeats=repeats, warmup=2)
                 base_us = us if method == "none" else base_us
                 row = {"projection": name, "shape": f"{n}x{k}", "rows": m, "method": method, "us": us,
                        "weight_gb_s": nbytes / us / 1e3, "speedup": base_us / us if base_us else None}
