@@ -67,6 +67,7 @@ def test_int4_packing_against_a_hand_computed_word():
     packed = qref.pack_int4(q)
     # stored q + 8: nibbles 0..7 in the first word (lowest bits first), 8..15 in the second
     assert packed.tolist() == [[0x76543210, torch.tensor(0xFEDCBA98).to(torch.int32).item()]]
+    assert torch.equal(qref.unpack_int4(packed), q)
     r = torch.randint(-8, 8, (5, 64), dtype=torch.int8)
     assert torch.equal(qref.unpack_int4(qref.pack_int4(r)), r)
 

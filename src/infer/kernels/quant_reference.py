@@ -67,10 +67,12 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int4`: int32 ``[N, K / 8]`` -> int8 ``[N, K]`` in ``[-8, 7]``."""
+    # >>> EXERCISE unpack_int4
     n, w = packed.shape
     shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
     u = (packed[:, :, None] >> shifts) & 0xF  # >> is arithmetic on int32; the mask keeps the 4 bits
     return (u - 8).to(torch.int8).view(n, w * 8)
+    # <<< EXERCISE unpack_int4
 
 
 def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
@@ -119,6 +121,7 @@ def quantize(w: torch.Tensor, method: str, block: tuple[int, int] | None = None
         raise ValueError(f"int4 packs 8 values per int32 along the inputs: in_features {k} is not a multiple of 8")
     block = block or default_block(method, k)
     qmax = {"int8": INT8_MAX, "fp8": FP8_MAX, "int4": INT4_MAX}[method]
+    # >>> EXERCISE symmetric_quantize
     amax = _block_amax(w, block)
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
     x = w.float() / expand_scale(scale, (n, k), block)
@@ -128,6 +131,7 @@ def quantize(w: torch.Tensor, method: str, block: tuple[int, int] | None = None
     if method == "int8":
         return q.to(torch.int8), scale
     return pack_int4(q.to(torch.int8)), scale
+    # <<< EXERCISE symmetric_quantize
 
 
 def dequantize(qweight: torch.Tensor, weight_scale: torch.Tensor, method: str, block: tuple[int, int],
