@@ -218,6 +218,30 @@ def _check_against(path, ref, method: str, fused: bool = True):
     ours = load_model(path, device="cpu", dtype=torch.float32, progress=False)
     proj = ours.model.model.layers[0].mlp.down_proj
     assert isinstance(proj, QuantizedLinear) and proj.method == method
+    _check_logits(ours, ref, fused)
+    return ours
+
+
+@pytest.mark.parametrize("kind, method", [("llama", "int4"), ("gemma3", "fp8"), ("qwen3_moe", "int8")])
+def test_online_quantization_is_the_model_with_dequantized_weights(kind, method, tmp_path):
+    """Every architecture's projections quantized at load (Gemma 3's GeGLU and sandwich norms, Qwen3-MoE's
+    attention beside its unquantized experts): HF transformers with each projection's weight replaced by
+    our dequantized one is the reference, unfused and fused."""
+    from tests.hf_reference import save_hf
+
+    ref = tiny_hf_model(kind)
+    ours = load_model(save_hf(ref, tmp_path / kind), device="cpu", dtype=torch.float32, progress=False,
+                      quantization=method)
+    names = dict(ours.model.named_modules())
+    quantized = [n for n, m in names.items() if isinstance(m, QuantizedLinear)]
+    assert len(quantized) == ref.config.num_hidden_layers * (7 if kind != "qwen3_moe" else 4)
+    with torch.no_grad():
+        for n in quantized:
+            ref.get_submodule(n).weight.copy_(names[n].dequantized_weight())
+    _check_logits(ours, ref)
+
+
+def _check_logits(ours, ref, fused: bool = True):
     prompts = _prompts(ref.config.vocab_size, [1, 9, 40])
     for seq, logits in zip(prompts, infer_logits(ours.model, prompts)):
         assert_parity(logits, hf_logits(ref, seq))
@@ -227,7 +251,6 @@ def _check_against(path, ref, method: str, fused: bool = True):
         ours.model.set_fused_ops(fused_reference, max_positions=64)
         for seq, logits in zip(prompts, infer_logits(ours.model, prompts)):
             assert_parity(logits, hf_logits(ref, seq))
-    return ours
 
 
 def test_hf_block_fp8_checkpoint_loads_as_stored(tmp_path):
