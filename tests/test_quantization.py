@@ -91,6 +91,20 @@ def test_bad_input_raises_value_errors():
         EngineConfig(device="cpu", quantization="int8", tensor_parallel_size=2).validate()
 
 
+
+def test_the_cli_flag_parses_to_the_field():
+    import argparse
+
+    from infer.config import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--quantization", "int4"])).quantization == "int4"
+    assert engine_config_from_args(parser.parse_args([])).quantization == "none"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int3"])
+
+
 # ---------------------------------------------------------------------------- the Triton kernel
 
 
