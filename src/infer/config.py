@@ -509,6 +509,8 @@ class EngineConfig:
         on = [f"{k}={v}" for k, v in flags.items()]
         on += [name for name in ("prefix_caching", "chunked_prefill", "fused_kernels", "async_scheduling",
                                  "cuda_graphs", "pdl") if getattr(self, name)]
+        if self.quantization != "none":
+            on.append(f"quantization={self.quantization}")
         if self.cuda_graphs:
             on.append(f"graphs for prefill <= {self.cuda_graph_prefill_max_tokens} and mixed steps <= "
                       f"{self.cuda_graph_mixed_max_tokens} tokens")
