@@ -395,6 +395,24 @@ EXERCISES: dict[str, Exercise] = {
             "may be plain ints or floats, and in floating point a tie can round to a win.",
             10,
         ),
+        # ---------------------------------------------------------------- phase 11
+        Exercise(
+            "symmetric_quantize", 11, "src/infer/kernels/quant_reference.py",
+            ("tests/test_quantization.py::test_round_trip_error_is_within_the_formats_step",),
+            "One scale per block: the block's largest |w| over the format's largest code (127, 448 or 7), "
+            "so the largest weight gets the largest code; a block of zeros gets scale 1. Divide by the "
+            "scale, round to the nearest code (fp8: PyTorch's cast rounds), keep it in range, store it in "
+            "the format's dtype (int4: packed with pack_int4).",
+            20,
+        ),
+        Exercise(
+            "unpack_int4", 11, "src/infer/kernels/quant_reference.py",
+            ("tests/test_quantization.py::test_int4_packing_against_a_hand_computed_word",),
+            "Each int32 word holds eight 4-bit values, value i of the word in bits 4i..4i+3 (the lowest "
+            "first), each stored as q + 8. Shift, keep 4 bits (>> on int32 copies the sign bit), subtract "
+            "the offset, return int8 [N, 8 * words].",
+            15,
+        ),
         # ---------------------------------------------------------------- phase 13
         Exercise(
             "token_bitmask", 13, "src/infer/sampling/structured.py",

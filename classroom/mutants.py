@@ -413,6 +413,22 @@ _ALL = [
     _m("break_even", "rounded", "round(fixed / saving) + 1 for floor",
        ("math.floor(Fraction(fixed_latency_s) / saving_per_token) + 1",
         "round(Fraction(fixed_latency_s) / saving_per_token) + 1")),
+    # ---------------------------------------------------------------- phase 11
+    _m("symmetric_quantize", "truncates", "rounds toward zero: an error of up to a whole step",
+       ("q = x.round().clamp(-qmax, qmax)", "q = x.trunc().clamp(-qmax, qmax)")),
+    _m("symmetric_quantize", "qmax_plus_one", "scale = amax / (qmax + 1): the largest weight is clipped by a "
+       "whole step", ("amax / qmax,", "amax / (qmax + 1),")),
+    _m("symmetric_quantize", "per_tensor", "one scale for the whole tensor instead of one per block",
+       ("scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))",
+        "scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).amax().expand(amax.shape)")),
+    _m("symmetric_quantize", "zero_block_divides", "a block of zeros gets scale 0 (0 / 0: NaN codes)",
+       ("torch.ones_like(amax)", "torch.zeros_like(amax)")),
+    _m("unpack_int4", "no_offset", "forgets the + 8 offset: codes 0..15 instead of -8..7",
+       ("return (u - 8).to(torch.int8)", "return u.to(torch.int8)")),
+    _m("unpack_int4", "high_nibble_first", "reads the highest nibble as the first value",
+       ("shifts = torch.arange(0, 32, 4,", "shifts = torch.arange(28, -4, -4,")),
+    _m("unpack_int4", "sign_extended", "no mask after the shift: the top nibble keeps the sign bits",
+       ("u = (packed[:, :, None] >> shifts) & 0xF", "u = (packed[:, :, None] >> shifts) % 256")),
     # ---------------------------------------------------------------- phase 13
     _m("token_bitmask", "bit_order_reversed", "reads bit 31 - j of a word as token 32 w + j (big-endian bits)",
        ("shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)",

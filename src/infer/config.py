@@ -34,6 +34,7 @@ KV_OFFLOAD_MODES = ("none", "host", "disk")
 MOE_BACKENDS = ("auto", "torch", "triton")
 ALL_REDUCE_BACKENDS = ("nccl", "symm_mem")
 ALL2ALL_BACKENDS = ("dynamic", "fixed_capacity")
+QUANTIZATION_METHODS = ("none", "int8", "fp8", "int4")
 
 
 def _flag(default: Any, help: str, **kw: Any) -> Any:
@@ -156,6 +157,13 @@ class EngineConfig:
                                        "shutdown)", phase=10)
     kv_offload_disk_bytes: int | None = _flag(None, "kv_offload='disk': capacity of the disk tier in bytes; "
                                               "default: 4 x kv_offload_bytes", phase=10)
+    # ---- phase 11: weight quantization
+    quantization: str = _flag("none", "weight-only quantization of the decoder's projections at load: none (the "
+                              "checkpoint's weights as stored; a pre-quantized checkpoint stays quantized); int8 "
+                              "(per-output-channel symmetric scales); fp8 (e4m3, per-output-channel scales); int4 "
+                              "(symmetric, one scale per group of 128 inputs). The matmul reads the quantized "
+                              "weights (Triton on CUDA, dequantize per call on the CPU)",
+                              choices=QUANTIZATION_METHODS, ablation=QUANTIZATION_METHODS, phase=11)
     # ---- phases 14-15: tensor and expert parallelism
     tensor_parallel_size: int = _flag(1, "ranks (one process each, torch.distributed: NCCL on CUDA, gloo on the CPU) "
                                       "the model is split over, Megatron-style: attention heads, MLP columns and the "
@@ -320,7 +328,23 @@ class EngineConfig:
             folder = os.path.dirname(os.path.abspath(self.trace)) if self.trace else ""
             if not self.trace or os.path.isdir(self.trace) or not os.path.isdir(folder):
                 raise ValueError(f"trace: {self.trace!r} is not a file path in an existing directory")
+        self._validate_quantization(dev)
         return self
+
+    def _validate_quantization(self, dev: torch.device) -> None:
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got "
+                             f"{self.quantization!r}")
+        if self.quantization == "none":
+            return
+        if self.world_size > 1:
+            raise ValueError(f"quantization={self.quantization!r} with tensor/expert parallelism is not supported: "
+                             "the quantized projections are not split across ranks")
+        if self.quantization == "fp8" and dev.type == "cuda" and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(dev)
+            if (major, minor) < (8, 9):
+                raise ValueError(f"quantization='fp8' on CUDA needs compute capability >= 8.9 (Ada, Hopper: fp8 "
+                                 f"conversions in hardware), {dev} is {major}.{minor}; use int8 or int4")
 
     def _resolve_unset(self, dev: torch.device) -> None:
         """Give every optimization left unset (``None``) its value: its ``off`` value (the
@@ -376,6 +400,8 @@ class EngineConfig:
         on = [f"{k}={v}" for k, v in flags.items()]
         on += [name for name in ("prefix_caching", "chunked_prefill", "fused_kernels", "async_scheduling",
                                  "cuda_graphs", "pdl") if getattr(self, name)]
+        if self.quantization != "none":
+            on.append(f"quantization={self.quantization}")
         if self.cuda_graphs:
             on.append(f"graphs for prefill <= {self.cuda_graph_prefill_max_tokens} and mixed steps <= "
                       f"{self.cuda_graph_mixed_max_tokens} tokens")

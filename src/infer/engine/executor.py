@@ -272,7 +272,8 @@ def build_runner(config: EngineConfig, state: ParallelState, runner_cls=ModelRun
     (:meth:`ModelRunner.from_config`: the same max_model_len, block size, fused ops and, agreed between
     the ranks, KV-pool size on every rank). Returns ``(loaded, runner)``."""
     with building_for(state):
-        loaded = load_model(config.model, rank_device(config, state.rank), config.resolved_dtype(), progress=progress)
+        loaded = load_model(config.model, rank_device(config, state.rank), config.resolved_dtype(), progress=progress,
+                            quantization=config.quantization)
     runner = runner_cls.from_config(config, loaded, agree_num_blocks=lambda n: agree_num_blocks(state, n),
                                     **runner_kwargs)
     return loaded, runner

@@ -74,7 +74,8 @@ class LLMEngine:
                 raise
             return
         self.loaded = loaded or load_model(
-            config.model, config.resolved_device(), config.resolved_dtype(), progress=progress
+            config.model, config.resolved_device(), config.resolved_dtype(), progress=progress,
+            quantization=config.quantization,
         )
         self._require_tokenizer()
         config.validate_model(self.loaded.config)  # e.g. flags a hybrid model (phase 17) does not support

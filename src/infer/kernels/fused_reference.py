@@ -420,6 +420,8 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     :mod:`infer`) instead of sleeping. The sum's order differs from ``layer(x)``'s: equal within
     float32 rounding, not bit for bit. A tensor-parallel layer (its collective) runs as the layer does.
     """
+    if not isinstance(layer, torch.nn.Linear):  # a quantized projection (phase 11) runs its own kernel
+        return layer(x)
     w, parallel = layer.weight, getattr(layer, "parallel", None)
     t, k = x.shape if x.dim() == 2 else (0, 0)
     s = torch.get_num_threads()

@@ -432,8 +432,8 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     from infer.kernels import skinny_gemm
 
     parallel = getattr(layer, "parallel", None)
-    if parallel is not None and parallel.tp_size > 1:
-        return layer(x)
+    if (parallel is not None and parallel.tp_size > 1) or not isinstance(layer, torch.nn.Linear):
+        return layer(x)  # ... or a quantized projection (phase 11), which runs its own kernel
     return skinny_gemm.linear(x, layer)
 
 
@@ -447,6 +447,8 @@ def linear_residual(x: torch.Tensor, layer: torch.nn.Linear, residual: torch.Ten
     as in the reference (at more rows a separate add would cost a kernel)."""
     from infer.kernels import skinny_gemm
 
+    if not isinstance(layer, torch.nn.Linear):  # a quantized projection (phase 11): the add rides with the norm
+        return linear(x, layer), residual
     w, parallel = layer.weight, getattr(layer, "parallel", None)
     if (residual is not None and x.dim() == 2 and skinny_gemm.use_skinny(x.shape[0], w.shape[0])
             and (parallel is None or parallel.tp_size == 1) and skinny_gemm.fits(x, w) and residual.stride(-1) == 1):
@@ -486,6 +488,8 @@ def add_rms_norm_linear(
     """
     from infer.kernels import skinny_gemm
 
+    if not isinstance(layer, torch.nn.Linear):  # a quantized projection (phase 11): the separate steps
+        return norm_linear_steps(sys.modules[__name__], x, residual, weight, eps, unit_offset, layer, activation)
     w = layer.weight
     if (x.dim() == 2 and x.shape[0] == 1 and getattr(layer, "parallel", None) is None and skinny_gemm.fits(x, w)
             and (residual is None or residual.stride(-1) == 1)):

@@ -20,8 +20,10 @@ from tqdm.auto import tqdm
 
 from infer.config import ModelConfig, default_device, parse_dtype
 from infer.errors import ModelLoadError
+from infer.loader.quantized import QuantizedParams, resolve_scheme, scheme_from_hf_config
 from infer.loader.registry import DEFAULT_MODEL, SHIPPED_MODELS, resolve_model
 from infer.models import MODEL_CLASSES, CausalLM
+from infer.models.quant import QuantScheme, quantize_modules
 from infer.parallel.state import ParallelState, building_for, shard
 from infer.tokenizer import Tokenizer
 
@@ -129,14 +131,25 @@ def materialize(
     source: Path,
     total: int | None = None,
     progress: bool = True,
+    scheme: QuantScheme | None = None,
 ) -> CausalLM:
     """Build the model on ``meta`` and fill it from ``(hf_name, array)`` pairs.
+
+    With a quantization ``scheme`` (phase 11) the decoder's projections are built as
+    :class:`~infer.models.quant.QuantizedLinear` and their tensors go through
+    :class:`~infer.loader.quantized.QuantizedParams` (quantized as they load, or stored quantized).
 
     Raises:
         ModelLoadError: for a missing tensor, an unexpected one, or a shape mismatch.
     """
     with torch.device("meta"), _skip_init():
         model = MODEL_CLASSES[cfg.architecture](cfg)
+        if scheme is not None:
+            try:
+                quantize_modules(model, scheme)
+            except ValueError as e:
+                raise ModelLoadError(source, f"cannot quantize this model with {scheme.method}: {e}") from None
+    quantized = QuantizedParams(model, scheme, device, dtype, source) if scheme is not None else None
     expected = {name: p.shape for name, p in model.named_parameters()}
     # tensor parallelism (phase 14): the piece of each tensor this rank keeps (infer.parallel.state.shard)
     shards = {name: getattr(p, "tp_shard", None) for name, p in model.named_parameters()}
@@ -151,6 +164,8 @@ def materialize(
         if rename is not None and (name := rename(name)) is None:
             continue
         if tied and name == "lm_head.weight":
+            continue
+        if quantized is not None and quantized.take(name, w):
             continue
         if name not in expected:
             if stacked.take(name, w):
@@ -169,6 +184,8 @@ def materialize(
     if unexpected:
         raise ModelLoadError(source, f"unexpected tensors for {cfg.architecture}: {unexpected[:5]}")
     state.update(stacked.finish(set(state)))
+    if quantized is not None:
+        state.update(quantized.tensors)
     missing = sorted(set(expected) - set(state) - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise ModelLoadError(source, f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -203,6 +220,7 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     progress: bool = True,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load a model and its tokenizer.
 
@@ -212,6 +230,9 @@ def load_model(
         device: ``"cpu"``, ``"cuda"``...; default cuda when available.
         dtype: torch dtype or name; default float32 on CPU, bfloat16 on CUDA.
         progress: show a progress bar while tensors load.
+        quantization: ``EngineConfig.quantization`` (phase 11): ``"none"`` loads the weights as stored (a
+            pre-quantized checkpoint stays quantized); ``"int8"``, ``"fp8"``, ``"int4"`` quantize the
+            decoder's projections as they load (:mod:`infer.loader.quantized`).
 
     Returns:
         A :class:`LoadedModel` (its ``model`` has no attention backend set yet; the engine
@@ -239,7 +260,8 @@ def load_model(
             tensors, total = synthetic.iter_random_tensors(cfg, spec, _whole_model_shapes(cfg), device, dtype), None
         else:
             tensors, total = hf.iter_safetensors(files), hf.count_tensors(files)
-        net = materialize(cfg, tensors, device, dtype, path, total, progress)
+        scheme = resolve_scheme(quantization, scheme_from_hf_config(raw, path / "config.json"), path)
+        net = materialize(cfg, tensors, device, dtype, path, total, progress, scheme)
         fmt = "hf"
     elif path.suffix == ".gguf" or path.is_file():
         from infer.loader import gguf as g
@@ -250,7 +272,7 @@ def load_model(
         cfg = g.model_config_from_gguf(meta, names, path)
         tokenizer = g.gguf_tokenizer(meta, path)
         net = materialize(cfg, g.iter_gguf_tensors(reader, cfg, path), device, dtype, path, len(reader.tensors),
-                          progress)
+                          progress, resolve_scheme(quantization, None, path))
         factors = g.rope_freq_factors(reader)
         if factors is not None:
             net.inv_freq_full_attention = net.inv_freq_full_attention / torch.from_numpy(factors).to(device)

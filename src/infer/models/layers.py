@@ -20,6 +20,7 @@ from torch import nn
 from infer.attention.metadata import AttentionMetadata
 from infer.config import ModelConfig, RopeConfig
 from infer.kernels.activations import ACTIVATIONS
+from infer.models.quant import QuantizedLinear, merge_quantized
 from infer.parallel.state import get_parallel, mark_shard, tp_rank, tp_size
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -230,6 +231,8 @@ def _merge_linears(*parts: nn.Linear) -> nn.Linear:
     Each part's weight (and bias) is re-pointed at its rows of the merged tensor, so the parts
     keep working and the merge costs no memory beyond the copy it replaces.
     """
+    if isinstance(parts[0], QuantizedLinear):  # phase 11: the quantized values and scales, concatenated
+        return merge_quantized(*parts)
     weight = torch.cat([p.weight for p in parts], dim=0)
     bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None
     merged = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
@@ -257,6 +260,8 @@ def set_weight_layout(linear: nn.Linear, column_major: bool) -> None:
     one-row product (batch-1 decode) streams that layout faster: measured on a 2-core x86 machine,
     SmolLM2's per-layer weights 15.6 -> 18.0 GB/s and its 113 MB LM head 14.6 -> 25.5 GB/s.
     """
+    if not isinstance(linear, nn.Linear):  # a QuantizedLinear (phase 11) keeps its packed layout
+        return
     w = linear.weight
     is_column_major = w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1
     if is_column_major == column_major:

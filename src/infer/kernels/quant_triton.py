@@ -1,0 +1,164 @@
+"""Weight-only quantized projections in Triton: ``y = x @ dequantize(W)^T + b``, the weight read in its
+stored 8 or 4 bits and dequantized in registers, never materialized in 16 bits.
+
+Decode is bound by the bytes it reads: at batch 1 each weight byte is used for one multiply-add, so a
+product over int8 or fp8 weights can take half the time of bf16 and over int4 a quarter (plus the
+scales). That holds only if the kernel reads the small weights: dequantizing the whole weight to bf16
+first (and reading that) saves memory but no time. Here each program loads a tile of quantized values
+and the scale(s) that cover it, turns them into float32 in registers, and multiplies:
+
+* :func:`quantized_linear` with at most :data:`GEMV_MAX_ROWS` rows (decode): like
+  :mod:`infer.kernels.skinny_gemm`, each program owns ``BLOCK_N`` outputs and walks ``K``, the products
+  summed per element in float32 and reduced once at the end (gpt-fast's and Marlin's int4/int8 GEMV idea,
+  without their layouts tuned for tensor cores);
+* with more rows (prefill, large batches): a tiled GEMM whose inner product is ``tl.dot`` on the
+  dequantized tile (cast to ``x``'s 16-bit dtype for the tensor cores, float32 in the interpreter). It
+  reads the weight once per row tile instead of once per row; at these sizes the GEMM is bound by
+  arithmetic, so it runs at about the speed of a bf16 GEMM, with the memory saving.
+
+The scale layout is :mod:`infer.kernels.quant_reference`'s (one scale per ``(br, bc)`` block); a ``K``
+tile never straddles two scale columns (``BLOCK_K`` divides ``bc``, or ``bc >= K``), so each program loads
+one scale per output row per tile. On the CPU, without the interpreter, :func:`quantized_linear` runs the
+plain-PyTorch reference (:func:`~infer.kernels.quant_reference.quantized_linear_reference`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels.quant_reference import check_quantized, quantized_linear_reference
+from infer.kernels.triton_common import INTERPRET, manual_bf16, round_to
+
+GEMV_MAX_ROWS = 8  # the most rows the GEMV form takes; more go through the tiled GEMM
+_METHOD_CODE = {"int8": 0, "fp8": 1, "int4": 2}
+
+
+@triton.jit
+def _dequant_tile(q_ptr, s_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC, METHOD: tl.constexpr):
+    """Columns ``k`` (one tile, ``k0`` its first) of rows ``offs_n`` of the weight, dequantized: float32
+    ``[BLOCK_N, BLOCK_K]``, 0 where masked. METHOD 0 int8, 1 fp8 e4m3, 2 int4 (8 per int32 along K)."""
+    mask = n_mask[:, None] & (k < K)[None, :]
+    rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
+    if METHOD == 2:
+        words = tl.load(rows + (k // 8)[None, :], mask=mask, other=0)
+        q = ((words >> ((k % 8) * 4)[None, :]) & 0xF).to(tl.float32) - 8.0
+    else:  # no `other` (it cannot be cast to fp8): masked lanes are zeroed after the conversion
+        q = tl.where(mask, tl.load(rows + k[None, :], mask=mask).to(tl.float32), 0.0)
+    # the tile lies in one scale column: one scale per row
+    s = tl.load(s_ptr + (offs_n // BR).to(tl.int64) * stride_sn + k0 // BC, mask=n_mask, other=0.0)
+    return q * s[:, None]
+
+
+@triton.jit
+def _quantized_linear_kernel(
+    x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym, BR, BC,
+    METHOD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, MANUAL_BF16: tl.constexpr,
+):
+    # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): program (j, i) computes outputs [j * BLOCK_N, ...) of rows
+    # [i * BLOCK_M, ...). DOT 0 (few rows): products summed per element in a [BLOCK_M, BLOCK_N, BLOCK_K] float32
+    # tile, reduced over K at the end. DOT 1: tl.dot per tile, in x's 16-bit dtype (DOT_16BIT) or float32.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    dtype = y_ptr.dtype.element_ty
+    if DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        w = _dequant_tile(q_ptr, s_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC, METHOD)
+        if DOT:
+            if DOT_16BIT:
+                acc += tl.dot(x.to(dtype), tl.trans(w.to(dtype)))
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc3 += x[:, None, :] * w[None, :, :]
+    if DOT:
+        y = acc
+    else:
+        y = tl.sum(acc3, 2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out, round_to(y, dtype, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _block_k(preferred: int, k: int, bc: int) -> int:
+    """The largest power of two <= ``preferred`` (and >= 16) that keeps every K tile inside one scale column."""
+    b = preferred
+    while b > 16 and bc < k and bc % b:
+        b //= 2
+    if bc < k and bc % b:
+        raise ValueError(f"scale columns of {bc} inputs: need a multiple of 16 (or one scale per row)")
+    return b
+
+
+def default_config(m: int, n: int, k: int, bc: int) -> tuple[int, int, int, int, bool]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT)`` for ``m`` rows of a ``[n, k]`` weight whose scale
+    columns span ``bc`` inputs. Not tuned on a GPU yet (``benchmarks/quantization.py`` measures the result):
+    the GEMV form gives each program 16 outputs and 128-wide K steps (16 weights per thread per step at
+    4 warps), the GEMM 64 x 64 x 64 tiles."""
+    if m <= GEMV_MAX_ROWS:
+        return triton.next_power_of_2(m), 16, _block_k(128, k, bc), 4, False
+    return 64, 64, _block_k(64, k, bc), 4, True
+
+
+def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
+                            block: tuple[int, int], bias: torch.Tensor | None = None,
+                            config: tuple[int, int, int, int, bool] | None = None) -> torch.Tensor:
+    """``x @ dequantize(W)^T + bias`` by :func:`_quantized_linear_kernel` (CUDA, or the interpreter).
+
+    Args:
+        x: ``[..., K]`` float32/bfloat16/float16 (the last dimension contiguous after flattening).
+        qweight, weight_scale, method, block: as :mod:`infer.kernels.quant_reference` describes them.
+        bias: ``[N]`` in ``x.dtype`` or None.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT)``; default :func:`default_config`.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``: float32 accumulation, one rounding to the dtype.
+
+    Raises:
+        ValueError: as :func:`~infer.kernels.quant_reference.check_quantized`, or scale columns a K tile
+            cannot stay inside.
+    """
+    check_quantized(x, qweight, weight_scale, method, block, bias)
+    n = qweight.shape[0]
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if k > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y.view(*x.shape[:-1], n)
+    bm, bn, bk, warps, dot = config or default_config(m, n, k, block[1])
+    br, bc = block
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    _quantized_linear_kernel[grid](
+        x2, qweight, weight_scale, bias if bias is not None else y, y, m, n, k, x2.stride(0), qweight.stride(0),
+        weight_scale.stride(0), y.stride(0), br, bc,
+        METHOD=_METHOD_CODE[method], HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT=dot,
+        DOT_16BIT=dot and x.dtype != torch.float32 and not INTERPRET, MANUAL_BF16=manual_bf16(x),
+        num_warps=warps,
+    )
+    return y.view(*x.shape[:-1], n)
+
+
+def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
+                     block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The quantized projection a model runs: :func:`quantized_linear_triton` on CUDA, the plain-PyTorch
+    reference (dequantize per call, then ``F.linear``) on the CPU. Same arguments and result."""
+    if x.is_cuda:
+        return quantized_linear_triton(x, qweight, weight_scale, method, block, bias)
+    return quantized_linear_reference(x, qweight, weight_scale, method, block, bias)

@@ -1,0 +1,178 @@
+"""Quantized weights while loading (phase 11): online quantization of float checkpoints, and pre-quantized
+checkpoints read as they are stored (no round trip through 16 bits).
+
+:func:`scheme_from_hf_config` reads a Hugging Face ``config.json``'s ``quantization_config``:
+
+* ``quant_method: "fp8"`` (transformers' ``FineGrainedFP8Config``; the Qwen3-*-FP8 and DeepSeek-V3
+  releases): ``weight`` in ``float8_e4m3fn`` and ``weight_scale_inv [ceil(N / 128), ceil(K / 128)]``, the
+  scale each ``weight_block_size`` block is *multiplied* by (the name says inverse: it is the inverse of
+  the quantizer's multiplier). Their activations are meant to be quantized per token group at run time
+  (``activation_scheme: dynamic``); infer serves them weight-only (activations stay in 16 bits: no less
+  accurate, but no FP8 tensor cores).
+* ``quant_method: "compressed-tensors"`` (Neural Magic's ``llmcompressor``): one config group whose
+  ``weights`` are symmetric 8-bit int per channel (``W8A16``; ``weight`` int8, ``weight_scale [N, 1]``),
+  symmetric 4-bit int per group (``W4A16``, format ``pack-quantized``: ``weight_packed`` int32 ``[N, K / 8]``,
+  ``weight_scale [N, K / G]``, ``weight_shape``), or 8-bit float per channel / tensor / block
+  (``FP8_DYNAMIC`` and kin; activations again served in 16 bits).
+
+:class:`QuantizedParams` then routes each checkpoint tensor of a quantized projection to the module's
+parameters (``qweight``, ``weight_scale``), or quantizes a float ``weight`` (online).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from infer.errors import ModelLoadError
+from infer.models.quant import QuantizedLinear, QuantScheme
+
+__all__ = ["QuantizedParams", "scheme_from_hf_config", "resolve_scheme"]
+
+
+def _fp8_scheme(q: dict[str, Any], source: Path) -> QuantScheme:
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelLoadError(source, f"quant_method 'fp8' without a weight_block_size [rows, cols] ({block!r}) is "
+                             "not supported (infer loads the block-wise format of the Qwen3-FP8 releases)")
+    return QuantScheme("fp8", (block[0], block[1]), prequantized=True, format="fp8")
+
+
+def _compressed_tensors_scheme(q: dict[str, Any], source: Path) -> QuantScheme:
+    groups = q.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ModelLoadError(source, f"compressed-tensors: {len(groups)} config groups; infer loads one")
+    group = next(iter(groups.values()))
+    w = group.get("weights") or {}
+    targets = group.get("targets") or []
+    if targets != ["Linear"]:
+        raise ModelLoadError(source, f"compressed-tensors: targets {targets}; infer loads ['Linear']")
+    if not w.get("symmetric", True):
+        raise ModelLoadError(source, "compressed-tensors: asymmetric weights (a zero point) are not supported")
+    bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
+    fmt = q.get("format") or group.get("format")
+    if kind == "int" and bits == 8 and strategy in ("channel", "group") and fmt in ("int-quantized", "naive-quantized",
+                                                                                   "pack-quantized"):
+        group = int(w["group_size"]) if strategy == "group" else 0
+        return QuantScheme("int8", (1, group), prequantized=True, format="compressed-tensors")
+    if kind == "int" and bits == 4 and strategy == "group" and fmt == "pack-quantized":
+        return QuantScheme("int4", (1, int(w["group_size"])), prequantized=True, format="compressed-tensors")
+    if kind == "float" and bits == 8 and fmt in ("float-quantized", "naive-quantized"):
+        if strategy in ("channel", "tensor"):  # a per-tensor scale is repeated per row when it loads
+            return QuantScheme("fp8", (1, 0), prequantized=True, format="compressed-tensors")
+        if strategy == "block":
+            br, bc = w["block_structure"]
+            return QuantScheme("fp8", (int(br), int(bc)), prequantized=True, format="compressed-tensors")
+    raise ModelLoadError(source, f"compressed-tensors: weights {kind}{bits} strategy {strategy!r} format {fmt!r} "
+                         "are not supported (int8 per channel, int4 per group pack-quantized, fp8)")
+
+
+def scheme_from_hf_config(raw: dict[str, Any], source: Path) -> QuantScheme | None:
+    """The :class:`QuantScheme` of a pre-quantized Hugging Face checkpoint, or None for a float one.
+
+    Raises:
+        ModelLoadError: a quantization method or layout infer does not load, with what it found.
+    """
+    q = raw.get("quantization_config") or raw.get("compression_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        return _fp8_scheme(q, source)
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(q, source)
+    raise ModelLoadError(source, f"quantization_config.quant_method {method!r} is not supported (fp8, "
+                         "compressed-tensors)")
+
+
+def resolve_scheme(requested: str, stored: QuantScheme | None, source: Path) -> QuantScheme | None:
+    """The scheme a model loads with: the checkpoint's own (``requested`` must be ``"none"``), or
+    ``EngineConfig.quantization``'s online one.
+
+    Raises:
+        ModelLoadError: online quantization asked of a checkpoint that is already quantized.
+    """
+    if stored is not None:
+        if requested not in ("none", None):
+            raise ModelLoadError(source, f"the checkpoint is already quantized ({stored.format}, {stored.method}); "
+                                 f"quantization={requested!r} would quantize it again: use quantization='none'")
+        return stored
+    return None if requested in ("none", None) else QuantScheme.online(requested)
+
+
+def _as_tensor(w) -> torch.Tensor:
+    return torch.as_tensor(w) if isinstance(w, torch.Tensor) else torch.from_numpy(np.require(w, requirements="W"))
+
+
+class QuantizedParams:
+    """The checkpoint tensors of the quantized projections: ``take(name, tensor)`` claims the ones that
+    belong to a :class:`QuantizedLinear` and puts them on the device as its parameters; ``tensors`` holds
+    them for ``load_state_dict`` (:func:`infer.loader.materialize`)."""
+
+    def __init__(self, model: torch.nn.Module, scheme: QuantScheme, device: torch.device, dtype: torch.dtype,
+                 source: Path) -> None:
+        self.modules = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+        self.scheme, self.device, self.dtype, self.source = scheme, device, dtype, source
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, w) -> bool:
+        prefix, _, leaf = name.rpartition(".")
+        module = self.modules.get(prefix)
+        if module is None:
+            return False
+        t = _as_tensor(w)
+        if leaf == "bias":
+            self._shape(name, t, (module.out_features,))
+            self.tensors[name] = t.to(device=self.device, dtype=self.dtype, copy=True)
+        elif not self.scheme.prequantized:
+            if leaf != "weight":
+                raise ModelLoadError(self.source, f"unexpected tensor {name} in a float checkpoint")
+            self._shape(name, t, (module.out_features, module.in_features))
+            q, s = module.quantize_weight(t.to(device=self.device, dtype=torch.float32))
+            self._put(f"{prefix}.qweight", q, module.qweight)
+            self._put(f"{prefix}.weight_scale", s, module.weight_scale)
+        else:
+            self._take_stored(prefix, leaf, t, module)
+        return True
+
+    def _take_stored(self, prefix: str, leaf: str, t: torch.Tensor, module: QuantizedLinear) -> None:
+        """One tensor of a pre-quantized checkpoint, by its name in the format."""
+        if leaf == "weight_packed" and module.method == "int8":  # 4 per int32, each stored + 128: one byte each
+            t = t.to(self.device)
+            shifts = torch.arange(0, 32, 8, device=t.device, dtype=torch.int32)
+            t = (((t[:, :, None] >> shifts) & 0xFF) - 128).to(torch.int8).flatten(1)
+            self._put(f"{prefix}.qweight", t, module.qweight)
+        elif leaf in ("weight", "weight_packed"):  # fp8 / int8 values, or int4 packed 8 per int32 (our layout)
+            self._put(f"{prefix}.qweight", t.to(self.device, copy=True), module.qweight)
+        elif leaf in ("weight_scale_inv", "weight_scale"):
+            s = t.to(device=self.device, dtype=torch.float32, copy=True)
+            if s.numel() == 1:  # compressed-tensors' per-tensor strategy: one scale for every row
+                s = s.reshape(1, 1).expand(module.weight_scale.shape).contiguous()
+            self._put(f"{prefix}.weight_scale", s.reshape(module.weight_scale.shape)
+                      if s.numel() == module.weight_scale.numel() else s, module.weight_scale)
+        elif leaf == "weight_shape":
+            if tuple(int(v) for v in t.tolist()) != (module.out_features, module.in_features):
+                raise ModelLoadError(self.source, f"{prefix}.weight_shape {t.tolist()} differs from the config's "
+                                     f"{[module.out_features, module.in_features]}")
+        elif leaf == "weight_zero_point":
+            if bool(t.ne(0).any()):
+                raise ModelLoadError(self.source, f"{prefix}.weight_zero_point is not zero (asymmetric weights are "
+                                     "not supported)")
+        else:
+            raise ModelLoadError(self.source, f"unexpected tensor {prefix}.{leaf} for a {self.scheme.format} "
+                                 f"{self.scheme.method} projection")
+
+    def _shape(self, name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
+        if tuple(t.shape) != tuple(want):
+            raise ModelLoadError(self.source, f"tensor {name} has shape {tuple(t.shape)}, the config implies "
+                                 f"{tuple(want)}")
+
+    def _put(self, name: str, t: torch.Tensor, like: torch.nn.Parameter) -> None:
+        self._shape(name, t, tuple(like.shape))
+        if t.dtype != like.dtype:
+            raise ModelLoadError(self.source, f"tensor {name} is {t.dtype}; a {self.scheme.method} projection "
+                                 f"needs {like.dtype}")
+        self.tensors[name] = t

@@ -1,0 +1,175 @@
+"""Weight-only quantized projections (phase 11): :class:`QuantizedLinear` and the scheme that says which
+layers become one.
+
+The shape of vLLM's ``QuantizationConfig`` / ``LinearMethodBase``, cut to what infer needs: a
+:class:`QuantScheme` (from ``EngineConfig.quantization``, or read from a pre-quantized checkpoint by
+:mod:`infer.loader.quantized`) picks the linear implementation of every decoder projection once, when
+the model is built on ``meta`` (:func:`quantize_modules`); the loader then fills each
+:class:`QuantizedLinear` either by quantizing the float weight it reads (online quantization,
+:meth:`QuantizedLinear.quantize_weight`) or with the checkpoint's own quantized tensors. The forward
+calls :func:`infer.kernels.quant_triton.quantized_linear`, which reads the quantized weight.
+
+What is quantized: the attention projections (q, k, v, o) and the dense MLP's (gate, up, down) of
+every decoder layer, as vLLM and the Hub's quantized releases do. The embeddings, the LM head, the norms
+and an MoE block's router and experts keep the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from infer.kernels import quant_reference as qref
+
+#: the decoder projections that :func:`quantize_modules` replaces, by attribute name
+QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a model's projections are quantized.
+
+    Attributes:
+        method: ``"int8"``, ``"fp8"`` or ``"int4"`` (:mod:`infer.kernels.quant_reference`).
+        block: ``(br, bc)``, rows and columns per scale; ``bc == 0`` means the whole row (per output
+            channel). Online: ``(1, 0)`` for int8 and fp8, ``(1, group_size)`` for int4.
+        prequantized: the checkpoint holds the quantized tensors (loaded as stored); otherwise the float
+            weights are quantized as they load.
+        format: where the scheme came from: ``"online"``, ``"fp8"`` (Hugging Face's block-wise FP8) or
+            ``"compressed-tensors"``.
+    """
+
+    method: str
+    block: tuple[int, int]
+    prequantized: bool = False
+    format: str = "online"
+
+    @classmethod
+    def online(cls, method: str, group_size: int = 128) -> QuantScheme:
+        """The scheme of ``EngineConfig.quantization = method``."""
+        if method not in qref.QDTYPES:
+            raise ValueError(f"unknown quantization method {method!r} (int8, fp8 or int4)")
+        return cls(method, (1, group_size) if method == "int4" else (1, 0))
+
+    def block_for(self, in_features: int) -> tuple[int, int]:
+        """``(br, bc)`` for a layer with ``in_features`` inputs (``bc == 0`` resolved to the whole row)."""
+        return (self.block[0], self.block[1] or in_features)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ dequantize(W)^T + b`` with ``W`` stored quantized (never in 16 bits).
+
+    Parameters (frozen, in the state dict): ``qweight`` and ``weight_scale`` in the layout of
+    :mod:`infer.kernels.quant_reference`, and ``bias [N]`` in the model dtype when the layer has one.
+
+    Shapes: ``x [..., in_features]`` -> ``[..., out_features]`` in ``x``'s dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: str,
+                 block: tuple[int, int]) -> None:
+        super().__init__()
+        if method not in qref.QDTYPES:
+            raise ValueError(f"unknown quantization method {method!r} (int8, fp8 or int4)")
+        if method == "int4" and in_features % 8:
+            raise ValueError(f"int4 packs 8 values per int32: in_features {in_features} is not a multiple of 8")
+        self.in_features, self.out_features = in_features, out_features
+        self.method, self.block = method, tuple(block)
+        self.qweight = nn.Parameter(torch.empty(qref.qweight_shape(method, out_features, in_features),
+                                                dtype=qref.QDTYPES[method]), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(qref.scale_shape(out_features, in_features, self.block),
+                                                     dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from infer.kernels.quant_triton import quantized_linear
+
+        return quantized_linear(x, self.qweight, self.weight_scale, self.method, self.block, self.bias)
+
+    def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(qweight, weight_scale)`` of a float ``[out_features, in_features]`` weight (online
+        quantization; :func:`~infer.kernels.quant_reference.quantize`), on the weight's device."""
+        return qref.quantize(weight, self.method, self.block)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the layer multiplies by, ``[out_features, in_features]`` (a new tensor; for tests and
+        the reference model, not for the forward)."""
+        return qref.dequantize(self.qweight, self.weight_scale, self.method, self.block, dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}, "
+                f"block={self.block}, bias={self.bias is not None}")
+
+
+def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
+    """One :class:`QuantizedLinear` whose output rows are ``parts``' rows in order (phase 8's merged QKV
+    and gate/up). Exact: every scale belongs to rows of one part. A part whose rows do not fill whole
+    row blocks (``N % br != 0``, e.g. block-wise FP8 on a small model) gets one scale row per output row
+    first (the same values, repeated). The parts become views of the merged tensors."""
+    first = parts[0]
+    if any(p.method != first.method or p.block[1] != first.block[1] or p.in_features != first.in_features
+           or (p.bias is None) != (first.bias is None) for p in parts):
+        raise ValueError("only projections of one input, method and scale layout can be merged")
+    br = first.block[0]
+    if any(p.block[0] != br or p.out_features % br for p in parts):
+        scales = [qref.expand_scale(p.weight_scale, (p.out_features, -(-p.in_features // p.block[1])),
+                                    (p.block[0], 1)) for p in parts]
+        br = 1
+    else:
+        scales = [p.weight_scale for p in parts]
+    n = sum(p.out_features for p in parts)
+    merged = QuantizedLinear.__new__(QuantizedLinear)
+    nn.Module.__init__(merged)
+    merged.in_features, merged.out_features = first.in_features, n
+    merged.method, merged.block = first.method, (br, first.block[1])
+    merged.qweight = nn.Parameter(torch.cat([p.qweight for p in parts]), requires_grad=False)
+    merged.weight_scale = nn.Parameter(torch.cat(scales).contiguous(), requires_grad=False)
+    merged.bias = (nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+                   if first.bias is not None else None)
+    start = 0
+    for p in parts:
+        rows = p.out_features
+        p.qweight = nn.Parameter(merged.qweight[start:start + rows], requires_grad=False)
+        p.weight_scale = nn.Parameter(merged.weight_scale[start // br:(start + rows) // br], requires_grad=False)
+        p.block = merged.block
+        if p.bias is not None:
+            p.bias = nn.Parameter(merged.bias[start:start + rows], requires_grad=False)
+        start += rows
+    return merged
+
+
+def quantize_modules(model: nn.Module, scheme: QuantScheme) -> list[str]:
+    """Replace every decoder projection (:data:`QUANTIZED_PROJECTIONS` of each layer's attention and dense
+    MLP) of ``model``, built on ``meta``, with an empty :class:`QuantizedLinear` of ``scheme``.
+
+    Returns:
+        The replaced modules' names (``model.layers.0.self_attn.q_proj``, ...).
+    """
+    replaced = []
+    for name, module in list(model.named_modules()):
+        for attr in QUANTIZED_PROJECTIONS:
+            child = getattr(module, attr, None)
+            if not isinstance(child, nn.Linear):
+                continue
+            parallel = getattr(child, "parallel", None)
+            if parallel is not None and parallel.tp_size > 1:
+                raise ValueError("quantized projections are not split across tensor-parallel ranks")
+            q = QuantizedLinear(child.in_features, child.out_features, child.bias is not None, scheme.method,
+                                scheme.block_for(child.in_features))
+            setattr(module, attr, q)
+            replaced.append(f"{name}.{attr}" if name else attr)
+    return replaced
+
+
+def quantized_bytes(model: nn.Module) -> tuple[int, int]:
+    """``(bytes of the quantized projections' weights and scales, bytes the same weights take in the model
+    dtype)``: what a decode step reads for them, quantized and not."""
+    dtype_size = model.model.embed_tokens.weight.element_size()
+    storages: dict[int, tuple[int, int]] = {}  # a merged projection and its parts share one storage
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            key = m.qweight.untyped_storage().data_ptr()
+            q = m.qweight.numel() * m.qweight.element_size() + m.weight_scale.numel() * 4
+            storages[key] = max(storages.get(key, (0, 0)), (q, m.out_features * m.in_features * dtype_size))
+    return sum(q for q, _ in storages.values()), sum(f for _, f in storages.values())

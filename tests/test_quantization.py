@@ -1,0 +1,384 @@
+"""Phase 11: weight-only quantization (int8, fp8, int4).
+
+* The formats: quantize / dequantize round trips within the error each format's step allows, the int4
+  packing against a hand-computed word, bad input.
+* The Triton kernel (interpreter on the CPU) against the plain-PyTorch reference, on fresh random inputs:
+  the one-row-to-8-row GEMV form and the tl.dot GEMM form, every method, per-channel, per-group and
+  block-wise scales, partial last blocks, bias, bfloat16.
+* Merging quantized projections (the fused forward's QKV and gate/up) is exact.
+* The engine on the shipped SmolLM2-135M with int8: the greedy tokens of the same model with each
+  projection's weight replaced by its dequantized value, run unquantized (an exact reference for
+  weight-only quantization), with and without fused kernels; and how many match the float model.
+* Pre-quantized checkpoints loaded as stored: Hugging Face's block-wise FP8 (transformers' own reader,
+  dequantizing, is the reference) and compressed-tensors W8A16 / W4A16 / FP8 written by the
+  ``compressed-tensors`` library (the reference: a float model with the library's fake-quantized weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from infer.config import EngineConfig
+from infer.kernels import quant_reference as qref
+from infer.loader import load_model
+from infer.models.quant import QuantizedLinear, QuantScheme, merge_quantized
+from infer.sampling import SamplingParams
+from tests.hf_reference import hf_logits, infer_logits, tiny_hf_model
+from tests.test_batching import drive, make_engine
+from tests.test_parity import _prompts, assert_parity
+
+METHODS = ("int8", "fp8", "int4")
+
+# ---------------------------------------------------------------------------- formats
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("block", [None, (1, 32), (16, 32)])
+def test_round_trip_error_is_within_the_formats_step(method, block):
+    torch.manual_seed(0)
+    w = torch.randn(40, 96) * torch.rand(40, 1) * 3  # rows of different ranges
+    w[3] = 0.0  # a row of zeros: scale 1, exact zeros back
+    q, s = qref.quantize(w, method, block)
+    blk = block or qref.default_block(method, 96)
+    back = qref.dequantize(q, s, method, blk)
+    scale = qref.expand_scale(s, (40, 96), blk)
+    err = (back - w).abs()
+    slack = 1e-6 * w.abs()  # float32 rounding of w / scale and q * scale
+    if method == "fp8":  # 3 mantissa bits: half a step is 2^-4 of the value; e4m3 subnormals: 2^-10 of the scale
+        bound = torch.maximum(w.abs() * 2**-4, scale * 2**-10)
+    else:
+        bound = scale / 2
+    assert bool((err <= bound + slack).all()), (err - bound).max()
+    assert bool((back[3] == 0).all())
+    # a row's largest value is the largest of its one-row blocks: exact in the integer formats (the largest code)
+    if method != "fp8" and blk[0] == 1:
+        i = w.abs().argmax(1)
+        assert torch.allclose(back[torch.arange(40), i], w[torch.arange(40), i], rtol=1e-6)
+
+
+def test_int4_packing_against_a_hand_computed_word():
+    q = torch.tensor([[-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7]], dtype=torch.int8)
+    packed = qref.pack_int4(q)
+    # stored q + 8: nibbles 0..7 in the first word (lowest bits first), 8..15 in the second
+    assert packed.tolist() == [[0x76543210, torch.tensor(0xFEDCBA98).to(torch.int32).item()]]
+    assert torch.equal(qref.unpack_int4(packed), q)
+    r = torch.randint(-8, 8, (5, 64), dtype=torch.int8)
+    assert torch.equal(qref.unpack_int4(qref.pack_int4(r)), r)
+
+
+def test_bad_input_raises_value_errors():
+    w = torch.randn(8, 12)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        qref.quantize(w, "int4")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        qref.quantize(w, "int3")
+    q, s = qref.quantize(torch.randn(8, 16), "int8")
+    with pytest.raises(ValueError, match="qweight must be"):
+        qref.quantized_linear_reference(torch.randn(2, 16), q.float(), s, "int8", (1, 16))
+    with pytest.raises(ValueError, match="x must be"):
+        qref.quantized_linear_reference(torch.randn(2, 15), q, s, "int8", (1, 16))
+    with pytest.raises(ValueError, match="weight_scale must be"):
+        qref.quantized_linear_reference(torch.randn(2, 16), q, s[:4], "int8", (1, 16))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(device="cpu", quantization="int3").validate()
+    with pytest.raises(ValueError, match="parallelism is not supported"):
+        EngineConfig(device="cpu", quantization="int8", tensor_parallel_size=2).validate()
+
+
+
+def test_the_cli_flag_parses_to_the_field():
+    import argparse
+
+    from infer.config import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--quantization", "int4"])).quantization == "int4"
+    assert engine_config_from_args(parser.parse_args([])).quantization == "none"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int3"])
+
+
+# ---------------------------------------------------------------------------- the Triton kernel
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("m, n, k, block", [(1, 40, 96, None), (5, 33, 80, (1, 32)), (20, 24, 64, (16, 32))])
+def test_triton_kernel_matches_the_reference(method, m, n, k, block):
+    """Rows 1 and 5: the GEMV form; 20: the tl.dot GEMM. Partial blocks: n 33 / 40 rows of 16, k 80 of 32."""
+    from infer.kernels.quant_triton import quantized_linear_triton
+
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    blk = block or qref.default_block(method, k)
+    q, s = qref.quantize(torch.randn(n, k, generator=g), method, blk)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g) if m != 5 else None
+    ours = quantized_linear_triton(x, q, s, method, blk, bias)
+    ref = qref.quantized_linear_reference(x.double(), q, s, method, blk, bias.double() if bias is not None else None)
+    assert ours.dtype == x.dtype
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_triton_kernel_in_bfloat16_rounds_once(method):
+    from infer.kernels.quant_triton import quantized_linear_triton
+
+    g = torch.Generator().manual_seed(7)
+    q, s = qref.quantize(torch.randn(24, 64, generator=g), method, (1, 32))
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    ours = quantized_linear_triton(x, q, s, method, (1, 32))
+    exact = x.double() @ qref.dequantize(q, s, method, (1, 32)).double().T
+    assert ours.dtype == torch.bfloat16
+    # float32 accumulation, one rounding to bfloat16: within half a bf16 ulp (2^-8 relative) and a float32 sum
+    assert bool(((ours.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all())
+
+
+def test_merged_quantized_projections_compute_the_parts():
+    """Block-wise fp8 with 16-row blocks over parts of 24 and 8 rows (not whole blocks): the scales are
+    repeated per row first; the merged output is the parts' outputs side by side, and the parts are views."""
+    torch.manual_seed(3)
+    parts = []
+    for n in (24, 8, 8):
+        layer = QuantizedLinear(64, n, True, "fp8", (16, 32))
+        q, s = layer.quantize_weight(torch.randn(n, 64))
+        layer.qweight.data, layer.weight_scale.data, layer.bias.data = q, s, torch.randn(n)
+        parts.append(layer)
+    x = torch.randn(4, 64)
+    want_w = torch.cat([p.dequantized_weight() for p in parts])
+    want = torch.cat([p(x) for p in parts], dim=1)
+    merged = merge_quantized(*parts)
+    assert merged.block == (1, 32) and merged.weight_scale.shape == (40, 2)
+    assert torch.equal(merged.dequantized_weight(), want_w)  # the same weights, bit for bit
+    torch.testing.assert_close(merged(x), want, rtol=1e-6, atol=1e-6)  # (one GEMM's sums may be ordered otherwise)
+    assert parts[1].qweight.data_ptr() == merged.qweight[24:].data_ptr()
+    assert torch.equal(torch.cat([p.dequantized_weight() for p in parts]), want_w)
+
+
+# ---------------------------------------------------------------------------- the engine on SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8():
+    return load_model("smollm2-135m", device="cpu", dtype=torch.float32, progress=False, quantization="int8")
+
+
+@contextlib.contextmanager
+def dequantized(model: nn.Module):
+    """Every :class:`QuantizedLinear` of ``model`` replaced by an ``nn.Linear`` holding its dequantized weight
+    (float32), restored on exit: the same model, unquantized."""
+    swapped = []
+    for owner in list(model.modules()):
+        for attr, child in list(owner.named_children()):
+            if isinstance(child, QuantizedLinear):
+                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                lin.weight = nn.Parameter(child.dequantized_weight(torch.float32), requires_grad=False)
+                if child.bias is not None:
+                    lin.bias = nn.Parameter(child.bias.detach().clone(), requires_grad=False)
+                setattr(owner, attr, lin)
+                swapped.append((owner, attr, child))
+    try:
+        yield
+    finally:
+        for owner, attr, child in swapped:
+            setattr(owner, attr, child)
+
+
+def _greedy(loaded, prompts, **kw):
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eng = make_engine(loaded, batching="continuous", kv_cache="paged", block_size=16, max_model_len=128, **kw)
+    return drive(eng, [(0, p, params) for p in prompts])
+
+
+def test_int8_engine_gives_the_tokens_of_the_dequantized_model(smollm2_int8, smollm2):
+    tok = smollm2.tokenizer
+    prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n    ")]
+    attn = smollm2_int8.model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, QuantizedLinear) and attn.q_proj.qweight.dtype == torch.int8
+    ours = _greedy(smollm2_int8, prompts)
+    with dequantized(smollm2_int8.model):
+        assert isinstance(smollm2_int8.model.model.layers[0].self_attn.q_proj, nn.Linear)
+        ref = _greedy(smollm2_int8, prompts)
+    assert ours == ref
+    try:  # the fused forward: quantized QKV and gate/up merged, the norm/RoPE/activation kernels around them
+        assert _greedy(smollm2_int8, prompts, fused_kernels=True) == ref
+        assert isinstance(smollm2_int8.model.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    finally:
+        smollm2_int8.model.set_fused_ops(None)
+    # against the float model: top-1 agreement, teacher-forced on the int8 model's greedy continuations
+    seqs = [prompts[i] + ours[i][0] for i in sorted(ours)]
+    same = total = 0
+    for p, seq, a, b in zip(prompts, seqs, infer_logits(smollm2_int8.model, seqs), infer_logits(smollm2.model, seqs)):
+        gen = slice(len(p) - 1, len(seq) - 1)  # the positions that predicted a generated token
+        same += int((a[gen].argmax(-1) == b[gen].argmax(-1)).sum())
+        total += a[gen].shape[0]
+    print(f"int8 vs float32 SmolLM2-135M: top-1 agreement {same}/{total}")
+    assert same >= 0.75 * total
+
+
+# ---------------------------------------------------------------------------- pre-quantized checkpoints
+
+
+def _tiny_qwen3():
+    return tiny_hf_model("qwen3", hidden_size=128, intermediate_size=256, head_dim=32)
+
+
+def _check_against(path, ref, method: str, fused: bool = True):
+    ours = load_model(path, device="cpu", dtype=torch.float32, progress=False)
+    proj = ours.model.model.layers[0].mlp.down_proj
+    assert isinstance(proj, QuantizedLinear) and proj.method == method
+    _check_logits(ours, ref, fused)
+    return ours
+
+
+@pytest.mark.parametrize("kind, method", [("llama", "int4"), ("gemma3", "fp8"), ("qwen3_moe", "int8")])
+def test_online_quantization_is_the_model_with_dequantized_weights(kind, method, tmp_path):
+    """Every architecture's projections quantized at load (Gemma 3's GeGLU and sandwich norms, Qwen3-MoE's
+    attention beside its unquantized experts): HF transformers with each projection's weight replaced by
+    our dequantized one is the reference, unfused and fused."""
+    from tests.hf_reference import save_hf
+
+    ref = tiny_hf_model(kind)
+    ours = load_model(save_hf(ref, tmp_path / kind), device="cpu", dtype=torch.float32, progress=False,
+                      quantization=method)
+    names = dict(ours.model.named_modules())
+    quantized = [n for n, m in names.items() if isinstance(m, QuantizedLinear)]
+    assert len(quantized) == ref.config.num_hidden_layers * (7 if kind != "qwen3_moe" else 4)
+    with torch.no_grad():
+        for n in quantized:
+            ref.get_submodule(n).weight.copy_(names[n].dequantized_weight())
+    _check_logits(ours, ref)
+
+
+def _check_logits(ours, ref, fused: bool = True):
+    prompts = _prompts(ref.config.vocab_size, [1, 9, 40])
+    for seq, logits in zip(prompts, infer_logits(ours.model, prompts)):
+        assert_parity(logits, hf_logits(ref, seq))
+    if fused:
+        from infer.kernels import fused_reference
+
+        ours.model.set_fused_ops(fused_reference, max_positions=64)
+        for seq, logits in zip(prompts, infer_logits(ours.model, prompts)):
+            assert_parity(logits, hf_logits(ref, seq))
+
+
+def test_hf_block_fp8_checkpoint_loads_as_stored(tmp_path):
+    """Written in the layout of the Qwen3-FP8 releases (fp8 ``weight``, ``weight_scale_inv`` per 128 x 128
+    block); transformers' own reader, dequantizing, is the reference. k and v have 64 rows: half a block."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    model = _tiny_qwen3()
+    state = {}
+    for name, w in model.state_dict().items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            n, k, b = *w.shape, 128
+            rows, cols = -(-n // b), -(-k // b)
+            amax = torch.nn.functional.pad(w.abs(), (0, cols * b - k, 0, rows * b - n)).view(rows, b, cols, b).amax((1, 3))
+            scale = amax / 448.0
+            full = scale.repeat_interleave(b, 0)[:n].repeat_interleave(b, 1)[:, :k]
+            state[name] = (w / full).to(torch.float8_e4m3fn)
+            state[name.removesuffix("weight") + "weight_scale_inv"] = scale
+        elif name != "lm_head.weight":  # tied
+            state[name] = w.contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                        "activation_scheme": "dynamic"}
+    model.config.save_pretrained(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                               quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
+    ours = _check_against(tmp_path, ref, "fp8")
+    assert ours.model.model.layers[0].mlp.down_proj.weight_scale.shape == (1, 2)
+    with pytest.raises(Exception, match="already quantized"):
+        load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False, quantization="int8")
+
+
+@pytest.mark.parametrize("preset, fmt, method", [("W4A16", "pack-quantized", "int4"), ("W8A16", None, "int8"),
+                                                 ("FP8_DYNAMIC", None, "fp8")])
+def test_compressed_tensors_checkpoint_loads_as_stored(preset, fmt, method, tmp_path):
+    """Quantized and saved by the ``compressed-tensors`` library (llmcompressor's format). Scales as its own
+    observers would set them (min/max per group or channel); the reference: the float model with each
+    weight replaced by the library's fake-quantized value."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = _tiny_qwen3()
+    ref = copy.deepcopy(model)
+    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
+                                ignore=["lm_head"])
+    apply_quantization_config(model, config)
+    ref_modules = dict(ref.named_modules())
+    for name, module in model.named_modules():
+        if not hasattr(module, "weight_scale"):
+            continue
+        args, w = module.quantization_scheme.weights, module.weight.data
+        if args.strategy == "group":
+            v = w.view(w.shape[0], -1, args.group_size)
+            lo, hi = v.amin(-1), v.amax(-1)
+        else:  # channel
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        scale, zero = calculate_qparams(lo, hi, args)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+        ref_modules[name].weight.data.copy_(fake_quantize(w, module.weight_scale, module.weight_zero_point, args))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(tmp_path)
+    compressor.update_config(str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"] == \
+        "compressed-tensors"
+    _check_against(tmp_path, ref.eval(), method, fused=preset == "W4A16")
+
+
+def test_unsupported_quantization_configs_are_rejected(tmp_path):
+    from infer.errors import ModelLoadError
+    from infer.loader.quantized import scheme_from_hf_config
+
+    for q, match in [({"quant_method": "awq"}, "not supported"),
+                     ({"quant_method": "fp8"}, "weight_block_size"),
+                     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+                         "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                                                                  "strategy": "group", "group_size": 128}}}},
+                      "asymmetric")]:
+        with pytest.raises(ModelLoadError, match=match):
+            scheme_from_hf_config({"quantization_config": q}, tmp_path)
+    assert scheme_from_hf_config({}, tmp_path) is None
+    assert QuantScheme.online("int4").block_for(256) == (1, 128)
+    assert QuantScheme.online("int8").block_for(256) == (1, 256)
+
+
+# ---------------------------------------------------------------------------- the benchmark
+
+
+def test_benchmark_runs_at_tiny_size(tiny_llama, tmp_path):
+    """benchmarks/quantization.py: its kernel and quality parts on the tiny checkpoint (what it counts and
+    writes, not how fast anything is)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import quantization as bench
+
+    path = str(tiny_llama.path)
+    assert bench.main(["--device", "cpu", "--model", path, "--quality-model", path, "--parts", "kernels", "quality",
+                       "--batch-sizes", "1", "--repeats", "1", "--quality-tokens", "48", "--window", "16",
+                       "--methods", "none", "int8", "int4", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "quantization.json").read_text())
+    assert {(r["projection"], r["method"]) for r in rep["kernels"]} == {
+        (p, m) for p in ("qkv", "o", "gate_up", "down") for m in ("none", "int8", "int4")}
+    none, *rest = rep["quality"]
+    assert none["method"] == "none" and none["top1_agreement"] == 1.0 and none["tokens"] == 47
+    assert all(0 < r["perplexity"] < float("inf") and 0 <= r["top1_agreement"] <= 1 for r in rest)
+    assert (tmp_path / "quantization.png").is_file() and (tmp_path / "quantization.md").is_file()
