@@ -285,6 +285,7 @@ def test_cli_flag_with_a_key(tiny_llama, tmp_path):
         reader = SSEReader(srv.url, auth)
         (body,) = send_all(srv.url, PROMPTS[:1], auth)
         wait_until(lambda: any(e["finished"] for e in reader.steps()), 30, "the request's last step")
+        wait_until(lambda: not reader.of("state")[-1]["running"], 10, "a state without the finished request")
         reader.stop.set()
         mine = [s for e in reader.steps() for s in e["seqs"]]
         assert len(mine) == body["usage"]["completion_tokens"]  # its prefill and one decode per later token

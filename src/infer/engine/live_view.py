@@ -110,7 +110,7 @@ class LiveView:
         itl = engine.output_processor.inter_token_latency
         self._publish("step", (rec, ttft, (itl.sum, sum(itl.counts))))
         now = time.perf_counter()
-        idle = not (rec.running or rec.waiting)
+        idle = not engine.scheduler.has_unfinished()  # after the step (rec's counts are before its finishes)
         if idle or now - self._last_snapshot >= self.snapshot_interval_s:
             self._publish("state", self.snapshot())
 

@@ -10,8 +10,9 @@ last steps, drawn in the browser while it serves.
 * ``GET /live/events``: a Server-Sent Events stream: ``hello`` (info, instance), a fresh ``state``,
   then ``steps`` (a JSON list of step events, :meth:`~infer.engine.live_view.LiveView.step_event`)
   and ``state`` again as the engine publishes them, ``dropped`` when this reader fell behind the
-  ring, a comment line every 15 s while nothing happens (proxies keep the connection), and
-  ``stopped`` when the engine is gone. The handler reads the engine's ring
+  ring, a fresh ``state`` every :data:`QUIET_S` seconds while no step runs (a request aborted while
+  it waited changes the queues without a step; the line also keeps proxies from closing the
+  connection), and ``stopped`` when the engine is gone. The handler reads the engine's ring
   (:class:`~infer.engine.live_view.LiveView`) every :data:`POLL_S` seconds: the engine thread
   never waits for a client, and a slow client only misses the oldest events.
 
@@ -40,8 +41,8 @@ from infer.server.responses import error_response
 STATIC = Path(__file__).resolve().parent.parent / "static" / "live"
 #: how often the event stream reads the engine's ring (seconds)
 POLL_S = 0.05
-#: a comment line after this long without an event (seconds)
-KEEPALIVE_S = 15.0
+#: a fresh state after this long without an event (seconds)
+QUIET_S = 2.0
 
 page_router = APIRouter(include_in_schema=False)  # open: the page and its script hold no data
 data_router = APIRouter(include_in_schema=False)  # the API key's, when the server has one
@@ -117,8 +118,11 @@ async def event_stream(request: Request, live: LiveState):
             if states:
                 yield _sse("state", states[-1])
             quiet_since = time.monotonic()
-        elif time.monotonic() - quiet_since > KEEPALIVE_S:
-            yield ": keep-alive\n\n"
+        elif time.monotonic() - quiet_since > QUIET_S and live.engine.alive:
+            try:  # idle (or one long step): the engine thread answers between two steps
+                yield _sse("state", await live.engine.call(lambda _eng: view.snapshot()))
+            except EngineDead:
+                pass
             quiet_since = time.monotonic()
         if not live.engine.alive:
             yield _sse("stopped", {})
