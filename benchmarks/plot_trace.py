@@ -113,7 +113,8 @@ def plot(columns: list[tuple[str, list[dict]]], path: str) -> None:
         ax.set_ylabel("sequences")
         ax.set_xlabel("engine step")
     for r in range(3):
-        axes[r][0].legend(fontsize=8, loc="upper right")
+        for c in range(n if r == 0 else 1):  # the token panels' handles differ (budget, preemptions)
+            axes[r][c].legend(fontsize=8, loc="upper right")
     save_figure(fig, path)
 
 
