@@ -240,6 +240,44 @@ def test_events_agree_with_the_requests(live):
     assert sum(n for c, n in last["blocks"] if c == FREE) == last["kv"]["free"]
 
 
+def test_the_ring_drops_the_oldest_and_the_host_tier_is_counted(tiny_llama):
+    """A :class:`LiveView` of an engine whose prefix cache evicts to the host tier (``kv_offload``): a
+    reader behind an 8-event ring is told how many events it missed and gets the last 8 in order;
+    the snapshot's host-tier occupancy equals the blocks the step events say were offloaded, and its
+    block map counts what the pool holds."""
+    from infer.engine.live_view import LiveView
+    from infer.sampling import SamplingParams
+
+    block_bytes = 3 * 2 * 2 * 32 * 4 * BLOCK  # tiny-llama: layers x (K, V) x KV heads x head_dim x fp32 x tokens
+    eng = LLMEngine(EngineConfig(model=str(tiny_llama.path), device="cpu", dtype="float32", max_model_len=128,
+                                 batching="continuous", kv_cache="paged", block_size=BLOCK, prefix_caching=True,
+                                 kv_cache_memory_bytes=12 * block_bytes, kv_offload="host",
+                                 kv_offload_bytes=64 * block_bytes), loaded=tiny_llama, progress=False)
+    try:
+        assert eng.kv_manager.num_blocks == 12
+        view = LiveView(eng, max_events=8, snapshot_interval_s=0.0)
+        for i in range(6):  # distinct prompts: each leaves 2 full blocks cached, 12 in all: some are evicted
+            eng.add_request([10 + i] + [20 + i] * 39, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        steps, after = [], 0
+        while eng.has_unfinished_requests():
+            eng.step()
+            steps.extend(view.step_event(*p) for _, kind, p in view.since(after)[0] if kind == "step")
+            after = view.num_events
+        items, dropped = view.since(0)
+        assert view.num_events > 8 and dropped == view.num_events - 8
+        assert [n for n, _, _ in items] == list(range(view.num_events - 8, view.num_events))
+        snap = view.snapshot()
+        offloaded = sum(e["counts"].get("offloaded_blocks", 0) for e in steps)
+        assert snap["offload"]["host_used"] == offloaded > 0
+        assert sum(e["counts"].get("evictions", 0) for e in steps) >= offloaded
+        assert snap["offload"]["host_capacity"] == 64 and snap["kv"]["used"] == 0
+        pool = eng.kv_manager.pool
+        assert sum(n for c, n in snap["blocks"] if c == CACHED) == pool.num_cached_free > 0
+        assert sum(n for c, n in snap["blocks"] if c == FREE) == len(pool.free_blocks) == 12 - pool.num_cached_free
+    finally:
+        eng.shutdown()
+
+
 def test_off_by_default_and_keyed_data(tiny_llama):
     """Without ``live_page`` the routes do not exist (404); with an API key, the page is served to
     anyone but its data answers 401 without the key."""
