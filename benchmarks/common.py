@@ -192,7 +192,8 @@ def decode_floor_s(model_config, dtype: torch.dtype, context_len: int, bandwidth
     """Seconds one batch-1 decode step must take at least: bytes read / bandwidth.
 
     Bytes: every weight once (the embedding table only for its one row, unless it is tied to
-    the LM head, which reads it whole) plus the K/V of ``context_len`` cached tokens. For an MoE
+    the LM head, which reads it whole) plus the K/V of ``context_len`` cached tokens (and a hybrid
+    model's recurrent state, read and written once: phase 17). For an MoE
     model, only the experts one token is routed to (``num_params(active=True)``): the rest are not
     read at batch 1.
     """
@@ -201,7 +202,8 @@ def decode_floor_s(model_config, dtype: torch.dtype, context_len: int, bandwidth
     if not model_config.tie_word_embeddings:
         params -= model_config.vocab_size * model_config.hidden_size  # input embeddings: one row
     kv = model_config.kv_bytes_per_token(dtype) * context_len
-    return (params * item + kv) / (bandwidth_gb_s * 1e9)
+    state = 2 * model_config.state_bytes_per_seq(dtype)  # a hybrid model's recurrent state: read and written
+    return (params * item + kv + state) / (bandwidth_gb_s * 1e9)
 
 
 def write_report(report: dict[str, Any], out: str | Path | None, table: str) -> None:

@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.moe_model:
         runs += [(args.moe_model, "TP=1", {}), (args.moe_model, "TP=2", {"tensor_parallel_size": 2}),
                  (args.moe_model, "EP=2", {"expert_parallel_size": 2})]
-    if args.engine_flags.get("cuda_graphs"):  # not with expert parallelism (EngineConfig says why): eager there
+    # expert parallelism is captured only with the fixed-capacity dispatch (EngineConfig says why): else eager
+    if args.engine_flags.get("cuda_graphs") and args.engine_flags.get("all2all_backend") != "fixed_capacity":
         runs = [(m, f"{label} eager", {**kw, "cuda_graphs": False}) if "expert_parallel_size" in kw else (m, label, kw)
                 for m, label, kw in runs]
     engine = []

@@ -439,6 +439,24 @@ EXERCISES: dict[str, Exercise] = {
             "tensor ops only: no .item(), no Python loop over pairs (a CUDA graph captures this).",
             30,
         ),
+        # ---------------------------------------------------------------- phase 17: hybrid linear attention
+        Exercise(
+            "gated_delta_step", 17, "src/infer/kernels/gated_delta_reference.py",
+            ("tests/test_hybrid.py::test_recurrent_and_chunked_forms_agree",),
+            "One token of the gated delta rule, for every row at once: decay the state S [..., Dk, Dv] by "
+            "exp(g); compute what it predicts for the key (S^T k); write beta times the error (v minus that "
+            "prediction) along k (an outer product); read the new state with q. Which order of decay, write "
+            "and read does the chunked form (the test's reference) assume?",
+            15,
+        ),
+        Exercise(
+            "conv1d_update", 17, "src/infer/kernels/gated_delta_reference.py",
+            ("tests/test_hybrid.py::test_conv1d_update_steps_equal_the_prefill_convolution",),
+            "One new token per row through the short causal convolution: the window is the K - 1 stored "
+            "inputs (oldest first) followed by x; the output is SiLU of the window times the weights, summed "
+            "over the K taps (in float32, cast back); the new state is the window without its oldest input.",
+            10,
+        ),
         # ---------------------------------------------------------------- phase 14
         Exercise(
             "row_parallel_linear", 14, "src/infer/models/layers.py",
@@ -453,6 +471,14 @@ EXERCISES: dict[str, Exercise] = {
             "This rank holds the embedding rows of ids [vocab_start, vocab_start + num_embeddings). Look up the "
             "ids it holds, contribute nothing for the others, and combine the ranks' results with one "
             "collective (self.parallel.all_reduce).", 15,
+        ),
+        Exercise(
+            "all_reduce_choice", 14, "src/infer/parallel/allreduce.py",
+            ("tests/test_allreduce.py::test_choose_algorithm_by_size_and_dtype",),
+            "Which all-reduce a message takes: one-shot up to one_shot_max_bytes (inclusive), two-shot up to "
+            "the symmetric buffer's max_bytes, NCCL above it, and NCCL for what the symmetric-memory kernels "
+            "cannot do: a dtype outside SYMM_MEM_DTYPES, an empty message or a size that is not a multiple "
+            "of ALIGN bytes.", 10,
         ),
         # ---------------------------------------------------------------- phase 15 (expert parallelism)
         Exercise(

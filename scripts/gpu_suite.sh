@@ -258,6 +258,7 @@ section_bench_moe_model() {
 section_tp() {
     local rc=0
     "$PY" -m pytest -q tests/test_parallel.py -k "${TP_TESTS:-two_gpus}" -p no:cacheprovider || rc=1
+    "$PY" -m pytest -q tests/test_allreduce.py -p no:cacheprovider || rc=1
     "$PY" scripts/tp_parity.py --device cuda --dtype float32 --presets "${TP_FP32:-qwen3-0.6b,gemma3-1b,qwen3-30b-a3b-4l}" \
         --graphs --workdir "$CKPT/tp-fp32" --out "$OUT/tp_parity_fp32.json" || rc=1
     return $rc
@@ -280,6 +281,13 @@ section_bench_parallel() {
     "$PY" benchmarks/parallel.py --device cuda --model "$CKPT/$dense" --moe-model "$CKPT/qwen3-30b-a3b-4l" \
         --decode-tokens 128 --decode-repeats 3 --requests 64 --prompt-len 256 --output-len 128 --max-num-seqs 64 \
         --batches 1,8,64,256 --flags "${PARALLEL_FLAGS:-fused_kernels=true,cuda_graphs=true}" --out "$OUT/parallel_gpu.json"
+}
+
+# Issue 55 (a 2- or 4-GPU machine): all-reduce latency per size, NCCL against symmetric memory's one-shot and
+# two-shot, eager and in CUDA graphs (AR_RANKS=4 on a 4-GPU machine); then bench_parallel with
+# PARALLEL_FLAGS=fused_kernels=true,cuda_graphs=true,all_reduce_backend=symm_mem,all2all_backend=fixed_capacity
+section_bench_allreduce() {
+    "$PY" benchmarks/allreduce.py --ranks "${AR_RANKS:-2}" --out "$OUT/allreduce.json"
 }
 
 # Where a batch-1 decode step's time goes with TP=2 against one GPU, both with CUDA graphs (rank 0's

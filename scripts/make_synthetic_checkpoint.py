@@ -98,6 +98,19 @@ def _qwen3_moe(hidden, layers, heads, kv, inter, moe_inter, experts, top_k, voca
     return d
 
 
+def _qwen3_5(hidden, layers, heads, kv, inter, lin_k_heads, lin_v_heads, vocab=248320, tied=True, head_dim=256,
+             lin_head_dim=128, max_pos=262144):
+    return dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, hidden_act="silu",
+        max_position_embeddings=max_pos, rms_norm_eps=1e-6, tie_word_embeddings=tied, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        linear_conv_kernel_dim=4, linear_key_head_dim=lin_head_dim, linear_value_head_dim=lin_head_dim,
+        linear_num_key_heads=lin_k_heads, linear_num_value_heads=lin_v_heads,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+    )
+
+
 def _llama(hidden, layers, heads, kv, inter, vocab=128256, tied=False, head_dim=None, max_pos=131072):
     return dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -137,6 +150,15 @@ PRESETS: dict[str, Preset] = {
                             description="Qwen3-30B-A3B shapes (128 experts, top-8)", max_shard_size="5GB"),
     "qwen3-30b-a3b-4l": Preset("qwen3_moe", _qwen3_moe(2048, 4, 32, 4, 6144, 768, 128, 8),
                                description="Qwen3-30B-A3B layer shapes, 4 layers"),
+    # Qwen3.5-4B: 24 Gated DeltaNet + 8 gated-attention layers (hybrid linear attention, phase 17)
+    "qwen3.5-4b": Preset("qwen3_5", _qwen3_5(2560, 32, 16, 4, 9216, 16, 32), description="Qwen3.5-4B shapes "
+                         "(text; 3 Gated DeltaNet layers per gated-attention layer)"),
+    # a CPU-sized pair of similar size for benchmarks/hybrid.py: 8 layers, hidden 512 (hybrid: 6 + 2)
+    "small-qwen3.5": Preset("qwen3_5", _qwen3_5(512, 8, 8, 2, 1536, 4, 8, vocab=4096, head_dim=64, lin_head_dim=64,
+                                                max_pos=32768),
+                            description="small Qwen3.5 (6 Gated DeltaNet + 2 gated-attention layers, CPU benchmark)"),
+    "small-qwen3": Preset("qwen3", _qwen3(512, 8, 8, 2, 1536, vocab=4096, head_dim=64, max_pos=32768),
+                          description="small Qwen3 (8 attention layers, CPU benchmark beside small-qwen3.5)"),
     "llama3-8b": Preset("llama", _llama(4096, 32, 32, 8, 14336), bos_token="<|begin_of_text|>",
                         description="Llama-3.1-8B shapes (llama3 rope scaling)", max_shard_size="5GB"),
     "gemma3-1b": Preset("gemma3", _gemma3(1152, 26, 4, 1, 6912), bos_token="<bos>",
@@ -150,6 +172,9 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen3-moe": Preset("qwen3_moe", _qwen3_moe(64, 3, 4, 2, 128, 32, 8, 2, vocab=512, head_dim=16,
                                                      max_pos=4096, mlp_only_layers=[1]),
                              description="tiny Qwen3-MoE (8 experts, top-2, layer 1 dense)", init_std=0.16),
+    "tiny-qwen3.5": Preset("qwen3_5", _qwen3_5(64, 4, 4, 2, 128, 2, 4, vocab=512, head_dim=16, lin_head_dim=16,
+                                               max_pos=4096),
+                           description="tiny Qwen3.5 (3 Gated DeltaNet + 1 gated-attention layer)", init_std=0.16),
     "tiny-llama": Preset("llama", _llama(128, 3, 4, 2, 320, vocab=1024, tied=False),
                          bos_token="<|begin_of_text|>", description="tiny Llama (untied, llama3 rope, GQA 2:1)",
                          init_std=0.113),
@@ -254,12 +279,12 @@ def build_tokenizer(vocab_size: int, bos_token: str | None = None):
 
 
 def _hf_config(preset: Preset, ids: dict[str, int], dtype: torch.dtype):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig
 
     cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "gemma3": Gemma3TextConfig,
-           "qwen3_moe": Qwen3MoeConfig}[preset.family]
+           "qwen3_moe": Qwen3MoeConfig, "qwen3_5": Qwen3_5TextConfig}[preset.family]
     arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}[preset.family]
+            "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}[preset.family]
     tokens = dict(
         bos_token_id=ids.get(preset.bos_token) if preset.bos_token else None,
         eos_token_id=ids["<|im_end|>"],
@@ -277,8 +302,10 @@ def _init_weights(model: torch.nn.Module, family: str, gen: torch.Generator, std
         if id(p) in seen:  # tied lm_head / embed_tokens
             continue
         seen.add(id(p))
-        if p.ndim == 1 and "norm" in name:
-            if family == "gemma3":  # Gemma multiplies by (1 + w)
+        if family == "qwen3_5" and name.endswith(("A_log", "dt_bias")):
+            _init_decay(p, name, gen)
+        elif p.ndim == 1 and "norm" in name:
+            if family == "gemma3" or (family == "qwen3_5" and "linear_attn" not in name):  # (1 + w) norms
                 p.normal_(0.0, 0.1, generator=gen)
             else:
                 p.normal_(1.0, 0.05, generator=gen)
@@ -287,6 +314,16 @@ def _init_weights(model: torch.nn.Module, family: str, gen: torch.Generator, std
     for name, p in model.named_parameters():
         if not torch.isfinite(p).all() or p.abs().max() == 0:
             raise AssertionError(f"bad initialisation of {name}")
+
+
+def _init_decay(p: torch.Tensor, name: str, gen: torch.Generator) -> None:
+    """Gated DeltaNet's decay parameters (``g = -exp(A_log) * softplus(a + dt_bias)``): ``A`` uniform in
+    [0.01, 2] and ``dt_bias`` around -1, so that heads range from forgetting within a few tokens to
+    remembering hundreds (a test of the state carried across chunks needs the long memories)."""
+    if name.endswith("A_log"):
+        p.copy_(torch.empty(p.shape, device=p.device).uniform_(0.01, 2.0, generator=gen).log())
+    else:
+        p.normal_(-1.0, 0.5, generator=gen)
 
 
 def _no_init():

@@ -4,9 +4,10 @@ Reference: the same engine with one rank on the same weights (fp32). Checked: gr
 dense model with split KV heads (tiny Llama; paged cache, chunked prefill, n = 2 forks, prompt
 logprobs: every command the workers run), of one with a single KV head copied to both ranks and
 tied embeddings (tiny Gemma 3, fused forward), of Qwen3-MoE with tensor-parallel experts and with
-expert parallelism; a worker killed mid-request ends the request with an error and the server
-reports it (503) instead of hanging; SIGTERM to an engine process leaves no worker behind;
-validate_model's reasons.
+expert parallelism (dynamic and fixed-capacity dispatch); two "machines" on this host (nnodes=2,
+node 1 a separate `infer.server --node-rank 1` process); a worker killed mid-request ends the
+request with an error and the server reports it (503) instead of hanging; SIGTERM to an engine
+process leaves no worker behind; validate_model's reasons.
 
 The layers' collectives are also graded in one process (the exercises): two threads, each with
 its own gloo group over a shared in-memory store, play the two ranks.
@@ -123,7 +124,9 @@ def moe_path(tmp_path_factory):
     return _checkpoint(tmp_path_factory, "tiny-qwen3-moe")  # 8 experts, top-2, layer 1 dense
 
 
-@pytest.mark.parametrize("par", [{"tensor_parallel_size": 2}, {"expert_parallel_size": 2}], ids=["tp", "ep"])
+@pytest.mark.parametrize("par", [{"tensor_parallel_size": 2}, {"expert_parallel_size": 2},
+                                 {"expert_parallel_size": 2, "all2all_backend": "fixed_capacity"}],
+                         ids=["tp", "ep", "ep-fixed-capacity"])
 def test_moe_parallel_greedy_equals_one_rank(moe_path, par):
     one, many = _pair(moe_path, par, batching="continuous")
     try:
@@ -135,6 +138,54 @@ def test_moe_parallel_greedy_equals_one_rank(moe_path, par):
         assert _tokens(_run(many, PROMPTS, GREEDY)) == _tokens(_run(one, PROMPTS, GREEDY))
     finally:
         many.shutdown()
+
+
+# ---------------------------------------------------------------------------- two machines
+
+
+def test_two_nodes_one_rank_each_equal_one_rank(llama_path):
+    """nnodes=2 on one host: node 1 is `python -m infer.server --node-rank 1` (it only runs its rank,
+    rank 1), node 0 an engine here (rank 0); they meet at 127.0.0.1:port over gloo and give one rank's
+    greedy tokens; node 0's shutdown ends node 1 cleanly."""
+    from infer.engine.executor import _free_port
+
+    port = _free_port()
+    flags = dict(model=str(llama_path), device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2,
+                 nnodes=2, master_addr="127.0.0.1", master_port=port)
+    argv = [sys.executable, "-m", "infer.server"]
+    for name, value in {**flags, "node_rank": 1}.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    node1 = subprocess.Popen(argv, env=os.environ.copy(), stderr=subprocess.PIPE, text=True)
+    try:
+        node0 = LLMEngine(EngineConfig(**flags, node_rank=0), progress=False)
+        try:
+            assert node0.workers.procs == []  # every other rank is on node 1
+            got = _tokens(_run(node0, PROMPTS, GREEDY))
+        finally:
+            node0.shutdown()
+        assert node1.wait(30) == 0, node1.stderr.read()
+    finally:
+        node1.kill()
+        node1.wait()
+    one = LLMEngine(EngineConfig(**{k: v for k, v in flags.items() if k in ("model", "device", "dtype",
+                                                                        "max_model_len")}), progress=False)
+    assert got == _tokens(_run(one, PROMPTS, GREEDY))
+
+
+def test_rendezvous_url_of_one_machine_and_of_several(monkeypatch):
+    from infer.engine.executor import local_world_size, rendezvous_url
+
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    one = EngineConfig(device="cpu", tensor_parallel_size=2)
+    assert rendezvous_url(one).startswith("tcp://127.0.0.1:")  # one machine: torchrun's variables unused
+    two = EngineConfig(device="cpu", tensor_parallel_size=4, nnodes=2)
+    assert rendezvous_url(two) == "tcp://10.1.2.3:29555" and local_world_size(two) == 2
+    assert rendezvous_url(EngineConfig(device="cpu", tensor_parallel_size=4, nnodes=2, master_addr="h",
+                                       master_port=1234)) == "tcp://h:1234"  # the fields win
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("MASTER_PORT")
+    assert rendezvous_url(two) == "tcp://127.0.0.1:29500"
 
 
 # ---------------------------------------------------------------------------- failures
@@ -380,6 +431,65 @@ def test_expert_parallel_moe_equals_all_experts_on_one_rank():
         assert sum(rows) == t * cfg.num_experts_per_tok, rows
 
 
+def test_fixed_capacity_dispatch_equals_dynamic_and_drops_only_overflow():
+    """all2all_backend='fixed_capacity' on two gloo ranks (threads): with the default (worst-case)
+    capacity it equals the dynamic dispatch and one rank holding every expert; with a capacity
+    factor that overflows, each dropped pair (beyond the capacity of its destination rank, in token
+    order) is exactly the one missing from the sum."""
+    from infer.config import ModelConfig, RopeConfig
+    from infer.kernels import moe_reference
+    from infer.models.moe import SparseMoeBlock
+    from infer.parallel.moe import dispatch_capacity
+
+    cfg = ModelConfig("qwen3_moe", 64, 8, 16, 1, 2, 2, 4, 1e-6, 64, RopeConfig(1e4), num_experts=6,
+                      num_experts_per_tok=2, moe_intermediate_size=6, norm_topk_prob=True)
+    torch.manual_seed(0)
+    full = SparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0, 0.5)
+    state = dict(full.state_dict())
+    k, w, e_local = 2, 2, 3
+    x = torch.randn(7, 8)  # chunks of 4 and 3 tokens
+    with torch.inference_mode():
+        want = full(x)
+        weights, ids = full.route(x)
+
+    def run(all2all, factor=None):
+        def rank(r, ps):
+            ps.ep, ps.all2all, ps.capacity_factor = True, all2all, factor
+            with building_for(ps):
+                block = _load(SparseMoeBlock(cfg), state)
+            return block(x)
+        return two_ranks(rank)
+
+    dynamic, fixed = run("dynamic"), run("fixed_capacity")
+    for d, f in zip(dynamic, fixed):
+        torch.testing.assert_close(f, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(f, d, rtol=1e-6, atol=1e-7)
+    assert dispatch_capacity(4, k, e_local, w) == 8  # worst case: every pair of a chunk to one rank
+
+    # overflow: capacity 2 rows per destination; the reference drops, per source chunk and destination
+    # rank, every pair after the first 2 (pairs in token order), computed here with plain loops
+    factor = 0.5
+    kept = torch.ones_like(weights, dtype=torch.bool)
+    for lo, hi in ((0, 4), (4, 7)):
+        cap = dispatch_capacity(4, k, e_local, w, factor)
+        assert cap == 2
+        seen = [0] * w
+        for t in range(lo, hi):
+            for j in range(k):
+                d = int(ids[t, j]) // e_local
+                kept[t, j] = seen[d] < cap
+                seen[d] += 1
+    assert not kept.all(), "the case must overflow"
+    with torch.inference_mode():
+        want_dropped = moe_reference.fused_experts(x, full.experts.gate_up_proj, full.experts.down_proj,
+                                                   weights * kept, ids)
+    for got in run("fixed_capacity", factor):
+        torch.testing.assert_close(got, want_dropped, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------- GPUs (NCCL)
 
 
@@ -393,12 +503,24 @@ def test_expert_parallel_moe_equals_all_experts_on_one_rank():
                                         ("tiny-qwen3-moe", {"tensor_parallel_size": 2, "cuda_graphs": True}),
                                         ("tiny-llama", {"tensor_parallel_size": 2, "cuda_graphs": True,
                                                         "fused_kernels": True, "async_scheduling": True,
-                                                        "pdl": True})])
+                                                        "pdl": True}),
+                                        ("tiny-llama", {"tensor_parallel_size": 2, "all_reduce_backend": "symm_mem"}),
+                                        ("tiny-llama", {"tensor_parallel_size": 2, "cuda_graphs": True,
+                                                        "fused_kernels": True, "all_reduce_backend": "symm_mem",
+                                                        "symm_mem_one_shot_max_bytes": 0}),
+                                        ("tiny-llama", {"tensor_parallel_size": 2, "cuda_graphs": True,
+                                                        "fused_kernels": True, "async_scheduling": True,
+                                                        "all_reduce_backend": "symm_mem"}),
+                                        ("tiny-qwen3-moe", {"expert_parallel_size": 2,
+                                                            "all2all_backend": "fixed_capacity"}),
+                                        ("tiny-qwen3-moe", {"expert_parallel_size": 2, "cuda_graphs": True,
+                                                            "all2all_backend": "fixed_capacity"})])
 def test_two_gpus_greedy_equals_one_gpu_fp32(tmp_path_factory, preset, par):
     """The same code over NCCL on 2 GPUs (Triton attention and experts), fp32: tokens equal one GPU's
     eager run, also when every rank replays captured decode graphs (3 sequences: bucket 4, one
-    padding row) with async scheduling patching the input ids on rank 0, and with every rank's kernels
-    launched with PDL (Hopper)."""
+    padding row) with async scheduling patching the input ids on rank 0, with every rank's kernels
+    launched with PDL (Hopper), with the all-reduces on symmetric memory (one-shot, and two-shot
+    forced), and with expert parallelism's fixed-capacity dispatch, eager and in graphs."""
     sys.path.insert(0, str(SCRIPTS))
     from make_synthetic_checkpoint import make_checkpoint
 
@@ -412,3 +534,36 @@ def test_two_gpus_greedy_equals_one_gpu_fp32(tmp_path_factory, preset, par):
         assert _tokens(_run(many, PROMPTS, GREEDY)) == ref
     finally:
         many.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@pytest.mark.parametrize("flags", [{}, {"cuda_graphs": True, "fused_kernels": True}], ids=["eager", "graphs"])
+def test_two_nodes_of_two_gpus_equal_one_gpu_fp32(tmp_path_factory, flags):
+    """TP=4 as 2 "nodes" x 2 GPUs of one host (NCCL): node 1 is `python -m infer.server --node-rank 1`
+    seeing GPUs 2 and 3, node 0 an engine here on GPUs 0 and 1; one GPU's greedy tokens."""
+    from infer.engine.executor import _free_port
+
+    sys.path.insert(0, str(SCRIPTS))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    path = make_checkpoint("tiny-llama", tmp_path_factory.mktemp("two-nodes"), dtype="float32", device="cuda")
+    base = dict(model=str(path), device="cuda", dtype="float32", max_model_len=128, batching="continuous", **flags)
+    one = LLMEngine(EngineConfig(**base), progress=False)
+    ref = _tokens(_run(one, PROMPTS, GREEDY))
+    del one
+    multi = dict(base, tensor_parallel_size=4, nnodes=2, master_addr="127.0.0.1", master_port=_free_port())
+    argv = [sys.executable, "-m", "infer.server"]
+    for name, value in {**multi, "node_rank": 1}.items():
+        argv += [f"--{name.replace('_', '-')}"] if value is True else [f"--{name.replace('_', '-')}", str(value)]
+    node1 = subprocess.Popen(argv, env={**os.environ, "CUDA_VISIBLE_DEVICES": "2,3"}, stderr=subprocess.PIPE, text=True)
+    try:
+        node0 = LLMEngine(EngineConfig(**multi, node_rank=0), progress=False)
+        try:
+            assert _tokens(_run(node0, PROMPTS, GREEDY)) == ref
+        finally:
+            node0.shutdown()
+        assert node1.wait(60) == 0, node1.stderr.read()
+    finally:
+        node1.kill()
+        node1.wait()

@@ -28,6 +28,8 @@ KV_CACHE_LAYOUTS = ("contiguous", "paged")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_OFFLOAD_MODES = ("none", "host", "disk")
 MOE_BACKENDS = ("auto", "torch", "triton")
+ALL_REDUCE_BACKENDS = ("nccl", "symm_mem")
+ALL2ALL_BACKENDS = ("dynamic", "fixed_capacity")
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class ModelConfig:
     ``rope_local`` instead of ``rope``.
     """
 
-    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_moe"
+    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_moe" | "qwen3_5"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -91,6 +93,15 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalize the top-k routing probabilities to sum to 1
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+    # ---- hybrid linear attention (phase 17, Qwen3.5): layer_types "linear_attention" are Gated DeltaNet
+    # layers, with a fixed-size recurrent state per sequence instead of a KV cache
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of each head
+    attn_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the attention output
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -111,6 +122,32 @@ class ModelConfig:
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (all of them unless ``partial_rotary_factor`` < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (phase 17): they keep a recurrent state, not K/V."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that cache K/V (every layer but the linear-attention ones)."""
+        return sum(t != "linear_attention" for t in self.layer_types)
+
+    def state_bytes_per_seq(self, dtype: torch.dtype) -> int:
+        """Bytes of recurrent state one sequence holds across the linear-attention layers (0 for a
+        model without any): the conv state (``K - 1`` inputs of the q/k/v channels, in ``dtype``) and
+        the delta-rule state (``[Hv, Dk, Dv]``, float32) of each."""
+        n = len(self.layer_types) - self.num_kv_layers
+        conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        ssm = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return n * (conv_dim * (self.linear_conv_kernel_dim - 1) * itemsize + ssm)
+
     def window_of(self, layer_idx: int) -> int | None:
         """Sliding window (tokens) of a layer, or None for a full-attention layer."""
         return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
@@ -122,10 +159,16 @@ class ModelConfig:
         token uses in each MoE layer (plus the router): the weights a batch-1 decode step reads.
         """
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        norms = (4 if self.norm_unit_offset else 2) * h + (2 * d if self.qk_norm else 0)
+        attn = h * d * (self.num_heads * (3 if self.attn_output_gate else 2) + self.num_kv_heads * 2)
+        norms = (4 if self.norm_unit_offset and not self.is_hybrid else 2) * h + (2 * d if self.qk_norm else 0)
+        hk, hv = self.linear_num_key_heads * self.linear_key_head_dim, self.linear_num_value_heads * self.linear_value_head_dim
+        conv = 2 * hk + hv  # Gated DeltaNet (phase 17): in_proj_qkv/z/b/a, conv1d, A_log, dt_bias, norm, out_proj
+        linear = h * (conv + 2 * hv + 2 * self.linear_num_value_heads) + conv * self.linear_conv_kernel_dim + \
+            2 * self.linear_num_value_heads + self.linear_value_head_dim
         total = 0
         for layer in range(self.num_layers):
+            if self.layer_types[layer] == "linear_attention":
+                total -= attn + (2 * d if self.qk_norm else 0) - linear
             if self.is_moe_layer(layer):
                 experts = self.num_experts_per_tok if active else self.num_experts
                 mlp = experts * 3 * h * self.moe_intermediate_size + self.num_experts * h  # + router
@@ -138,7 +181,7 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V cached for one token across all layers."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
 def default_device() -> str:
@@ -311,6 +354,34 @@ class EngineConfig:
                                       "experts' rank and back with all-to-all); attention and dense layers run "
                                       "tensor-parallel over the same ranks (tensor_parallel_size is 1 or equal)",
                                       ablation=(1, 2), phase=15)
+    # ---- phases 14-15: collectives that scale (issue 55), and more than one machine
+    all_reduce_backend: str = _flag("nccl", "tensor parallelism on CUDA: how the layers' all-reduces run: nccl; "
+                                    "symm_mem (PyTorch symmetric memory: each rank reads its peers' buffers "
+                                    "directly, one-shot for small messages, two-shot above "
+                                    "symm_mem_one_shot_max_bytes, NCCL above symm_mem_max_bytes; capturable in "
+                                    "CUDA graphs). On the CPU (gloo) both run gloo's all-reduce",
+                                    choices=ALL_REDUCE_BACKENDS, phase=14)
+    symm_mem_one_shot_max_bytes: int = _flag(128 << 10, "all_reduce_backend='symm_mem': messages up to this many "
+                                             "bytes use the one-shot all-reduce, larger ones two-shot", phase=14)
+    symm_mem_max_bytes: int = _flag(8 << 20, "all_reduce_backend='symm_mem': size of the symmetric buffer each "
+                                    "rank allocates once; larger messages go to NCCL", phase=14)
+    all2all_backend: str = _flag("dynamic", "expert parallelism: how tokens reach their experts' ranks: dynamic "
+                                 "(all-to-all with split sizes read on the host: one sync per MoE layer, no "
+                                 "CUDA graphs); fixed_capacity (every rank sends a fixed number of padded rows "
+                                 "to every rank, counts stay on the device: capturable in CUDA graphs)",
+                                 choices=ALL2ALL_BACKENDS, phase=15)
+    ep_capacity_factor: float | None = _flag(None, "all2all_backend='fixed_capacity': rows a rank sends to each "
+                                             "rank = this factor x its pairs / ranks (GShard's capacity factor); "
+                                             "pairs over it are dropped. Default: the worst case, nothing is "
+                                             "dropped", phase=15)
+    nnodes: int = _flag(1, "machines the tensor/expert-parallel ranks span (world_size / nnodes ranks each); "
+                        "every machine runs the same command with its own --node-rank", phase=14)
+    node_rank: int = _flag(0, "this machine's index, 0 .. nnodes - 1: node 0 schedules and serves, the others "
+                           "only run their ranks", phase=14)
+    master_addr: str | None = _flag(None, "nnodes > 1: address of node 0, where the ranks meet (torch.distributed's "
+                                    "TCP rendezvous); default: $MASTER_ADDR, else 127.0.0.1", phase=14)
+    master_port: int | None = _flag(None, "nnodes > 1: a free port on node 0 for the rendezvous; default: "
+                                    "$MASTER_PORT, else 29500", phase=14)
     # ---- watching the engine (docs/reading-the-engine.md)
     trace: str | None = _flag(None, "record what every engine step did (the sequences it ran, prefill chunk or decode, "
                               "tokens, budget, preemptions, prefix-cache hits, graph or eager, host and device time) "
@@ -385,10 +456,10 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cuda_graphs:
-            if self.expert_parallel_size > 1:
-                raise ValueError("cuda_graphs with expert_parallel_size > 1 is not supported: the expert-parallel "
-                                 "all-to-all sizes its messages from each step's routing, read on the host, and a "
-                                 "graph replays fixed sizes (tensor_parallel_size works with cuda_graphs)")
+            if self.expert_parallel_size > 1 and self.all2all_backend != "fixed_capacity":
+                raise ValueError("cuda_graphs with expert_parallel_size > 1 needs all2all_backend='fixed_capacity': "
+                                 "the dynamic all-to-all sizes its messages from each step's routing, read on the "
+                                 "host, and a graph replays fixed sizes")
             if dev.type != "cuda":
                 raise ValueError("cuda_graphs needs a CUDA device: graphs capture GPU kernel launches, and on the "
                                  f"CPU ({self.device!r}) there are none to capture")
@@ -474,7 +545,8 @@ class EngineConfig:
         graphs = ("needs a CUDA device" if dev.type != "cuda"
                   else "needs the triton attention backend" if self.resolved_attention_backend() != "triton"
                   else "needs the triton MoE backend" if self.resolved_moe_backend() != "triton"
-                  else "expert parallelism is not captured in graphs" if self.expert_parallel_size > 1
+                  else "expert parallelism needs all2all_backend='fixed_capacity' in graphs"
+                  if self.expert_parallel_size > 1 and self.all2all_backend != "fixed_capacity"
                   else None)
         if name == "prefix_caching" and self.kv_cache != "paged":
             return "needs kv_cache='paged'"
@@ -537,14 +609,41 @@ class EngineConfig:
             raise ValueError(f"expert_parallel_size={ep} with tensor_parallel_size={tp}: attention runs "
                              "tensor-parallel over the expert-parallel ranks, so the two must be equal (or "
                              "tensor_parallel_size=1)")
+        self._validate_collectives()
         if self.world_size == 1:
             return
         if self.kv_offload != "none":
             raise ValueError(f"kv_offload={self.kv_offload!r} with tensor/expert parallelism is not supported: the "
                              "tiers copy one process's KV cache, and every rank holds its own part of each block")
-        if dev.type == "cuda" and torch.cuda.device_count() < self.world_size:
-            raise ValueError(f"{self.world_size} ranks need {self.world_size} GPUs (one per rank); "
+        local = self.world_size // self.nnodes
+        if dev.type == "cuda" and torch.cuda.device_count() < local:
+            raise ValueError(f"{local} ranks on this machine need {local} GPUs (one per rank); "
                              f"{torch.cuda.device_count()} are visible")
+
+    def _validate_collectives(self) -> None:
+        """The fields of issue 55: the all-reduce and all-to-all backends and the machines."""
+        if self.all_reduce_backend not in ALL_REDUCE_BACKENDS:
+            raise ValueError(f"all_reduce_backend must be one of {', '.join(ALL_REDUCE_BACKENDS)}, "
+                             f"got {self.all_reduce_backend!r}")
+        if self.symm_mem_one_shot_max_bytes < 0 or self.symm_mem_max_bytes < 0:
+            raise ValueError(f"symm_mem_one_shot_max_bytes and symm_mem_max_bytes must be >= 0, got "
+                             f"{self.symm_mem_one_shot_max_bytes} and {self.symm_mem_max_bytes}")
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise ValueError(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got "
+                             f"{self.all2all_backend!r}")
+        if self.ep_capacity_factor is not None:
+            if not self.ep_capacity_factor > 0:
+                raise ValueError(f"ep_capacity_factor must be > 0, got {self.ep_capacity_factor}")
+            if self.all2all_backend != "fixed_capacity":
+                raise ValueError("ep_capacity_factor sizes the fixed-capacity dispatch; it needs "
+                                 "all2all_backend='fixed_capacity'")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"nnodes must be >= 1 and node_rank in 0 .. nnodes - 1, got nnodes={self.nnodes}, "
+                             f"node_rank={self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks do not split evenly over nnodes={self.nnodes} machines")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port (1 .. 65535), got {self.master_port}")
 
     def validate_model(self, model: ModelConfig) -> None:
         """Reject parallel sizes that do not split ``model`` evenly, with the reason. (The engine calls
@@ -555,9 +654,17 @@ class EngineConfig:
         ``tp / num_kv_heads`` ranks when there are fewer KV heads than ranks), the MLP's
         intermediate columns and the vocabulary (embedding rows, LM-head rows) in equal parts.
 
+        A hybrid model (phase 17, linear-attention layers with a recurrent state) runs without the
+        optimizations that do not handle that state yet: prefix caching (a cached prefix's KV blocks
+        would come without the state after it), KV offload, fused kernels, CUDA graphs and
+        tensor/expert parallelism. Each one asked for explicitly is an error; under ``optimize`` it is
+        turned off and the reason noted in the start-up log (:meth:`optimization_summary`).
+
         Raises:
-            ValueError: naming the dimension that does not divide.
+            ValueError: naming the dimension that does not divide, or the flag a hybrid model does not support.
         """
+        if model.is_hybrid:
+            self._fit_hybrid(model)
         w = self.world_size
         if w == 1:
             return
@@ -583,6 +690,32 @@ class EngineConfig:
         for ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} cannot split this {model.architecture} model: {why}")
+
+    def _fit_hybrid(self, model: ModelConfig) -> None:
+        """:meth:`validate_model` for a hybrid model (phase 17)."""
+        why = {
+            "prefix_caching": "a cached prefix's KV blocks would come without the linear-attention state after "
+                              "it (state snapshots are not implemented), so it would reuse stale state",
+            "fused_kernels": "the fused forward covers attention-only layers",
+            "cuda_graphs": "the recurrent-state slots are not graph inputs yet",
+        }
+        notes = getattr(self, "optimization_notes", None) or {}
+        for name, reason in why.items():
+            if not getattr(self, name):
+                continue
+            if not self.optimize:
+                raise ValueError(f"{name} is not supported for hybrid models ({model.architecture}): {reason}")
+            setattr(self, name, False)
+            notes[name] = f"not supported for hybrid models ({model.architecture})"
+        if not self.cuda_graphs:
+            self.cuda_graph_prefill_max_tokens = self.cuda_graph_mixed_max_tokens = 0
+        self.optimization_notes = notes
+        if self.kv_offload != "none":
+            raise ValueError(f"kv_offload is not supported for hybrid models ({model.architecture}): it moves "
+                             "prefix blocks, and prefix caching is off for them")
+        if self.world_size > 1:
+            raise ValueError(f"tensor/expert parallelism is not supported for hybrid models ({model.architecture}): "
+                             "the Gated DeltaNet layers are not split across ranks")
 
     def resolved_attention_backend(self) -> str:
         """``"torch"`` or ``"triton"``: ``auto`` is triton on CUDA, torch on the CPU."""

@@ -29,6 +29,7 @@ import torch
 
 if TYPE_CHECKING:
     from infer.attention.kv_cache import KVCache
+    from infer.attention.state_cache import RecurrentStateCache
 
 
 @dataclass
@@ -52,6 +53,10 @@ class AttentionMetadata:
         decode_split_batch: the decode batch the flash-decoding split count is chosen for (None:
             ``num_decodes``). A CUDA graph whose decode rows are mostly padding sets the batch it
             expects, so that the few real rows still split their keys over enough programs.
+        state_cache: hybrid models (phase 17): the recurrent-state slots of the linear-attention
+            layers, or None (a cache-less forward: every sequence starts from a zero state).
+        state_slots: int64 ``[B]`` on the device: each sequence's slot in ``state_cache``;
+            ``state_slots_cpu`` the same as a list.
     """
 
     query_start_loc: torch.Tensor
@@ -64,6 +69,9 @@ class AttentionMetadata:
     block_tables_cpu: list[list[int]] | None = None
     num_decodes: int = 0
     decode_split_batch: int | None = None
+    state_cache: RecurrentStateCache | None = None
+    state_slots: torch.Tensor | None = None
+    state_slots_cpu: list[int] | None = None
 
     _decode: tuple | None = field(default=None, init=False, repr=False)
     # per-step values an attention backend builds once and reuses in every layer
@@ -78,6 +86,12 @@ class AttentionMetadata:
         """The most new tokens of one sequence in this step (host int)."""
         q = self.query_start_loc_cpu
         return max((q[i + 1] - q[i] for i in range(self.num_seqs)), default=0)
+
+    def first_positions(self) -> list[int]:
+        """Position of each sequence's first new token (tokens already cached before this step); 0 for
+        a sequence that starts here, whose recurrent state (phase 17) starts at zero."""
+        q = self.query_start_loc_cpu
+        return [self.seq_lens_cpu[i] - (q[i + 1] - q[i]) for i in range(self.num_seqs)]
 
     def prefill_indices(self) -> list[int]:
         """Indices of the sequences with more than one new token this step."""

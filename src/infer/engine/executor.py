@@ -57,6 +57,7 @@ from infer.engine.model_runner import ModelRunner
 from infer.errors import ParallelWorkerError
 from infer.kernels import pdl
 from infer.loader import load_model
+from infer.parallel.allreduce import make_all_reduce
 from infer.parallel.state import ParallelState, building_for, set_parallel
 
 log = logging.getLogger("infer")
@@ -71,25 +72,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_rank(rank: int, world_size: int, port: int, config: EngineConfig) -> ParallelState:
-    """Join the process group (NCCL on CUDA, gloo on the CPU) and describe this rank.
+def local_world_size(config: EngineConfig) -> int:
+    """Ranks each machine runs: ``world_size / nnodes``. Node ``n`` runs ranks ``n * L .. n * L + L - 1``."""
+    return config.world_size // config.nnodes
 
-    On CUDA rank ``r`` uses GPU ``r``; a second gloo group carries the host-side step messages.
+
+def rendezvous_url(config: EngineConfig) -> str:
+    """Where the ranks meet (torch.distributed's TCP store, hosted by rank 0 on node 0).
+
+    One machine: ``master_addr``/``master_port`` if given, else a free port on 127.0.0.1. Several:
+    the fields, else torchrun's environment variables ``MASTER_ADDR``/``MASTER_PORT``, else
+    127.0.0.1:29500 (torchrun's defaults); every machine must name node 0's address and the same port.
+    """
+    if config.nnodes == 1:
+        return f"tcp://{config.master_addr or '127.0.0.1'}:{config.master_port or _free_port()}"
+    addr = config.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = config.master_port or int(os.environ.get("MASTER_PORT") or 29500)
+    return f"tcp://{addr}:{port}"
+
+
+def init_rank(rank: int, world_size: int, url: str, config: EngineConfig) -> ParallelState:
+    """Join the process group (NCCL on CUDA, gloo on the CPU) at ``url`` and describe this rank.
+
+    On CUDA rank ``r`` uses its machine's GPU ``r mod L`` (:func:`local_world_size`); a second gloo
+    group carries the host-side step messages. With ``all_reduce_backend='symm_mem'`` on CUDA the
+    ranks also allocate and exchange their symmetric all-reduce buffers here (a collective).
     """
     cuda = config.resolved_device().type == "cuda"
     if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        torch.cuda.set_device(rank_device(config, rank))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=url, rank=rank,
                             world_size=world_size, timeout=TIMEOUT)
     group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else group
-    return ParallelState(rank, world_size, tp=True, ep=config.expert_parallel_size > 1, group=group,
-                         cpu_group=cpu_group)
+    state = ParallelState(rank, world_size, tp=True, ep=config.expert_parallel_size > 1, group=group,
+                          cpu_group=cpu_group, all2all=config.all2all_backend,
+                          capacity_factor=config.ep_capacity_factor)
+    state.symm_mem = make_all_reduce(config.all_reduce_backend, group, rank_device(config, rank),
+                                     config.symm_mem_max_bytes, config.symm_mem_one_shot_max_bytes, rank)
+    return state
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
     dev = config.resolved_device()
-    return torch.device("cuda", rank) if dev.type == "cuda" else dev
+    return torch.device("cuda", rank % local_world_size(config)) if dev.type == "cuda" else dev
 
 
 HEADER = 16  # int64s per command message: [cmd, n, the payload when n <= HEADER - 2]
@@ -260,14 +286,21 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _worker_main(rank: int, world_size: int, port: int, config: EngineConfig, parent: int) -> None:
+def _worker_main(rank: int, world_size: int, url: str, config: EngineConfig, parent: int) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 decides
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(message)s")
+    code = run_rank(rank, world_size, url, config)
+    os._exit(code)  # skip interpreter teardown: the process group's C++ threads may still be winding down
+
+
+def run_rank(rank: int, world_size: int, url: str, config: EngineConfig) -> int:
+    """Everything a rank other than 0 does: join the group, build its runner, :func:`serve` until
+    SHUTDOWN, leave. Returns the exit code: 0, or 1 after logging the failure."""
     try:
-        state = init_rank(rank, world_size, port, config)
+        state = init_rank(rank, world_size, url, config)
         set_parallel(state)
         _, runner = build_runner(config, state)
         with pdl.scope(runner.pdl):  # serve() runs the runner's forwards and graphs directly
@@ -278,9 +311,9 @@ def _worker_main(rank: int, world_size: int, port: int, config: EngineConfig, pa
     except Exception:
         log.exception("rank %d failed", rank)
         sys.stderr.flush()
-        os._exit(1)
+        return 1
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: the process group's C++ threads may still be winding down
+    return 0
 
 
 class Workers:
@@ -298,18 +331,17 @@ class Workers:
         if dist.is_initialized():
             raise RuntimeError("a parallel engine is already running in this process (torch.distributed "
                                "holds one process group per process); shut it down first")
+        if config.node_rank != 0:
+            raise ValueError(f"node_rank={config.node_rank}: only node 0 runs the engine; start the other "
+                             "machines with `python -m infer.server ... --node-rank N` (run_node)")
         self.world_size = config.world_size
-        port = _free_port()
-        ctx = torch.multiprocessing.get_context("spawn")
-        self.procs = [ctx.Process(target=_worker_main, args=(r, self.world_size, port, config, os.getpid()),
-                                  name=f"infer-rank{r}", daemon=True) for r in range(1, self.world_size)]
-        for p in self.procs:
-            p.start()
+        url = rendezvous_url(config)
+        self.procs = _spawn_ranks(range(1, local_world_size(config)), url, config)
         self.error: ParallelWorkerError | None = None
         self._joined: list[ParallelState] = []  # rank 0's state once it is in the group
         self._finalizer = weakref.finalize(self, _shutdown, self._joined, self.procs)
         try:
-            self.state = init_rank(0, self.world_size, port, config)
+            self.state = init_rank(0, self.world_size, url, config)
         except BaseException:
             self._finalizer()
             raise
@@ -341,6 +373,45 @@ class Workers:
     def shutdown(self) -> None:
         """Tell every worker to exit, wait for them, leave the process group. Idempotent."""
         self._finalizer()
+
+
+def _spawn_ranks(ranks, url: str, config: EngineConfig) -> list:
+    """Start one worker process per rank (``torch.multiprocessing``'s spawn context: a fresh
+    interpreter each, as CUDA requires); each dies with this process."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker_main, args=(r, config.world_size, url, config, os.getpid()),
+                         name=f"infer-rank{r}", daemon=True) for r in ranks]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def run_node(config: EngineConfig) -> int:
+    """A machine other than node 0 (``node_rank`` > 0): run its ranks until node 0 shuts them down.
+
+    Its ranks join node 0's process group at :func:`rendezvous_url` and run :func:`serve`; node 0's
+    engine schedules, samples and serves. The node's first rank runs in this process, the others
+    in spawned workers. Returns 0 when every rank exited cleanly, else 1. The caller should leave
+    with ``os._exit`` (the process group's threads may still be winding down).
+
+    Raises:
+        ValueError: ``node_rank`` is 0 (node 0 runs :class:`~infer.engine.LLMEngine`).
+    """
+    config.validate()
+    if config.node_rank == 0:
+        raise ValueError("run_node is for node_rank > 0; node 0 runs the engine (LLMEngine, infer.server)")
+    local = local_world_size(config)
+    first = config.node_rank * local
+    url = rendezvous_url(config)
+    log.info("node %d of %d: ranks %d .. %d, rendezvous at %s", config.node_rank, config.nnodes, first,
+             first + local - 1, url)
+    procs = _spawn_ranks(range(first + 1, first + local), url, config)
+    code = run_rank(first, config.world_size, url, config)
+    _stop(procs, graceful=code == 0)
+    codes = [code, *(p.exitcode for p in procs)]
+    if any(codes):
+        log.error("node %d: ranks %d .. exited with %s", config.node_rank, first, codes)
+    return 1 if any(codes) else 0
 
 
 def _shutdown(joined: list[ParallelState], procs) -> None:

@@ -13,8 +13,15 @@ The contiguous cache of phases 1-4 is the special case ``block_size = max_model_
 block (a "row") per sequence, taken at admission and never outgrown. The same manager serves
 both; only the numbers differ (``EngineConfig.kv_cache``).
 
-Nothing here touches tensors: this module only decides which block ids each sequence owns.
-The tensors live in :class:`infer.attention.KVCache`.
+Hybrid models (phase 17) have a second resource: a sequence running through linear-attention
+layers holds one *state slot* (its conv and SSM state, a fixed size whatever its length). The same
+manager hands them out: one per sequence at admission (a request is admitted only when its blocks
+*and* its slots are free, so a request that finds no slot waits), given back at finish, abort and
+preemption (recompute: readmitted, the sequence starts from a zero state and recomputes it).
+
+Nothing here touches tensors: this module only decides which block ids (and slots) each sequence
+owns. The tensors live in :class:`infer.attention.KVCache` (and
+:class:`~infer.attention.state_cache.RecurrentStateCache`).
 """
 
 from __future__ import annotations
@@ -36,13 +43,22 @@ class KVCacheManager:
             table and starts its prefill after it; computed full blocks get their key
             (:meth:`cache_blocks`) before they are freed.
 
+        num_state_slots: hybrid models (phase 17): recurrent-state slots, one per running sequence
+            (0: the model has none).
+
     Each :class:`~infer.engine.sequence.Sequence` keeps its own ``block_table`` (a list of
     block ids); this class grows, forks and frees it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False,
+                 num_state_slots: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if prefix_caching and num_state_slots:
+            raise ValueError("prefix caching is not supported with recurrent state (a hybrid model): a cached "
+                             "prefix's KV blocks would come without the linear-attention state after that prefix")
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: 0 first
         self.prefix_caching = prefix_caching
         if prefix_caching:  # phase 7: full blocks keep a key and outlive their sequence
             self.pool: BlockPool = PrefixCachingBlockPool(num_blocks)
@@ -96,7 +112,19 @@ class KVCacheManager:
         return new + revived
 
     def can_admit(self, request: Request) -> bool:
+        if self.num_state_slots and len(self.free_state_slots) < len(request.unfinished_seqs):
+            return False  # hybrid: every sequence needs its state slot
         return self.blocks_to_admit(request) <= self.pool.num_free
+
+    def _take_state_slots(self, seqs: list[Sequence]) -> None:
+        """Give each of ``seqs`` a recurrent-state slot (hybrid models; checked by :meth:`can_admit`)."""
+        if not self.num_state_slots:
+            return
+        if len(self.free_state_slots) < len(seqs):
+            raise RuntimeError(f"{len(seqs)} state slots needed, {len(self.free_state_slots)} free")
+        for seq in seqs:
+            if seq.state_slot < 0:
+                seq.state_slot = self.free_state_slots.pop()
 
     def admit(self, request: Request) -> None:
         """Give ``request``'s unfinished sequences the blocks their prefill writes to.
@@ -110,6 +138,7 @@ class KVCacheManager:
             RuntimeError: not enough free blocks (check :meth:`can_admit` first).
         """
         seqs = request.unfinished_seqs
+        self._take_state_slots(seqs)
         hits = self._prefix_hits(request)
         for hit in hits:  # first, so that allocating below cannot evict them
             if hit:
@@ -312,6 +341,9 @@ class KVCacheManager:
             self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_cached_blocks = 0
+        if seq.state_slot >= 0:  # hybrid: its recurrent state is dropped (a preempted one recomputes it)
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1
 
 
 def block_extra_keys(request: Request) -> tuple:

@@ -77,6 +77,7 @@ class LLMEngine:
             config.model, config.resolved_device(), config.resolved_dtype(), progress=progress
         )
         self._require_tokenizer()
+        config.validate_model(self.loaded.config)  # e.g. flags a hybrid model (phase 17) does not support
         self.runner = ModelRunner.from_config(config, self.loaded)
         self._init_rest(config, progress)
 
@@ -116,7 +117,16 @@ class LLMEngine:
         if warm_s:
             log.info("warm-up: the attention kernels' variants launched once in %.1f s", warm_s)
         self.runner.capture_cuda_graphs(progress)
-        self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_caching=config.prefix_caching)
+        state = self.runner.state_cache
+        if state is not None:  # hybrid models (phase 17): how the budget was split
+            log.info("hybrid model: %d of %d layers keep K/V (%d bytes per token, %d without linear attention); "
+                     "%d linear-attention layers keep a recurrent state: %d slots x %.2f MiB = %.2f GiB",
+                     mcfg.num_kv_layers, mcfg.num_layers, mcfg.kv_bytes_per_token(self.runner.dtype),
+                     mcfg.kv_bytes_per_token(self.runner.dtype) * mcfg.num_layers // max(1, mcfg.num_kv_layers),
+                     mcfg.num_layers - mcfg.num_kv_layers, state.num_slots, state.slot_nbytes / 2**20,
+                     state.nbytes / 2**30)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_caching=config.prefix_caching,
+                                         num_state_slots=state.num_slots if state is not None else 0)
         self.offloader = self._make_offloader() if config.kv_offload != "none" else None
         self.scheduler = Scheduler(
             self.kv_manager,

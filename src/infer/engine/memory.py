@@ -43,10 +43,33 @@ def host_available_bytes() -> int | None:
 
 def kv_heads_per_rank(model) -> int:
     """KV heads this process caches: all of them, or with tensor parallelism its rank's share."""
-    return model.model.layers[0].self_attn.num_kv_heads
+    # (the first layer with attention: a hybrid model's first layers may be linear attention, phase 17)
+    return next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn")).num_kv_heads
 
 
-def num_kv_blocks(
+def num_kv_blocks(*args, **kwargs) -> int:
+    """The block count of :func:`cache_sizes` (for a model without recurrent state)."""
+    return cache_sizes(*args, **kwargs)[0]
+
+
+def split_state_budget(budget: int, slot_bytes: int, max_num_seqs: int) -> int:
+    """Hybrid models (phase 17): how many recurrent-state slots to take out of a ``budget``-byte cache.
+
+    One slot per sequence that can run (``max_num_seqs``), as long as they take at most half the
+    budget; otherwise as many as half the budget holds: the KV blocks of the attention layers still
+    need room, and a request that finds no free slot waits in the queue like one that finds no block.
+
+    Raises:
+        ValueError: when not even one slot fits, with the numbers.
+    """
+    slots = min(max_num_seqs, budget // 2 // slot_bytes)
+    if slots < 1:
+        raise ValueError(f"the cache budget ({budget / 2**20:.1f} MiB) cannot hold one recurrent-state slot "
+                         f"({slot_bytes / 2**20:.1f} MiB) in half of it; raise the budget")
+    return int(slots)
+
+
+def cache_sizes(
     loaded: LoadedModel,
     block_size: int,
     max_model_len: int,
@@ -57,8 +80,9 @@ def num_kv_blocks(
     cuda_graph_batch_size: int = 0,
     cuda_graph_prefill_tokens: int = 0,
     cuda_graph_mixed_tokens: int = 0,
-) -> int:
-    """How many KV-cache blocks of ``block_size`` tokens to allocate.
+    state_slot_bytes: int = 0,
+) -> tuple[int, int]:
+    """How many KV-cache blocks of ``block_size`` tokens, and recurrent-state slots, to allocate.
 
     The budget is ``kv_cache_memory_bytes`` if given; on CUDA otherwise, as vLLM does, the
     memory left under ``gpu_memory_utilization`` of the GPU after the weights and a profiling
@@ -74,10 +98,14 @@ def num_kv_blocks(
     memory grows towards the pool's size as it serves, and stays there: SmolLM2's pool at 8 sequences
     of 4,096 tokens is 1.5 GB.)
 
+    A hybrid model (phase 17, ``state_slot_bytes`` > 0: the bytes of one sequence's recurrent state)
+    first takes its state slots out of the budget (:func:`split_state_budget`); the blocks get the rest.
+
     Returns:
-        ``min(budget // block_bytes, max_num_seqs * ceil(max_model_len / block_size))``: more
-        blocks than ``max_num_seqs`` full-length sequences can hold would sit idle. For the
-        contiguous cache (``block_size = max_model_len``) that is the number of rows.
+        ``(blocks, slots)``: ``min(budget // block_bytes, max_num_seqs * ceil(max_model_len / block_size))``
+        blocks (more than ``max_num_seqs`` full-length sequences can hold would sit idle; for the
+        contiguous cache, ``block_size = max_model_len``, that is the number of rows), and the state
+        slots (0 without ``state_slot_bytes``).
 
     Raises:
         ValueError: when not even one ``max_model_len``-token sequence fits, with the numbers.
@@ -98,8 +126,10 @@ def num_kv_blocks(
     else:
         available = host_available_bytes()
         if available is None:
-            return cap
+            return cap, max_num_seqs if state_slot_bytes else 0
         budget, where = int(CPU_KV_FRACTION * available), f"{CPU_KV_FRACTION:.0%} of the host's available memory"
+    slots = split_state_budget(budget, state_slot_bytes, max_num_seqs) if state_slot_bytes else 0
+    budget -= slots * state_slot_bytes
     blocks = min(cap, budget // block_bytes)
     if blocks < per_seq:
         seq_bytes = per_seq * block_bytes
@@ -108,7 +138,7 @@ def num_kv_blocks(
             f"max_model_len={max_model_len} tokens ({seq_bytes / 2**30:.2f} GiB); lower max_model_len or "
             f"raise the budget"
         )
-    return int(blocks)
+    return int(blocks), slots
 
 
 @torch.inference_mode()

@@ -28,7 +28,7 @@ import torch
 
 from infer.attention import AttentionMetadata, KVCache, TorchAttentionBackend, make_attention_backend
 from infer.config import EngineConfig
-from infer.engine.memory import kv_heads_per_rank, num_kv_blocks
+from infer.engine.memory import cache_sizes, kv_heads_per_rank
 from infer.engine.scheduler import ScheduledSeq
 from infer.engine.sequence import Sequence
 from infer.engine.step import ForwardOutput, StepInputs, StepResult, block_table_array, patch_input_ids
@@ -76,21 +76,29 @@ class ModelRunner:
             contiguous copy; :class:`~infer.attention.KVCache`).
         pdl: launch the Triton kernels of every step, warm-up and capture with programmatic dependent
             launch (:mod:`infer.kernels.pdl`; ``EngineConfig.pdl``).
+        num_state_slots: hybrid models (phase 17): sequence slots of the recurrent-state cache
+            (:class:`~infer.attention.state_cache.RecurrentStateCache`; default ``max(1, ...)`` rows of
+            the KV cache when 0). The KV cache then holds the full-attention layers only.
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
                  attention_backend: str = "torch", max_model_len: int = 0,
                  cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256, block_major: bool = False,
                  cuda_graph_prefill_max_tokens: int = 0, cuda_graph_mixed_max_tokens: int = 0,
-                 pdl: bool = False) -> None:
+                 pdl: bool = False, num_state_slots: int = 0) -> None:
         self.model = loaded.model
         self.pdl = pdl
         cfg = loaded.config
         self.config = cfg
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, kv_heads_per_rank(self.model), cfg.head_dim,
-                                self.dtype, self.device, contiguous=contiguous, block_major=block_major)
+        self.kv_cache = KVCache(cfg.num_kv_layers, num_blocks, block_size, kv_heads_per_rank(self.model),
+                                cfg.head_dim, self.dtype, self.device, contiguous=contiguous, block_major=block_major)
+        self.state_cache = None
+        if cfg.is_hybrid:
+            from infer.attention.state_cache import RecurrentStateCache
+
+            self.state_cache = RecurrentStateCache.for_model(cfg, num_state_slots or num_blocks, self.dtype, self.device)
         self.attention_backend = make_attention_backend(attention_backend, self.device)
         self.model.set_attention_backend(self.attention_backend)
         max_model_len = max_model_len or cfg.max_position_embeddings
@@ -138,9 +146,9 @@ class ModelRunner:
         # no step prefills more than the budget or the context
         graph_prefill = min(config.cuda_graph_prefill_max_tokens, budget, max_model_len) if graph_bs else 0
         graph_mixed = min(config.cuda_graph_mixed_max_tokens, budget) if graph_bs else 0
-        num_blocks = num_kv_blocks(loaded, block_size, max_model_len, config.max_num_seqs, budget,
-                                   config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs,
-                                   graph_prefill, graph_mixed)
+        num_blocks, num_slots = cache_sizes(loaded, block_size, max_model_len, config.max_num_seqs, budget,
+                                            config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs,
+                                            graph_prefill, graph_mixed, mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype))
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
         return cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
@@ -148,7 +156,7 @@ class ModelRunner:
                    cuda_graph_max_batch_size=graph_bs or 1,
                    block_major=config.kv_offload != "none" and backend == "triton",
                    cuda_graph_prefill_max_tokens=graph_prefill, cuda_graph_mixed_max_tokens=graph_mixed,
-                   pdl=config.pdl, **kwargs)
+                   pdl=config.pdl, num_state_slots=num_slots, **kwargs)
 
     @torch.inference_mode()
     @_with_pdl
@@ -264,6 +272,8 @@ class ModelRunner:
                 continue
             n = item.seq.num_computed_tokens + item.num_tokens
             for fork in item.forks:
+                if self.state_cache is not None:  # hybrid (phase 17): the state the shared prompt left
+                    self.state_cache.copy_slot(item.seq.state_slot, fork.state_slot)
                 src, dst = item.seq.block_table[-1], fork.block_table[-1]
                 if src != dst:
                     self._copy_block_prefix(src, dst, n - (len(item.seq.block_table) - 1) * bs)

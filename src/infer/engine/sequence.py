@@ -41,6 +41,8 @@ class Sequence:
         block_hashes: prefix caching (phase 7): the keys of its full blocks so far (see
             :mod:`infer.engine.prefix_cache`); ``num_cached_blocks``: how many blocks at the
             start of ``block_table`` already have their key in the cache.
+        state_slot: hybrid models (phase 17): its slot of the recurrent-state cache while it runs
+            (-1 otherwise), held like its blocks (see :mod:`infer.engine.kv_cache_manager`).
     """
 
     seq_id: int
@@ -55,6 +57,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    state_slot: int = -1  # hybrid models (phase 17): its recurrent-state slot while running, else -1
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[PositionLogprobs] | None = None

@@ -331,8 +331,14 @@ class StepInputs:
     def metadata(self):
         """The step's :class:`~infer.attention.AttentionMetadata` over the runner's KV cache."""
         f = self.flat
-        return self.runner._metadata(f.starts, f.seq_lens, self.to_device(f.slots, torch.int64), f.tables,
+        meta = self.runner._metadata(f.starts, f.seq_lens, self.to_device(f.slots, torch.int64), f.tables,
                                      f.num_decodes)
+        cache = getattr(self.runner, "state_cache", None)
+        if cache is not None:  # hybrid models (phase 17): each sequence's recurrent-state slot
+            meta.state_cache = cache
+            meta.state_slots_cpu = [item.seq.state_slot for item in f.scheduled]
+            meta.state_slots = self.to_device(meta.state_slots_cpu, torch.int64)
+        return meta
 
 
 @dataclass

@@ -146,7 +146,10 @@ def materialize(
     bar = tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor", disable=not progress,
                leave=False)
     stacked = _StackedParams(model, expected, device, dtype, source)  # MoE experts, one tensor per expert
+    rename = getattr(model, "checkpoint_name", None)  # a model whose checkpoints name tensors differently
     for name, w in bar:
+        if rename is not None and (name := rename(name)) is None:
+            continue
         if tied and name == "lm_head.weight":
             continue
         if name not in expected:

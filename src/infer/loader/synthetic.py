@@ -50,7 +50,13 @@ def iter_random_tensors(cfg: ModelConfig, spec: dict[str, Any], shapes: list[tup
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         w = torch.empty(shape, device=device, dtype=dtype)
-        if len(shape) == 1 and "norm" in name:
+        if name.endswith("A_log"):  # Gated DeltaNet's decay (phase 17): A in [0.01, 2], as the script does
+            w.uniform_(0.01, 2.0, generator=gen).log_()
+        elif name.endswith("dt_bias"):
+            w.normal_(-1.0, 0.5, generator=gen)
+        elif len(shape) == 1 and "linear_attn.norm" in name:  # its output norm multiplies by w, not (1 + w)
+            w.normal_(1.0, 0.05, generator=gen)
+        elif len(shape) == 1 and "norm" in name:
             w.normal_(0.0, 0.1, generator=gen) if cfg.norm_unit_offset else w.normal_(1.0, 0.05, generator=gen)
         else:
             w.normal_(0.0, std, generator=gen)

@@ -385,8 +385,8 @@ class CausalLM(nn.Module):
         # Rotary tables per layer type (Gemma 3: a local base for sliding layers). Built on the
         # CPU explicitly so that meta-device construction still gets real values.
         ropes = {"full_attention": cfg.rope, "sliding_attention": cfg.rope_local or cfg.rope}
-        for kind in sorted(set(cfg.layer_types)):
-            inv = rope_inv_freq(cfg.head_dim, ropes[kind]).to("cpu")
+        for kind in sorted(set(cfg.layer_types) & set(ropes)):  # (a linear-attention layer has no RoPE)
+            inv = rope_inv_freq(cfg.rotary_dim, ropes[kind]).to("cpu")
             self.register_buffer(f"inv_freq_{kind}", inv, persistent=False)
         self.ops = None  # the fused ops module (set_fused_ops), or None: the reference forward
         self.cos_sin_caches: dict[str, torch.Tensor] = {}

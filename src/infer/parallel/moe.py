@@ -20,11 +20,27 @@ plus one row in the gather, against one all-reduce of the row for tensor-paralle
 exchange each expert's GEMMs stay whole (as wide as a single GPU's) and each rank reads only its
 experts' weights. ``dist.all_to_all`` with unequal tensors fails on gloo, ``all_to_all_single`` with
 split sizes works on gloo and NCCL alike; the split sizes must be host integers, so step 3 reads the
-counts on the host (one synchronization per layer; DeepEP and vLLM's all2all backends avoid it with
-fixed-capacity buffers).
+counts on the host (one synchronization per layer, so no CUDA graph).
+
+``all2all_backend='fixed_capacity'`` (:func:`fixed_capacity_moe`) removes that synchronization the
+way DeepEP's low-latency kernels and vLLM's all2all backends do: every rank sends every rank the
+same number of rows, ``capacity``, whatever the routing, so the all-to-alls have equal splits
+known from ``T`` alone::
+
+    send buffer of rank r   [ to rank 0: cap rows | to rank 1: cap rows | ... ]   padded
+    expert ids beside it    [ e, e, e, -1, -1, ... | e, -1, -1, ...      | ... ]   -1 = padding
+
+The counts travel on the device as the padding marks (expert id -1, which no rank holds, so the
+experts leave those rows at zero). The price is bytes: ``W * capacity`` rows per rank instead of
+the routed pairs. The default capacity is the worst case, ``ceil(T / W) * min(k, E / W)`` (every
+pair of the chunk going to one rank), so nothing is ever dropped; ``ep_capacity_factor`` (GShard's
+capacity factor) lowers it to ``factor * ceil(T / W) * k / W``, and the pairs beyond it (in token
+order, per destination) are dropped: their expert adds nothing to the token.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -51,6 +67,8 @@ def expert_parallel_moe(block, x: torch.Tensor, ps: ParallelState) -> torch.Tens
     Returns:
         ``[T, H]`` in ``x.dtype``, the same on every rank: ``sum_j w[t, j] * expert_{id[t, j]}(x[t])``.
     """
+    if ps.all2all == "fixed_capacity":
+        return fixed_capacity_moe(block, x, ps)
     # >>> EXERCISE moe_dispatch_combine
     w, rank = ps.world_size, ps.rank
     t, h = x.shape
@@ -87,3 +105,72 @@ def expert_parallel_moe(block, x: torch.Tensor, ps: ParallelState) -> torch.Tens
     _all_gather_single(gathered, out, group=ps.group)
     return gathered[:t]
     # <<< EXERCISE moe_dispatch_combine
+
+
+def dispatch_capacity(tokens_per_rank: int, top_k: int, local_experts: int, world_size: int,
+                      factor: float | None = None) -> int:
+    """Rows each rank sends each rank in :func:`fixed_capacity_moe`: the worst case
+    ``tokens_per_rank * min(top_k, local_experts)`` (a token's ``k`` experts are distinct, so at most
+    ``min(k, E / W)`` of its pairs go to one rank), or with ``factor`` ``ceil(factor * n * k / W)``
+    (the average load times the factor), at least 1 and at most the worst case."""
+    worst = tokens_per_rank * min(top_k, local_experts)
+    if factor is None:
+        return worst
+    return max(1, min(worst, math.ceil(factor * tokens_per_rank * top_k / world_size)))
+
+
+def slot_of_pairs(dest: torch.Tensor, world_size: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each (token, expert) pair goes in the send buffer, on the device.
+
+    Args:
+        dest: int64 ``[P]``, the rank holding each pair's expert, pairs in token order.
+
+    Returns:
+        ``(slot, keep)``: int64 ``[P]``, ``dest * capacity + (the pair's position among the pairs
+        for the same rank)``, or ``world_size * capacity`` (a scratch row) for a pair beyond the
+        capacity; bool ``[P]``, whether the pair fits. No host synchronization.
+    """
+    onehot = (dest[:, None] == torch.arange(world_size, device=dest.device)).long()  # [P, W]
+    pos = (onehot.cumsum(0) - 1).gather(1, dest[:, None]).squeeze(1)  # earlier pairs of the same rank
+    keep = pos < capacity
+    return torch.where(keep, dest * capacity + pos, world_size * capacity), keep
+
+
+def fixed_capacity_moe(block, x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """:func:`expert_parallel_moe` with fixed-capacity dispatch (see the module docstring): the same
+    result when nothing is dropped, with no host synchronization (capturable in a CUDA graph).
+
+    Args and returns as :func:`expert_parallel_moe`; ``ps.capacity_factor`` sizes the buffers
+    (:func:`dispatch_capacity`).
+    """
+    w, rank = ps.world_size, ps.rank
+    t, h = x.shape
+    per = -(-t // w)
+    lo, hi = min(rank * per, t), min((rank + 1) * per, t)
+    k, experts = block.top_k, block.experts
+    cap = dispatch_capacity(per, k, experts.num_local_experts, w, ps.capacity_factor)
+    if hi > lo:
+        weights, ids = block.route(x[lo:hi])  # [n, k] float32, int32 (global expert ids)
+    else:  # fewer tokens than ranks: this rank sends only padding, but joins every collective
+        weights = torch.empty((0, k), dtype=torch.float32, device=x.device)
+        ids = torch.empty((0, k), dtype=torch.int32, device=x.device)
+    flat = ids.flatten().long()
+    token = torch.arange(flat.numel(), device=x.device) // k  # the local token of each pair
+    slot, keep = slot_of_pairs(flat // experts.num_local_experts, w, cap)
+    rows = w * cap
+    send_x = x.new_zeros((rows + 1, h))  # + the scratch row of the dropped pairs
+    send_x.index_copy_(0, slot, x[lo:hi][token])
+    send_ids = torch.full((rows + 1,), -1, dtype=torch.int32, device=x.device)
+    send_ids.index_copy_(0, slot, flat.to(torch.int32))
+    x_recv = _all_to_all(send_x[:rows], rows, None, None, ps)
+    ids_recv = _all_to_all(send_ids[:rows], rows, None, None, ps)
+    # padding rows carry expert id -1, held by no rank: the experts leave them at zero
+    y_recv = experts(x_recv, torch.ones((rows, 1), dtype=torch.float32, device=x.device), ids_recv[:, None])
+    y = _all_to_all(y_recv, rows, None, None, ps)
+    scale = (weights.flatten() * keep).to(y.dtype)  # a dropped pair adds nothing
+    out = torch.zeros((per, h), dtype=x.dtype, device=x.device)
+    out.index_add_(0, token, (y[torch.where(keep, slot, 0)] * scale[:, None]).to(x.dtype))
+    gathered = torch.empty((w * per, h), dtype=x.dtype, device=x.device)
+    ps.count("all_gather_tokens", out)
+    _all_gather_single(gathered, out, group=ps.group)
+    return gathered[:t]

@@ -41,6 +41,12 @@ class ParallelState:
     ep: bool = False
     group: object | None = None
     cpu_group: object | None = None
+    # all_reduce_backend='symm_mem' on CUDA: a SymmMemAllReduce tried before the group's all-reduce
+    symm_mem: object | None = None
+    # expert parallelism's dispatch: "dynamic" or "fixed_capacity" (EngineConfig.all2all_backend), and
+    # the capacity factor of the fixed-capacity one (None: the worst case, nothing dropped)
+    all2all: str = "dynamic"
+    capacity_factor: float | None = None
     # bytes this rank put into each kind of collective, and the calls (the phase 14 page's
     # "communication per token, measured"): {"all_reduce": [calls, bytes], ...}
     traffic: dict = field(default_factory=dict)
@@ -67,9 +73,15 @@ class ParallelState:
         return self.rank if self.ep else 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place (row-parallel outputs, vocab-parallel embeddings);
-        returns ``x``. Every rank must call it with the same shape and dtype, in the same order."""
+        """Sum ``x`` over the ranks (row-parallel outputs, vocab-parallel embeddings) and return the
+        sum: ``x`` itself, summed in place by the group's all-reduce, or with ``symm_mem`` set and a
+        message it takes (:mod:`infer.parallel.allreduce`) a new tensor. Every rank must call it
+        with the same shape and dtype, in the same order."""
         self.count("all_reduce", x)
+        if self.symm_mem is not None:
+            out = self.symm_mem(x)
+            if out is not None:
+                return out
         dist.all_reduce(x, group=self.group)
         return x
 

@@ -5,6 +5,10 @@
     python -m infer.server --help                           # every flag
     INFER_API_KEY=secret python -m infer.server --host 0.0.0.0  # reachable from the network: set a key
 
+With ``--nnodes N`` the tensor/expert-parallel ranks span N machines: node 0 (``--node-rank 0``)
+serves; on the others (``--node-rank 1 ..``, same flags) the process only runs that machine's ranks
+(no HTTP server) and exits when node 0 shuts down (docs/phases/14-tensor-parallelism.md).
+
 Every :class:`~infer.config.EngineConfig` field is a flag. SIGINT/SIGTERM shut down
 gracefully: in-flight requests end with ``finish_reason="abort"`` (streams get their final
 chunk and ``[DONE]``), then the process exits.
@@ -87,15 +91,35 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
+def _run_node(config) -> int:
+    """``--node-rank`` > 0: run this machine's ranks of node 0's engine until it shuts them down;
+    no HTTP server here."""
+    from infer.engine.executor import run_node
+    from infer.engine.llm_engine import _check_parallel_split
+
+    config.validate()
+    _check_parallel_split(config)
+    code = run_node(config)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: the process group's threads may still be winding down
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.node_rank > 0:  # more than one machine: this one only runs its ranks (node 0 serves)
+        try:
+            return _run_node(engine_config_from_args(args))
+        except (ValueError, TypeError, ModelLoadError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     import uvicorn
 
     from infer.engine import LLMEngine
     from infer.server.app import build_app
     from infer.server.async_engine import AsyncEngine
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("infer.server")
     start = time.perf_counter()
     try:

@@ -1,0 +1,234 @@
+"""Plain-PyTorch Gated DeltaNet: the short causal convolution and the gated delta rule.
+
+Gated DeltaNet (Yang, Kautz & Hatamizadeh, "Gated Delta Networks", ICLR 2025, arXiv:2412.06464) is
+linear attention whose state is a matrix ``S [Dk, Dv]`` per head, updated once per token::
+
+    S_t = g_t * S_{t-1}                         (decay: g_t = exp(log-decay) in (0, 1])
+    u_t = beta_t * (v_t - S_t^T k_t)            (the delta rule: write only what S does not predict)
+    S_t = S_t + k_t u_t^T
+    o_t = S_t^T q_t                             (q scaled by Dk ** -0.5)
+
+The *recurrent* form (:func:`gated_delta_step`, :func:`recurrent_gated_delta_rule`) runs it token by
+token: what decode does, one token per sequence. The *chunked* form
+(:func:`chunk_gated_delta_rule`) gives the same numbers for a whole prompt with matrix products:
+inside a chunk of ``C`` tokens the ``C`` updates are solved at once (the UT transform / WY
+representation of DeltaNet, Yang et al., arXiv:2406.06484), and only the chunks are sequential. The
+:mod:`~infer.models.qwen3_5` layer calls these; the Triton kernel of the decode step
+(:mod:`infer.kernels.gated_delta_triton`) is tested against :func:`gated_delta_step`.
+
+Every function computes in float32 and keeps the state in float32 (as Hugging Face's torch
+fallback and flash-linear-attention do): a bfloat16 state would round the same matrix thousands of
+times over a long context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2, last dim) + eps)`` (flash-linear-attention's and Hugging Face's form)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+# ----------------------------------------------------------------------------- the short convolution
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution of one sequence's new tokens, then SiLU (Mamba's short conv).
+
+    Output channel ``c`` at token ``t`` is ``silu(sum_j weight[c, j] * x[t - K + 1 + j, c])``; the
+    ``K - 1`` inputs before the first new token come from ``conv_state`` (zeros for a fresh sequence).
+
+    Args:
+        x: ``[T, C]`` the new tokens' inputs.
+        weight: ``[C, K]``.
+        conv_state: ``[C, K - 1]`` the sequence's last ``K - 1`` inputs (oldest first), or None.
+
+    Returns:
+        ``(y [T, C] in x.dtype, new conv_state [C, K - 1])``: the state after these tokens.
+    """
+    c, k = weight.shape
+    if conv_state is None:
+        conv_state = x.new_zeros(c, k - 1)
+    full = torch.cat([conv_state.to(x.dtype), x.t()], dim=1)  # [C, K - 1 + T]
+    y = F.conv1d(full[None].float(), weight.float()[:, None, :], groups=c)[0]  # [C, T]
+    return F.silu(y).t().to(x.dtype), full[:, -(k - 1):]
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token for each of ``B`` sequences (decode): :func:`causal_conv1d` at ``T = 1``, batched.
+
+    Args:
+        x: ``[B, C]``; conv_state: ``[B, C, K - 1]``; weight: ``[C, K]``.
+
+    Returns:
+        ``(y [B, C], new conv_state [B, C, K - 1])``: the state shifted left by one, ``x`` appended.
+    """
+    # >>> EXERCISE conv1d_update
+    window = torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, K]
+    y = (window.float() * weight.float()).sum(-1)
+    return F.silu(y).to(x.dtype), window[:, :, 1:]
+    # <<< EXERCISE conv1d_update
+
+
+# ----------------------------------------------------------------------------- the gated delta rule
+
+
+def gated_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule for a batch of rows (sequences and heads).
+
+    Args:
+        state: float32 ``[..., Dk, Dv]``.
+        q, k: ``[..., Dk]`` (already L2-normalized); v: ``[..., Dv]``.
+        g: ``[...]`` the log of the decay (<= 0); beta: ``[...]`` the write strength in (0, 1).
+        scale: multiplies q (default ``Dk ** -0.5``).
+
+    Returns:
+        ``(o [..., Dv] float32, new state [..., Dk, Dv] float32)``.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v = q.float() * scale, k.float(), v.float()
+    # >>> EXERCISE gated_delta_step
+    state = state * g.float().exp()[..., None, None]
+    predicted = (state * k[..., :, None]).sum(-2)  # S^T k: [..., Dv]
+    u = (v - predicted) * beta.float()[..., None]
+    state = state + k[..., :, None] * u[..., None, :]
+    o = (state * q[..., :, None]).sum(-2)
+    # <<< EXERCISE gated_delta_step
+    return o, state
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+                               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence, token by token (:func:`gated_delta_step` in a loop).
+
+    Args:
+        q, k: ``[T, H, Dk]`` (L2-normalized); v: ``[T, H, Dv]``; g, beta: ``[T, H]``.
+        initial_state: float32 ``[H, Dk, Dv]``, or None (zeros).
+
+    Returns:
+        ``(o [T, H, Dv] float32, final state [H, Dk, Dv] float32)``.
+    """
+    t, h, dk = k.shape
+    state = q.new_zeros(h, dk, v.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
+    out = []
+    for i in range(t):
+        o, state = gated_delta_step(state, q[i], k[i], v[i], g[i], beta[i], scale)
+        out.append(o)
+    return torch.stack(out), state
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           initial_state: torch.Tensor | None = None, scale: float | None = None,
+                           chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence, ``chunk_size`` tokens at a time (the prefill form).
+
+    Inside a chunk, with ``G_t = exp(g_1 + ... + g_t)`` (decay since the chunk's start) and ``S0`` the
+    state before it, unrolling the recurrence gives for the written values ``u``::
+
+        (I + L) u = beta * v - beta * G * (K S0),   L[t, j] = beta_t (G_t / G_j) k_t . k_j  (j < t)
+
+    a unit lower-triangular system (the UT transform): ``u = U0 - W S0`` with ``U0 = (I + L)^-1 (beta v)``
+    and ``W = (I + L)^-1 (beta G k)``. Then the chunk's outputs and the next state are matrix products::
+
+        O  = (G q) S0 + ((q K^T) * D) u,  D[t, j] = G_t / G_j (j <= t)
+        S' = G_C S0 + (K * G_C / G)^T u
+
+    So a prompt of ``T`` tokens costs ``T / C`` small sequential steps instead of ``T``, and each is a
+    handful of ``C x C`` and ``C x D`` matmuls (Yang et al., arXiv:2406.06484 and arXiv:2412.06464).
+
+    Args and returns as :func:`recurrent_gated_delta_rule`.
+    """
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    scale = dk ** -0.5 if scale is None else scale
+    c = chunk_size
+    pad = (c - t % c) % c
+    # [H, N, C, ...] float32, zero-padded to whole chunks (a padded token has g = 0, beta = 0: no effect)
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        x = F.pad(x.float().transpose(0, 1), (0, 0, 0, pad) if x.dim() == 3 else (0, pad))
+        return x.reshape(h, -1, c, *x.shape[2:])
+
+    q, k, v, g, beta = chunks(q) * scale, chunks(k), chunks(v), chunks(g), chunks(beta)
+    gc = g.cumsum(-1)  # [H, N, C]: log G_t
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # D, 0 above
+    kb = k * beta[..., None]
+    strict = (kb @ k.transpose(-1, -2)) * decay  # L plus its diagonal (ignored: unitriangular)
+    u0 = torch.linalg.solve_triangular(strict, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(strict, kb * gc.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * gc.exp()[..., None]
+    k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
+    chunk_decay = gc[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    state = q.new_zeros(h, dk, dv) if initial_state is None else initial_state.float().clone()
+    out = torch.empty_like(v)
+    for n in range(q.shape[1]):
+        u = u0[:, n] - w[:, n] @ state
+        out[:, n] = q_decayed[:, n] @ state + attn[:, n] @ u
+        state = state * chunk_decay[:, n] + k_to_end[:, n].transpose(-1, -2) @ u
+    return out.reshape(h, -1, dv)[:, :t].transpose(0, 1), state
+
+
+def split_qkv(y: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolution's output ``[T, C]`` (q, then k, then v channels) as float32 ``q, k [T, Hv, Dk]``
+    (L2-normalized; each key head repeated for the ``Hv / Hk`` consecutive value heads it serves) and
+    ``v [T, Hv, Dv]``."""
+    t, key_dim = y.shape[0], num_k_heads * head_k_dim
+    q, k, v = torch.split(y.float(), [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
+    rep = num_v_heads // num_k_heads
+    q = l2norm(q.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(rep, dim=1)
+    k = l2norm(k.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(rep, dim=1)
+    return q, k, v.reshape(t, num_v_heads, head_v_dim)
+
+
+def decode_step(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, weight: torch.Tensor,
+                num_k_heads: int, scale: float | None = None) -> torch.Tensor:
+    """One decode token for each of ``B`` sequences through a Gated DeltaNet layer's mixer, from and back
+    to the sequences' state slots: :func:`causal_conv1d_update`, :func:`split_qkv`, then
+    :func:`gated_delta_step` (the plain-PyTorch twin of
+    :func:`infer.kernels.gated_delta_triton.decode_step`, which fuses each half into one kernel).
+
+    Args:
+        mixed: ``[B, C]`` the ``in_proj_qkv`` output (before the convolution).
+        g, beta: float32 / model dtype ``[B, Hv]``.
+        conv_state: ``[S, C, K - 1]`` one layer's conv states (all slots); updated in place.
+        ssm_state: float32 ``[S, Hv, Dk, Dv]`` one layer's delta-rule states; updated in place.
+        slots: int64 ``[B]`` each sequence's slot; has_state: bool ``[B]``, False for a sequence that
+            starts here (its slot is read as zeros).
+        weight: ``[C, K]`` the convolution's weights.
+
+    Returns:
+        float32 ``[B, Hv, Dv]``.
+    """
+    num_v_heads, dk, dv = ssm_state.shape[1:]
+    keep = has_state[:, None, None]
+    conv = torch.where(keep, conv_state[slots], 0)
+    ssm = torch.where(keep[..., None], ssm_state[slots], 0)
+    y, conv = causal_conv1d_update(mixed, conv, weight)
+    q, k, v = split_qkv(y, num_k_heads, dk, num_v_heads, dv)
+    o, ssm = gated_delta_step(ssm, q, k, v, g, beta, scale)
+    conv_state.index_copy_(0, slots, conv.to(conv_state.dtype))
+    ssm_state.index_copy_(0, slots, ssm)
+    return o
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Gated DeltaNet output norm: ``rms_norm(x) * w * silu(gate)`` per head.
+
+    ``x``, ``gate``: ``[..., Dv]``; the statistics in float32, cast back to ``x.dtype`` before ``w``
+    (Hugging Face's ``Qwen3_5RMSNormGated``); returns ``[..., Dv]`` in ``x.dtype``.
+    """
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    return (h * F.silu(gate.float())).to(dtype)

@@ -1,0 +1,136 @@
+"""Triton kernels of the Gated DeltaNet decode step (phase 17): the conv1d update and the recurrent
+gated delta rule, each reading and writing the sequences' state slots in place.
+
+A decode step of a linear-attention layer is memory-bound: per sequence and value head it reads and
+writes a ``[Dk, Dv]`` float32 state (64 KiB at Qwen3.5's 128 x 128) to do ``~4 * Dk * Dv`` flops. The
+plain-PyTorch twin (:func:`infer.kernels.gated_delta_reference.decode_step`) gathers the slots into
+copies, runs half a dozen elementwise kernels over them and scatters them back: the state crosses
+memory about ten times. Here each state tile is loaded once, decayed, corrected by the delta rule,
+read by the query and stored back, in registers (flash-linear-attention's
+``fused_recurrent_gated_delta_rule`` and vLLM's ``fused_sigmoid_gating_delta_rule_update`` do the same).
+
+* :func:`causal_conv1d_update`: one program per (sequence, channel block): the ``K``-tap dot product,
+  SiLU, and the state shifted by one token.
+* :func:`gated_delta_step`: one program per (sequence, value head, ``BV`` columns of the state): the
+  L2 norms of q and k, the decay, the delta-rule write and the output, with the state tile in registers.
+* :func:`decode_step`: both, with :func:`~infer.kernels.gated_delta_reference.decode_step`'s signature.
+
+Tested against the reference under ``TRITON_INTERPRET=1`` (tests/test_hybrid.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_update_kernel(x_ptr, x_stride, state_ptr, st_slot, st_c, w_ptr, slots_ptr, has_ptr, out_ptr, out_stride, C,
+                        K: tl.constexpr, BC: tl.constexpr):
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = offs < C
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    has = tl.load(has_ptr + b) != 0
+    x = tl.load(x_ptr + b * x_stride + offs, mask=mask, other=0.0)
+    acc = x.to(tl.float32) * tl.load(w_ptr + offs * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    row = state_ptr + slot * st_slot + offs * st_c
+    for j in tl.static_range(K - 1):  # state column j (oldest first) meets tap j
+        s = tl.load(row + j, mask=mask & has, other=0.0)
+        acc += s.to(tl.float32) * tl.load(w_ptr + offs * K + j, mask=mask, other=0.0).to(tl.float32)
+        if j > 0:  # shift left by one token (a fresh sequence's zeros included)
+            tl.store(row + (j - 1), s, mask=mask)
+    tl.store(row + (K - 2), x.to(state_ptr.dtype.element_ty), mask=mask)
+    y = acc / (1.0 + tl.exp(-acc))  # SiLU
+    tl.store(out_ptr + b * out_stride + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
+                         has_state: torch.Tensor) -> torch.Tensor:
+    """``silu(conv)`` of one new token per sequence, shifting each sequence's slot in place.
+
+    Args:
+        x: ``[B, C]``; conv_state: ``[S, C, K - 1]`` (last dim contiguous); weight: contiguous ``[C, K]``;
+        slots: int64 ``[B]``; has_state: bool ``[B]`` (False: the slot is read as zeros).
+
+    Returns:
+        ``[B, C]`` in ``x.dtype``.
+    """
+    b, c = x.shape
+    k = weight.shape[1]
+    if k < 2 or conv_state.stride(2) != 1:
+        raise ValueError(f"need a kernel of 2+ taps and a conv state with contiguous taps, got K={k}, "
+                         f"strides {conv_state.stride()}")
+    out = torch.empty_like(x)
+    bc = min(256, triton.next_power_of_2(c))
+    _conv_update_kernel[(b, triton.cdiv(c, bc))](x, x.stride(0), conv_state, conv_state.stride(0),
+                                                  conv_state.stride(1), weight.contiguous(), slots, has_state, out,
+                                                  out.stride(0), c, K=k, BC=bc)
+    return out
+
+
+@triton.jit
+def _delta_step_kernel(y_ptr, y_stride, g_ptr, g_stride, beta_ptr, beta_stride, s_ptr, s_slot, s_head, s_k,
+                       slots_ptr, has_ptr, o_ptr, o_stride, scale, eps, KEY_DIM: tl.constexpr, REP: tl.constexpr,
+                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    mk, mv = offs_k < DK, offs_v < DV
+    row = y_ptr + b * y_stride
+    kh = h // REP  # the key head this value head reads
+    q = tl.load(row + kh * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(row + KEY_DIM + kh * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(row + 2 * KEY_DIM + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * scale  # L2 norm, then Dk ** -0.5
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
+    g = tl.load(g_ptr + b * g_stride + h).to(tl.float32)
+    beta = tl.load(beta_ptr + b * beta_stride + h).to(tl.float32)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    has = tl.load(has_ptr + b) != 0
+    ptrs = s_ptr + slot * s_slot + h * s_head + offs_k[:, None] * s_k + offs_v[None, :]
+    m2 = mk[:, None] & mv[None, :]
+    s = tl.load(ptrs, mask=m2 & has, other=0.0)  # [BK, BV]: this program's columns of S
+    s = s * tl.exp(g)
+    u = (v - tl.sum(s * k[:, None], axis=0)) * beta  # the delta: what S^T k misses of v
+    s = s + k[:, None] * u[None, :]
+    tl.store(ptrs, s, mask=m2)
+    tl.store(o_ptr + b * o_stride + h * DV + offs_v, tl.sum(s * q[:, None], axis=0), mask=mv)
+
+
+def gated_delta_step(y: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
+                     slots: torch.Tensor, has_state: torch.Tensor, num_k_heads: int, scale: float | None = None,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """One token of the gated delta rule per sequence, each state updated in place in its slot.
+
+    Args:
+        y: ``[B, C]`` the convolution's output: ``Hk * Dk`` q channels, as many k, then ``Hv * Dv`` v.
+        g, beta: ``[B, Hv]`` (rows contiguous); ssm_state: float32 ``[S, Hv, Dk, Dv]`` (contiguous Dv).
+        slots: int64 ``[B]``; has_state: bool ``[B]``.
+        scale: multiplies q after its L2 norm (default ``Dk ** -0.5``).
+
+    Returns:
+        float32 ``[B, Hv, Dv]``.
+    """
+    b = y.shape[0]
+    _, hv, dk, dv = ssm_state.shape
+    if ssm_state.dtype != torch.float32 or ssm_state.stride(3) != 1 or g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("need a float32 state with contiguous Dv and [B, Hv] g / beta with contiguous rows")
+    out = torch.empty(b, hv, dv, dtype=torch.float32, device=y.device)
+    bk, bv = triton.next_power_of_2(dk), min(32, triton.next_power_of_2(dv))
+    scale = dk ** -0.5 if scale is None else scale
+    _delta_step_kernel[(b, hv, triton.cdiv(dv, bv))](
+        y, y.stride(0), g, g.stride(0), beta, beta.stride(0), ssm_state, ssm_state.stride(0), ssm_state.stride(1),
+        ssm_state.stride(2), slots, has_state, out, out.stride(0), scale, eps, KEY_DIM=num_k_heads * dk,
+        REP=hv // num_k_heads, DK=dk, DV=dv, BK=bk, BV=bv)
+    return out
+
+
+def decode_step(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, weight: torch.Tensor,
+                num_k_heads: int, scale: float | None = None) -> torch.Tensor:
+    """:func:`infer.kernels.gated_delta_reference.decode_step` in two kernels (same arguments, same result)."""
+    y = causal_conv1d_update(mixed, conv_state, weight, slots, has_state)
+    return gated_delta_step(y, g, beta, ssm_state, slots, has_state, num_k_heads, scale)

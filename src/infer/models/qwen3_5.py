@@ -1,0 +1,248 @@
+"""Qwen3.5 (text): a hybrid of Gated DeltaNet linear attention and gated full attention (phase 17).
+
+Three of every four layers (``layer_types[i] == "linear_attention"``) replace softmax attention by
+Gated DeltaNet (Yang et al., arXiv:2412.06464): a fixed-size state per sequence, updated by the
+gated delta rule (:mod:`infer.kernels.gated_delta_reference`). The fourth is full attention with
+three twists over Qwen3's: ``q_proj`` also yields a per-head *output gate* (``o * sigmoid(gate)``,
+Qiu et al., "Gated Attention for LLMs", arXiv:2505.06708), RoPE rotates only the first quarter of
+each head (``partial_rotary_factor``), and every RMSNorm but the DeltaNet's output norm multiplies
+by ``(1 + w)`` (Gemma's form, ``norm_unit_offset``)::
+
+    h = h + mixer(input_layernorm(h))          mixer: GatedDeltaNet or GatedAttention
+    h = h + mlp(post_attention_layernorm(h))
+
+A Gated DeltaNet layer, per token (``x`` the normed hidden state)::
+
+    q, k, v = split(silu(causal_conv1d(in_proj_qkv(x))))     short conv over the last K inputs
+    z = in_proj_z(x); beta = sigmoid(in_proj_b(x))
+    g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)        log of the decay, per value head
+    o = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta)    the state S [Hv, Dk, Dv]
+    out_proj(rms_norm(o) * w * silu(z))
+
+Only the full-attention layers write the paged KV cache (their K/V at ``kv_idx``, the index among
+attention layers); the DeltaNet layers read and write their sequence's slot of the
+:class:`~infer.attention.state_cache.RecurrentStateCache`. Hugging Face's ``qwen3_5`` modeling is
+the reference (tests/test_hybrid.py); Qwen3-Next (the same layers with MoE MLPs and a fused
+``in_proj_qkvz``) is not implemented.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.attention.metadata import AttentionMetadata
+from infer.config import ModelConfig
+from infer.kernels import gated_delta_reference as gdr
+from infer.models.hf_config import common_fields, eos_ids, parse_rope
+from infer.models.layers import CausalLM, GatedMLP, RMSNorm, apply_rope, rope_cos_sin
+
+
+class GatedAttention(nn.Module):
+    """Full attention with QK-norm, partial RoPE and a sigmoid output gate (Qwen3.5 / Qwen3-Next).
+
+    ``q_proj`` gives ``[T, Hq, 2 * D]``: per head the query, then the gate. The K/V go to the KV
+    cache at index ``kv_idx`` (attention layers only are cached)."""
+
+    def __init__(self, cfg: ModelConfig, kv_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = kv_idx  # what the attention backend indexes the KV cache with
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d * 2, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=True)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=True)
+        self.rotary_dim = cfg.rotary_dim
+        self.scale = cfg.attention_scale
+        self.backend = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; ``cos``/``sin`` ``[T, rotary_dim]``."""
+        t, d, r = x.shape[0], self.head_dim, self.rotary_dim
+        qg = self.q_proj(x).view(t, self.num_heads, 2 * d)
+        q, gate = self.q_norm(qg[..., :d]), qg[..., d:].reshape(t, self.num_heads * d)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        qk = torch.cat((q, k), dim=1)
+        qk = torch.cat((apply_rope(qk[..., :r], cos, sin), qk[..., r:]), dim=-1)  # partial RoPE
+        q, k = qk[:, : self.num_heads].contiguous(), qk[:, self.num_heads :].contiguous()
+        o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, None)
+        return self.o_proj(o.reshape(t, self.num_heads * d) * torch.sigmoid(gate))
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention layer (module docstring). Parameter names are Hugging Face's.
+
+    Its state lives at index ``state_idx`` (among linear-attention layers) of the step's
+    :class:`~infer.attention.state_cache.RecurrentStateCache`, one slot per sequence."""
+
+    def __init__(self, cfg: ModelConfig, state_idx: int) -> None:
+        super().__init__()
+        self.state_idx = state_idx
+        h = cfg.hidden_size
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        if self.nv % self.nk:
+            raise ValueError(f"linear_num_value_heads ({self.nv}) must be a multiple of linear_num_key_heads ({self.nk})")
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = RMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.decode_ops = gdr  # the decode step's implementation (Qwen3_5ForCausalLM.set_attention_backend)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``x [T, hidden]`` (every sequence's new tokens) -> ``[T, hidden]``."""
+        t = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(t, self.nv, self.dv)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        core = self.mix(mixed, g, beta, meta).to(x.dtype)
+        o = gdr.gated_rms_norm(core, z, self.norm.weight, self.norm.eps)
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+    def mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The short convolution and the gated delta rule over every sequence of the step, each from its
+        slot's state (zeros for a sequence whose first new position is 0), writing the state back.
+
+        The decode rows (the first ``num_decodes`` sequences, one token each) go together through
+        the recurrent step (``self.decode_ops.decode_step``: the Triton kernels with the Triton attention
+        backend, else their plain-PyTorch twins); each prefill (or prefill chunk) through the chunked form.
+
+        Returns:
+            float32 ``[T, Hv, Dv]``.
+        """
+        cache, idx = meta.state_cache, self.state_idx
+        weight = self.conv1d.weight[:, 0]
+        first = meta.first_positions()
+        starts = meta.query_start_loc_cpu
+        out = torch.empty(mixed.shape[0], self.nv, self.dv, dtype=torch.float32, device=mixed.device)
+        nd = meta.num_decodes if cache is not None else 0
+        if nd:
+            has_state = meta.scratch.get("decode_has_state")
+            if has_state is None:  # once per step: False for a one-token prompt (its slot holds leftovers)
+                has_state = meta.scratch["decode_has_state"] = torch.tensor(
+                    [p > 0 for p in first[:nd]], device=mixed.device)
+            out[:nd] = self.decode_ops.decode_step(mixed[:nd], g[:nd], beta[:nd], cache.conv[idx], cache.ssm[idx],
+                                                   meta.state_slots[:nd], has_state, weight, self.nk)
+        for i in range(nd, meta.num_seqs):
+            a, b = starts[i], starts[i + 1]
+            slot = meta.state_slots_cpu[i] if cache is not None else None
+            resume = cache is not None and first[i] > 0  # a later chunk, or a decode
+            conv0 = cache.conv[idx, slot] if resume else None
+            y, conv = gdr.causal_conv1d(mixed[a:b], weight, conv0)
+            q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
+            out[a:b], ssm = gdr.chunk_gated_delta_rule(q, k, v, g[a:b], beta[a:b], cache.ssm[idx, slot] if resume else None)
+            if cache is not None:
+                cache.conv[idx, slot] = conv
+                cache.ssm[idx, slot] = ssm
+        return out
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        kinds = cfg.layer_types[:layer_idx]
+        self.is_linear = cfg.layer_types[layer_idx] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, kinds.count("linear_attention"))
+        else:
+            self.self_attn = GatedAttention(cfg, layer_idx - kinds.count("linear_attention"))
+        self.mlp = GatedMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
+
+    def forward(self, h: torch.Tensor, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        h = h + (self.linear_attn(x, meta) if self.is_linear else self.self_attn(x, cos, sin, meta))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3_5ForCausalLM(CausalLM):
+    """The hybrid model. Only the reference forward (no fused ops, no tensor parallelism): the
+    engine rejects the flags it does not support for it (:meth:`EngineConfig.validate_model`)."""
+
+    layer_cls = Qwen3_5DecoderLayer
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """A Hugging Face tensor name as this model's (None: not loaded). The multimodal checkpoints
+        (``Qwen3_5ForConditionalGeneration``, the released Qwen3.5 models) keep the text model under
+        ``model.language_model.`` beside a vision tower and a multi-token-prediction head, which a
+        text-only engine skips."""
+        if name.startswith(("model.visual.", "mtp.", "model.mtp.")):
+            return None
+        return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+
+    def set_fused_ops(self, ops, max_positions: int = 0) -> None:
+        if ops is not None:
+            raise ValueError("fused_kernels is not supported for hybrid models (qwen3_5): use the reference forward")
+        self.ops = None
+
+    def set_attention_backend(self, backend) -> None:
+        """The attention layers' backend; the Gated DeltaNet layers' decode step follows it (the Triton
+        kernels of :mod:`infer.kernels.gated_delta_triton` with the Triton backend)."""
+        from infer.attention import TorchAttentionBackend
+
+        self.attn_backend = backend
+        if isinstance(backend, TorchAttentionBackend):
+            ops = gdr
+        else:
+            from infer.kernels import gated_delta_triton as ops
+        for layer in self.model.layers:
+            if layer.is_linear:
+                layer.linear_attn.decode_ops = ops
+            else:
+                layer.self_attn.backend = backend
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """As :meth:`CausalLM.forward`; the rotary tables ``[T, rotary_dim]`` serve the attention layers."""
+        h = self.embed(input_ids)
+        cos, sin = rope_cos_sin(positions, self.inv_freq_full_attention, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, meta)
+        return self.model.norm(h)
+
+
+def qwen3_5_config(cfg: dict[str, Any], source: str) -> ModelConfig:
+    """``config.json`` of ``Qwen3_5ForCausalLM`` (``model_type`` ``qwen3_5_text``) or of the multimodal
+    ``Qwen3_5ForConditionalGeneration`` (``qwen3_5``: the text model's fields under ``text_config``)."""
+    text = cfg.get("text_config") or cfg
+    fields = common_fields(text, source)
+    fields["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    fields["eos_token_ids"] = fields["eos_token_ids"] or eos_ids(cfg.get("eos_token_id"))
+    params = text.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    n = fields["num_layers"]
+    interval = int(text.get("full_attention_interval", 4))
+    layer_types = text.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    return ModelConfig(
+        architecture="qwen3_5",
+        **fields,
+        rope=parse_rope(text, source),
+        hidden_act=text.get("hidden_act", "silu"),
+        qk_norm=True,
+        norm_unit_offset=True,
+        layer_types=list(layer_types),
+        partial_rotary_factor=float(factor),
+        attn_output_gate=True,
+        linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
+        linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+    )

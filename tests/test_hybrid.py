@@ -1,0 +1,283 @@
+"""Phase 17: hybrid linear attention (Qwen3.5: Gated DeltaNet + gated attention) and its state cache.
+
+References: Hugging Face transformers' ``qwen3_5`` modeling (its plain-PyTorch gated delta rule and
+causal conv1d, and the whole model's logits and ``generate``) on the same tiny random checkpoint
+(scripts/make_synthetic_checkpoint.py ``tiny-qwen3.5``: 3 Gated DeltaNet layers, 1 gated-attention
+layer), and the recurrent form of the rule against the chunked one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.kernels import gated_delta_reference as gdr
+
+# ---------------------------------------------------------------------------------- the kernels
+
+
+def _rule_inputs(t: int, h: int, dk: int, dv: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = gdr.l2norm(torch.randn(t, h, dk, generator=g))
+    k = gdr.l2norm(torch.randn(t, h, dk, generator=g))
+    v = torch.randn(t, h, dv, generator=g)
+    decay = -torch.rand(t, h, generator=g) * torch.tensor([0.01, 0.3, 3.0])[:h]  # slow to fast forgetting
+    beta = torch.rand(t, h, generator=g)
+    s0 = torch.randn(h, dk, dv, generator=g)
+    return q, k, v, decay, beta, s0
+
+
+def test_recurrent_and_chunked_forms_agree():
+    """The chunked (prefill) and recurrent (decode) forms give the same outputs and final state, from a
+    nonzero initial state, over a length that is not a multiple of the chunk; two chunked calls one after
+    the other (the state carried between them, as chunked prefill does) equal one call."""
+    q, k, v, g, beta, s0 = _rule_inputs(150, 3, 16, 8, seed=0)
+    o_rec, s_rec = gdr.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o_chk, s_chk = gdr.chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=32)
+    torch.testing.assert_close(o_chk, o_rec, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s_chk, s_rec, atol=2e-5, rtol=1e-5)
+    o1, s1 = gdr.chunk_gated_delta_rule(q[:70], k[:70], v[:70], g[:70], beta[:70], s0, chunk_size=32)
+    o2, s2 = gdr.chunk_gated_delta_rule(q[70:], k[70:], v[70:], g[70:], beta[70:], s1, chunk_size=32)
+    torch.testing.assert_close(torch.cat([o1, o2]), o_rec, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s2, s_rec, atol=2e-5, rtol=1e-5)
+
+
+def test_conv1d_update_steps_equal_the_prefill_convolution():
+    """The same tokens one at a time from a zero state (batched over two rows) equal the prefill form, and
+    so does the prefill split in two calls (the state carries the last K - 1 inputs across)."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(11, 6, generator=g), torch.randn(6, 4, generator=g)
+    y, state = gdr.causal_conv1d(x, w, None)
+    s, ys = torch.zeros(2, 6, 3), []
+    for i in range(11):
+        yi, s = gdr.causal_conv1d_update(x[i].expand(2, 6), s, w)
+        ys.append(yi[1])
+    torch.testing.assert_close(torch.stack(ys), y, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(s[0], state)
+    y1, s1 = gdr.causal_conv1d(x[:5], w, None)
+    y2, s2 = gdr.causal_conv1d(x[5:], w, s1)
+    torch.testing.assert_close(torch.cat([y1, y2]), y)
+    torch.testing.assert_close(s2, state)
+
+
+def test_delta_rule_and_conv1d_equal_hf():
+    """Both forms of the rule against Hugging Face's torch fallbacks (its chunked and recurrent
+    ``qwen3_5`` functions), GQA-free heads, nonzero initial state; the convolution against its
+    ``causal_conv1d_fn``."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    q, k, v, g, beta, s0 = _rule_inputs(150, 3, 16, 8, seed=0)
+    o_chk, s_chk = gdr.chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    o_hf, s_hf = hf.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial_state=s0[None],
+                                                 output_final_state=True)
+    torch.testing.assert_close(o_chk, o_hf[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s_chk, s_hf[0], atol=2e-5, rtol=1e-5)
+    o_rec, s_rec = gdr.recurrent_gated_delta_rule(q[:9], k[:9], v[:9], g[:9], beta[:9], s0)
+    o_hf, s_hf = hf.torch_recurrent_gated_delta_rule(q[None, :9], k[None, :9], v[None, :9], g[None, :9],
+                                                     beta[None, :9], initial_state=s0[None], output_final_state=True)
+    torch.testing.assert_close(o_rec, o_hf[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_rec, s_hf[0], atol=1e-5, rtol=1e-5)
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(11, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    torch.testing.assert_close(gdr.causal_conv1d(x, w, None)[0],
+                               hf.causal_conv1d_fn(x.t()[None], w, None, activation="silu")[0].t())
+
+
+# ---------------------------------------------------------------------------------- the model
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen35(tmp_path_factory):
+    """``tiny-qwen3.5`` written by transformers, loaded by infer and by HF (float32, CPU)."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from infer.loader import load_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    path = make_checkpoint("tiny-qwen3.5", tmp_path_factory.mktemp("tiny-qwen3.5"), dtype="float32", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return load_model(path, device="cpu", dtype=torch.float32, progress=False), hf
+
+
+def test_logits_match_hf_over_several_chunks(tiny_qwen35):
+    """Teacher-forced logits of a 150-token prompt (3 chunks of the delta rule) and a short one, in one
+    flattened batch, against HF's forward of each."""
+    from tests.hf_reference import hf_logits, infer_logits
+
+    loaded, hf = tiny_qwen35
+    assert loaded.config.layer_types.count("linear_attention") == 3 and loaded.config.num_kv_layers == 1
+    assert loaded.config.num_params() == sum(p.numel() for p in hf.parameters())
+    seqs = [[(7 * i + 3) % 500 for i in range(150)], [5, 6, 7]]
+    for seq, got in zip(seqs, infer_logits(loaded.model, seqs)):
+        ref = hf_logits(hf, seq)
+        assert (got - ref).abs().max().item() <= 1e-4, (got - ref).abs().max().item()
+
+
+PROMPTS = [[5, 6, 7], list(range(100, 164)), [300] * 17, [42], list(range(200, 240))]
+N_OUT = 6
+
+
+@pytest.fixture(scope="module")
+def hf_greedy_tokens(tiny_qwen35):
+    from tests.test_generation import hf_greedy
+
+    return [hf_greedy(tiny_qwen35[1], p, N_OUT) for p in PROMPTS]
+
+
+def _slots_consistent(engine) -> None:
+    """Every running sequence holds a distinct slot; held + free slots are all of them, once."""
+    kv = engine.kv_manager
+    held = [s.state_slot for s in engine.scheduler.running]
+    assert all(s >= 0 for s in held) and len(set(held)) == len(held)
+    assert sorted(held + kv.free_state_slots) == list(range(kv.num_state_slots))
+
+
+def _assert_drained(engine) -> None:
+    from tests.test_batching import assert_pool_full
+
+    assert_pool_full(engine)
+    assert sorted(engine.kv_manager.free_state_slots) == list(range(engine.kv_manager.num_state_slots))
+
+
+ENGINES = {
+    "phase1": dict(),
+    # continuous batching, paged KV, chunked prefill with a 16-token budget (the 64-token prompt runs in
+    # chunks beside the others' decodes), async scheduling
+    "paged-chunked-async": dict(batching="continuous", kv_cache="paged", block_size=8, chunked_prefill=True,
+                                max_num_batched_tokens=16, async_scheduling=True),
+    # the Triton attention kernels and Gated DeltaNet decode step (interpreted on the CPU)
+    "triton": dict(batching="continuous", kv_cache="paged", block_size=8, attention_backend="triton"),
+}
+
+
+@pytest.mark.parametrize("flags", list(ENGINES))
+def test_engine_greedy_tokens_equal_hf_generate(tiny_qwen35, hf_greedy_tokens, flags):
+    from infer.sampling import SamplingParams
+    from tests.test_batching import drive, make_engine
+
+    loaded, _ = tiny_qwen35
+    params = SamplingParams(max_tokens=N_OUT, temperature=0.0, ignore_eos=True)
+    engine = make_engine(loaded, max_model_len=128, max_num_seqs=4, **ENGINES[flags])
+    which = [0, 3, 2] if flags == "triton" else range(len(PROMPTS))  # interpreted kernels: the short ones
+    got = drive(engine, [(i % 3, PROMPTS[p], params) for i, p in enumerate(which)], check=_slots_consistent)
+    for i, p in enumerate(which):
+        assert got[i][0] == hf_greedy_tokens[p], f"prompt {p}"
+    if flags == "paged-chunked-async":
+        assert engine.scheduler.num_chunked_steps > 0, "no prompt was chunked"
+    _assert_drained(engine)
+
+
+def _budget(cfg, slots: int, blocks: int, block_size: int) -> int:
+    """kv_cache_memory_bytes that :func:`~infer.engine.memory.split_state_budget` splits into ``slots``
+    state slots (they take at most half) and ``blocks`` KV blocks."""
+    slot = cfg.state_bytes_per_seq(torch.float32)
+    block = cfg.kv_bytes_per_token(torch.float32) * block_size
+    budget = slots * slot + blocks * block
+    assert min(4, budget // 2 // slot) == slots, "pick more blocks: the slots must fit half the budget"
+    return budget
+
+
+def test_slot_exhaustion_waits_and_preemption_frees_slots(tiny_qwen35, hf_greedy_tokens):
+    """Two state slots for up to four running sequences: requests wait for a slot instead of failing;
+    a KV pool of 9 blocks of 16 tokens forces preemptions (recompute: two 64-token prompts take 8
+    blocks, and both need a fifth as they decode), whose sequences give their slot back and,
+    readmitted, restart from a zero state. After every step the slots are consistent, and every output
+    still equals HF's."""
+    from infer.sampling import SamplingParams
+    from tests.test_batching import drive, make_engine
+
+    loaded, _ = tiny_qwen35
+    cfg = loaded.config
+    params = SamplingParams(max_tokens=N_OUT, temperature=0.0, ignore_eos=True)
+    engine = make_engine(loaded, max_model_len=96, max_num_seqs=4, batching="continuous", kv_cache="paged",
+                         block_size=16, kv_cache_memory_bytes=_budget(cfg, 2, 9, 16))
+    assert engine.kv_manager.num_state_slots == 2 and engine.kv_manager.num_blocks == 9
+    widths = []
+
+    def check(e):
+        _slots_consistent(e)
+        widths.append(len(e.scheduler.running))
+
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[4]]
+    got = drive(engine, [(0, p, params) for p in prompts], check=check)
+    for i, p in enumerate(prompts):
+        assert got[i][0] == hf_greedy_tokens[PROMPTS.index(p)], f"prompt {i}"
+    assert max(widths) == 2, "the slots did not limit the batch"
+    assert engine.scheduler.num_preemptions > 0, "the workload never preempted"
+    _assert_drained(engine)
+
+
+def test_abort_and_forks_free_slots(tiny_qwen35, hf_greedy_tokens):
+    """An aborted request gives its slots back at once; ``n = 2`` greedy sequences share one prefill,
+    each fork starting from a copy of the prompt's state (both equal HF's tokens)."""
+    from infer.sampling import SamplingParams
+    from tests.test_batching import make_engine
+
+    loaded, _ = tiny_qwen35
+    engine = make_engine(loaded, max_model_len=128, max_num_seqs=4, batching="continuous", kv_cache="paged",
+                         block_size=8)
+    greedy = dict(max_tokens=N_OUT, temperature=0.0, ignore_eos=True)
+    engine.add_request(PROMPTS[1], SamplingParams(**greedy), request_id="victim")
+    engine.add_request(PROMPTS[4], SamplingParams(n=2, **greedy), request_id="forks")
+    engine.step()
+    assert len(engine.kv_manager.free_state_slots) == engine.kv_manager.num_state_slots - 3
+    engine.abort_request("victim")
+    assert len(engine.kv_manager.free_state_slots) == engine.kv_manager.num_state_slots - 2
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = [o.token_ids for o in out.outputs]
+    assert outs["forks"] == [hf_greedy_tokens[4]] * 2
+    _assert_drained(engine)
+
+
+def test_hybrid_rejects_prefix_caching_and_optimize_turns_it_off(tiny_qwen35):
+    from infer.config import EngineConfig
+    from infer.engine.memory import split_state_budget
+
+    cfg = tiny_qwen35[0].config
+    with pytest.raises(ValueError, match="prefix_caching is not supported for hybrid models.*stale state"):
+        EngineConfig(model="x", device="cpu", kv_cache="paged", prefix_caching=True).validate().validate_model(cfg)
+    opt = EngineConfig(model="x", device="cpu", optimize=True).validate()
+    assert opt.prefix_caching
+    opt.validate_model(cfg)
+    assert not opt.prefix_caching and "prefix_caching" in opt.optimization_notes
+    assert split_state_budget(10_000, 100, 8) == 8 and split_state_budget(1_000, 100, 8) == 5
+    with pytest.raises(ValueError, match="recurrent-state slot"):
+        split_state_budget(150, 100, 8)
+
+
+# ---------------------------------------------------------------------------------- the Triton decode step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_step_equals_reference(dtype):
+    """The two kernels (conv1d update, gated delta step) against the plain-PyTorch decode step on fresh
+    random inputs: GQA (2 key heads for 4 value heads), Dv wider than one 32-column block, one sequence
+    starting from a zero state, slots out of order; the slots they write and those they leave alone."""
+    from infer.kernels import gated_delta_triton as tri
+
+    gen = torch.Generator().manual_seed(3)
+    nk, hv, dk, dv, kernel, num_slots = 2, 4, 16, 48, 4, 6
+    c = 2 * nk * dk + hv * dv
+    mixed = torch.randn(3, c, generator=gen).to(dtype)
+    g = -torch.rand(3, hv, generator=gen) * 2
+    beta = torch.rand(3, hv, generator=gen).to(dtype)
+    weight = torch.randn(c, kernel, generator=gen).to(dtype)
+    conv = torch.randn(num_slots, c, kernel - 1, generator=gen).to(dtype)
+    ssm = torch.randn(num_slots, hv, dk, dv, generator=gen)
+    slots = torch.tensor([4, 1, 2])
+    has = torch.tensor([True, False, True])
+    conv_ref, ssm_ref = conv.clone(), ssm.clone()
+    ref = gdr.decode_step(mixed, g, beta, conv_ref, ssm_ref, slots, has, weight, nk)
+    out = tri.decode_step(mixed, g, beta, conv, ssm, slots, has, weight, nk)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(ssm, ssm_ref, **tol)
+    torch.testing.assert_close(conv, conv_ref, atol=0, rtol=0)  # a shift: exact
