@@ -19,7 +19,8 @@ then two requests whose prompts are the long prompt's first ``--shared-len`` tok
 their own, at steps 14 and 22 (a prefix-cache hit when ``prefix_caching`` is on). Every request is
 greedy, ``ignore_eos``, ``--output-len`` tokens (the long one half as many). The arrivals are counted in
 the scheduler's steps, not in seconds, so the picture is the scheduler's and the same on any machine
-(but for static batching's wait for its batch to fill, ``batch_wait_timeout_ms``).
+(but for static batching's wait for its batch to fill, ``batch_wait_timeout_ms``); an engine that has
+finished everything before the next arrival skips ahead to it.
 
 Reads the Trace Event Format that :mod:`infer.engine.step_trace` writes: the ``steps`` thread's step
 slices (their ``args``: prefill and decode tokens, budget) and the counters ``KV cache blocks`` and
@@ -133,8 +134,9 @@ def record(model: str, overrides: dict, args, path: str) -> None:
                 22: [long_prompt[:args.shared_len] + random_prompt(vocab, 8, 22)]}
     pending = sorted(arrivals.items())
     while pending or engine.has_unfinished_requests():
-        # the clock is the steps the scheduler ran (static batching may wait for its batch without one)
-        while pending and pending[0][0] <= engine.scheduler.num_steps:
+        # the clock is the steps the scheduler ran (static batching may wait for its batch without one);
+        # an idle engine skips ahead to the next arrival
+        while pending and (pending[0][0] <= engine.scheduler.num_steps or not engine.has_unfinished_requests()):
             for prompt in pending.pop(0)[1]:
                 n = args.output_len // 2 if prompt is long_prompt else args.output_len
                 engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
