@@ -13,7 +13,11 @@ the machine's speed hits both; the ratio is the median over the rounds' (off, on
 ``on tok/s / off tok/s`` (1.0: free). On a shared or noisy machine that ratio moves by more than the
 recorder costs, so one more round per batch size measures the cost directly: the seconds spent inside the
 recorder's hooks per step (``hooks_us``) against the median step (``step_ms``; ``hooks_share`` is their
-ratio). The trace is written once at the end, timed, and its size reported.
+ratio). The same round also feeds a :class:`~infer.engine.live_view.LiveView` (what the server's
+``--live-page`` hooks in) and times its step listener apart (``live_us``: per step, on the engine thread,
+its snapshots four times a second included; ``live_share`` against the step) and, afterwards, turning its
+events into the page's JSON (``event_us``: per event, on the server's event loop, not the engine thread).
+The trace is written once at the end, timed, and its size reported.
 
 Writes the JSON report (commit, hardware, EngineConfig, every round) to ``--out`` (default
 ``benchmarks/runs/trace_overhead.json``) and the Markdown table beside it.
@@ -32,6 +36,7 @@ import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgo
 from common import engine_overrides, environment, make_llm, markdown_table, out_argument, sync, write_report
 from workloads import random_prompt
 
+from infer.engine.live_view import LiveView
 from infer.engine.step_trace import StepRecorder
 
 
@@ -70,6 +75,32 @@ def timed_hooks(engine) -> tuple[StepRecorder, list[float]]:
     for name in ("begin", "scheduled", "executed", "preempted", "finished", "end"):
         setattr(rec, name, timed(getattr(rec, name)))
     return rec, spent
+
+
+def timed_live_view(engine, run, *run_args) -> tuple[float, float]:
+    """``run(*run_args)`` with a :class:`LiveView` listening to the engine's recorder. Returns the microseconds its
+    listener took per step (engine thread) and those :meth:`LiveView.step_event` takes per event (reader)."""
+    view = LiveView(engine)
+    listener = engine.tracer.listeners.pop()
+    spent, calls = [0.0], [0]
+
+    def timed(*a):
+        t = time.perf_counter()
+        listener(*a)
+        spent[0] += time.perf_counter() - t
+        calls[0] += 1
+
+    engine.tracer.listeners.append(timed)
+    try:
+        run(*run_args)
+    finally:
+        engine.tracer.listeners.remove(timed)
+    events = [payload for _, kind, payload in view.since(0)[0] if kind == "step"]
+    t = time.perf_counter()
+    for payload in events:
+        view.step_event(*payload)
+    event_s = time.perf_counter() - t
+    return 1e6 * spent[0] / max(calls[0], 1), 1e6 * event_s / max(len(events), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,15 +143,18 @@ def main(argv: list[str] | None = None) -> int:
         engine.set_tracer(recorder)
         timed, spent = timed_hooks(engine)
         engine.set_tracer(timed)
-        decode_round(engine, prompts, args.output_len)
+        live_us, event_us = timed_live_view(engine, decode_round, engine, prompts, args.output_len)
         steps = [r for r in timed.steps if r.seqs]
         step_ms = statistics.median(1e3 * (r.t_end - r.t_start) for r in steps)
-        hook_us = 1e6 * spent[0] / len(timed.steps)
-        print(f"batch {batch}: the recorder's hooks take {hook_us:.1f} us per step; a step takes {step_ms:.2f} ms")
+        hook_us = 1e6 * spent[0] / len(timed.steps) - live_us  # end() runs the live view's listener
+        print(f"batch {batch}: the recorder's hooks take {hook_us:.1f} us per step, the live view's listener "
+              f"{live_us:.1f} us (and {event_us:.1f} us per event off the engine thread); a step takes "
+              f"{step_ms:.2f} ms")
         rows.append({"batch": batch, "off_tok_s": statistics.median(tok_s["off"]),
                      "on_tok_s": statistics.median(tok_s["on"]), "on_over_off": statistics.median(ratios),
                      "min_ratio": min(ratios), "max_ratio": max(ratios), "step_ms": step_ms, "hooks_us": hook_us,
-                     "hooks_share": hook_us / (1e3 * step_ms)})
+                     "hooks_share": hook_us / (1e3 * step_ms), "live_us": live_us,
+                     "live_share": live_us / (1e3 * step_ms), "event_us": event_us})
     engine.set_tracer(recorder)
     start = time.perf_counter()
     engine.write_trace()
@@ -128,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     size = os.path.getsize(trace_path)
     print(f"trace of {len(recorder.steps)} steps written in {write_s:.2f} s: {size / 1e6:.1f} MB")
     columns = ["batch", "off_tok_s", "on_tok_s", "on_over_off", "min_ratio", "max_ratio", "step_ms", "hooks_us",
-               "hooks_share"]
+               "hooks_share", "live_us", "live_share", "event_us"]
     table = markdown_table(rows, columns)
     report = {"environment": environment(engine.runner.device), "engine_config": llm.config.to_dict(),
               "workload": {k: getattr(args, k) for k in ("batch", "prompt_len", "output_len", "rounds", "seed")},

@@ -480,3 +480,36 @@ def test_plot_results_reads_the_table_under_its_heading_and_plots_its_numbers(tm
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="not in the table"):  # "graphs" has a cell that is no number: not default
         plot_results.plot(header, rows, ["speed"], None, "t", False, tmp_path / "q.png")
+
+
+# ---------------------------------------------------------------------------------- step-trace pictures
+
+
+def test_plot_trace_reads_back_the_scripted_arrivals_tokens(tiny_llama, tmp_path):
+    """plot_trace.py's scripted workload, recorded and read back: the prefill tokens are the prompts'
+    (3 short, the long one, 2 sharing its first tokens), the decode tokens every requested token but
+    each request's first (its prefill samples it); with chunked prefill no step exceeds the budget;
+    without a step trace it refuses; the picture is a PNG."""
+    import argparse
+    import json
+
+    import plot_trace
+
+    args = argparse.Namespace(device="cpu", short_len=8, long_len=40, shared_len=32, output_len=6)
+    prompts = 3 * args.short_len + args.long_len + 2 * (args.shared_len + 8)
+    outputs = 3 * args.output_len + args.output_len // 2 + 2 * args.output_len
+    columns = []
+    for name, cfg in [("whole", {}), ("chunked", {"chunked_prefill": True, "max_num_batched_tokens": 16})]:
+        path = tmp_path / f"{name}.json"
+        plot_trace.record(str(tiny_llama.path), {"batching": "continuous", "kv_cache": "paged", "dtype": "float32",
+                                                 **cfg}, args, str(path))
+        steps = plot_trace.load_steps(json.loads(path.read_text()))
+        assert sum(s["prefill"] for s in steps) == prompts and sum(s["decode"] for s in steps) == outputs - 6
+        assert max(s["running"] for s in steps) <= 5 and steps[-1]["kv_used"] >= 0
+        if cfg:
+            assert max(s["prefill"] + s["decode"] for s in steps) <= 16 == steps[0]["budget"]
+        columns.append((name, steps))
+    plot_trace.plot(columns, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="not a step trace|step trace"):
+        plot_trace.load_steps({"traceEvents": [{"ph": "X", "name": "matmul", "pid": 1, "ts": 0, "dur": 1}]})

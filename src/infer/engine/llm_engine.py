@@ -173,6 +173,17 @@ class LLMEngine:
         self.runner.on_executed = tracer.executed if tracer is not None else None
         self.scheduler.on_preempt = tracer.preempted if tracer is not None else None
 
+    def add_step_listener(self, listener, max_steps: int = 256) -> None:
+        """Call ``listener(engine, record)`` on the engine thread after every step that did something,
+        with the step's :class:`~infer.engine.step_trace.StepRecord` (the server's live page,
+        :mod:`infer.engine.live_view`). It must return quickly and never block: it runs inside the
+        step. Without ``EngineConfig.trace`` a recorder keeping the last ``max_steps`` steps (no
+        file, no CUDA events) is hooked in first; with it, the trace's recorder feeds the listener."""
+        if self.tracer is None:
+            self.set_tracer(StepRecorder(None, budget=self.scheduler.max_num_batched_tokens,
+                                         max_steps=max_steps, max_seq_entries=max_steps * 256))
+        self.tracer.listeners.append(listener)
+
     def write_trace(self, path: str | None = None) -> str:
         """Write the step trace recorded so far (``EngineConfig.trace``) as Chrome trace JSON, to
         ``path`` (default: ``EngineConfig.trace``); recording goes on. Returns the path written.
@@ -181,7 +192,7 @@ class LLMEngine:
             RuntimeError: the engine records no trace (``trace`` unset).
             OSError: the file cannot be written.
         """
-        if self.tracer is None:
+        if self.tracer is None or (path is None and self.tracer.path is None):
             raise RuntimeError("this engine records no step trace: start it with trace=PATH (--trace PATH)")
         return self.tracer.write(path)
 
@@ -215,7 +226,7 @@ class LLMEngine:
         tier's file is deleted) and the worker processes of a parallel engine. Idempotent; the
         engine must not step afterwards. With ``EngineConfig.trace``, the step trace is written.
         """
-        if getattr(self, "tracer", None) is not None:
+        if getattr(self, "_trace_at_exit", None) is not None:
             try:
                 self._trace_at_exit()  # writes it once (then neither collection nor exit writes it again)
             except OSError:

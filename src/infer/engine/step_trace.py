@@ -89,6 +89,17 @@ class SeqWork(NamedTuple):
         return "decode" if self.num_tokens == 1 and self.start >= self.num_prompt_tokens else "prefill"
 
     @property
+    def phase(self) -> str:
+        """What the trace names its slice: ``decode``; ``prefill`` (the chunk that ends the prompt),
+        ``prefill chunk`` (the prompt goes on next step) or ``recompute`` (after a preemption, the
+        prompt and generated tokens computed again)."""
+        if self.kind == "decode":
+            return "decode"
+        if self.context_len > self.num_prompt_tokens:
+            return "recompute"
+        return "prefill" if self.samples else "prefill chunk"
+
+    @property
     def context_len(self) -> int:
         """Tokens in the cache after the step (``start + num_tokens``): the keys its attention reads."""
         return self.start + self.num_tokens
@@ -177,7 +188,8 @@ class StepRecorder:
     raised).
 
     Args:
-        path: where :meth:`write` writes the trace (JSON).
+        path: where :meth:`write` writes the trace (JSON); None: no file (a recorder that only feeds
+            :attr:`listeners`, as the server's live page does).
         cuda: time the device with CUDA events.
         budget: the scheduler's token budget per step (``max_num_batched_tokens``).
         info: what the trace's ``otherData`` says about the run (model, flags).
@@ -187,9 +199,12 @@ class StepRecorder:
     Attributes:
         steps: the records kept, oldest first.
         dropped: records dropped to keep within the bounds.
+        listeners: callables ``(engine, record)`` called on the engine thread with each record kept,
+            as :meth:`end` keeps it (:meth:`~infer.engine.LLMEngine.add_step_listener`); they must
+            return quickly and never block.
     """
 
-    def __init__(self, path: str, cuda: bool = False, budget: int = 0, info: dict | None = None,
+    def __init__(self, path: str | None, cuda: bool = False, budget: int = 0, info: dict | None = None,
                  max_steps: int = MAX_STEPS, max_seq_entries: int = MAX_SEQ_ENTRIES) -> None:
         self.path = path
         self.cuda = cuda
@@ -198,6 +213,7 @@ class StepRecorder:
         self.max_steps, self.max_seq_entries = max_steps, max_seq_entries
         self.steps: deque[StepRecord] = deque()
         self.dropped = 0
+        self.listeners: list = []
         self.origin = time.perf_counter()  # ts 0 of the trace
         self.origin_unix_s = time.time()
         self._num_entries = 0
@@ -282,6 +298,8 @@ class StepRecorder:
             else:
                 self._pending.append(rec)
         self.read_device_times(wait=False)
+        for listener in self.listeners:
+            listener(engine, rec)
 
     @staticmethod
     def _graph_size(engine, rec: StepRecord) -> int | None:
@@ -327,8 +345,11 @@ class StepRecorder:
 
         Raises:
             OSError: the file cannot be written.
+            ValueError: neither ``path`` nor the recorder's.
         """
         path = path or self.path
+        if path is None:
+            raise ValueError("this step recorder has no trace file: pass a path")
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(self.trace(), f, separators=(",", ":"))
@@ -389,12 +410,7 @@ class _TraceBuilder:
         return self.metadata() + _ordered(self.engine) + [e for t in self.by_track.values() for e in _ordered(t)]
 
     def seq_event(self, rec: StepRecord, s: SeqWork, ts: float) -> dict:
-        if s.kind == "decode":
-            name = "decode"
-        elif s.context_len > s.num_prompt_tokens:
-            name = "recompute"
-        else:
-            name = "prefill" if s.samples else "prefill chunk"
+        name = s.phase
         args = {"step": rec.index, "tokens": s.num_tokens, "context_len": s.context_len, "start": s.start}
         if s.forks:
             args["forks"] = s.forks

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on every route but /health and /metrics (default: "
                         "$INFER_API_KEY, else vLLM's $VLLM_API_KEY, else none)")
+    s.add_argument("--live-page", action="store_true",
+                   help="serve a page that draws the engine at work at /live: its queues, KV-cache blocks and "
+                        "last steps (docs/reading-the-engine.md; behind --api-key when one is set; default: off)")
     add_engine_args(p)
     return p
 
@@ -130,12 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     engine = async_engine.engine
     name = args.served_model_name or args.model
     api_key = resolve_api_key(args.api_key)
-    app = build_app(async_engine, name, api_key=api_key)
+    app = build_app(async_engine, name, api_key=api_key, live_page=args.live_page)
     warn_if_exposed(args.host, api_key, log)
     frozen = freeze_startup_heap()
     log.info("model %s loaded on %s in %.1f s (%d start-up objects frozen out of garbage collection); "
              "serving on http://%s:%d%s", name, engine.runner.device, time.perf_counter() - start, frozen,
              args.host, args.port, " (API key required)" if api_key else "")
+    if args.live_page:
+        log.info("live page: http://%s:%d/live%s", args.host, args.port, "#key=<your key>" if api_key else "")
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: end in-flight requests first

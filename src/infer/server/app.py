@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and vLLM's ``POST /tokenize``,
-``POST /detokenize``, ``GET /tokenizer_info``, ``POST /reset_prefix_cache``. Response shapes are
+``POST /detokenize``, ``GET /tokenizer_info``, ``POST /reset_prefix_cache``, and with ``--live-page``
+the live page's ``GET /live``, ``/live/snapshot`` and ``/live/events``. Response shapes are
 OpenAI's, so the official ``openai`` client works unchanged; streaming is Server-Sent Events
 (``data: {...}`` chunks, then ``data: [DONE]``). Every bad request gets a 4xx with OpenAI's error
 body ``{"error": {"message", "type", "param", "code"}}``; the engine never sees it. A request whose
@@ -40,12 +41,13 @@ from fastapi.responses import JSONResponse
 from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from infer.engine.live_view import LiveView
 from infer.server.async_engine import AsyncEngine
 from infer.server.auth import api_key_dependency
 from infer.server.metrics import Metrics, cache_config_labels
 from infer.server.protocol import MAX_N
 from infer.server.responses import Reject, error_response
-from infer.server.routes import admin, chat, completions, health, models
+from infer.server.routes import admin, chat, completions, health, live, models
 from infer.server.serving import ServerState
 
 MAX_BODY_BYTES = 8 << 20  # a larger request body is answered 413
@@ -179,7 +181,7 @@ def openapi_schema(app: FastAPI, limits: dict[str, int]) -> dict:
 
 
 def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, live_page: bool = False) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``model_name``.
 
     Wires what the routes need (``app.state.server``, a ``ServerState``; also ``app.state.engine``
@@ -187,7 +189,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     (``engine.on_finished``) and each HTTP request by route and status (``http_requests_total``),
     answers every error in OpenAI's body, refuses bodies over ``max_body_bytes`` (413) and
     includes the routers of ``routes/``. With ``api_key``, every router but ``/health``'s and
-    ``/metrics``' requires ``Authorization: Bearer <api_key>`` (``auth.py``).
+    ``/metrics``' requires ``Authorization: Bearer <api_key>`` (``auth.py``). With ``live_page``,
+    the live page's routes (``routes/live.py``) are added and the engine publishes its steps to a
+    :class:`~infer.engine.live_view.LiveView` (build the app before the engine serves requests).
     """
     app = FastAPI(title="infer", description="OpenAI-compatible API of the infer engine")
     eng = engine.engine
@@ -211,7 +215,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     # included, labelled with the route's template (``/v1/models/{model_id:path}``, never the raw
     # path; ``none`` for an unknown path) and the exact status; /metrics and /health are left out
     # (polled by scrapers and probes, they would drown the API's counts), as vLLM does
-    Instrumentator(should_group_status_codes=False, excluded_handlers=["^/metrics$", "^/health$"],
+    Instrumentator(should_group_status_codes=False, excluded_handlers=["^/metrics$", "^/health$", "^/live"],
                    registry=metrics.registry).instrument(app)
 
     protected = [api_key_dependency(api_key)] if api_key else []
@@ -222,4 +226,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     app.include_router(admin.metrics_router)
     app.include_router(completions.router, dependencies=protected)
     app.include_router(chat.router, dependencies=protected)
+    if live_page:  # the engine thread is idle (no request yet): hooking the listener in here is safe
+        app.state.live = live.LiveState(engine, LiveView(eng))
+        app.include_router(live.page_router)
+        app.include_router(live.data_router, dependencies=protected)
     return app

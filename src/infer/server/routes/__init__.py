@@ -6,6 +6,7 @@
   ``POST /detokenize`` and ``GET /tokenizer_info``
 - ``admin.py``: vLLM's ``POST /reset_prefix_cache``, Prometheus' ``GET /metrics``
 - ``health.py``: ``GET /health``
+- ``live.py``: with ``--live-page``, ``GET /live`` (the page), ``/live/snapshot``, ``/live/events``
 
 Each handler reads as the request's path: parse (``parse_*``: the protocol model to engine inputs,
 or an OpenAI-shaped 4xx), the engine call (``serving.submit_all``, then ``collect`` or a stream),
