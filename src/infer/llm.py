@@ -22,6 +22,7 @@ from infer.chat import apply_chat_template
 from infer.config import EngineConfig
 from infer.engine import LLMEngine
 from infer.errors import InvalidRequestError
+from infer.lora import LoRARequest
 from infer.outputs import RequestOutput
 from infer.sampling import SamplingParams
 
@@ -62,6 +63,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns finished outputs in prompt order.
 
@@ -69,6 +71,8 @@ class LLM:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one for all prompts, or one per prompt.
             use_tqdm: show a progress bar over requests.
+            lora_request: the LoRA adapter (phase 16, ``enable_lora=True``) for every prompt, or one per
+                prompt (None: the base model), vLLM's argument.
 
         Raises:
             InvalidRequestError: for a prompt or parameter the engine cannot serve; no request
@@ -83,10 +87,16 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(items)
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(items):
+                raise ValueError(f"{len(lora_request)} lora_requests for {len(items)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(items)
         ids = []
         try:
-            for p, sp in zip(items, params):
-                ids.append(self.engine.add_request(p, sp).request_id)
+            for p, sp, lora in zip(items, params, loras):
+                ids.append(self.engine.add_request(p, sp, lora_request=lora).request_id)
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -106,12 +116,13 @@ class LLM:
             bar.close()
         return [done[r] for r in ids]
 
-    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                        lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
         """Yield a :class:`RequestOutput` per step with what is new (``delta_text`` etc.).
 
         Closing the iterator early aborts the request.
         """
-        req = self.engine.add_request(prompt, sampling_params)
+        req = self.engine.add_request(prompt, sampling_params, lora_request=lora_request)
         finished = False
         try:
             while not finished:

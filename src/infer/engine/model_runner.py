@@ -76,7 +76,14 @@ class ModelRunner:
             contiguous copy; :class:`~infer.attention.KVCache`).
         pdl: launch the Triton kernels of every step, warm-up and capture with programmatic dependent
             launch (:mod:`infer.kernels.pdl`; ``EngineConfig.pdl``).
+
+    Attributes:
+        lora_manager: LoRA (phase 16): the model's adapter slots
+            (:class:`~infer.lora.manager.LoRAModelManager`), or None; each step gives it the slot of
+            every row (:meth:`_set_lora_mapping`).
     """
+
+    lora_manager = None
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
                  attention_backend: str = "torch", max_model_len: int = 0,
@@ -135,17 +142,26 @@ class ModelRunner:
         # no step prefills more than the budget or the context
         graph_prefill = min(config.cuda_graph_prefill_max_tokens, budget, max_model_len) if graph_bs else 0
         graph_mixed = min(config.cuda_graph_mixed_max_tokens, budget) if graph_bs else 0
+        lora = None
+        if config.enable_lora:  # the slot buffers exist before the memory profile, which counts them
+            from infer.kernels import lora_ops
+            from infer.lora import LoRAModelManager
+
+            lora = LoRAModelManager(loaded.model, mcfg, config.max_loras, config.max_lora_rank,
+                                    config.resolved_max_cpu_loras(), lora_ops(backend))
         num_blocks = num_kv_blocks(loaded, block_size, max_model_len, config.max_num_seqs, budget,
                                    config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs,
                                    graph_prefill, graph_mixed)
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
-        return cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
-                   max_model_len=max_model_len, cuda_graphs=config.cuda_graphs,
-                   cuda_graph_max_batch_size=graph_bs or 1,
-                   block_major=config.kv_offload != "none" and backend == "triton",
-                   cuda_graph_prefill_max_tokens=graph_prefill, cuda_graph_mixed_max_tokens=graph_mixed,
-                   pdl=config.pdl, **kwargs)
+        runner = cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
+                     max_model_len=max_model_len, cuda_graphs=config.cuda_graphs,
+                     cuda_graph_max_batch_size=graph_bs or 1,
+                     block_major=config.kv_offload != "none" and backend == "triton",
+                     cuda_graph_prefill_max_tokens=graph_prefill, cuda_graph_mixed_max_tokens=graph_mixed,
+                     pdl=config.pdl, **kwargs)
+        runner.lora_manager = lora
+        return runner
 
     @torch.inference_mode()
     @_with_pdl
@@ -223,6 +239,8 @@ class ModelRunner:
             reads them; their copy to the host is already started).
         """
         step = StepInputs(scheduled, prev, self)
+        if self.lora_manager is not None:
+            self._set_lora_mapping(step)
         out = self.graphs.run(step) if self.graphs is not None else None
         if out is None:
             out = self._run_eager(step)
@@ -237,6 +255,15 @@ class ModelRunner:
             return StepResult([], None, prompt_lp)
         self._before_sampling(prev)
         return self._result(out.sampled, sample(logits, self._sampling_tensors(out.sampled, eos_ids)), prompt_lp)
+
+    def _set_lora_mapping(self, step: StepInputs) -> None:
+        """LoRA (phase 16): each flat row's adapter slot (-1: the base model), for every LoRA layer. The
+        engine made the step's adapters resident before (:meth:`LoRAModelManager.activate`)."""
+        manager, slots = self.lora_manager, []
+        for item in step.flat.scheduled:
+            lora = item.seq.request.lora_request
+            slots += [manager.slot_of(lora.lora_int_id) if lora is not None else -1] * item.num_tokens
+        manager.set_mapping(slots)
 
     def _run_eager(self, step: StepInputs) -> ForwardOutput:
         """The step's forward, launched kernel by kernel: the hidden states of every token."""
