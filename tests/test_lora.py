@@ -305,3 +305,71 @@ def test_a_slot_in_use_is_never_reused(lora_qwen3):
     assert not q.lora_a[0].any() and not q.lora_b[0].any()
     assert torch.equal(o.lora_a[0, :2], a_c) and torch.equal(o.lora_b[0, :, :2], b_c) and not o.lora_a[0, 2:].any()
     assert not m.is_cached(1)  # the host cache holds max_cpu_loras = 2 adapters: a, the oldest, went
+
+
+def test_an_adapter_in_use_is_not_unloaded(lora_qwen3):
+    base, adapters = lora_qwen3
+    llm = _llm(base, max_loras=1)
+    a = LoRARequest("a", 1, str(adapters[0]))
+    req = llm.engine.add_request(PROMPTS[0], GREEDY, lora_request=a)
+    with pytest.raises(InvalidRequestError, match="used by requests in flight"):
+        llm.engine.remove_lora(1)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert req.is_finished and llm.engine.remove_lora(1) and not llm.engine.remove_lora(1)
+
+
+# ------------------------------------------------------------------------------------------ the server
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_qwen3, tmp_path_factory):
+    from tests.server_fixture import ServerProcess
+
+    base, adapters = lora_qwen3
+    server = ServerProcess(tmp_path_factory.mktemp("lora-server"), [
+        "--model", str(base), "--served-model-name", "base", "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "128", "--batching", "continuous", "--kv-cache", "paged", "--enable-lora",
+        "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"a0={adapters[0]}", f"a1={adapters[1]}"])
+    yield server.wait_ready()
+    server.stop()
+
+
+def test_server_selects_adapters_by_model_and_loads_them_at_runtime(lora_server, lora_qwen3):
+    import httpx
+    import openai
+
+    base, adapters = lora_qwen3
+    # what the offline engine generates for each adapter (itself checked against PEFT above)
+    offline = _llm(base, max_loras=3).generate(
+        [PROMPTS[0]] * 4, GREEDY, use_tqdm=False,
+        lora_request=[None] + [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)])
+    want = [o.outputs[0].text for o in offline]
+    assert len(set(want)) == 4  # four different continuations: the adapter chosen shows in the text
+    client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="none")
+
+    def complete(model: str) -> str:
+        r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                      extra_body={"min_tokens": 6})
+        assert r.model == model
+        return r.choices[0].text
+
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"base", "a0", "a1"}
+    assert cards["a0"].parent == "base" and cards["a0"].root == str(adapters[0])
+    assert [complete(m) for m in ("base", "a0", "a1")] == want[:3]
+    post = lambda path, **body: httpx.post(f"{lora_server.url}/v1/{path}", json=body, timeout=60)  # noqa: E731
+    r = post("load_lora_adapter", lora_name="a2", lora_path=str(adapters[2]))
+    assert r.status_code == 200, r.text
+    assert complete("a2") == want[3] and "a2" in {m.id for m in client.models.list().data}
+    for body, status, why in [(dict(lora_name="a2", lora_path=str(adapters[2])), 400, "already been loaded"),
+                              (dict(lora_name="bad", lora_path=str(base)), 400, "no adapter_config.json"),
+                              (dict(lora_name="x"), 400, "lora_path")]:
+        r = post("load_lora_adapter", **body)
+        assert r.status_code == status and why in r.text, r.text
+    assert post("unload_lora_adapter", lora_name="a2").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        complete("a2")
+    assert post("unload_lora_adapter", lora_name="a2").status_code == 404
+    chat = client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat.model == "a1" and chat.choices[0].message.content is not None

@@ -37,8 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on every route but /health and /metrics (default: "
                         "$INFER_API_KEY, else vLLM's $VLLM_API_KEY, else none)")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH", type=lora_module,
+                   help="LoRA adapters to serve (needs --enable-lora): each NAME=PATH a PEFT adapter directory, "
+                        "selected by requests whose model is NAME (vLLM's flag)")
     add_engine_args(p)
     return p
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """``--lora-modules``' ``NAME=PATH``."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
 
 
 def resolve_api_key(flag: str | None, env=os.environ) -> str | None:
@@ -106,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = async_engine.engine
     name = args.served_model_name or args.model
     api_key = resolve_api_key(args.api_key)
-    app = build_app(async_engine, name, api_key=api_key)
+    try:
+        app = build_app(async_engine, name, api_key=api_key, lora_modules=dict(args.lora_modules or []))
+    except ValueError as e:
+        async_engine.shutdown(timeout=5.0)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     warn_if_exposed(args.host, api_key, log)
     frozen = freeze_startup_heap()
     log.info("model %s loaded on %s in %.1f s (%d start-up objects frozen out of garbage collection); "

@@ -45,7 +45,7 @@ from infer.server.auth import api_key_dependency
 from infer.server.metrics import Metrics, cache_config_labels
 from infer.server.protocol import MAX_N
 from infer.server.responses import Reject, error_response
-from infer.server.routes import admin, chat, completions, health, models
+from infer.server.routes import admin, chat, completions, health, lora, models
 from infer.server.serving import ServerState
 
 MAX_BODY_BYTES = 8 << 20  # a larger request body is answered 413
@@ -179,7 +179,7 @@ def openapi_schema(app: FastAPI, limits: dict[str, int]) -> dict:
 
 
 def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, lora_modules: dict[str, str] | None = None) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``model_name``.
 
     Wires what the routes need (``app.state.server``, a ``ServerState``; also ``app.state.engine``
@@ -187,7 +187,13 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     (``engine.on_finished``) and each HTTP request by route and status (``http_requests_total``),
     answers every error in OpenAI's body, refuses bodies over ``max_body_bytes`` (413) and
     includes the routers of ``routes/``. With ``api_key``, every router but ``/health``'s and
-    ``/metrics``' requires ``Authorization: Bearer <api_key>`` (``auth.py``).
+    ``/metrics``' requires ``Authorization: Bearer <api_key>`` (``auth.py``). With an engine that has
+    ``enable_lora`` (phase 16), ``lora_modules`` (``{name: adapter directory}``) are served under their
+    names, and ``routes/lora.py`` loads and unloads adapters at runtime.
+
+    Raises:
+        ValueError: ``lora_modules`` without ``enable_lora``, a name taken twice, or an adapter the engine
+            cannot serve (the reason).
     """
     app = FastAPI(title="infer", description="OpenAI-compatible API of the infer engine")
     eng = engine.engine
@@ -199,8 +205,14 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     engine.on_finished = metrics.request_finished
     app.state.engine = engine
     app.state.metrics = metrics
-    app.state.server = ServerState(engine, model_name, metrics, eng.tokenizer, eng.config.prefix_caching,
-                                   int(time.time()))
+    app.state.server = state = ServerState(engine, model_name, metrics, eng.tokenizer, eng.config.prefix_caching,
+                                           int(time.time()))
+    if lora_modules and eng.lora_manager is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for name, path in (lora_modules or {}).items():
+        if name == model_name:
+            raise ValueError(f"LoRA module name {name!r} is the served model's name")
+        eng.add_lora(state.add_lora_name(name, path))  # read and checked now (nothing runs yet)
 
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -222,4 +234,6 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     app.include_router(admin.metrics_router)
     app.include_router(completions.router, dependencies=protected)
     app.include_router(chat.router, dependencies=protected)
+    if eng.lora_manager is not None:
+        app.include_router(lora.router, dependencies=protected)
     return app
