@@ -373,3 +373,28 @@ def test_server_selects_adapters_by_model_and_loads_them_at_runtime(lora_server,
     assert post("unload_lora_adapter", lora_name="a2").status_code == 404
     chat = client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert chat.model == "a1" and chat.choices[0].message.content is not None
+
+
+# ------------------------------------------------------------------------------------------ exercises
+
+
+def test_lora_scaling():
+    from infer.lora.adapter import lora_scaling
+
+    assert lora_scaling(16, 8) == 2.0 and lora_scaling(8, 32) == 0.25
+    assert lora_scaling(16, 4, use_rslora=True) == 8.0  # 16 / sqrt(4)
+    assert lora_scaling(8, 8, use_rslora=False) == 1.0 and lora_scaling(6, 9, use_rslora=True) == 2.0
+
+
+def test_rows_are_grouped_by_slot():
+    import numpy as np
+
+    from infer.kernels.lora_reference import group_rows_by_slot
+
+    slots = np.array([2, -1, 0, 2, 0, -1, 1, 2], dtype=np.int64)
+    rows, starts, counts = group_rows_by_slot(slots, 5)  # slots 3 and 4 hold no row
+    assert rows.tolist() == [2, 4, 6, 0, 3, 7, 0, 0]
+    assert counts.tolist() == [2, 1, 3, 0, 0] and starts.tolist() == [0, 2, 3, 6, 6]
+    assert rows.dtype == starts.dtype == counts.dtype == np.int32
+    rows, starts, counts = group_rows_by_slot(np.array([-1, -1], dtype=np.int64), 2)
+    assert rows.tolist() == [0, 0] and starts.tolist() == [0, 0] and counts.tolist() == [0, 0]

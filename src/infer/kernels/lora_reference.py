@@ -65,19 +65,37 @@ def make_lora_meta(token_slots: list[int] | np.ndarray, num_slots: int, device: 
     slots = np.asarray(token_slots, dtype=np.int64)
     if slots.size and (slots.min() < -1 or slots.max() >= num_slots):
         raise ValueError(f"token slots must be in [-1, {num_slots}), got {slots.min()}..{slots.max()}")
-    order = np.argsort(slots, kind="stable")
-    order = order[slots[order] >= 0]  # the rows with an adapter, grouped by slot
-    counts = np.bincount(slots[slots >= 0], minlength=num_slots).astype(np.int32)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int32)
-    rows = np.zeros(len(slots), dtype=np.int32)
-    rows[: len(order)] = order
+    rows, starts, counts = group_rows_by_slot(slots, num_slots)
     segments = [(s, int(starts[s]), int(counts[s])) for s in range(num_slots) if counts[s]]
 
     def dev(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
         return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
-    return LoRAKernelMeta(len(slots), dev(rows), dev(starts), dev(counts), segments, len(order))
+    return LoRAKernelMeta(len(slots), dev(rows), dev(starts), dev(counts), segments, int(counts.sum()))
+
+
+def group_rows_by_slot(slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The segments of Punica's SGMV: a step's rows grouped by adapter slot.
+
+    Args:
+        slots: int64 ``[T]``, each row's slot in ``[0, num_slots)`` or -1 (no adapter).
+
+    Returns:
+        ``(rows, starts, counts)``, int32: ``rows [T]`` lists the rows with an adapter, slot 0's first,
+        then slot 1's, ..., ascending within a slot, then zeros; slot ``l``'s rows are
+        ``rows[starts[l] : starts[l] + counts[l]]`` (``starts``, ``counts``: ``[num_slots]``; a slot
+        without rows has count 0).
+    """
+    # >>> EXERCISE lora_segments
+    order = np.argsort(slots, kind="stable")
+    order = order[slots[order] >= 0]  # the rows with an adapter, grouped by slot
+    counts = np.bincount(slots[slots >= 0], minlength=num_slots).astype(np.int32)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int32)
+    rows = np.zeros(len(slots), dtype=np.int32)
+    rows[: len(order)] = order
+    return rows, starts, counts
+    # <<< EXERCISE lora_segments
 
 
 def _rows(meta: LoRAKernelMeta, start: int, count: int) -> torch.Tensor:

@@ -66,6 +66,19 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
+def lora_scaling(lora_alpha: float, r: int, use_rslora: bool = False) -> float:
+    """The factor ``s`` of an adapter's delta ``s * B A x``.
+
+    LoRA (Hu et al., arXiv:2106.09685) scales by ``lora_alpha / r``, so that changing the rank does not
+    change the size of the update at initialization; rank-stabilized LoRA (rsLoRA, Kalajdzievski,
+    arXiv:2312.03732; ``use_rslora`` in PEFT's config) by ``lora_alpha / sqrt(r)``, which keeps learning
+    stable at large ranks.
+    """
+    # >>> EXERCISE lora_scaling
+    return lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
+    # <<< EXERCISE lora_scaling
+
+
 def _reject(path: str, why: str) -> ValueError:
     return ValueError(f"LoRA adapter {path}: {why}")
 
@@ -138,8 +151,7 @@ def load_adapter(path: str | Path, model: ModelConfig, max_lora_rank: int, name:
     rank = cfg["r"]
     if rank > max_lora_rank:
         raise _reject(s, f"rank {rank} exceeds max_lora_rank={max_lora_rank}; restart with a larger max_lora_rank")
-    alpha = cfg.get("lora_alpha", rank)
-    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    scaling = lora_scaling(cfg.get("lora_alpha", rank), rank, bool(cfg.get("use_rslora")))
     file = Path(path) / "adapter_model.safetensors"
     if not file.is_file():
         why = ("adapter_model.bin (a pickle) is not read; save the adapter with safetensors"
