@@ -124,14 +124,21 @@ def lora_qwen3(tmp_path_factory):
 # ------------------------------------------------------------------------------------------ against PEFT
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-def test_one_batch_mixing_base_and_three_adapters_matches_peft_merged(preset, lora_qwen3, tmp_path_factory):
+@pytest.mark.parametrize("preset,fused", [("tiny-llama", False), ("tiny-qwen3", False), ("tiny-qwen3", True)],
+                         ids=["llama", "qwen3", "qwen3-fused"])
+def test_one_batch_mixing_base_and_three_adapters_matches_peft_merged(preset, fused, lora_qwen3, tmp_path_factory):
+    """``fused``: the fused forward (phase 8, the plain-PyTorch ops): merged q/k/v and gate/up projections,
+    each adapter's q, k, v (gate, up) delta added to its own slice of the merged output."""
     if preset == "tiny-qwen3":
         base, adapters = lora_qwen3
     else:
         base = _checkpoint(preset, tmp_path_factory)
         adapters = _make_adapters(base, tmp_path_factory.mktemp("llama-adapters"), seed=200)
     loaded = load_model(str(base), device="cpu", dtype=torch.float32, progress=False)
+    if fused:
+        from infer.kernels import fused_reference
+
+        loaded.model.set_fused_ops(fused_reference, 64)
     manager = LoRAModelManager(loaded.model, loaded.config, max_loras=3, max_lora_rank=8, max_cpu_loras=3,
                                ops=lora_reference)
     reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
@@ -176,9 +183,9 @@ GREEDY = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
 
 @pytest.mark.parametrize("engine_kw", [
     dict(max_loras=2),  # three adapters over two slots: the third waits for a slot, then reuses one
-    # one slot for three adapters; prompt chunks beside decodes; async steps
-    dict(max_loras=1, chunked_prefill=True, max_num_batched_tokens=8, async_scheduling=True),
-], ids=["two-slots", "one-slot-chunked-async"])
+    # one slot for three adapters; prompt chunks beside decodes; async steps; the fused forward
+    dict(max_loras=1, chunked_prefill=True, max_num_batched_tokens=8, async_scheduling=True, fused_kernels=True),
+], ids=["two-slots", "one-slot-chunked-async-fused"])
 def test_engine_batch_of_base_and_adapters_matches_hf_greedy(lora_qwen3, reference_tokens, engine_kw):
     base, adapters = lora_qwen3
     llm = _llm(base, **engine_kw)
@@ -275,11 +282,11 @@ def test_engine_rejects_bad_lora_requests_and_flags(lora_qwen3, tmp_path):
                     (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank must be >= 1"),
                     (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "max_cpu_loras=2 < max_loras=4"),
                     (dict(max_loras=4), "need enable_lora"),
-                    (dict(enable_lora=True, fused_kernels=True), "fused_kernels is not supported with LoRA")]:
+                    (dict(enable_lora=True, tensor_parallel_size=2), "parallelism is not supported with LoRA")]:
         with pytest.raises(ValueError, match=why):
             EngineConfig(device="cpu", **kw).validate()
     cfg = EngineConfig(device="cpu", enable_lora=True, optimize=True).validate()
-    assert not cfg.fused_kernels and "enable_lora" in cfg.optimization_notes["fused_kernels"]
+    assert cfg.fused_kernels and "enable_lora" in cfg.optimization_notes["cuda_graphs"]
     for bad in [dict(lora_name="", lora_int_id=1, lora_path="x"), dict(lora_name="a", lora_int_id=0, lora_path="x"),
                 dict(lora_name="a", lora_int_id=1)]:
         with pytest.raises(ValueError, match="LoRARequest"):

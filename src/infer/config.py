@@ -539,7 +539,7 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} < max_loras={self.max_loras}: every adapter on "
                              "the device is also kept in host memory")
-        why = self._lora_conflict("fused_kernels" if self.fused_kernels else "cuda_graphs" if self.cuda_graphs
+        why = self._lora_conflict("cuda_graphs" if self.cuda_graphs
                                   else "tensor_parallel_size" if self.world_size > 1 else "")
         if why:
             raise ValueError(f"enable_lora: {why}")
@@ -548,9 +548,6 @@ class EngineConfig:
         """Why ``enable_lora`` rules out the optimization ``name`` (None if it does not)."""
         if not self.enable_lora:
             return None
-        if name == "fused_kernels":
-            return ("fused_kernels is not supported with LoRA yet: the fused norm + projection and activation "
-                    "kernels never materialize the projection inputs that the LoRA shrink reads")
         if name == "cuda_graphs":
             return ("cuda_graphs is not supported with LoRA yet: the graphs would need the per-row adapter "
                     "index and the adapters' segments as captured inputs")

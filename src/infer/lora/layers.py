@@ -44,14 +44,16 @@ class LoRAMapping:
     def clear(self) -> None:
         self.meta = None
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
-        """``y`` plus each row's adapter delta (in place); ``y`` unchanged without any."""
+    def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              y_offset: int = 0) -> torch.Tensor:
+        """``y`` plus each row's adapter delta (in place, at columns ``y_offset`` on: a merged projection's
+        slice); ``y`` unchanged without any."""
         meta = self.meta
         if meta is None:
             return y
         if meta.num_tokens != x.shape[0]:
             raise RuntimeError(f"the LoRA mapping is for {meta.num_tokens} rows, the forward has {x.shape[0]}")
-        return self.ops.add_lora(y, x, lora_a, lora_b, meta)
+        return self.ops.add_lora(y, x, lora_a, lora_b, meta, y_offset)
 
 
 class LoRALinear(nn.Module):
@@ -81,9 +83,17 @@ class LoRALinear(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.base_layer.weight
 
+    @weight.setter
+    def weight(self, value: torch.Tensor) -> None:  # the fused forward's merge re-points the parts' weights
+        self.base_layer.weight = value
+
     @property
     def bias(self) -> torch.Tensor | None:
         return self.base_layer.bias
+
+    @bias.setter
+    def bias(self, value: torch.Tensor | None) -> None:
+        self.base_layer.bias = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mapping.apply(self.base_layer(x), x, self.lora_a, self.lora_b)
@@ -100,10 +110,77 @@ class LoRALinear(nn.Module):
             self.lora_b[slot, :, :r].copy_(b)
 
 
+class LoRAOps:
+    """The fused ops of phase 8 (:mod:`infer.kernels.fused_triton` or :mod:`~infer.kernels.fused_reference`)
+    with each projection's LoRA delta added: the model's fused forward runs unchanged with this object as
+    its ``ops`` (:meth:`~infer.models.layers.CausalLM.set_fused_ops`).
+
+    A merged projection (``qkv_proj``, ``gate_up_proj``) carries ``lora_parts``, its parts'
+    :class:`LoRALinear` and where each part's rows start in its output: each part's delta goes to its own
+    slice of the columns (q's adapter never touches k's columns). The fused steps that hide a projection's
+    input or output (the norm and the projection in one call, the residual add in the projection's
+    epilogue, the activation in it) run as their separate steps when a row of the step has an adapter, so
+    the delta is added before the activation and after the norm; steps without adapters keep the fused
+    path.
+    """
+
+    def __init__(self, ops, mapping: LoRAMapping) -> None:
+        self.base_ops = ops
+        self.mapping = mapping
+
+    def __getattr__(self, name: str):
+        return getattr(self.base_ops, name)
+
+    @staticmethod
+    def _parts(layer: nn.Module) -> tuple[nn.Module, list[tuple[LoRALinear, int]]]:
+        """``(the layer to multiply by, [(LoRALinear, first output column), ...])``."""
+        if isinstance(layer, LoRALinear):
+            return layer.base_layer, [(layer, 0)]
+        return layer, getattr(layer, "lora_parts", [])
+
+    def _active(self, layer: nn.Module) -> bool:
+        return self.mapping.meta is not None and bool(self._parts(layer)[1])
+
+    def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        base, parts = self._parts(layer)
+        y = self.base_ops.linear(x, base)
+        if self.mapping.meta is not None:
+            for lora, offset in parts:
+                self.mapping.apply(y, x, lora.lora_a, lora.lora_b, offset)
+        return y
+
+    def linear_residual(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None):
+        if not self._active(layer):
+            return self.base_ops.linear_residual(x, self._parts(layer)[0], residual)
+        return self.linear(x, layer), residual  # the add rides with the next norm, as the reference's
+
+    def add_rms_norm_linear(self, x, residual, weight, eps, unit_offset, layer, activation=None):
+        if not self._active(layer):
+            return self.base_ops.add_rms_norm_linear(x, residual, weight, eps, unit_offset, self._parts(layer)[0],
+                                                     activation)
+        x, residual = self.base_ops.add_rms_norm(x, residual, weight, eps, unit_offset)
+        y = self.linear(x, layer)
+        return (self.base_ops.act_and_mul(y, activation) if activation is not None else y), residual
+
+
+def _attach_merged_parts(model: nn.Module, layers: dict[tuple[int, str], LoRALinear]) -> None:
+    """Give every merged projection (fused kernels, phase 8) its parts' :class:`LoRALinear` and offsets."""
+    for i, layer in enumerate(model.model.layers):
+        for module, merged in ((layer.self_attn, "qkv_proj"), (layer.mlp, "gate_up_proj")):
+            proj = getattr(module, merged, None)
+            if proj is None:
+                continue
+            wrapper = {id(m.base_layer): m for (j, _), m in layers.items() if j == i}
+            proj.lora_parts = [(part if isinstance(part, LoRALinear) else wrapper[id(part)], start)
+                               for part, start, _ in proj.part_rows]
+
+
 def add_lora_layers(model: nn.Module, max_loras: int, max_lora_rank: int, mapping: LoRAMapping
                     ) -> dict[tuple[int, str], LoRALinear]:
     """Replace every adaptable projection of ``model`` (a :class:`~infer.models.layers.CausalLM`) by a
-    :class:`LoRALinear`; an MoE block's experts are left alone.
+    :class:`LoRALinear`; an MoE block's experts are left alone. A model with the fused forward (its ``ops``
+    set) gets :class:`LoRAOps` around them, and its merged projections their parts (call this after
+    ``set_fused_ops``).
 
     Returns:
         ``{(layer index, projection name): the LoRALinear}``. Idempotent.
@@ -120,4 +197,7 @@ def add_lora_layers(model: nn.Module, max_loras: int, max_lora_rank: int, mappin
                     proj = LoRALinear(proj, max_loras, max_lora_rank, mapping)
                     setattr(module, name, proj)
                 layers[(i, name)] = proj
+    _attach_merged_parts(model, layers)
+    if getattr(model, "ops", None) is not None and not isinstance(model.ops, LoRAOps):
+        model.ops = LoRAOps(model.ops, mapping)  # the fused forward (phase 8)
     return layers
