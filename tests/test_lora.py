@@ -197,6 +197,22 @@ def test_engine_batch_of_base_and_adapters_matches_hf_greedy(lora_qwen3, referen
     assert llm.engine.scheduler.max_running <= 4
 
 
+def test_tensor_parallel_lora_equals_the_reference(lora_qwen3, reference_tokens):
+    """Two gloo ranks: each holds its slice of every adapter (B's rows for q/k/v/gate/up, A's columns for
+    o/down, whose shrink is all-reduced); slot loads and the rows' slots reach the worker as commands."""
+    base, adapters = lora_qwen3
+    llm = _llm(base, max_loras=2, tensor_parallel_size=2, max_model_len=64)
+    try:
+        loras = [None] + [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+        outs = llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference_tokens
+        assert llm.engine.remove_lora(3)  # mirrored on the worker: the next load reuses that slot there too
+        outs = llm.generate(PROMPTS[3:], GREEDY, lora_request=loras[3:], use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == reference_tokens[3]
+    finally:
+        llm.engine.shutdown()
+
+
 def test_prefix_cache_never_shares_kv_between_adapters(lora_qwen3, reference_tokens):
     base, adapters = lora_qwen3
     llm = _llm(base, max_loras=2, prefix_caching=True)
@@ -282,7 +298,7 @@ def test_engine_rejects_bad_lora_requests_and_flags(lora_qwen3, tmp_path):
                     (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank must be >= 1"),
                     (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "max_cpu_loras=2 < max_loras=4"),
                     (dict(max_loras=4), "need enable_lora"),
-                    (dict(enable_lora=True, tensor_parallel_size=2), "parallelism is not supported with LoRA")]:
+                    (dict(enable_lora=True, expert_parallel_size=2), "expert parallelism is not supported")]:
         with pytest.raises(ValueError, match=why):
             EngineConfig(device="cpu", **kw).validate()
     cfg = EngineConfig(device="cpu", enable_lora=True, optimize=True).validate()

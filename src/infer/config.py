@@ -540,7 +540,7 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} < max_loras={self.max_loras}: every adapter on "
                              "the device is also kept in host memory")
         why = self._lora_conflict("cuda_graphs" if self.cuda_graphs
-                                  else "tensor_parallel_size" if self.world_size > 1 else "")
+                                  else "expert_parallel_size" if self.expert_parallel_size > 1 else "")
         if why:
             raise ValueError(f"enable_lora: {why}")
 
@@ -551,9 +551,9 @@ class EngineConfig:
         if name == "cuda_graphs":
             return ("cuda_graphs is not supported with LoRA yet: the graphs would need the per-row adapter "
                     "index and the adapters' segments as captured inputs")
-        if name == "tensor_parallel_size":
-            return ("tensor/expert parallelism is not supported with LoRA yet: each rank would need its slice "
-                    "of every adapter's A or B")
+        if name == "expert_parallel_size":
+            return ("expert parallelism is not supported with LoRA yet (tensor parallelism is: each rank "
+                    "holds its slice of every adapter's A or B)")
         return None
 
     def resolved_max_cpu_loras(self) -> int:

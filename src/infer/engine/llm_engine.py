@@ -513,7 +513,7 @@ class LLMEngine:
             return
         loras = [item.seq.request.lora_request for item in scheduled if item.seq.request.lora_request is not None]
         if loras:
-            self.lora_manager.activate(loras, self.scheduler.running_loras())
+            self.runner.activate_loras(loras, self.scheduler.running_loras())
 
     # ------------------------------------------------------------------ LoRA adapters (phase 16)
 
@@ -551,7 +551,7 @@ class LLMEngine:
         if self.lora_in_use(lora_int_id):
             raise InvalidRequestError(f"LoRA adapter {lora_int_id} is used by requests in flight; unload it "
                                       "after they finish", param="lora_name")
-        return self.lora_manager.remove(lora_int_id)
+        return self.runner.remove_lora(lora_int_id)
 
     def _process_in_flight(self, stream: bool) -> list[RequestOutput]:
         """Wait for the step in flight's tokens and apply them (async scheduling)."""

@@ -256,6 +256,15 @@ class ModelRunner:
         self._before_sampling(prev)
         return self._result(out.sampled, sample(logits, self._sampling_tensors(out.sampled, eos_ids)), prompt_lp)
 
+    def activate_loras(self, loras: list, in_use: set[int]) -> None:
+        """LoRA (phase 16): make ``loras`` (:class:`~infer.lora.LoRARequest` s) resident in device slots,
+        never reusing the slot of an adapter in ``in_use`` (:meth:`LoRAModelManager.activate`)."""
+        self.lora_manager.activate(loras, in_use)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """LoRA: forget an adapter's host copy and device slot (:meth:`LoRAModelManager.remove`)."""
+        return self.lora_manager.remove(lora_int_id)
+
     def _set_lora_mapping(self, step: StepInputs) -> None:
         """LoRA (phase 16): each flat row's adapter slot (-1: the base model), for every LoRA layer. The
         engine made the step's adapters resident before (:meth:`LoRAModelManager.activate`)."""

@@ -22,6 +22,7 @@ from torch import nn
 from infer.kernels.lora_reference import LoRAKernelMeta, make_lora_meta
 from infer.lora.adapter import ATTENTION_PROJS, MLP_PROJS
 from infer.models.layers import GatedMLP
+from infer.parallel.state import shard
 
 
 class LoRAMapping:
@@ -36,24 +37,31 @@ class LoRAMapping:
         self.ops = ops
         self.num_slots = num_slots
         self.meta: LoRAKernelMeta | None = None  # None: no row has an adapter (the layers add nothing)
+        self.token_slots: list[int] | None = None  # the step's slots as set (tensor parallelism sends them)
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
         """Set the step's per-row slots (``[T]``, -1 for a row without adapter)."""
+        self.token_slots = token_slots
         self.meta = make_lora_meta(token_slots, self.num_slots, device) if any(s >= 0 for s in token_slots) else None
 
     def clear(self) -> None:
-        self.meta = None
+        self.meta = self.token_slots = None
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-              y_offset: int = 0) -> torch.Tensor:
+              y_offset: int = 0, reduce=None) -> torch.Tensor:
         """``y`` plus each row's adapter delta (in place, at columns ``y_offset`` on: a merged projection's
-        slice); ``y`` unchanged without any."""
+        slice); ``y`` unchanged without any. ``reduce``: a row-parallel layer's all-reduce, which completes
+        the shrink's partial sums (each rank holds a slice of A's columns) before the expand."""
         meta = self.meta
         if meta is None:
             return y
         if meta.num_tokens != x.shape[0]:
             raise RuntimeError(f"the LoRA mapping is for {meta.num_tokens} rows, the forward has {x.shape[0]}")
-        return self.ops.add_lora(y, x, lora_a, lora_b, meta, y_offset)
+        if reduce is None:
+            return self.ops.add_lora(y, x, lora_a, lora_b, meta, y_offset)
+        t = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+        reduce(self.ops.lora_shrink(x, lora_a, meta, t))
+        return self.ops.lora_expand(t, lora_b, meta, y, y_offset)
 
 
 class LoRALinear(nn.Module):
@@ -63,13 +71,21 @@ class LoRALinear(nn.Module):
         base: the model's ``nn.Linear`` (kept as ``base_layer``, unchanged).
         max_loras, max_lora_rank: the slots and their width.
         mapping: the model's shared :class:`LoRAMapping`.
+        shard: tensor parallelism (phase 14): ``(dim, index, parts)`` of the base weight on this rank, as
+            :func:`~infer.parallel.state.shard` takes it, or None. A column-parallel projection (``dim``
+            0: its output rows) keeps the same rows of B and all of A; a row-parallel one (``dim`` 1: its
+            input columns) the same columns of A and all of B, and its shrink's partial sums are
+            all-reduced (``reduce``) before the expand (vLLM's ``RowParallelLinearWithLoRA``).
+        reduce: the all-reduce of a row-parallel projection, or None.
 
-    Shapes: ``x [T, in]`` -> ``[T, out]``.
+    Shapes: ``x [T, in]`` -> ``[T, out]`` (this rank's ``in`` and ``out``).
     """
 
-    def __init__(self, base: nn.Linear, max_loras: int, max_lora_rank: int, mapping: LoRAMapping) -> None:
+    def __init__(self, base: nn.Linear, max_loras: int, max_lora_rank: int, mapping: LoRAMapping,
+                 shard: tuple[int, int, int] | None = None, reduce=None) -> None:
         super().__init__()
         self.base_layer = base
+        self.shard, self.reduce = shard, reduce
         w = base.weight
         self.in_features, self.out_features = base.in_features, base.out_features
         kw = dict(dtype=w.dtype, device=w.device)
@@ -96,15 +112,22 @@ class LoRALinear(nn.Module):
         self.base_layer.bias = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mapping.apply(self.base_layer(x), x, self.lora_a, self.lora_b)
+        return self.add_delta(self.base_layer(x), x)
+
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor, y_offset: int = 0) -> torch.Tensor:
+        """``y`` (the base product, or a merged one at columns ``y_offset``) plus each row's delta."""
+        return self.mapping.apply(y, x, self.lora_a, self.lora_b, y_offset, self.reduce)
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Put an adapter's ``(A [r, in], B [out, r])`` in ``slot`` (the rank padded with zeros), or zeros
-        (``None``: the adapter leaves this projection alone)."""
+        """Put an adapter's whole ``(A [r, in], B [out, r])`` in ``slot`` (this rank's piece of it, the rank
+        padded with zeros), or zeros (``None``: the adapter leaves this projection alone)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if weights is not None:
             a, b = weights
+            if self.shard is not None:
+                dim, index, parts = self.shard
+                a, b = (a, shard(b, (0, index, parts))) if dim == 0 else (shard(a, (1, index, parts)), b)
             r = a.shape[0]
             self.lora_a[slot, :r].copy_(a)
             self.lora_b[slot, :, :r].copy_(b)
@@ -146,7 +169,7 @@ class LoRAOps:
         y = self.base_ops.linear(x, base)
         if self.mapping.meta is not None:
             for lora, offset in parts:
-                self.mapping.apply(y, x, lora.lora_a, lora.lora_b, offset)
+                lora.add_delta(y, x, offset)
         return y
 
     def linear_residual(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None):
@@ -161,6 +184,19 @@ class LoRAOps:
         x, residual = self.base_ops.add_rms_norm(x, residual, weight, eps, unit_offset)
         y = self.linear(x, layer)
         return (self.base_ops.act_and_mul(y, activation) if activation is not None else y), residual
+
+
+def _shard_specs(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """Tensor parallelism (phase 14): each projection's split on this rank, as the layers make it
+    (:class:`~infer.models.layers.Attention`, :class:`~infer.models.layers.GatedMLP`); empty on one rank."""
+    ps = model.parallel
+    tp, r = ps.tp_size, ps.tp_rank
+    if tp == 1:
+        return {}
+    kv_parts = min(tp, model.config.num_kv_heads)  # fewer KV heads than ranks: each copied to several
+    kv = (0, r * kv_parts // tp, kv_parts)
+    return {"q_proj": (0, r, tp), "k_proj": kv, "v_proj": kv, "o_proj": (1, r, tp),
+            "gate_proj": (0, r, tp), "up_proj": (0, r, tp), "down_proj": (1, r, tp)}
 
 
 def _attach_merged_parts(model: nn.Module, layers: dict[tuple[int, str], LoRALinear]) -> None:
@@ -186,6 +222,7 @@ def add_lora_layers(model: nn.Module, max_loras: int, max_lora_rank: int, mappin
         ``{(layer index, projection name): the LoRALinear}``. Idempotent.
     """
     layers: dict[tuple[int, str], LoRALinear] = {}
+    shards = _shard_specs(model)
     for i, layer in enumerate(model.model.layers):
         modules = [(layer.self_attn, ATTENTION_PROJS)]
         if isinstance(layer.mlp, GatedMLP):
@@ -194,7 +231,9 @@ def add_lora_layers(model: nn.Module, max_loras: int, max_lora_rank: int, mappin
             for name in names:
                 proj = getattr(module, name)
                 if not isinstance(proj, LoRALinear):
-                    proj = LoRALinear(proj, max_loras, max_lora_rank, mapping)
+                    spec = shards.get(name)
+                    reduce = model.parallel.all_reduce if spec is not None and spec[0] == 1 else None
+                    proj = LoRALinear(proj, max_loras, max_lora_rank, mapping, spec, reduce)
                     setattr(module, name, proj)
                 layers[(i, name)] = proj
     _attach_merged_parts(model, layers)
