@@ -71,6 +71,20 @@ def test_shrink_expand_match_per_row_reference(ops, num_tokens):
     assert torch.equal(y[0], y0[0])  # a row without adapter is untouched
 
 
+def test_consecutive_segments_take_the_sliced_path_with_the_same_values():
+    """A batch whose adapters' rows are consecutive (a prompt, one row per adapter) takes slices instead of
+    gathered rows on the CPU: the same values as the per-row reference."""
+    g = torch.Generator().manual_seed(7)
+    x, a, b = torch.randn(6, 24, generator=g), torch.randn(3, 4, 24, generator=g), torch.randn(3, 20, 4, generator=g)
+    y0 = torch.randn(6, 30, generator=g)
+    for slots in ([-1, 2, 2, 2, 0, -1], [0, 1, 2, -1, -1, -1]):
+        meta = lora_reference.make_lora_meta(slots, 3, "cpu")
+        assert min(meta.first_rows) >= 0
+        y = lora_reference.add_lora(y0.clone(), x, a, b, meta, y_offset=3)
+        torch.testing.assert_close(y.double(), _per_row(y0, x, a, b, slots, 3), rtol=1e-5, atol=1e-4)
+    assert lora_reference.make_lora_meta([0, 1, 0], 2, "cpu").first_rows == [-1, 1]
+
+
 def test_lora_meta_rejects_slots_out_of_range():
     with pytest.raises(ValueError, match="token slots"):
         lora_reference.make_lora_meta([0, 3], 3, "cpu")

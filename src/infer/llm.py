@@ -141,8 +141,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and generate a reply.
+        """Render each conversation with the model's chat template and generate a reply (under the LoRA
+        adapter ``lora_request``, phase 16, or the base model).
 
         Raises:
             ValueError: when the model has no chat template or a message is malformed.
@@ -151,7 +153,7 @@ class LLM:
         prompts = [
             self.chat_prompt_ids(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in convs
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def chat_prompt_ids(self, messages, add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         """Token ids of a rendered conversation (the template writes its own BOS if any).

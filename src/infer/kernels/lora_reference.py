@@ -40,6 +40,9 @@ class LoRAKernelMeta:
             ``sorted_rows[slot_starts[l] : slot_starts[l] + slot_counts[l]]``.
         segments: the same on the host: ``[(slot, start, count), ...]`` of the slots with rows.
         num_lora_rows: rows with an adapter (0: every LoRA op returns at once).
+        first_rows: per segment, its first row when its rows are consecutive (``first .. first + count -
+            1``: a batch of one adapter, a prompt), else -1; the plain-PyTorch path then takes slices
+            instead of gathering rows.
     """
 
     num_tokens: int
@@ -48,6 +51,7 @@ class LoRAKernelMeta:
     slot_counts: torch.Tensor
     segments: list[tuple[int, int, int]]
     num_lora_rows: int
+    first_rows: list[int]
 
 
 def make_lora_meta(token_slots: list[int] | np.ndarray, num_slots: int, device: torch.device | str
@@ -67,12 +71,14 @@ def make_lora_meta(token_slots: list[int] | np.ndarray, num_slots: int, device: 
         raise ValueError(f"token slots must be in [-1, {num_slots}), got {slots.min()}..{slots.max()}")
     rows, starts, counts = group_rows_by_slot(slots, num_slots)
     segments = [(s, int(starts[s]), int(counts[s])) for s in range(num_slots) if counts[s]]
+    first_rows = [int(rows[start]) if rows[start + count - 1] - rows[start] + 1 == count else -1
+                  for _, start, count in segments]
 
     def dev(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
         return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
-    return LoRAKernelMeta(len(slots), dev(rows), dev(starts), dev(counts), segments, int(counts.sum()))
+    return LoRAKernelMeta(len(slots), dev(rows), dev(starts), dev(counts), segments, int(counts.sum()), first_rows)
 
 
 def group_rows_by_slot(slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -152,6 +158,14 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         buffer: optional float32 ``[T, R]`` scratch for the shrink output.
     """
     if meta.num_lora_rows == 0:
+        return y
+    if x.dtype == lora_a.dtype == lora_b.dtype == y.dtype == torch.float32 and min(meta.first_rows) >= 0:
+        # float32 (the CPU) and every segment's rows consecutive: slices, no gather, two matmuls per segment
+        # (the same values: the roundings of the general path are no-ops in float32)
+        n = lora_b.shape[1]
+        for (slot, _, count), first in zip(meta.segments, meta.first_rows):
+            rows = slice(first, first + count)
+            y[rows, y_offset:y_offset + n].addmm_(x[rows] @ lora_a[slot].t(), lora_b[slot].t())
         return y
     t = buffer if buffer is not None else torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32,
                                                       device=x.device)
