@@ -2,6 +2,8 @@
 
     # CPU (smollm2-135m, rank 16 on all 7 projections, 4 rows)
     python benchmarks/lora.py --device cpu --model smollm2-135m --batch 4 --num-adapters 1 2 4
+    # one layer's projections alone: base products vs the LoRA deltas (CPU, or the Triton kernels on CUDA)
+    python benchmarks/lora.py --kernels --device cpu --model smollm2-135m --batch 1 4 16 --num-adapters 1 4 16
     # GPU (a random checkpoint at Qwen3-8B's shapes), the issue's workloads: batch 1, and 32 rows over 8 adapters
     python scripts/make_synthetic_checkpoint.py qwen3-8b /tmp/qwen3-8b --device cuda
     python benchmarks/lora.py --device cuda --model /tmp/qwen3-8b --batch 1 32 --num-adapters 1 8 32 \\
@@ -46,6 +48,7 @@ from common import (
     out_argument,
     print_row,
     save_figure,
+    timed,
     write_report,
 )
 
@@ -116,6 +119,42 @@ def measure(configs: list[tuple[str, LLMEngine, list]], prompts, args) -> list[d
     return rows
 
 
+def kernel_rows(cfg: ModelConfig, args, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Part 1 (``--kernels``): one decoder layer's seven projections, the base products against the LoRA
+    deltas (shrink + expand of :mod:`infer.kernels.lora_triton` on CUDA, the plain-PyTorch path on the
+    CPU), for each batch and number of distinct adapters (rows round-robin over them); the fastest of
+    ``--kernel-repeats`` calls each, so a shared machine's noise stays out. ``adapter_gb_s``: the bytes of
+    the distinct adapters' A and B over the delta's time (what bounds it at decode)."""
+    import torch.nn.functional as F
+
+    from infer.kernels import lora_ops
+    from infer.kernels.lora_reference import make_lora_meta
+
+    ops = lora_ops("triton" if device.type == "cuda" else "torch")
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    shapes = [projection_shapes(cfg)[p] for p in args.targets]
+    n_max = max(args.num_adapters)
+    weights = [torch.randn(fout, fin, generator=g).to(device, dtype) * 0.02 for fin, fout in shapes]
+    loras = [(torch.randn(n_max, args.rank, fin, generator=g).to(device, dtype) * 0.02,
+              torch.randn(n_max, fout, args.rank, generator=g).to(device, dtype) * 0.02) for fin, fout in shapes]
+    rows = []
+    for b in args.batch:
+        xs = [torch.randn(b, fin, generator=g).to(device, dtype) for fin, _ in shapes]
+        ys = [F.linear(x, w) for x, w in zip(xs, weights)]
+        base = sum(timed(lambda x=x, w=w: F.linear(x, w), device, args.kernel_repeats, stat=min)
+                   for x, w in zip(xs, weights))
+        for n in [v for v in args.num_adapters if v <= b]:
+            meta = make_lora_meta([i % n for i in range(b)], n_max, device)
+            delta = sum(timed(lambda x=x, y=y, a=a, bb=bb, m=meta: ops.add_lora(y, x, a, bb, m), device,
+                              args.kernel_repeats, stat=min) for x, y, (a, bb) in zip(xs, ys, loras))
+            nbytes = n * sum(a[0].nbytes + bb[0].nbytes for a, bb in loras)
+            r = {"batch": b, "adapters": n, "base_us": 1e6 * base, "lora_delta_us": 1e6 * delta,
+                 "delta_vs_base": delta / base, "adapter_gb_s": nbytes / delta / 1e9}
+            rows.append(r)
+            print_row(r)
+    return rows
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -152,11 +191,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--adapter-dir", default=None, help="where the random adapters go (default: --out/adapters)")
+    ap.add_argument("--kernels", action="store_true", help="part 1 only: one layer's projections, base vs LoRA")
+    ap.add_argument("--kernel-repeats", type=int, default=200)
     ap.add_argument("--engine-args", nargs="*", default=["batching=continuous", "kv_cache=paged"],
                     metavar="FIELD=VALUE", help="EngineConfig overrides of every engine")
     out_argument(ap, "lora", "directory for lora.json/.md/.png")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.kernels:
+        from infer.config import parse_dtype
+        from infer.loader import read_model_config
+
+        device = torch.device(args.device)
+        cfg = read_model_config(args.model)
+        rows = kernel_rows(cfg, args, device, parse_dtype(args.dtype, device))
+        table = markdown_table(rows, ["batch", "adapters", "base_us", "lora_delta_us", "delta_vs_base",
+                                      "adapter_gb_s"])
+        write_report({"environment": environment(device), "args": vars(args), "kernels": rows},
+                      out / "lora_kernels.json", table)
+        return 0
     kw = dict(model=args.model, device=args.device, dtype=args.dtype,
               max_num_seqs=max(args.batch), max_model_len=args.prompt_len + args.output_len + 16,
               **engine_overrides(args.engine_args))

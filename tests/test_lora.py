@@ -67,8 +67,13 @@ def test_shrink_expand_match_per_row_reference(ops, num_tokens):
     meta = lora_reference.make_lora_meta(slots, num_slots, "cpu")
     assert meta.num_lora_rows == sum(s >= 0 for s in slots)
     y = ops.add_lora(y0.clone(), x, a, b, meta, y_offset=off)
-    torch.testing.assert_close(y.double(), _per_row(y0, x, a, b, slots, off), rtol=1e-5, atol=1e-4)
+    want = _per_row(y0, x, a, b, slots, off)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
     assert torch.equal(y[0], y0[0])  # a row without adapter is untouched
+    # the two launches apart (what a row-parallel layer runs, its all-reduce in between)
+    t = ops.lora_shrink(x, a, meta, torch.zeros(num_tokens, rank))
+    y = ops.lora_expand(t, b, meta, y0.clone(), off)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
 
 
 def test_consecutive_segments_take_the_sliced_path_with_the_same_values():

@@ -159,13 +159,22 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     """
     if meta.num_lora_rows == 0:
         return y
-    if x.dtype == lora_a.dtype == lora_b.dtype == y.dtype == torch.float32 and min(meta.first_rows) >= 0:
-        # float32 (the CPU) and every segment's rows consecutive: slices, no gather, two matmuls per segment
-        # (the same values: the roundings of the general path are no-ops in float32)
+    if x.dtype == lora_a.dtype == lora_b.dtype == y.dtype == torch.float32:
+        # float32 (the CPU): the roundings of the general path are no-ops, so fewer, larger operations give
+        # the same values. Every segment's rows consecutive: slices, two matmuls per segment; otherwise one
+        # gather of the rows in slot order, two matmuls per segment, one scatter-add
         n = lora_b.shape[1]
-        for (slot, _, count), first in zip(meta.segments, meta.first_rows):
-            rows = slice(first, first + count)
-            y[rows, y_offset:y_offset + n].addmm_(x[rows] @ lora_a[slot].t(), lora_b[slot].t())
+        if min(meta.first_rows) >= 0:
+            for (slot, _, count), first in zip(meta.segments, meta.first_rows):
+                rows = slice(first, first + count)
+                y[rows, y_offset:y_offset + n].addmm_(x[rows] @ lora_a[slot].t(), lora_b[slot].t())
+            return y
+        rows = meta.sorted_rows[: meta.num_lora_rows].long()
+        xs = x.index_select(0, rows)
+        d = torch.empty(len(xs), n, dtype=y.dtype, device=y.device)
+        for slot, start, count in meta.segments:
+            torch.mm(xs[start:start + count] @ lora_a[slot].t(), lora_b[slot].t(), out=d[start:start + count])
+        y[:, y_offset:y_offset + n].index_add_(0, rows, d)
         return y
     t = buffer if buffer is not None else torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32,
                                                       device=x.device)
