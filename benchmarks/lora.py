@@ -155,6 +155,25 @@ def kernel_rows(cfg: ModelConfig, args, device: torch.device, dtype: torch.dtype
     return rows
 
 
+def plot_kernels(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Bars: the LoRA delta's time over the base products', per batch and number of adapters."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"batch {r['batch']}\n{r['adapters']} adapter{'s' if r['adapters'] != 1 else ''}" for r in rows]
+    bars = ax.bar(range(len(rows)), [r["delta_vs_base"] for r in rows], color="C0")
+    for bar, r in zip(bars, rows):
+        ax.annotate(f"{r['delta_vs_base']:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("LoRA delta time / base projections' time")
+    ax.set_title(title, fontsize=10)
+    save_figure(fig, path)
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -209,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "adapter_gb_s"])
         write_report({"environment": environment(device), "args": vars(args), "kernels": rows},
                       out / "lora_kernels.json", table)
+        plot_kernels(rows, out / "lora_kernels.png", f"{Path(args.model).name}, one layer's {len(args.targets)} "
+                     f"projections, rank {args.rank}, {args.device}")
         return 0
     kw = dict(model=args.model, device=args.device, dtype=args.dtype,
               max_num_seqs=max(args.batch), max_model_len=args.prompt_len + args.output_len + 16,
