@@ -77,18 +77,19 @@ class LoRALinear(nn.Module):
             input columns) the same columns of A and all of B, and its shrink's partial sums are
             all-reduced (``reduce``) before the expand (vLLM's ``RowParallelLinearWithLoRA``).
         reduce: the all-reduce of a row-parallel projection, or None.
+        dtype, device: of the slot buffers (the model's compute dtype); default: the base weight's.
 
     Shapes: ``x [T, in]`` -> ``[T, out]`` (this rank's ``in`` and ``out``).
     """
 
     def __init__(self, base: nn.Linear, max_loras: int, max_lora_rank: int, mapping: LoRAMapping,
-                 shard: tuple[int, int, int] | None = None, reduce=None) -> None:
+                 shard: tuple[int, int, int] | None = None, reduce=None, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
         super().__init__()
         self.base_layer = base
         self.shard, self.reduce = shard, reduce
-        w = base.weight
         self.in_features, self.out_features = base.in_features, base.out_features
-        kw = dict(dtype=w.dtype, device=w.device)
+        kw = dict(dtype=dtype or base.weight.dtype, device=device or base.weight.device)
         self.register_buffer("lora_a", torch.zeros(max_loras, max_lora_rank, self.in_features, **kw),
                              persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, max_lora_rank, **kw),
@@ -223,6 +224,7 @@ def add_lora_layers(model: nn.Module, max_loras: int, max_lora_rank: int, mappin
     """
     layers: dict[tuple[int, str], LoRALinear] = {}
     shards = _shard_specs(model)
+    emb = model.model.embed_tokens.weight  # the compute dtype and device (a projection may be quantized)
     for i, layer in enumerate(model.model.layers):
         modules = [(layer.self_attn, ATTENTION_PROJS)]
         if isinstance(layer.mlp, GatedMLP):
@@ -233,7 +235,7 @@ def add_lora_layers(model: nn.Module, max_loras: int, max_lora_rank: int, mappin
                 if not isinstance(proj, LoRALinear):
                     spec = shards.get(name)
                     reduce = model.parallel.all_reduce if spec is not None and spec[0] == 1 else None
-                    proj = LoRALinear(proj, max_loras, max_lora_rank, mapping, spec, reduce)
+                    proj = LoRALinear(proj, max_loras, max_lora_rank, mapping, spec, reduce, emb.dtype, emb.device)
                     setattr(module, name, proj)
                 layers[(i, name)] = proj
     _attach_merged_parts(model, layers)
