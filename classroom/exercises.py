@@ -508,6 +508,23 @@ EXERCISES: dict[str, Exercise] = {
             "experts with weight 1, send the results back, weight and sum them per token, then all-gather "
             "the chunks so every rank has the whole output.", 40,
         ),
+        # ---------------------------------------------------------------- phase 16
+        Exercise(
+            "lora_scaling", 16, "src/infer/lora/adapter.py",
+            ("tests/test_lora.py::test_lora_scaling",
+             "tests/test_lora.py::test_one_batch_mixing_base_and_three_adapters_matches_peft_merged"),
+            "The factor of an adapter's delta s * B A x, from its adapter_config.json: LoRA divides lora_alpha "
+            "by the rank; rank-stabilized LoRA (use_rslora) by its square root.", 5,
+        ),
+        Exercise(
+            "lora_segments", 16, "src/infer/kernels/lora_reference.py",
+            ("tests/test_lora.py::test_rows_are_grouped_by_slot",
+             "tests/test_lora.py::test_shrink_expand_match_per_row_reference"),
+            "Group a step's rows by adapter slot (the segments of Punica's SGMV): the rows that have an "
+            "adapter, slot 0's first, ascending within a slot; how many rows each slot has, where its run "
+            "starts. Rows with slot -1 belong to no segment; a slot without rows still has a start. numpy "
+            "only (argsort, bincount, cumsum): no Python loop over rows.", 20,
+        ),
     ]
 }
 

@@ -25,9 +25,10 @@ if "OMP_WAIT_POLICY" not in os.environ:
 from infer.config import EngineConfig, ModelConfig  # noqa: E402
 from infer.errors import InvalidRequestError, ModelLoadError  # noqa: E402
 from infer.llm import LLM  # noqa: E402
+from infer.lora import LoRARequest  # noqa: E402
 from infer.sampling import RequestOutputKind, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "EngineConfig", "InvalidRequestError", "ModelConfig", "ModelLoadError", "RequestOutputKind",
+__all__ = ["LLM", "EngineConfig", "InvalidRequestError", "LoRARequest", "ModelConfig", "ModelLoadError", "RequestOutputKind",
            "SamplingParams", "__version__"]

@@ -205,6 +205,17 @@ class EngineConfig:
                               "tokens, budget, preemptions, prefix-cache hits, graph or eager, host and device time) "
                               "and write it to this path as a Chrome trace (JSON) for ui.perfetto.dev or "
                               "chrome://tracing, at shutdown and at exit; off by default, and free when off", phase=9)
+    # ---- phase 16: LoRA adapters
+    enable_lora: bool = _flag(False, "serve LoRA adapters (PEFT's adapter_config.json + adapter_model.safetensors) "
+                              "beside the base model: each request may name one (LLM.generate(lora_request=...), "
+                              "the server's model field), and rows of different adapters run in the same batch "
+                              "(Punica / S-LoRA batching)", phase=16)
+    max_loras: int = _flag(1, "enable_lora: adapters resident on the device at once (its slots), so the most "
+                           "distinct adapters in one batch", phase=16)
+    max_lora_rank: int = _flag(16, "enable_lora: the largest adapter rank accepted; every slot is this wide "
+                               "(smaller ranks are padded with zeros)", phase=16)
+    max_cpu_loras: int | None = _flag(None, "enable_lora: adapters kept loaded in host memory (an LRU cache in "
+                                      "front of the disk); at least max_loras; default: max_loras", phase=16)
 
     def resolved_device(self) -> torch.device:
         return torch.device(default_device() if self.device in (None, "auto") else self.device)
@@ -329,6 +340,7 @@ class EngineConfig:
             if not self.trace or os.path.isdir(self.trace) or not os.path.isdir(folder):
                 raise ValueError(f"trace: {self.trace!r} is not a file path in an existing directory")
         self._validate_quantization(dev)
+        self._validate_lora()
         return self
 
     def _validate_quantization(self, dev: torch.device) -> None:
@@ -384,6 +396,9 @@ class EngineConfig:
                   else None)
         if name == "prefix_caching" and self.kv_cache != "paged":
             return "needs kv_cache='paged'"
+        lora = self._lora_conflict(name)
+        if lora is not None:
+            return "not supported with enable_lora yet"
         if name == "cuda_graphs":
             return graphs
         if name == "pdl":
@@ -427,6 +442,43 @@ class EngineConfig:
                 raise ValueError("kv_offload='disk' needs kv_offload_dir (the directory of the disk tier's file)")
             if self.kv_offload_disk_bytes is not None and self.kv_offload_disk_bytes <= 0:
                 raise ValueError(f"kv_offload_disk_bytes must be > 0, got {self.kv_offload_disk_bytes}")
+
+    def _validate_lora(self) -> None:
+        if not self.enable_lora:
+            if (self.max_loras, self.max_lora_rank, self.max_cpu_loras) != (1, 16, None):
+                raise ValueError("max_loras, max_lora_rank and max_cpu_loras size the LoRA slots; they need "
+                                 "enable_lora=True")
+            return
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} < max_loras={self.max_loras}: every adapter on "
+                             "the device is also kept in host memory")
+        why = self._lora_conflict("cuda_graphs" if self.cuda_graphs
+                                  else "expert_parallel_size" if self.expert_parallel_size > 1 else "")
+        if why:
+            raise ValueError(f"enable_lora: {why}")
+        if self.quantization != "none":
+            raise ValueError(f"enable_lora with quantization={self.quantization!r} is not supported yet: LoRA and "
+                             "quantization were built apart and have not been tested together")
+
+    def _lora_conflict(self, name: str) -> str | None:
+        """Why ``enable_lora`` rules out the optimization ``name`` (None if it does not)."""
+        if not self.enable_lora:
+            return None
+        if name == "cuda_graphs":
+            return ("cuda_graphs is not supported with LoRA yet: the graphs would need the per-row adapter "
+                    "index and the adapters' segments as captured inputs")
+        if name == "expert_parallel_size":
+            return ("expert parallelism is not supported with LoRA yet (tensor parallelism is: each rank "
+                    "holds its slice of every adapter's A or B)")
+        return None
+
+    def resolved_max_cpu_loras(self) -> int:
+        """Adapters kept in host memory: ``max_cpu_loras`` or ``max_loras``."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def resolved_kv_offload_disk_bytes(self) -> int:
         """The disk tier's capacity: ``kv_offload_disk_bytes`` or 4 x ``kv_offload_bytes``."""

@@ -22,6 +22,7 @@ from infer.chat import apply_chat_template
 from infer.config import EngineConfig
 from infer.engine import LLMEngine
 from infer.errors import InvalidRequestError
+from infer.lora import LoRARequest
 from infer.outputs import RequestOutput
 from infer.sampling import SamplingParams
 
@@ -74,6 +75,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns finished outputs in prompt order.
 
@@ -81,6 +83,8 @@ class LLM:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one for all prompts, or one per prompt.
             use_tqdm: show a progress bar over requests.
+            lora_request: the LoRA adapter (phase 16, ``enable_lora=True``) for every prompt, or one per
+                prompt (None: the base model), vLLM's argument.
 
         Raises:
             InvalidRequestError: for a prompt or parameter the engine cannot serve; no request
@@ -95,10 +99,16 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(items)
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(items):
+                raise ValueError(f"{len(lora_request)} lora_requests for {len(items)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(items)
         ids = []
         try:
-            for p, sp in zip(items, params):
-                ids.append(self.engine.add_request(p, sp).request_id)
+            for p, sp, lora in zip(items, params, loras):
+                ids.append(self.engine.add_request(p, sp, lora_request=lora).request_id)
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -118,12 +128,13 @@ class LLM:
             bar.close()
         return [done[r] for r in ids]
 
-    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                        lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
         """Yield a :class:`RequestOutput` per step with what is new (``delta_text`` etc.).
 
         Closing the iterator early aborts the request.
         """
-        req = self.engine.add_request(prompt, sampling_params)
+        req = self.engine.add_request(prompt, sampling_params, lora_request=lora_request)
         finished = False
         try:
             while not finished:
@@ -142,8 +153,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and generate a reply.
+        """Render each conversation with the model's chat template and generate a reply (under the LoRA
+        adapter ``lora_request``, phase 16, or the base model).
 
         Raises:
             ValueError: when the model has no chat template or a message is malformed.
@@ -152,7 +165,7 @@ class LLM:
         prompts = [
             self.chat_prompt_ids(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in convs
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def chat_prompt_ids(self, messages, add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         """Token ids of a rendered conversation (the template writes its own BOS if any).

@@ -62,7 +62,7 @@ from infer.parallel.state import ParallelState, building_for, set_parallel
 
 log = logging.getLogger("infer")
 
-FORWARD, LOGITS, COPY, SHUTDOWN, CAPTURE, REPLAY = 1, 2, 3, 4, 5, 6
+FORWARD, LOGITS, COPY, SHUTDOWN, CAPTURE, REPLAY, LORA_ACTIVATE, LORA_REMOVE = 1, 2, 3, 4, 5, 6, 7, 8
 TIMEOUT = datetime.timedelta(seconds=300)  # the longest a rank waits in a collective for the others
 
 
@@ -177,6 +177,32 @@ def unpack_step(p: list[int]) -> tuple[int, list[int], list[int], list[list[int]
     return t, starts, seq_lens, tables, nd
 
 
+def pack_loras(loras, in_use: set[int]) -> list[int]:
+    """A LORA_ACTIVATE message (LoRA, phase 16): ``[n, (id, name length, name bytes, path length, path
+    bytes) x n, in-use count, in-use ids]``: every rank runs the same activation, so the slots agree."""
+    out = [len(loras)]
+    for lora in loras:
+        name, path = lora.lora_name.encode(), lora.lora_path.encode()
+        out += [lora.lora_int_id, len(name), *name, len(path), *path]
+    return out + [len(in_use), *sorted(in_use)]
+
+
+def unpack_loras(p: list[int]) -> tuple[list, set[int]]:
+    """:func:`pack_loras`' inverse: ``(LoRARequest s, in-use ids)``."""
+    from infer.lora import LoRARequest
+
+    loras, at = [], 1
+    for _ in range(p[0]):
+        rid, n = p[at], p[at + 1]
+        name = bytes(p[at + 2:at + 2 + n]).decode()
+        at += 2 + n
+        m = p[at]
+        path = bytes(p[at + 1:at + 1 + m]).decode()
+        at += 1 + m
+        loras.append(LoRARequest(name, rid, path))
+    return loras, set(p[at + 1:at + 1 + p[at]])
+
+
 class ParallelModelRunner(ModelRunner):
     """Rank 0's model runner: every call that touches the model or the KV cache is first broadcast,
     so the workers run it too (:func:`serve` is their side). The rest (flattening the step, the
@@ -208,8 +234,22 @@ class ParallelModelRunner(ModelRunner):
         with self._collective():
             st = self.workers.state
             send(st, FORWARD, pack_step(meta))
-            dist.broadcast(torch.stack([input_ids, positions, meta.slot_mapping]), 0, group=st.group)
+            rows = [input_ids, positions, meta.slot_mapping]
+            if self.lora_manager is not None:  # LoRA: each row's adapter slot, the same on every rank
+                slots = self.lora_manager.mapping.token_slots
+                rows.append(self._to_device(slots if slots is not None else [-1] * len(input_ids), torch.int64))
+            dist.broadcast(torch.stack(rows), 0, group=st.group)
             return super()._forward(input_ids, positions, meta)
+
+    def activate_loras(self, loras, in_use):
+        with self._collective():
+            send(self.workers.state, LORA_ACTIVATE, pack_loras(loras, in_use))
+        super().activate_loras(loras, in_use)
+
+    def remove_lora(self, lora_int_id):
+        with self._collective():
+            send(self.workers.state, LORA_REMOVE, [lora_int_id])
+        return super().remove_lora(lora_int_id)
 
     def _logits(self, hidden, rows):
         with self._collective():
@@ -245,8 +285,11 @@ def serve(runner: ModelRunner, state: ParallelState) -> None:
         cmd, p = recv(state)
         if cmd == FORWARD:
             t, starts, seq_lens, tables, nd = unpack_step(p)
-            packed = torch.empty((3, t), dtype=torch.int64, device=runner.device)
+            lora = runner.lora_manager
+            packed = torch.empty((3 if lora is None else 4, t), dtype=torch.int64, device=runner.device)
             dist.broadcast(packed, 0, group=state.group)
+            if lora is not None:
+                lora.set_mapping(packed[3].tolist())
             meta = runner._metadata(starts, seq_lens, packed[2], tables, nd)
             hidden = runner._forward(packed[0], packed[1], meta)
         elif cmd == LOGITS:
@@ -260,6 +303,10 @@ def serve(runner: ModelRunner, state: ParallelState) -> None:
             runner.graphs.run_packed(b, bs, width)
         elif cmd == CAPTURE:
             runner.capture_cuda_graphs(progress=False)
+        elif cmd == LORA_ACTIVATE:
+            runner.activate_loras(*unpack_loras(p))
+        elif cmd == LORA_REMOVE:
+            runner.remove_lora(p[0])
         elif cmd == SHUTDOWN:
             return
         else:  # pragma: no cover

@@ -348,6 +348,10 @@ class KVCacheManager:
 
 def block_extra_keys(request: Request) -> tuple:
     """What besides its tokens decides a block's K/V, hashed into every key of ``request``'s
-    blocks (vLLM's "extra keys": a LoRA adapter, multimodal inputs, a cache salt). Nothing yet:
-    one model, text only."""
-    return ()
+    blocks (vLLM's "extra keys": a LoRA adapter, multimodal inputs, a cache salt). Here the LoRA
+    adapter (phase 16): its K and V projections change the cached K/V, so the same prompt under two
+    adapters (or one adapter and the base model) never shares a block."""
+    lora = request.lora_request
+    if lora is None:
+        return ()
+    return (("lora", lora.lora_int_id, lora.lora_name, lora.lora_path),)

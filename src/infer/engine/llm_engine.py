@@ -28,6 +28,7 @@ from infer.engine.step import StepResult
 from infer.engine.step_trace import StepRecorder
 from infer.errors import EngineStepError, InvalidRequestError, ModelLoadError, ParallelWorkerError
 from infer.loader import LoadedModel, load_model, read_model_config
+from infer.lora import LoRAAdapter, LoRARequest
 from infer.outputs import RequestOutput
 from infer.sampling import RequestOutputKind, SamplingParams
 
@@ -137,7 +138,9 @@ class LLMEngine:
             batch_wait_timeout_s=config.batch_wait_timeout_ms / 1000,
             chunked_prefill=config.chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
+        self.lora_manager = self.runner.lora_manager  # LoRA (phase 16), or None
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
                                                 self.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
@@ -254,7 +257,7 @@ class LLMEngine:
 
     def add_request(
         self, prompt: str | list[int] | TokensPrompt, params: SamplingParams | None = None,
-        request_id: str | None = None
+        request_id: str | None = None, lora_request: LoRARequest | None = None,
     ) -> Request:
         """Queue a request.
 
@@ -263,11 +266,14 @@ class LLMEngine:
                 what the server sends).
             params: sampling parameters (default :class:`SamplingParams()`).
             request_id: unique id; generated when omitted.
+            lora_request: the LoRA adapter its tokens run with (phase 16; needs ``enable_lora``), or
+                None for the base model.
 
         Raises:
             InvalidRequestError: for an empty/oversized prompt, ``max_tokens`` past the
                 context, ``n`` above ``max_num_seqs``, ``stop_token_ids`` outside the vocabulary
-                or a duplicate id.
+                or a duplicate id; a ``lora_request`` without ``enable_lora`` or whose adapter cannot be
+                served (the reason).
         """
         params = params or SamplingParams()
         text, ids = self.tokenize_prompt(prompt)
@@ -306,8 +312,10 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        if lora_request is not None:
+            self.add_lora(lora_request)  # read (or found) now: a bad adapter fails this call, not a step
         index = self._index_future(params) if params.structured_outputs is not None else None
-        req = Request(rid, text, ids, params)
+        req = Request(rid, text, ids, params, lora_request=lora_request)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         for i in range(params.n):
             detok = IncrementalDetokenizer(
@@ -482,6 +490,7 @@ class LLMEngine:
         if not scheduled:
             return admitted
         with self._failing_requests_abort(scheduled):
+            self._activate_loras(scheduled)
             result = self.runner.execute(scheduled, self.eos_token_ids)
             finished = self.output_processor.apply(result, scheduled)
         return admitted + self._finish(scheduled, finished, stream)
@@ -569,6 +578,7 @@ class LLMEngine:
         # >>> EXERCISE overlap_loop
         prev = self._in_flight[1] if self._in_flight is not None else None
         with self._failing_requests_abort(scheduled):
+            self._activate_loras(scheduled)
             result = self.runner.execute(scheduled, self.eos_token_ids, prev)
             self.output_processor.advance(scheduled)
             outputs += self._process_in_flight(stream)
@@ -578,6 +588,54 @@ class LLMEngine:
         self._in_flight = (scheduled, result)
         # <<< EXERCISE overlap_loop
         return outputs
+
+    def _activate_loras(self, scheduled: list[ScheduledSeq]) -> None:
+        """LoRA (phase 16): make the step's adapters resident in device slots, never reusing the slot of
+        an adapter a running request uses (the scheduler keeps their number <= ``max_loras``). On a GPU the
+        copies are ordered after the step in flight on the same stream (async scheduling)."""
+        if self.lora_manager is None:
+            return
+        loras = [item.seq.request.lora_request for item in scheduled if item.seq.request.lora_request is not None]
+        if loras:
+            self.runner.activate_loras(loras, self.scheduler.running_loras())
+
+    # ------------------------------------------------------------------ LoRA adapters (phase 16)
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read an adapter into the host cache now (vLLM's ``add_lora``), so that a bad one is rejected
+        before any request uses it.
+
+        Raises:
+            InvalidRequestError: without ``enable_lora``, or an adapter the engine cannot serve (the reason).
+        """
+        if self.lora_manager is None:
+            raise InvalidRequestError("LoRA adapters need an engine started with enable_lora=True",
+                                      param="lora_request")
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
+                                      param="lora_request")
+        try:
+            return self.lora_manager.get_adapter(lora_request)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="lora_request") from None
+
+    def lora_in_use(self, lora_int_id: int) -> bool:
+        """Does a request not yet finished (waiting or running) use adapter ``lora_int_id``?"""
+        return any(r.lora_int_id == lora_int_id for r in self.requests.values())
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its host copy and device slot; vLLM's ``remove_lora``). Returns False if
+        it was not loaded.
+
+        Raises:
+            InvalidRequestError: a request in flight still uses it (unload it once they finish).
+        """
+        if self.lora_manager is None:
+            return False
+        if self.lora_in_use(lora_int_id):
+            raise InvalidRequestError(f"LoRA adapter {lora_int_id} is used by requests in flight; unload it "
+                                      "after they finish", param="lora_name")
+        return self.runner.remove_lora(lora_int_id)
 
     def _process_in_flight(self, stream: bool) -> list[RequestOutput]:
         """Wait for the step in flight's tokens and apply them (async scheduling)."""

@@ -79,7 +79,14 @@ class ModelRunner:
         num_state_slots: hybrid models (phase 17): sequence slots of the recurrent-state cache
             (:class:`~infer.attention.state_cache.RecurrentStateCache`; default ``max(1, ...)`` rows of
             the KV cache when 0). The KV cache then holds the full-attention layers only.
+
+    Attributes:
+        lora_manager: LoRA (phase 16): the model's adapter slots
+            (:class:`~infer.lora.manager.LoRAModelManager`), or None; each step gives it the slot of
+            every row (:meth:`_set_lora_mapping`).
     """
+
+    lora_manager = None
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
                  attention_backend: str = "torch", max_model_len: int = 0,
@@ -146,17 +153,26 @@ class ModelRunner:
         # no step prefills more than the budget or the context
         graph_prefill = min(config.cuda_graph_prefill_max_tokens, budget, max_model_len) if graph_bs else 0
         graph_mixed = min(config.cuda_graph_mixed_max_tokens, budget) if graph_bs else 0
+        lora = None
+        if config.enable_lora:  # the slot buffers exist before the memory profile, which counts them
+            from infer.kernels import lora_ops
+            from infer.lora import LoRAModelManager
+
+            lora = LoRAModelManager(loaded.model, mcfg, config.max_loras, config.max_lora_rank,
+                                    config.resolved_max_cpu_loras(), lora_ops(backend))
         num_blocks, num_slots = cache_sizes(loaded, block_size, max_model_len, config.max_num_seqs, budget,
                                             config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs,
                                             graph_prefill, graph_mixed, mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype))
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
-        return cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
-                   max_model_len=max_model_len, cuda_graphs=config.cuda_graphs,
-                   cuda_graph_max_batch_size=graph_bs or 1,
-                   block_major=config.kv_offload != "none" and backend == "triton",
-                   cuda_graph_prefill_max_tokens=graph_prefill, cuda_graph_mixed_max_tokens=graph_mixed,
-                   pdl=config.pdl, num_state_slots=num_slots, **kwargs)
+        runner = cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
+                     max_model_len=max_model_len, cuda_graphs=config.cuda_graphs,
+                     cuda_graph_max_batch_size=graph_bs or 1,
+                     block_major=config.kv_offload != "none" and backend == "triton",
+                     cuda_graph_prefill_max_tokens=graph_prefill, cuda_graph_mixed_max_tokens=graph_mixed,
+                     pdl=config.pdl, num_state_slots=num_slots, **kwargs)
+        runner.lora_manager = lora
+        return runner
 
     @torch.inference_mode()
     @_with_pdl
@@ -234,6 +250,8 @@ class ModelRunner:
             reads them; their copy to the host is already started).
         """
         step = StepInputs(scheduled, prev, self)
+        if self.lora_manager is not None:
+            self._set_lora_mapping(step)
         out = self.graphs.run(step) if self.graphs is not None else None
         if out is None:
             out = self._run_eager(step)
@@ -253,6 +271,24 @@ class ModelRunner:
         if self.on_executed is not None:
             self.on_executed(out)
         return result
+
+    def activate_loras(self, loras: list, in_use: set[int]) -> None:
+        """LoRA (phase 16): make ``loras`` (:class:`~infer.lora.LoRARequest` s) resident in device slots,
+        never reusing the slot of an adapter in ``in_use`` (:meth:`LoRAModelManager.activate`)."""
+        self.lora_manager.activate(loras, in_use)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """LoRA: forget an adapter's host copy and device slot (:meth:`LoRAModelManager.remove`)."""
+        return self.lora_manager.remove(lora_int_id)
+
+    def _set_lora_mapping(self, step: StepInputs) -> None:
+        """LoRA (phase 16): each flat row's adapter slot (-1: the base model), for every LoRA layer. The
+        engine made the step's adapters resident before (:meth:`LoRAModelManager.activate`)."""
+        manager, slots = self.lora_manager, []
+        for item in step.flat.scheduled:
+            lora = item.seq.request.lora_request
+            slots += [manager.slot_of(lora.lora_int_id) if lora is not None else -1] * item.num_tokens
+        manager.set_mapping(slots)
 
     def _run_eager(self, step: StepInputs) -> ForwardOutput:
         """The step's forward, launched kernel by kernel: the hidden states of every token."""

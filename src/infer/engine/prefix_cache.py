@@ -14,7 +14,7 @@ This is vLLM v1's automatic prefix caching (``vllm/v1/core/block_pool.py``,
   its block, and a lookup is a walk over the request's keys that stops at the first miss
   (:func:`block_hashes`, :meth:`PrefixCachingBlockPool.lookup`). Only *full* blocks get a key:
   a partly filled block still changes. ``extra_keys`` carry what makes the same tokens give
-  different K/V (a LoRA adapter, multimodal inputs: none yet in this engine).
+  different K/V (here a LoRA adapter, phase 16: see ``kv_cache_manager.block_extra_keys``).
 * **verification**: a hit also compares the block's stored token ids with the request's, so
   even a hash collision can never hand a sequence somebody else's K/V.
 * **the LRU of cached free blocks**: a freed block that has a key keeps its K/V and stays in

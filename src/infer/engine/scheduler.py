@@ -85,6 +85,9 @@ class Scheduler:
             docstring); without it a prefill that does not fit the budget left waits.
         long_prefill_token_threshold: with chunked prefill, the most tokens one sequence's
             prefill takes in one step (None: no cap but the budget).
+        max_loras: LoRA (phase 16): the most distinct adapters among the running requests (the
+            device's adapter slots), or None without LoRA. A request whose adapter would be one more
+            waits, like one that does not fit the KV cache.
 
     Attributes:
         num_preemptions: requests preempted so far (``infer:num_preemptions_total``).
@@ -107,6 +110,7 @@ class Scheduler:
         batch_wait_timeout_s: float = 0.0,
         chunked_prefill: bool = False,
         long_prefill_token_threshold: int | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.policy = make_batching_policy(policy, max_num_seqs, batch_wait_timeout_s)
         self.kv = kv
@@ -118,6 +122,7 @@ class Scheduler:
         if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
             raise ValueError(f"long_prefill_token_threshold must be >= 1, got {long_prefill_token_threshold}")
         self.long_prefill_token_threshold = long_prefill_token_threshold if chunked_prefill else None
+        self.max_loras = max_loras
         self.num_prefill_tokens = 0
         self.num_chunked_steps = 0
         self.prefill_tokens_buckets = [0] * (len(PREFILL_TOKEN_BUCKETS) + 1)
@@ -145,7 +150,20 @@ class Scheduler:
     def _has_room(self, request: Request) -> bool:
         """Are there KV blocks and sequence slots for all of ``request``'s unfinished sequences?"""
         n = len(request.unfinished_seqs)
-        return len(self.running) + n <= self.max_num_seqs and self.kv.can_admit(request)
+        return (len(self.running) + n <= self.max_num_seqs and self.kv.can_admit(request)
+                and self._has_lora_slot(request))
+
+    def running_loras(self) -> set[int]:
+        """The ``lora_int_id`` s of the running requests' adapters (LoRA, phase 16)."""
+        return {s.request.lora_int_id for s in self.running if s.request.lora_request is not None}
+
+    def _has_lora_slot(self, request: Request) -> bool:
+        """LoRA: is ``request``'s adapter already running, or is there a slot for one more? Every adapter
+        of the running set must be resident at once, so a step never needs more than ``max_loras``."""
+        if self.max_loras is None or request.lora_request is None:
+            return True
+        running = self.running_loras()
+        return request.lora_int_id in running or len(running) < self.max_loras
 
     def _first_prefill(self, request: Request) -> int:
         """Tokens of the first prefill an admitted request runs (its prompt, or after a

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.detokenizer import IncrementalDetokenizer
+from infer.lora.request import LoRARequest
 from infer.outputs import PositionLogprobs
 from infer.sampling import SamplingParams
 
@@ -125,6 +126,13 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     #: prefix caching: prompt tokens found in the cache at its first admission (None before it)
     num_cached_tokens: int | None = None
+    #: LoRA (phase 16): the adapter its tokens run with, or None for the base model
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_int_id(self) -> int | None:
+        """The adapter's ``lora_int_id``, or None for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else None
 
     @property
     def prompt_len(self) -> int:

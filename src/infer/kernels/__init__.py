@@ -10,12 +10,14 @@
   the same signatures; :mod:`.skinny_gemm`, the one-row projections of batch-1 decode.
 * Mixture of experts (phase 15, ``EngineConfig.moe_backend``): :mod:`.moe_triton` (tokens sorted by
   expert, a grouped GEMM) and :mod:`.moe_reference` (a loop over experts).
+* Multi-LoRA (phase 16, ``EngineConfig.enable_lora``): :mod:`.lora_triton` (shrink / expand over rows
+  grouped by adapter, Punica's SGMV) and :mod:`.lora_reference` (a pair of matmuls per adapter).
 * :mod:`.pdl` (programmatic dependent launch), :mod:`.triton_common` (helpers every Triton kernel
   shares), :mod:`.activations` (the MLP activations by name).
 
 Triton modules import on any machine; launching needs CUDA tensors, or CPU tensors with
-``TRITON_INTERPRET=1`` set before Triton is imported (the tests do that). :func:`fused_ops` and
-:func:`moe_ops` pick the implementation once, from the engine's backend choice.
+``TRITON_INTERPRET=1`` set before Triton is imported (the tests do that). :func:`fused_ops`,
+:func:`moe_ops` and :func:`lora_ops` pick the implementation once, from the engine's backend choice.
 """
 
 from __future__ import annotations
@@ -53,3 +55,15 @@ def moe_ops(backend: str) -> ModuleType:
     from infer.kernels import moe_reference
 
     return moe_reference
+
+
+def lora_ops(backend: str) -> ModuleType:
+    """The module whose ``add_lora`` applies a batch's LoRA adapters (phase 16): :mod:`infer.kernels.lora_triton`
+    for ``"triton"``, :mod:`infer.kernels.lora_reference` (a pair of matmuls per adapter) for ``"torch"``."""
+    if backend == "triton":
+        from infer.kernels import lora_triton
+
+        return lora_triton
+    from infer.kernels import lora_reference
+
+    return lora_reference

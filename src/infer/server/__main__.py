@@ -44,8 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--live-page", action="store_true",
                    help="serve a page that draws the engine at work at /live: its queues, KV-cache blocks and "
                         "last steps (docs/reading-the-engine.md; behind --api-key when one is set; default: off)")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH", type=lora_module,
+                   help="LoRA adapters to serve (needs --enable-lora): each NAME=PATH a PEFT adapter directory, "
+                        "selected by requests whose model is NAME (vLLM's flag)")
     add_engine_args(p)
     return p
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """``--lora-modules``' ``NAME=PATH``."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
 
 
 def resolve_api_key(flag: str | None, env=os.environ) -> str | None:
@@ -133,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     engine = async_engine.engine
     name = args.served_model_name or args.model
     api_key = resolve_api_key(args.api_key)
-    app = build_app(async_engine, name, api_key=api_key, live_page=args.live_page)
+    try:
+        app = build_app(async_engine, name, api_key=api_key, live_page=args.live_page,
+                        lora_modules=dict(args.lora_modules or []))
+    except ValueError as e:
+        async_engine.shutdown(timeout=5.0)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     warn_if_exposed(args.host, api_key, log)
     frozen = freeze_startup_heap()
     log.info("model %s loaded on %s in %.1f s (%d start-up objects frozen out of garbage collection); "

@@ -47,7 +47,7 @@ from infer.server.auth import api_key_dependency
 from infer.server.metrics import Metrics, cache_config_labels
 from infer.server.protocol import MAX_N
 from infer.server.responses import Reject, error_response
-from infer.server.routes import admin, chat, completions, health, live, models
+from infer.server.routes import admin, chat, completions, health, live, lora, models
 from infer.server.serving import ServerState
 
 MAX_BODY_BYTES = 8 << 20  # a larger request body is answered 413
@@ -181,7 +181,8 @@ def openapi_schema(app: FastAPI, limits: dict[str, int]) -> dict:
 
 
 def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
-              api_key: str | None = None, live_page: bool = False) -> FastAPI:
+              api_key: str | None = None, live_page: bool = False,
+              lora_modules: dict[str, str] | None = None) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``model_name``.
 
     Wires what the routes need (``app.state.server``, a ``ServerState``; also ``app.state.engine``
@@ -192,6 +193,13 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     ``/metrics``' requires ``Authorization: Bearer <api_key>`` (``auth.py``). With ``live_page``,
     the live page's routes (``routes/live.py``) are added and the engine publishes its steps to a
     :class:`~infer.engine.live_view.LiveView` (build the app before the engine serves requests).
+    With an engine that has ``enable_lora`` (phase 16), ``lora_modules`` (``{name: adapter
+    directory}``) are served under their names, and ``routes/lora.py`` loads and unloads adapters at
+    runtime.
+
+    Raises:
+        ValueError: ``lora_modules`` without ``enable_lora``, a name taken twice, or an adapter the engine
+            cannot serve (the reason).
     """
     app = FastAPI(title="infer", description="OpenAI-compatible API of the infer engine")
     eng = engine.engine
@@ -203,8 +211,14 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     engine.on_finished = metrics.request_finished
     app.state.engine = engine
     app.state.metrics = metrics
-    app.state.server = ServerState(engine, model_name, metrics, eng.tokenizer, eng.config.prefix_caching,
-                                   int(time.time()))
+    app.state.server = state = ServerState(engine, model_name, metrics, eng.tokenizer, eng.config.prefix_caching,
+                                           int(time.time()))
+    if lora_modules and eng.lora_manager is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for name, path in (lora_modules or {}).items():
+        if name == model_name:
+            raise ValueError(f"LoRA module name {name!r} is the served model's name")
+        eng.add_lora(state.add_lora_name(name, path))  # read and checked now (nothing runs yet)
 
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -230,4 +244,6 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         app.state.live = live.LiveState(engine, LiveView(eng))
         app.include_router(live.page_router)
         app.include_router(live.data_router, dependencies=protected)
+    if eng.lora_manager is not None:
+        app.include_router(lora.router, dependencies=protected)
     return app

@@ -48,6 +48,7 @@ from infer.engine import LLMEngine
 from infer.engine.input_processor import TokensPrompt
 from infer.engine.output_processor import OutputProcessor
 from infer.errors import EngineStepError
+from infer.lora import LoRARequest
 from infer.outputs import RequestOutput
 from infer.sampling import SamplingParams
 
@@ -158,7 +159,8 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     async def submit(
-        self, prompt: str | list[int] | TokensPrompt, params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int] | TokensPrompt, params: SamplingParams, request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Tokenize the prompt off the engine thread (:meth:`tokenize`), then queue the request; return
         once the engine has accepted it (not when it is admitted).
@@ -184,7 +186,7 @@ class AsyncEngine:
         self._pending_adds += 1  # its place is taken while it is tokenized
         try:
             (prompt,) = await self.tokenize([prompt])
-            self._inbox.put(("add", (rid, prompt, params, stream), fut))
+            self._inbox.put(("add", (rid, prompt, params, stream, lora_request), fut))
             if not self._thread.is_alive() and not fut.done():  # raced with a shutdown
                 fut.set_exception(EngineDead("the engine is shutting down"))
             await asyncio.wrap_future(fut)
@@ -217,8 +219,8 @@ class AsyncEngine:
                 raise r
         return done
 
-    async def submit_many(self, prompts: list[str | list[int] | TokensPrompt], params: SamplingParams
-                          ) -> list[RequestStream]:
+    async def submit_many(self, prompts: list[str | list[int] | TokensPrompt], params: SamplingParams,
+                          lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """Tokenize several prompts (one HTTP request's) off the engine thread (:meth:`tokenize`), then
         queue them as one unit; return once all are accepted.
 
@@ -246,7 +248,7 @@ class AsyncEngine:
                 stream = _Stream(loop, asyncio.Queue())
                 fut: concurrent.futures.Future = concurrent.futures.Future()
                 adds.append((rid, stream, fut))
-                self._inbox.put(("add", (rid, prompt, params, stream), fut))
+                self._inbox.put(("add", (rid, prompt, params, stream, lora_request), fut))
             if not self._thread.is_alive():  # raced with a shutdown
                 for _, _, fut in adds:
                     if not fut.done():
@@ -269,10 +271,11 @@ class AsyncEngine:
         return [RequestStream(self, rid, stream.queue) for rid, stream, _ in adds]
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """:meth:`submit`, then yield the outputs until the request finishes."""
-        request = await self.submit(prompt, params, request_id)
+        request = await self.submit(prompt, params, request_id, lora_request)
         try:
             async for out in request:
                 yield out
@@ -339,9 +342,9 @@ class AsyncEngine:
     def _handle(self, cmd: str, arg: Any, fut: concurrent.futures.Future | None) -> None:
         eng = self.engine
         if cmd == "add":
-            rid, prompt, params, stream = arg
+            rid, prompt, params, stream, lora_request = arg
             try:
-                eng.add_request(prompt, params, request_id=rid)
+                eng.add_request(prompt, params, request_id=rid, lora_request=lora_request)
             except Exception as e:  # rejected: report to the caller, nothing is queued
                 fut.set_exception(e)
                 return

@@ -671,6 +671,22 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None  # a LoRA adapter (phase 16): its directory
+    parent: str | None = None  # a LoRA adapter: the served model it adapts
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body (``lora_int_id`` accepted and ignored, as vLLM does)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

@@ -140,3 +140,9 @@ def openapi_responses(ok_model, ok_description: str, *errors: int, stream: bool 
     if stream:
         ok["content"] = _SSE
     return {200: ok, **{c: {"model": ErrorResponse, "description": _ERROR_DOCS[c]} for c in (*errors, 405)}}
+
+
+def text_responses(ok_description: str, *errors: int) -> dict:
+    """:func:`openapi_responses` for a route whose 200 body is plain text (vLLM's LoRA endpoints)."""
+    return {200: {"description": ok_description, "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **{c: {"model": ErrorResponse, "description": _ERROR_DOCS[c]} for c in (*errors, 405)}}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import anyio
@@ -24,6 +24,7 @@ from fastapi import Depends, Request
 
 from infer.chat import apply_chat_template
 from infer.errors import InvalidRequestError
+from infer.lora import LoRARequest
 from infer.outputs import RequestOutput
 from infer.sampling import SamplingParams
 from infer.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded
@@ -45,6 +46,16 @@ class ServerState:
     tokenizer: Any  # the engine's tokenizer (encode, decode, id_to_token, chat template)
     prefix_caching: bool  # ``usage`` then reports cached prompt tokens
     created: int  # when the app was built: the model card's ``created``
+    #: LoRA (phase 16): the adapters served, by the name clients send in ``model``
+    loras: dict[str, LoRARequest] = field(default_factory=dict)
+    next_lora_id: int = 1  # each adapter loaded gets a new lora_int_id (never reused: prefix-cache keys)
+
+    def add_lora_name(self, name: str, path: str) -> LoRARequest:
+        """Register an adapter under ``name`` with a fresh ``lora_int_id``."""
+        req = LoRARequest(name, self.next_lora_id, path)
+        self.next_lora_id += 1
+        self.loras[name] = req
+        return req
 
 
 async def server_state(request: Request) -> ServerState:
@@ -59,15 +70,29 @@ State = Annotated[ServerState, Depends(server_state)]
 # ---------------------------------------------------------------------------- parsing
 
 
-def check_model(name: str | None, state: ServerState) -> None:
-    """Accept a request for the served model (or one naming none).
+def check_model(name: str | None, state: ServerState) -> LoRARequest | None:
+    """Accept a request for the served model (or one naming none), or for one of its LoRA adapters
+    (phase 16: vLLM's convention, the adapter's name in ``model``).
+
+    Returns:
+        The adapter's :class:`~infer.lora.LoRARequest`, or None for the base model.
 
     Raises:
         Reject: 404 ``not_found_error`` with ``code: model_not_found`` for any other name.
     """
-    if name is not None and name != state.model_name:
-        raise Reject(error_response(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
+    if name is None or name == state.model_name:
+        return None
+    lora = state.loras.get(name)
+    if lora is None:
+        served = ", ".join(repr(n) for n in (state.model_name, *state.loras))
+        raise Reject(error_response(404, f"model {name!r} does not exist; this server serves {served}",
                                     "model", "not_found_error", "model_not_found"))
+    return lora
+
+
+def response_model(name: str | None, state: ServerState) -> str:
+    """The ``model`` a response names: the adapter asked for, else the served model."""
+    return name if name in state.loras else state.model_name
 
 
 def _param_of(exc: ValueError) -> str | None:
@@ -113,10 +138,11 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, kw
 # ---------------------------------------------------------------------------- the engine call
 
 
-async def submit_all(engine: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams) -> Streams:
-    """Submit every prompt and wait for the engine to accept them (not to admit them);
-    returns ``(stream, None)`` per prompt (the first output is awaited by the response, which
-    notices disconnects). Nothing stays queued if one is rejected.
+async def submit_all(engine: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams,
+                     lora_request: LoRARequest | None = None) -> Streams:
+    """Submit every prompt (under the LoRA adapter ``lora_request``, or the base model) and wait for the
+    engine to accept them (not to admit them); returns ``(stream, None)`` per prompt (the first output
+    is awaited by the response, which notices disconnects). Nothing stays queued if one is rejected.
 
     Raises:
         Reject: 503 ``server_overloaded`` (the waiting queue is full), 503 ``server_unavailable``
@@ -124,7 +150,7 @@ async def submit_all(engine: AsyncEngine, prompts: list[str | list[int]], params
             ids outside the vocabulary...).
     """
     try:
-        gens = await engine.submit_many(prompts, params)
+        gens = await engine.submit_many(prompts, params, lora_request)
     except EngineOverloaded as e:
         raise Reject(error_response(503, str(e), None, "server_overloaded")) from None
     except EngineDead as e:

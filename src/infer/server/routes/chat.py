@@ -43,6 +43,7 @@ from infer.server.serving import (
     collect,
     outputs_of,
     render_chat,
+    response_model,
     sampling_or_reject,
     submit_all,
 )
@@ -135,7 +136,8 @@ def chat_response(req: ChatCompletionRequest, rid: str, out: RequestOutput, tool
             if calls:
                 ch["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                 ch["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": response_model(req.model, state),
             "choices": choices, "usage": usage([out], state.prefix_caching)}
 
 
@@ -279,12 +281,12 @@ async def chat_events(stream: ChatStream, streams: Streams) -> AsyncIterator[str
                                                                  400, 404, 413, 500, 503, stream=True))
 async def chat(req: ChatCompletionRequest, request: Request, state: State) -> Response:
     ids, params, tools = await parse_chat(req, state)
-    streams = await submit_all(state.engine, [ids], params)
+    streams = await submit_all(state.engine, [ids], params, check_model(req.model, state))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if req.ignored_fields():
         log.debug("%s: ignoring %s (no effect on generation)", rid, ", ".join(req.ignored_fields()))
     if req.stream:
-        stream = ChatStream(rid, state.model_name, params.n, len(ids), req.logprobs, req.include_usage,
+        stream = ChatStream(rid, response_model(req.model, state), params.n, len(ids), req.logprobs, req.include_usage,
                             req.continuous_usage, state.prefix_caching, tools)
         return StreamingResponse(chat_events(stream, streams), media_type="text/event-stream")
     try:

@@ -46,6 +46,7 @@ from infer.server.serving import (
     check_model,
     collect,
     merged_outputs,
+    response_model,
     sampling_or_reject,
     submit_all,
 )
@@ -121,7 +122,8 @@ def completion_response(req: CompletionRequest, n: int, rid: str, outs: list[Req
             choices.append({"index": i * n + c.index, "text": prefix + ("" if score_only else c.text),
                             "logprobs": lp, "finish_reason": c.finish_reason})
     choices.sort(key=lambda ch: ch["index"])
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+    return {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": response_model(req.model, state),
             "choices": choices, "usage": usage(outs, state.prefix_caching, score_only)}
 
 
@@ -140,7 +142,7 @@ async def completion_sse(req: CompletionRequest, n: int, rid: str, streams: Stre
 
     def chunk(choices: list[dict], **extra) -> str:
         return sse_event({"id": rid, "object": "text_completion", "created": int(time.time()),
-                          "model": state.model_name, "choices": choices, **extra})
+                          "model": response_model(req.model, state), "choices": choices, **extra})
 
     try:
         async with contextlib.aclosing(merged_outputs(streams)) as outputs:
@@ -179,7 +181,7 @@ async def completion_sse(req: CompletionRequest, n: int, rid: str, streams: Stre
                                                             500, 503, stream=True))
 async def completions(req: CompletionRequest, request: Request, state: State) -> Response:
     prompts, params = parse_completion(req, state)
-    streams = await submit_all(state.engine, prompts, params)
+    streams = await submit_all(state.engine, prompts, params, check_model(req.model, state))
     rid = f"cmpl-{uuid.uuid4().hex}"
     if req.ignored_fields():
         log.debug("%s: ignoring %s (no effect on generation)", rid, ", ".join(req.ignored_fields()))

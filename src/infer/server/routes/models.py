@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from infer.lora import LoRARequest
 from infer.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -31,15 +32,22 @@ def model_card(state: ServerState) -> dict:
             "max_model_len": state.engine.engine.max_model_len}
 
 
-@router.get("/v1/models", responses=openapi_responses(ModelList, "The served model"))
+def lora_card(state: ServerState, lora: LoRARequest) -> dict:
+    """A LoRA adapter's model object (phase 16), as vLLM lists it: ``root`` its directory, ``parent``
+    the served model."""
+    return {**model_card(state), "id": lora.lora_name, "root": lora.lora_path, "parent": state.model_name}
+
+
+@router.get("/v1/models", responses=openapi_responses(ModelList, "The served model and its LoRA adapters"))
 async def models(state: State) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [model_card(state)]})
+    cards = [model_card(state)] + [lora_card(state, lora) for lora in list(state.loras.values())]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model_id:path}", responses=openapi_responses(ModelCard, "The model", 404))
 async def model(model_id: str, state: State) -> JSONResponse:
-    check_model(model_id, state)
-    return JSONResponse(model_card(state))
+    lora = check_model(model_id, state)
+    return JSONResponse(model_card(state) if lora is None else lora_card(state, lora))
 
 
 def parse_tokenize(req: TokenizeRequest, state: ServerState) -> str:

@@ -1,0 +1,181 @@
+"""Batched multi-adapter LoRA (phase 16) in plain PyTorch: the reference of :mod:`.lora_triton`.
+
+A LoRA adapter (Hu et al., arXiv:2106.09685) changes a projection ``y = x W^T`` into
+``y = x W^T + s (x A^T) B^T`` with ``A [r, in]``, ``B [out, r]`` and a scale ``s``. Serving many
+adapters at once (Punica, Chen et al., arXiv:2310.18547; S-LoRA, Sheng et al., arXiv:2311.03285)
+keeps the base product shared and adds each row's *own* adapter's delta::
+
+    y[t] += (x[t] @ A[slot[t]]^T) @ B[slot[t]]^T        for every row t with slot[t] >= 0
+
+in two steps, the names Punica and vLLM use: **shrink** (``x @ A^T``, ``in -> r`` features) and
+**expand** (``@ B^T``, ``r -> out``, added into ``y``). The adapters sit stacked in fixed device
+*slots* (``A [L, R, in]``, ``B [L, out, R]``: ``L = max_loras``, ``R = max_lora_rank``, smaller ranks
+padded with zeros, the scale already folded into ``B``).
+
+The step's rows are grouped by slot once per step (:func:`make_lora_meta`, the segments of Punica's
+SGMV): ``sorted_rows`` lists the rows of slot 0, then slot 1, ...; rows without an adapter
+(``slot = -1``) are in no segment and cost nothing. Here each segment is one pair of dense matmuls
+(what runs on the CPU); :mod:`.lora_triton` runs every segment of every slot in one launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["LoRAKernelMeta", "make_lora_meta", "lora_shrink", "lora_expand", "add_lora"]
+
+
+@dataclass
+class LoRAKernelMeta:
+    """Which rows of a step use which slot, grouped by slot (built once per step, read by every layer).
+
+    Attributes:
+        num_tokens: ``T``, the step's rows.
+        sorted_rows: int32 ``[T]`` on the device: the rows with an adapter, slot 0's first, then slot
+            1's, ... (ascending within a slot); the entries past ``num_lora_rows`` are 0 (unused).
+        slot_starts, slot_counts: int32 ``[L]`` on the device: slot ``l``'s rows are
+            ``sorted_rows[slot_starts[l] : slot_starts[l] + slot_counts[l]]``.
+        segments: the same on the host: ``[(slot, start, count), ...]`` of the slots with rows.
+        num_lora_rows: rows with an adapter (0: every LoRA op returns at once).
+        first_rows: per segment, its first row when its rows are consecutive (``first .. first + count -
+            1``: a batch of one adapter, a prompt), else -1; the plain-PyTorch path then takes slices
+            instead of gathering rows.
+    """
+
+    num_tokens: int
+    sorted_rows: torch.Tensor
+    slot_starts: torch.Tensor
+    slot_counts: torch.Tensor
+    segments: list[tuple[int, int, int]]
+    num_lora_rows: int
+    first_rows: list[int]
+
+
+def make_lora_meta(token_slots: list[int] | np.ndarray, num_slots: int, device: torch.device | str
+                   ) -> LoRAKernelMeta:
+    """Group a step's rows by adapter slot.
+
+    Args:
+        token_slots: ``[T]`` each row's slot in ``[0, num_slots)``, or -1 for no adapter.
+        num_slots: ``L``, the slots (``max_loras``).
+        device: where the kernels run.
+
+    Raises:
+        ValueError: a slot outside ``[-1, num_slots)``.
+    """
+    slots = np.asarray(token_slots, dtype=np.int64)
+    if slots.size and (slots.min() < -1 or slots.max() >= num_slots):
+        raise ValueError(f"token slots must be in [-1, {num_slots}), got {slots.min()}..{slots.max()}")
+    rows, starts, counts = group_rows_by_slot(slots, num_slots)
+    segments = [(s, int(starts[s]), int(counts[s])) for s in range(num_slots) if counts[s]]
+    first_rows = [int(rows[start]) if rows[start + count - 1] - rows[start] + 1 == count else -1
+                  for _, start, count in segments]
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
+
+    return LoRAKernelMeta(len(slots), dev(rows), dev(starts), dev(counts), segments, int(counts.sum()), first_rows)
+
+
+def group_rows_by_slot(slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The segments of Punica's SGMV: a step's rows grouped by adapter slot.
+
+    Args:
+        slots: int64 ``[T]``, each row's slot in ``[0, num_slots)`` or -1 (no adapter).
+
+    Returns:
+        ``(rows, starts, counts)``, int32: ``rows [T]`` lists the rows with an adapter, slot 0's first,
+        then slot 1's, ..., ascending within a slot, then zeros; slot ``l``'s rows are
+        ``rows[starts[l] : starts[l] + counts[l]]`` (``starts``, ``counts``: ``[num_slots]``; a slot
+        without rows has count 0).
+    """
+    # >>> EXERCISE lora_segments
+    order = np.argsort(slots, kind="stable")
+    order = order[slots[order] >= 0]  # the rows with an adapter, grouped by slot
+    counts = np.bincount(slots[slots >= 0], minlength=num_slots).astype(np.int32)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int32)
+    rows = np.zeros(len(slots), dtype=np.int32)
+    rows[: len(order)] = order
+    return rows, starts, counts
+    # <<< EXERCISE lora_segments
+
+
+def _rows(meta: LoRAKernelMeta, start: int, count: int) -> torch.Tensor:
+    return meta.sorted_rows[start:start + count].long()
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor) -> torch.Tensor:
+    """``out[t] = x[t] @ lora_a[slot[t]]^T`` for every row with an adapter (other rows untouched).
+
+    Args:
+        x: ``[T, in]``, the projection's input.
+        lora_a: ``[L, R, in]``, the slots' A matrices.
+        out: float32 ``[T, R]``.
+
+    Returns:
+        ``out``.
+    """
+    for slot, start, count in meta.segments:
+        rows = _rows(meta, start, count)
+        out[rows] = x[rows].float() @ lora_a[slot].float().t()
+    return out
+
+
+def lora_expand(t: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta, y: torch.Tensor,
+                y_offset: int = 0) -> torch.Tensor:
+    """``y[t, y_offset : y_offset + out] += t[t] @ lora_b[slot[t]]^T`` for every row with an adapter.
+
+    The shrink output is rounded to ``lora_b``'s dtype first (the Triton kernel feeds its matrix units in
+    that dtype), the product accumulates in float32 and is added to ``y`` with one rounding.
+
+    Args:
+        t: float32 ``[T, R]``, :func:`lora_shrink`'s output.
+        lora_b: ``[L, out, R]``, the slots' B matrices (scale folded in).
+        y: ``[T, N]`` with ``N >= y_offset + out``, updated in place (a merged projection's output: the
+            delta goes to its slice of the columns).
+
+    Returns:
+        ``y``.
+    """
+    n = lora_b.shape[1]
+    for slot, start, count in meta.segments:
+        rows = _rows(meta, start, count)
+        d = t[rows].to(lora_b.dtype).float() @ lora_b[slot].float().t()
+        y[rows, y_offset:y_offset + n] = (y[rows, y_offset:y_offset + n].float() + d).to(y.dtype)
+    return y
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             meta: LoRAKernelMeta, y_offset: int = 0, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """Shrink then expand: ``y[t, off:off + out] += (x[t] @ A[slot[t]]^T) @ B[slot[t]]^T`` in place.
+
+    Args:
+        y: ``[T, N]``; x: ``[T, in]``; lora_a: ``[L, R, in]``; lora_b: ``[L, out, R]``.
+        buffer: optional float32 ``[T, R]`` scratch for the shrink output.
+    """
+    if meta.num_lora_rows == 0:
+        return y
+    if x.dtype == lora_a.dtype == lora_b.dtype == y.dtype == torch.float32:
+        # float32 (the CPU): the roundings of the general path are no-ops, so fewer, larger operations give
+        # the same values. Every segment's rows consecutive: slices, two matmuls per segment; otherwise one
+        # gather of the rows in slot order, two matmuls per segment, one scatter-add
+        n = lora_b.shape[1]
+        if min(meta.first_rows) >= 0:
+            for (slot, _, count), first in zip(meta.segments, meta.first_rows):
+                rows = slice(first, first + count)
+                y[rows, y_offset:y_offset + n].addmm_(x[rows] @ lora_a[slot].t(), lora_b[slot].t())
+            return y
+        rows = meta.sorted_rows[: meta.num_lora_rows].long()
+        xs = x.index_select(0, rows)
+        d = torch.empty(len(xs), n, dtype=y.dtype, device=y.device)
+        for slot, start, count in meta.segments:
+            torch.mm(xs[start:start + count] @ lora_a[slot].t(), lora_b[slot].t(), out=d[start:start + count])
+        y[:, y_offset:y_offset + n].index_add_(0, rows, d)
+        return y
+    t = buffer if buffer is not None else torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32,
+                                                      device=x.device)
+    return lora_expand(lora_shrink(x, lora_a, meta, t), lora_b, meta, y, y_offset)

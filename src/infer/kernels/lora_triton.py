@@ -1,0 +1,141 @@
+"""Batched multi-adapter LoRA (phase 16) in Triton: shrink and expand over rows grouped by adapter.
+
+The same functions and values as :mod:`.lora_reference` (read its docstring first). Both kernels take
+the step's rows grouped by slot (:func:`~.lora_reference.make_lora_meta`) and run on a grid of
+``(row blocks, column blocks, slots)``: program ``(m, n, l)`` takes rows ``m * BLOCK_M ...`` of slot
+``l``'s segment, gathers them from ``x`` by row index, and multiplies them by one tile of slot ``l``'s
+A (shrink) or B (expand). So one tile of an adapter read from memory serves every row of that adapter
+in the step, which is Punica's SGMV (segmented gather matrix-vector; for a decode step where each
+adapter has one row it is their BGMV), in the single-kernel form vLLM v1 uses for both prefill and
+decode. Programs of a slot with fewer rows than ``m * BLOCK_M`` (or none) return at once: rows
+without an adapter are in no segment and cost nothing.
+
+The grid depends only on ``T``, the ranks and ``max_loras``, never on which rows use which adapter
+(the segments are device tensors the kernels load), so a graph captured for ``T`` rows would replay
+for any adapter mix. On the CPU this runs only under ``TRITON_INTERPRET=1`` (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels.lora_reference import LoRAKernelMeta
+
+__all__ = ["lora_shrink", "lora_expand", "add_lora"]
+
+
+@triton.jit
+def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, K, R,
+                        stride_xm, stride_al, stride_ar, stride_om,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                        IEEE: tl.constexpr):
+    pid_m, pid_r, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(counts_ptr + slot)
+    if pid_m * BLOCK_M >= count:
+        return  # this slot has no rows in this block
+    start = tl.load(starts_ptr + slot)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
+    rows = tl.load(rows_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    a_base = a_ptr + slot.to(tl.int64) * stride_al
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0)
+        a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None], mask=mask_r[None, :] & mask_k[:, None],
+                    other=0.0)  # [BLOCK_K, BLOCK_R]: A^T's tile
+        if IEEE:
+            acc += tl.dot(x, a, input_precision="ieee")
+        else:
+            acc += tl.dot(x, a)
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_r[None, :], acc, mask=mask_m[:, None] & mask_r[None, :])
+
+
+@triton.jit
+def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, N, R, y_offset,
+                        stride_tm, stride_bl, stride_bn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        IEEE: tl.constexpr):
+    pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(counts_ptr + slot)
+    if pid_m * BLOCK_M >= count:
+        return
+    start = tl.load(starts_ptr + slot)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
+    rows = tl.load(rows_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    b_base = b_ptr + slot.to(tl.int64) * stride_bl
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        t = tl.load(t_ptr + rows[:, None] * stride_tm + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
+                    other=0.0)
+        b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=mask_n[None, :] & mask_r[:, None],
+                    other=0.0)  # [BLOCK_R, BLOCK_N]: B^T's tile
+        t = t.to(b.dtype)  # the shrink output rounded to the adapter's dtype (the reference does the same)
+        if IEEE:
+            acc += tl.dot(t, b, input_precision="ieee")
+        else:
+            acc += tl.dot(t, b)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + y_offset + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def _block_m(meta: LoRAKernelMeta) -> int:
+    # decode: about one row per adapter, so the smallest tile tl.dot takes; prefill: larger tiles
+    return 16 if meta.num_tokens <= 64 else 64
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, name: str) -> None:
+    if x.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError(f"lora_{name}: the inputs' last dimension must be contiguous")
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor) -> torch.Tensor:
+    """:func:`infer.kernels.lora_reference.lora_shrink` as one Triton launch: ``x [T, in]``,
+    ``lora_a [L, R, in]``, float32 ``out [T, R]``."""
+    _check(x, lora_a, "shrink")
+    num_slots, r, k = lora_a.shape
+    bm, br = _block_m(meta), max(16, min(64, triton.next_power_of_2(r)))
+    grid = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(r, br), num_slots)
+    _lora_shrink_kernel[grid](x, lora_a, out, meta.sorted_rows, meta.slot_starts, meta.slot_counts, k, r,
+                              x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+                              BLOCK_M=bm, BLOCK_R=br, BLOCK_K=64, IEEE=x.dtype == torch.float32)
+    return out
+
+
+def lora_expand(t: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta, y: torch.Tensor,
+                y_offset: int = 0) -> torch.Tensor:
+    """:func:`infer.kernels.lora_reference.lora_expand` as one Triton launch: float32 ``t [T, R]``,
+    ``lora_b [L, out, R]``, ``y [T, N]`` updated in place at columns ``y_offset : y_offset + out``."""
+    _check(t, lora_b, "expand")
+    if y.stride(-1) != 1:
+        raise ValueError("lora_expand: y's last dimension must be contiguous")
+    num_slots, n, r = lora_b.shape
+    bm, bn, br = _block_m(meta), 64, max(16, min(64, triton.next_power_of_2(r)))
+    grid = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(n, bn), num_slots)
+    _lora_expand_kernel[grid](t, lora_b, y, meta.sorted_rows, meta.slot_starts, meta.slot_counts, n, r, y_offset,
+                              t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, IEEE=lora_b.dtype == torch.float32)
+    return y
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             meta: LoRAKernelMeta, y_offset: int = 0, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`infer.kernels.lora_reference.add_lora`: shrink then expand, two launches."""
+    if meta.num_lora_rows == 0:
+        return y
+    t = buffer if buffer is not None else torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32,
+                                                      device=x.device)
+    return lora_expand(lora_shrink(x, lora_a, meta, t), lora_b, meta, y, y_offset)

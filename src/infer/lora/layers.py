@@ -1,0 +1,244 @@
+"""LoRA-wrapped projections: the base ``nn.Linear`` plus a stack of adapter slots.
+
+Every adaptable projection of the model (q/k/v/o, gate/up/down) is replaced, once at start-up, by a
+:class:`LoRALinear` holding the base layer (its weights untouched: nothing is merged) and two
+zero-initialized buffers, ``lora_a [L, R, in]`` and ``lora_b [L, out, R]`` (``L = max_loras`` slots,
+``R = max_lora_rank``). Loading an adapter into slot ``l`` copies its A and (scaled) B into row ``l`` of
+every projection it changes and zeros the others. The forward is the base product, then the LoRA
+delta of each row's slot, added in place::
+
+    y = x W^T (+ b)                    every row, one GEMM, as without LoRA
+    y[t] += (x[t] A_l^T) B_l^T         rows t of slot l, grouped by slot (infer.kernels.lora_*)
+
+Which row uses which slot is one :class:`LoRAMapping` shared by every layer, set once per step by the
+model runner (vLLM's ``PunicaWrapper``, its "LoRA mapping").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infer.kernels.lora_reference import LoRAKernelMeta, make_lora_meta
+from infer.lora.adapter import ATTENTION_PROJS, MLP_PROJS
+from infer.models.layers import GatedMLP
+from infer.parallel.state import shard
+
+
+class LoRAMapping:
+    """The step's rows grouped by adapter slot, read by every :class:`LoRALinear` of the model.
+
+    Args:
+        ops: the module whose ``add_lora`` runs (:func:`infer.kernels.lora_ops`).
+        num_slots: ``max_loras``.
+    """
+
+    def __init__(self, ops, num_slots: int) -> None:
+        self.ops = ops
+        self.num_slots = num_slots
+        self.meta: LoRAKernelMeta | None = None  # None: no row has an adapter (the layers add nothing)
+        self.token_slots: list[int] | None = None  # the step's slots as set (tensor parallelism sends them)
+
+    def set(self, token_slots: list[int], device: torch.device) -> None:
+        """Set the step's per-row slots (``[T]``, -1 for a row without adapter)."""
+        self.token_slots = token_slots
+        self.meta = make_lora_meta(token_slots, self.num_slots, device) if any(s >= 0 for s in token_slots) else None
+
+    def clear(self) -> None:
+        self.meta = self.token_slots = None
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              y_offset: int = 0, reduce=None) -> torch.Tensor:
+        """``y`` plus each row's adapter delta (in place, at columns ``y_offset`` on: a merged projection's
+        slice); ``y`` unchanged without any. ``reduce``: a row-parallel layer's all-reduce, which completes
+        the shrink's partial sums (each rank holds a slice of A's columns) before the expand."""
+        meta = self.meta
+        if meta is None:
+            return y
+        if meta.num_tokens != x.shape[0]:
+            raise RuntimeError(f"the LoRA mapping is for {meta.num_tokens} rows, the forward has {x.shape[0]}")
+        if reduce is None:
+            return self.ops.add_lora(y, x, lora_a, lora_b, meta, y_offset)
+        t = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+        reduce(self.ops.lora_shrink(x, lora_a, meta, t))
+        return self.ops.lora_expand(t, lora_b, meta, y, y_offset)
+
+
+class LoRALinear(nn.Module):
+    """A projection with ``max_loras`` adapter slots (see the module docstring).
+
+    Args:
+        base: the model's ``nn.Linear`` (kept as ``base_layer``, unchanged).
+        max_loras, max_lora_rank: the slots and their width.
+        mapping: the model's shared :class:`LoRAMapping`.
+        shard: tensor parallelism (phase 14): ``(dim, index, parts)`` of the base weight on this rank, as
+            :func:`~infer.parallel.state.shard` takes it, or None. A column-parallel projection (``dim``
+            0: its output rows) keeps the same rows of B and all of A; a row-parallel one (``dim`` 1: its
+            input columns) the same columns of A and all of B, and its shrink's partial sums are
+            all-reduced (``reduce``) before the expand (vLLM's ``RowParallelLinearWithLoRA``).
+        reduce: the all-reduce of a row-parallel projection, or None.
+        dtype, device: of the slot buffers (the model's compute dtype); default: the base weight's.
+
+    Shapes: ``x [T, in]`` -> ``[T, out]`` (this rank's ``in`` and ``out``).
+    """
+
+    def __init__(self, base: nn.Linear, max_loras: int, max_lora_rank: int, mapping: LoRAMapping,
+                 shard: tuple[int, int, int] | None = None, reduce=None, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.shard, self.reduce = shard, reduce
+        self.in_features, self.out_features = base.in_features, base.out_features
+        kw = dict(dtype=dtype or base.weight.dtype, device=device or base.weight.device)
+        self.register_buffer("lora_a", torch.zeros(max_loras, max_lora_rank, self.in_features, **kw),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, max_lora_rank, **kw),
+                             persistent=False)
+        self.mapping = mapping
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @weight.setter
+    def weight(self, value: torch.Tensor) -> None:  # the fused forward's merge re-points the parts' weights
+        self.base_layer.weight = value
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    @bias.setter
+    def bias(self, value: torch.Tensor | None) -> None:
+        self.base_layer.bias = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_delta(self.base_layer(x), x)
+
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor, y_offset: int = 0) -> torch.Tensor:
+        """``y`` (the base product, or a merged one at columns ``y_offset``) plus each row's delta."""
+        return self.mapping.apply(y, x, self.lora_a, self.lora_b, y_offset, self.reduce)
+
+    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Put an adapter's whole ``(A [r, in], B [out, r])`` in ``slot`` (this rank's piece of it, the rank
+        padded with zeros), or zeros (``None``: the adapter leaves this projection alone)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if weights is not None:
+            a, b = weights
+            if self.shard is not None:
+                dim, index, parts = self.shard
+                a, b = (a, shard(b, (0, index, parts))) if dim == 0 else (shard(a, (1, index, parts)), b)
+            r = a.shape[0]
+            self.lora_a[slot, :r].copy_(a)
+            self.lora_b[slot, :, :r].copy_(b)
+
+
+class LoRAOps:
+    """The fused ops of phase 8 (:mod:`infer.kernels.fused_triton` or :mod:`~infer.kernels.fused_reference`)
+    with each projection's LoRA delta added: the model's fused forward runs unchanged with this object as
+    its ``ops`` (:meth:`~infer.models.layers.CausalLM.set_fused_ops`).
+
+    A merged projection (``qkv_proj``, ``gate_up_proj``) carries ``lora_parts``, its parts'
+    :class:`LoRALinear` and where each part's rows start in its output: each part's delta goes to its own
+    slice of the columns (q's adapter never touches k's columns). The fused steps that hide a projection's
+    input or output (the norm and the projection in one call, the residual add in the projection's
+    epilogue, the activation in it) run as their separate steps when a row of the step has an adapter, so
+    the delta is added before the activation and after the norm; steps without adapters keep the fused
+    path.
+    """
+
+    def __init__(self, ops, mapping: LoRAMapping) -> None:
+        self.base_ops = ops
+        self.mapping = mapping
+
+    def __getattr__(self, name: str):
+        return getattr(self.base_ops, name)
+
+    @staticmethod
+    def _parts(layer: nn.Module) -> tuple[nn.Module, list[tuple[LoRALinear, int]]]:
+        """``(the layer to multiply by, [(LoRALinear, first output column), ...])``."""
+        if isinstance(layer, LoRALinear):
+            return layer.base_layer, [(layer, 0)]
+        return layer, getattr(layer, "lora_parts", [])
+
+    def _active(self, layer: nn.Module) -> bool:
+        return self.mapping.meta is not None and bool(self._parts(layer)[1])
+
+    def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        base, parts = self._parts(layer)
+        y = self.base_ops.linear(x, base)
+        if self.mapping.meta is not None:
+            for lora, offset in parts:
+                lora.add_delta(y, x, offset)
+        return y
+
+    def linear_residual(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None):
+        if not self._active(layer):
+            return self.base_ops.linear_residual(x, self._parts(layer)[0], residual)
+        return self.linear(x, layer), residual  # the add rides with the next norm, as the reference's
+
+    def add_rms_norm_linear(self, x, residual, weight, eps, unit_offset, layer, activation=None):
+        if not self._active(layer):
+            return self.base_ops.add_rms_norm_linear(x, residual, weight, eps, unit_offset, self._parts(layer)[0],
+                                                     activation)
+        x, residual = self.base_ops.add_rms_norm(x, residual, weight, eps, unit_offset)
+        y = self.linear(x, layer)
+        return (self.base_ops.act_and_mul(y, activation) if activation is not None else y), residual
+
+
+def _shard_specs(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """Tensor parallelism (phase 14): each projection's split on this rank, as the layers make it
+    (:class:`~infer.models.layers.Attention`, :class:`~infer.models.layers.GatedMLP`); empty on one rank."""
+    ps = model.parallel
+    tp, r = ps.tp_size, ps.tp_rank
+    if tp == 1:
+        return {}
+    kv_parts = min(tp, model.config.num_kv_heads)  # fewer KV heads than ranks: each copied to several
+    kv = (0, r * kv_parts // tp, kv_parts)
+    return {"q_proj": (0, r, tp), "k_proj": kv, "v_proj": kv, "o_proj": (1, r, tp),
+            "gate_proj": (0, r, tp), "up_proj": (0, r, tp), "down_proj": (1, r, tp)}
+
+
+def _attach_merged_parts(model: nn.Module, layers: dict[tuple[int, str], LoRALinear]) -> None:
+    """Give every merged projection (fused kernels, phase 8) its parts' :class:`LoRALinear` and offsets."""
+    for i, layer in enumerate(model.model.layers):
+        for module, merged in ((layer.self_attn, "qkv_proj"), (layer.mlp, "gate_up_proj")):
+            proj = getattr(module, merged, None)
+            if proj is None:
+                continue
+            wrapper = {id(m.base_layer): m for (j, _), m in layers.items() if j == i}
+            proj.lora_parts = [(part if isinstance(part, LoRALinear) else wrapper[id(part)], start)
+                               for part, start, _ in proj.part_rows]
+
+
+def add_lora_layers(model: nn.Module, max_loras: int, max_lora_rank: int, mapping: LoRAMapping
+                    ) -> dict[tuple[int, str], LoRALinear]:
+    """Replace every adaptable projection of ``model`` (a :class:`~infer.models.layers.CausalLM`) by a
+    :class:`LoRALinear`; an MoE block's experts are left alone. A model with the fused forward (its ``ops``
+    set) gets :class:`LoRAOps` around them, and its merged projections their parts (call this after
+    ``set_fused_ops``).
+
+    Returns:
+        ``{(layer index, projection name): the LoRALinear}``. Idempotent.
+    """
+    layers: dict[tuple[int, str], LoRALinear] = {}
+    shards = _shard_specs(model)
+    emb = model.model.embed_tokens.weight  # the compute dtype and device (a projection may be quantized)
+    for i, layer in enumerate(model.model.layers):
+        modules = [(layer.self_attn, ATTENTION_PROJS)]
+        if isinstance(layer.mlp, GatedMLP):
+            modules.append((layer.mlp, MLP_PROJS))
+        for module, names in modules:
+            for name in names:
+                proj = getattr(module, name)
+                if not isinstance(proj, LoRALinear):
+                    spec = shards.get(name)
+                    reduce = model.parallel.all_reduce if spec is not None and spec[0] == 1 else None
+                    proj = LoRALinear(proj, max_loras, max_lora_rank, mapping, spec, reduce, emb.dtype, emb.device)
+                    setattr(module, name, proj)
+                layers[(i, name)] = proj
+    _attach_merged_parts(model, layers)
+    if getattr(model, "ops", None) is not None and not isinstance(model.ops, LoRAOps):
+        model.ops = LoRAOps(model.ops, mapping)  # the fused forward (phase 8)
+    return layers

@@ -1,0 +1,443 @@
+"""Phase 16: LoRA adapters, several per batch, against PEFT (the library that wrote them) as the reference.
+
+* the shrink / expand kernels (Triton under the interpreter, and the plain-PyTorch path) against a
+  float64 per-row computation on fresh random inputs;
+* tiny random Llama / Qwen3 checkpoints (transformers' own classes) with adapters made by PEFT at
+  several ranks, targets, alphas and rsLoRA: one flattened batch that mixes base rows with three
+  adapters gives, per row, the logits of PEFT's ``merge_and_unload()`` model for that adapter;
+* the engine: greedy tokens of a batch mixing the base model and three adapters with fewer device slots
+  than adapters (slots are reused while requests run) equal Hugging Face's greedy tokens of each
+  merged model; the prefix cache never hands one adapter's KV to another;
+* every unsupported adapter and flag combination is rejected with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from infer import LLM, EngineConfig, InvalidRequestError, LoRARequest, SamplingParams  # noqa: E402
+from infer.kernels import lora_reference, lora_triton  # noqa: E402
+from infer.loader import load_model  # noqa: E402
+from infer.lora import LoRAModelManager, load_adapter  # noqa: E402
+from infer.lora.adapter import LORA_PROJS  # noqa: E402
+from tests.hf_reference import infer_logits  # noqa: E402
+
+ALL = list(LORA_PROJS)
+# (rank, alpha, targets, rsLoRA): different ranks and subsets; the rsLoRA one scales by alpha / sqrt(r)
+ADAPTERS = [(4, 8, ["q_proj", "v_proj"], False),
+            (8, 16, ALL, True),
+            (2, 6, ["k_proj", "o_proj", "down_proj"], False)]
+PROMPTS = [[11, 200, 37, 5, 90, 61, 7, 300, 42],
+           [3, 9, 27, 81, 243, 17, 51],
+           [400, 401, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+           [250, 8, 99]]
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+def _per_row(y, x, a, b, slots, off):
+    """float64: y[t, off:off + out] += (x[t] A_s^T) B_s^T, one row at a time."""
+    want = y.double().clone()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            want[t, off:off + b.shape[1]] += (x[t].double() @ a[s].double().T) @ b[s].double().T
+    return want
+
+
+@pytest.mark.parametrize("num_tokens", [5, 70])  # decode-like (16-row tiles) and prefill-like (64-row tiles)
+@pytest.mark.parametrize("ops", [lora_reference, lora_triton], ids=["torch", "triton"])
+def test_shrink_expand_match_per_row_reference(ops, num_tokens):
+    g = torch.Generator().manual_seed(num_tokens)
+    num_slots, rank, k, n, off = 3, 8, 72, 40, 6
+    x = torch.randn(num_tokens, k, generator=g)
+    a = torch.randn(num_slots, rank, k, generator=g)
+    b = torch.randn(num_slots, n, rank, generator=g)
+    a[1, 5:] = b[1, :, 5:] = 0  # slot 1 holds a rank-5 adapter, padded
+    slots = torch.randint(-1, num_slots, (num_tokens,), generator=g).tolist()
+    slots[0] = -1
+    y0 = torch.randn(num_tokens, n + 10, generator=g)
+    meta = lora_reference.make_lora_meta(slots, num_slots, "cpu")
+    assert meta.num_lora_rows == sum(s >= 0 for s in slots)
+    y = ops.add_lora(y0.clone(), x, a, b, meta, y_offset=off)
+    want = _per_row(y0, x, a, b, slots, off)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(y[0], y0[0])  # a row without adapter is untouched
+    # the two launches apart (what a row-parallel layer runs, its all-reduce in between)
+    t = ops.lora_shrink(x, a, meta, torch.zeros(num_tokens, rank))
+    y = ops.lora_expand(t, b, meta, y0.clone(), off)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_consecutive_segments_take_the_sliced_path_with_the_same_values():
+    """A batch whose adapters' rows are consecutive (a prompt, one row per adapter) takes slices instead of
+    gathered rows on the CPU: the same values as the per-row reference."""
+    g = torch.Generator().manual_seed(7)
+    x, a, b = torch.randn(6, 24, generator=g), torch.randn(3, 4, 24, generator=g), torch.randn(3, 20, 4, generator=g)
+    y0 = torch.randn(6, 30, generator=g)
+    for slots in ([-1, 2, 2, 2, 0, -1], [0, 1, 2, -1, -1, -1]):
+        meta = lora_reference.make_lora_meta(slots, 3, "cpu")
+        assert min(meta.first_rows) >= 0
+        y = lora_reference.add_lora(y0.clone(), x, a, b, meta, y_offset=3)
+        torch.testing.assert_close(y.double(), _per_row(y0, x, a, b, slots, 3), rtol=1e-5, atol=1e-4)
+    assert lora_reference.make_lora_meta([0, 1, 0], 2, "cpu").first_rows == [-1, 1]
+
+
+def test_lora_meta_rejects_slots_out_of_range():
+    with pytest.raises(ValueError, match="token slots"):
+        lora_reference.make_lora_meta([0, 3], 3, "cpu")
+    assert lora_reference.make_lora_meta([-1, -1], 2, "cpu").segments == []
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+def _checkpoint(preset, tmp_path_factory):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    return make_checkpoint(preset, tmp_path_factory.mktemp(preset), dtype="float32", device="cpu")
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _make_adapters(base, out_dir: Path, seed: int) -> list[Path]:
+    """PEFT adapters of ``base`` with non-zero B (``init_lora_weights=False``) at the ADAPTERS settings."""
+    from peft import LoraConfig, get_peft_model
+
+    paths = []
+    for i, (r, alpha, targets, rs) in enumerate(ADAPTERS):
+        torch.manual_seed(seed + i)
+        model = get_peft_model(_hf(base), LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
+                                                     use_rslora=rs, init_lora_weights=False))
+        path = out_dir / f"adapter{i}"
+        model.save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
+def _merged(base, adapter):
+    """PEFT's model with ``adapter`` merged into the weights (the reference)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(_hf(base), str(adapter)).merge_and_unload().eval()
+
+
+@pytest.fixture(scope="session")
+def lora_qwen3(tmp_path_factory):
+    base = _checkpoint("tiny-qwen3", tmp_path_factory)
+    return base, _make_adapters(base, tmp_path_factory.mktemp("qwen3-adapters"), seed=100)
+
+
+# ------------------------------------------------------------------------------------------ against PEFT
+
+
+@pytest.mark.parametrize("preset,fused", [("tiny-llama", False), ("tiny-qwen3", False), ("tiny-qwen3", True)],
+                         ids=["llama", "qwen3", "qwen3-fused"])
+def test_one_batch_mixing_base_and_three_adapters_matches_peft_merged(preset, fused, lora_qwen3, tmp_path_factory):
+    """``fused``: the fused forward (phase 8, the plain-PyTorch ops): merged q/k/v and gate/up projections,
+    each adapter's q, k, v (gate, up) delta added to its own slice of the merged output."""
+    if preset == "tiny-qwen3":
+        base, adapters = lora_qwen3
+    else:
+        base = _checkpoint(preset, tmp_path_factory)
+        adapters = _make_adapters(base, tmp_path_factory.mktemp("llama-adapters"), seed=200)
+    loaded = load_model(str(base), device="cpu", dtype=torch.float32, progress=False)
+    if fused:
+        from infer.kernels import fused_reference
+
+        loaded.model.set_fused_ops(fused_reference, 64)
+    manager = LoRAModelManager(loaded.model, loaded.config, max_loras=3, max_lora_rank=8, max_cpu_loras=3,
+                               ops=lora_reference)
+    reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    manager.activate(reqs, in_use=set())
+    # rows: base, adapter 0, adapter 1, adapter 2, base (the slots are not in adapter order: mapping matters)
+    which = [None, 0, 1, 2, None]
+    seqs = [PROMPTS[i % len(PROMPTS)] for i in range(len(which))]
+    manager.set_mapping([-1 if w is None else manager.slot_of(w + 1) for w, s in zip(which, seqs) for _ in s])
+    ours = infer_logits(loaded.model, seqs)
+    hf_base = _hf(base)
+    refs = [hf_base] + [_merged(base, p) for p in adapters]
+    with torch.no_grad():
+        for w, seq, got in zip(which, seqs, ours):
+            want = refs[0 if w is None else w + 1](torch.tensor([seq])).logits[0].float()
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+            if w is not None:  # the adapter really changes the output (the test could not pass by ignoring it)
+                assert (hf_base(torch.tensor([seq])).logits[0] - want).abs().max() > 0.05
+
+
+@pytest.fixture(scope="session")
+def reference_tokens(lora_qwen3):
+    """Greedy continuations of PROMPTS by Hugging Face: row i under adapter i - 1 (row 0: the base model)."""
+    base, adapters = lora_qwen3
+    out = []
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            model = _hf(base) if i == 0 else _merged(base, adapters[i - 1])
+            gen = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                                 pad_token_id=0)
+            out.append(gen[0, len(prompt):].tolist())
+    return out
+
+
+def _llm(base, **kw):
+    kw = dict(device="cpu", dtype="float32", enable_lora=True, max_lora_rank=8, batching="continuous",
+              kv_cache="paged", block_size=4, max_num_seqs=8, progress=False) | kw
+    return LLM(str(base), **kw)
+
+
+GREEDY = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
+
+
+@pytest.mark.parametrize("engine_kw", [
+    dict(max_loras=2),  # three adapters over two slots: the third waits for a slot, then reuses one
+    # one slot for three adapters; prompt chunks beside decodes; async steps; the fused forward
+    dict(max_loras=1, chunked_prefill=True, max_num_batched_tokens=8, async_scheduling=True, fused_kernels=True),
+], ids=["two-slots", "one-slot-chunked-async-fused"])
+def test_engine_batch_of_base_and_adapters_matches_hf_greedy(lora_qwen3, reference_tokens, engine_kw):
+    base, adapters = lora_qwen3
+    llm = _llm(base, **engine_kw)
+    loras = [None] + [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    outs = llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens
+    manager = llm.engine.lora_manager
+    assert manager.num_slot_loads >= 3 and len(manager.slots) == engine_kw["max_loras"]
+    assert llm.engine.scheduler.max_running <= 4
+
+
+def test_tensor_parallel_lora_equals_the_reference(lora_qwen3, reference_tokens):
+    """Two gloo ranks: each holds its slice of every adapter (B's rows for q/k/v/gate/up, A's columns for
+    o/down, whose shrink is all-reduced); slot loads and the rows' slots reach the worker as commands."""
+    base, adapters = lora_qwen3
+    llm = _llm(base, max_loras=2, tensor_parallel_size=2, max_model_len=64)
+    try:
+        loras = [None] + [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+        outs = llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference_tokens
+        assert llm.engine.remove_lora(3)  # mirrored on the worker: the next load reuses that slot there too
+        outs = llm.generate(PROMPTS[3:], GREEDY, lora_request=loras[3:], use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == reference_tokens[3]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_prefix_cache_never_shares_kv_between_adapters(lora_qwen3, reference_tokens):
+    base, adapters = lora_qwen3
+    llm = _llm(base, max_loras=2, prefix_caching=True)
+    prompt = PROMPTS[2]  # 11 tokens: two full 4-token blocks can be cached
+    a1, a2 = (LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters[:2]))
+    first = llm.generate([prompt], GREEDY, lora_request=a2, use_tqdm=False)[0]
+    assert first.outputs[0].token_ids == reference_tokens[2]
+    # the same prompt under another adapter, then the base model: no block of a2's may be hit
+    other = llm.generate([prompt], GREEDY, lora_request=a1, use_tqdm=False)[0]
+    plain = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0 and plain.num_cached_tokens == 0
+    want_a1 = _merged(base, adapters[0]).generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                                  min_new_tokens=6, pad_token_id=0)[0, len(prompt):].tolist()
+    assert other.outputs[0].token_ids == want_a1
+    want_base = _hf(base).generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+    assert plain.outputs[0].token_ids == want_base
+    # ... while the same adapter again hits its own blocks
+    again = llm.generate([prompt], GREEDY, lora_request=a2, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 8 and again.outputs[0].token_ids == reference_tokens[2]
+
+
+# ------------------------------------------------------------------------------------------ rejections
+
+
+def _edit_adapter(src: Path, dst: Path, **changes) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_unsupported_adapters_are_rejected_with_the_reason(lora_qwen3, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    base, adapters = lora_qwen3
+    loaded_cfg = load_model(str(base), device="cpu", dtype=torch.float32, progress=False).config
+    cases = {
+        "DoRA": _edit_adapter(adapters[0], tmp_path / "dora", use_dora=True),
+        "biases": _edit_adapter(adapters[0], tmp_path / "bias", bias="all"),
+        "modules_to_save": _edit_adapter(adapters[0], tmp_path / "mts", modules_to_save=["lm_head"]),
+        "embeddings or the LM head": _edit_adapter(adapters[0], tmp_path / "emb",
+                                                   target_modules=["q_proj", "embed_tokens"]),
+        "exceeds max_lora_rank=4": adapters[1],  # rank 8
+        "no adapter_config.json": tmp_path,
+    }
+    # an adapter of another base model: a wider hidden size
+    other = _hf(base).config
+    other.hidden_size, other.head_dim = 128, 32
+    from transformers import AutoModelForCausalLM
+
+    peft_other = get_peft_model(AutoModelForCausalLM.from_config(other), LoraConfig(r=2, target_modules=["q_proj"]))
+    peft_other.save_pretrained(tmp_path / "other")
+    cases["another base model"] = tmp_path / "other"
+    # an LM-head adapter's weights (PEFT names them lm_head.lora_A / lora_B)
+    lm = _edit_adapter(adapters[0], tmp_path / "lmhead")
+    w = load_file(lm / "adapter_model.safetensors")
+    w["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, loaded_cfg.hidden_size)
+    save_file(w, lm / "adapter_model.safetensors")
+    cases["lm_head.lora_A.weight: adapters of the embeddings"] = lm
+    for why, path in cases.items():
+        with pytest.raises(ValueError, match=why.replace("(", r"\(")):
+            load_adapter(path, loaded_cfg, max_lora_rank=4)
+
+
+def test_engine_rejects_bad_lora_requests_and_flags(lora_qwen3, tmp_path):
+    base, adapters = lora_qwen3
+    llm = _llm(base, max_loras=2, max_lora_rank=4)
+    with pytest.raises(InvalidRequestError, match="exceeds max_lora_rank") as e:
+        llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("big", 7, str(adapters[1])), use_tqdm=False)
+    assert e.value.param == "lora_request" and not llm.engine.has_unfinished_requests()
+    llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("a", 1, str(adapters[0])), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="needs an id of its own"):
+        llm.engine.add_request(PROMPTS[0], GREEDY, lora_request=LoRARequest("b", 1, str(adapters[2])))
+    plain = LLM(str(base), device="cpu", dtype="float32", progress=False)
+    with pytest.raises(InvalidRequestError, match="enable_lora=True"):
+        plain.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("a", 1, str(adapters[0])), use_tqdm=False)
+    for kw, why in [(dict(enable_lora=True, max_loras=0), "max_loras must be >= 1"),
+                    (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank must be >= 1"),
+                    (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "max_cpu_loras=2 < max_loras=4"),
+                    (dict(max_loras=4), "need enable_lora"),
+                    (dict(enable_lora=True, expert_parallel_size=2), "expert parallelism is not supported"),
+                    (dict(enable_lora=True, quantization="int8"), "quantization='int8' is not supported yet")]:
+        with pytest.raises(ValueError, match=why):
+            EngineConfig(device="cpu", **kw).validate()
+    cfg = EngineConfig(device="cpu", enable_lora=True, optimize=True).validate()
+    assert cfg.fused_kernels and "enable_lora" in cfg.optimization_notes["cuda_graphs"]
+    for bad in [dict(lora_name="", lora_int_id=1, lora_path="x"), dict(lora_name="a", lora_int_id=0, lora_path="x"),
+                dict(lora_name="a", lora_int_id=1)]:
+        with pytest.raises(ValueError, match="LoRARequest"):
+            LoRARequest(**bad)
+
+
+def test_a_slot_in_use_is_never_reused(lora_qwen3):
+    base, adapters = lora_qwen3
+    loaded = load_model(str(base), device="cpu", dtype=torch.float32, progress=False)
+    m = LoRAModelManager(loaded.model, loaded.config, max_loras=2, max_lora_rank=8, max_cpu_loras=2,
+                         ops=lora_reference)
+    a, b, c = (LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters))
+    m.activate([a], in_use=set())
+    m.activate([b], in_use={1})
+    with pytest.raises(RuntimeError, match="max_loras"):
+        m.activate([c], in_use={1, 2})
+    m.activate([a], in_use={1, 2})  # a used again: b is now the least recently used ...
+    m.activate([c], in_use={2})  # ... but b is in use, so a's slot is taken
+    assert sorted(x for x in m.slots if x is not None) == [2, 3] and m.slot_of(2) == 1
+    # the slot holds exactly c's weights (q_proj untouched by c: zeros), padded past c's rank
+    q, o = m.layers[(0, "q_proj")], m.layers[(0, "o_proj")]
+    a_c, b_c = m.get_adapter(c).weights[(0, "o_proj")]
+    assert not q.lora_a[0].any() and not q.lora_b[0].any()
+    assert torch.equal(o.lora_a[0, :2], a_c) and torch.equal(o.lora_b[0, :, :2], b_c) and not o.lora_a[0, 2:].any()
+    assert not m.is_cached(1)  # the host cache holds max_cpu_loras = 2 adapters: a, the oldest, went
+
+
+def test_an_adapter_in_use_is_not_unloaded(lora_qwen3):
+    base, adapters = lora_qwen3
+    llm = _llm(base, max_loras=1)
+    a = LoRARequest("a", 1, str(adapters[0]))
+    req = llm.engine.add_request(PROMPTS[0], GREEDY, lora_request=a)
+    with pytest.raises(InvalidRequestError, match="used by requests in flight"):
+        llm.engine.remove_lora(1)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert req.is_finished and llm.engine.remove_lora(1) and not llm.engine.remove_lora(1)
+
+
+# ------------------------------------------------------------------------------------------ the server
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_qwen3, tmp_path_factory):
+    from tests.server_fixture import ServerProcess
+
+    base, adapters = lora_qwen3
+    server = ServerProcess(tmp_path_factory.mktemp("lora-server"), [
+        "--model", str(base), "--served-model-name", "base", "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "128", "--batching", "continuous", "--kv-cache", "paged", "--enable-lora",
+        "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"a0={adapters[0]}", f"a1={adapters[1]}"])
+    yield server.wait_ready()
+    server.stop()
+
+
+def test_server_selects_adapters_by_model_and_loads_them_at_runtime(lora_server, lora_qwen3):
+    import httpx
+    import openai
+
+    base, adapters = lora_qwen3
+    # what the offline engine generates for each adapter (itself checked against PEFT above)
+    offline = _llm(base, max_loras=3).generate(
+        [PROMPTS[0]] * 4, GREEDY, use_tqdm=False,
+        lora_request=[None] + [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)])
+    want = [o.outputs[0].text for o in offline]
+    assert len(set(want)) == 4  # four different continuations: the adapter chosen shows in the text
+    client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="none")
+
+    def complete(model: str) -> str:
+        r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                      extra_body={"min_tokens": 6})
+        assert r.model == model
+        return r.choices[0].text
+
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"base", "a0", "a1"}
+    assert cards["a0"].parent == "base" and cards["a0"].root == str(adapters[0])
+    assert [complete(m) for m in ("base", "a0", "a1")] == want[:3]
+    post = lambda path, **body: httpx.post(f"{lora_server.url}/v1/{path}", json=body, timeout=60)  # noqa: E731
+    r = post("load_lora_adapter", lora_name="a2", lora_path=str(adapters[2]))
+    assert r.status_code == 200, r.text
+    assert complete("a2") == want[3] and "a2" in {m.id for m in client.models.list().data}
+    for body, status, why in [(dict(lora_name="a2", lora_path=str(adapters[2])), 400, "already been loaded"),
+                              (dict(lora_name="bad", lora_path=str(base)), 400, "no adapter_config.json"),
+                              (dict(lora_name="x"), 400, "lora_path")]:
+        r = post("load_lora_adapter", **body)
+        assert r.status_code == status and why in r.text, r.text
+    assert post("unload_lora_adapter", lora_name="a2").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        complete("a2")
+    assert post("unload_lora_adapter", lora_name="a2").status_code == 404
+    chat = client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat.model == "a1" and chat.choices[0].message.content is not None
+
+
+# ------------------------------------------------------------------------------------------ exercises
+
+
+def test_lora_scaling():
+    from infer.lora.adapter import lora_scaling
+
+    assert lora_scaling(16, 8) == 2.0 and lora_scaling(8, 32) == 0.25
+    assert lora_scaling(16, 4, use_rslora=True) == 8.0  # 16 / sqrt(4)
+    assert lora_scaling(8, 8, use_rslora=False) == 1.0 and lora_scaling(6, 9, use_rslora=True) == 2.0
+
+
+def test_rows_are_grouped_by_slot():
+    import numpy as np
+
+    from infer.kernels.lora_reference import group_rows_by_slot
+
+    slots = np.array([2, -1, 0, 2, 0, -1, 1, 2], dtype=np.int64)
+    rows, starts, counts = group_rows_by_slot(slots, 5)  # slots 3 and 4 hold no row
+    assert rows.tolist() == [2, 4, 6, 0, 3, 7, 0, 0]
+    assert counts.tolist() == [2, 1, 3, 0, 0] and starts.tolist() == [0, 2, 3, 6, 6]
+    assert rows.dtype == starts.dtype == counts.dtype == np.int32
+    rows, starts, counts = group_rows_by_slot(np.array([-1, -1], dtype=np.int64), 2)
+    assert rows.tolist() == [0, 0] and starts.tolist() == [0, 0] and counts.tolist() == [0, 0]
