@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import typing
 from dataclasses import dataclass, field
@@ -196,6 +197,80 @@ def _optimization(off: Any, on: Any, help: str, **kw: Any) -> Any:
     return _flag(None, help, off=off, on=on, **kw)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (phase 12), parsed from ``EngineConfig.speculative_config`` (vLLM's keys).
+
+    Attributes:
+        method: ``"ngram"`` (prompt lookup: the tokens that followed the latest n-gram's earlier
+            occurrence in the prompt and output; Saxena 2023, vLLM's ``ngram``) or ``"draft"`` (a
+            smaller model with the same tokenizer; vLLM's ``draft_model`` is accepted as a synonym).
+            Left out with a ``model`` given: ``"draft"``.
+        num_speculative_tokens: ``k``, the most tokens proposed per sequence per step (>= 1).
+        prompt_lookup_max, prompt_lookup_min: ngram: the longest and shortest n-gram matched (vLLM:
+            when one is left out it takes the other's value; both left out: 5).
+        model: draft: the draft model (a short name, a .gguf file or a Hugging Face directory).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+
+    KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+
+    @classmethod
+    def parse(cls, value: dict | str) -> SpeculativeConfig:
+        """Read and check a ``speculative_config`` (a dict, or its JSON text).
+
+        Raises:
+            ValueError: not a JSON object, an unknown key, an unknown method, ``k < 1``, lookup sizes out
+                of order, a draft without a model (each message names the key).
+        """
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(value).__name__}")
+        unknown = sorted(set(value) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; supported: "
+                             f"{', '.join(cls.KEYS)}")
+        v = dict(value)
+        method = v.get("method") or ("draft" if v.get("model") else None)
+        method = "draft" if method == "draft_model" else method
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                             f"{v.get('method')!r} (eagle3 and other methods are not implemented)")
+        k = v.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        lo, hi = v.get("prompt_lookup_min"), v.get("prompt_lookup_max")
+        if method == "ngram":
+            lo, hi = (lo if lo is not None else hi or 5), (hi if hi is not None else lo or 5)
+            for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {n!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config: prompt_lookup_min={lo} > prompt_lookup_max={hi}")
+            if v.get("model") is not None:
+                raise ValueError("speculative_config: method 'ngram' takes no model (it looks tokens up in the "
+                                 "prompt); use method 'draft' for a draft model")
+        else:
+            if lo is not None or hi is not None:
+                raise ValueError("speculative_config: prompt_lookup_min/max are for method 'ngram'")
+            if not v.get("model") or not isinstance(v["model"], str):
+                raise ValueError("speculative_config: method 'draft' needs model (the draft model: a short name, "
+                                 "a .gguf file or a Hugging Face directory)")
+        return cls(method, k, hi, lo, v.get("model"))
+
+
 @dataclass
 class EngineConfig:
     """Every knob of the engine. Each optimization is one field, off by default; ``optimize``
@@ -303,6 +378,13 @@ class EngineConfig:
                                        "shutdown)", phase=10)
     kv_offload_disk_bytes: int | None = _flag(None, "kv_offload='disk': capacity of the disk tier in bytes; "
                                               "default: 4 x kv_offload_bytes", phase=10)
+    # ---- phase 12: speculative decoding
+    speculative_config: dict | None = _flag(None, "speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                                            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                                            "\"prompt_lookup_min\": 2}': propose up to num_speculative_tokens "
+                                            "tokens per sequence (ngram: copied from the prompt and output so far) "
+                                            "and verify them in one forward of the model; the output is the same "
+                                            "as without it (keys: SpeculativeConfig)", cli_type="json", phase=12)
     # ---- phases 14-15: tensor and expert parallelism
     tensor_parallel_size: int = _flag(1, "ranks (one process each, torch.distributed: NCCL on CUDA, gloo on the CPU) "
                                       "the model is split over, Megatron-style: attention heads, MLP columns and the "
@@ -430,7 +512,26 @@ class EngineConfig:
                              "ranks replay only decode graphs (mixed steps there run eagerly); set it to 0")
         self._validate_kv_offload()
         self._validate_parallel(dev)
+        self._validate_speculative()
         return self
+
+    def _validate_speculative(self) -> None:
+        """Parse ``speculative_config`` into :attr:`speculative` (None without it) and reject the flags it
+        does not work with."""
+        self.speculative = None
+        if self.speculative_config is None:
+            return
+        self.speculative = spec = SpeculativeConfig.parse(self.speculative_config)
+        if self.async_scheduling:
+            raise ValueError("speculative_config with async_scheduling is not supported: the proposer reads each "
+                             "step's tokens on the host to propose the next step's drafts, which async scheduling "
+                             "leaves on the device; turn async_scheduling off")
+        if self.world_size > 1:
+            raise ValueError("speculative_config with tensor/expert parallelism is not supported yet (the verify "
+                             "step has not been tested across ranks); use tensor_parallel_size=1")
+        if spec.method == "draft" and self.kv_offload != "none":
+            raise ValueError("speculative_config method 'draft' with kv_offload is not supported: the tiers hold "
+                             "the target's KV blocks only, and a restored block would have no draft KV")
 
     def _resolve_unset(self, dev: torch.device) -> None:
         """Give every optimization left unset (``None``) its value: its ``off`` value (the
@@ -471,6 +572,8 @@ class EngineConfig:
             return "needs kv_cache='paged'"
         if name == "cuda_graphs":
             return graphs
+        if name == "async_scheduling" and self.speculative_config is not None:
+            return "speculative decoding proposes from each step's tokens on the host"
         if name == "pdl":
             if graphs in ("needs a CUDA device", "needs the triton attention backend"):
                 return graphs
@@ -659,6 +762,8 @@ def add_engine_args(parser) -> None:
         help_text = f"{md.get('help', '')} (default: {default})"
         if base is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif md.get("cli_type") == "json":  # a JSON object, parsed by validate() (SpeculativeConfig.parse)
+            group.add_argument(flag, type=str, default=f.default, help=help_text)
         else:
             group.add_argument(flag, type=base, default=f.default, help=help_text,
                                choices=f.metadata.get("choices"))

@@ -62,11 +62,15 @@ class ScheduledSeq:
     ``forks``: sibling sequences (same request, ``n > 1``) that share this prefill; after the
     step they hold the prompt's K/V (shared blocks plus a copy of the last one) and a first
     token of their own.
+
+    ``spec_token_ids``: speculative decoding (phase 12): draft tokens verified this step after the
+    sequence's last token; ``num_tokens`` counts them (``1 + len(spec_token_ids)``).
     """
 
     seq: Sequence
     num_tokens: int
     forks: list[Sequence] = field(default_factory=list)
+    spec_token_ids: list[int] | tuple = ()
 
 
 class Scheduler:
@@ -232,13 +236,15 @@ class Scheduler:
                 if want == 1 or self.chunked_prefill:
                     break  # the budget is spent
                 continue  # a prefill that does not fit this step; smaller work may
-            if not self._reserve_blocks(seq, n, scheduled):
+            # speculative decoding: a decode verifies its drafts too, as many as the budget allows
+            spec = seq.spec_token_ids[: budget - 1] if want == 1 and seq.spec_token_ids else ()
+            if not self._reserve_blocks(seq, n + len(spec), scheduled):
                 budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
                 continue  # seq itself was preempted
             last = n == want  # the forks join the chunk that completes the shared prompt
             forks = [s for s in seq.request.seqs[1:] if self._waits_for_shared_prefill(s)] if seq.index == 0 and last else []
-            scheduled.append(ScheduledSeq(seq, n, forks))
-            budget -= n
+            scheduled.append(ScheduledSeq(seq, n + len(spec), forks, spec))
+            budget -= n + len(spec)
         # <<< EXERCISE chunk_schedule
         self._admit_waiting(budget, scheduled)
         if scheduled:
@@ -252,7 +258,7 @@ class Scheduler:
         self.iteration_tokens.observe(num_tokens)
         self.max_running = max(self.max_running, len(self.running))
         self.running_sum += len(self.running)
-        prefill = [s for s in scheduled if s.num_tokens > 1 or s.seq.in_prefill]
+        prefill = [s for s in scheduled if s.num_tokens - len(s.spec_token_ids) > 1 or s.seq.in_prefill]
         if prefill:
             tokens = sum(s.num_tokens for s in prefill)
             self.num_prefill_tokens += tokens
@@ -318,6 +324,7 @@ class Scheduler:
                 self.running.remove(seq)
                 seq.status = SeqStatus.WAITING
                 seq.num_computed_tokens = 0
+                seq.spec_token_ids = []  # it prefills again first
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
