@@ -11,6 +11,7 @@ output for the acceptance counters.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 
 import pytest
@@ -313,3 +314,40 @@ def test_preemption_prefix_caching_and_chunked_prefill_keep_the_outputs(tiny_lla
     assert engine.num_preemptions > 0
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
     assert_drained(engine)
+
+
+def test_server_takes_speculative_config_and_exposes_vllms_counters(tiny_llama, tmp_path):
+    """``python -m infer.server --speculative-config '{...}'`` (vLLM's command line): the completion's tokens
+    are the in-process engine's without speculation, and ``/metrics`` counts what the same request drafted
+    and accepted in an in-process engine with speculation."""
+    import httpx
+
+    from tests.server_fixture import ServerProcess, metric_value
+
+    prompt = repetitive(random.Random(6), tiny_llama.config.vocab_size, 24)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = run(make_engine(tiny_llama, **KW), [(0, prompt, params)])["r0"]["tokens"][0]
+    spec_engine = make_engine(tiny_llama, speculative_config=NGRAM, **KW)
+    run(spec_engine, [(0, prompt, params)])
+    stats = spec_engine.stats()
+    srv = ServerProcess(tmp_path, ["--model", str(tiny_llama.path), "--device", "cpu", "--batching", "continuous",
+                                   "--kv-cache", "paged", "--block-size", "8", "--max-model-len", "160",
+                                   "--speculative-config", json.dumps(NGRAM), "--log-level", "warning"],
+                        env={"OMP_NUM_THREADS": str(torch.get_num_threads())})
+    try:
+        srv.wait_ready()
+        model = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == len(want)
+        assert r.json()["choices"][0]["text"] == tiny_llama.tokenizer.decode(want)
+        text = srv.metrics()
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            assert metric_value(text, f"infer:spec_decode_{name}_total") == stats[f"spec_decode_{name}"], name
+        assert metric_value(text, "infer:spec_decode_num_accepted_tokens_per_pos_total", position="0") == \
+            spec_engine.spec_stats.accepted_per_pos[0]
+        assert stats["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        srv.stop()
