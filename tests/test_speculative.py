@@ -222,7 +222,9 @@ def assert_rolled_back(engine) -> None:
     bs = kv.block_size
     for seq in engine.scheduler.running:
         if seq.num_computed_tokens:
-            assert len(seq.block_table) <= kv.blocks_for(max(len(seq.token_ids), seq.num_computed_tokens + 1))
+            # (a draft model's proposer reserves the blocks its drafts' K/V goes to: all but the last draft's)
+            ahead = max(0, len(seq.spec_token_ids) - 1)
+            assert len(seq.block_table) <= kv.blocks_for(max(len(seq.token_ids) + ahead, seq.num_computed_tokens + 1))
             assert seq.num_computed_tokens <= len(seq.token_ids)
         for i in range(seq.num_cached_blocks):
             assert kv.pool.block_tokens[seq.block_table[i]] == tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -351,3 +353,68 @@ def test_server_takes_speculative_config_and_exposes_vllms_counters(tiny_llama, 
         assert stats["spec_decode_num_accepted_tokens"] > 0
     finally:
         srv.stop()
+
+
+# ----------------------------------------------------------------------------- a draft model
+
+
+@pytest.fixture(scope="module")
+def other_tiny_llama(tmp_path_factory):
+    """A tiny Llama of the same shapes and tokenizer as ``tiny_llama`` but other random weights: a bad draft."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    return make_checkpoint("tiny-llama", tmp_path_factory.mktemp("other-llama"), dtype="float32", device="cpu", seed=1)
+
+
+def draft(model, k: int = 3) -> dict:
+    return {"method": "draft", "model": str(model), "num_speculative_tokens": k}
+
+
+def test_a_draft_model_equal_to_the_target_is_always_accepted_when_greedy(tiny_llama):
+    rng = random.Random(8)
+    arrivals = [(0, [rng.randrange(10, 1000) for _ in range(n)], SamplingParams(temperature=0.0, max_tokens=m,
+                                                                                ignore_eos=True))
+                for n, m in ((11, 20), (30, 17), (5, 26))]
+    want = run(make_engine(tiny_llama, **KW), arrivals)
+    engine = make_engine(tiny_llama, speculative_config=draft(tiny_llama.path), **KW)
+    got = run(engine, arrivals, check=assert_rolled_back)
+    assert {r: v["tokens"] for r, v in got.items()} == {r: v["tokens"] for r, v in want.items()}
+    s = engine.stats()
+    assert s["spec_decode_num_draft_tokens"] > 0
+    assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"]
+    assert_pool_full(engine)
+
+
+def test_a_bad_draft_model_changes_no_token(tiny_llama, other_tiny_llama, reference):
+    """Another model's greedy guesses: mostly rejected, and the greedy and seeded outputs are still the
+    target's own (with preemptions, so the draft's KV cache is rebuilt too)."""
+    per_block = tiny_llama.config.kv_bytes_per_token(torch.float32) * KW["block_size"]
+    engine = make_engine(tiny_llama, speculative_config=draft(other_tiny_llama), kv_cache_memory_bytes=per_block * 12,
+                         **{**KW, "max_model_len": 80})
+    got = run(engine, workload(tiny_llama.config.vocab_size), check=assert_rolled_back)
+    assert {rid: v["tokens"] for rid, v in got.items()} == {rid: v["tokens"] for rid, v in reference.items()}
+    s = engine.stats()
+    assert s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+    assert engine.num_preemptions > 0
+    assert_pool_full(engine)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_llama, tiny_gemma3):
+    with pytest.raises(ValueError, match="vocabulary of 512 tokens, the target 1024"):
+        make_engine(tiny_llama, speculative_config=draft(tiny_gemma3.path), **KW)
+
+
+def test_llm_takes_speculative_config(tiny_llama):
+    from infer.llm import LLM
+
+    prompts = [repetitive(random.Random(9), 1000, 20), [5, 6, 7, 8, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", max_model_len=64, progress=False)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama.path), **kw).generate(prompts, params)]
+    llm = LLM(str(tiny_llama.path), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **kw)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.config.speculative.num_speculative_tokens == 2

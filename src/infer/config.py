@@ -512,10 +512,10 @@ class EngineConfig:
                              "ranks replay only decode graphs (mixed steps there run eagerly); set it to 0")
         self._validate_kv_offload()
         self._validate_parallel(dev)
-        self._validate_speculative()
+        self._validate_speculative(dev)
         return self
 
-    def _validate_speculative(self) -> None:
+    def _validate_speculative(self, dev: torch.device) -> None:
         """Parse ``speculative_config`` into :attr:`speculative` (None without it) and reject the flags it
         does not work with."""
         self.speculative = None
@@ -529,6 +529,10 @@ class EngineConfig:
         if self.world_size > 1:
             raise ValueError("speculative_config with tensor/expert parallelism is not supported yet (the verify "
                              "step has not been tested across ranks); use tensor_parallel_size=1")
+        if spec.method == "draft" and dev.type == "cuda" and self.kv_cache_memory_bytes is None:
+            raise ValueError("speculative_config method 'draft' on CUDA needs kv_cache_memory_bytes: the draft's KV "
+                             "cache (as many blocks as the target's) is allocated beside the target's, and the "
+                             "memory profile that sizes the target's from gpu_memory_utilization does not count it")
         if spec.method == "draft" and self.kv_offload != "none":
             raise ValueError("speculative_config method 'draft' with kv_offload is not supported: the tiers hold "
                              "the target's KV blocks only, and a restored block would have no draft KV")

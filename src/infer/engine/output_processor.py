@@ -150,6 +150,8 @@ class OutputProcessor:
             self.spec_stats.observe(len(draft), accepted)
             skip.update(range(first + accepted + 1, first + len(draft) + 1))
             seq.num_computed_tokens -= len(draft) - accepted  # the last token and the accepted drafts stay
+            # a draft model's K/V of rejected drafts goes too (infer.engine.draft)
+            seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
             seq.spec_token_ids = []
         return skip
 

@@ -325,6 +325,7 @@ class Scheduler:
                 seq.status = SeqStatus.WAITING
                 seq.num_computed_tokens = 0
                 seq.spec_token_ids = []  # it prefills again first
+                seq.draft_num_computed_tokens = 0  # (its blocks, the draft's K/V with them, are gone)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
