@@ -418,3 +418,20 @@ def test_llm_takes_speculative_config(tiny_llama):
     llm = LLM(str(tiny_llama.path), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **kw)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.config.speculative.num_speculative_tokens == 2
+
+
+def test_the_benchmarks_replayed_drafts_are_accepted_at_the_rate_asked(tiny_llama, tmp_path):
+    """benchmarks/speculative.py's replay part at tiny sizes: drafts that are always right give k + 1 tokens
+    per round, always wrong ones 1, and the outputs stay the target's (the program checks that itself)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import speculative as bench
+
+    args = bench.parse_args(["--model", str(tiny_llama.path), "--parts", "replay", "--batch-sizes", "2", "--ks", "3",
+                             "--acceptance", "0", "1", "--input-len", "8", "--output-len", "9", "--rounds", "1",
+                             "--max-model-len", "64", "--out", str(tmp_path / "s.json")])
+    rows = {r["acceptance"]: r for r in bench.replay_part(args)}
+    assert rows[0.0]["measured_acceptance_length"] == 1.0 and rows[0.0]["tokens_per_round"] == 1.0
+    assert rows[1.0]["measured_acceptance_length"] == rows[1.0]["tokens_per_round"] == 4
