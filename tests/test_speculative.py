@@ -144,9 +144,9 @@ def random_dist(g: torch.Generator, shape, zeros: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("point_mass", [False, True])
 def test_rejection_sampling_emits_the_target_distribution(point_mass):
-    """Whatever the draft distribution q: the first emitted token is distributed as p_1, and given that
-    the first draft was accepted, the second as p_2 (the distributions are the same for every row, so the
-    N rows are N independent trials)."""
+    """Whatever the draft distribution q: the first emitted token is distributed as p_1, given that the
+    first draft was accepted the second as p_2, and given that both were the bonus token as p_3 (the
+    distributions are the same for every row, so the N rows are N independent trials)."""
     g = torch.Generator().manual_seed(1)
     v, k, n = 6, 2, 200_000
     p = random_dist(g, (k + 1, v))
@@ -163,6 +163,10 @@ def test_rejection_sampling_emits_the_target_distribution(point_mass):
     second = out[acc >= 1, 1]
     ok, stat, limit = chi_square_ok(second, p[1])
     assert ok, f"second token: chi2 {stat:.1f} >= {limit:.1f}"
+    bonus = out[acc == k, k]  # both drafts accepted: the bonus token, from p_3
+    assert len(bonus) > 1000
+    ok, stat, limit = chi_square_ok(bonus, p[k])
+    assert ok, f"bonus token: chi2 {stat:.1f} >= {limit:.1f}"
     # the acceptance rate of the first draft is sum_v min(p, q) (1 - total variation); 5 sigma
     rate = torch.minimum(p[0], q[0] if not point_mass else torch.nn.functional.one_hot(drafts[0, 0], v)).sum()
     assert abs(float((acc >= 1).double().mean()) - float(rate)) < 5 * (float(rate) * (1 - float(rate)) / n) ** 0.5

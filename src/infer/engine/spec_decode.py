@@ -58,6 +58,7 @@ def ngram_propose(tokens: list[int] | np.ndarray, min_n: int, max_n: int, k: int
     Returns:
         The proposed token ids (``[]`` when no n-gram matches).
     """
+    # >>> EXERCISE ngram_lookup
     t = np.asarray(tokens, dtype=np.int64)
     length = len(t)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
@@ -68,16 +69,19 @@ def ngram_propose(tokens: list[int] | np.ndarray, min_n: int, max_n: int, k: int
             start = int(hits[0]) + n  # the earliest occurrence, as vLLM
             return t[start : start + k].tolist()
     return []
+    # <<< EXERCISE ngram_lookup
 
 
 def num_accepted(sampled: list[int], draft: list[int]) -> int:
     """How many leading draft tokens the target accepted: ``sampled[i]`` is the token sampled at the
     position of ``draft[i]`` (after ``draft[:i]``); accepted while they agree. ``len(sampled)`` is
     ``len(draft) + 1``: the tokens emitted are ``sampled[: num_accepted + 1]``."""
+    # >>> EXERCISE greedy_acceptance
     a = 0
     while a < len(draft) and sampled[a] == draft[a]:
         a += 1
     return a
+    # <<< EXERCISE greedy_acceptance
 
 
 def can_speculate(seq: Sequence) -> bool:

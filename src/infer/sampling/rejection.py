@@ -61,6 +61,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     p_x = p[:, :k].gather(2, x[..., None])[..., 0]  # [B, k]
     q_x = q.gather(2, x[..., None])[..., 0]
     u = torch.rand(b, k, generator=generator, dtype=torch.float64, device=p.device)
+    # >>> EXERCISE rejection_rule
     accept = u * q_x < p_x  # u < p/q, without dividing by a zero q (then x could not have been drafted)
     # the leading run of acceptances
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
@@ -72,6 +73,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     total = last.sum(dim=1, keepdim=True)
     # p == q exactly at a rejected position cannot happen (acceptance is certain there); guard anyway
     last = torch.where(total > 0, last / total.clamp(min=1e-300), p.gather(1, at)[:, 0])
+    # <<< EXERCISE rejection_rule
     extra = torch.multinomial(last.float(), 1, generator=generator)[:, 0]
     out = torch.full((b, k1), -1, dtype=torch.int64, device=p.device)
     pos = torch.arange(k1, device=p.device)[None, :]
