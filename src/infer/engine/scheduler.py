@@ -236,20 +236,39 @@ class Scheduler:
                 if want == 1 or self.chunked_prefill:
                     break  # the budget is spent
                 continue  # a prefill that does not fit this step; smaller work may
-            # speculative decoding: a decode verifies its drafts too, as many as the budget allows
-            spec = seq.spec_token_ids[: budget - 1] if want == 1 and seq.spec_token_ids else ()
-            if not self._reserve_blocks(seq, n + len(spec), scheduled):
+            if not self._reserve_blocks(seq, n, scheduled):
                 budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
                 continue  # seq itself was preempted
             last = n == want  # the forks join the chunk that completes the shared prompt
             forks = [s for s in seq.request.seqs[1:] if self._waits_for_shared_prefill(s)] if seq.index == 0 and last else []
-            scheduled.append(ScheduledSeq(seq, n + len(spec), forks, spec))
-            budget -= n + len(spec)
+            scheduled.append(ScheduledSeq(seq, n, forks))
+            budget -= n
         # <<< EXERCISE chunk_schedule
+        budget = self._add_drafts(scheduled, budget)
         self._admit_waiting(budget, scheduled)
         if scheduled:
             self._record(scheduled)
         return scheduled
+
+    def _add_drafts(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        """Speculative decoding (phase 12): let each scheduled decode with draft tokens
+        (``seq.spec_token_ids``, set by the proposer after the last step) verify them this step, as many
+        as the budget left after every decode and prefill chunk allows, in schedule order. Drafts are
+        extra work that may be thrown away, so they take only free blocks (no preemption for them) and
+        never delay a decode or a prefill. Returns the budget left."""
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            if budget <= 0:
+                break
+            if item.num_tokens != 1 or not seq.spec_token_ids or seq.num_uncomputed_tokens != 1:
+                continue
+            spec = seq.spec_token_ids[:budget]
+            while spec and not self.kv.allocate_slots(seq, 1 + len(spec)):
+                spec = spec[:-1]
+            if spec:
+                scheduled[i] = ScheduledSeq(seq, 1 + len(spec), item.forks, spec)
+                budget -= len(spec)
+        return budget
 
     def _record(self, scheduled: list[ScheduledSeq]) -> None:
         """Per-step statistics: batch width, tokens run, and how full the reserved KV slots are."""
