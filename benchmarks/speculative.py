@@ -15,12 +15,13 @@ Two parts, in one process:
    kinds, ``edit`` (rewrite a given text: the answer copies it), ``code`` (change a given function) and
    ``open`` (open-ended questions: nothing to copy), decoded without speculation and with each
    ``--methods`` entry (``ngram``, or ``draft:MODEL``), one request at a time (batch 1) and all of a
-   kind together (batch N). Reports TPOT (decode seconds per output token), the mean acceptance length
+   kind together (batch N). Reports ``ms_per_token`` (decode time over output tokens, all sequences
+   together: the TPOT at batch 1, the inverse of the throughput above), the mean acceptance length
    (tokens per verify round: 1 + accepted drafts) and the acceptance rate, and checks that every output
    is the non-speculative one token for token.
 2. **replay** (any weights): the target's own greedy output is recorded, then a benchmark-side proposer
    replays it, each draft right with probability ``a`` (a wrong one is the right id + 1), so the mean
-   acceptance length is ``1 + a + a^2 + ... + a^k``: TPOT for every batch size, ``k`` and ``a`` against
+   acceptance length is ``1 + a + a^2 + ... + a^k``: ``ms_per_token`` for every batch size, ``k`` and ``a`` against
    no speculation in the same run. With ``a = 0`` every round verifies ``k`` drafts and keeps none: the
    cost of the verify step's ``k + 1`` tokens against one. The expected speedup is
    ``(1 - a^(k+1)) / (1 - a)`` tokens per round over that cost ratio (Leviathan et al., section 3.3).
@@ -122,7 +123,7 @@ def acceptance_part(args) -> list[dict]:
             for m in methods:
                 eng = engines[m]
                 stats = eng.stats() if eng.spec_stats is not None else {}
-                row = {"kind": kind, "batch": batch, "method": m, "tpot_ms": 1e3 * statistics.median(times[m]),
+                row = {"kind": kind, "batch": batch, "method": m, "ms_per_token": 1e3 * statistics.median(times[m]),
                        "speedup": statistics.median(times["none"]) / statistics.median(times[m]),
                        "mean_acceptance_length": stats.get("spec_decode_mean_acceptance_length", 1.0),
                        "acceptance_rate": stats.get("spec_decode_acceptance_rate", 0.0)}
@@ -178,8 +179,8 @@ def replay_part(args) -> list[dict]:
             if method == "none":
                 continue
             tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
-            row = {"batch": b, "k": k, "acceptance": a, "tpot_ms": 1e3 * statistics.median(ts),
-                   "tpot_none_ms": 1e3 * base, "speedup": base / statistics.median(ts),
+            row = {"batch": b, "k": k, "acceptance": a, "ms_per_token": 1e3 * statistics.median(ts),
+                   "ms_per_token_none": 1e3 * base, "speedup": base / statistics.median(ts),
                    "tokens_per_round": tokens, "measured_acceptance_length": lengths[k, a],
                    "verify_cost": cost.get(k), "expected_speedup": tokens / cost[k] if k in cost else None}
             rows.append(row)
@@ -230,11 +231,11 @@ def main() -> None:
     if acc:
         tables.append(f"Acceptance on {args.model}, greedy, k={args.k}, ngram lookup {args.lookup_min}-{args.lookup_max}, "
                       f"{args.output_len} tokens\n\n" + markdown_table(
-                          acc, ["kind", "batch", "method", "tpot_ms", "speedup", "mean_acceptance_length",
+                          acc, ["kind", "batch", "method", "ms_per_token", "speedup", "mean_acceptance_length",
                                 "acceptance_rate"]))
     if rep:
         tables.append(f"Replayed drafts on {args.model}, {args.input_len}-token prompts, {args.output_len} tokens\n\n"
-                      + markdown_table(rep, ["batch", "k", "acceptance", "tpot_none_ms", "tpot_ms", "speedup",
+                      + markdown_table(rep, ["batch", "k", "acceptance", "ms_per_token_none", "ms_per_token", "speedup",
                                              "tokens_per_round", "measured_acceptance_length", "verify_cost",
                                              "expected_speedup"]))
     write_report({"args": vars(args), "environment": environment(args.device), "acceptance": acc, "replay": rep},
@@ -258,7 +259,7 @@ def plot(acc: list[dict], rep: list[dict], args) -> None:
         labels = [f"{r['kind']}\nb={r['batch']}" for r in rows]
         ax.bar(range(len(rows)), [r["mean_acceptance_length"] for r in rows], color="tab:blue",
                label="mean acceptance length")
-        ax.plot(range(len(rows)), [r["speedup"] for r in rows], "o", color="tab:red", label="TPOT speedup")
+        ax.plot(range(len(rows)), [r["speedup"] for r in rows], "o", color="tab:red", label="speedup (time per token)")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(range(len(rows)), labels, fontsize=8)
         ax.set_title(f"{args.model}: {', '.join(args.methods)}, k={args.k}", fontsize=9)
@@ -275,7 +276,7 @@ def plot(acc: list[dict], rep: list[dict], args) -> None:
                             label=f"batch {b}, k={k} formula")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xlabel("per-draft acceptance probability a")
-        ax.set_ylabel("TPOT speedup vs no speculation")
+        ax.set_ylabel("speedup vs no speculation")
         ax.set_title(f"replayed drafts on {args.model} ({args.device})", fontsize=9)
         ax.legend(fontsize=7)
     save_figure(fig, str(args.out).rsplit(".", 1)[0] + ".png")
