@@ -201,7 +201,7 @@ def repetitive(rng: random.Random, vocab: int, n: int) -> list[int]:
 
 def workload(vocab: int, seed: int = 0):
     """Greedy and seeded requests, repetitive and random prompts, arriving while others decode, with EOS
-    allowed (ignore_eos off) in one, logprobs in one, n = 2 in one."""
+    allowed (ignore_eos off) in two, logprobs in one, n = 2 in one, a repetition penalty and min_tokens."""
     rng = random.Random(seed)
     rand = [rng.randrange(10, vocab) for _ in range(23)]
     g = dict(temperature=0.0)
@@ -211,6 +211,10 @@ def workload(vocab: int, seed: int = 0):
         (1, repetitive(rng, vocab, 17), SamplingParams(max_tokens=21, seed=5, temperature=0.9, ignore_eos=True)),
         (3, repetitive(rng, vocab, 30), SamplingParams(max_tokens=28, **g)),
         (4, rand[:9], SamplingParams(n=2, max_tokens=12, seed=7, temperature=1.0, ignore_eos=True)),
+        # sampler state per token (penalties, a min_tokens ban): these decode one token at a time, beside
+        # sequences that verify drafts in the same step
+        (2, repetitive(rng, vocab, 25), SamplingParams(max_tokens=14, repetition_penalty=1.3, ignore_eos=True, **g)),
+        (2, repetitive(rng, vocab, 21), SamplingParams(max_tokens=14, min_tokens=8, seed=3, temperature=0.8)),
     ]
 
 
