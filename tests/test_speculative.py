@@ -19,6 +19,7 @@ import torch
 from scipy.stats import chi2
 
 from infer.config import EngineConfig, SpeculativeConfig, add_engine_args, engine_config_from_args
+from infer.engine.llm_engine import LLMEngine
 from infer.engine.spec_decode import ngram_propose, num_accepted
 from infer.sampling import SamplingParams
 from infer.sampling.rejection import rejection_sample
@@ -443,3 +444,23 @@ def test_the_benchmarks_replayed_drafts_are_accepted_at_the_rate_asked(tiny_llam
     rows = {r["acceptance"]: r for r in bench.replay_part(args)}
     assert rows[0.0]["measured_acceptance_length"] == 1.0 and rows[0.0]["tokens_per_round"] == 1.0
     assert rows[1.0]["measured_acceptance_length"] == rows[1.0]["tokens_per_round"] == 4
+
+
+def test_tensor_parallel_ranks_verify_the_drafts_too(tiny_llama):
+    """Two gloo ranks: rank 0 proposes and accepts, every rank runs the verify forward (its flat inputs and
+    the sampled rows' logits are what a step sends): the tokens of one rank without speculation."""
+    rng = random.Random(10)
+    arrivals = [(0, repetitive(rng, 1000, 26), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)),
+                (0, [rng.randrange(10, 1000) for _ in range(9)], SamplingParams(seed=2, max_tokens=15,
+                                                                                  temperature=0.9, ignore_eos=True))]
+    want = run(make_engine(tiny_llama, **KW), arrivals)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama.path), device="cpu", dtype="float32", tensor_parallel_size=2,
+                                    speculative_config=NGRAM, **KW), progress=False)
+    try:
+        got = run(engine, arrivals)
+        assert {r: v["tokens"] for r, v in got.items()} == {r: v["tokens"] for r, v in want.items()}
+        assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="draft' with tensor/expert parallelism"):
+        EngineConfig(device="cpu", tensor_parallel_size=2, speculative_config=draft("x")).validate()

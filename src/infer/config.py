@@ -526,9 +526,10 @@ class EngineConfig:
             raise ValueError("speculative_config with async_scheduling is not supported: the proposer reads each "
                              "step's tokens on the host to propose the next step's drafts, which async scheduling "
                              "leaves on the device; turn async_scheduling off")
-        if self.world_size > 1:
-            raise ValueError("speculative_config with tensor/expert parallelism is not supported yet (the verify "
-                             "step has not been tested across ranks); use tensor_parallel_size=1")
+        if self.world_size > 1 and spec.method == "draft":
+            raise ValueError("speculative_config method 'draft' with tensor/expert parallelism is not supported: "
+                             "the draft model runs on rank 0 alone, and its KV cache would need the ranks' block "
+                             "geometry; use method 'ngram' or tensor_parallel_size=1")
         if spec.method == "draft" and dev.type == "cuda" and self.kv_cache_memory_bytes is None:
             raise ValueError("speculative_config method 'draft' on CUDA needs kv_cache_memory_bytes: the draft's KV "
                              "cache (as many blocks as the target's) is allocated beside the target's, and the "
