@@ -444,6 +444,14 @@ def test_the_benchmarks_replayed_drafts_are_accepted_at_the_rate_asked(tiny_llam
     rows = {r["acceptance"]: r for r in bench.replay_part(args)}
     assert rows[0.0]["measured_acceptance_length"] == 1.0 and rows[0.0]["tokens_per_round"] == 1.0
     assert rows[1.0]["measured_acceptance_length"] == rows[1.0]["tokens_per_round"] == 4
+    # the acceptance part, with the target as its own draft: every greedy draft accepted
+    args = bench.parse_args(["--model", str(tiny_llama.path), "--parts", "acceptance", "--methods", "ngram",
+                             f"draft:{tiny_llama.path}", "--k", "2", "--output-len", "6", "--rounds", "1",
+                             "--max-model-len", "256"])
+    rows = bench.acceptance_part(args)
+    assert {(r["kind"], r["batch"], r["method"]) for r in rows} == {
+        (kind, b, m) for kind in bench.PROMPTS for b in ("1", "2") for m in ("none", "ngram", f"draft:{tiny_llama.path}")}
+    assert all(r["acceptance_rate"] == 1.0 for r in rows if r["method"].startswith("draft"))
 
 
 def test_tensor_parallel_ranks_verify_the_drafts_too(tiny_llama):
