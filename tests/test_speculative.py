@@ -472,3 +472,18 @@ def test_tensor_parallel_ranks_verify_the_drafts_too(tiny_llama):
         engine.shutdown()
     with pytest.raises(ValueError, match="draft' with tensor/expert parallelism"):
         EngineConfig(device="cpu", tensor_parallel_size=2, speculative_config=draft("x")).validate()
+
+
+@pytest.mark.parametrize("flags", [dict(batching="static", kv_cache="contiguous"),
+                                   dict(batching="none"),
+                                   dict(prefix_caching=True, kv_offload="host", kv_offload_bytes=1 << 22)],
+                         ids=["static-contiguous", "none", "kv-offload"])
+def test_other_batching_modes_caches_and_kv_offload_keep_the_outputs(tiny_llama, reference, flags):
+    arrivals = workload(tiny_llama.config.vocab_size)[:3]
+    engine = make_engine(tiny_llama, speculative_config=NGRAM, **{**KW, **flags})
+    try:
+        got = run(engine, arrivals)
+    finally:
+        engine.shutdown()
+    assert {rid: v["tokens"] for rid, v in got.items()} == {f"r{i}": reference[f"r{i}"]["tokens"] for i in range(3)}
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
