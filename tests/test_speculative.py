@@ -474,7 +474,7 @@ def test_tensor_parallel_ranks_verify_the_drafts_too(tiny_llama):
         EngineConfig(device="cpu", tensor_parallel_size=2, speculative_config=draft("x")).validate()
 
 
-@pytest.mark.parametrize("flags", [dict(batching="static", kv_cache="contiguous"),
+@pytest.mark.parametrize("flags", [dict(batching="static", kv_cache="contiguous", batch_wait_timeout_ms=0.0),
                                    dict(batching="none"),
                                    dict(prefix_caching=True, kv_offload="host", kv_offload_bytes=1 << 22)],
                          ids=["static-contiguous", "none", "kv-offload"])

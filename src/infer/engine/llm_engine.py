@@ -150,6 +150,7 @@ class LLMEngine:
 
             self.proposer = DraftProposer(spec, self)
         self.spec_stats = self.output_processor.spec_stats = SpecDecodingStats(spec.num_speculative_tokens)
+        self.scheduler.speculative = True
         log.info("speculative decoding: %s, k=%d", spec.method, spec.num_speculative_tokens)
 
     def _make_offloader(self):

@@ -125,6 +125,7 @@ class Scheduler:
         self.num_chunked_steps = 0
         self.prefill_tokens_buckets = [0] * (len(PREFILL_TOKEN_BUCKETS) + 1)
         self.iteration_tokens = BucketCounts(PREFILL_TOKEN_BUCKETS)
+        self.speculative = False  # phase 12: set by the engine when a proposer drafts tokens (_add_drafts)
         self.num_steps = 0
         self.num_preemptions = 0
         self.max_running = 0
@@ -244,7 +245,8 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n, forks))
             budget -= n
         # <<< EXERCISE chunk_schedule
-        budget = self._add_drafts(scheduled, budget)
+        if self.speculative:
+            budget = self._add_drafts(scheduled, budget)
         self._admit_waiting(budget, scheduled)
         if scheduled:
             self._record(scheduled)
