@@ -413,6 +413,33 @@ EXERCISES: dict[str, Exercise] = {
             "the offset, return int8 [N, 8 * words].",
             15,
         ),
+        # ---------------------------------------------------------------- phase 12
+        Exercise(
+            "ngram_lookup", 12, "src/infer/engine/spec_decode.py",
+            ("tests/test_speculative.py::test_ngram_lookup_by_hand_and_against_its_definition",),
+            "Prompt lookup: for n from max_n down to min_n, look for an earlier occurrence of the sequence's "
+            "last n tokens (one that a token follows: not the suffix itself); at the first n that has one, "
+            "return up to k tokens that follow its earliest occurrence (they may run into the suffix). No "
+            "match at any n: [].",
+            15,
+        ),
+        Exercise(
+            "greedy_acceptance", 12, "src/infer/engine/spec_decode.py",
+            ("tests/test_speculative.py::test_num_accepted_is_the_longest_agreeing_prefix",),
+            "sampled[i] is what the model sampled at the position of draft[i], after draft[:i]: count the drafts "
+            "accepted, the longest run from the first on where the two agree (an agreement after a rejection "
+            "does not count: it followed a token that was not emitted).",
+            5,
+        ),
+        Exercise(
+            "rejection_rule", 12, "src/infer/sampling/rejection.py",
+            ("tests/test_speculative.py::test_rejection_sampling_emits_the_target_distribution",
+             "tests/test_speculative.py::test_rejection_sampling_with_the_target_as_draft_accepts_everything"),
+            "Set accept ([B, k] bool: u < p(x)/q(x), without dividing by q), num_accepted ([B]: the leading run "
+            "of acceptances) and last ([B, V]: the distribution the token after the run is drawn from: at a "
+            "rejected position i, max(0, p_i - q_i) normalized; after k acceptances, the bonus p_(k+1)).",
+            25,
+        ),
         # ---------------------------------------------------------------- phase 13
         Exercise(
             "token_bitmask", 13, "src/infer/sampling/structured.py",

@@ -248,6 +248,10 @@ def test_hybrid_rejects_prefix_caching_and_optimize_turns_it_off(tiny_qwen35):
     assert opt.prefix_caching
     opt.validate_model(cfg)
     assert not opt.prefix_caching and "prefix_caching" in opt.optimization_notes
+    for kw, name in [({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
+                     ({"enable_lora": True}, "enable_lora")]:
+        with pytest.raises(ValueError, match=f"{name} is not supported for hybrid models"):
+            EngineConfig(model="x", device="cpu", **kw).validate().validate_model(cfg)
     assert split_state_budget(10_000, 100, 8) == 8 and split_state_budget(1_000, 100, 8) == 5
     with pytest.raises(ValueError, match="recurrent-state slot"):
         split_state_budget(150, 100, 8)

@@ -26,6 +26,7 @@ from infer.model_config import (  # noqa: F401  (re-exported: what a checkpoint 
     default_dtype,
     parse_dtype,
 )
+from infer.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig  # noqa: F401  (re-exported)
 
 BATCHING_MODES = ("none", "static", "continuous")
 KV_CACHE_LAYOUTS = ("contiguous", "paged")
@@ -164,6 +165,13 @@ class EngineConfig:
                               "(symmetric, one scale per group of 128 inputs). The matmul reads the quantized "
                               "weights (Triton on CUDA, dequantize per call on the CPU)",
                               choices=QUANTIZATION_METHODS, ablation=QUANTIZATION_METHODS, phase=11)
+    # ---- phase 12: speculative decoding
+    speculative_config: dict | None = _flag(None, "speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                                            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                                            "\"prompt_lookup_min\": 2}': propose up to num_speculative_tokens "
+                                            "tokens per sequence (ngram: copied from the prompt and output so far) "
+                                            "and verify them in one forward of the model; the output is the same "
+                                            "as without it (keys: SpeculativeConfig)", cli_type="json", phase=12)
     # ---- phases 14-15: tensor and expert parallelism
     tensor_parallel_size: int = _flag(1, "ranks (one process each, torch.distributed: NCCL on CUDA, gloo on the CPU) "
                                       "the model is split over, Megatron-style: attention heads, MLP columns and the "
@@ -341,6 +349,7 @@ class EngineConfig:
                 raise ValueError(f"trace: {self.trace!r} is not a file path in an existing directory")
         self._validate_quantization(dev)
         self._validate_lora()
+        self._validate_speculative(dev)
         return self
 
     def _validate_quantization(self, dev: torch.device) -> None:
@@ -357,6 +366,33 @@ class EngineConfig:
             if (major, minor) < (8, 9):
                 raise ValueError(f"quantization='fp8' on CUDA needs compute capability >= 8.9 (Ada, Hopper: fp8 "
                                  f"conversions in hardware), {dev} is {major}.{minor}; use int8 or int4")
+
+    def _validate_speculative(self, dev: torch.device) -> None:
+        """Parse ``speculative_config`` into :attr:`speculative` (None without it) and reject the flags it
+        does not work with."""
+        self.speculative = None
+        if self.speculative_config is None:
+            return
+        self.speculative = spec = SpeculativeConfig.parse(self.speculative_config)
+        if self.async_scheduling:
+            raise ValueError("speculative_config with async_scheduling is not supported: the proposer reads each "
+                             "step's tokens on the host to propose the next step's drafts, which async scheduling "
+                             "leaves on the device; turn async_scheduling off")
+        if self.world_size > 1 and spec.method == "draft":
+            raise ValueError("speculative_config method 'draft' with tensor/expert parallelism is not supported: "
+                             "the draft model runs on rank 0 alone, and its KV cache would need the ranks' block "
+                             "geometry; use method 'ngram' or tensor_parallel_size=1")
+        if spec.method == "draft" and dev.type == "cuda" and self.kv_cache_memory_bytes is None:
+            raise ValueError("speculative_config method 'draft' on CUDA needs kv_cache_memory_bytes: the draft's KV "
+                             "cache (as many blocks as the target's) is allocated beside the target's, and the "
+                             "memory profile that sizes the target's from gpu_memory_utilization does not count it")
+        if self.enable_lora:
+            raise ValueError("speculative_config with enable_lora is not supported yet: a verify step's k + 1 rows "
+                             "per sequence would need their adapter slots in the LoRA mapping; the two were built "
+                             "apart and have not been tested together")
+        if spec.method == "draft" and self.kv_offload != "none":
+            raise ValueError("speculative_config method 'draft' with kv_offload is not supported: the tiers hold "
+                             "the target's KV blocks only, and a restored block would have no draft KV")
 
     def _resolve_unset(self, dev: torch.device) -> None:
         """Give every optimization left unset (``None``) its value: its ``off`` value (the
@@ -401,6 +437,8 @@ class EngineConfig:
             return "not supported with enable_lora yet"
         if name == "cuda_graphs":
             return graphs
+        if name == "async_scheduling" and self.speculative_config is not None:
+            return "speculative decoding proposes from each step's tokens on the host"
         if name == "pdl":
             if graphs in ("needs a CUDA device", "needs the triton attention backend"):
                 return graphs
@@ -604,6 +642,11 @@ class EngineConfig:
         if self.world_size > 1:
             raise ValueError(f"tensor/expert parallelism is not supported for hybrid models ({model.architecture}): "
                              "the Gated DeltaNet layers are not split across ranks")
+        for name, why in (("speculative_config", "a rejected draft's tokens would stay in the recurrent state, "
+                                                 "which cannot be rolled back like KV blocks"),
+                          ("enable_lora", "the adapters' targets in the Gated DeltaNet layers are not wired")):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported for hybrid models ({model.architecture}) yet: {why}")
 
     def resolved_attention_backend(self) -> str:
         """``"torch"`` or ``"triton"``: ``auto`` is triton on CUDA, torch on the CPU."""
@@ -689,6 +732,8 @@ def add_engine_args(parser) -> None:
         help_text = f"{md.get('help', '')} (default: {default})"
         if base is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif md.get("cli_type") == "json":  # a JSON object, parsed by validate() (SpeculativeConfig.parse)
+            group.add_argument(flag, type=str, default=f.default, help=help_text)
         else:
             group.add_argument(flag, type=base, default=f.default, help=help_text,
                                choices=f.metadata.get("choices"))

@@ -333,6 +333,17 @@ class KVCacheManager:
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back ``seq``'s blocks past the first ``num_tokens`` tokens (speculative decoding, phase 12:
+        the blocks taken for drafts that were rejected). Such blocks hold no computed full block, so none
+        has a prefix-cache key. The table becomes a new list (a list's identity stands for its contents
+        in the CUDA-graph staging rows, :class:`~infer.engine.step.BlockTableRows`, which assume a table
+        only grows)."""
+        keep = self.blocks_for(num_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.free(seq.block_table[keep:])
+            seq.block_table = seq.block_table[:keep]
+
     def free(self, seq: Sequence) -> None:
         """Release every block ``seq`` holds (shared blocks stay while another holder remains;
         with prefix caching, its computed full blocks get their key first and stay cached)."""

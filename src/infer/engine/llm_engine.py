@@ -150,6 +150,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         self.index_cache = None  # structured output: compiled constraints (IndexCache), made on first use
+        self.proposer = self.spec_stats = None  # speculative decoding (phase 12)
+        if config.speculative is not None:
+            self._init_speculative(config.speculative)
         self._compiling: dict[str, tuple[Request, concurrent.futures.Future]] = {}
         self.tracer: StepRecorder | None = None
         if config.trace is not None:
@@ -198,6 +201,20 @@ class LLMEngine:
         if self.tracer is None or (path is None and self.tracer.path is None):
             raise RuntimeError("this engine records no step trace: start it with trace=PATH (--trace PATH)")
         return self.tracer.write(path)
+
+    def _init_speculative(self, spec) -> None:
+        """Phase 12: the proposer and the acceptance counters (:mod:`infer.engine.spec_decode`)."""
+        from infer.engine.spec_decode import NgramProposer, SpecDecodingStats
+
+        if spec.method == "ngram":
+            self.proposer = NgramProposer(spec, self.max_model_len)
+        else:
+            from infer.engine.draft import DraftProposer
+
+            self.proposer = DraftProposer(spec, self)
+        self.spec_stats = self.output_processor.spec_stats = SpecDecodingStats(spec.num_speculative_tokens)
+        self.scheduler.speculative = True
+        log.info("speculative decoding: %s, k=%d", spec.method, spec.num_speculative_tokens)
 
     def _make_offloader(self):
         """Phase 10: the tiers below the KV cache, fed by the prefix cache's evictions and
@@ -422,7 +439,8 @@ class LLMEngine:
         return {**self.scheduler.stats(), "kv_cache_blocks": self.kv_manager.num_blocks,
                 "kv_block_size": self.kv_manager.block_size, "kv_cache_bytes": self.runner.kv_cache.nbytes,
                 **(self.prefix_cache_stats() if self.config.prefix_caching else {}),
-                **(self.offload_stats() if self.offloader is not None else {})}
+                **(self.offload_stats() if self.offloader is not None else {}),
+                **(self.spec_stats.as_dict() if self.spec_stats is not None else {})}
 
     def offload_stats(self) -> dict[str, float]:
         """KV offload (phase 10): per-tier hits (blocks) and bytes, occupancy, the prompt tokens
@@ -493,7 +511,21 @@ class LLMEngine:
             self._activate_loras(scheduled)
             result = self.runner.execute(scheduled, self.eos_token_ids)
             finished = self.output_processor.apply(result, scheduled)
-        return admitted + self._finish(scheduled, finished, stream)
+        outputs = self._finish(scheduled, finished, stream)
+        if self.proposer is not None:
+            self._speculate(scheduled, result)
+        return admitted + outputs
+
+    def _speculate(self, scheduled: list[ScheduledSeq], result: StepResult) -> None:
+        """Speculative decoding (phase 12), after a step's tokens are applied: give back the blocks a
+        verifying sequence took for drafts it rejected, then propose the next drafts of every sequence
+        that sampled and still runs (:mod:`infer.engine.spec_decode`)."""
+        for item in scheduled:
+            if item.spec_token_ids and item.seq.status is SeqStatus.RUNNING:
+                self.kv_manager.truncate(item.seq, len(item.seq.token_ids))
+        running = [s for s in dict.fromkeys(result.sampled) if s.status is SeqStatus.RUNNING]
+        if running:
+            self.proposer.propose(running)
 
     @contextlib.contextmanager
     def _failing_requests_abort(self, *steps: list[ScheduledSeq]):

@@ -252,7 +252,8 @@ class ModelRunner:
         step = StepInputs(scheduled, prev, self)
         if self.lora_manager is not None:
             self._set_lora_mapping(step)
-        out = self.graphs.run(step) if self.graphs is not None else None
+        # a step that verifies drafts (phase 12) runs eagerly: no graph samples k + 1 rows per sequence
+        out = self.graphs.run(step) if self.graphs is not None and not step.has_spec else None
         if out is None:
             out = self._run_eager(step)
         if step.has_forks:
@@ -264,7 +265,10 @@ class ModelRunner:
                 logits = self._logits(out.hidden, step.flat.sample_at)
         if out.sampled:
             self._before_sampling(prev)
-            tensors = self._sampling_tensors(out.sampled, eos_ids)
+            if step.has_spec:
+                tensors = self._verify_sampling_tensors(out.sampled, eos_ids)
+            else:
+                tensors = self._sampling_tensors(out.sampled, eos_ids)
             result = self._result(out.sampled, sample(logits, tensors), prompt_lp)
         else:
             result = StepResult([], None, prompt_lp)
@@ -289,6 +293,21 @@ class ModelRunner:
             lora = item.seq.request.lora_request
             slots += [manager.slot_of(lora.lora_int_id) if lora is not None else -1] * item.num_tokens
         manager.set_mapping(slots)
+
+    def _verify_sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int]) -> SamplingTensors:
+        """Speculative decoding (phase 12): the sampling tensors of a step where a sequence that verifies
+        ``k`` drafts has ``k + 1`` consecutive rows in ``seqs``. Row ``i`` of such a sequence samples its
+        ``(num_output_tokens + i)``-th token, so it takes that place in the sequence's random stream
+        (``steps``): with the drafts before it accepted, it draws exactly what decoding would have.
+        (Verifying sequences carry no per-token sampling state: :func:`~infer.engine.spec_decode.can_speculate`.)"""
+        offsets = [0] * len(seqs)
+        for i in range(1, len(seqs)):
+            if seqs[i] is seqs[i - 1]:
+                offsets[i] = offsets[i - 1] + 1
+        self._last_sampling = None  # the rows differ from any decode step's
+        stateless = all(s.guide is None and not s.has_penalties and s.num_output_tokens >= s.params.min_tokens
+                        for s in seqs)
+        return self._build_sampling_tensors(seqs, eos_ids, stateless, offsets)
 
     def _run_eager(self, step: StepInputs) -> ForwardOutput:
         """The step's forward, launched kernel by kernel: the hidden states of every token."""
@@ -392,14 +411,18 @@ class ModelRunner:
         self._last_sampling = (list(seqs), tensors) if stateless else None
         return tensors
 
-    def _build_sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int], stateless: bool = False
-                                ) -> SamplingTensors:
+    def _build_sampling_tensors(self, seqs: list[Sequence], eos_ids: list[int], stateless: bool = False,
+                                offsets: list[int] | None = None) -> SamplingTensors:
         """``stateless``: no row has a penalty, a ``min_tokens`` ban or a guide, so no row needs a token
         history, a suppressed id or a bitmask (nothing per row to gather: 181 against 273 us at 256 rows on
-        the development CPU, 753 against 1,060 us on an H100 machine's host)."""
+        the development CPU, 753 against 1,060 us on an H100 machine's host). ``offsets``: added to each
+        row's place in its random stream (a verifying sequence's later rows; phase 12)."""
+        steps = list(map(_NUM_OUTPUT_TOKENS, seqs))
+        if offsets is not None:
+            steps = [s + o for s, o in zip(steps, offsets)]
         if stateless:
             return SamplingTensors.from_params(list(map(_PARAMS, seqs)), seeds=list(map(_SEED, seqs)),
-                                               steps=list(map(_NUM_OUTPUT_TOKENS, seqs)), prompt_ids_list=None,
+                                               steps=steps, prompt_ids_list=None,
                                                output_ids_list=None, suppress_list=None,
                                                vocab_size=self.vocab_size, device=self.device)
         suppress = []
@@ -415,7 +438,7 @@ class ModelRunner:
         tensors = SamplingTensors.from_params(
             [s.params for s in seqs],
             seeds=[s.seed for s in seqs],
-            steps=[s.num_output_tokens for s in seqs],
+            steps=steps,
             prompt_ids_list=[s.token_ids[: s.num_prompt_tokens] if r else [] for s, r in zip(seqs, rep)],
             output_ids_list=[s.output_token_ids if p else [] for s, p in zip(seqs, pen)],
             suppress_list=suppress,

@@ -51,6 +51,8 @@ class OutputProcessor:
         self._eos_ids = list(eos_token_ids)
         self._vocab_size = vocab_size or tokenizer.vocab_size
         self.inter_token_latency = BucketCounts(INTER_TOKEN_LATENCY_BUCKETS)
+        #: speculative decoding (phase 12): a SpecDecodingStats, set by the engine; None without it
+        self.spec_stats = None
 
     def _token(self, token_id: int, logprob: float, rank: int | None) -> TokenLogprob:
         return TokenLogprob(token_id, logprob, rank, self.tokenizer.decode_token(token_id, skip_special_tokens=False))
@@ -84,12 +86,15 @@ class OutputProcessor:
         if result.sampler_output is None:
             return finished
         tokens, chosen_lp, top_ids, top_lps = result.host_outputs()  # the step's one device -> host wait
+        skip = self._verify(scheduled, result.sampled, tokens) if self.spec_stats is not None else None
         previous: list[float] = []  # the time of the last token of each request that gets another one
         # (this loop runs for every sequence every step: ~1-2 us each is ~0.5 ms at 256 sequences,
         # so it reads plain attributes rather than properties)
         for i, (seq, token) in enumerate(zip(result.sampled, tokens)):
             if seq.status is _FINISHED:
                 continue  # async scheduling: it finished (or was aborted) while this step ran
+            if skip is not None and (i in skip or seq in finished):
+                continue  # speculative decoding: a row after a rejected draft, or after the sequence stopped
             if not -_INF < chosen_lp[i] < _INF:  # NaN: the row had no token to sample (infer.sampling.sampler)
                 self._fail_unsamplable(seq)
                 finished.append(seq)
@@ -123,6 +128,32 @@ class OutputProcessor:
         if previous:
             self._record_token_gaps(now, previous)
         return finished
+
+    def _verify(self, scheduled, sampled: list[Sequence], tokens: list[int]) -> set[int]:
+        """Speculative decoding (phase 12): accept each verifying sequence's drafts
+        (:func:`~infer.engine.spec_decode.num_accepted`), count them in :attr:`spec_stats`, and roll its
+        ``num_computed_tokens`` back to the accepted ones: the step wrote K/V for the last token and every
+        draft, and the positions of rejected drafts hold K/V that must never be read (the next step
+        overwrites them). Returns the rows whose tokens are dropped (those after the first rejection); the
+        emitted ones (accepted drafts and the token after them) are applied one by one by :meth:`apply`,
+        so a stop inside the run ends the sequence exactly where decoding would."""
+        from infer.engine.spec_decode import num_accepted
+
+        skip: set[int] = set()
+        row = {id(s): r for r, s in reversed(list(enumerate(sampled)))}  # each sequence's first row
+        for item in scheduled:
+            draft = item.spec_token_ids
+            if not draft:
+                continue
+            seq, first = item.seq, row[id(item.seq)]
+            accepted = num_accepted(tokens[first : first + len(draft) + 1], draft)
+            self.spec_stats.observe(len(draft), accepted)
+            skip.update(range(first + accepted + 1, first + len(draft) + 1))
+            seq.num_computed_tokens -= len(draft) - accepted  # the last token and the accepted drafts stay
+            # a draft model's K/V of rejected drafts goes too (infer.engine.draft)
+            seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
+            seq.spec_token_ids = []
+        return skip
 
     def _fail_unsamplable(self, seq: Sequence) -> None:
         """End ``seq`` with ``finish_reason="error"``: its logits held no finite value to sample from (the

@@ -63,11 +63,15 @@ class ScheduledSeq:
     ``forks``: sibling sequences (same request, ``n > 1``) that share this prefill; after the
     step they hold the prompt's K/V (shared blocks plus a copy of the last one) and a first
     token of their own.
+
+    ``spec_token_ids``: speculative decoding (phase 12): draft tokens verified this step after the
+    sequence's last token; ``num_tokens`` counts them (``1 + len(spec_token_ids)``).
     """
 
     seq: Sequence
     num_tokens: int
     forks: list[Sequence] = field(default_factory=list)
+    spec_token_ids: list[int] | tuple = ()
 
 
 class Scheduler:
@@ -127,6 +131,7 @@ class Scheduler:
         self.num_chunked_steps = 0
         self.prefill_tokens_buckets = [0] * (len(PREFILL_TOKEN_BUCKETS) + 1)
         self.iteration_tokens = BucketCounts(PREFILL_TOKEN_BUCKETS)
+        self.speculative = False  # phase 12: set by the engine when a proposer drafts tokens (_add_drafts)
         self.num_steps = 0
         self.num_preemptions = 0
         self.max_running = 0
@@ -261,10 +266,32 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n, forks))
             budget -= n
         # <<< EXERCISE chunk_schedule
+        if self.speculative:
+            budget = self._add_drafts(scheduled, budget)
         self._admit_waiting(budget, scheduled)
         if scheduled:
             self._record(scheduled)
         return scheduled
+
+    def _add_drafts(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        """Speculative decoding (phase 12): let each scheduled decode with draft tokens
+        (``seq.spec_token_ids``, set by the proposer after the last step) verify them this step, as many
+        as the budget left after every decode and prefill chunk allows, in schedule order. Drafts are
+        extra work that may be thrown away, so they take only free blocks (no preemption for them) and
+        never delay a decode or a prefill. Returns the budget left."""
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            if budget <= 0:
+                break
+            if item.num_tokens != 1 or not seq.spec_token_ids or seq.num_uncomputed_tokens != 1:
+                continue
+            spec = seq.spec_token_ids[:budget]
+            while spec and not self.kv.allocate_slots(seq, 1 + len(spec)):
+                spec = spec[:-1]
+            if spec:
+                scheduled[i] = ScheduledSeq(seq, 1 + len(spec), item.forks, spec)
+                budget -= len(spec)
+        return budget
 
     def _record(self, scheduled: list[ScheduledSeq]) -> None:
         """Per-step statistics: batch width, tokens run, and how full the reserved KV slots are."""
@@ -273,7 +300,7 @@ class Scheduler:
         self.iteration_tokens.observe(num_tokens)
         self.max_running = max(self.max_running, len(self.running))
         self.running_sum += len(self.running)
-        prefill = [s for s in scheduled if s.num_tokens > 1 or s.seq.in_prefill]
+        prefill = [s for s in scheduled if s.num_tokens - len(s.spec_token_ids) > 1 or s.seq.in_prefill]
         if prefill:
             tokens = sum(s.num_tokens for s in prefill)
             self.num_prefill_tokens += tokens
@@ -339,6 +366,8 @@ class Scheduler:
                 self.running.remove(seq)
                 seq.status = SeqStatus.WAITING
                 seq.num_computed_tokens = 0
+                seq.spec_token_ids = []  # it prefills again first
+                seq.draft_num_computed_tokens = 0  # (its blocks, the draft's K/V with them, are gone)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         if self.on_preempt is not None:

@@ -72,6 +72,10 @@ class Sequence:
     guide: Any = None
     guide_dead_end: bool = False
     guide_masks: Any = None  # its recent states' bitmasks (infer.sampling.structured.GuideMasks)
+    # speculative decoding (phase 12): the proposer's draft tokens for the next step (verified then)
+    spec_token_ids: list[int] = field(default_factory=list)
+    # a draft model's proposer: how many of token_ids the draft's KV cache holds (infer.engine.draft)
+    draft_num_computed_tokens: int = 0
     # the request's sampling parameters, and whether they penalize tokens already seen (the
     # sampler then needs the sequence's tokens on the host every step); read per sequence per
     # step by the scheduler, the runner and the output processor, so plain attributes

@@ -33,6 +33,7 @@ from infer.sampling import SamplerOutput
 
 _NUM_TOKENS = operator.attrgetter("num_tokens")
 _FORKS = operator.attrgetter("forks")
+_SPEC = operator.attrgetter("spec_token_ids")
 
 
 @dataclass
@@ -254,6 +255,41 @@ def flatten(scheduled: list[ScheduledSeq]):
     # <<< EXERCISE flatten_batch
 
 
+def flatten_with_drafts(scheduled: list[ScheduledSeq]):
+    """:func:`flatten` for a step in which some sequences verify draft tokens (speculative decoding,
+    phase 12: :mod:`infer.engine.spec_decode`).
+
+    A verifying sequence runs its last token and its drafts ``d_1 .. d_k`` (``k + 1`` positions, an
+    extend over its cached context) and samples at every one of them: the row after ``d_1 .. d_i`` is
+    what decoding would sample after those tokens. So it appears ``k + 1`` times in ``sampled``, in
+    position order, with ``sample_at`` its ``k + 1`` flat rows. Other sequences are laid out as
+    :func:`flatten` does. Returns: as :func:`flatten`.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    starts, seq_lens, tables, firsts = [0], [], [], []
+    sample_at: list[int] = []
+    sampled: list[Sequence] = []
+    for item in scheduled:
+        seq, n, spec = item.seq, item.num_tokens, item.spec_token_ids
+        first, kv_len, samples = chunk_extent(seq, n - len(spec))
+        ids.extend(seq.token_ids[first : first + n - len(spec)])
+        ids.extend(spec)
+        positions.extend(range(first, first + n))
+        starts.append(starts[-1] + n)
+        seq_lens.append(kv_len + len(spec))
+        tables.append(seq.block_table)
+        firsts.append(first)
+        if spec:
+            sample_at.extend(range(starts[-1] - len(spec) - 1, starts[-1]))
+            sampled.extend([seq] * (len(spec) + 1))
+        elif samples:
+            for s in (seq, *item.forks):
+                sample_at.append(starts[-1] - 1)
+                sampled.append(s)
+    return ids, positions, starts, seq_lens, tables, firsts, sample_at, sampled
+
+
 class FlatStep:
     """A step laid out as one batch by :func:`flatten`, decodes first (the attention backends take
     the decode rows as one slice: :class:`~infer.attention.AttentionMetadata`).
@@ -276,8 +312,9 @@ class FlatStep:
     def __init__(self, scheduled: list[ScheduledSeq], slot_mapping: Callable) -> None:
         # decodes first (stable), so the attention gets them as one slice
         self.scheduled = sorted(scheduled, key=lambda item: item.num_tokens != 1)
+        lay_out = flatten_with_drafts if any(map(_SPEC, scheduled)) else flatten
         (self.ids, self.positions, self.starts, self.seq_lens, self.tables, firsts, self.sample_at,
-         self.sampled) = flatten(self.scheduled)
+         self.sampled) = lay_out(self.scheduled)
         self.slots = slot_mapping(self.tables, firsts, list(map(_NUM_TOKENS, self.scheduled)))
         self.num_decodes = sum(1 for s in self.scheduled if s.num_tokens == 1)
 
@@ -303,6 +340,7 @@ class StepInputs:
         self.runner = runner
         self.num_tokens = sum(map(_NUM_TOKENS, scheduled))
         self.has_forks = any(map(_FORKS, scheduled))
+        self.has_spec = any(map(_SPEC, scheduled))  # some sequence verifies draft tokens (phase 12)
 
     @property
     def is_decode_only(self) -> bool:

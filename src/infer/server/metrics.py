@@ -208,7 +208,11 @@ class OutputCollector:
     """Token timing, read from the engine's :class:`~infer.engine.output_processor.OutputProcessor`
     at scrape time: ``infer:inter_token_latency_seconds``, a histogram of the time between a
     request's consecutive tokens (one value per request per step that gave it a token after its
-    first; vLLM's name and buckets)."""
+    first; vLLM's name and buckets). With speculative decoding (phase 12), vLLM's counters:
+    ``infer:spec_decode_num_drafts_total`` (verify rounds), ``infer:spec_decode_num_draft_tokens_total``,
+    ``infer:spec_decode_num_accepted_tokens_total`` and ``infer:spec_decode_num_accepted_tokens_per_pos_total``
+    (label ``position``, 0-based); the acceptance rate is accepted / draft tokens, the mean acceptance
+    length 1 + accepted / drafts."""
 
     def __init__(self, output_processor, model_name: str) -> None:
         self.output_processor, self.model_name = output_processor, model_name
@@ -216,6 +220,20 @@ class OutputCollector:
     def collect(self):
         yield histogram_family("infer:inter_token_latency_seconds", "Time between a request's consecutive tokens",
                                self.output_processor.inter_token_latency, self.model_name)
+        spec = self.output_processor.spec_stats
+        if spec is None:
+            return
+        for name, value, doc in (("num_drafts", spec.num_drafts, "Speculative decoding: verify rounds"),
+                                 ("num_draft_tokens", spec.num_draft_tokens, "Draft tokens verified"),
+                                 ("num_accepted_tokens", spec.num_accepted_tokens, "Draft tokens accepted")):
+            c = CounterMetricFamily(f"infer:spec_decode_{name}", doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
+        c = CounterMetricFamily("infer:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position",
+                                labels=["model_name", "position"])
+        for pos, value in enumerate(list(spec.accepted_per_pos)):
+            c.add_metric([self.model_name, str(pos)], value)
+        yield c
 
 
 class SchedulerCollector:

@@ -1,0 +1,286 @@
+"""Speculative decoding (phase 12): acceptance on real weights, and TPOT against a chosen acceptance rate.
+
+    python benchmarks/speculative.py                  # smollm2-135m on this CPU: both parts, small
+    # GPU, Qwen3-8B shapes with every phase 5-9 flag that works with speculation (synthetic weights: only
+    # the replay part means anything there)
+    python scripts/make_synthetic_checkpoint.py qwen3-8b /tmp/qwen3-8b
+    python benchmarks/speculative.py --model /tmp/qwen3-8b --device cuda --dtype bfloat16 --parts replay \\
+        --batch-sizes 1 8 64 --ks 1 2 4 7 --acceptance 0 0.5 0.8 1 --output-len 128 \\
+        --engine kv_cache=paged,batching=continuous,fused_kernels=True,cuda_graphs=True,prefix_caching=True \\
+        --out /tmp/phase12-gpu/speculative.json
+
+Two parts, in one process:
+
+1. **acceptance** (real weights: only meaningful on a real checkpoint): greedy chat prompts of three
+   kinds, ``edit`` (rewrite a given text: the answer copies it), ``code`` (change a given function) and
+   ``open`` (open-ended questions: nothing to copy), decoded without speculation and with each
+   ``--methods`` entry (``ngram``, or ``draft:MODEL``), one request at a time (batch 1) and all of a
+   kind together (batch N). Reports ``ms_per_token`` (decode time over output tokens, all sequences
+   together: the TPOT at batch 1, the inverse of the throughput above), the mean acceptance length
+   (tokens per verify round: 1 + accepted drafts) and the acceptance rate, and checks that every output
+   is the non-speculative one token for token.
+2. **replay** (any weights): the target's own greedy output is recorded, then a benchmark-side proposer
+   replays it, each draft right with probability ``a`` (a wrong one is the right id + 1), so the mean
+   acceptance length is ``1 + a + a^2 + ... + a^k``: ``ms_per_token`` for every batch size, ``k`` and ``a`` against
+   no speculation in the same run. With ``a = 0`` every round verifies ``k`` drafts and keeps none: the
+   cost of the verify step's ``k + 1`` tokens against one. The expected speedup is
+   ``(1 - a^(k+1)) / (1 - a)`` tokens per round over that cost ratio (Leviathan et al., section 3.3).
+
+Rounds alternate (no speculation, then each setting) so all see the same machine. Writes the JSON report
+to ``--out`` (default ``benchmarks/runs/speculative.json``), the Markdown tables (``.md``) and a plot
+(``.png``: replay speedup against acceptance beside the formula; acceptance length per prompt kind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
+from common import (
+    engine_overrides,
+    environment,
+    markdown_table,
+    out_argument,
+    print_row,
+    save_figure,
+    sync,
+    write_report,
+)
+
+from infer.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.engine.spec_decode import can_speculate, draft_budget
+from infer.sampling import SamplingParams
+
+TEXT = ("The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its keeper "
+        "climbed the spiral stairs, trimmed the wick and polished the great lens, so that ships passing in the "
+        "dark would see the light and steer clear of the rocks below.")
+CODE = ("def moving_average(values, window):\n    result = []\n    for i in range(len(values) - window + 1):\n"
+        "        chunk = values[i:i + window]\n        result.append(sum(chunk) / window)\n    return result\n")
+PROMPTS = {
+    "edit": [f"Rewrite this text in the past perfect tense, changing nothing else:\n\n{TEXT}",
+             f"Repeat the following paragraph exactly, then give it a title:\n\n{TEXT}"],
+    "code": [f"Add type hints to this function and return the whole function:\n\n{CODE}",
+             f"Rename the variable `chunk` to `part` in this code and return the whole code:\n\n{CODE}"],
+    "open": ["Write a short poem about the sea.", "What are three tips for staying healthy?"],
+}
+
+
+def make_engine(args, spec: dict | None, max_num_seqs: int) -> LLMEngine:
+    kw = {"kv_cache": "paged", "batching": "continuous", **engine_overrides([args.engine])}
+    return LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                                  max_num_seqs=max_num_seqs, speculative_config=spec, **kw), progress=False)
+
+
+def decode(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
+    """Run ``prompts`` together, greedy; returns (outputs, decode seconds after every prefill, output tokens
+    after the first of each)."""
+    reqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            for p in prompts]
+    while engine.num_waiting or any(s.num_output_tokens == 0 for r in reqs for s in r.seqs):
+        engine.step(stream=False)  # prefills (and the first tokens)
+    before = sum(r.seqs[0].num_output_tokens for r in reqs)
+    sync(engine.runner.device)
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step(stream=False)
+    sync(engine.runner.device)
+    outs = [r.seqs[0].output_token_ids for r in reqs]
+    return outs, time.perf_counter() - t, sum(map(len, outs)) - before
+
+
+def acceptance_part(args) -> list[dict]:
+    plain = make_engine(args, None, 8)
+    ids = {kind: [plain.tokenizer.encode(_chat(plain, p), add_special_tokens=False) for p in ps]
+           for kind, ps in PROMPTS.items()}
+    methods = {"none": None}
+    for m in args.methods:
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
+                "prompt_lookup_min": args.lookup_min} if m == "ngram" else \
+            {"method": "draft", "model": m.split(":", 1)[1], "num_speculative_tokens": args.k}
+        methods[m] = spec
+    engines = {m: plain if spec is None else make_engine(args, spec, 8) for m, spec in methods.items()}
+    rows = []
+    for kind, prompts in ids.items():
+        for batch, groups in (("1", [[p] for p in prompts]), (f"{len(prompts)}", [prompts])):
+            times = {m: [] for m in methods}
+            ref = None
+            for _ in range(args.rounds):
+                for m, eng in engines.items():
+                    if eng.spec_stats is not None:
+                        eng.spec_stats.reset()
+                    outs, secs, n = [], 0.0, 0
+                    for g in groups:
+                        o, s, t = decode(eng, g, args.output_len)
+                        outs += o
+                        secs, n = secs + s, n + t
+                    ref = ref if m != "none" else outs
+                    assert outs == ref, f"{m} changed the output of {kind}"
+                    times[m].append(secs / max(n, 1))
+            for m in methods:
+                eng = engines[m]
+                stats = eng.stats() if eng.spec_stats is not None else {}
+                row = {"kind": kind, "batch": batch, "method": m, "ms_per_token": 1e3 * statistics.median(times[m]),
+                       "speedup": statistics.median(times["none"]) / statistics.median(times[m]),
+                       "mean_acceptance_length": stats.get("spec_decode_mean_acceptance_length", 1.0),
+                       "acceptance_rate": stats.get("spec_decode_acceptance_rate", 0.0)}
+                rows.append(row)
+                print_row(row)
+    return rows
+
+
+def _chat(engine: LLMEngine, text: str) -> str:
+    from infer.chat import apply_chat_template
+
+    try:
+        return apply_chat_template(engine.tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+    except ValueError:  # a base model without a chat template
+        return text + "\n"
+
+
+class ReplayProposer:
+    """Proposes the target's recorded greedy continuation, each draft right with probability ``a``."""
+
+    def __init__(self, refs: dict[int, list[int]], k: int, a: float, vocab: int, max_model_len: int, seed: int = 0):
+        self.refs, self.k, self.a, self.vocab, self.max_model_len = refs, k, a, vocab, max_model_len
+        self.rng = random.Random(seed)
+
+    def propose(self, seqs) -> None:
+        for seq in seqs:
+            ref = self.refs[tuple(seq.request.prompt_token_ids)]
+            k = draft_budget(seq, self.k, self.max_model_len) if can_speculate(seq) else 0
+            at = seq.num_output_tokens
+            true = ref[at:at + k]
+            seq.spec_token_ids = [t if self.rng.random() < self.a else (t + 1) % self.vocab for t in true]
+
+
+def replay_part(args) -> list[dict]:
+    rng = random.Random(0)
+    rows = []
+    for b in args.batch_sizes:
+        plain = make_engine(args, None, b)
+        prompts = [[rng.randrange(100, plain.vocab_size - 1) for _ in range(args.input_len)] for _ in range(b)]
+        outs, _, _ = decode(plain, prompts, args.output_len)  # the reference (and a warm-up)
+        spec_engine = make_engine(args, {"method": "ngram", "num_speculative_tokens": max(args.ks)}, b)
+        times: dict[tuple, list[float]] = {}
+        lengths: dict[tuple, float] = {}
+        for _ in range(args.rounds):
+            times.setdefault(("none", 0, 0.0), []).append(_replay_tpot(plain, prompts, outs, args, 0, 0.0))
+            for k in args.ks:
+                for a in args.acceptance:
+                    times.setdefault(("replay", k, a), []).append(_replay_tpot(spec_engine, prompts, outs, args, k, a))
+                    lengths[k, a] = spec_engine.stats()["spec_decode_mean_acceptance_length"]
+        base = statistics.median(times["none", 0, 0.0])
+        cost = {k: statistics.median(times["replay", k, 0.0]) / base for k in args.ks if 0.0 in args.acceptance}
+        for (method, k, a), ts in times.items():
+            if method == "none":
+                continue
+            tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
+            row = {"batch": b, "k": k, "acceptance": a, "ms_per_token": 1e3 * statistics.median(ts),
+                   "ms_per_token_none": 1e3 * base, "speedup": base / statistics.median(ts),
+                   "tokens_per_round": tokens, "measured_acceptance_length": lengths[k, a],
+                   "verify_cost": cost.get(k), "expected_speedup": tokens / cost[k] if k in cost else None}
+            rows.append(row)
+            print_row(row)
+        del plain, spec_engine
+    return rows
+
+
+def _replay_tpot(engine, prompts, outs, args, k, a) -> float:
+    """Decode seconds per output token of ``prompts`` (their reference outputs ``outs``); with ``k``, the
+    drafts replayed with acceptance probability ``a``."""
+    if k:
+        refs = {tuple(p): o for p, o in zip(prompts, outs)}
+        engine.proposer = ReplayProposer(refs, k, a, engine.vocab_size, engine.max_model_len)
+        engine.spec_stats.reset()
+    got, secs, n = decode(engine, prompts, args.output_len)
+    assert got == outs, "speculation changed the output"
+    return secs / max(n, 1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--engine", default="", help="EngineConfig overrides, e.g. fused_kernels=True,cuda_graphs=True")
+    ap.add_argument("--parts", nargs="+", default=["acceptance", "replay"], choices=["acceptance", "replay"])
+    ap.add_argument("--methods", nargs="+", default=["ngram"], help="ngram and/or draft:MODEL")
+    ap.add_argument("--k", type=int, default=4, help="acceptance part: num_speculative_tokens")
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--ks", type=int, nargs="+", default=[4], help="replay part: the k values")
+    ap.add_argument("--acceptance", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    out_argument(ap, "speculative.json", "JSON report (a .md table and a .png plot beside it)")
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    acc = acceptance_part(args) if "acceptance" in args.parts else []
+    rep = replay_part(args) if "replay" in args.parts else []
+    tables = []
+    if acc:
+        tables.append(f"Acceptance on {args.model}, greedy, k={args.k}, ngram lookup {args.lookup_min}-{args.lookup_max}, "
+                      f"{args.output_len} tokens\n\n" + markdown_table(
+                          acc, ["kind", "batch", "method", "ms_per_token", "speedup", "mean_acceptance_length",
+                                "acceptance_rate"]))
+    if rep:
+        tables.append(f"Replayed drafts on {args.model}, {args.input_len}-token prompts, {args.output_len} tokens\n\n"
+                      + markdown_table(rep, ["batch", "k", "acceptance", "ms_per_token_none", "ms_per_token", "speedup",
+                                             "tokens_per_round", "measured_acceptance_length", "verify_cost",
+                                             "expected_speedup"]))
+    write_report({"args": vars(args), "environment": environment(args.device), "acceptance": acc, "replay": rep},
+                 args.out, "\n\n".join(tables))
+    if args.out:
+        plot(acc, rep, args)
+
+
+def plot(acc: list[dict], rep: list[dict], args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in (acc, rep) if p]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.6), squeeze=False)
+    axes = list(axes[0])
+    if acc:
+        ax = axes.pop(0)
+        rows = [r for r in acc if r["method"] != "none"]
+        labels = [f"{r['kind']}\nb={r['batch']}" for r in rows]
+        ax.bar(range(len(rows)), [r["mean_acceptance_length"] for r in rows], color="tab:blue",
+               label="mean acceptance length")
+        ax.plot(range(len(rows)), [r["speedup"] for r in rows], "o", color="tab:red", label="speedup (time per token)")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(rows)), labels, fontsize=8)
+        ax.set_title(f"{args.model}: {', '.join(args.methods)}, k={args.k}", fontsize=9)
+        ax.legend(fontsize=8)
+    if rep:
+        ax = axes.pop(0)
+        for b in args.batch_sizes:
+            for k in args.ks:
+                pts = sorted((r["acceptance"], r["speedup"], r["expected_speedup"]) for r in rep
+                             if r["batch"] == b and r["k"] == k)
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {b}, k={k} measured")
+                if all(p[2] is not None for p in pts):
+                    ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=line.get_color(),
+                            label=f"batch {b}, k={k} formula")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xlabel("per-draft acceptance probability a")
+        ax.set_ylabel("speedup vs no speculation")
+        ax.set_title(f"replayed drafts on {args.model} ({args.device})", fontsize=9)
+        ax.legend(fontsize=7)
+    save_figure(fig, str(args.out).rsplit(".", 1)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()
