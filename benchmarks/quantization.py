@@ -33,6 +33,7 @@ Writes ``quantization.json`` (environment, ceilings, every row), ``quantization.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -94,6 +95,123 @@ def bench_kernels(cfg, methods, batch_sizes, device, dtype, repeats: int) -> lis
                 rows.append(row)
                 print_row(row)
     return rows
+
+
+# -------------------------------------------------------------------------------- tune (GPU)
+
+
+TUNE_BLOCK_N = (1, 2, 4, 8)
+TUNE_BLOCK_K = (256, 512, 1024, 2048)
+TUNE_WARPS = (1, 2, 4, 8)
+
+
+def graph_us(calls, device) -> float:
+    """Microseconds per call of ``calls`` (a list of functions), timed as one CUDA graph that runs them all
+    (launch gaps hidden as in the engine's graphs; each call on its own copy of the weight, so the weights
+    stream from memory, not from L2): the best of 5 replays. On the CPU: each call timed, the median."""
+    if device.type != "cuda":
+        return 1e6 * statistics.median(timed(f, device, repeats=3, warmup=1, stat=min) for f in calls)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    best = float("inf")
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, 1e3 * start.elapsed_time(end) / len(calls))
+    return best
+
+
+def _copies(nbytes: int) -> int:
+    """Copies of a weight of ``nbytes`` that together pass 200 MB (four times an H100's or H200's L2)."""
+    return max(2, -(-(200 << 20) // nbytes))
+
+
+def bench_tune(cfg, methods, batch_sizes, device, dtype) -> list[dict]:
+    """The GEMV kernel's tiles (:data:`infer.kernels.quant_triton.GEMV_TILES`) searched: for each projection,
+    method and row count, every ``(BLOCK_N, BLOCK_K, num_warps)`` of the
+    TUNE_* grids whose float32 accumulator takes 8-64 registers a thread, timed in a CUDA graph over copies
+    of the weight (:func:`graph_us`); the default tile's time, the best tile and the bf16 ``F.linear`` beside
+    them."""
+    from infer.kernels import quant_reference as qref
+    from infer.kernels import quant_triton as qt
+
+    rows = []
+    for name, (n, k) in projection_shapes(cfg).items():
+        w = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+        ws = [w] + [w.clone() for _ in range(_copies(w.numel() * w.element_size()) - 1)]
+        for m in batch_sizes:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            bf16_us = graph_us([functools.partial(F.linear, x, wi) for wi in ws], device)
+            for method in [mt for mt in methods if mt != "none"]:
+                block = qref.default_block(method, k)
+                q, s = qref.quantize(w, method, block)
+                nbytes = q.numel() * q.element_size() + s.numel() * s.element_size()
+                qs = [(q, s)] + [(q.clone(), s.clone()) for _ in range(_copies(nbytes) - 1)]
+
+                def run(config, qs=qs, x=x, method=method, block=block):
+                    return graph_us([functools.partial(qt.quantized_linear_triton, x, qi, si, method, block,
+                                                       config=config) for qi, si in qs], device)
+
+                default = qt.default_config(m, n, k, block[1])
+                times = {}
+                for tile in tune_tiles(m, k, block[1]):
+                    times[tile] = run(tile)
+                default_us = times.get(default) or run(default)
+                best = min(times, key=times.get)
+                row = {"projection": name, "shape": f"{n}x{k}", "rows": m, "method": method,
+                       "default_tile": tile_name(default), "default_us": default_us,
+                       "best_tile": tile_name(best), "best_us": times[best],
+                       "best_gb_s": nbytes / times[best] / 1e3, "bf16_us": bf16_us,
+                       "best_vs_bf16": bf16_us / times[best],
+                       "top5": sorted((round(v, 2), tile_name(t)) for t, v in times.items())[:5]}
+                rows.append(row)
+                print_row(row)
+    return rows
+
+
+def tune_tiles(m: int, k: int, bc: int) -> list[tuple[int, int, int, int, bool]]:
+    """The configs :func:`bench_tune` tries for ``m`` rows: GEMV tiles (BLOCK_N, BLOCK_K, warps from the TUNE_*
+    grids, an accumulator of 8-64 registers a thread; at most 512 columns a step past one row) and, past one
+    row, tl.dot GEMM tiles (BLOCK_M 16 or the rows padded, BLOCK_N 16-128, BLOCK_K 64 or 128 inside one
+    scale column, 2-8 warps)."""
+    from infer.kernels.quant_triton import GEMV_ROWS_LIMIT
+
+    m_pad = triton_next_pow2(m)
+    tiles = []
+    for bn in TUNE_BLOCK_N if m <= GEMV_ROWS_LIMIT else ():
+        for bk in TUNE_BLOCK_K:
+            for warps in TUNE_WARPS:
+                regs = m_pad * bn * bk // (32 * warps)
+                if 8 <= regs <= 64 and bk <= max(256, k) and (m == 1 or bk <= 512):
+                    tiles.append((m_pad, bn, bk, warps, False))
+    if m > 1:
+        for bn in (16, 32, 64, 128):
+            for bk in (64, 128):
+                if bc < k and bc % bk:
+                    continue
+                for warps in (2, 4, 8):
+                    tiles.append((max(16, m_pad), bn, bk, warps, True))
+    return tiles
+
+
+def tile_name(tile) -> str:
+    """``BLOCK_NxBLOCK_KxWARPS`` of a GEMV tile; ``dot:BLOCK_MxBLOCK_NxBLOCK_KxWARPS`` of a GEMM tile."""
+    return ("dot:" + "x".join(map(str, tile[:4]))) if tile[4] else "x".join(map(str, tile[1:4]))
+
+
+def triton_next_pow2(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
 
 
 # -------------------------------------------------------------------------------- 2. decode
@@ -248,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--parts", nargs="+", default=["kernels", "decode", "quality"],
-                    choices=["kernels", "decode", "quality"])
+                    choices=["kernels", "tune", "decode", "quality"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -275,6 +393,12 @@ def main(argv: list[str] | None = None) -> int:
         report["kernels"] = bench_kernels(cfg, args.methods, args.batch_sizes, device, dtype, args.repeats * 5)
         tables.append("## kernels\n\n" + markdown_table(report["kernels"], ["projection", "shape", "rows", "method",
                                                                             "us", "weight_gb_s", "speedup"]))
+    if "tune" in args.parts:
+        _, cfg = model_info(args.model)
+        report["tune"] = bench_tune(cfg, args.methods, args.batch_sizes, device, dtype)
+        tables.append("## tune\n\n" + markdown_table(report["tune"], [
+            "projection", "shape", "rows", "method", "default_tile", "default_us", "best_tile", "best_us",
+            "best_gb_s", "bf16_us", "best_vs_bf16"]))
     if "decode" in args.parts:
         kw = engine_overrides(args.engine_args)
         kw.setdefault("device", str(device))

@@ -167,11 +167,13 @@ def replay_part(args) -> list[dict]:
         spec_engine = make_engine(args, {"method": "ngram", "num_speculative_tokens": max(args.ks)}, b)
         times: dict[tuple, list[float]] = {}
         lengths: dict[tuple, float] = {}
+        differ: dict[tuple, int] = {}
         for _ in range(args.rounds):
             times.setdefault(("none", 0, 0.0), []).append(_replay_tpot(plain, prompts, outs, args, 0, 0.0))
             for k in args.ks:
                 for a in args.acceptance:
-                    times.setdefault(("replay", k, a), []).append(_replay_tpot(spec_engine, prompts, outs, args, k, a))
+                    times.setdefault(("replay", k, a), []).append(_replay_tpot(spec_engine, prompts, outs, args, k, a,
+                                                                               differ))
                     lengths[k, a] = spec_engine.stats()["spec_decode_mean_acceptance_length"]
         base = statistics.median(times["none", 0, 0.0])
         cost = {k: statistics.median(times["replay", k, 0.0]) / base for k in args.ks if 0.0 in args.acceptance}
@@ -182,22 +184,32 @@ def replay_part(args) -> list[dict]:
             row = {"batch": b, "k": k, "acceptance": a, "ms_per_token": 1e3 * statistics.median(ts),
                    "ms_per_token_none": 1e3 * base, "speedup": base / statistics.median(ts),
                    "tokens_per_round": tokens, "measured_acceptance_length": lengths[k, a],
-                   "verify_cost": cost.get(k), "expected_speedup": tokens / cost[k] if k in cost else None}
+                   "verify_cost": cost.get(k), "expected_speedup": tokens / cost[k] if k in cost else None,
+                   "outputs_differing": differ.get((k, a), 0)}
             rows.append(row)
             print_row(row)
         del plain, spec_engine
     return rows
 
 
-def _replay_tpot(engine, prompts, outs, args, k, a) -> float:
+def _replay_tpot(engine, prompts, outs, args, k, a, differ: dict | None = None) -> float:
     """Decode seconds per output token of ``prompts`` (their reference outputs ``outs``); with ``k``, the
-    drafts replayed with acceptance probability ``a``."""
+    drafts replayed with acceptance probability ``a``.
+
+    In float32 the outputs must equal the reference. In bfloat16 a verify step's ``k + 1`` rows may round
+    differently from a one-token decode, and a near-tie can then flip a token (random weights give many):
+    such outputs are counted in ``differ[k, a]`` (the report's ``outputs_differing``), not fatal; after the
+    first differing token the replayed drafts are wrong, so the measured acceptance only drops."""
     if k:
         refs = {tuple(p): o for p, o in zip(prompts, outs)}
         engine.proposer = ReplayProposer(refs, k, a, engine.vocab_size, engine.max_model_len)
         engine.spec_stats.reset()
     got, secs, n = decode(engine, prompts, args.output_len)
-    assert got == outs, "speculation changed the output"
+    n_diff = sum(g != o for g, o in zip(got, outs))
+    if n_diff and args.dtype in ("float32", "fp32", "float"):
+        raise AssertionError("speculation changed the output")
+    if differ is not None and n_diff:
+        differ[k, a] = max(differ.get((k, a), 0), n_diff)
     return secs / max(n, 1)
 
 
@@ -237,7 +249,7 @@ def main() -> None:
         tables.append(f"Replayed drafts on {args.model}, {args.input_len}-token prompts, {args.output_len} tokens\n\n"
                       + markdown_table(rep, ["batch", "k", "acceptance", "ms_per_token_none", "ms_per_token", "speedup",
                                              "tokens_per_round", "measured_acceptance_length", "verify_cost",
-                                             "expected_speedup"]))
+                                             "expected_speedup", "outputs_differing"]))
     write_report({"args": vars(args), "environment": environment(args.device), "acceptance": acc, "replay": rep},
                  args.out, "\n\n".join(tables))
     if args.out:

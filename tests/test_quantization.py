@@ -126,6 +126,22 @@ def test_triton_kernel_matches_the_reference(method, m, n, k, block):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_gemv_tiles_wider_than_a_scale_group_and_a_partial_last_tile(method):
+    """The GEMV form with a K tile of 64 over scale groups of 16 (each column's group scale read in the loop),
+    K = 168 (the last tile mostly masked: int4's words past K are never read), 3 rows padded to 4, 2 outputs
+    per program over 7 (a partial last program)."""
+    from infer.kernels.quant_triton import quantized_linear_triton
+
+    g = torch.Generator().manual_seed(11)
+    q, s = qref.quantize(torch.randn(7, 168, generator=g), method, (1, 8 if method == "int4" else 16))
+    blk = (1, 8 if method == "int4" else 16)
+    x = torch.randn(3, 168, generator=g)
+    ours = quantized_linear_triton(x, q, s, method, blk, config=(4, 2, 64, 1, False))
+    ref = qref.quantized_linear_reference(x.double(), q, s, method, blk)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_triton_kernel_in_bfloat16_rounds_once(method):
     from infer.kernels.quant_triton import quantized_linear_triton
 

@@ -7,18 +7,20 @@ scales). That holds only if the kernel reads the small weights: dequantizing the
 first (and reading that) saves memory but no time. Here each program loads a tile of quantized values
 and the scale(s) that cover it, turns them into float32 in registers, and multiplies:
 
-* :func:`quantized_linear` with at most :data:`GEMV_MAX_ROWS` rows (decode): like
-  :mod:`infer.kernels.skinny_gemm`, each program owns ``BLOCK_N`` outputs and walks ``K``, the products
+* :func:`quantized_linear` with :data:`GEMV_MAX_ROWS` row (batch-1 decode): like
+  :mod:`infer.kernels.skinny_gemm`, each program owns ``BLOCK_N`` outputs and streams their rows along
+  ``K``, the next tile loaded in its stored 8 or 4 bits before the current one is used, the products
   summed per element in float32 and reduced once at the end (gpt-fast's and Marlin's int4/int8 GEMV idea,
-  without their layouts tuned for tensor cores);
+  without their layouts tuned for tensor cores). A per-channel scale multiplies each output once, after
+  the reduction; group scales (int4's 128 columns, FP8 blocks) multiply the codes in the loop;
 * with more rows (prefill, large batches): a tiled GEMM whose inner product is ``tl.dot`` on the
   dequantized tile (cast to ``x``'s 16-bit dtype for the tensor cores, float32 in the interpreter). It
   reads the weight once per row tile instead of once per row; at these sizes the GEMM is bound by
   arithmetic, so it runs at about the speed of a bf16 GEMM, with the memory saving.
 
-The scale layout is :mod:`infer.kernels.quant_reference`'s (one scale per ``(br, bc)`` block); a ``K``
-tile never straddles two scale columns (``BLOCK_K`` divides ``bc``, or ``bc >= K``), so each program loads
-one scale per output row per tile. On the CPU, without the interpreter, :func:`quantized_linear` runs the
+The scale layout is :mod:`infer.kernels.quant_reference`'s (one scale per ``(br, bc)`` block); in the GEMM a
+``K`` tile never straddles two scale columns (``BLOCK_K`` divides ``bc``, or ``bc >= K``), so each program
+loads one scale per output row per tile. On the CPU, without the interpreter, :func:`quantized_linear` runs the
 plain-PyTorch reference (:func:`~infer.kernels.quant_reference.quantized_linear_reference`).
 """
 
@@ -31,7 +33,7 @@ import triton.language as tl
 from infer.kernels.quant_reference import check_quantized, quantized_linear_reference
 from infer.kernels.triton_common import INTERPRET, manual_bf16, round_to
 
-GEMV_MAX_ROWS = 8  # the most rows the GEMV form takes; more go through the tiled GEMM
+GEMV_ROWS_LIMIT = 16  # the most rows the GEMV kernel can take (its float32 products held in registers)
 _METHOD_CODE = {"int8": 0, "fp8": 1, "int4": 2}
 
 
@@ -52,14 +54,89 @@ def _dequant_tile(q_ptr, s_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, 
 
 
 @triton.jit
+def _load_bytes(q_ptr, offs_n, k0, n_mask, K, stride_qn, BLOCK_K: tl.constexpr):
+    """int8 / fp8 codes of columns ``k0 ... k0 + BLOCK_K`` of rows ``offs_n``, as stored: ``[BLOCK_N, BLOCK_K]``."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + k[None, :],
+                   mask=n_mask[:, None] & (k < K)[None, :])
+
+
+@triton.jit
+def _load_words(q_ptr, offs_n, k0, n_mask, K, stride_qn, BLOCK_K: tl.constexpr):
+    """int4's int32 words (8 codes each, along K) of columns ``k0 ... k0 + BLOCK_K`` of rows ``offs_n``:
+    ``[BLOCK_N, BLOCK_K // 8]``, each word loaded once (:func:`_unpack_words` unpacks them)."""
+    wk = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    return tl.load(q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + wk[None, :],
+                   mask=n_mask[:, None] & (wk * 8 < K)[None, :], other=0)
+
+
+@triton.jit
+def _unpack_words(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """:func:`_load_words`'s ``[BLOCK_N, BLOCK_K // 8]`` words as float32 codes ``[BLOCK_N, BLOCK_K]``: column
+    ``8 w + j`` is nibble ``j`` (low first) of word ``w``, minus 8. Masked words were loaded as 0 (codes -8):
+    the caller zeroes those columns."""
+    nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    return tl.reshape(nib, (BLOCK_N, BLOCK_K)).to(tl.float32) - 8.0
+
+
+@triton.jit
+def _quantized_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym, BR, BC,
+    METHOD: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROW_SCALE: tl.constexpr, MANUAL_BF16: tl.constexpr,
+):
+    # Grid (cdiv(N, BLOCK_N),): program j computes outputs [j * BLOCK_N, (j + 1) * BLOCK_N) of all M (<= M_PAD)
+    # rows, streaming those weight rows along K in BLOCK_K tiles, the next tile loaded (in its stored 8 or 4
+    # bits) before the current one is used (skinny_gemm's register loop). The products are summed per element
+    # in a [M_PAD, BLOCK_N, BLOCK_K] float32 tile and reduced over K once, at the end. ROW_SCALE: one scale per
+    # output row (per-channel int8 / fp8), applied once after the reduction; otherwise each column's scale
+    # (its group's: k // BC) multiplies the codes in the loop.
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    s_rows = s_ptr + (offs_n // BR).to(tl.int64)[:, None] * stride_sn
+    if METHOD == 2:
+        raw = _load_words(q_ptr, offs_n, 0, n_mask, K, stride_qn, BLOCK_K)
+    else:
+        raw = _load_bytes(q_ptr, offs_n, 0, n_mask, K, stride_qn, BLOCK_K)
+    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        if METHOD == 2:  # the next tile, in its stored bits, before this one is used
+            raw_next = _load_words(q_ptr, offs_n, k0 + BLOCK_K, n_mask, K, stride_qn, BLOCK_K)
+            w = _unpack_words(raw, BLOCK_N, BLOCK_K)
+        else:
+            raw_next = _load_bytes(q_ptr, offs_n, k0 + BLOCK_K, n_mask, K, stride_qn, BLOCK_K)
+            w = raw.to(tl.float32)
+        # masked lanes zeroed after the conversion (a load's `other` cannot be cast to fp8)
+        w = tl.where(n_mask[:, None] & (k < K)[None, :], w, 0.0)
+        xk = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        if not ROW_SCALE:
+            w = w * tl.load(s_rows + (k // BC)[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+        acc += xk[:, None, :] * w[None, :, :]
+        raw = raw_next
+    y = tl.sum(acc, 2)
+    if ROW_SCALE:
+        y = y * tl.load(s_ptr + (offs_n // BR).to(tl.int64) * stride_sn, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out, round_to(y, y_ptr.dtype.element_ty, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _quantized_linear_kernel(
     x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym, BR, BC,
     METHOD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_16BIT: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_16BIT: tl.constexpr, MANUAL_BF16: tl.constexpr,
 ):
     # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): program (j, i) computes outputs [j * BLOCK_N, ...) of rows
-    # [i * BLOCK_M, ...). DOT 0 (few rows): products summed per element in a [BLOCK_M, BLOCK_N, BLOCK_K] float32
-    # tile, reduced over K at the end. DOT 1: tl.dot per tile, in x's 16-bit dtype (DOT_16BIT) or float32.
+    # [i * BLOCK_M, ...), tl.dot per K tile on the dequantized weight tile, in x's 16-bit dtype (DOT_16BIT) or
+    # float32.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -69,29 +146,19 @@ def _quantized_linear_kernel(
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     dtype = y_ptr.dtype.element_ty
-    if DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
         w = _dequant_tile(q_ptr, s_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC, METHOD)
-        if DOT:
-            if DOT_16BIT:
-                acc += tl.dot(x.to(dtype), tl.trans(w.to(dtype)))
-            else:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        if DOT_16BIT:
+            acc += tl.dot(x.to(dtype), tl.trans(w.to(dtype)))
         else:
-            acc3 += x[:, None, :] * w[None, :, :]
-    if DOT:
-        y = acc
-    else:
-        y = tl.sum(acc3, 2)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
     if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(out, round_to(y, dtype, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out, round_to(acc, dtype, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def _block_k(preferred: int, k: int, bc: int) -> int:
@@ -106,12 +173,26 @@ def _block_k(preferred: int, k: int, bc: int) -> int:
 
 def default_config(m: int, n: int, k: int, bc: int) -> tuple[int, int, int, int, bool]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT)`` for ``m`` rows of a ``[n, k]`` weight whose scale
-    columns span ``bc`` inputs. Not tuned on a GPU yet (``benchmarks/quantization.py`` measures the result):
-    the GEMV form gives each program 16 outputs and 128-wide K steps (16 weights per thread per step at
-    4 warps), the GEMM 64 x 64 x 64 tiles."""
+    columns span ``bc`` inputs.
+
+    One row (batch-1 decode): the GEMV kernel (``DOT`` False, ``BLOCK_M`` 1), a few outputs per program and
+    256-512 columns a step, so many small programs spread the weight stream over every SM. The tiles are
+    the best of ``benchmarks/quantization.py --parts tune`` at Qwen3-4B's shapes on an H100 (timed in a CUDA
+    graph, each call on its own copy of the weight), or within 6% of the best: rows of K <= 2,560 (QKV,
+    gate/up) ``(8, 256, 1)``, longer rows (o, down) ``(4, 512, 4)``. More rows: the GEMV's float32
+    products grow with the rows while tensor cores do them for free, so the tl.dot GEMM takes over, on
+    tiles of :data:`GEMM_TILE` (``BLOCK_K`` inside one scale column)."""
     if m <= GEMV_MAX_ROWS:
-        return triton.next_power_of_2(m), 16, _block_k(128, k, bc), 4, False
-    return 64, 64, _block_k(64, k, bc), 4, True
+        block_n, block_k, warps = (8, 256, 1) if k <= 2560 else (4, 512, 4)
+        return 1, block_n, min(block_k, max(16, triton.next_power_of_2(k))), warps, False
+    block_m, block_n, block_k, warps = GEMM_TILE
+    return max(block_m, min(64, triton.next_power_of_2(m))), block_n, _block_k(block_k, k, bc), warps, True
+
+
+#: the most rows the GEMV kernel takes in the engine (default_config); it takes up to 16 when asked to
+GEMV_MAX_ROWS = 1
+#: (BLOCK_M at least, BLOCK_N, BLOCK_K, num_warps) of the GEMM past GEMV_MAX_ROWS rows (default_config)
+GEMM_TILE = (16, 32, 128, 4)
 
 
 def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
@@ -144,14 +225,20 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
         return y.view(*x.shape[:-1], n)
     bm, bn, bk, warps, dot = config or default_config(m, n, k, block[1])
     br, bc = block
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    _quantized_linear_kernel[grid](
-        x2, qweight, weight_scale, bias if bias is not None else y, y, m, n, k, x2.stride(0), qweight.stride(0),
-        weight_scale.stride(0), y.stride(0), br, bc,
-        METHOD=_METHOD_CODE[method], HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT=dot,
-        DOT_16BIT=dot and x.dtype != torch.float32 and not INTERPRET, MANUAL_BF16=manual_bf16(x),
-        num_warps=warps,
-    )
+    common = dict(METHOD=_METHOD_CODE[method], HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+                  MANUAL_BF16=manual_bf16(x), num_warps=warps)
+    b = bias if bias is not None else y
+    if dot:
+        grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+        _quantized_linear_kernel[grid](x2, qweight, weight_scale, b, y, m, n, k, x2.stride(0), qweight.stride(0),
+                                       weight_scale.stride(0), y.stride(0), br, bc, BLOCK_M=bm,
+                                       DOT_16BIT=x.dtype != torch.float32 and not INTERPRET, **common)
+    else:
+        if bm < m or bm > GEMV_ROWS_LIMIT:
+            raise ValueError(f"the GEMV form takes m <= BLOCK_M <= {GEMV_ROWS_LIMIT} rows, got m={m}, BLOCK_M={bm}")
+        _quantized_gemv_kernel[(triton.cdiv(n, bn),)](
+            x2, qweight, weight_scale, b, y, m, n, k, x2.stride(0), qweight.stride(0), weight_scale.stride(0),
+            y.stride(0), br, bc, M_PAD=bm, ROW_SCALE=bc >= k, **common)
     return y.view(*x.shape[:-1], n)
 
 

@@ -1,0 +1,249 @@
+"""Phases 11, 12, 16, 17 and the step trace on a CUDA GPU (every test here is marked ``gpu``: skipped elsewhere).
+
+On the CPU these phases' Triton kernels run under the interpreter at tiny shapes (tests/test_quantization.py,
+test_lora.py, test_hybrid.py). Here they run compiled, at the real models' shapes, against their plain-PyTorch
+references in float64; and each flag runs end to end on the GPU with the phase 5-9 flags on, against a
+reference that is independent of what it checks: the same run without CUDA graphs (a replayed graph must
+compute what the eager step computes, bit for bit), without speculation (verification is lossless), or HF
+transformers (the hybrid model).
+
+    python -m pytest -q -m gpu tests/test_gpu_phases.py      # on a machine with a CUDA GPU
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer.sampling import SamplingParams
+
+try:  # PEFT's adapters and their reference tokens (session fixtures), where peft is installed
+    from tests.test_lora import lora_qwen3, reference_tokens  # noqa: F401
+except pytest.skip.Exception:  # tests/test_lora.py skips itself without peft: so does the LoRA test here
+    pass
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.gpu
+
+
+def _checkpoint(preset: str, tmp_path_factory, dtype: str) -> Path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    return make_checkpoint(preset, tmp_path_factory.mktemp(preset), dtype=dtype, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def qwen3_4b_2l(tmp_path_factory):
+    """Qwen3-4B's shapes, 2 layers, bfloat16: every kernel at its real grid."""
+    return _checkpoint("qwen3-4b-2l", tmp_path_factory, "bfloat16")
+
+
+def _prompts(seed: int, lengths, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab - 1, (n,), generator=g).tolist() for n in lengths]
+
+
+def _generate(path, prompts, params, **kw):
+    """Token ids and chosen-token logprobs of ``prompts`` through ``infer.LLM`` on CUDA, and the engine's stats."""
+    from infer.llm import LLM
+
+    llm = LLM(str(path), progress=False, device="cuda", batching="continuous", kv_cache="paged", max_num_seqs=8,
+              max_model_len=512, **kw)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.stats()
+    finally:
+        llm.engine.shutdown()
+
+
+# ------------------------------------------------------------------------ phase 11: the quantized GEMV/GEMM
+
+
+@pytest.mark.parametrize("tile", [None, (1, 256, 1), (8, 512, 4), (4, 2048, 8)],
+                         ids=["default", "1x256x1", "8x512x4", "4x2048x8"])
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
+def test_quantized_linear_at_qwen3_4b_shapes(method, tile):
+    """The dequantize-in-registers kernel (GEMV rows 1 and 16, the tl.dot GEMM at 128 rows) on Qwen3-4B's merged
+    QKV and down projections, bf16 activations, against float64 over the dequantized weight: within bf16's
+    output rounding (relative Frobenius error 4e-3; one rounding to bf16 alone is ~1e-3). The GEMV with its
+    default tile and with other (BLOCK_N, BLOCK_K, warps) tiles of benchmarks/quantization.py's tune grid."""
+    from infer.kernels import quant_reference as qref
+    from infer.kernels.quant_triton import quantized_linear_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((6144, 2560), (2560, 9728)):
+        block = qref.default_block(method, k)
+        q, s = qref.quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02, method, block)
+        exact_w = qref.dequantize(q, s, method, block).double()
+        for m in (1, 16, 128):
+            x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+            config = None if tile is None or m > 16 else (1 << (m - 1).bit_length(), *tile, False)
+            ours = quantized_linear_triton(x, q, s, method, block, config=config)
+            assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
+            exact = x.double() @ exact_w.T
+            err = ((ours.double() - exact).norm() / exact.norm()).item()
+            assert err < 4e-3, (method, n, k, m, err)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
+def test_quantized_engine_replays_what_it_runs_eagerly(qwen3_4b_2l, method):
+    """Quantized weights under the fused forward, CUDA graphs and async scheduling: the tokens and
+    logprobs of the same engine without graphs and async steps, bit for bit (a graph that read a stale
+    scale or a packed weight at a moved address would differ)."""
+    prompts = _prompts(1, (40, 7, 129), 150000)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    eager, _ = _generate(qwen3_4b_2l, prompts, params, dtype="bfloat16", quantization=method, fused_kernels=True)
+    graphs, _ = _generate(qwen3_4b_2l, prompts, params, dtype="bfloat16", quantization=method, fused_kernels=True,
+                          cuda_graphs=True, async_scheduling=True)
+    assert graphs == eager
+
+
+# ------------------------------------------------------------------------ phase 16: the LoRA kernels
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32, 512])
+def test_lora_shrink_expand_at_qwen3_8b_shapes(num_tokens):
+    """BGMV (1 and 32 rows) and SGMV (512 rows) over 8 rank-16 slots on Qwen3-8B's merged gate/up (4096 ->
+    24576), bf16, rows spread over the slots and rows without adapter, against float64 slot by slot."""
+    from infer.kernels import lora_reference, lora_triton
+
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    num_slots, rank, k, n = 8, 16, 4096, 2 * 12288
+    x = torch.randn(num_tokens, k, generator=g, device="cuda").bfloat16()
+    a = (torch.randn(num_slots, rank, k, generator=g, device="cuda") * 0.02).bfloat16()
+    b = (torch.randn(num_slots, n, rank, generator=g, device="cuda") * 0.02).bfloat16()
+    slots = torch.randint(-1, num_slots, (num_tokens,), generator=g, device="cuda")
+    if num_tokens > 1:
+        slots[0] = -1
+    y0 = torch.randn(num_tokens, n, generator=g, device="cuda").bfloat16()
+    meta = lora_reference.make_lora_meta(slots.tolist(), num_slots, "cuda")
+    y = lora_triton.add_lora(y0.clone(), x, a, b, meta)
+    want = y0.double()
+    for s in range(num_slots):
+        rows = slots == s
+        want[rows] += (x[rows].double() @ a[s].double().T) @ b[s].double().T
+    torch.testing.assert_close(y.double(), want, rtol=8e-3, atol=2e-3)
+    if num_tokens > 1:
+        assert torch.equal(y[0], y0[0])  # a row without adapter is untouched
+
+
+def test_lora_engine_matches_peft_merged_on_cuda(lora_qwen3, reference_tokens):  # noqa: F811
+    pytest.importorskip("peft")
+    """A batch mixing the base model and three PEFT adapters (tests/test_lora.py's), float32 on CUDA with the
+    Triton kernels, two slots for three adapters, paged KV, chunked prefill and the fused forward: the greedy
+    tokens of PEFT's merge_and_unload() models run by HF transformers."""
+    from infer.llm import LLM
+    from infer.lora import LoRARequest
+    from tests.test_lora import GREEDY, PROMPTS
+
+    base, adapters = lora_qwen3
+    llm = LLM(str(base), progress=False, device="cuda", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=8, batching="continuous", kv_cache="paged", block_size=16, chunked_prefill=True,
+              max_num_batched_tokens=16, fused_kernels=True, max_model_len=128)
+    try:
+        loras = [None] + [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+        outs = llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference_tokens
+    finally:
+        llm.engine.shutdown()
+
+
+# ------------------------------------------------------------------------ phase 17: Gated DeltaNet
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_decode_step_at_qwen35_4b_shapes(dtype):
+    """The Triton conv1d update and gated delta step at Qwen3.5-4B's linear-attention shapes (16 key heads,
+    32 value heads, 128 x 128 state, kernel 4), 8 sequences in 64 slots, against the plain-PyTorch step."""
+    from infer.kernels import gated_delta_reference as gdr
+    from infer.kernels import gated_delta_triton as tri
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    nk, hv, dk, dv, kernel, num_slots, batch = 16, 32, 128, 128, 4, 64, 8
+    c = 2 * nk * dk + hv * dv
+    dev = "cuda"
+    mixed = torch.randn(batch, c, generator=gen, device=dev).to(dtype)
+    g = -torch.rand(batch, hv, generator=gen, device=dev) * 2
+    beta = torch.rand(batch, hv, generator=gen, device=dev).to(dtype)
+    weight = torch.randn(c, kernel, generator=gen, device=dev).to(dtype)
+    conv = torch.randn(num_slots, c, kernel - 1, generator=gen, device=dev).to(dtype)
+    ssm = torch.randn(num_slots, hv, dk, dv, generator=gen, device=dev)
+    slots = torch.randperm(num_slots, generator=gen, device=dev)[:batch]
+    has = torch.ones(batch, dtype=torch.bool, device=dev)
+    has[1] = False  # a sequence starting from a zero state
+    conv_ref, ssm_ref = conv.clone(), ssm.clone()
+    ref = gdr.decode_step(mixed, g, beta, conv_ref, ssm_ref, slots, has, weight, nk)
+    out = tri.decode_step(mixed, g, beta, conv, ssm, slots, has, weight, nk)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=3e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(ssm, ssm_ref, **tol)
+    torch.testing.assert_close(conv, conv_ref, atol=0, rtol=0)
+
+
+def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory):
+    """The tiny Qwen3.5 (3 Gated DeltaNet layers, 1 gated attention), float32 on CUDA with the Triton
+    attention and decode-step kernels, paged KV and chunked prefill: HF transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_generation import hf_greedy
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    path = make_checkpoint("tiny-qwen3.5", tmp_path_factory.mktemp("q35"), dtype="float32", device="cpu")
+    prompts = [[5, 6, 7], list(range(100, 164)), [300] * 17, list(range(200, 240))]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()  # the reference, on the CPU
+    want = [hf_greedy(hf, p, 8) for p in prompts]
+    got, _ = _generate(path, prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                       dtype="float32", block_size=16, chunked_prefill=True, max_num_batched_tokens=32,
+                       attention_backend="triton")
+    assert [t for t, _ in got] == want
+
+
+# ------------------------------------------------------------------------ phase 12: speculation on the GPU
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_draft_speculation_is_lossless_with_the_gpu_flags(tmp_path_factory, graphs):
+    """The draft method with the target itself as the draft (every draft is the target's own greedy choice,
+    so verification accepts nearly all of them: the verify rows' k + 1 tokens per sequence carry the
+    output), float32 on CUDA with the fused forward and CUDA graphs for the decode steps: the greedy tokens
+    of the same engine without speculation. (Prompt lookup proposes nothing on random weights, whose
+    outputs do not repeat their prompts; float32 keeps verify-vs-decode rounding far below the logit gaps.)"""
+    path = _checkpoint("tiny-qwen3", tmp_path_factory, "float32")
+    prompts = _prompts(2, (12, 30, 50, 9), 700)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    flags = dict(dtype="float32", fused_kernels=True, cuda_graphs=graphs, kv_cache_memory_bytes=64 << 20)
+    ref, _ = _generate(path, prompts, params, **flags)
+    spec = {"method": "draft", "model": str(path), "num_speculative_tokens": 3}
+    got, stats = _generate(path, prompts, params, speculative_config=spec, **flags)
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    assert stats["spec_decode_num_accepted_tokens"] > 0.9 * stats["spec_decode_num_draft_tokens"] > 0
+
+
+# ------------------------------------------------------------------------ the step trace with CUDA graphs
+
+
+def test_trace_records_graph_replays(qwen3_4b_2l, tmp_path):
+    """trace=PATH with CUDA graphs: every step records whether it replayed a graph and which bucket, and a
+    step replays a bucket no smaller than its tokens; decode-only steps replay the decode graph; the file is
+    Trace Event Format JSON."""
+    from tests.test_step_trace import check_trace_format
+
+    path = tmp_path / "trace.json"
+    prompts = _prompts(4, (20, 300), 150000)
+    _generate(qwen3_4b_2l, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+              dtype="bfloat16", fused_kernels=True, cuda_graphs=True, trace=str(path))
+    events = check_trace_format(json.loads(path.read_text()))
+    steps = [e["args"] for e in events if e.get("ph") == "X" and "decode_tokens" in e.get("args", {})]
+    assert any(a["prefill_tokens"] for a in steps) and any(a["decode_tokens"] for a in steps)
+    for a in steps:
+        if a["graph"] != "eager":
+            assert a["graph_size"] >= a["prefill_tokens"] + a["decode_tokens"], a
+        if not a["prefill_tokens"]:
+            assert a["graph"] == "decode", a
