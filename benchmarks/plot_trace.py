@@ -67,7 +67,7 @@ SCENARIOS = ("mixed", "static", "offload")
 GRAPH_COLORS = {"eager": "#d9d9d9", "decode": "#2ca02c", "prefill": "#9467bd", "mixed-whole": "#17becf",
                 "mixed-pieces": "#bcbd22"}
 PREFILL, DECODE = "#e6862e", "#3b7dd8"
-LEGEND_AT = {"offload blocks": "upper left"}  # by the panel's y label
+LEGEND_AT = {"offload blocks": "upper left", "ms": "best"}  # by the panel's y label
 
 
 def load_steps(trace: dict) -> list[dict]:
@@ -209,7 +209,7 @@ def _time(ax, x, steps, legend, ylim) -> None:
             label="step (wall)")
     fwd = [(xi, s["forward_ms"]) for xi, s in zip(x, steps) if s["forward_ms"]]
     ax.plot([f[0] for f in fwd], [f[1] for f in fwd], color="#e377c2", marker=".", markersize=3, linewidth=1,
-            label="host: launch forward + sampling" if _on_cuda(steps) else "forward + sampling")
+            label="host: prepare + launch forward, sampling" if _on_cuda(steps) else "forward + sampling")
     if _on_cuda(steps):
         dev = [(xi, s["device_ms"]) for xi, s in zip(x, steps) if s["device_ms"]]
         ax.plot([d[0] for d in dev], [d[1] for d in dev], color="#1f77b4", marker=".", markersize=3,
@@ -218,7 +218,7 @@ def _time(ax, x, steps, legend, ylim) -> None:
 
     ax.set_yscale("log")
     ax.set_ylim(*ylim)
-    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5) if ylim[1] / ylim[0] < 300 else (1,)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_ylabel("ms")
