@@ -1,8 +1,11 @@
 """Draw a step trace (``EngineConfig.trace``) as a picture: tokens per step, KV blocks, queues, time.
 
     python benchmarks/plot_trace.py /tmp/steps.json --plot /tmp/steps.png        # a trace you recorded
-    python benchmarks/plot_trace.py --record --configs "chunked_prefill=false;chunked_prefill=true" \\
-        --engine-args batching=continuous max_num_batched_tokens=64 --plot docs/img/phase06_trace.png
+    python benchmarks/plot_trace.py --record --configs "chunked_prefill=false;chunked_prefill=true,max_num_batched_tokens=48" \\
+        --engine-args batching=continuous kv_cache=paged --plot /tmp/chunked.png
+    python benchmarks/plot_trace.py --record --warmup --device cuda --model DIR --panels tokens,time,graph \\
+        --configs "cuda_graphs=false;cuda_graphs=true" --engine-args batching=continuous kv_cache=paged \\
+        fused_kernels=true --plot $OUT/phase9_trace.png --save-traces $OUT   # on a GPU; DIR: a checkpoint
 
 Each trace becomes one column of panels that share the step axis (``--panels``, top to bottom):
 
@@ -67,7 +70,7 @@ SCENARIOS = ("mixed", "static", "offload")
 GRAPH_COLORS = {"eager": "#d9d9d9", "decode": "#2ca02c", "prefill": "#9467bd", "mixed-whole": "#17becf",
                 "mixed-pieces": "#bcbd22"}
 PREFILL, DECODE = "#e6862e", "#3b7dd8"
-LEGEND_AT = {"offload blocks": "upper left", "ms": "best"}  # by the panel's y label
+LEGEND_AT = {"offload blocks": "lower left", "ms": "best"}  # by the panel's y label
 
 
 def load_steps(trace: dict) -> list[dict]:
@@ -200,6 +203,9 @@ def _offload(ax, x, steps, legend) -> None:
     if not any(s["offloaded"] or s["restored"] or s["host_blocks"] for s in steps):
         ax.set_ylim(-1, 1)
         ax.text(0.5, 0.5, "nothing copied", transform=ax.transAxes, ha="center", va="bottom", color="#777")
+    else:  # room below the restores for the legend (lower left)
+        bottom, top = ax.get_ylim()
+        ax.set_ylim(min(bottom, -0.9 * top), top)
     ax.set_ylabel("offload blocks")
     legend.append(ax)
 
@@ -249,8 +255,15 @@ def _graph(ax, x, steps, legend) -> None:
 def plot(columns: list[tuple[str, list[dict]]], path: str, panels: tuple[str, ...] = ("tokens", "kv", "seqs"),
          requests: list[list[dict]] | None = None) -> None:
     """One column of ``panels`` (:data:`PANELS`) per ``(title, steps)`` (:func:`load_steps`; the
-    ``requests`` panel needs :func:`load_requests` of each column), written to ``path``."""
+    ``requests`` panel needs :func:`load_requests` of each column), written to ``path``.
+
+    Raises:
+        ValueError: an unknown panel, or the ``requests`` panel without ``requests``.
+    """
     import matplotlib
+
+    if set(panels) - set(PANELS) or "requests" in panels and (requests is None or len(requests) != len(columns)):
+        raise ValueError(f"panels {panels} (of {PANELS}; 'requests' needs load_requests of every column)")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -278,7 +291,7 @@ def plot(columns: list[tuple[str, list[dict]]], path: str, panels: tuple[str, ..
     for row in legends.values():  # the first column's, and any other whose handles differ from it
         for ax in row:
             if ax is row[0] or ax.get_legend_handles_labels()[1] != row[0].get_legend_handles_labels()[1]:
-                ax.legend(fontsize=7, loc=LEGEND_AT.get(ax.get_ylabel(), "upper right"))
+                ax.legend(fontsize=8, loc=LEGEND_AT.get(ax.get_ylabel(), "upper right"))
     save_figure(fig, path)
 
 

@@ -528,13 +528,13 @@ def test_plot_trace_static_batch_holds_newcomers_until_its_longest_member_ends(t
     """The ``static`` scenario read back per request: under static batching the batch's members run
     1/4..4/4 of ``output_len`` steps each, and the two newcomers (arrivals at steps 4 and 10) wait from
     their arrival until the step after the longest member's last, then run; under continuous batching
-    they run at their arrival step. With ``warmup`` the first run is left out of the trace (its steps
-    numbered from 0, only the second run's six requests). Every panel draws."""
+    they run at their arrival step. With ``warmup`` (static) the first run is left out of the trace (its
+    steps numbered from 0, only the second run's six requests). Every panel draws."""
     import plot_trace
 
-    args = _trace_args(scenario="static", warmup=True, output_len=16)
     got = {}
     for policy in ("static", "continuous"):
+        args = _trace_args(scenario="static", warmup=policy == "static", output_len=16)
         path = tmp_path / f"{policy}.json"
         plot_trace.record(str(tiny_llama.path), {"batching": policy, "max_num_seqs": 4, "dtype": "float32",
                                                  "batch_wait_timeout_ms": 0}, args, str(path))
@@ -552,8 +552,7 @@ def test_plot_trace_static_batch_holds_newcomers_until_its_longest_member_ends(t
         assert r["waits"] == [(arrival, end, "queued")] and r["runs"][0] == (end + 1, "prefill")
     for r, arrival in zip(got["continuous"][1][4:], (4, 10)):
         assert not r["waits"] and r["runs"][0] == (arrival, "prefill")
-    plot_trace.plot([(p, got[p][0]) for p in got], str(tmp_path / "all.png"), plot_trace.PANELS,
-                    [got[p][1] for p in got])
+    plot_trace.plot([("static", steps)], str(tmp_path / "all.png"), plot_trace.PANELS, [reqs])
     assert (tmp_path / "all.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
