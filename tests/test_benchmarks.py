@@ -495,7 +495,8 @@ def test_plot_trace_reads_back_the_scripted_arrivals_tokens(tiny_llama, tmp_path
 
     import plot_trace
 
-    args = argparse.Namespace(device="cpu", short_len=8, long_len=40, shared_len=32, output_len=6)
+    args = argparse.Namespace(device="cpu", short_len=8, long_len=40, shared_len=32, output_len=6,
+                              scenario="mixed", fillers=0, filler_len=0)
     prompts = 3 * args.short_len + args.long_len + 2 * (args.shared_len + 8)
     outputs = 3 * args.output_len + args.output_len // 2 + 2 * args.output_len
     columns = []
@@ -513,3 +514,70 @@ def test_plot_trace_reads_back_the_scripted_arrivals_tokens(tiny_llama, tmp_path
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="not a step trace|step trace"):
         plot_trace.load_steps({"traceEvents": [{"ph": "X", "name": "matmul", "pid": 1, "ts": 0, "dur": 1}]})
+
+
+def _trace_args(**kw):
+    import argparse
+
+    base = dict(device="cpu", short_len=8, long_len=40, shared_len=32, output_len=8, scenario="mixed",
+                fillers=4, filler_len=16, warmup=False)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_plot_trace_static_batch_holds_newcomers_until_its_longest_member_ends(tiny_llama, tmp_path):
+    """The ``static`` scenario read back per request: under static batching the batch's members run
+    1/4..4/4 of ``output_len`` steps each, and the two newcomers (arrivals at steps 4 and 10) wait from
+    their arrival until the step after the longest member's last, then run; under continuous batching
+    they run at their arrival step. With ``warmup`` (static) the first run is left out of the trace (its
+    steps numbered from 0, only the second run's six requests). Every panel draws."""
+    import plot_trace
+
+    got = {}
+    for policy in ("static", "continuous"):
+        args = _trace_args(scenario="static", warmup=policy == "static", output_len=16)
+        path = tmp_path / f"{policy}.json"
+        plot_trace.record(str(tiny_llama.path), {"batching": policy, "max_num_seqs": 4, "dtype": "float32",
+                                                 "batch_wait_timeout_ms": 0}, args, str(path))
+        trace = json.loads(path.read_text())
+        steps = plot_trace.load_steps(trace)
+        reqs = plot_trace.load_requests(trace, steps)
+        assert steps[0]["step"] == 0 and len(reqs) == 6
+        got[policy] = (steps, reqs)
+    steps, reqs = got["static"]
+    first, newcomers = reqs[:4], reqs[4:]
+    assert [len(r["runs"]) for r in first] == [4, 8, 12, 16]  # prefill + max_tokens - 1 decodes, from step 0
+    assert all(r["runs"][0] == (0, "prefill") and not r["waits"] for r in first)
+    end = max(step for r in first for step, _ in r["runs"])
+    for r, arrival in zip(newcomers, (4, 10)):
+        assert r["waits"] == [(arrival, end, "queued")] and r["runs"][0] == (end + 1, "prefill")
+    for r, arrival in zip(got["continuous"][1][4:], (4, 10)):
+        assert not r["waits"] and r["runs"][0] == (arrival, "prefill")
+    plot_trace.plot([("static", steps)], str(tmp_path / "all.png"), plot_trace.PANELS, [reqs])
+    assert (tmp_path / "all.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_trace_offload_scenario_restores_the_evicted_prefix(tiny_llama, tmp_path):
+    """The ``offload`` scenario in a 10-block cache: the fillers evict the long prompt's cached blocks.
+    Without a tier the last request prefills its whole prompt; with ``kv_offload=host`` its shared
+    blocks come back from the host tier (``restored``) and it prefills only the rest; the host tier's
+    counter ends at the blocks copied down (a tier that never fills loses none)."""
+    import plot_trace
+    import torch
+
+    args = _trace_args(scenario="offload", fillers=5)
+    block = 16 * tiny_llama.config.kv_bytes_per_token(torch.float32)
+    last_prefill = {}
+    for mode in ("none", "host"):
+        path = tmp_path / f"{mode}.json"
+        plot_trace.record(str(tiny_llama.path), {"batching": "continuous", "kv_cache": "paged", "dtype": "float32",
+                                                 "prefix_caching": True, "kv_cache_memory_bytes": 10 * block,
+                                                 "kv_offload": mode}, args, str(path))
+        steps = plot_trace.load_steps(json.loads(path.read_text()))
+        assert not any(s["preemptions"] for s in steps)
+        last_prefill[mode] = [s["prefill"] for s in steps if s["prefill"]][-1]
+        if mode == "none":
+            assert all(s["host_blocks"] is None and not s["offloaded"] for s in steps)
+        else:
+            restored = sum(s["restored"] for s in steps)
+            assert restored == args.shared_len // 16 and steps[-1]["host_blocks"] == sum(s["offloaded"] for s in steps)
+    assert last_prefill == {"none": args.shared_len + 8, "host": 8}

@@ -210,20 +210,26 @@ def test_a_scripted_run_records_what_the_scheduler_did(smollm2, tmp_path):
     assert trace["otherData"]["steps_kept"] == len(records) and trace["otherData"]["steps_dropped"] == 0
     preempted = [e for e in events if e["pid"] == 2 and e["name"] == "preempted"]
     assert {e["ph"] for e in preempted} == {"i", "X"}  # the instant, then the wait for readmission
-    load_in_perfetto(path, events)
 
 
-def load_in_perfetto(path: Path, events: list[dict]) -> None:
-    """Load the trace in the ``perfetto`` package's trace processor, where one is installed: its
-    ``trace_processor_shell`` is a binary it downloads on first use, so it needs ``$INFER_TRACE_PROCESSOR``
-    (the binary's path) or the binary on ``PATH`` on a machine without network access."""
-    binary = os.environ.get("INFER_TRACE_PROCESSOR") or shutil.which("trace_processor_shell")
+def test_the_trace_loads_in_perfettos_trace_processor(smollm2, tmp_path):
+    """The scripted run's trace, loaded by the ``perfetto`` package's trace processor, holds every slice
+    and instant written. Skipped, with the reason, without the package or without its
+    ``trace_processor_shell``: a prebuilt binary that the package downloads from get.perfetto.dev on first
+    use, which no package registry ships, so a machine without network access needs
+    ``$INFER_TRACE_PROCESSOR`` (the binary's path) or the binary on ``PATH``."""
     try:
         from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
     except ImportError:
-        return
+        pytest.skip("the perfetto package is not installed (pip install perfetto)")
+    binary = os.environ.get("INFER_TRACE_PROCESSOR") or shutil.which("trace_processor_shell")
     if binary is None:
-        return
+        pytest.skip("no trace_processor_shell: perfetto downloads it on first use; set $INFER_TRACE_PROCESSOR")
+    path = tmp_path / "trace.json"
+    eng = make_engine(smollm2, trace=str(path), **KW)
+    scripted_run(eng)
+    eng.shutdown()
+    events = check_trace_format(json.loads(path.read_text()))
     with TraceProcessor(trace=str(path), config=TraceProcessorConfig(bin_path=binary)) as tp:
         slices = next(iter(tp.query("select count(*) as n from slice"))).n
     assert slices == sum(e["ph"] in ("X", "i") for e in events)

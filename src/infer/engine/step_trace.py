@@ -15,8 +15,9 @@ in the Trace Event Format (the JSON that chrome://tracing and ui.perfetto.dev re
   launched; on a CPU, run) and ``outputs`` (stop checks, detokenization, freeing; under async
   scheduling the previous step's tokens); an instant (``ph: "i"``) per preemption;
 * counters (``ph: "C"``) on that process, sampled after each step's scheduling: ``KV cache blocks``
-  (used, cached: free but holding a prefix-cache block, free), ``sequences`` (running, waiting) and
-  ``step tokens`` (prefill, decode);
+  (used, cached: free but holding a prefix-cache block, free), ``sequences`` (running, waiting),
+  ``step tokens`` (prefill, decode) and, with ``kv_offload``, ``KV offload blocks`` (host, disk: the
+  blocks each lower tier holds);
 * process ``requests``: one thread per sequence (named by its request id; ``#i`` marks sequence ``i``
   of an ``n > 1`` request): ``queued`` from arrival to admission (``preempted`` from a preemption to
   the readmission), one event per step it ran in (``prefill``; ``prefill chunk`` when the prompt is
@@ -123,6 +124,8 @@ class StepRecord:
         running, waiting: sequences running and requests waiting after scheduling.
         kv_used, kv_cached, kv_free: KV-cache blocks after scheduling: held by sequences; free but
             holding a cached prefix block (evictable); free and empty.
+        tier_blocks: with ``kv_offload``, the blocks the host and disk tiers hold after scheduling
+            (``(host, disk)``); None without.
         graph: the captured graph that ran the step (``"decode"``, ``"prefill"``, ``"mixed-whole"``,
             ``"mixed-pieces"``), None when it ran eagerly; ``graph_size``: its bucket (tokens).
         counts: the change over the step of each engine counter of :data:`COUNTS` (preemptions,
@@ -147,6 +150,7 @@ class StepRecord:
     kv_used: int = 0
     kv_cached: int = 0
     kv_free: int = 0
+    tier_blocks: tuple[int, int] | None = None
     graph: str | None = None
     graph_size: int | None = None
     counts: dict[str, int] = field(default_factory=dict)
@@ -247,6 +251,9 @@ class StepRecorder:
         free = kv.num_free_blocks
         rec.kv_cached = getattr(kv.pool, "num_cached_free", 0)
         rec.kv_used, rec.kv_free = kv.num_blocks - free, free - rec.kv_cached
+        off = engine.offloader
+        if off is not None:
+            rec.tier_blocks = (len(off.host), len(off.disk) if off.disk is not None else 0)
         if self.cuda and scheduled:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -322,6 +329,14 @@ class StepRecorder:
             rec.device_ms = start.elapsed_time(end)
             rec.events = None
             self._pending.popleft()
+
+    def clear(self) -> None:
+        """Forget the steps kept so far: the trace starts again at the next step, numbered from 0 and
+        timed from now (a benchmark's warm-up left out of its trace). Call it between steps."""
+        self.read_device_times(wait=True)
+        self.steps.clear()
+        self.dropped = self._num_entries = self._next_index = 0
+        self.origin, self.origin_unix_s = time.perf_counter(), time.time()
 
     # ------------------------------------------------------------------ the trace
 
@@ -445,6 +460,9 @@ class _TraceBuilder:
                     "args": {"used": rec.kv_used, "cached": rec.kv_cached, "free": rec.kv_free}})
         out.append({"name": "sequences", **counter, "args": {"running": rec.running, "waiting": rec.waiting}})
         out.append({"name": "step tokens", **counter, "args": {"prefill": prefill, "decode": decode}})
+        if rec.tier_blocks is not None:
+            out.append({"name": "KV offload blocks", **counter,
+                        "args": {"host": rec.tier_blocks[0], "disk": rec.tier_blocks[1]}})
 
     def metadata(self) -> list[dict]:
         m = [{"name": "process_name", "ph": "M", "pid": self.ENGINE, "args": {"name": "infer engine"}},
