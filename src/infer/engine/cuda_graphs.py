@@ -272,9 +272,11 @@ class CUDAGraphRunner:
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
-    def run(self, step: StepInputs) -> ForwardOutput | None:
+    def run(self, step: StepInputs, hidden_only: bool = False) -> ForwardOutput | None:
         """Run ``step`` through a captured graph if one fits it; ``None`` if none does (the model runner
-        then runs it eagerly). The routes, tried in order:
+        then runs it eagerly). ``hidden_only``: only the route that returns every token's hidden state
+        (the last), for a step whose rows sample in a way the other graphs do not (speculative decoding's
+        verify rows: ``k + 1`` per sequence). The routes, tried in order:
 
         * a decode-only step no wider than the largest decode bucket: its bucket's graph (forward + LM
           head of every row), its inputs staged straight from the sequences (:func:`stage_decodes`);
@@ -289,12 +291,17 @@ class CUDAGraphRunner:
             prefill graphs), or the hidden states of every token (mixed steps); its ``graph`` names the
             route (``"decode"``, ``"prefill"``, ``"mixed-whole"``, ``"mixed-pieces"``, in the order above).
         """
+        f = step.flat
+        t = len(f.ids)
+        if hidden_only:
+            if self.mixed and self.can_run_mixed(t):
+                hidden = self.replay_mixed(f.ids, f.positions, f.slots, step.metadata, step.flat_patch)
+                return ForwardOutput(f.sampled, hidden=hidden, graph="mixed-pieces")
+            return None
         if step.is_decode_only and self.graphs and step.num_tokens <= self.sizes[-1]:
             return self._run_decode(step)
         if not (self.prefill_graphs or self.mixed_full or self.mixed):
             return None
-        f = step.flat
-        t = len(f.ids)
         if len(f.scheduled) == 1 and self.can_run_prefill(t) and f.scheduled[0].seq.params.prompt_logprobs is None:
             logits = self.replay_prefill(f.ids, f.positions, f.slots, f.seq_lens[0], f.tables[0], step.flat_patch)
             if len(f.sampled) > 1:  # n > 1: the forks sample from the same logits

@@ -252,8 +252,9 @@ class ModelRunner:
         step = StepInputs(scheduled, prev, self)
         if self.lora_manager is not None:
             self._set_lora_mapping(step)
-        # a step that verifies drafts (phase 12) runs eagerly: no graph samples k + 1 rows per sequence
-        out = self.graphs.run(step) if self.graphs is not None and not step.has_spec else None
+        # a step that verifies drafts (phase 12) samples k + 1 rows per sequence: only the mixed step's pieces,
+        # which return every token's hidden state, serve it (the attention runs eagerly between them)
+        out = self.graphs.run(step, hidden_only=step.has_spec) if self.graphs is not None else None
         if out is None:
             out = self._run_eager(step)
         if step.has_forks:

@@ -7,7 +7,7 @@ scales). That holds only if the kernel reads the small weights: dequantizing the
 first (and reading that) saves memory but no time. Here each program loads a tile of quantized values
 and the scale(s) that cover it, turns them into float32 in registers, and multiplies:
 
-* :func:`quantized_linear` with :data:`GEMV_MAX_ROWS` row (batch-1 decode): like
+* :func:`quantized_linear` with a few rows (decode; :func:`default_config` says how many): like
   :mod:`infer.kernels.skinny_gemm`, each program owns ``BLOCK_N`` outputs and streams their rows along
   ``K``, the next tile loaded in its stored 8 or 4 bits before the current one is used, the products
   summed per element in float32 and reduced once at the end (gpt-fast's and Marlin's int4/int8 GEMV idea,
@@ -38,16 +38,16 @@ _METHOD_CODE = {"int8": 0, "fp8": 1, "int4": 2}
 
 
 @triton.jit
-def _dequant_tile(q_ptr, s_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC, METHOD: tl.constexpr):
+def _dequant_tile(q_ptr, s_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC, METHOD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Columns ``k`` (one tile, ``k0`` its first) of rows ``offs_n`` of the weight, dequantized: float32
     ``[BLOCK_N, BLOCK_K]``, 0 where masked. METHOD 0 int8, 1 fp8 e4m3, 2 int4 (8 per int32 along K)."""
     mask = n_mask[:, None] & (k < K)[None, :]
-    rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
-    if METHOD == 2:
-        words = tl.load(rows + (k // 8)[None, :], mask=mask, other=0)
-        q = ((words >> ((k % 8) * 4)[None, :]) & 0xF).to(tl.float32) - 8.0
-    else:  # no `other` (it cannot be cast to fp8): masked lanes are zeroed after the conversion
-        q = tl.where(mask, tl.load(rows + k[None, :], mask=mask).to(tl.float32), 0.0)
+    if METHOD == 2:  # each word loaded once, unpacked in registers
+        q = _unpack_words(_load_words(q_ptr, offs_n, k0, n_mask, K, stride_qn, BLOCK_K), BLOCK_N, BLOCK_K)
+    else:
+        q = _load_bytes(q_ptr, offs_n, k0, n_mask, K, stride_qn, BLOCK_K).to(tl.float32)
+    q = tl.where(mask, q, 0.0)  # masked lanes zeroed after the conversion (a load's `other` cannot be fp8)
     # the tile lies in one scale column: one scale per row
     s = tl.load(s_ptr + (offs_n // BR).to(tl.int64) * stride_sn + k0 // BC, mask=n_mask, other=0.0)
     return q * s[:, None]
@@ -150,7 +150,8 @@ def _quantized_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        w = _dequant_tile(q_ptr, s_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC, METHOD)
+        w = _dequant_tile(q_ptr, s_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC, METHOD, BLOCK_N,
+                          BLOCK_K)
         if DOT_16BIT:
             acc += tl.dot(x.to(dtype), tl.trans(w.to(dtype)))
         else:
@@ -171,28 +172,35 @@ def _block_k(preferred: int, k: int, bc: int) -> int:
     return b
 
 
-def default_config(m: int, n: int, k: int, bc: int) -> tuple[int, int, int, int, bool]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT)`` for ``m`` rows of a ``[n, k]`` weight whose scale
-    columns span ``bc`` inputs.
+def default_config(m: int, n: int, k: int, bc: int, method: str = "int8") -> tuple[int, int, int, int, bool]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT)`` for ``m`` rows of a ``[n, k]`` ``method`` weight whose
+    scale columns span ``bc`` inputs.
 
-    One row (batch-1 decode): the GEMV kernel (``DOT`` False, ``BLOCK_M`` 1), a few outputs per program and
-    256-512 columns a step, so many small programs spread the weight stream over every SM. The tiles are
-    the best of ``benchmarks/quantization.py --parts tune`` at Qwen3-4B's shapes on an H100 (timed in a CUDA
-    graph, each call on its own copy of the weight), or within 6% of the best: rows of K <= 2,560 (QKV,
-    gate/up) ``(8, 256, 1)``, longer rows (o, down) ``(4, 512, 4)``. More rows: the GEMV's float32
-    products grow with the rows while tensor cores do them for free, so the tl.dot GEMM takes over, on
-    tiles of :data:`GEMM_TILE` (``BLOCK_K`` inside one scale column)."""
-    if m <= GEMV_MAX_ROWS:
+    The tiles are the best of ``benchmarks/quantization.py --parts tune`` at Qwen3-4B's shapes on an H100
+    (timed in a CUDA graph, each call on its own copy of the weight), or within ~10% of the best:
+
+    * one row (batch-1 decode): the GEMV kernel (``DOT`` False), a few outputs per program and 256-512
+      columns a step, so many small programs spread the weight stream over every SM: rows of K <= 2,560
+      (QKV, gate/up) ``(8, 256, 1)``, longer rows (o, down) ``(4, 512, 4)``;
+    * up to :data:`GEMV_MAX_ROWS` rows (int4: up to :data:`GEMV_ROWS_LIMIT`): the GEMV with ``(4, 256, 2)``
+      (int4 ``(2, 256, 4)``): its float32 products grow with the rows, but unpacking int4 for tensor cores
+      costs more;
+    * more rows: the tl.dot GEMM on :data:`GEMM_TILE` tiles (``BLOCK_K`` inside one scale column)."""
+    m_pad = triton.next_power_of_2(max(m, 1))
+    if m <= 1:
         block_n, block_k, warps = (8, 256, 1) if k <= 2560 else (4, 512, 4)
         return 1, block_n, min(block_k, max(16, triton.next_power_of_2(k))), warps, False
+    if m <= (GEMV_ROWS_LIMIT if method == "int4" else GEMV_MAX_ROWS):
+        block_n, warps = (2, 4) if method == "int4" else (4, 2)
+        return m_pad, block_n, min(256, max(16, triton.next_power_of_2(k))), warps, False
     block_m, block_n, block_k, warps = GEMM_TILE
-    return max(block_m, min(64, triton.next_power_of_2(m))), block_n, _block_k(block_k, k, bc), warps, True
+    return max(block_m, min(64, m_pad)), block_n, _block_k(block_k, k, bc), warps, True
 
 
-#: the most rows the GEMV kernel takes in the engine (default_config); it takes up to 16 when asked to
-GEMV_MAX_ROWS = 1
-#: (BLOCK_M at least, BLOCK_N, BLOCK_K, num_warps) of the GEMM past GEMV_MAX_ROWS rows (default_config)
-GEMM_TILE = (16, 32, 128, 4)
+#: the most rows (int8, fp8) the GEMV kernel takes in the engine (default_config)
+GEMV_MAX_ROWS = 4
+#: (BLOCK_M at least, BLOCK_N, BLOCK_K, num_warps) of the GEMM past the GEMV's rows (default_config)
+GEMM_TILE = (16, 16, 128, 4)
 
 
 def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
@@ -223,7 +231,7 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    bm, bn, bk, warps, dot = config or default_config(m, n, k, block[1])
+    bm, bn, bk, warps, dot = config or default_config(m, n, k, block[1], method)
     br, bc = block
     common = dict(METHOD=_METHOD_CODE[method], HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
                   MANUAL_BF16=manual_bf16(x), num_warps=warps)
