@@ -138,7 +138,7 @@ def _copies(nbytes: int) -> int:
 
 
 def bench_tune(cfg, methods, batch_sizes, device, dtype) -> list[dict]:
-    """The GEMV kernel's tiles (:data:`infer.kernels.quant_triton.GEMV_TILES`) searched: for each projection,
+    """The quantized kernels' tiles (:func:`infer.kernels.quant_triton.default_config`) searched: for each projection,
     method and row count, every ``(BLOCK_N, BLOCK_K, num_warps)`` of the
     TUNE_* grids whose float32 accumulator takes 8-64 registers a thread, timed in a CUDA graph over copies
     of the weight (:func:`graph_us`); the default tile's time, the best tile and the bf16 ``F.linear`` beside
@@ -163,7 +163,7 @@ def bench_tune(cfg, methods, batch_sizes, device, dtype) -> list[dict]:
                     return graph_us([functools.partial(qt.quantized_linear_triton, x, qi, si, method, block,
                                                        config=config) for qi, si in qs], device)
 
-                default = qt.default_config(m, n, k, block[1])
+                default = qt.default_config(m, n, k, block[1], method)
                 times = {}
                 for tile in tune_tiles(m, k, block[1]):
                     times[tile] = run(tile)
