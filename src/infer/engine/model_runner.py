@@ -172,6 +172,8 @@ class ModelRunner:
                      cuda_graph_prefill_max_tokens=graph_prefill, cuda_graph_mixed_max_tokens=graph_mixed,
                      pdl=config.pdl, num_state_slots=num_slots, **kwargs)
         runner.lora_manager = lora
+        if lora is not None and runner.graphs is not None:  # the graphs' LoRA variants (before capture)
+            runner.graphs.enable_lora(lora.mapping)
         return runner
 
     @torch.inference_mode()
@@ -287,9 +289,11 @@ class ModelRunner:
 
     def _set_lora_mapping(self, step: StepInputs) -> None:
         """LoRA (phase 16): each flat row's adapter slot (-1: the base model), for every LoRA layer. The
-        engine made the step's adapters resident before (:meth:`LoRAModelManager.activate`)."""
+        engine made the step's adapters resident before (:meth:`LoRAModelManager.activate`). A decode-only
+        step's rows are its sequences as scheduled (the flat order is the same, and a decode graph never
+        builds it)."""
         manager, slots = self.lora_manager, []
-        for item in step.flat.scheduled:
+        for item in step.scheduled if step.is_decode_only else step.flat.scheduled:
             lora = item.seq.request.lora_request
             slots += [manager.slot_of(lora.lora_int_id) if lora is not None else -1] * item.num_tokens
         manager.set_mapping(slots)

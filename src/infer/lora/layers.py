@@ -16,6 +16,8 @@ model runner (vLLM's ``PunicaWrapper``, its "LoRA mapping").
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -31,21 +33,52 @@ class LoRAMapping:
     Args:
         ops: the module whose ``add_lora`` runs (:func:`infer.kernels.lora_ops`).
         num_slots: ``max_loras``.
+
+    Attributes:
+        token_slots: the step's slot of each row as set (tensor parallelism sends them; the CUDA graphs
+            stage them, :class:`~infer.lora.graphs.LoRAGraphInputs`).
+        has_lora: some row of the step has an adapter.
     """
 
     def __init__(self, ops, num_slots: int) -> None:
         self.ops = ops
         self.num_slots = num_slots
-        self.meta: LoRAKernelMeta | None = None  # None: no row has an adapter (the layers add nothing)
-        self.token_slots: list[int] | None = None  # the step's slots as set (tensor parallelism sends them)
+        self.token_slots: list[int] | None = None
+        self.has_lora = False
+        self._device: torch.device | str = "cpu"
+        self._meta: LoRAKernelMeta | None = None
+        self._capture: tuple[LoRAKernelMeta | None] | None = None  # while a CUDA graph is captured
+
+    @property
+    def meta(self) -> LoRAKernelMeta | None:
+        """The groups the layers read; None: no row has an adapter (the layers add nothing). Built on first
+        use (a step that replays a CUDA graph never builds it); while a graph is captured, the graph's
+        static meta (:meth:`capturing`)."""
+        if self._capture is not None:
+            return self._capture[0]
+        if self._meta is None and self.has_lora:
+            self._meta = make_lora_meta(self.token_slots, self.num_slots, self._device)
+        return self._meta
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
         """Set the step's per-row slots (``[T]``, -1 for a row without adapter)."""
-        self.token_slots = token_slots
-        self.meta = make_lora_meta(token_slots, self.num_slots, device) if any(s >= 0 for s in token_slots) else None
+        self.token_slots, self._device, self._meta = token_slots, device, None
+        self.has_lora = any(s >= 0 for s in token_slots)
 
     def clear(self) -> None:
-        self.meta = self.token_slots = None
+        self._meta = self.token_slots = None
+        self.has_lora = False
+
+    @contextlib.contextmanager
+    def capturing(self, meta: LoRAKernelMeta | None):
+        """While a CUDA graph is captured the layers read ``meta``: a static one (the graph's LoRA
+        variant, every layer's delta launched over groups read on the device) or None (the base
+        variant: the base model's forward, exactly)."""
+        self._capture = (meta,)
+        try:
+            yield
+        finally:
+            self._capture = None
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
               y_offset: int = 0, reduce=None) -> torch.Tensor:
