@@ -280,7 +280,7 @@ class CUDAGraphRunner:
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         # LoRA (phase 16, :meth:`enable_lora`): the row groups' static buffer, and the LoRA variant of each
-        # decode, prefill and whole mixed-step graph: (route, size) -> (graph, its output)
+        # decode, prefill and whole mixed-step graph: (route, size) -> (graph, its output: the base variant's)
         self.lora: LoRAGraphInputs | None = None
         self.lora_graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -591,6 +591,8 @@ class CUDAGraphRunner:
             if kind == "decode":  # the packed step a decode graph reads: padding rows only
                 self.packed[: 4 * size].zero_()
                 self.packed[2 * size: 3 * size].fill_(-1)
+            graphs, outputs = {"decode": (self.graphs, self.logits), "prefill": (self.prefill_graphs, self.prefill_logits),
+                               "mixed": (self.mixed_full, self.mixed_full_hidden)}[kind]
             with self._lora_variant(size, lora):
                 stream.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(stream):
@@ -602,14 +604,14 @@ class CUDAGraphRunner:
                 # thread's (PyTorch's NCCL watchdog polling its events) cannot invalidate the capture
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     out = forward()
+                    if lora:  # into the base variant's output: the pool keeps one output per bucket
+                        out = outputs[size].copy_(out)
             if self.pool is None:
                 self.pool = graph.pool()
             if lora:
                 self.lora_graphs[kind, size] = (graph, out)
-                continue
-            graphs, outputs = {"decode": (self.graphs, self.logits), "prefill": (self.prefill_graphs, self.prefill_logits),
-                               "mixed": (self.mixed_full, self.mixed_full_hidden)}[kind]
-            graphs[size], outputs[size] = graph, out
+            else:
+                graphs[size], outputs[size] = graph, out
         num_graphs = len(jobs)
         for t in tqdm(sorted(self.mixed_sizes, reverse=True), desc="capturing mixed-step pieces", unit="bucket",
                       disable=not progress, leave=False):
