@@ -374,6 +374,8 @@ def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
     (:class:`~infer.lora.graphs.LoRAGraphInputs`). Kernels launched once with its static meta (as a graph
     captures them, for a bucket of 16 rows) give, for each newly staged step, the per-row reference's
     values: the meta's tensors never move, only their contents change. Padding rows get nothing."""
+    import numpy as np
+
     from infer.lora.graphs import LoRAGraphInputs
     from infer.lora.layers import LoRAMapping
 
@@ -388,6 +390,11 @@ def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
     for slots in ([2, -1, 0, 2, 0, 1, -1, 2, 1, 0, 2, -1], [1, 1, -1, 1, 2, 0, 0]):
         mapping.set(slots, "cpu")
         assert inputs.stage() == 2 * num_slots + len(slots)
+        rows, starts, counts = lora_reference.group_rows_by_slot(np.array(slots), num_slots)
+        assert torch.equal(static.slot_starts, torch.from_numpy(starts))
+        assert torch.equal(static.slot_counts, torch.from_numpy(counts))
+        used = int(counts.sum())
+        assert torch.equal(static.sorted_rows[:used], torch.from_numpy(rows[:used]))
         y0 = torch.randn(bucket, n, generator=g)
         y = lora_triton.add_lora(y0.clone(), x, a, b, static)
         padded = slots + [-1] * (bucket - len(slots))  # the graph's padding rows: no adapter
@@ -398,6 +405,9 @@ def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
     assert inputs.stage() == 0 and mapping.meta is None  # no adapter: the base variant replays, nothing staged
     with pytest.raises(ValueError, match="does not fit"):
         inputs.stage([0] * (bucket + 1))
+    for bad in ([0, 3], [-2, 1]):
+        with pytest.raises(ValueError, match="token slots must be in"):
+            inputs.stage(bad)
     with pytest.raises(ValueError, match="on the device only"):  # the host-grouped ops cannot take a graph's meta
         lora_reference.add_lora(y0.clone(), x, a, b, static)
 

@@ -10,7 +10,8 @@ the replayed kernels through memory the graph reads, never through its launch ar
   grid depends only on the number of rows and ``max_loras``. Here the three are views of **one fixed
   device buffer**, ``[slot_starts (L) | slot_counts (L) | sorted_rows (rows)]``, which
   :meth:`LoRAGraphInputs.stage` refills before every replay (one copy from pinned host memory): the
-  per-row slot index, grouped on the host by :func:`~infer.kernels.lora_reference.group_rows_by_slot`.
+  per-row slot index, grouped on the host as :func:`~infer.kernels.lora_reference.group_rows_by_slot`
+  groups it.
   A graph's padding rows have no adapter, so they are in no group.
 * **the adapters' weights.** They sit in the slot buffers of every
   :class:`~infer.lora.layers.LoRALinear` (``lora_a [L, R, in]``, ``lora_b [L, out, R]``), allocated
@@ -28,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from infer.kernels.lora_reference import LoRAKernelMeta, group_rows_by_slot
+from infer.kernels.lora_reference import LoRAKernelMeta
 from infer.lora.layers import LoRAMapping
 
 
@@ -87,17 +88,25 @@ class LoRAGraphInputs:
                 return 0
             token_slots = self.mapping.token_slots
         slots = np.asarray(token_slots, dtype=np.int64)
-        if len(slots) > self.max_rows:
-            raise ValueError(f"a step of {len(slots)} rows does not fit the graphs' {self.max_rows} LoRA rows")
-        if not (slots >= 0).any():
+        t, n = len(slots), self.num_slots
+        if t > self.max_rows:
+            raise ValueError(f"a step of {t} rows does not fit the graphs' {self.max_rows} LoRA rows")
+        # group_rows_by_slot's groups in fewer NumPy calls (this runs before every LoRA replay): a stable
+        # sort puts the rows without adapter (-1) first, then each slot's rows in row order
+        try:
+            counts = np.bincount(slots + 1, minlength=n + 1)  # [no adapter, slot 0, ..., slot L - 1]
+        except ValueError:  # a slot below -1
+            counts = None
+        if counts is None or len(counts) > n + 1:
+            raise ValueError(f"token slots must be in [-1, {n}), got {slots.min()}..{slots.max()}")
+        if counts[0] == t:
             return 0
-        if slots.min() < -1 or slots.max() >= self.num_slots:
-            raise ValueError(f"token slots must be in [-1, {self.num_slots}), got {slots.min()}..{slots.max()}")
-        rows, starts, counts = group_rows_by_slot(slots, self.num_slots)
-        n, size = self.num_slots, self.size(len(slots))
+        size = self.size(t)
         host = self._staging[self._turn]
         self._turn ^= 1
         h = host.numpy()
-        h[:n], h[n: 2 * n], h[2 * n: size] = starts, counts, rows
+        h[n: 2 * n] = counts[1:]
+        h[:n] = np.cumsum(counts[:-1]) - counts[0]  # slot l's rows start after slots 0 .. l - 1's
+        h[2 * n: 2 * n + t - counts[0]] = np.argsort(slots, kind="stable")[counts[0]:]
         self.buffer[:size].copy_(host[:size], non_blocking=True)
         return size
