@@ -551,6 +551,32 @@ def test_an_adapter_loaded_after_capture_is_seen_by_the_graphs(lora_qwen3):
         llm.engine.shutdown()
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_replay_the_lora_graphs_with_rank_0s_row_groups(lora_qwen3):
+    """Tensor parallelism over NCCL with CUDA graphs: rank 0 stages the row groups and sends them with the
+    packed decode inputs; both ranks replay the LoRA variants (their slices of every adapter). Greedy tokens
+    equal one GPU's eager run, also after an adapter is unloaded and another loaded into its slot."""
+    base, adapters = lora_qwen3
+    loras = [None] + [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    runs = {}
+    for name, kw in (("one", dict()), ("two", dict(tensor_parallel_size=2, cuda_graphs=True, fused_kernels=True,
+                                                     cuda_graph_max_batch_size=4))):
+        llm = _gpu_llm(base, max_loras=2, **kw)
+        try:
+            seen = _watch_lora_replays(llm) if name == "two" else [True]
+            outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)]
+            assert llm.engine.remove_lora(2)
+            outs += [o.outputs[0].token_ids for o in llm.generate(PROMPTS[3:], GREEDY, lora_request=loras[3:],
+                                                                  use_tqdm=False)]
+            assert any(seen), "no LoRA graph replay"
+            runs[name] = outs
+        finally:
+            llm.engine.shutdown()
+    assert runs["two"] == runs["one"]
+
+
 # ------------------------------------------------------------------------------------------ the server
 
 
