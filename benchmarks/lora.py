@@ -119,14 +119,19 @@ def decode_steps(engine: LLMEngine, prompts: list[list[int]], loras: list[LoRARe
 def measure(configs: list[tuple[str, LLMEngine, list]], prompts, args) -> list[dict[str, Any]]:
     """Each ``(name, engine, per-row adapters)`` run ``--repeats`` times, the configurations interleaved
     (a machine whose load drifts during the run shifts every configuration alike). TPOT: the median
-    decode step over every run (and the fastest step: on a shared machine the least disturbed)."""
+    decode step over every run (and the fastest step: on a shared machine the least disturbed).
+    ``graph_steps``: the share of the steps that replayed a CUDA graph (0 without ``cuda_graphs``), so a
+    LoRA row that fell back to the eager forward shows."""
     for _, engine, loras in configs:  # warm-up: adapters loaded into their slots, kernels compiled
         decode_steps(engine, prompts, loras, min(args.output_len, 8))
     steps: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     totals: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    routes: dict[str, list[str | None]] = {name: [] for name, _, _ in configs}
     for _ in range(args.repeats):
         for name, engine, loras in configs:
+            engine.runner.on_executed = lambda out, r=routes[name]: r.append(out.graph)
             times, total = decode_steps(engine, prompts, loras, args.output_len)
+            engine.runner.on_executed = None
             steps[name] += times
             totals[name].append(total)
     rows = []
@@ -134,7 +139,8 @@ def measure(configs: list[tuple[str, LLMEngine, list]], prompts, args) -> list[d
         median = statistics.median(steps[name])
         rows.append({"batch": len(prompts), "config": name, "decode_tok_per_s": len(prompts) / median,
                      "tpot_ms": 1e3 * median, "tpot_min_ms": 1e3 * min(steps[name]), "decode_steps": len(steps[name]),
-                     "offline_tok_per_s": len(prompts) * args.output_len / statistics.median(totals[name])})
+                     "offline_tok_per_s": len(prompts) * args.output_len / statistics.median(totals[name]),
+                     "graph_steps": sum(g is not None for g in routes[name]) / max(1, len(routes[name]))})
     return rows
 
 
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         r["tpot_vs_base"] = r["tpot_ms"] / ref["tpot_ms"]
         r["offline_vs_base"] = r["offline_tok_per_s"] / ref["offline_tok_per_s"]
     table = markdown_table(rows, ["batch", "config", "decode_tok_per_s", "tpot_ms", "tpot_min_ms", "vs_base",
-                                  "tpot_vs_base", "offline_tok_per_s", "offline_vs_base"])
+                                  "tpot_vs_base", "offline_tok_per_s", "offline_vs_base", "graph_steps"])
     write_report(report, out / "lora.json", table)
     plot(rows, out / "lora.png", f"{Path(args.model).name}: rank-{args.rank} LoRA on {len(args.targets)} "
                                  f"projections, {args.device}")
