@@ -11,8 +11,7 @@ the replayed kernels through memory the graph reads, never through its launch ar
   device buffer**, ``[slot_starts (L) | slot_counts (L) | sorted_rows (rows)]``, which
   :meth:`LoRAGraphInputs.stage` refills before every replay (one copy from pinned host memory): the
   per-row slot index, grouped on the host as :func:`~infer.kernels.lora_reference.group_rows_by_slot`
-  groups it.
-  A graph's padding rows have no adapter, so they are in no group.
+  groups it. A graph's padding rows have no adapter, so they are in no group.
 * **the adapters' weights.** They sit in the slot buffers of every
   :class:`~infer.lora.layers.LoRALinear` (``lora_a [L, R, in]``, ``lora_b [L, out, R]``), allocated
   once at start-up; loading an adapter *copies* into its slot (:meth:`~infer.lora.layers.LoRALinear.set_slot`),
