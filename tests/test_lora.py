@@ -492,8 +492,10 @@ GPU_LOGPROBS = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, logpr
 ], ids=["graphs", "graphs-fused-async", "graphs-fused-chunked"])
 def test_cuda_graphs_with_lora_give_the_eager_tokens_and_peft(lora_qwen3, engine_kw):
     """A batch of base rows and three adapters (float32, CUDA): with cuda_graphs the same tokens as the eager
-    engine, decode steps replaying the LoRA variants (base-only steps the base ones), and every chosen
-    token's logprob that of PEFT's merged model for the row's adapter (teacher-forced, within 2e-3)."""
+    engine, its steps replaying the LoRA variants (the six prompts at once: a mixed bucket's pieces; with
+    chunked prefill, decodes beside a chunk: the whole mixed-step graph; then the decodes) and base-only
+    steps the base ones, and every chosen token's logprob that of PEFT's merged model for the row's
+    adapter (teacher-forced, within 2e-3)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     base, adapters = lora_qwen3

@@ -61,8 +61,8 @@ on. The host cost of a mixed step becomes ``L + 1`` graph launches and a few att
 layer instead of hundreds of kernels. The ``T`` tokens fill the bucket's first rows; the padding
 rows have slot -1 (no K/V written) and are not passed to the attention.
 
-**LoRA** (phase 16, :meth:`CUDAGraphRunner.enable_lora`). Each decode, prefill and whole mixed-step
-graph is captured twice: its base variant, and a LoRA variant whose shrink / expand kernels read the
+**LoRA** (phase 16, :meth:`CUDAGraphRunner.enable_lora`). Each graph (and each mixed bucket's pieces)
+is captured twice: its base variant, and a LoRA variant whose shrink / expand kernels read the
 step's rows grouped by adapter slot from one fixed buffer, staged before the replay like the other
 inputs (:mod:`infer.lora.graphs`); a step where some row has an adapter replays the LoRA variant.
 
@@ -280,16 +280,17 @@ class CUDAGraphRunner:
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         # LoRA (phase 16, :meth:`enable_lora`): the row groups' static buffer, and the LoRA variant of each
-        # decode, prefill and whole mixed-step graph: (route, size) -> (graph, its output: the base variant's)
+        # decode, prefill and whole mixed-step graph: (route, size) -> (graph, its output: the base variant's);
+        # and of each mixed bucket's pieces, as :attr:`mixed`
         self.lora: LoRAGraphInputs | None = None
         self.lora_graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.lora_pieces: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Hole], torch.Tensor]] = {}
 
     def enable_lora(self, mapping) -> None:
-        """LoRA (phase 16): capture a LoRA variant of every decode, prefill and whole mixed-step graph
-        beside its base variant, reading the step's row groups from a fixed buffer
+        """LoRA (phase 16): capture a LoRA variant of every graph (decode, prefill, whole mixed step, a
+        mixed bucket's pieces) beside its base variant, reading the step's row groups from a fixed buffer
         (:class:`~infer.lora.graphs.LoRAGraphInputs`); a step where some row has an adapter replays it,
-        any other the base variant. Mixed steps run in pieces keep only the base variant (a LoRA step
-        of several prompts runs eagerly). Call before :meth:`capture`."""
+        any other the base variant. Call before :meth:`capture`."""
         self.lora = LoRAGraphInputs(mapping, self.max_rows, self.input_ids.device)
 
     def _lora_variant(self, rows: int, lora: bool):
@@ -334,7 +335,7 @@ class CUDAGraphRunner:
             hidden = self.replay_mixed_full(f.ids, f.positions, f.slots, f.seq_lens, f.tables, f.num_decodes,
                                             step.flat_patch)
             return ForwardOutput(f.sampled, hidden=hidden, graph="mixed-whole")
-        if self.can_run_mixed(t) and not (self.lora is not None and self.lora.mapping.has_lora):
+        if self.can_run_mixed(t):
             hidden = self.replay_mixed(f.ids, f.positions, f.slots, step.metadata, step.flat_patch)
             return ForwardOutput(f.sampled, hidden=hidden, graph="mixed-pieces")
         return None
@@ -473,7 +474,7 @@ class CUDAGraphRunner:
             num_decodes=0,
         )
 
-    def _capture_mixed(self, t: int, stream: torch.cuda.Stream) -> int:
+    def _capture_mixed(self, t: int, stream: torch.cuda.Stream, lora: bool = False) -> int:
         """Capture bucket ``t``'s pieces (see the module docstring); returns how many graphs."""
         dev = self.input_ids.device
         meta = self._mixed_meta(t)
@@ -493,7 +494,7 @@ class CUDAGraphRunner:
             self.model.set_attention_backend(self.attention_backend)
         if self.pool is None:
             self.pool = pieces.graphs[0].pool()
-        self.mixed[t] = (pieces.graphs, pieces.holes, hidden)
+        (self.lora_pieces if lora else self.mixed)[t] = (pieces.graphs, pieces.holes, hidden)
         return len(pieces.graphs)
 
     def replay_mixed(self, ids: list[int], positions: list[int], slots: list[int], meta: AttentionMetadata,
@@ -523,7 +524,7 @@ class CUDAGraphRunner:
         staged.copy_(host[: 3 * tb].view(3, tb), non_blocking=True)
         if patch is not None:
             patch_input_ids(staged[0], patch)
-        graphs, holes, hidden = self.mixed[tb]
+        graphs, holes, hidden = self.lora_pieces[tb] if self._stage_lora() else self.mixed[tb]
         backend = self.attention_backend
         for graph, hole in zip(graphs, [*holes, None]):
             graph.replay()
@@ -615,8 +616,9 @@ class CUDAGraphRunner:
         num_graphs = len(jobs)
         for t in tqdm(sorted(self.mixed_sizes, reverse=True), desc="capturing mixed-step pieces", unit="bucket",
                       disable=not progress, leave=False):
-            with self._lora_variant(t, False):
-                num_graphs += self._capture_mixed(t, stream)
+            for lora in (False, True) if self.lora is not None else (False,):
+                with self._lora_variant(t, lora):
+                    num_graphs += self._capture_mixed(t, stream, lora)
         torch.cuda.synchronize(dev)
         self.pool_bytes = torch.cuda.memory_reserved(dev) - before
         self.capture_seconds = time.perf_counter() - start
@@ -632,10 +634,11 @@ class CUDAGraphRunner:
         its communicator busy: ``destroy_process_group`` waits for it forever (PyTorch #115388),
         so a tensor-parallel rank releases its graphs first."""
         for graph in (*self.graphs.values(), *self.prefill_graphs.values(), *self.mixed_full.values(),
-                      *(g for graphs, _, _ in self.mixed.values() for g in graphs),
+                      *(g for graphs, _, _ in (*self.mixed.values(), *self.lora_pieces.values()) for g in graphs),
                       *(g for g, _ in self.lora_graphs.values())):
             graph.reset()
         self.lora_graphs.clear()
+        self.lora_pieces.clear()
         self.mixed.clear()
         self.mixed_full.clear()
         self.mixed_full_hidden.clear()

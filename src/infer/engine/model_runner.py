@@ -162,7 +162,8 @@ class ModelRunner:
                                     config.resolved_max_cpu_loras(), lora_ops(backend))
         num_blocks, num_slots = cache_sizes(loaded, block_size, max_model_len, config.max_num_seqs, budget,
                                             config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs,
-                                            graph_prefill, graph_mixed, mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype))
+                                            graph_prefill, graph_mixed, mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype),
+                                            cuda_graph_variants=2 if lora is not None else 1)
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
         runner = cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
