@@ -368,12 +368,16 @@ def test_an_adapter_in_use_is_not_unloaded(lora_qwen3):
 
 # ------------------------------------------------------------------------------------------ CUDA graphs
 
+#: the two tests below run where the Triton kernels can: on the GPU if there is one, else the interpreter
+_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
     """The LoRA variant of a CUDA graph reads the step's row groups from one fixed buffer
     (:class:`~infer.lora.graphs.LoRAGraphInputs`). Kernels launched once with its static meta (as a graph
     captures them, for a bucket of 16 rows) give, for each newly staged step, the per-row reference's
-    values: the meta's tensors never move, only their contents change. Padding rows get nothing."""
+    values: the meta's tensors never move, only their contents change. Padding rows get nothing. (On a
+    GPU machine it runs there: the staging copy from pinned memory, the kernels on the device.)"""
     import numpy as np
 
     from infer.lora.graphs import LoRAGraphInputs
@@ -382,26 +386,26 @@ def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
     g = torch.Generator().manual_seed(3)
     num_slots, rank, k, n, bucket = 3, 8, 40, 24, 16
     mapping = LoRAMapping(lora_triton, num_slots)
-    inputs = LoRAGraphInputs(mapping, max_rows=bucket, device="cpu")
+    inputs = LoRAGraphInputs(mapping, max_rows=bucket, device=torch.device(_DEV))
     static = inputs.meta(bucket)  # what the graph captures: views of the buffer
     address = inputs.buffer.data_ptr()
-    a, b = torch.randn(num_slots, rank, k, generator=g), torch.randn(num_slots, n, rank, generator=g)
-    x = torch.randn(bucket, k, generator=g)
+    a, b = torch.randn(num_slots, rank, k, generator=g).to(_DEV), torch.randn(num_slots, n, rank, generator=g).to(_DEV)
+    x = torch.randn(bucket, k, generator=g).to(_DEV)
     for slots in ([2, -1, 0, 2, 0, 1, -1, 2, 1, 0, 2, -1], [1, 1, -1, 1, 2, 0, 0]):
-        mapping.set(slots, "cpu")
+        mapping.set(slots, _DEV)
         assert inputs.stage() == 2 * num_slots + len(slots)
         rows, starts, counts = lora_reference.group_rows_by_slot(np.array(slots), num_slots)
-        assert torch.equal(static.slot_starts, torch.from_numpy(starts))
-        assert torch.equal(static.slot_counts, torch.from_numpy(counts))
+        assert torch.equal(static.slot_starts.cpu(), torch.from_numpy(starts))
+        assert torch.equal(static.slot_counts.cpu(), torch.from_numpy(counts))
         used = int(counts.sum())
-        assert torch.equal(static.sorted_rows[:used], torch.from_numpy(rows[:used]))
-        y0 = torch.randn(bucket, n, generator=g)
+        assert torch.equal(static.sorted_rows[:used].cpu(), torch.from_numpy(rows[:used]))
+        y0 = torch.randn(bucket, n, generator=g).to(_DEV)
         y = lora_triton.add_lora(y0.clone(), x, a, b, static)
         padded = slots + [-1] * (bucket - len(slots))  # the graph's padding rows: no adapter
         torch.testing.assert_close(y.double(), _per_row(y0, x, a, b, padded, 0), rtol=1e-5, atol=1e-4)
         assert torch.equal(y[len(slots):], y0[len(slots):])
         assert inputs.buffer.data_ptr() == address and static.sorted_rows.data_ptr() == address + 4 * 2 * num_slots
-    mapping.set([-1, -1, -1], "cpu")
+    mapping.set([-1, -1, -1], _DEV)
     assert inputs.stage() == 0 and mapping.meta is None  # no adapter: the base variant replays, nothing staged
     with pytest.raises(ValueError, match="does not fit"):
         inputs.stage([0] * (bucket + 1))
@@ -418,17 +422,17 @@ def test_captured_forward_reads_adapters_loaded_after_capture(lora_qwen3):
     says "no adapter", so nothing but the staged buffer tells the forward which row uses which slot. It
     gives the eager forward's logits (the plain-PyTorch ops, itself equal to PEFT's merged models above);
     then an adapter is unloaded and another loaded into the same slot, a new mix staged, and the same
-    static meta gives the new adapter's logits."""
+    static meta gives the new adapter's logits. (On a GPU machine: the kernels on the device.)"""
     from infer.lora.graphs import LoRAGraphInputs
 
     base, adapters = lora_qwen3
-    loaded = load_model(str(base), device="cpu", dtype=torch.float32, progress=False)
+    loaded = load_model(str(base), device=_DEV, dtype=torch.float32, progress=False)
     manager = LoRAModelManager(loaded.model, loaded.config, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
                                ops=lora_reference)
     reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     seqs = [p[:4] for p in PROMPTS]  # 15 rows: one 16-row tile per slot (the interpreter is slow)
     rows = sum(map(len, seqs))
-    inputs = LoRAGraphInputs(manager.mapping, max_rows=rows, device="cpu")
+    inputs = LoRAGraphInputs(manager.mapping, max_rows=rows, device=torch.device(_DEV))
     static = inputs.meta(rows)
     addresses = [(m.lora_a.data_ptr(), m.lora_b.data_ptr()) for m in manager.layers.values()]
     results = []
@@ -444,7 +448,7 @@ def test_captured_forward_reads_adapters_loaded_after_capture(lora_qwen3):
         with manager.mapping.capturing(static):
             got = infer_logits(loaded.model, seqs)
         for g_, w_ in zip(got, want):
-            torch.testing.assert_close(g_, w_, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(g_, w_, atol=2e-4, rtol=1e-4)
         results.append(got)
         if which[1] == 0:
             manager.remove(1)  # unloaded: its slot is free for adapter 2
@@ -454,7 +458,7 @@ def test_captured_forward_reads_adapters_loaded_after_capture(lora_qwen3):
 
 
 def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """float32 logprobs of ``tokens`` after ``prompt``, teacher-forced (on the model's device)."""
+    """float32 logprobs of ``tokens`` after ``prompt``, teacher-forced (Hugging Face on the CPU)."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0].float()
     lp = logits[len(prompt) - 1:-1].log_softmax(-1)
