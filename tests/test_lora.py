@@ -426,9 +426,15 @@ def test_captured_forward_reads_adapters_loaded_after_capture(lora_qwen3):
     from infer.lora.graphs import LoRAGraphInputs
 
     base, adapters = lora_qwen3
+    from infer.kernels import fused_reference
+
     loaded = load_model(str(base), device=_DEV, dtype=torch.float32, progress=False)
+    # the fused forward: q/k/v and gate/up merged, their parts' A stacked (one shrink each), o and down alone
+    loaded.model.set_fused_ops(fused_reference, 64)
     manager = LoRAModelManager(loaded.model, loaded.config, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
                                ops=lora_reference)
+    assert all(getattr(layer.self_attn.qkv_proj, "lora_a_stacked", None) is not None
+               for layer in loaded.model.model.layers)
     reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     seqs = [p[:4] for p in PROMPTS]  # 15 rows: one 16-row tile per slot (the interpreter is slow)
     rows = sum(map(len, seqs))

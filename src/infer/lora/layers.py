@@ -96,6 +96,24 @@ class LoRAMapping:
         reduce(self.ops.lora_shrink(x, lora_a, meta, t))
         return self.ops.lora_expand(t, lora_b, meta, y, y_offset)
 
+    def apply_parts(self, y: torch.Tensor, x: torch.Tensor, stacked_a: torch.Tensor, parts) -> torch.Tensor:
+        """A merged projection's deltas: one shrink by the parts' stacked A (``[L, parts * R, in]``), then
+        each part's expand from its ``R`` columns of the shrink output into its slice of ``y``
+        (``parts``: ``[(LoRALinear, first output column), ...]``, in the stacking order)."""
+        meta = self.meta
+        if meta is None:
+            return y
+        if meta.num_tokens != x.shape[0]:
+            raise RuntimeError(f"the LoRA mapping is for {meta.num_tokens} rows, the forward has {x.shape[0]}")
+        if meta.num_lora_rows == 0:
+            return y
+        t = self.ops.lora_shrink(x, stacked_a, meta, torch.empty(x.shape[0], stacked_a.shape[1],
+                                                                 dtype=torch.float32, device=x.device))
+        rank = stacked_a.shape[1] // len(parts)
+        for i, (lora, offset) in enumerate(parts):
+            self.ops.lora_expand(t[:, i * rank:(i + 1) * rank], lora.lora_b, meta, y, offset)
+        return y
+
 
 class LoRALinear(nn.Module):
     """A projection with ``max_loras`` adapter slots (see the module docstring).
@@ -202,6 +220,9 @@ class LoRAOps:
         base, parts = self._parts(layer)
         y = self.base_ops.linear(x, base)
         if self.mapping.meta is not None:
+            stacked = getattr(layer, "lora_a_stacked", None)
+            if stacked is not None:  # one shrink for every part (_stack_part_a)
+                return self.mapping.apply_parts(y, x, stacked, parts)
             for lora, offset in parts:
                 lora.add_delta(y, x, offset)
         return y
@@ -243,6 +264,24 @@ def _attach_merged_parts(model: nn.Module, layers: dict[tuple[int, str], LoRALin
             wrapper = {id(m.base_layer): m for (j, _), m in layers.items() if j == i}
             proj.lora_parts = [(part if isinstance(part, LoRALinear) else wrapper[id(part)], start)
                                for part, start, _ in proj.part_rows]
+            _stack_part_a(proj)
+
+
+def _stack_part_a(proj: nn.Module) -> None:
+    """The parts of a merged projection read the same input, so their A matrices become views of one
+    buffer ``lora_a_stacked [L, parts * R, in]`` (part ``i``'s rows ``i R .. (i + 1) R - 1``): one shrink
+    launch gives every part's ``x A^T`` (:meth:`LoRAMapping.apply_parts`), then one expand per part into
+    its slice of the output. Done once at start-up, before any CUDA graph reads the buffers."""
+    parts = [lora for lora, _ in proj.lora_parts]
+    if getattr(proj, "lora_a_stacked", None) is not None or len(parts) < 2 or any(p.reduce is not None for p in parts):
+        return
+    num_slots, rank, k = parts[0].lora_a.shape
+    stacked = parts[0].lora_a.new_zeros(num_slots, len(parts) * rank, k)
+    for i, part in enumerate(parts):
+        view = stacked[:, i * rank:(i + 1) * rank]
+        view.copy_(part.lora_a)
+        part.lora_a = view
+    proj.lora_a_stacked = stacked
 
 
 def add_lora_layers(model: nn.Module, max_loras: int, max_lora_rank: int, mapping: LoRAMapping
