@@ -563,7 +563,6 @@ def test_an_adapter_loaded_after_capture_is_seen_by_the_graphs(lora_qwen3):
         llm.engine.shutdown()
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_replay_the_lora_graphs_with_rank_0s_row_groups(lora_qwen3):
