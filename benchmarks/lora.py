@@ -33,7 +33,8 @@ TPOT is the median decode step (after every row has its first token) over ``--re
 configurations interleaved, and decode throughput ``batch / TPOT``; the ratio to the base row is the
 claim (``tpot_min_ms``, the fastest step, is the least disturbed on a shared machine).
 ``offline_tok_per_s`` is the whole run's (prefills included): ``batch x output_len`` over the median wall
-time of a run, the offline-throughput ratio of the issue. The engines run the same ``--engine-args``,
+time of a run, the offline-throughput ratio of the issue (each run's prompts are rotated its own way, so
+with ``prefix_caching`` no run reuses another's KV). The engines run the same ``--engine-args``,
 ``cuda_graphs`` included (with LoRA, each graph has a base and a LoRA variant: phase 16's page).
 Report: ``lora.json``, ``lora.md``, ``lora.png`` in ``--out``.
 """
@@ -127,10 +128,13 @@ def measure(configs: list[tuple[str, LLMEngine, list]], prompts, args) -> list[d
     steps: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     totals: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     routes: dict[str, list[str | None]] = {name: [] for name, _, _ in configs}
-    for _ in range(args.repeats):
-        for name, engine, loras in configs:
+    for rep in range(args.repeats):
+        for i, (name, engine, loras) in enumerate(configs):
+            # each run's prompts rotated its own way: no run finds another's blocks in the prefix cache
+            shift = 1 + rep * len(configs) + i
+            rotated = [q[shift % len(q):] + q[:shift % len(q)] for q in prompts]
             engine.runner.on_executed = lambda out, r=routes[name]: r.append(out.graph)
-            times, total = decode_steps(engine, prompts, loras, args.output_len)
+            times, total = decode_steps(engine, rotated, loras, args.output_len)
             engine.runner.on_executed = None
             steps[name] += times
             totals[name].append(total)
