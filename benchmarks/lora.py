@@ -4,14 +4,21 @@
     python benchmarks/lora.py --device cpu --model smollm2-135m --batch 4 --num-adapters 1 2 4
     # one layer's projections alone: base products vs the LoRA deltas (CPU, or the Triton kernels on CUDA)
     python benchmarks/lora.py --kernels --device cpu --model smollm2-135m --batch 1 4 16 --num-adapters 1 4 16
-    # GPU (a random checkpoint at Qwen3-8B's shapes), the issue's workloads: batch 1, and 32 rows over 8 adapters
+    # GPU (a random checkpoint at Qwen3-8B's shapes), the issue's workloads with every phase 5-9 flag, CUDA
+    # graphs included: batch 1 (one rank-16 adapter), and 32 rows over 1, 8 and 32 adapters of ranks 8-64
     python scripts/make_synthetic_checkpoint.py qwen3-8b /tmp/qwen3-8b --device cuda
     python benchmarks/lora.py --device cuda --model /tmp/qwen3-8b --batch 1 32 --num-adapters 1 8 32 \\
         --rank 16 --prompt-len 128 --output-len 128 --engine-args batching=continuous kv_cache=paged \\
-        fused_kernels=true async_scheduling=true kv_cache_memory_bytes=8000000000 --out benchmarks/runs/lora-gpu
+        prefix_caching=true chunked_prefill=true fused_kernels=true async_scheduling=true cuda_graphs=true \\
+        pdl=true kv_cache_memory_bytes=8000000000 --out benchmarks/runs/lora-gpu
+    python benchmarks/lora.py --device cuda --model /tmp/qwen3-8b --batch 32 --num-adapters 8 \\
+        --ranks 8 16 32 64 --prompt-len 128 --output-len 128 --engine-args batching=continuous \\
+        kv_cache=paged prefix_caching=true chunked_prefill=true fused_kernels=true async_scheduling=true \\
+        cuda_graphs=true pdl=true kv_cache_memory_bytes=8000000000 --out benchmarks/runs/lora-gpu-ranks
 
 Random adapters in PEFT's layout (``adapter_config.json`` + ``adapter_model.safetensors``, A and B
-~ N(0, 0.02)) are written for the model's shapes first (``--rank``, ``--targets``); then, for each
+~ N(0, 0.02)) are written for the model's shapes first (``--rank``, or ``--ranks`` in turn, and
+``--targets``); then, for each
 batch size, the same ``batch`` prompts (random tokens, ``--prompt-len``, greedy, exactly
 ``--output-len`` tokens each) run on:
 
@@ -24,8 +31,12 @@ batch size, the same ``batch`` prompts (random tokens, ``--prompt-len``, greedy,
 
 TPOT is the median decode step (after every row has its first token) over ``--repeats`` runs, the
 configurations interleaved, and decode throughput ``batch / TPOT``; the ratio to the base row is the
-claim (``tpot_min_ms``, the fastest step, is the least disturbed on a shared machine). The engines run the same ``--engine-args`` (``cuda_graphs`` is not supported
-with LoRA yet, so it stays off for every row). Report: ``lora.json``, ``lora.md``, ``lora.png`` in ``--out``.
+claim (``tpot_min_ms``, the fastest step, is the least disturbed on a shared machine).
+``offline_tok_per_s`` is the whole run's (prefills included): ``batch x output_len`` over the median wall
+time of a run, the offline-throughput ratio of the issue (each run's prompts are rotated its own way, so
+with ``prefix_caching`` no run reuses another's KV). The engines run the same ``--engine-args``,
+``cuda_graphs`` included (with LoRA, each graph has a base and a LoRA variant: phase 16's page).
+Report: ``lora.json``, ``lora.md``, ``lora.png`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -82,13 +93,17 @@ def write_random_adapter(path: Path, cfg: ModelConfig, rank: int, targets: list[
 
 
 def decode_steps(engine: LLMEngine, prompts: list[list[int]], loras: list[LoRARequest | None], output_len: int
-                 ) -> list[float]:
-    """Run ``prompts`` together; the seconds of each decode step after every row has its first token."""
+                 ) -> tuple[list[float], float]:
+    """Run ``prompts`` together: the seconds of each decode step after every row has its first token, and
+    of the whole run."""
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True)
+    cuda = engine.runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    begin = time.perf_counter()
     reqs = [engine.add_request(p, params, lora_request=lora) for p, lora in zip(prompts, loras)]
     while any(r.seqs[0].num_output_tokens < 1 for r in reqs):  # the prefill (and first tokens)
         engine.step(stream=False)
-    cuda = engine.runner.device.type == "cuda"
     times = []
     while engine.has_unfinished_requests():
         if cuda:
@@ -98,24 +113,38 @@ def decode_steps(engine: LLMEngine, prompts: list[list[int]], loras: list[LoRARe
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return times[:-1] or times  # the last step only retires the finished requests
+    total = time.perf_counter() - begin
+    return times[:-1] or times, total  # the last step only retires the finished requests
 
 
 def measure(configs: list[tuple[str, LLMEngine, list]], prompts, args) -> list[dict[str, Any]]:
     """Each ``(name, engine, per-row adapters)`` run ``--repeats`` times, the configurations interleaved
     (a machine whose load drifts during the run shifts every configuration alike). TPOT: the median
-    decode step over every run (and the fastest step: on a shared machine the least disturbed)."""
+    decode step over every run (and the fastest step: on a shared machine the least disturbed).
+    ``graph_steps``: the share of the steps that replayed a CUDA graph (0 without ``cuda_graphs``), so a
+    LoRA row that fell back to the eager forward shows."""
     for _, engine, loras in configs:  # warm-up: adapters loaded into their slots, kernels compiled
         decode_steps(engine, prompts, loras, min(args.output_len, 8))
     steps: dict[str, list[float]] = {name: [] for name, _, _ in configs}
-    for _ in range(args.repeats):
-        for name, engine, loras in configs:
-            steps[name] += decode_steps(engine, prompts, loras, args.output_len)
+    totals: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    routes: dict[str, list[str | None]] = {name: [] for name, _, _ in configs}
+    for rep in range(args.repeats):
+        for i, (name, engine, loras) in enumerate(configs):
+            # each run's prompts rotated its own way: no run finds another's blocks in the prefix cache
+            shift = 1 + rep * len(configs) + i
+            rotated = [q[shift % len(q):] + q[:shift % len(q)] for q in prompts]
+            engine.runner.on_executed = lambda out, r=routes[name]: r.append(out.graph)
+            times, total = decode_steps(engine, rotated, loras, args.output_len)
+            engine.runner.on_executed = None
+            steps[name] += times
+            totals[name].append(total)
     rows = []
     for name, _, _ in configs:
         median = statistics.median(steps[name])
         rows.append({"batch": len(prompts), "config": name, "decode_tok_per_s": len(prompts) / median,
-                     "tpot_ms": 1e3 * median, "tpot_min_ms": 1e3 * min(steps[name]), "decode_steps": len(steps[name])})
+                     "tpot_ms": 1e3 * median, "tpot_min_ms": 1e3 * min(steps[name]), "decode_steps": len(steps[name]),
+                     "offline_tok_per_s": len(prompts) * args.output_len / statistics.median(totals[name]),
+                     "graph_steps": sum(g is not None for g in routes[name]) / max(1, len(routes[name]))})
     return rows
 
 
@@ -204,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[4], help="rows decoding together (one table each)")
     ap.add_argument("--num-adapters", type=int, nargs="+", default=[1, 4], help="distinct adapters in a batch")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--ranks", type=int, nargs="+", default=None,
+                    help="adapter i gets ranks[i %% len(ranks)] (engine runs; default: --rank for every adapter)")
     ap.add_argument("--targets", nargs="+", default=list(LORA_PROJS), choices=LORA_PROJS)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
@@ -241,11 +272,14 @@ def main(argv: list[str] | None = None) -> int:
                    for _ in range(b)] for b in args.batch}
     n_max = max(args.num_adapters)
     adir = Path(args.adapter_dir) if args.adapter_dir else out / "adapters"
-    print(f"writing {n_max} random rank-{args.rank} adapters on {', '.join(args.targets)} to {adir}", flush=True)
-    adapters = [LoRARequest(f"adapter{i}", i + 1, str(write_random_adapter(adir / f"adapter{i}", cfg, args.rank,
+    rank_list = args.ranks or [args.rank]
+    ranks = [rank_list[i % len(rank_list)] for i in range(n_max)]
+    print(f"writing {n_max} random adapters (ranks {sorted(set(ranks))}) on {', '.join(args.targets)} to {adir}",
+          flush=True)
+    adapters = [LoRARequest(f"adapter{i}", i + 1, str(write_random_adapter(adir / f"adapter{i}", cfg, ranks[i],
                                                                           args.targets, args.seed + i)))
                 for i in range(n_max)]
-    lora = LLMEngine(EngineConfig(**kw, enable_lora=True, max_loras=n_max, max_lora_rank=args.rank,
+    lora = LLMEngine(EngineConfig(**kw, enable_lora=True, max_loras=n_max, max_lora_rank=max(ranks),
                                   max_cpu_loras=n_max), progress=False)
     rows: list[dict[str, Any]] = []
     for b in args.batch:
@@ -263,7 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         ref = next(x for x in rows if x["batch"] == r["batch"] and x["config"] == "base")
         r["vs_base"] = r["decode_tok_per_s"] / ref["decode_tok_per_s"]
     report = {"environment": environment(torch.device(args.device)), "args": vars(args), "rows": rows}
-    table = markdown_table(rows, ["batch", "config", "decode_tok_per_s", "tpot_ms", "tpot_min_ms", "vs_base"])
+    for r in rows:
+        ref = next(x for x in rows if x["batch"] == r["batch"] and x["config"] == "base")
+        r["tpot_vs_base"] = r["tpot_ms"] / ref["tpot_ms"]
+        r["offline_vs_base"] = r["offline_tok_per_s"] / ref["offline_tok_per_s"]
+    table = markdown_table(rows, ["batch", "config", "decode_tok_per_s", "tpot_ms", "tpot_min_ms", "vs_base",
+                                  "tpot_vs_base", "offline_tok_per_s", "offline_vs_base", "graph_steps"])
     write_report(report, out / "lora.json", table)
     plot(rows, out / "lora.png", f"{Path(args.model).name}: rank-{args.rank} LoRA on {len(args.targets)} "
                                  f"projections, {args.device}")

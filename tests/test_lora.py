@@ -322,7 +322,8 @@ def test_engine_rejects_bad_lora_requests_and_flags(lora_qwen3, tmp_path):
         with pytest.raises(ValueError, match=why):
             EngineConfig(device="cpu", **kw).validate()
     cfg = EngineConfig(device="cpu", enable_lora=True, optimize=True).validate()
-    assert cfg.fused_kernels and "enable_lora" in cfg.optimization_notes["cuda_graphs"]
+    # LoRA no longer keeps CUDA graphs off: on the CPU only the device does
+    assert cfg.fused_kernels and cfg.optimization_notes["cuda_graphs"] == "needs a CUDA device"
     for bad in [dict(lora_name="", lora_int_id=1, lora_path="x"), dict(lora_name="a", lora_int_id=0, lora_path="x"),
                 dict(lora_name="a", lora_int_id=1)]:
         with pytest.raises(ValueError, match="LoRARequest"):
@@ -335,6 +336,7 @@ def test_a_slot_in_use_is_never_reused(lora_qwen3):
     m = LoRAModelManager(loaded.model, loaded.config, max_loras=2, max_lora_rank=8, max_cpu_loras=2,
                          ops=lora_reference)
     a, b, c = (LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters))
+    addresses = [(x.lora_a.data_ptr(), x.lora_b.data_ptr()) for x in m.layers.values()]
     m.activate([a], in_use=set())
     m.activate([b], in_use={1})
     with pytest.raises(RuntimeError, match="max_loras"):
@@ -348,6 +350,8 @@ def test_a_slot_in_use_is_never_reused(lora_qwen3):
     assert not q.lora_a[0].any() and not q.lora_b[0].any()
     assert torch.equal(o.lora_a[0, :2], a_c) and torch.equal(o.lora_b[0, :, :2], b_c) and not o.lora_a[0, 2:].any()
     assert not m.is_cached(1)  # the host cache holds max_cpu_loras = 2 adapters: a, the oldest, went
+    # slots are filled in place: every buffer keeps the address it had at start-up (what a CUDA graph captured)
+    assert [(x.lora_a.data_ptr(), x.lora_b.data_ptr()) for x in m.layers.values()] == addresses
 
 
 def test_an_adapter_in_use_is_not_unloaded(lora_qwen3):
@@ -360,6 +364,228 @@ def test_an_adapter_in_use_is_not_unloaded(lora_qwen3):
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert req.is_finished and llm.engine.remove_lora(1) and not llm.engine.remove_lora(1)
+
+
+# ------------------------------------------------------------------------------------------ CUDA graphs
+
+#: the two tests below run where the Triton kernels can: on the GPU if there is one, else the interpreter
+_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
+    """The LoRA variant of a CUDA graph reads the step's row groups from one fixed buffer
+    (:class:`~infer.lora.graphs.LoRAGraphInputs`). Kernels launched once with its static meta (as a graph
+    captures them, for a bucket of 16 rows) give, for each newly staged step, the per-row reference's
+    values: the meta's tensors never move, only their contents change. Padding rows get nothing. (On a
+    GPU machine it runs there: the staging copy from pinned memory, the kernels on the device.)"""
+    import numpy as np
+
+    from infer.lora.graphs import LoRAGraphInputs
+    from infer.lora.layers import LoRAMapping
+
+    g = torch.Generator().manual_seed(3)
+    num_slots, rank, k, n, bucket = 3, 8, 40, 24, 16
+    mapping = LoRAMapping(lora_triton, num_slots)
+    inputs = LoRAGraphInputs(mapping, max_rows=bucket, device=torch.device(_DEV))
+    static = inputs.meta(bucket)  # what the graph captures: views of the buffer
+    address = inputs.buffer.data_ptr()
+    a, b = torch.randn(num_slots, rank, k, generator=g).to(_DEV), torch.randn(num_slots, n, rank, generator=g).to(_DEV)
+    x = torch.randn(bucket, k, generator=g).to(_DEV)
+    for slots in ([2, -1, 0, 2, 0, 1, -1, 2, 1, 0, 2, -1], [1, 1, -1, 1, 2, 0, 0]):
+        mapping.set(slots, _DEV)
+        assert inputs.stage() == 2 * num_slots + len(slots)
+        rows, starts, counts = lora_reference.group_rows_by_slot(np.array(slots), num_slots)
+        assert torch.equal(static.slot_starts.cpu(), torch.from_numpy(starts))
+        assert torch.equal(static.slot_counts.cpu(), torch.from_numpy(counts))
+        used = int(counts.sum())
+        assert torch.equal(static.sorted_rows[:used].cpu(), torch.from_numpy(rows[:used]))
+        y0 = torch.randn(bucket, n, generator=g).to(_DEV)
+        y = lora_triton.add_lora(y0.clone(), x, a, b, static)
+        padded = slots + [-1] * (bucket - len(slots))  # the graph's padding rows: no adapter
+        torch.testing.assert_close(y.double(), _per_row(y0, x, a, b, padded, 0), rtol=1e-5, atol=1e-4)
+        assert torch.equal(y[len(slots):], y0[len(slots):])
+        assert inputs.buffer.data_ptr() == address and static.sorted_rows.data_ptr() == address + 4 * 2 * num_slots
+    mapping.set([-1, -1, -1], _DEV)
+    assert inputs.stage() == 0 and mapping.meta is None  # no adapter: the base variant replays, nothing staged
+    with pytest.raises(ValueError, match="does not fit"):
+        inputs.stage([0] * (bucket + 1))
+    for bad in ([0, 3], [-2, 1]):
+        with pytest.raises(ValueError, match="token slots must be in"):
+            inputs.stage(bad)
+    with pytest.raises(ValueError, match="on the device only"):  # the host-grouped ops cannot take a graph's meta
+        lora_reference.add_lora(y0.clone(), x, a, b, static)
+
+
+def test_captured_forward_reads_adapters_loaded_after_capture(lora_qwen3):
+    """The whole model as its LoRA graph variant runs it (the Triton kernels under the interpreter): the
+    layers read the row groups of a static meta built once, as at capture, while the host's own mapping
+    says "no adapter", so nothing but the staged buffer tells the forward which row uses which slot. It
+    gives the eager forward's logits (the plain-PyTorch ops, itself equal to PEFT's merged models above);
+    then an adapter is unloaded and another loaded into the same slot, a new mix staged, and the same
+    static meta gives the new adapter's logits. (On a GPU machine: the kernels on the device.)"""
+    from infer.lora.graphs import LoRAGraphInputs
+
+    base, adapters = lora_qwen3
+    from infer.kernels import fused_reference
+
+    loaded = load_model(str(base), device=_DEV, dtype=torch.float32, progress=False)
+    # the fused forward: q/k/v and gate/up merged, their parts' A stacked (one shrink each), o and down alone
+    loaded.model.set_fused_ops(fused_reference, 64)
+    manager = LoRAModelManager(loaded.model, loaded.config, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
+                               ops=lora_reference)
+    assert all(getattr(layer.self_attn.qkv_proj, "lora_a_stacked", None) is not None
+               for layer in loaded.model.model.layers)
+    reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    seqs = [p[:4] for p in PROMPTS]  # 15 rows: one 16-row tile per slot (the interpreter is slow)
+    rows = sum(map(len, seqs))
+    inputs = LoRAGraphInputs(manager.mapping, max_rows=rows, device=torch.device(_DEV))
+    static = inputs.meta(rows)
+    addresses = [(m.lora_a.data_ptr(), m.lora_b.data_ptr()) for m in manager.layers.values()]
+    results = []
+    for which in ([None, 0, 1, 1], [2, None, 1, 2]):  # the second mix: adapter 2 where adapter 0 was
+        manager.activate([reqs[w] for w in which if w is not None], in_use={w + 1 for w in which if w is not None})
+        slots = [-1 if w is None else manager.slot_of(w + 1) for w, s in zip(which, seqs) for _ in s]
+        manager.mapping.ops = lora_reference
+        manager.set_mapping(slots)
+        want = infer_logits(loaded.model, seqs)  # eager: the groups built on the host
+        manager.mapping.ops = lora_triton
+        manager.set_mapping([-1] * rows)  # the host knows of no adapter: only the buffer does
+        inputs.stage(slots)
+        with manager.mapping.capturing(static):
+            got = infer_logits(loaded.model, seqs)
+        for g_, w_ in zip(got, want):
+            torch.testing.assert_close(g_, w_, atol=2e-4, rtol=1e-4)
+        results.append(got)
+        if which[1] == 0:
+            manager.remove(1)  # unloaded: its slot is free for adapter 2
+    assert manager.slot_of(3) == 0 and manager.num_slot_loads == 3
+    assert (results[1][0] - results[0][0]).abs().max() > 0.05  # row 0: base, then adapter 2 (slot 0 reloaded)
+    assert [(m.lora_a.data_ptr(), m.lora_b.data_ptr()) for m in manager.layers.values()] == addresses
+
+
+def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """float32 logprobs of ``tokens`` after ``prompt``, teacher-forced (Hugging Face on the CPU)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    lp = logits[len(prompt) - 1:-1].log_softmax(-1)
+    return lp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def _gpu_llm(base, **kw):
+    """A float32 CUDA engine (small KV budget: several engines live in one test)."""
+    return _llm(base, device="cuda", max_model_len=128, kv_cache_memory_bytes=32 << 20, **kw)
+
+
+def _watch_lora_replays(llm) -> list[bool]:
+    """Record, for each graph replay of ``llm``, whether it ran the LoRA variant."""
+    graphs = llm.engine.runner.graphs
+    seen: list[bool] = []
+    real = graphs._stage_lora
+
+    def stage() -> bool:
+        seen.append(real())
+        return seen[-1]
+
+    graphs._stage_lora = stage
+    return seen
+
+
+GPU_LOGPROBS = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, logprobs=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine_kw", [
+    dict(),
+    dict(fused_kernels=True, async_scheduling=True),
+    # decodes beside one prompt chunk: the whole mixed-step graphs' LoRA variants
+    dict(fused_kernels=True, chunked_prefill=True, max_num_batched_tokens=16),
+], ids=["graphs", "graphs-fused-async", "graphs-fused-chunked"])
+def test_cuda_graphs_with_lora_give_the_eager_tokens_and_peft(lora_qwen3, engine_kw):
+    """A batch of base rows and three adapters (float32, CUDA): with cuda_graphs the same tokens as the eager
+    engine, its steps replaying the LoRA variants (the six prompts at once: a mixed bucket's pieces; with
+    chunked prefill, decodes beside a chunk: the whole mixed-step graph; then the decodes) and base-only
+    steps the base ones, and every chosen token's logprob that of PEFT's merged model for the row's
+    adapter (teacher-forced, within 2e-3)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    base, adapters = lora_qwen3
+    loras = [None] + [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    prompts, row_loras = PROMPTS + PROMPTS[1:3], loras + [None, loras[1]]  # rows: base, a0, a1, a2, base, a0
+    outs, base_only = {}, None
+    for graphs in (False, True):
+        llm = _gpu_llm(base, max_loras=3, cuda_graphs=graphs, cuda_graph_max_batch_size=8, **engine_kw)
+        try:
+            seen = _watch_lora_replays(llm) if graphs else None
+            got = llm.generate(prompts, GPU_LOGPROBS, lora_request=row_loras, use_tqdm=False)
+            outs[graphs] = [(o.outputs[0].token_ids, [lp.token.logprob for lp in o.outputs[0].logprobs]) for o in got]
+            if graphs:
+                assert sum(seen) >= 4, f"too few LoRA graph replays: {seen}"
+                n = len(seen)
+                base_only = llm.generate(PROMPTS[:2], GPU_LOGPROBS, use_tqdm=False)  # no adapter: base variants
+                assert len(seen) > n and not any(seen[n:]), seen[n:]
+        finally:
+            llm.engine.shutdown()
+    assert [t for t, _ in outs[True]] == [t for t, _ in outs[False]]
+    refs = {None: _hf(base)} | {lora.lora_int_id: _merged(base, adapters[lora.lora_int_id - 1]) for lora in loras[1:]}
+    base_rows = [(o.outputs[0].token_ids, [lp.token.logprob for lp in o.outputs[0].logprobs]) for o in base_only]
+    for prompt, lora, (tokens, logprobs) in zip(prompts + PROMPTS[:2], row_loras + [None, None],
+                                                outs[True] + base_rows):
+        want = _hf_logprobs(refs[None if lora is None else lora.lora_int_id], prompt, tokens)
+        torch.testing.assert_close(torch.tensor(logprobs), want, atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_an_adapter_loaded_after_capture_is_seen_by_the_graphs(lora_qwen3):
+    """One slot, the graphs captured before any adapter exists: a request of adapter 0 replays the LoRA
+    variants with adapter 0's logprobs (PEFT's merged model); adapter 0 unloaded, adapter 2 goes into the
+    same slot, in place (every slot buffer keeps its address), and the same graphs give adapter 2's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    base, adapters = lora_qwen3
+    llm = _gpu_llm(base, max_loras=1, cuda_graphs=True, cuda_graph_max_batch_size=4)
+    try:
+        manager = llm.engine.lora_manager
+        addresses = [(m.lora_a.data_ptr(), m.lora_b.data_ptr()) for m in manager.layers.values()]
+        seen = _watch_lora_replays(llm)
+        for i in (0, 2):
+            lora = LoRARequest(f"a{i}", i + 1, str(adapters[i]))
+            n = len(seen)
+            out = llm.generate([PROMPTS[i]], GPU_LOGPROBS, lora_request=lora, use_tqdm=False)[0].outputs[0]
+            assert manager.slot_of(i + 1) == 0 and len(seen) > n and all(seen[n:]), seen[n:]
+            want = _hf_logprobs(_merged(base, adapters[i]), PROMPTS[i], out.token_ids)
+            torch.testing.assert_close(torch.tensor([lp.token.logprob for lp in out.logprobs]), want, atol=2e-3, rtol=0)
+            base_lp = _hf_logprobs(_hf(base), PROMPTS[i], out.token_ids)
+            assert (want - base_lp).abs().max() > 0.01  # the adapter shows in the logprobs
+            if i == 0:
+                assert llm.engine.remove_lora(1)
+        assert [(m.lora_a.data_ptr(), m.lora_b.data_ptr()) for m in manager.layers.values()] == addresses
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_replay_the_lora_graphs_with_rank_0s_row_groups(lora_qwen3):
+    """Tensor parallelism over NCCL with CUDA graphs: rank 0 stages the row groups and sends them with the
+    packed decode inputs; both ranks replay the LoRA variants (their slices of every adapter). Greedy tokens
+    equal one GPU's eager run, also after an adapter is unloaded and another loaded into its slot."""
+    base, adapters = lora_qwen3
+    loras = [None] + [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    runs = {}
+    for name, kw in (("one", dict()), ("two", dict(tensor_parallel_size=2, cuda_graphs=True, fused_kernels=True,
+                                                     cuda_graph_max_batch_size=4))):
+        llm = _gpu_llm(base, max_loras=2, **kw)
+        try:
+            seen = _watch_lora_replays(llm) if name == "two" else [True]
+            outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)]
+            assert llm.engine.remove_lora(2)
+            outs += [o.outputs[0].token_ids for o in llm.generate(PROMPTS[3:], GREEDY, lora_request=loras[3:],
+                                                                  use_tqdm=False)]
+            assert any(seen), "no LoRA graph replay"
+            runs[name] = outs
+        finally:
+            llm.engine.shutdown()
+    assert runs["two"] == runs["one"]
 
 
 # ------------------------------------------------------------------------------------------ the server

@@ -434,7 +434,7 @@ class EngineConfig:
             return "needs kv_cache='paged'"
         lora = self._lora_conflict(name)
         if lora is not None:
-            return "not supported with enable_lora yet"
+            return lora
         if name == "cuda_graphs":
             return graphs
         if name == "async_scheduling" and self.speculative_config is not None:
@@ -494,21 +494,17 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} < max_loras={self.max_loras}: every adapter on "
                              "the device is also kept in host memory")
-        why = self._lora_conflict("cuda_graphs" if self.cuda_graphs
-                                  else "expert_parallel_size" if self.expert_parallel_size > 1 else "")
-        if why:
-            raise ValueError(f"enable_lora: {why}")
+        if self.expert_parallel_size > 1:
+            raise ValueError(f"enable_lora: {self._lora_conflict('expert_parallel_size')}")
         if self.quantization != "none":
             raise ValueError(f"enable_lora with quantization={self.quantization!r} is not supported yet: LoRA and "
                              "quantization were built apart and have not been tested together")
 
     def _lora_conflict(self, name: str) -> str | None:
-        """Why ``enable_lora`` rules out the optimization ``name`` (None if it does not)."""
+        """Why ``enable_lora`` rules out the optimization ``name`` (None if it does not). CUDA graphs are
+        not ruled out: the adapters' row groups are a graph input (:mod:`infer.lora.graphs`)."""
         if not self.enable_lora:
             return None
-        if name == "cuda_graphs":
-            return ("cuda_graphs is not supported with LoRA yet: the graphs would need the per-row adapter "
-                    "index and the adapters' segments as captured inputs")
         if name == "expert_parallel_size":
             return ("expert parallelism is not supported with LoRA yet (tensor parallelism is: each rank "
                     "holds its slice of every adapter's A or B)")

@@ -61,6 +61,11 @@ on. The host cost of a mixed step becomes ``L + 1`` graph launches and a few att
 layer instead of hundreds of kernels. The ``T`` tokens fill the bucket's first rows; the padding
 rows have slot -1 (no K/V written) and are not passed to the attention.
 
+**LoRA** (phase 16, :meth:`CUDAGraphRunner.enable_lora`). Each graph (and each mixed bucket's pieces)
+is captured twice: its base variant, and a LoRA variant whose shrink / expand kernels read the
+step's rows grouped by adapter slot from one fixed buffer, staged before the replay like the other
+inputs (:mod:`infer.lora.graphs`); a step where some row has an adapter replays the LoRA variant.
+
 Other steps (wider than the largest bucket, or with the buckets off) run eagerly. Sampling
 runs eagerly after the replay, on the graph's logits: its randomness comes from each
 sequence's own ``(seed, step)`` counter (:mod:`infer.sampling.rng`), so no random state is
@@ -69,6 +74,7 @@ frozen into a graph and replaying never repeats the same draws.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import time
@@ -80,6 +86,7 @@ from tqdm.auto import tqdm
 
 from infer.attention import AttentionMetadata, KVCache
 from infer.engine.step import BlockTableRows, ForwardOutput, StepInputs, patch_input_ids
+from infer.lora.graphs import LoRAGraphInputs
 
 log = logging.getLogger("infer")
 
@@ -215,6 +222,7 @@ class CUDAGraphRunner:
         dev = kv_cache.k.device
         n = self.sizes[-1]
         rows = max(n, prefill_max_tokens, mixed_max_tokens)  # token rows: a decode batch or a step's tokens
+        self.max_rows = rows
         # ids, positions and slot mapping share one [3, rows] buffer, so one copy fills all three
         self._ids_pos_slots = torch.zeros(3, rows, dtype=torch.int64, device=dev)
         self.input_ids, self.positions, self.slot_mapping = self._ids_pos_slots.unbind(0)
@@ -271,6 +279,29 @@ class CUDAGraphRunner:
         self.pool = None
         self.capture_seconds = 0.0
         self.pool_bytes = 0
+        # LoRA (phase 16, :meth:`enable_lora`): the row groups' static buffer, and the LoRA variant of each
+        # decode, prefill and whole mixed-step graph: (route, size) -> (graph, its output: the base variant's);
+        # and of each mixed bucket's pieces, as :attr:`mixed`
+        self.lora: LoRAGraphInputs | None = None
+        self.lora_graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.lora_pieces: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Hole], torch.Tensor]] = {}
+
+    def enable_lora(self, mapping) -> None:
+        """LoRA (phase 16): capture a LoRA variant of every graph (decode, prefill, whole mixed step, a
+        mixed bucket's pieces) beside its base variant, reading the step's row groups from a fixed buffer
+        (:class:`~infer.lora.graphs.LoRAGraphInputs`); a step where some row has an adapter replays it,
+        any other the base variant. Call before :meth:`capture`."""
+        self.lora = LoRAGraphInputs(mapping, self.max_rows, self.input_ids.device)
+
+    def _lora_variant(self, rows: int, lora: bool):
+        """While capturing: the LoRA layers read the static groups of ``rows`` rows (``lora``) or none."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.mapping.capturing(self.lora.meta(rows) if lora else None)
+
+    def _stage_lora(self) -> bool:
+        """Before a replay: stage the step's row groups; False when no row has an adapter (or no LoRA)."""
+        return self.lora is not None and self.lora.stage() > 0
 
     def run(self, step: StepInputs, hidden_only: bool = False) -> ForwardOutput | None:
         """Run ``step`` through a captured graph if one fits it; ``None`` if none does (the model runner
@@ -429,8 +460,10 @@ class CUDAGraphRunner:
         if nd:
             self.block_tables[:nd, :width].copy_(rows[:nd])
         self.block_tables[d, :width].copy_(rows[nd])
-        self.mixed_full[tb].replay()
-        return self.mixed_full_hidden[tb][:t]
+        graph, hidden = (self.lora_graphs["mixed", tb] if self._stage_lora()
+                         else (self.mixed_full[tb], self.mixed_full_hidden[tb]))
+        graph.replay()
+        return hidden[:t]
 
     def _mixed_meta(self, t: int) -> AttentionMetadata:
         """What the pieces between the attention calls read while capturing: the cache and the
@@ -448,7 +481,7 @@ class CUDAGraphRunner:
             num_decodes=0,
         )
 
-    def _capture_mixed(self, t: int, stream: torch.cuda.Stream) -> int:
+    def _capture_mixed(self, t: int, stream: torch.cuda.Stream, lora: bool = False) -> int:
         """Capture bucket ``t``'s pieces (see the module docstring); returns how many graphs."""
         dev = self.input_ids.device
         meta = self._mixed_meta(t)
@@ -468,7 +501,7 @@ class CUDAGraphRunner:
             self.model.set_attention_backend(self.attention_backend)
         if self.pool is None:
             self.pool = pieces.graphs[0].pool()
-        self.mixed[t] = (pieces.graphs, pieces.holes, hidden)
+        (self.lora_pieces if lora else self.mixed)[t] = (pieces.graphs, pieces.holes, hidden)
         return len(pieces.graphs)
 
     def replay_mixed(self, ids: list[int], positions: list[int], slots: list[int], meta: AttentionMetadata,
@@ -498,7 +531,7 @@ class CUDAGraphRunner:
         staged.copy_(host[: 3 * tb].view(3, tb), non_blocking=True)
         if patch is not None:
             patch_input_ids(staged[0], patch)
-        graphs, holes, hidden = self.mixed[tb]
+        graphs, holes, hidden = self.lora_pieces[tb] if self._stage_lora() else self.mixed[tb]
         backend = self.attention_backend
         for graph, hole in zip(graphs, [*holes, None]):
             graph.replay()
@@ -559,30 +592,40 @@ class CUDAGraphRunner:
         jobs += [("prefill", t, lambda t=t: self._prefill_forward(t)) for t in sorted(self.prefill_sizes, reverse=True)]
         jobs += [("mixed", t, lambda t=t: self.model(self.input_ids[:t], self.positions[:t], self._mixed_full_meta(t)))
                  for t in sorted(self.mixed_sizes, reverse=True)]
-        for kind, size, forward in tqdm(jobs, desc="capturing CUDA graphs", unit="graph", disable=not progress,
-                                        leave=False):
+        # LoRA: each graph twice, its base variant and its LoRA variant (enable_lora)
+        jobs = [(*job, lora) for job in jobs for lora in ((False, True) if self.lora is not None else (False,))]
+        for kind, size, forward, lora in tqdm(jobs, desc="capturing CUDA graphs", unit="graph", disable=not progress,
+                                              leave=False):
             if kind == "decode":  # the packed step a decode graph reads: padding rows only
                 self.packed[: 4 * size].zero_()
                 self.packed[2 * size: 3 * size].fill_(-1)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):
-                forward()  # warm-up: compiles the kernels of this shape
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            torch.cuda.synchronize(dev)  # the warm-up's collectives (tensor parallelism) are done
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: only this thread's CUDA calls are checked while capturing, so another
-            # thread's (PyTorch's NCCL watchdog polling its events) cannot invalidate the capture
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = forward()
-            if self.pool is None:
-                self.pool = graph.pool()
             graphs, outputs = {"decode": (self.graphs, self.logits), "prefill": (self.prefill_graphs, self.prefill_logits),
                                "mixed": (self.mixed_full, self.mixed_full_hidden)}[kind]
-            graphs[size], outputs[size] = graph, out
+            with self._lora_variant(size, lora):
+                stream.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(stream):
+                    forward()  # warm-up: compiles the kernels of this shape
+                torch.cuda.current_stream(dev).wait_stream(stream)
+                torch.cuda.synchronize(dev)  # the warm-up's collectives (tensor parallelism) are done
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: only this thread's CUDA calls are checked while capturing, so another
+                # thread's (PyTorch's NCCL watchdog polling its events) cannot invalidate the capture
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    out = forward()
+                    if lora:  # into the base variant's output: the pool keeps one output per bucket
+                        out = outputs[size].copy_(out)
+            if self.pool is None:
+                self.pool = graph.pool()
+            if lora:
+                self.lora_graphs[kind, size] = (graph, out)
+            else:
+                graphs[size], outputs[size] = graph, out
         num_graphs = len(jobs)
         for t in tqdm(sorted(self.mixed_sizes, reverse=True), desc="capturing mixed-step pieces", unit="bucket",
                       disable=not progress, leave=False):
-            num_graphs += self._capture_mixed(t, stream)
+            for lora in (False, True) if self.lora is not None else (False,):
+                with self._lora_variant(t, lora):
+                    num_graphs += self._capture_mixed(t, stream, lora)
         torch.cuda.synchronize(dev)
         self.pool_bytes = torch.cuda.memory_reserved(dev) - before
         self.capture_seconds = time.perf_counter() - start
@@ -598,8 +641,11 @@ class CUDAGraphRunner:
         its communicator busy: ``destroy_process_group`` waits for it forever (PyTorch #115388),
         so a tensor-parallel rank releases its graphs first."""
         for graph in (*self.graphs.values(), *self.prefill_graphs.values(), *self.mixed_full.values(),
-                      *(g for graphs, _, _ in self.mixed.values() for g in graphs)):
+                      *(g for graphs, _, _ in (*self.mixed.values(), *self.lora_pieces.values()) for g in graphs),
+                      *(g for g, _ in self.lora_graphs.values())):
             graph.reset()
+        self.lora_graphs.clear()
+        self.lora_pieces.clear()
         self.mixed.clear()
         self.mixed_full.clear()
         self.mixed_full_hidden.clear()
@@ -633,18 +679,21 @@ class CUDAGraphRunner:
         packed.copy_(host[:n], non_blocking=True)
         if patch is not None:  # a decode-only step: flat position = row, inside the ids part
             patch_input_ids(packed, patch)
+        lora = self._stage_lora()
         if self.on_staged is not None:
-            self.on_staged(b, bs, width, packed)
-        return self.run_packed(b, bs, width), rows
+            self.on_staged(b, bs, width, packed, lora)
+        return self.run_packed(b, bs, width, lora), rows
 
-    def run_packed(self, b: int, bs: int, width: int) -> torch.Tensor:
-        """Replay bucket ``bs``'s graph on the packed step (:meth:`replay`'s layout) in :attr:`packed`.
+    def run_packed(self, b: int, bs: int, width: int, lora: bool = False) -> torch.Tensor:
+        """Replay bucket ``bs``'s graph on the packed step (:meth:`replay`'s layout) in :attr:`packed`
+        (``lora``: its LoRA variant, on the row groups staged in :attr:`lora`).
         The graph itself spreads the four vectors into the static buffers (:meth:`_decode_forward`);
         the block tables, whose width varies, are copied here. Returns logits ``[B, vocab_size]`` (a
         view of the graph's output buffer, valid until the next replay)."""
         self.block_tables[:b, :width].copy_(self.packed[4 * bs: packed_size(b, bs, width)].view(b, width))
-        self.graphs[bs].replay()
-        return self.logits[bs][:b]
+        graph, logits = self.lora_graphs["decode", bs] if lora else (self.graphs[bs], self.logits[bs])
+        graph.replay()
+        return logits[:b]
 
 
     def replay_prefill(self, ids: list[int], positions: list[int], slots: list[int], seq_len: int,
@@ -683,8 +732,10 @@ class CUDAGraphRunner:
         self.prefill_query_start_loc[1:].copy_(packed[3 * tb + 1: 3 * tb + 2])
         self.prefill_sample_index.copy_(packed[3 * tb + 2: 3 * tb + 3])
         self.block_tables[0, : len(table)].copy_(packed[3 * tb + 3: n])
-        self.prefill_graphs[tb].replay()
-        return self.prefill_logits[tb]
+        graph, logits = (self.lora_graphs["prefill", tb] if self._stage_lora()
+                         else (self.prefill_graphs[tb], self.prefill_logits[tb]))
+        graph.replay()
+        return logits
 
 
 @dataclass

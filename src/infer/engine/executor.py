@@ -268,13 +268,16 @@ class ParallelModelRunner(ModelRunner):
             send(self.workers.state, CAPTURE)
             return super().capture_cuda_graphs(progress)
 
-    def _send_replay(self, b: int, bs: int, width: int, packed: torch.Tensor) -> None:
+    def _send_replay(self, b: int, bs: int, width: int, packed: torch.Tensor, lora: bool = False) -> None:
         """A decode step about to replay bucket ``bs``: the other ranks replay it too, on the same
-        packed inputs (ids patched by async scheduling included)."""
+        packed inputs (ids patched by async scheduling included) and, for its LoRA variant, the same
+        row groups (:class:`~infer.lora.graphs.LoRAGraphInputs`)."""
         with self._collective():
             st = self.workers.state
-            send(st, REPLAY, [b, bs, width])
+            send(st, REPLAY, [b, bs, width, int(lora)])
             dist.broadcast(packed, 0, group=st.group)
+            if lora:
+                dist.broadcast(self.graphs.lora.buffer[: self.graphs.lora.size(b)], 0, group=st.group)
 
 
 @torch.inference_mode()
@@ -297,10 +300,12 @@ def serve(runner: ModelRunner, state: ParallelState) -> None:
         elif cmd == COPY:
             runner._copy_block_prefix(*p)
         elif cmd == REPLAY:
-            b, bs, width = p
+            b, bs, width, lora = p
             packed = runner.graphs.packed[: packed_size(b, bs, width)]
             dist.broadcast(packed, 0, group=state.group)
-            runner.graphs.run_packed(b, bs, width)
+            if lora:  # the LoRA variant: rank 0's row groups
+                dist.broadcast(runner.graphs.lora.buffer[: runner.graphs.lora.size(b)], 0, group=state.group)
+            runner.graphs.run_packed(b, bs, width, bool(lora))
         elif cmd == CAPTURE:
             runner.capture_cuda_graphs(progress=False)
         elif cmd == LORA_ACTIVATE:

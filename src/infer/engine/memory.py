@@ -81,6 +81,7 @@ def cache_sizes(
     cuda_graph_prefill_tokens: int = 0,
     cuda_graph_mixed_tokens: int = 0,
     state_slot_bytes: int = 0,
+    cuda_graph_variants: int = 1,
 ) -> tuple[int, int]:
     """How many KV-cache blocks of ``block_size`` tokens, and recurrent-state slots, to allocate.
 
@@ -97,6 +98,9 @@ def cache_sizes(
     pool is allocated at once and its pages are touched as sequences write them: a server's resident
     memory grows towards the pool's size as it serves, and stays there: SmolLM2's pool at 8 sequences
     of 4,096 tokens is 1.5 GB.)
+
+    ``cuda_graph_variants``: 2 with LoRA (phase 16), whose mixed-step pieces are captured twice (their
+    tensors between the pieces counted twice).
 
     A hybrid model (phase 17, ``state_slot_bytes`` > 0: the bytes of one sequence's recurrent state)
     first takes its state slots out of the budget (:func:`split_state_budget`); the blocks get the rest.
@@ -121,7 +125,8 @@ def cache_sizes(
     elif p.device.type == "cuda":
         budget, where = _profile_free_gpu_memory(loaded, max_model_len, max_num_seqs, max_num_batched_tokens,
                                                  gpu_memory_utilization, cuda_graph_batch_size,
-                                                 cuda_graph_prefill_tokens, cuda_graph_mixed_tokens), \
+                                                 cuda_graph_prefill_tokens, cuda_graph_mixed_tokens,
+                                                 cuda_graph_variants), \
             "gpu_memory_utilization"
     else:
         available = host_available_bytes()
@@ -144,7 +149,7 @@ def cache_sizes(
 @torch.inference_mode()
 def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_seqs: int, num_tokens: int,
                              utilization: float, graph_batch_size: int = 0, graph_prefill_tokens: int = 0,
-                             graph_mixed_tokens: int = 0) -> int:
+                             graph_mixed_tokens: int = 0, graph_variants: int = 1) -> int:
     """Bytes left for the KV cache after a forward of ``num_tokens`` tokens (no cache) and, when
     ``graph_batch_size`` > 0, the CUDA graphs' memory pool (estimated by an eager decode forward of
     that many sequences and, with ``graph_prefill_tokens``, an eager one-sequence prefill of that
@@ -183,7 +188,7 @@ def _profile_free_gpu_memory(loaded: LoadedModel, max_model_len: int, max_num_se
         if graph_mixed_tokens:  # the holes between the pieces: q, k, v and output per layer and bucket
             attn = model.model.layers[0].self_attn
             per_token = 2 * (attn.num_heads + attn.num_kv_heads) * attn.head_dim * next(model.parameters()).element_size()
-            graph_bytes += per_token * cfg.num_layers * sum(mixed_graph_sizes(graph_mixed_tokens))
+            graph_bytes += per_token * cfg.num_layers * sum(mixed_graph_sizes(graph_mixed_tokens)) * graph_variants
         log.info("CUDA graphs: %.0f MiB kept for their memory pool (decode batch %d, prefill %d tokens)",
                  graph_bytes / 2**20, n, t)
     torch.cuda.empty_cache()

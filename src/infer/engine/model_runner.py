@@ -162,7 +162,8 @@ class ModelRunner:
                                     config.resolved_max_cpu_loras(), lora_ops(backend))
         num_blocks, num_slots = cache_sizes(loaded, block_size, max_model_len, config.max_num_seqs, budget,
                                             config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs,
-                                            graph_prefill, graph_mixed, mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype))
+                                            graph_prefill, graph_mixed, mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype),
+                                            cuda_graph_variants=2 if lora is not None else 1)
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
         runner = cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
@@ -172,6 +173,8 @@ class ModelRunner:
                      cuda_graph_prefill_max_tokens=graph_prefill, cuda_graph_mixed_max_tokens=graph_mixed,
                      pdl=config.pdl, num_state_slots=num_slots, **kwargs)
         runner.lora_manager = lora
+        if lora is not None and runner.graphs is not None:  # the graphs' LoRA variants (before capture)
+            runner.graphs.enable_lora(lora.mapping)
         return runner
 
     @torch.inference_mode()
@@ -288,9 +291,11 @@ class ModelRunner:
 
     def _set_lora_mapping(self, step: StepInputs) -> None:
         """LoRA (phase 16): each flat row's adapter slot (-1: the base model), for every LoRA layer. The
-        engine made the step's adapters resident before (:meth:`LoRAModelManager.activate`)."""
+        engine made the step's adapters resident before (:meth:`LoRAModelManager.activate`). A decode-only
+        step's rows are its sequences as scheduled (the flat order is the same, and a decode graph never
+        builds it)."""
         manager, slots = self.lora_manager, []
-        for item in step.flat.scheduled:
+        for item in step.scheduled if step.is_decode_only else step.flat.scheduled:
             lora = item.seq.request.lora_request
             slots += [manager.slot_of(lora.lora_int_id) if lora is not None else -1] * item.num_tokens
         manager.set_mapping(slots)

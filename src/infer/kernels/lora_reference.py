@@ -43,6 +43,10 @@ class LoRAKernelMeta:
         first_rows: per segment, its first row when its rows are consecutive (``first .. first + count -
             1``: a batch of one adapter, a prompt), else -1; the plain-PyTorch path then takes slices
             instead of gathering rows.
+        static: a CUDA graph's meta (:class:`~infer.lora.graphs.LoRAGraphInputs`): the three tensors are
+            fixed buffers refilled before each replay, so the host knows neither ``segments`` (empty) nor
+            ``num_lora_rows`` (set to ``num_tokens``, so no op returns early); only the Triton kernels,
+            which read the groups on the device, take it.
     """
 
     num_tokens: int
@@ -52,6 +56,7 @@ class LoRAKernelMeta:
     segments: list[tuple[int, int, int]]
     num_lora_rows: int
     first_rows: list[int]
+    static: bool = False
 
 
 def make_lora_meta(token_slots: list[int] | np.ndarray, num_slots: int, device: torch.device | str
@@ -108,6 +113,12 @@ def _rows(meta: LoRAKernelMeta, start: int, count: int) -> torch.Tensor:
     return meta.sorted_rows[start:start + count].long()
 
 
+def _host_groups(meta: LoRAKernelMeta) -> None:
+    if meta.static:
+        raise ValueError("a CUDA graph's LoRA meta keeps its row groups on the device only: the plain-PyTorch "
+                         "ops need them on the host (use infer.kernels.lora_triton)")
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor) -> torch.Tensor:
     """``out[t] = x[t] @ lora_a[slot[t]]^T`` for every row with an adapter (other rows untouched).
 
@@ -119,6 +130,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
     Returns:
         ``out``.
     """
+    _host_groups(meta)
     for slot, start, count in meta.segments:
         rows = _rows(meta, start, count)
         out[rows] = x[rows].float() @ lora_a[slot].float().t()
@@ -141,6 +153,7 @@ def lora_expand(t: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta, y: 
     Returns:
         ``y``.
     """
+    _host_groups(meta)
     n = lora_b.shape[1]
     for slot, start, count in meta.segments:
         rows = _rows(meta, start, count)
@@ -159,6 +172,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     """
     if meta.num_lora_rows == 0:
         return y
+    _host_groups(meta)
     if x.dtype == lora_a.dtype == lora_b.dtype == y.dtype == torch.float32:
         # float32 (the CPU): the roundings of the general path are no-ops, so fewer, larger operations give
         # the same values. Every segment's rows consecutive: slices, two matmuls per segment; otherwise one

@@ -16,6 +16,8 @@ model runner (vLLM's ``PunicaWrapper``, its "LoRA mapping").
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -31,21 +33,52 @@ class LoRAMapping:
     Args:
         ops: the module whose ``add_lora`` runs (:func:`infer.kernels.lora_ops`).
         num_slots: ``max_loras``.
+
+    Attributes:
+        token_slots: the step's slot of each row as set (tensor parallelism sends them; the CUDA graphs
+            stage them, :class:`~infer.lora.graphs.LoRAGraphInputs`).
+        has_lora: some row of the step has an adapter.
     """
 
     def __init__(self, ops, num_slots: int) -> None:
         self.ops = ops
         self.num_slots = num_slots
-        self.meta: LoRAKernelMeta | None = None  # None: no row has an adapter (the layers add nothing)
-        self.token_slots: list[int] | None = None  # the step's slots as set (tensor parallelism sends them)
+        self.token_slots: list[int] | None = None
+        self.has_lora = False
+        self._device: torch.device | str = "cpu"
+        self._meta: LoRAKernelMeta | None = None
+        self._capture: tuple[LoRAKernelMeta | None] | None = None  # while a CUDA graph is captured
+
+    @property
+    def meta(self) -> LoRAKernelMeta | None:
+        """The groups the layers read; None: no row has an adapter (the layers add nothing). Built on first
+        use (a step that replays a CUDA graph never builds it); while a graph is captured, the graph's
+        static meta (:meth:`capturing`)."""
+        if self._capture is not None:
+            return self._capture[0]
+        if self._meta is None and self.has_lora:
+            self._meta = make_lora_meta(self.token_slots, self.num_slots, self._device)
+        return self._meta
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
         """Set the step's per-row slots (``[T]``, -1 for a row without adapter)."""
-        self.token_slots = token_slots
-        self.meta = make_lora_meta(token_slots, self.num_slots, device) if any(s >= 0 for s in token_slots) else None
+        self.token_slots, self._device, self._meta = token_slots, device, None
+        self.has_lora = any(s >= 0 for s in token_slots)
 
     def clear(self) -> None:
-        self.meta = self.token_slots = None
+        self._meta = self.token_slots = None
+        self.has_lora = False
+
+    @contextlib.contextmanager
+    def capturing(self, meta: LoRAKernelMeta | None):
+        """While a CUDA graph is captured the layers read ``meta``: a static one (the graph's LoRA
+        variant, every layer's delta launched over groups read on the device) or None (the base
+        variant: the base model's forward, exactly)."""
+        self._capture = (meta,)
+        try:
+            yield
+        finally:
+            self._capture = None
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
               y_offset: int = 0, reduce=None) -> torch.Tensor:
@@ -62,6 +95,24 @@ class LoRAMapping:
         t = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
         reduce(self.ops.lora_shrink(x, lora_a, meta, t))
         return self.ops.lora_expand(t, lora_b, meta, y, y_offset)
+
+    def apply_parts(self, y: torch.Tensor, x: torch.Tensor, stacked_a: torch.Tensor, parts) -> torch.Tensor:
+        """A merged projection's deltas: one shrink by the parts' stacked A (``[L, parts * R, in]``), then
+        each part's expand from its ``R`` columns of the shrink output into its slice of ``y``
+        (``parts``: ``[(LoRALinear, first output column), ...]``, in the stacking order)."""
+        meta = self.meta
+        if meta is None:
+            return y
+        if meta.num_tokens != x.shape[0]:
+            raise RuntimeError(f"the LoRA mapping is for {meta.num_tokens} rows, the forward has {x.shape[0]}")
+        if meta.num_lora_rows == 0:
+            return y
+        t = self.ops.lora_shrink(x, stacked_a, meta, torch.empty(x.shape[0], stacked_a.shape[1],
+                                                                 dtype=torch.float32, device=x.device))
+        rank = stacked_a.shape[1] // len(parts)
+        for i, (lora, offset) in enumerate(parts):
+            self.ops.lora_expand(t[:, i * rank:(i + 1) * rank], lora.lora_b, meta, y, offset)
+        return y
 
 
 class LoRALinear(nn.Module):
@@ -169,6 +220,9 @@ class LoRAOps:
         base, parts = self._parts(layer)
         y = self.base_ops.linear(x, base)
         if self.mapping.meta is not None:
+            stacked = getattr(layer, "lora_a_stacked", None)
+            if stacked is not None:  # one shrink for every part (_stack_part_a)
+                return self.mapping.apply_parts(y, x, stacked, parts)
             for lora, offset in parts:
                 lora.add_delta(y, x, offset)
         return y
@@ -210,6 +264,24 @@ def _attach_merged_parts(model: nn.Module, layers: dict[tuple[int, str], LoRALin
             wrapper = {id(m.base_layer): m for (j, _), m in layers.items() if j == i}
             proj.lora_parts = [(part if isinstance(part, LoRALinear) else wrapper[id(part)], start)
                                for part, start, _ in proj.part_rows]
+            _stack_part_a(proj)
+
+
+def _stack_part_a(proj: nn.Module) -> None:
+    """The parts of a merged projection read the same input, so their A matrices become views of one
+    buffer ``lora_a_stacked [L, parts * R, in]`` (part ``i``'s rows ``i R .. (i + 1) R - 1``): one shrink
+    launch gives every part's ``x A^T`` (:meth:`LoRAMapping.apply_parts`), then one expand per part into
+    its slice of the output. Done once at start-up, before any CUDA graph reads the buffers."""
+    parts = [lora for lora, _ in proj.lora_parts]
+    if getattr(proj, "lora_a_stacked", None) is not None or len(parts) < 2 or any(p.reduce is not None for p in parts):
+        return
+    num_slots, rank, k = parts[0].lora_a.shape
+    stacked = parts[0].lora_a.new_zeros(num_slots, len(parts) * rank, k)
+    for i, part in enumerate(parts):
+        view = stacked[:, i * rank:(i + 1) * rank]
+        view.copy_(part.lora_a)
+        part.lora_a = view
+    proj.lora_a_stacked = stacked
 
 
 def add_lora_layers(model: nn.Module, max_loras: int, max_lora_rank: int, mapping: LoRAMapping
