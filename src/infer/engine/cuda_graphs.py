@@ -61,6 +61,19 @@ on. The host cost of a mixed step becomes ``L + 1`` graph launches and a few att
 layer instead of hundreds of kernels. The ``T`` tokens fill the bucket's first rows; the padding
 rows have slot -1 (no K/V written) and are not passed to the attention.
 
+**Hybrid models** (phase 17: Qwen3.5's Gated DeltaNet layers keep a recurrent state per sequence,
+in a slot of the :class:`~infer.attention.state_cache.RecurrentStateCache`). A decode step also reads
+each row's *state slot* and whether the slot holds a state yet (False for a one-token prompt, whose
+slot holds a finished sequence's leftovers). The slots are a fifth vector of the packed step, after the
+context lengths, so the graph reads them where the decode kernels look for them; the flag is
+``position > 0``, computed inside the graph from the static positions. A padding row cannot use slot
+-1 as the KV write does: the recurrent step reads and writes a whole state at its slot, and -1 would
+be out of bounds (or, as a PyTorch index, the last slot: a real sequence's). So the state cache
+keeps one slot that no sequence owns (:attr:`RecurrentStateCache.pad_slot`) and every padding row
+reads and writes that one (flag False: read as zeros); what they leave there is never read.
+Prefill and mixed steps of a hybrid model run eagerly (their chunked form is plain PyTorch
+that loops over the sequences on the host): :class:`CUDAGraphRunner` refuses their buckets.
+
 Other steps (wider than the largest bucket, or with the buckets off) run eagerly. Sampling
 runs eagerly after the replay, on the graph's logits: its randomness comes from each
 sequence's own ``(seed, step)`` counter (:mod:`infer.sampling.rng`), so no random state is
@@ -133,13 +146,16 @@ _BLOCK_TABLE = operator.attrgetter("block_table")
 _NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
 _TOKEN_IDS = operator.attrgetter("token_ids")
 _SEQ = operator.attrgetter("seq")
+_STATE_SLOT = operator.attrgetter("state_slot")
 
 
-def stage_decodes(seqs: list, table_rows: BlockTableRows, block_size: int, h: np.ndarray, bs: int
-                  ) -> tuple[int, np.ndarray | None]:
+def stage_decodes(seqs: list, table_rows: BlockTableRows, block_size: int, h: np.ndarray, bs: int,
+                  state_pad_slot: int | None = None) -> tuple[int, np.ndarray | None]:
     """Write a decode step of ``B = len(seqs)`` sequences, one new token each, into ``h`` (int64, the
     packed layout of :meth:`CUDAGraphRunner.replay`: ``[ids | positions | slots | context lengths]``
-    of ``bs >= B`` rows each, padding rows included, then the ``[B, width]`` block tables).
+    of ``bs >= B`` rows each, padding rows included, then the ``[B, width]`` block tables). With
+    ``state_pad_slot`` (hybrid models, phase 17) a fifth vector comes before the tables: each row's
+    recurrent-state slot (``seq.state_slot``), ``state_pad_slot`` in the padding rows.
 
     The step is read from the sequences with a few C-level maps and computed with NumPy: sequence
     ``i``'s new token sits at position ``p = num_computed_tokens`` (the token the last step sampled,
@@ -154,6 +170,10 @@ def stage_decodes(seqs: list, table_rows: BlockTableRows, block_size: int, h: np
     Returns:
         ``(width, rows)``: the widest table (blocks), and the rows that sample a token this step (those
         whose every token is computed after it), ``None`` when all of them do.
+
+    Raises:
+        RuntimeError: with ``state_pad_slot``, a sequence without a state slot (a scheduler bug: the
+            kernels would write outside the state cache).
     """
     b = len(seqs)
     tables = list(map(_BLOCK_TABLE, seqs))
@@ -164,7 +184,15 @@ def stage_decodes(seqs: list, table_rows: BlockTableRows, block_size: int, h: np
     pos[:] = computed
     h[:b] = list(map(operator.getitem, token_ids, computed))
     h[3 * bs: 3 * bs + b] = pos + 1
-    rows = h[4 * bs: 4 * bs + b * width].reshape(b, width)
+    at = 4 * bs
+    if state_pad_slot is not None:
+        state = h[at: at + bs]
+        state[:b] = list(map(_STATE_SLOT, seqs))
+        state[b:] = state_pad_slot
+        if b and state[:b].min() < 0:
+            raise RuntimeError(f"a decode row has no recurrent-state slot: {state[:b].tolist()}")
+        at += bs
+    rows = h[at: at + b * width].reshape(b, width)
     table_rows.gather(tables, width, rows)
     h[2 * bs: 2 * bs + b] = rows[np.arange(b), pos // block_size] * block_size + pos % block_size
     for k, pad in enumerate((0, 0, -1, 0)):  # padding rows: slot -1 writes nothing, length 0 reads nothing
@@ -198,13 +226,29 @@ class CUDAGraphRunner:
         max_model_len: the longest context (tokens): sizes the decode kernel's split count.
         prefill_max_tokens: the largest one-sequence prefill step captured (0: none;
             :func:`prefill_graph_sizes`).
+        state_cache: hybrid models (phase 17): the recurrent-state cache, with its padding slot
+            (:attr:`~infer.attention.state_cache.RecurrentStateCache.pad_slot`); decode graphs only.
+
+    Raises:
+        ValueError: a state cache without a padding slot, or with prefill or mixed-step buckets.
     """
 
     def __init__(self, model, kv_cache: KVCache, max_batch_size: int, max_blocks_per_seq: int,
                  max_model_len: int, prefill_max_tokens: int = 0, mixed_max_tokens: int = 0,
-                 attention_backend=None) -> None:
+                 attention_backend=None, state_cache=None) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.state_cache = state_cache
+        if state_cache is not None:
+            if state_cache.pad_slot is None:
+                raise ValueError("a recurrent-state cache in CUDA graphs needs its padding slot (pad_slot=True): "
+                                 "the padding rows of a decode bucket write a state")
+            if prefill_max_tokens or mixed_max_tokens:
+                raise ValueError("prefill and mixed-step CUDA graphs are not supported for hybrid models: their "
+                                 "chunked gated delta rule loops over the sequences on the host; use 0")
+        # the packed decode step's vectors of one entry per row: [ids | positions | slots | context
+        # lengths], and with a state cache each row's state slot
+        self.num_vectors = 4 if state_cache is None else 5
         self.sizes = graph_batch_sizes(max_batch_size)
         self.prefill_sizes = prefill_graph_sizes(prefill_max_tokens)
         self.mixed_sizes = mixed_graph_sizes(mixed_max_tokens)
@@ -230,8 +274,9 @@ class CUDAGraphRunner:
         # used in turn: when the host fills one for step N, the copy of step N - 2 from it is done
         # (the host waited for step N - 1's tokens, enqueued after it), while step N - 1's copy may
         # still be pending under async scheduling.
-        size = 4 * n + n * max_blocks_per_seq
-        self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        size = self.num_vectors * n + n * max_blocks_per_seq
+        pin = dev.type == "cuda"  # (a runner on the CPU only serves tests of the staging; it captures nothing)
+        self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._table_rows = BlockTableRows(2 * (n + 1), max_blocks_per_seq)  # the block tables, kept between steps
         self._turn = 0
         self.packed = torch.zeros(size, dtype=torch.int64, device=dev)
@@ -325,8 +370,9 @@ class CUDAGraphRunner:
     def _meta(self, bs: int) -> AttentionMetadata:
         """Metadata over the static buffers' first ``bs`` rows. Its host fields are what the
         backend reads while the graph is captured: every row a decode, contexts up to
-        ``max_model_len`` (so the split count covers the longest sequence)."""
-        return AttentionMetadata(
+        ``max_model_len`` (so the split count covers the longest sequence). A hybrid model's
+        state slots are the packed step's fifth vector (:meth:`_decode_forward` adds the flags)."""
+        meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             query_start_loc_cpu=list(range(bs + 1)),
@@ -337,6 +383,10 @@ class CUDAGraphRunner:
             block_tables_cpu=None,
             num_decodes=bs,
         )
+        if self.state_cache is not None:
+            meta.state_cache = self.state_cache
+            meta.state_slots = self.packed[4 * bs: 5 * bs]
+        return meta
 
     def can_run_prefill(self, num_tokens: int) -> bool:
         """Is a one-sequence step of ``num_tokens`` (> 1) tokens within the largest prefill bucket?"""
@@ -506,10 +556,18 @@ class CUDAGraphRunner:
         lengths]`` (:attr:`packed`'s first ``4 * bs`` entries, the same addresses at every replay) into
         the static buffers, then the forward and the LM head of every row. The two copies are part of
         the graph: two launches fewer per step on the host (three such copies and the replay took 265 us
-        of an H100 machine's host time against 58 us for the replay alone)."""
+        of an H100 machine's host time against 58 us for the replay alone).
+
+        A hybrid model's layers read each row's state slot from the packed step and whether the slot
+        holds a state yet: ``position > 0`` (a decode row's one token is its first new one), computed
+        here, inside the graph, into the metadata's per-step scratch where the layers look for it
+        (:meth:`infer.models.qwen3_5.GatedDeltaNet.mix`); padding rows (position 0) read zeros."""
         self._ids_pos_slots[:, :bs].copy_(self.packed[: 3 * bs].view(3, bs))
         self.seq_lens[:bs].copy_(self.packed[3 * bs: 4 * bs])
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        meta = self._meta(bs)
+        if self.state_cache is not None:
+            meta.scratch["decode_has_state"] = self.positions[:bs] > 0
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
         return self.model.compute_logits(hidden)
 
     def _prefill_meta(self, t: int) -> AttentionMetadata:
@@ -557,6 +615,8 @@ class CUDAGraphRunner:
             if kind == "decode":  # the packed step a decode graph reads: padding rows only
                 self.packed[: 4 * size].zero_()
                 self.packed[2 * size: 3 * size].fill_(-1)
+                if self.state_cache is not None:  # the state slots: the padding slot
+                    self.packed[4 * size: 5 * size].fill_(self.state_cache.pad_slot)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 forward()  # warm-up: compiles the kernels of this shape
@@ -620,8 +680,9 @@ class CUDAGraphRunner:
         bs = bucket_for(b, self.sizes)
         host = self._staging[self._turn]
         self._turn ^= 1
-        width, rows = stage_decodes(seqs, self._table_rows, self.kv_cache.block_size, host.numpy(), bs)
-        n = packed_size(b, bs, width)
+        pad = self.state_cache.pad_slot if self.state_cache is not None else None
+        width, rows = stage_decodes(seqs, self._table_rows, self.kv_cache.block_size, host.numpy(), bs, pad)
+        n = packed_size(b, bs, width, self.num_vectors)
         packed = self.packed[:n]
         packed.copy_(host[:n], non_blocking=True)
         if patch is not None:  # a decode-only step: flat position = row, inside the ids part
@@ -635,7 +696,8 @@ class CUDAGraphRunner:
         The graph itself spreads the four vectors into the static buffers (:meth:`_decode_forward`);
         the block tables, whose width varies, are copied here. Returns logits ``[B, vocab_size]`` (a
         view of the graph's output buffer, valid until the next replay)."""
-        self.block_tables[:b, :width].copy_(self.packed[4 * bs: packed_size(b, bs, width)].view(b, width))
+        at = self.num_vectors * bs
+        self.block_tables[:b, :width].copy_(self.packed[at: at + b * width].view(b, width))
         self.graphs[bs].replay()
         return self.logits[bs][:b]
 
@@ -733,7 +795,8 @@ class _Pieces:
         return out
 
 
-def packed_size(b: int, bs: int, width: int) -> int:
-    """Entries of a packed decode step (:meth:`CUDAGraphRunner.replay`): four vectors of the bucket's
-    ``bs`` rows and ``b`` block tables of ``width`` columns."""
-    return 4 * bs + b * width
+def packed_size(b: int, bs: int, width: int, vectors: int = 4) -> int:
+    """Entries of a packed decode step (:meth:`CUDAGraphRunner.replay`): ``vectors`` vectors of the
+    bucket's ``bs`` rows (four; five with a hybrid model's state slots) and ``b`` block tables of
+    ``width`` columns."""
+    return vectors * bs + b * width

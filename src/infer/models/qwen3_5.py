@@ -121,6 +121,11 @@ class GatedDeltaNet(nn.Module):
         The decode rows (the first ``num_decodes`` sequences, one token each) go together through
         the recurrent step (``self.decode_ops.decode_step``: the Triton kernels with the Triton attention
         backend, else their plain-PyTorch twins); each prefill (or prefill chunk) through the chunked form.
+        The decode rows' slots (``meta.state_slots``) and whether each holds a state yet (a bool device
+        tensor in ``meta.scratch["decode_has_state"]``) are device tensors: an eager step builds the
+        flags once from the host's positions, a CUDA graph's decode step provides them from its static
+        buffers (:class:`~infer.engine.cuda_graphs.CUDAGraphRunner`), so the decode path reads nothing
+        on the host and can be captured.
 
         Returns:
             float32 ``[T, Hv, Dv]``.
