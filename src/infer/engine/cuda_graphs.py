@@ -61,18 +61,14 @@ on. The host cost of a mixed step becomes ``L + 1`` graph launches and a few att
 layer instead of hundreds of kernels. The ``T`` tokens fill the bucket's first rows; the padding
 rows have slot -1 (no K/V written) and are not passed to the attention.
 
-**Hybrid models** (phase 17: Qwen3.5's Gated DeltaNet layers keep a recurrent state per sequence,
-in a slot of the :class:`~infer.attention.state_cache.RecurrentStateCache`). A decode step also reads
-each row's *state slot* and whether the slot holds a state yet (False for a one-token prompt, whose
-slot holds a finished sequence's leftovers). The slots are a fifth vector of the packed step, after the
-context lengths, so the graph reads them where the decode kernels look for them; the flag is
-``position > 0``, computed inside the graph from the static positions. A padding row cannot use slot
--1 as the KV write does: the recurrent step reads and writes a whole state at its slot, and -1 would
-be out of bounds (or, as a PyTorch index, the last slot: a real sequence's). So the state cache
-keeps one slot that no sequence owns (:attr:`RecurrentStateCache.pad_slot`) and every padding row
-reads and writes that one (flag False: read as zeros); what they leave there is never read.
-Prefill and mixed steps of a hybrid model run eagerly (their chunked form is plain PyTorch
-that loops over the sequences on the host): :class:`CUDAGraphRunner` refuses their buckets.
+**Hybrid models** (phase 17: a recurrent state per sequence in a slot of the
+:class:`~infer.attention.state_cache.RecurrentStateCache`). A decode step also reads each row's state
+slot, a fifth vector of the packed step, and whether the slot holds a state yet: ``position > 0``,
+computed inside the graph. A padding row cannot use slot -1 as the KV write does: the recurrent step
+reads and writes a whole state at its slot, and -1 is out of bounds (as a PyTorch index, the last
+slot: a real sequence's). So the state cache keeps one slot that no sequence owns
+(:attr:`RecurrentStateCache.pad_slot`), which every padding row reads (as zeros) and writes. Prefill
+and mixed steps of a hybrid model run eagerly (the chunked form loops over the sequences on the host).
 
 Other steps (wider than the largest bucket, or with the buckets off) run eagerly. Sampling
 runs eagerly after the replay, on the graph's logits: its randomness comes from each
