@@ -196,6 +196,45 @@ def test_hybrid_config_keeps_decode_graphs_and_refuses_prefill_graphs(tiny_cpu):
         CUDAGraphRunner(None, None, 4, 4, 32, state_cache=state)
 
 
+# ---------------------------------------------------------------------------------- fused kernels
+
+
+def test_fused_forward_gives_hf_logits_and_tokens(tiny_ckpt, tiny_cpu):
+    """``fused_kernels`` for the hybrid (norms fused with the residual add, the fused MLP, the LM head
+    through ``ops.linear``): teacher-forced logits of a 24-token and a one-token prompt within 1e-4 of
+    HF's with the plain-PyTorch ops and with the Triton kernels (interpreted); and an engine with
+    fused kernels, chunked prefill (a 16-token budget) and async scheduling gives HF's greedy tokens."""
+    from infer.attention import TorchAttentionBackend
+    from infer.kernels import fused_reference, fused_triton
+    from tests.hf_reference import hf_logits, infer_logits
+
+    _, hf = tiny_ckpt
+    model = tiny_cpu.model
+    seqs = [[(7 * i + 3) % 500 for i in range(24)], [42]]
+    refs = [hf_logits(hf, seq) for seq in seqs]
+    try:
+        model.set_attention_backend(TorchAttentionBackend())
+        for ops in (fused_reference, fused_triton):
+            model.set_fused_ops(ops)
+            for got, ref in zip(infer_logits(model, seqs), refs):
+                assert (got - ref).abs().max().item() <= 1e-4, (ops.__name__, (got - ref).abs().max().item())
+    finally:
+        model.set_fused_ops(None)
+    prompts = [(0, [5, 6, 7], 6), (1, list(range(100, 140)), 5), (2, [42], 4)]
+    engine = make_engine(tiny_cpu, max_model_len=64, max_num_seqs=4, batching="continuous", kv_cache="paged",
+                         block_size=8, chunked_prefill=True, max_num_batched_tokens=16, async_scheduling=True,
+                         fused_kernels=True)
+    assert model.ops is fused_reference
+    got = drive(engine, [(t, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for t, p, n in prompts],
+                check=_slots_consistent)
+    for i, (_, prompt, n) in enumerate(prompts):
+        ref = hf_greedy(hf, prompt, n)
+        assert got[i][0][: len(ref)] == ref, f"prompt {i}"
+    assert engine.scheduler.num_chunked_steps > 0
+    assert_pool_full(engine)
+    model.set_fused_ops(None)
+
+
 # ---------------------------------------------------------------------------------- on a GPU
 
 
@@ -215,17 +254,19 @@ def _gpu_engine(loaded, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
-def test_cuda_graphs_give_the_eager_and_hf_tokens(tiny_ckpt, tiny_cuda, overlap):
+@pytest.mark.parametrize("overlap, fused", [(False, False), (True, True)], ids=["sync", "async-fused"])
+def test_cuda_graphs_give_the_eager_and_hf_tokens(tiny_ckpt, tiny_cuda, overlap, fused):
     """Greedy requests arriving over time (batch widths cross the buckets 1, 2, 4, 8, 12, with padding
     rows; prefills run eagerly between), float32 on CUDA: the same tokens through the captured decode
-    graphs as eagerly, both equal to HF's ``generate`` on the CPU; no replay writes a slot its rows do
-    not own; slots consistent after every step, and at the end every KV block and every state slot free."""
+    graphs (with async scheduling and the fused kernels, or neither) as eagerly without them, both equal
+    to HF's ``generate`` on the CPU; no replay writes a slot its rows do not own; slots consistent after
+    every step, and at the end every KV block and every state slot free."""
     _, hf = tiny_ckpt
     loaded = tiny_cuda
     arrivals = mixed_workload(loaded.config.vocab_size, 24, seed=3)
-    ref = drive(_gpu_engine(loaded, async_scheduling=overlap), arrivals)
-    eng = _gpu_engine(loaded, cuda_graphs=True, cuda_graph_max_batch_size=12, async_scheduling=overlap)
+    ref = drive(_gpu_engine(loaded), arrivals)
+    eng = _gpu_engine(loaded, cuda_graphs=True, cuda_graph_max_batch_size=12, async_scheduling=overlap,
+                      fused_kernels=fused)
     graphs = eng.runner.graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 8, 12] and not graphs.prefill_graphs and not graphs.mixed
     assert graphs.state_cache is eng.runner.state_cache and graphs.num_vectors == 5
@@ -247,11 +288,11 @@ def test_cuda_graphs_give_the_eager_and_hf_tokens(tiny_ckpt, tiny_cuda, overlap)
 def test_cuda_graphs_with_a_padding_bucket_and_a_one_token_prompt(tiny_ckpt, tiny_cuda):
     """The CPU test's arrivals through real captured graphs: three sequences in a bucket of four, a
     one-token prompt (its slot read as zeros) joining decodes in a graph, under ``optimize`` (async
-    scheduling, pdl where the GPU has it, chunked prefill, the Triton kernels); HF's tokens."""
+    scheduling, fused kernels, pdl where the GPU has it, chunked prefill, the Triton kernels); HF's tokens."""
     _, hf = tiny_ckpt
     loaded = tiny_cuda
     eng = _gpu_engine(loaded, optimize=True, cuda_graph_max_batch_size=4)
-    assert eng.config.cuda_graphs and eng.config.cuda_graph_prefill_max_tokens == 0
+    assert eng.config.cuda_graphs and eng.config.fused_kernels and eng.config.cuda_graph_prefill_max_tokens == 0
     graphs = eng.runner.graphs
     assert sorted(graphs.graphs) == [1, 2, 4]
     seen: list[tuple[int, int]] = []

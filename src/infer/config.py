@@ -585,7 +585,7 @@ class EngineConfig:
 
         A hybrid model (phase 17, linear-attention layers with a recurrent state) runs without the
         optimizations that do not handle that state yet: prefix caching (a cached prefix's KV blocks
-        would come without the state after it), KV offload, fused kernels, CUDA graphs of prefill and
+        would come without the state after it), KV offload, CUDA graphs of prefill and
         mixed steps (decode steps are captured: their state slots are graph inputs) and tensor/expert
         parallelism. Each one asked for explicitly is an error; under ``optimize`` it is turned off and
         the reason noted in the start-up log (:meth:`optimization_summary`).
@@ -626,7 +626,6 @@ class EngineConfig:
         why = {
             "prefix_caching": "a cached prefix's KV blocks would come without the linear-attention state after "
                               "it (state snapshots are not implemented), so it would reuse stale state",
-            "fused_kernels": "the fused forward covers attention-only layers",
         }
         notes = getattr(self, "optimization_notes", None) or {}
         for name, reason in why.items():
