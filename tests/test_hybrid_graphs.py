@@ -258,13 +258,13 @@ def _gpu_engine(loaded, **kw):
 def test_cuda_graphs_give_the_eager_and_hf_tokens(tiny_ckpt, tiny_cuda, overlap, fused):
     """Greedy requests arriving over time (batch widths cross the buckets 1, 2, 4, 8, 12, with padding
     rows; prefills run eagerly between), float32 on CUDA: the same tokens through the captured decode
-    graphs (with async scheduling and the fused kernels, or neither) as eagerly without them, both equal
+    graphs (with async scheduling and the fused kernels, or neither) as eagerly, both equal
     to HF's ``generate`` on the CPU; no replay writes a slot its rows do not own; slots consistent after
     every step, and at the end every KV block and every state slot free."""
     _, hf = tiny_ckpt
     loaded = tiny_cuda
     arrivals = mixed_workload(loaded.config.vocab_size, 24, seed=3)
-    ref = drive(_gpu_engine(loaded), arrivals)
+    ref = drive(_gpu_engine(loaded, fused_kernels=fused), arrivals)
     eng = _gpu_engine(loaded, cuda_graphs=True, cuda_graph_max_batch_size=12, async_scheduling=overlap,
                       fused_kernels=fused)
     graphs = eng.runner.graphs
@@ -302,6 +302,6 @@ def test_cuda_graphs_with_a_padding_bucket_and_a_one_token_prompt(tiny_ckpt, tin
     for i, (_, prompt, n) in enumerate(CPU_ARRIVALS):
         ref = hf_greedy(hf, prompt, n)
         assert got[i][0][: len(ref)] == ref, f"prompt {i}"
-    assert (3, 4) in seen, seen
+    assert any(b < bucket for b, bucket in seen), f"no bucket with a padding row: {seen}"
     assert_pool_full(eng)
     _assert_state_slots_free(eng)
