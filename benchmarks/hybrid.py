@@ -60,26 +60,36 @@ def make_model_dir(preset: str, root: Path) -> Path:
     return make_checkpoint(preset, root / preset, dtype="bf16", device="cpu", random_weights=True)
 
 
-def decode_tpot(engine, prompt: list[int], steps: int) -> tuple[float, float]:
+def decode_tpot(engine, prompt: list[int], steps: int) -> tuple[float, float, int]:
     """``(median, min)`` seconds of ``steps`` decode steps of one request running alone, after its prefill
-    (the minimum is the steadier number on a shared CPU, where other processes stretch some steps)."""
+    (the minimum is the steadier number on a shared CPU, where other processes stretch some steps), and how
+    many of the timed steps replayed a CUDA graph."""
     from infer.sampling import SamplingParams
 
     engine.add_request(prompt, SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
     while engine.scheduler.running == [] or engine.scheduler.running[0].in_prefill:
         engine.step()  # the prefill (in chunks when chunked prefill is on)
     engine.step()  # the first decode: out of the timing (lazy allocations)
-    times = []
+    times, routes = [], []
     dev = engine.runner.device
+    traced = engine.runner.on_executed  # a step tracer's, if any: still called
+
+    def note(out) -> None:
+        routes.append(out.graph)
+        if traced is not None:
+            traced(out)
+
+    engine.runner.on_executed = note
     for _ in range(steps):
         sync(dev)
         t = time.perf_counter()
         engine.step()
         sync(dev)
         times.append(time.perf_counter() - t)
+    engine.runner.on_executed = traced
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times), min(times)
+    return statistics.median(times), min(times), routes.count("decode")
 
 
 def measure_model(path: Path, contexts: list[int], steps: int, device: str, dtype: str, overrides: dict[str, Any],
@@ -97,11 +107,11 @@ def measure_model(path: Path, contexts: list[int], steps: int, device: str, dtyp
     rng = random.Random(0)
     for n in contexts:
         prompt = [rng.randrange(cfg.vocab_size - 8) for _ in range(n)]
-        tpot, best = decode_tpot(engine, prompt, steps)
+        tpot, best, graphed = decode_tpot(engine, prompt, steps)
         kv, state = cfg.kv_bytes_per_token(dt) * n, cfg.state_bytes_per_seq(dt)
         row = {"model": path.name, "layers": f"{cfg.num_layers - cfg.num_kv_layers} linear + {cfg.num_kv_layers} attn",
                "context": n, "tpot_ms": tpot * 1e3, "min_step_ms": best * 1e3, "kv_mib": kv / 2**20,
-               "state_mib": state / 2**20,
+               "state_mib": state / 2**20, "graph_steps": f"{graphed}/{steps}",
                "floor_ms": decode_floor_s(cfg, dt, n, bandwidth) * 1e3}
         row["floor_ratio"] = row["tpot_ms"] / row["floor_ms"]
         print_row(row)
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         r["vs_hybrid"] = r["tpot_ms"] / hybrid[r["context"]]["tpot_ms"]
         r["min_vs_hybrid"] = r["min_step_ms"] / hybrid[r["context"]]["min_step_ms"]
     cols = ["model", "layers", "context", "tpot_ms", "vs_hybrid", "min_step_ms", "min_vs_hybrid", "floor_ms",
-            "floor_ratio", "kv_mib", "state_mib"]
+            "floor_ratio", "kv_mib", "state_mib", "graph_steps"]
     table = markdown_table(rows, cols)
     krows = []
     if args.kernels:

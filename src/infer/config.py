@@ -414,11 +414,14 @@ class EngineConfig:
             setattr(self, f.name, f.metadata["on"] if self.optimize and reason is None else f.metadata["off"])
             if reason is not None:
                 notes[f.name] = reason
+        defaulted = []
         for f in dataclasses.fields(self):
             if "with_cuda_graphs" in f.metadata and getattr(self, f.name) is None:
                 # the model runner clamps these to the step budget and the context length
                 on = self.cuda_graphs and self.world_size == 1
                 setattr(self, f.name, f.metadata["with_cuda_graphs"] if on else 0)
+                defaulted.append(f.name)
+        self._graph_sizes_defaulted = tuple(defaulted)  # not given: validate_model may turn them off quietly
         self.optimization_notes = notes
 
     def _why_not(self, name: str, dev: torch.device) -> str | None:
@@ -578,9 +581,10 @@ class EngineConfig:
 
         A hybrid model (phase 17, linear-attention layers with a recurrent state) runs without the
         optimizations that do not handle that state yet: prefix caching (a cached prefix's KV blocks
-        would come without the state after it), KV offload, fused kernels, CUDA graphs and
-        tensor/expert parallelism. Each one asked for explicitly is an error; under ``optimize`` it is
-        turned off and the reason noted in the start-up log (:meth:`optimization_summary`).
+        would come without the state after it), KV offload, CUDA graphs of prefill and
+        mixed steps (decode steps are captured: their state slots are graph inputs) and tensor/expert
+        parallelism. Each one asked for explicitly is an error; under ``optimize`` it is turned off and
+        the reason noted in the start-up log (:meth:`optimization_summary`).
 
         Raises:
             ValueError: naming the dimension that does not divide, or the flag a hybrid model does not support.
@@ -618,8 +622,6 @@ class EngineConfig:
         why = {
             "prefix_caching": "a cached prefix's KV blocks would come without the linear-attention state after "
                               "it (state snapshots are not implemented), so it would reuse stale state",
-            "fused_kernels": "the fused forward covers attention-only layers",
-            "cuda_graphs": "the recurrent-state slots are not graph inputs yet",
         }
         notes = getattr(self, "optimization_notes", None) or {}
         for name, reason in why.items():
@@ -629,8 +631,19 @@ class EngineConfig:
                 raise ValueError(f"{name} is not supported for hybrid models ({model.architecture}): {reason}")
             setattr(self, name, False)
             notes[name] = f"not supported for hybrid models ({model.architecture})"
-        if not self.cuda_graphs:
-            self.cuda_graph_prefill_max_tokens = self.cuda_graph_mixed_max_tokens = 0
+        # CUDA graphs capture decode steps only: a prefill's chunked gated delta rule loops over the
+        # sequences on the host (the default sizes that came with cuda_graphs are turned off quietly)
+        defaulted = getattr(self, "_graph_sizes_defaulted", ())
+        for name in ("cuda_graph_prefill_max_tokens", "cuda_graph_mixed_max_tokens"):
+            if not getattr(self, name):
+                continue
+            if self.cuda_graphs and not self.optimize and name not in defaulted:
+                raise ValueError(f"{name} is not supported for hybrid models ({model.architecture}): prefill and "
+                                 "mixed steps run eagerly (the chunked gated delta rule loops over the sequences "
+                                 "on the host); decode steps are captured, use 0")
+            if self.cuda_graphs:
+                notes[name] = f"not supported for hybrid models ({model.architecture}): decode graphs only"
+            setattr(self, name, 0)
         self.optimization_notes = notes
         if self.kv_offload != "none":
             raise ValueError(f"kv_offload is not supported for hybrid models ({model.architecture}): it moves "

@@ -26,22 +26,31 @@ class RecurrentStateCache:
     ``ssm [num_layers, num_slots, num_v_heads, key_head_dim, value_head_dim]`` in float32, zeroed.
     A slot's content is garbage until its sequence's first step writes it: the layers read a slot
     only for a sequence whose first new position is past 0 (:meth:`AttentionMetadata.first_positions`).
+
+    ``pad_slot=True`` adds one slot past the ``num_slots`` sequence slots, :attr:`pad_slot`, that no
+    sequence ever owns: the padding rows of a CUDA graph's decode bucket read and write it
+    (:class:`~infer.engine.cuda_graphs.CUDAGraphRunner`), so a replay of 4 rows for 3 sequences
+    updates some state without touching a real one (vLLM pads its Mamba state indices the same way).
     """
 
     def __init__(self, num_layers: int, num_slots: int, conv_dim: int, kernel: int, num_v_heads: int,
-                 key_head_dim: int, value_head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.conv = torch.zeros(num_layers, num_slots, conv_dim, kernel - 1, dtype=dtype, device=device)
-        self.ssm = torch.zeros(num_layers, num_slots, num_v_heads, key_head_dim, value_head_dim, dtype=torch.float32,
+                 key_head_dim: int, value_head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 pad_slot: bool = False) -> None:
+        rows = num_slots + int(pad_slot)
+        self.conv = torch.zeros(num_layers, rows, conv_dim, kernel - 1, dtype=dtype, device=device)
+        self.ssm = torch.zeros(num_layers, rows, num_v_heads, key_head_dim, value_head_dim, dtype=torch.float32,
                                device=device)
-        self.num_slots = num_slots
+        self.num_slots = num_slots  # the sequence slots (the scheduler hands out 0 .. num_slots - 1)
+        self.pad_slot: int | None = num_slots if pad_slot else None
 
     @classmethod
-    def for_model(cls, cfg, num_slots: int, dtype: torch.dtype, device) -> RecurrentStateCache:
+    def for_model(cls, cfg, num_slots: int, dtype: torch.dtype, device, pad_slot: bool = False) -> RecurrentStateCache:
         """The cache of a :class:`~infer.config.ModelConfig` with linear-attention layers."""
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
             cfg.linear_num_value_heads * cfg.linear_value_head_dim
         return cls(cfg.num_layers - cfg.num_kv_layers, num_slots, conv_dim, cfg.linear_conv_kernel_dim,
-                   cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, dtype, device)
+                   cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, dtype, device,
+                   pad_slot=pad_slot)
 
     @property
     def nbytes(self) -> int:
@@ -50,7 +59,7 @@ class RecurrentStateCache:
     @property
     def slot_nbytes(self) -> int:
         """Bytes of one slot, across all linear-attention layers."""
-        return self.nbytes // self.num_slots
+        return self.nbytes // self.conv.shape[1]
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy slot ``src`` into ``dst`` in every layer (``n > 1``: each fork starts from the state its

@@ -66,6 +66,15 @@ is captured twice: its base variant, and a LoRA variant whose shrink / expand ke
 step's rows grouped by adapter slot from one fixed buffer, staged before the replay like the other
 inputs (:mod:`infer.lora.graphs`); a step where some row has an adapter replays the LoRA variant.
 
+**Hybrid models** (phase 17: a recurrent state per sequence in a slot of the
+:class:`~infer.attention.state_cache.RecurrentStateCache`). A decode step also reads each row's state
+slot, a fifth vector of the packed step, and whether the slot holds a state yet: ``position > 0``,
+computed inside the graph. A padding row cannot use slot -1 as the KV write does: the recurrent step
+reads and writes a whole state at its slot, and -1 is out of bounds (as a PyTorch index, the last
+slot: a real sequence's). So the state cache keeps one slot that no sequence owns
+(:attr:`RecurrentStateCache.pad_slot`), which every padding row reads (as zeros) and writes. Prefill
+and mixed steps of a hybrid model run eagerly (the chunked form loops over the sequences on the host).
+
 Other steps (wider than the largest bucket, or with the buckets off) run eagerly. Sampling
 runs eagerly after the replay, on the graph's logits: its randomness comes from each
 sequence's own ``(seed, step)`` counter (:mod:`infer.sampling.rng`), so no random state is
@@ -76,7 +85,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import time
 from dataclasses import dataclass
 
@@ -85,6 +93,7 @@ import torch
 from tqdm.auto import tqdm
 
 from infer.attention import AttentionMetadata, KVCache
+from infer.engine.graph_staging import _SEQ, packed_size, stage_decodes  # noqa: F401  (stage_decodes: re-exported)
 from infer.engine.step import BlockTableRows, ForwardOutput, StepInputs, patch_input_ids
 from infer.lora.graphs import LoRAGraphInputs
 
@@ -136,50 +145,6 @@ def mixed_graph_sizes(max_tokens: int) -> list[int]:
     return [t for t in prefill_graph_sizes(max_tokens) if t >= 64 or t == max_tokens]
 
 
-_BLOCK_TABLE = operator.attrgetter("block_table")
-_NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
-_TOKEN_IDS = operator.attrgetter("token_ids")
-_SEQ = operator.attrgetter("seq")
-
-
-def stage_decodes(seqs: list, table_rows: BlockTableRows, block_size: int, h: np.ndarray, bs: int
-                  ) -> tuple[int, np.ndarray | None]:
-    """Write a decode step of ``B = len(seqs)`` sequences, one new token each, into ``h`` (int64, the
-    packed layout of :meth:`CUDAGraphRunner.replay`: ``[ids | positions | slots | context lengths]``
-    of ``bs >= B`` rows each, padding rows included, then the ``[B, width]`` block tables).
-
-    The step is read from the sequences with a few C-level maps and computed with NumPy: sequence
-    ``i``'s new token sits at position ``p = num_computed_tokens`` (the token the last step sampled,
-    or with chunked prefill the last token of a prompt chunk of one), its context is ``p + 1`` keys and
-    its slot ``table[p // block_size] * block_size + p % block_size``, read from the block-table rows
-    ``table_rows`` keeps between steps. Per sequence this is the same as the general path's
-    ``flatten`` (:mod:`infer.engine.step`) and ``KVCache.slot_mapping`` (tested against them at every step), without
-    their per-token Python loops: 82 against 261 us at 256 sequences on the development CPU, 259 against
-    842 us on an H100 machine's host (the kept table rows' gather included in both). vLLM's
-    persistent batch computes its slot mapping from a kept block table the same way.
-
-    Returns:
-        ``(width, rows)``: the widest table (blocks), and the rows that sample a token this step (those
-        whose every token is computed after it), ``None`` when all of them do.
-    """
-    b = len(seqs)
-    tables = list(map(_BLOCK_TABLE, seqs))
-    width = max(map(len, tables))
-    computed = list(map(_NUM_COMPUTED, seqs))
-    token_ids = list(map(_TOKEN_IDS, seqs))
-    pos = h[bs: bs + b]
-    pos[:] = computed
-    h[:b] = list(map(operator.getitem, token_ids, computed))
-    h[3 * bs: 3 * bs + b] = pos + 1
-    rows = h[4 * bs: 4 * bs + b * width].reshape(b, width)
-    table_rows.gather(tables, width, rows)
-    h[2 * bs: 2 * bs + b] = rows[np.arange(b), pos // block_size] * block_size + pos % block_size
-    for k, pad in enumerate((0, 0, -1, 0)):  # padding rows: slot -1 writes nothing, length 0 reads nothing
-        h[k * bs + b: (k + 1) * bs] = pad
-    samples = pos + 1 == np.fromiter(map(len, token_ids), dtype=np.int64, count=b)
-    return width, None if samples.all() else np.flatnonzero(samples)
-
-
 def bucket_for(batch_size: int, sizes: list[int]) -> int | None:
     """The smallest captured size ``>= batch_size``, or None when the batch is wider than all.
 
@@ -205,13 +170,29 @@ class CUDAGraphRunner:
         max_model_len: the longest context (tokens): sizes the decode kernel's split count.
         prefill_max_tokens: the largest one-sequence prefill step captured (0: none;
             :func:`prefill_graph_sizes`).
+        state_cache: hybrid models (phase 17): the recurrent-state cache, with its padding slot
+            (:attr:`~infer.attention.state_cache.RecurrentStateCache.pad_slot`); decode graphs only.
+
+    Raises:
+        ValueError: a state cache without a padding slot, or with prefill or mixed-step buckets.
     """
 
     def __init__(self, model, kv_cache: KVCache, max_batch_size: int, max_blocks_per_seq: int,
                  max_model_len: int, prefill_max_tokens: int = 0, mixed_max_tokens: int = 0,
-                 attention_backend=None) -> None:
+                 attention_backend=None, state_cache=None) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.state_cache = state_cache
+        if state_cache is not None:
+            if state_cache.pad_slot is None:
+                raise ValueError("a recurrent-state cache in CUDA graphs needs its padding slot (pad_slot=True): "
+                                 "the padding rows of a decode bucket write a state")
+            if prefill_max_tokens or mixed_max_tokens:
+                raise ValueError("prefill and mixed-step CUDA graphs are not supported for hybrid models: their "
+                                 "chunked gated delta rule loops over the sequences on the host; use 0")
+        # the packed decode step's vectors of one entry per row: [ids | positions | slots | context
+        # lengths], and with a state cache each row's state slot
+        self.num_vectors = 4 if state_cache is None else 5
         self.sizes = graph_batch_sizes(max_batch_size)
         self.prefill_sizes = prefill_graph_sizes(prefill_max_tokens)
         self.mixed_sizes = mixed_graph_sizes(mixed_max_tokens)
@@ -238,8 +219,9 @@ class CUDAGraphRunner:
         # used in turn: when the host fills one for step N, the copy of step N - 2 from it is done
         # (the host waited for step N - 1's tokens, enqueued after it), while step N - 1's copy may
         # still be pending under async scheduling.
-        size = 4 * n + n * max_blocks_per_seq
-        self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        size = self.num_vectors * n + n * max_blocks_per_seq
+        pin = dev.type == "cuda"  # (a runner on the CPU only serves tests of the staging; it captures nothing)
+        self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._table_rows = BlockTableRows(2 * (n + 1), max_blocks_per_seq)  # the block tables, kept between steps
         self._turn = 0
         self.packed = torch.zeros(size, dtype=torch.int64, device=dev)
@@ -363,8 +345,9 @@ class CUDAGraphRunner:
     def _meta(self, bs: int) -> AttentionMetadata:
         """Metadata over the static buffers' first ``bs`` rows. Its host fields are what the
         backend reads while the graph is captured: every row a decode, contexts up to
-        ``max_model_len`` (so the split count covers the longest sequence)."""
-        return AttentionMetadata(
+        ``max_model_len`` (so the split count covers the longest sequence). A hybrid model's
+        state slots are the packed step's fifth vector (:meth:`_decode_forward` adds the flags)."""
+        meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             query_start_loc_cpu=list(range(bs + 1)),
@@ -375,6 +358,10 @@ class CUDAGraphRunner:
             block_tables_cpu=None,
             num_decodes=bs,
         )
+        if self.state_cache is not None:
+            meta.state_cache = self.state_cache
+            meta.state_slots = self.packed[4 * bs: 5 * bs]
+        return meta
 
     def can_run_prefill(self, num_tokens: int) -> bool:
         """Is a one-sequence step of ``num_tokens`` (> 1) tokens within the largest prefill bucket?"""
@@ -546,10 +533,18 @@ class CUDAGraphRunner:
         lengths]`` (:attr:`packed`'s first ``4 * bs`` entries, the same addresses at every replay) into
         the static buffers, then the forward and the LM head of every row. The two copies are part of
         the graph: two launches fewer per step on the host (three such copies and the replay took 265 us
-        of an H100 machine's host time against 58 us for the replay alone)."""
+        of an H100 machine's host time against 58 us for the replay alone).
+
+        A hybrid model's layers read each row's state slot from the packed step and whether the slot
+        holds a state yet: ``position > 0`` (a decode row's one token is its first new one), computed
+        here, inside the graph, into the metadata's per-step scratch where the layers look for it
+        (:meth:`infer.models.qwen3_5.GatedDeltaNet.mix`); padding rows (position 0) read zeros."""
         self._ids_pos_slots[:, :bs].copy_(self.packed[: 3 * bs].view(3, bs))
         self.seq_lens[:bs].copy_(self.packed[3 * bs: 4 * bs])
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        meta = self._meta(bs)
+        if self.state_cache is not None:
+            meta.scratch["decode_has_state"] = self.positions[:bs] > 0
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
         return self.model.compute_logits(hidden)
 
     def _prefill_meta(self, t: int) -> AttentionMetadata:
@@ -599,6 +594,8 @@ class CUDAGraphRunner:
             if kind == "decode":  # the packed step a decode graph reads: padding rows only
                 self.packed[: 4 * size].zero_()
                 self.packed[2 * size: 3 * size].fill_(-1)
+                if self.state_cache is not None:  # the state slots: the padding slot
+                    self.packed[4 * size: 5 * size].fill_(self.state_cache.pad_slot)
             graphs, outputs = {"decode": (self.graphs, self.logits), "prefill": (self.prefill_graphs, self.prefill_logits),
                                "mixed": (self.mixed_full, self.mixed_full_hidden)}[kind]
             with self._lora_variant(size, lora):
@@ -673,8 +670,9 @@ class CUDAGraphRunner:
         bs = bucket_for(b, self.sizes)
         host = self._staging[self._turn]
         self._turn ^= 1
-        width, rows = stage_decodes(seqs, self._table_rows, self.kv_cache.block_size, host.numpy(), bs)
-        n = packed_size(b, bs, width)
+        pad = self.state_cache.pad_slot if self.state_cache is not None else None
+        width, rows = stage_decodes(seqs, self._table_rows, self.kv_cache.block_size, host.numpy(), bs, pad)
+        n = packed_size(b, bs, width, self.num_vectors)
         packed = self.packed[:n]
         packed.copy_(host[:n], non_blocking=True)
         if patch is not None:  # a decode-only step: flat position = row, inside the ids part
@@ -690,7 +688,8 @@ class CUDAGraphRunner:
         The graph itself spreads the four vectors into the static buffers (:meth:`_decode_forward`);
         the block tables, whose width varies, are copied here. Returns logits ``[B, vocab_size]`` (a
         view of the graph's output buffer, valid until the next replay)."""
-        self.block_tables[:b, :width].copy_(self.packed[4 * bs: packed_size(b, bs, width)].view(b, width))
+        at = self.num_vectors * bs
+        self.block_tables[:b, :width].copy_(self.packed[at: at + b * width].view(b, width))
         graph, logits = self.lora_graphs["decode", bs] if lora else (self.graphs[bs], self.logits[bs])
         graph.replay()
         return logits[:b]
@@ -789,9 +788,3 @@ class _Pieces:
         self.holes.append(_Hole(layer_idx, q, k, v, out, scale, window, kv_written))
         self._next()
         return out
-
-
-def packed_size(b: int, bs: int, width: int) -> int:
-    """Entries of a packed decode step (:meth:`CUDAGraphRunner.replay`): four vectors of the bucket's
-    ``bs`` rows and ``b`` block tables of ``width`` columns."""
-    return 4 * bs + b * width

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from infer.config import EngineConfig
-from infer.engine.cuda_graphs import packed_size
+from infer.engine.graph_staging import packed_size
 from infer.engine.model_runner import ModelRunner
 from infer.errors import ParallelWorkerError
 from infer.kernels import pdl

@@ -82,6 +82,7 @@ def cache_sizes(
     cuda_graph_mixed_tokens: int = 0,
     state_slot_bytes: int = 0,
     cuda_graph_variants: int = 1,
+    state_pad_slots: int = 0,
 ) -> tuple[int, int]:
     """How many KV-cache blocks of ``block_size`` tokens, and recurrent-state slots, to allocate.
 
@@ -103,7 +104,8 @@ def cache_sizes(
     tensors between the pieces counted twice).
 
     A hybrid model (phase 17, ``state_slot_bytes`` > 0: the bytes of one sequence's recurrent state)
-    first takes its state slots out of the budget (:func:`split_state_budget`); the blocks get the rest.
+    first takes its state slots out of the budget (:func:`split_state_budget`), and ``state_pad_slots``
+    more that no sequence owns (the CUDA graphs' padding slot); the blocks get the rest.
 
     Returns:
         ``(blocks, slots)``: ``min(budget // block_bytes, max_num_seqs * ceil(max_model_len / block_size))``
@@ -134,7 +136,7 @@ def cache_sizes(
             return cap, max_num_seqs if state_slot_bytes else 0
         budget, where = int(CPU_KV_FRACTION * available), f"{CPU_KV_FRACTION:.0%} of the host's available memory"
     slots = split_state_budget(budget, state_slot_bytes, max_num_seqs) if state_slot_bytes else 0
-    budget -= slots * state_slot_bytes
+    budget -= (slots + state_pad_slots) * state_slot_bytes
     blocks = min(cap, budget // block_bytes)
     if blocks < per_seq:
         seq_bytes = per_seq * block_bytes

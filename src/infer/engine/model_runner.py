@@ -78,7 +78,8 @@ class ModelRunner:
             launch (:mod:`infer.kernels.pdl`; ``EngineConfig.pdl``).
         num_state_slots: hybrid models (phase 17): sequence slots of the recurrent-state cache
             (:class:`~infer.attention.state_cache.RecurrentStateCache`; default ``max(1, ...)`` rows of
-            the KV cache when 0). The KV cache then holds the full-attention layers only.
+            the KV cache when 0). The KV cache then holds the full-attention layers only. With
+            ``cuda_graphs`` the state cache has one more slot, the decode graphs' padding slot.
 
     Attributes:
         lora_manager: LoRA (phase 16): the model's adapter slots
@@ -105,7 +106,9 @@ class ModelRunner:
         if cfg.is_hybrid:
             from infer.attention.state_cache import RecurrentStateCache
 
-            self.state_cache = RecurrentStateCache.for_model(cfg, num_state_slots or num_blocks, self.dtype, self.device)
+            # with CUDA graphs, one more slot that no sequence owns: the decode buckets' padding rows write it
+            self.state_cache = RecurrentStateCache.for_model(cfg, num_state_slots or num_blocks, self.dtype, self.device,
+                                                             pad_slot=cuda_graphs)
         self.attention_backend = make_attention_backend(attention_backend, self.device)
         self.model.set_attention_backend(self.attention_backend)
         max_model_len = max_model_len or cfg.max_position_embeddings
@@ -126,7 +129,7 @@ class ModelRunner:
                                           -(-max_model_len // block_size), max_model_len,
                                           prefill_max_tokens=cuda_graph_prefill_max_tokens,
                                           mixed_max_tokens=cuda_graph_mixed_max_tokens,
-                                          attention_backend=self.attention_backend)
+                                          attention_backend=self.attention_backend, state_cache=self.state_cache)
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel,
@@ -163,7 +166,8 @@ class ModelRunner:
         num_blocks, num_slots = cache_sizes(loaded, block_size, max_model_len, config.max_num_seqs, budget,
                                             config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs,
                                             graph_prefill, graph_mixed, mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype),
-                                            cuda_graph_variants=2 if lora is not None else 1)
+                                            cuda_graph_variants=2 if lora is not None else 1,
+                                            state_pad_slots=int(config.cuda_graphs))
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
         runner = cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,

@@ -121,6 +121,11 @@ class GatedDeltaNet(nn.Module):
         The decode rows (the first ``num_decodes`` sequences, one token each) go together through
         the recurrent step (``self.decode_ops.decode_step``: the Triton kernels with the Triton attention
         backend, else their plain-PyTorch twins); each prefill (or prefill chunk) through the chunked form.
+        The decode rows' slots (``meta.state_slots``) and whether each holds a state yet (a bool device
+        tensor in ``meta.scratch["decode_has_state"]``) are device tensors: an eager step builds the
+        flags once from the host's positions, a CUDA graph's decode step provides them from its static
+        buffers (:class:`~infer.engine.cuda_graphs.CUDAGraphRunner`), so the decode path reads nothing
+        on the host and can be captured.
 
         Returns:
             float32 ``[T, Hv, Dv]``.
@@ -170,10 +175,23 @@ class Qwen3_5DecoderLayer(nn.Module):
         h = h + (self.linear_attn(x, meta) if self.is_linear else self.self_attn(x, cos, sin, meta))
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, cos, sin, meta: AttentionMetadata,
+                      ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with each norm fused with the residual add (``ops.add_rms_norm``: the stream
+        travels beside ``h``, as in :meth:`CausalLM.forward_fused`) and the fused MLP; the mixer as in
+        :meth:`forward`. Returns ``(h, residual)``, whose sum is the layer's output."""
+        norm = self.input_layernorm
+        x, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)
+        h = self.linear_attn(x, meta) if self.is_linear else self.self_attn(x, cos, sin, meta)
+        norm = self.post_attention_layernorm
+        x, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)
+        return self.mlp.forward_fused(x, ops), residual
+
 
 class Qwen3_5ForCausalLM(CausalLM):
-    """The hybrid model. Only the reference forward (no fused ops, no tensor parallelism): the
-    engine rejects the flags it does not support for it (:meth:`EngineConfig.validate_model`)."""
+    """The hybrid model. No tensor parallelism, and the fused forward (``fused_kernels``) covers the
+    norms, the MLPs and the LM head only: the engine rejects the flags it does not support for it
+    (:meth:`EngineConfig.validate_model`)."""
 
     layer_cls = Qwen3_5DecoderLayer
 
@@ -188,9 +206,16 @@ class Qwen3_5ForCausalLM(CausalLM):
         return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
 
     def set_fused_ops(self, ops, max_positions: int = 0) -> None:
+        """``fused_kernels`` (phase 8) for the hybrid: every RMSNorm fused with its residual add, each MLP's
+        gate and up in one GEMM and ``silu(gate) * up`` in one kernel, and the LM head through
+        ``ops.linear`` (one-row products in the skinny GEMM on a GPU). The mixers keep their own
+        projections: the gated attention's interleaved query / gate heads and partial RoPE, and the
+        Gated DeltaNet's in-projections, are not what the fused attention kernels take. (No column-major
+        CPU layout here: the plain-PyTorch products take the weights as they are.)"""
+        self.ops = ops
         if ops is not None:
-            raise ValueError("fused_kernels is not supported for hybrid models (qwen3_5): use the reference forward")
-        self.ops = None
+            for layer in self.model.layers:
+                layer.mlp.merge_gate_up()
 
     def set_attention_backend(self, backend) -> None:
         """The attention layers' backend; the Gated DeltaNet layers' decode step follows it (the Triton
@@ -212,6 +237,12 @@ class Qwen3_5ForCausalLM(CausalLM):
         """As :meth:`CausalLM.forward`; the rotary tables ``[T, rotary_dim]`` serve the attention layers."""
         h = self.embed(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq_full_attention, h.dtype)
+        if self.ops is not None:  # fused_kernels (set_fused_ops)
+            residual = None
+            for layer in self.model.layers:
+                h, residual = layer.forward_fused(h, residual, cos, sin, meta, self.ops)
+            norm = self.model.norm
+            return self.ops.add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)[0]
         for layer in self.model.layers:
             h = layer(h, cos, sin, meta)
         return self.model.norm(h)
