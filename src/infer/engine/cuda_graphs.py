@@ -690,9 +690,12 @@ class CUDAGraphRunner:
         view of the graph's output buffer, valid until the next replay)."""
         at = self.num_vectors * bs
         self.block_tables[:b, :width].copy_(self.packed[at: at + b * width].view(b, width))
-        graph, logits = self.lora_graphs["decode", bs] if lora else (self.graphs[bs], self.logits[bs])
-        graph.replay()
-        return logits[:b]
+        if lora:
+            graph, logits = self.lora_graphs["decode", bs]
+            graph.replay()
+            return logits[:b]
+        self.graphs[bs].replay()
+        return self.logits[bs][:b]
 
 
     def replay_prefill(self, ids: list[int], positions: list[int], slots: list[int], seq_len: int,
