@@ -226,10 +226,10 @@ class KVCacheManager:
 
         Admitting a request asks three times (:meth:`cached_prefix_tokens`, :meth:`can_admit`,
         :meth:`admit`), and a 4k-token prefix is a walk over 256 keys, so the last answer is kept
-        while no key was added to or dropped from the pool (its ``generation``) and the request's
-        sequences are the same."""
+        while no key was added to or dropped from the pool (its ``generation``; and no state snapshot, for
+        a hybrid model) and the request's sequences are the same."""
         seqs = request.unfinished_seqs
-        key = (request, self.pool.generation, tuple(map(id, seqs)),
+        key = (request, self.pool.generation, self.snapshots and self.snapshots.generation, tuple(map(id, seqs)),
                tuple((len(s.token_ids), s.token_ids[-1]) for s in seqs)) if self.prefix_caching else None
         if key is not None and self._last_hits is not None and self._last_hits[0] == key:
             return self._last_hits[1]

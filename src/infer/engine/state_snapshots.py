@@ -62,6 +62,7 @@ class StateSnapshotPool:
         num_stored, num_hits, num_evicted, num_skipped: snapshots taken, prefix hits that started from a
             snapshot, snapshots dropped (with their block, or for room), and snapshots not taken because
             every slot belonged to a block in use.
+        generation: bumped whenever a snapshot is added or dropped (a cached lookup is stale then).
     """
 
     def __init__(self, first_slot: int, num_slots: int, stride: int, block_size: int) -> None:
@@ -70,6 +71,7 @@ class StateSnapshotPool:
         self.free_slots = list(range(first_slot + num_slots - 1, first_slot - 1, -1))  # popped from the end
         self.of_block: dict[int, int] = {}
         self.num_stored = self.num_hits = self.num_evicted = self.num_skipped = 0
+        self.generation = 0  # bumped whenever a snapshot is added or dropped: a usable hit may change
 
     def usable_hit(self, hit: list[int]) -> list[int]:
         """The part of a prefix hit (block ids, in order) a hybrid sequence can reuse: up to and
@@ -102,6 +104,7 @@ class StateSnapshotPool:
             return -1
         slot = self.of_block[block] = self.free_slots.pop()
         self.num_stored += 1
+        self.generation += 1
         return slot
 
     def forget(self, block: int) -> None:
@@ -111,6 +114,7 @@ class StateSnapshotPool:
         if slot is not None:
             self.free_slots.append(slot)
             self.num_evicted += 1
+            self.generation += 1
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every snapshot slot is exactly once free or owned by one block."""
