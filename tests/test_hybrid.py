@@ -286,6 +286,27 @@ def _one_at_a_time(engine, prompts, params):
     return outs
 
 
+def test_snapshot_lookup_cuts_a_hit_back_to_its_last_snapshot():
+    """The snapshot pool alone, hand-computed: a stride of 4 blocks of 8 tokens; a hit is cut back to its
+    last block that owns a snapshot (none: nothing reused); a full pool drops the snapshot of the least
+    recently freed cached block, or skips when every snapshot belongs to a block in use."""
+    from infer.engine.state_snapshots import StateSnapshotPool
+
+    pool = StateSnapshotPool(first_slot=4, num_slots=2, stride=32, block_size=8)
+    hit = list(range(10, 20))  # 10 blocks: 80 tokens
+    assert pool.usable_hit(hit) == [] and list(pool.boundaries(20, 70)) == [32, 64]
+    assert pool.take(13, []) == 4 and pool.take(17, []) == 5 and pool.take(17, []) == -1
+    assert pool.usable_hit(hit) == hit[:8]  # the snapshot at 64 tokens
+    assert pool.usable_hit(hit[:7]) == hit[:4] and pool.usable_hit(hit[:4]) == hit[:4]
+    assert pool.usable_hit(hit[:3]) == [] and pool.usable_hit([]) == []
+    assert pool.take(21, [30, 17, 13]) == 5  # full: block 17 (the older of the two cached) loses its snapshot
+    assert pool.usable_hit(hit) == hit[:4] and pool.num_evicted == 1
+    assert pool.take(25, []) == -1 and pool.num_skipped == 1  # both owners in use
+    pool.forget(13)
+    assert pool.usable_hit(hit) == [] and sorted(pool.free_slots) == [4]
+    pool.check_invariants()
+
+
 def test_prefix_hits_restore_snapshots_and_equal_a_cold_run(tiny_qwen35):
     """A 70-token prompt, then prompts sharing 70, 40, 12 (under one stride: no reuse) and 33 tokens of it
     (the hit ends on a snapshot, one token is recomputed) and a next chat turn that takes the first
