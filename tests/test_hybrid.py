@@ -333,13 +333,18 @@ def test_prefix_hits_restore_snapshots_and_equal_a_cold_run(tiny_qwen35):
     # 80 on a block of its own, dropped at the end (the first one's block holds that key); 48 and 16 of the
     # prompts that diverge at 40 and 12; the 33-token prompt (44 computed) and the follow-up (95) reach none
     assert stats["prefix_cache_snapshots_stored"] == 8 and stats["prefix_cache_snapshots_evicted"] == 1
+    from infer.server.metrics import SchedulerCollector
+
+    families = {f.name: f.samples[0].value for f in SchedulerCollector(engine.scheduler, "m").collect()}
+    assert (families["infer:prefix_cache_snapshot_hits"], families["infer:prefix_cache_snapshots_stored"],
+            families["infer:prefix_cache_snapshots_evicted"]) == (4, 8, 1)
 
 
 def test_snapshot_pool_stress_eviction_preemption_abort(tiny_qwen35):
     """Three running slots, three snapshot slots and 25 blocks of 8 tokens for requests that share
     prefixes of two prompts at several lengths, arriving over time: snapshots are evicted for room and
     with their blocks, a sequence is preempted (readmitted, its hit is looked up again) and one request
-    is aborted as soon as it runs;
+    is aborted as soon as it runs (async scheduling: each step is planned while the last one runs);
     every pool is checked after every step, the greedy outputs equal a cold engine's, and at the end
     every running slot is free and only cached free blocks hold snapshots."""
     from infer.sampling import SamplingParams
@@ -354,7 +359,7 @@ def test_snapshot_pool_stress_eviction_preemption_abort(tiny_qwen35):
                (22, a[:48] + [7, 7])]
     arrivals = [(step, q, params) for step, q in prompts]
     flags = dict(max_model_len=96, max_num_seqs=3, batching="continuous", kv_cache="paged", block_size=8,
-                 chunked_prefill=True, max_num_batched_tokens=40)
+                 chunked_prefill=True, max_num_batched_tokens=40, async_scheduling=True)
     cold = drive(make_engine(loaded, **flags), arrivals)
     engine = make_engine(loaded, prefix_caching=True, state_snapshot_stride=16, kv_cache_memory_bytes=153_248,
                          **flags)
