@@ -344,7 +344,8 @@ def test_snapshot_pool_stress_eviction_preemption_abort(tiny_qwen35):
     """Three running slots, three snapshot slots and 25 blocks of 8 tokens for requests that share
     prefixes of two prompts at several lengths, arriving over time: snapshots are evicted for room and
     with their blocks, a sequence is preempted (readmitted, its hit is looked up again) and one request
-    is aborted as soon as it runs (async scheduling: each step is planned while the last one runs);
+    is aborted as soon as it runs (async scheduling: each step is planned while the last one runs); the
+    prefix cache is reset once mid-run;
     every pool is checked after every step, the greedy outputs equal a cold engine's, and at the end
     every running slot is free and only cached free blocks hold snapshots."""
     from infer.sampling import SamplingParams
@@ -373,9 +374,13 @@ def test_snapshot_pool_stress_eviction_preemption_abort(tiny_qwen35):
             assert s.state_restore < 0 or s.state_restore in (kv.snapshots.of_block.get(b) for b in s.block_table)
         if "r5" in e.requests and any(s in e.scheduler.running for s in e.requests["r5"].seqs):
             e.abort_request("r5")  # as soon as it runs: mid-prefill (its 71 tokens take two 40-token steps)
+        if e.scheduler.num_steps == 30:
+            assert e.scheduler.running
+            resets.append(e.reset_prefix_cache())  # blocks in use keep their snapshots until freed
 
+    resets = []
     warm = drive(engine, arrivals, check=check)
-    assert warm[5] is None
+    assert warm[5] is None and len(resets) == 1
     assert all(warm[i] == cold[i] for i in range(len(prompts)) if i != 5)
     assert all(s.state_restore < 0 for r in engine.requests.values() for s in r.seqs)
     stats = engine.prefix_cache_stats()

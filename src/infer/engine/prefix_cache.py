@@ -105,8 +105,8 @@ class PrefixCachingBlockPool(BlockPool):
         cached_free: the LRU queue of cached free blocks (``OrderedDict`` block id -> None).
         num_evictions: cached blocks reused for other data so far.
         on_forget: optional ``on_forget(block)``, called when a block's contents can no longer be hit
-            (evicted, reset, or freed without a key): hybrid models drop the state snapshot the block
-            owns (:mod:`infer.engine.state_snapshots`).
+            (evicted, dropped by a reset while cached free, or freed without a key): hybrid models drop
+            the state snapshot the block owns (:mod:`infer.engine.state_snapshots`).
     """
 
     def __init__(self, num_blocks: int, on_evict: EvictionHook | None = None) -> None:
@@ -234,10 +234,10 @@ class PrefixCachingBlockPool(BlockPool):
         dropped = len(self.cached_free)
         for b in list(self.cached_free):
             heapq.heappush(self.free_blocks, b)
+            if self.on_forget is not None:  # (a block in use keeps what it owns until it is freed, keyless)
+                self.on_forget(b)
         self.cached_free.clear()
         for b in range(self.num_blocks):
-            if self.on_forget is not None and self.block_hash[b] is not None:
-                self.on_forget(b)
             self.block_hash[b] = self.block_tokens[b] = None
         self.cached.clear()
         self.generation += 1
