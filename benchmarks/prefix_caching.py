@@ -15,9 +15,16 @@ cache off and on, in one process (no HTTP server needed: runs where fastapi is n
 **Part 1, TTFT cold vs warm.** For each ``--prefix-lens`` L, ``--repeats`` times: the prefix
 cache is reset, a request of L prefix tokens + ``--suffix-len`` unique tokens runs alone
 (``max_tokens=1``: its TTFT is its whole run) — *cold* —, then a request with the same prefix and
-another suffix — *warm*: only the suffix and the prefix's last partial block are prefilled. The
-same cold request also runs on an engine with ``prefix_caching`` off (the flag's cost on a miss).
-Medians, and the ratio cold / warm.
+another suffix — *warm*: only the suffix and the prefix's last partial block are prefilled (a
+hybrid model, phase 17: everything after the last state snapshot at or below the prefix; the
+``warm_cached_tokens`` column says how much was reused). The same cold request also runs on an
+engine with ``prefix_caching`` off (the flag's cost on a miss). Medians, and the ratio cold / warm.
+``--check-tokens N``: N greedy tokens of the last warm prompt against the flag-off engine's.
+
+    # phase 17, a hybrid model (Qwen3.5: Gated DeltaNet + attention) on this CPU
+    python scripts/make_synthetic_checkpoint.py small-qwen3.5 /tmp/small-qwen3.5
+    python benchmarks/prefix_caching.py --model /tmp/small-qwen3.5 --prefix-lens 1024 1000 200 \\
+        --workloads --repeats 3 --check-tokens 8 --out /tmp/pc-hybrid.json
 
 **Part 2, serving workloads**, each on an engine with the flag off and one with it on
 (continuous batching, the paged cache; ``--engine-args`` adds EngineConfig overrides), requests
@@ -95,6 +102,17 @@ def make_engine(args, prefix_caching: bool):
     return LLMEngine(cfg, loaded=_LOADED[0], progress=False)
 
 
+def greedy_tokens(engine, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of ``prompt`` (run alone)."""
+    from infer.sampling import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o.outputs[0].token_ids for o in engine.step() if o.finished), out)
+    return out
+
+
 def ttft_part(args, vocab: int) -> list[dict[str, Any]]:
     import statistics
 
@@ -106,23 +124,31 @@ def ttft_part(args, vocab: int) -> list[dict[str, Any]]:
         engine = make_engine(args, flag)
         ttft_alone(engine, random_ids(rng, 64, vocab))  # warm-up
         for L, reps in cases:
-            cold, warm = [], []
+            cold, warm, hits = [], [], []
             for prefix, a, b in reps:
                 engine.reset_prefix_cache()
                 cold.append(ttft_alone(engine, prefix + a))
                 if flag:
+                    before = engine.kv_manager.prefix_cache_hits
                     warm.append(ttft_alone(engine, prefix + b))
+                    hits.append(engine.kv_manager.prefix_cache_hits - before)
             r = rows[L]
+            if args.check_tokens:  # the warm run's greedy tokens against the flag-off engine's (a hybrid
+                prefix, _, b = reps[-1]  # model restores a state snapshot here: it must not change them)
+                r["tokens_on" if flag else "tokens_off"] = greedy_tokens(engine, prefix + b, args.check_tokens)
             if flag:
                 r["ttft_cold_ms"] = 1e3 * statistics.median(cold)
                 r["ttft_warm_ms"] = 1e3 * statistics.median(warm)
                 r["cold_over_warm"] = r["ttft_cold_ms"] / r["ttft_warm_ms"]
+                r["warm_cached_tokens"] = statistics.median(hits)
             else:
                 r["ttft_off_ms"] = 1e3 * statistics.median(cold)
         del engine
         free_device_memory()
     for r in rows.values():
         r["cold_vs_off"] = r["ttft_cold_ms"] / r["ttft_off_ms"]
+        if args.check_tokens:
+            r["warm_tokens_equal_off"] = r.pop("tokens_on") == r.pop("tokens_off")
     return list(rows.values())
 
 
@@ -332,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="part 1: shared prefix lengths (tokens); none: skip part 1")
     ap.add_argument("--suffix-len", type=int, default=32, help="unique tokens after the prefix / per turn")
     ap.add_argument("--repeats", type=int, default=3, help="part 1: cold/warm pairs per length (median)")
+    ap.add_argument("--check-tokens", type=int, default=0,
+                    help="part 1: also compare this many greedy tokens of a warm prompt with the flag-off engine's")
     ap.add_argument("--workloads", nargs="*", default=["shared-prefix", "multi-turn", "random"],
                     choices=["shared-prefix", "multi-turn", "random"], help="part 2 (none: skip)")
     ap.add_argument("--workload-prefix-len", type=int, default=1024,
@@ -369,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
              f"suffix {args.suffix_len} tokens\n\n")
     if ttft_rows:
         table += markdown_table(ttft_rows, ["prefix_len", "ttft_off_ms", "ttft_cold_ms", "ttft_warm_ms",
-                                            "cold_over_warm", "cold_vs_off"]) + "\n\n"
+                                            "cold_over_warm", "cold_vs_off", "warm_cached_tokens"]
+                                + (["warm_tokens_equal_off"] if args.check_tokens else [])) + "\n\n"
     if serve_rows:
         table += (f"serving: {args.num_requests} requests, prefix {args.workload_prefix_len} + {args.suffix_len}, "
                   f"output {args.output_len}, rate {args.request_rate:g}/s, {args.turns} turns (multi-turn)\n\n")

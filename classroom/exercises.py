@@ -502,6 +502,16 @@ EXERCISES: dict[str, Exercise] = {
             "over the K taps (in float32, cast back); the new state is the window without its oldest input.",
             10,
         ),
+        Exercise(
+            "snapshot_lookup", 17, "src/infer/engine/state_snapshots.py",
+            ("tests/test_hybrid.py::test_snapshot_lookup_cuts_a_hit_back_to_its_last_snapshot",
+             "tests/test_hybrid.py::test_prefix_hits_restore_snapshots_and_equal_a_cold_run"),
+            "Cut a prefix hit (block ids, in order) back to what a hybrid model can reuse: up to and including "
+            "its last block that ends on a multiple of the stride and owns a state snapshot (self.of_block); [] "
+            "when none does. Why the last such block and not the first, and why can the blocks after it not be "
+            "reused even though their K/V are cached?",
+            15,
+        ),
         # ---------------------------------------------------------------- phase 14
         Exercise(
             "row_parallel_linear", 14, "src/infer/models/layers.py",

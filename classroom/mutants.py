@@ -487,6 +487,14 @@ _ALL = [
        "wrong inputs", ("torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=2)",
                         "torch.cat([x[:, :, None], conv_state.to(x.dtype)], dim=2)")),
     _m("conv1d_update", "no_silu", "the convolution without its SiLU", ("F.silu(y).to(x.dtype)", "y.to(x.dtype)")),
+    _m("snapshot_lookup", "first_snapshot", "stops at the first snapshot: reuses less than it could",
+       ("for n in range(len(hit), 0, -1):", "for n in range(1, len(hit) + 1):")),
+    _m("snapshot_lookup", "whole_hit", "keeps the whole KV hit once a snapshot exists: the state after the "
+       "snapshot is stale", ("                return hit[:n]\n", "                return hit\n")),
+    _m("snapshot_lookup", "one_block_past", "keeps one block past the snapshot",
+       ("                return hit[:n]\n", "                return hit[: n + 1]\n")),
+    _m("snapshot_lookup", "no_snapshot_keeps_hit", "with no snapshot, reuses the KV hit from a zero state",
+       ("        return []\n", "        return hit\n")),
     # ---------------------------------------------------------------- phase 15: MoE
     _m("moe_topk_routing", "never_renormalized", "norm_topk_prob ignored: the kept weights do not sum to 1",
        ("    if renormalize:\n        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)\n", "")),

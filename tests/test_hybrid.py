@@ -237,24 +237,159 @@ def test_abort_and_forks_free_slots(tiny_qwen35, hf_greedy_tokens):
     _assert_drained(engine)
 
 
-def test_hybrid_rejects_prefix_caching_and_optimize_turns_it_off(tiny_qwen35):
+def test_hybrid_flags_and_budget_split(tiny_qwen35):
+    """prefix_caching is accepted for a hybrid model (and kept under ``optimize``); what does not handle
+    the state yet is refused with its reason; the stride is checked; the budget splits follow their rules."""
     from infer.config import EngineConfig
-    from infer.engine.memory import split_state_budget
+    from infer.engine.memory import split_snapshot_budget, split_state_budget
+    from infer.engine.state_snapshots import snapshot_stride
 
     cfg = tiny_qwen35[0].config
-    with pytest.raises(ValueError, match="prefix_caching is not supported for hybrid models.*stale state"):
-        EngineConfig(model="x", device="cpu", kv_cache="paged", prefix_caching=True).validate().validate_model(cfg)
+    EngineConfig(model="x", device="cpu", kv_cache="paged", prefix_caching=True).validate().validate_model(cfg)
     opt = EngineConfig(model="x", device="cpu", optimize=True).validate()
-    assert opt.prefix_caching
     opt.validate_model(cfg)
-    assert not opt.prefix_caching and "prefix_caching" in opt.optimization_notes
+    assert opt.prefix_caching and "prefix_caching" not in opt.optimization_notes
     for kw, name in [({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
-                     ({"enable_lora": True}, "enable_lora")]:
+                     ({"enable_lora": True}, "enable_lora"),
+                     ({"kv_cache": "paged", "prefix_caching": True, "kv_offload": "host"}, "kv_offload")]:
         with pytest.raises(ValueError, match=f"{name} is not supported for hybrid models"):
             EngineConfig(model="x", device="cpu", **kw).validate().validate_model(cfg)
+    with pytest.raises(ValueError, match="state_snapshot_stride must be .* multiple of block_size=16"):
+        EngineConfig(model="x", device="cpu", kv_cache="paged", state_snapshot_stride=24).validate()
+    assert snapshot_stride(0, 16) == 256 and snapshot_stride(0, 48) == 288 and snapshot_stride(32, 16) == 32
     assert split_state_budget(10_000, 100, 8) == 8 and split_state_budget(1_000, 100, 8) == 5
     with pytest.raises(ValueError, match="recurrent-state slot"):
         split_state_budget(150, 100, 8)
+    # snapshots: one per stride of the blocks the rest holds (x * 100 + 2x * 50 = 10_000: 50), at most half
+    # the budget, no more than the block cap can use, leaving the reserve
+    assert split_snapshot_budget(10_000, 100, 0, 50, 8, 16, 10**6) == 50
+    assert split_snapshot_budget(10_000, 1000, 0, 1, 8, 16, 10**6) == 5
+    assert split_snapshot_budget(10_000, 100, 0, 50, 8, 16, 40) == 20
+    assert split_snapshot_budget(10_000, 100, 9_950, 50, 8, 16, 10**6) == 0
+
+
+# ---------------------------------------------------------------------------------- prefix caching (snapshots)
+
+HYBRID_PREFIX = [(7 * i + 3) % 500 for i in range(70)]
+SNAPSHOT_FLAGS = dict(max_model_len=128, max_num_seqs=4, batching="continuous", kv_cache="paged", block_size=8,
+                      chunked_prefill=True, max_num_batched_tokens=24)  # 24-token chunks end off the 16-token stride
+
+
+def _one_at_a_time(engine, prompts, params):
+    """Each prompt run to completion alone, in order: (output tokens, num_cached_tokens) per prompt."""
+    outs = []
+    for p in prompts:
+        engine.add_request(p, params)
+        while engine.has_unfinished_requests():
+            outs += [(o.outputs[0].token_ids, o.num_cached_tokens) for o in engine.step() if o.finished]
+        engine.kv_manager.check_invariants()
+    return outs
+
+
+def test_snapshot_lookup_cuts_a_hit_back_to_its_last_snapshot():
+    """The snapshot pool alone, hand-computed: a stride of 4 blocks of 8 tokens; a hit is cut back to its
+    last block that owns a snapshot (none: nothing reused); a full pool drops the snapshot of the least
+    recently freed cached block, or skips when every snapshot belongs to a block in use."""
+    from infer.engine.state_snapshots import StateSnapshotPool
+
+    pool = StateSnapshotPool(first_slot=4, num_slots=2, stride=32, block_size=8)
+    hit = list(range(10, 20))  # 10 blocks: 80 tokens
+    assert pool.usable_hit(hit) == [] and list(pool.boundaries(20, 70)) == [32, 64]
+    assert pool.take(13, []) == 4 and pool.take(17, []) == 5 and pool.take(17, []) == -1
+    assert pool.usable_hit(hit) == hit[:8]  # the snapshot at 64 tokens
+    assert pool.usable_hit(hit[:7]) == hit[:4] and pool.usable_hit(hit[:4]) == hit[:4]
+    assert pool.usable_hit(hit[:3]) == [] and pool.usable_hit([]) == []
+    assert pool.take(21, [30, 17, 13]) == 5  # full: block 17 (the older of the two cached) loses its snapshot
+    assert pool.usable_hit(hit) == hit[:4] and pool.num_evicted == 1
+    assert pool.take(25, []) == -1 and pool.num_skipped == 1  # both owners in use
+    pool.forget(13)
+    assert pool.usable_hit(hit) == [] and sorted(pool.free_slots) == [4]
+    pool.check_invariants()
+
+
+def test_prefix_hits_restore_snapshots_and_equal_a_cold_run(tiny_qwen35):
+    """A 70-token prompt, then prompts sharing 70, 40, 12 (under one stride: no reuse) and 33 tokens of it
+    (the hit ends on a snapshot, one token is recomputed) and a next chat turn that takes the first
+    reply in (its snapshot at 80 tokens was taken by a decode step): every greedy output equals a cold
+    engine's, each hit is cut back to the last 16-token snapshot at or below it, and the snapshot
+    counters add up."""
+    from infer.sampling import SamplingParams
+    from tests.test_batching import make_engine
+
+    loaded, _ = tiny_qwen35
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    p = HYBRID_PREFIX
+    prompts = [p, p, p[:40] + [9, 8, 7, 6], p[:12] + [1, 2, 3], p[:33]]
+    cold = _one_at_a_time(make_engine(loaded, **SNAPSHOT_FLAGS), prompts, params)
+    follow = p + cold[0][0][:11] + [4, 4, 4]  # the reply's tokens 70..80 are in the cache, with their state
+    cold += _one_at_a_time(make_engine(loaded, **SNAPSHOT_FLAGS), [follow], params)
+    engine = make_engine(loaded, prefix_caching=True, state_snapshot_stride=16, **SNAPSHOT_FLAGS)
+    warm = _one_at_a_time(engine, prompts + [follow], params)
+    assert [w[0] for w in warm] == [c[0] for c in cold]
+    assert [w[1] for w in warm] == [0, 64, 32, 0, 32, 80]
+    stats = engine.prefix_cache_stats()
+    assert stats["prefix_cache_snapshot_hits"] == 4
+    # the first prompt's 70 + 11 computed tokens: 16, 32, 48, 64, 80; its repeat recomputes 64..81 and takes
+    # 80 on a block of its own, dropped at the end (the first one's block holds that key); 48 and 16 of the
+    # prompts that diverge at 40 and 12; the 33-token prompt (44 computed) and the follow-up (95) reach none
+    assert stats["prefix_cache_snapshots_stored"] == 8 and stats["prefix_cache_snapshots_evicted"] == 1
+    from infer.server.metrics import SchedulerCollector
+
+    families = {f.name: f.samples[0].value for f in SchedulerCollector(engine.scheduler, "m").collect()}
+    assert (families["infer:prefix_cache_snapshot_hits"], families["infer:prefix_cache_snapshots_stored"],
+            families["infer:prefix_cache_snapshots_evicted"]) == (4, 8, 1)
+
+
+def test_snapshot_pool_stress_eviction_preemption_abort(tiny_qwen35):
+    """Three running slots, three snapshot slots and 25 blocks of 8 tokens for requests that share
+    prefixes of two prompts at several lengths, arriving over time: snapshots are evicted for room and
+    with their blocks, a sequence is preempted (readmitted, its hit is looked up again) and one request
+    is aborted as soon as it runs (async scheduling: each step is planned while the last one runs); the
+    prefix cache is reset once mid-run;
+    every pool is checked after every step, the greedy outputs equal a cold engine's, and at the end
+    every running slot is free and only cached free blocks hold snapshots."""
+    from infer.sampling import SamplingParams
+    from tests.test_batching import drive, make_engine
+
+    loaded, _ = tiny_qwen35
+    a, b = HYBRID_PREFIX, [(11 * i + 5) % 500 for i in range(70)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # the first three outgrow the 25 blocks together (11 + 11 + 9); the rest reuse a's and b's prefixes
+    prompts = [(0, a), (0, b), (0, [(13 * i + 1) % 500 for i in range(50)]), (12, a[:33] + [1, 2]),
+               (12, b[:40] + [3] * 9), (14, a + [5]), (16, b[:17] + [3] * 30), (18, a[:20]), (20, b),
+               (22, a[:48] + [7, 7])]
+    arrivals = [(step, q, params) for step, q in prompts]
+    flags = dict(max_model_len=96, max_num_seqs=3, batching="continuous", kv_cache="paged", block_size=8,
+                 chunked_prefill=True, max_num_batched_tokens=40, async_scheduling=True)
+    cold = drive(make_engine(loaded, **flags), arrivals)
+    engine = make_engine(loaded, prefix_caching=True, state_snapshot_stride=16, kv_cache_memory_bytes=153_248,
+                         **flags)
+    kv = engine.kv_manager
+    assert (kv.num_state_slots, kv.snapshots.num_slots, kv.num_blocks) == (3, 3, 25)
+
+    def check(e):
+        kv.check_invariants()
+        _slots_consistent(e)
+        for s in e.scheduler.running:  # a pending restore is the snapshot of a block the sequence holds
+            assert s.state_restore < 0 or s.state_restore in (kv.snapshots.of_block.get(b) for b in s.block_table)
+        if "r5" in e.requests and any(s in e.scheduler.running for s in e.requests["r5"].seqs):
+            e.abort_request("r5")  # as soon as it runs: mid-prefill (its 71 tokens take two 40-token steps)
+        if e.scheduler.num_steps == 30:
+            assert e.scheduler.running
+            resets.append(e.reset_prefix_cache())  # blocks in use keep their snapshots until freed
+
+    resets = []
+    warm = drive(engine, arrivals, check=check)
+    assert warm[5] is None and len(resets) == 1
+    assert all(warm[i] == cold[i] for i in range(len(prompts)) if i != 5)
+    assert all(s.state_restore < 0 for r in engine.requests.values() for s in r.seqs)
+    stats = engine.prefix_cache_stats()
+    assert stats["prefix_cache_snapshot_hits"] > 0 and stats["prefix_cache_snapshots_evicted"] > 0
+    assert engine.scheduler.num_preemptions > 0, "the workload never preempted"
+    assert sorted(kv.free_state_slots) == list(range(kv.num_state_slots))
+    assert all(c == 0 for c in kv.pool.ref_counts)
+    assert set(kv.snapshots.of_block) <= set(kv.pool.cached_free)
+    kv.check_invariants()
 
 
 # ---------------------------------------------------------------------------------- the Triton decode step

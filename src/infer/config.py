@@ -224,6 +224,11 @@ class EngineConfig:
                                "(smaller ranks are padded with zeros)", phase=16)
     max_cpu_loras: int | None = _flag(None, "enable_lora: adapters kept loaded in host memory (an LRU cache in "
                                       "front of the disk); at least max_loras; default: max_loras", phase=16)
+    # ---- phase 17: hybrid models (linear attention)
+    state_snapshot_stride: int = _flag(0, "hybrid models with prefix_caching: tokens between two snapshots of the "
+                                       "linear-attention state (a multiple of block_size; a prefix hit is cut back to "
+                                       "the last snapshot, so up to this many tokens are recomputed); 0: 256 rounded "
+                                       "up to a multiple of block_size (vLLM's mamba_block_size)", phase=17)
 
     def resolved_device(self) -> torch.device:
         return torch.device(default_device() if self.device in (None, "auto") else self.device)
@@ -273,6 +278,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_LAYOUTS)}, got {self.kv_cache!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.state_snapshot_stride < 0 or (self.state_snapshot_stride and self.kv_cache == "paged"
+                                               and self.state_snapshot_stride % self.block_size):
+            raise ValueError(f"state_snapshot_stride must be 0 (auto) or a positive multiple of block_size="
+                             f"{self.block_size}, got {self.state_snapshot_stride}: a snapshot belongs to the block "
+                             "that ends at its position")
         if self.prefix_caching and self.kv_cache != "paged":
             raise ValueError("prefix_caching needs kv_cache='paged': a cached prefix is a run of full blocks that a "
                              "new sequence's block table points to, and the contiguous cache has one private row per "
@@ -580,11 +590,10 @@ class EngineConfig:
         intermediate columns and the vocabulary (embedding rows, LM-head rows) in equal parts.
 
         A hybrid model (phase 17, linear-attention layers with a recurrent state) runs without the
-        optimizations that do not handle that state yet: prefix caching (a cached prefix's KV blocks
-        would come without the state after it), KV offload, CUDA graphs of prefill and
-        mixed steps (decode steps are captured: their state slots are graph inputs) and tensor/expert
-        parallelism. Each one asked for explicitly is an error; under ``optimize`` it is turned off and
-        the reason noted in the start-up log (:meth:`optimization_summary`).
+        optimizations that do not handle that state yet: KV offload, CUDA graphs of prefill and mixed steps
+        (decode steps are captured: their state slots are graph inputs) and tensor/expert parallelism. Each
+        one asked for explicitly is an error; under ``optimize`` it is turned off and the reason noted in the
+        start-up log (:meth:`optimization_summary`).
 
         Raises:
             ValueError: naming the dimension that does not divide, or the flag a hybrid model does not support.
@@ -619,18 +628,7 @@ class EngineConfig:
 
     def _fit_hybrid(self, model: ModelConfig) -> None:
         """:meth:`validate_model` for a hybrid model (phase 17)."""
-        why = {
-            "prefix_caching": "a cached prefix's KV blocks would come without the linear-attention state after "
-                              "it (state snapshots are not implemented), so it would reuse stale state",
-        }
         notes = getattr(self, "optimization_notes", None) or {}
-        for name, reason in why.items():
-            if not getattr(self, name):
-                continue
-            if not self.optimize:
-                raise ValueError(f"{name} is not supported for hybrid models ({model.architecture}): {reason}")
-            setattr(self, name, False)
-            notes[name] = f"not supported for hybrid models ({model.architecture})"
         # CUDA graphs capture decode steps only: a prefill's chunked gated delta rule loops over the
         # sequences on the host (the default sizes that came with cuda_graphs are turned off quietly)
         defaulted = getattr(self, "_graph_sizes_defaulted", ())
@@ -647,7 +645,7 @@ class EngineConfig:
         self.optimization_notes = notes
         if self.kv_offload != "none":
             raise ValueError(f"kv_offload is not supported for hybrid models ({model.architecture}): it moves "
-                             "prefix blocks, and prefix caching is off for them")
+                             "prefix blocks without the linear-attention state snapshots a hit needs")
         if self.world_size > 1:
             raise ValueError(f"tensor/expert parallelism is not supported for hybrid models ({model.architecture}): "
                              "the Gated DeltaNet layers are not split across ranks")

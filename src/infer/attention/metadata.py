@@ -57,6 +57,11 @@ class AttentionMetadata:
             layers, or None (a cache-less forward: every sequence starts from a zero state).
         state_slots: int64 ``[B]`` on the device: each sequence's slot in ``state_cache``;
             ``state_slots_cpu`` the same as a list.
+        state_restores: hybrid prefix caching: per sequence, the snapshot slot its state starts from this
+            step (-1: its own slot), or None when no sequence restores one.
+        state_snapshots: hybrid prefix caching: per sequence, ``(offset, slot)`` pairs: the linear layers
+            split its tokens after ``offset`` of them and copy the state there into ``slot`` (-1: split
+            only); None when prefix caching is off (:mod:`infer.engine.state_snapshots`).
     """
 
     query_start_loc: torch.Tensor
@@ -72,6 +77,8 @@ class AttentionMetadata:
     state_cache: RecurrentStateCache | None = None
     state_slots: torch.Tensor | None = None
     state_slots_cpu: list[int] | None = None
+    state_restores: list[int] | None = None
+    state_snapshots: list[list[tuple[int, int]]] | None = None
 
     _decode: tuple | None = field(default=None, init=False, repr=False)
     # per-step values an attention backend builds once and reuses in every layer

@@ -17,7 +17,10 @@ Hybrid models (phase 17) have a second resource: a sequence running through line
 layers holds one *state slot* (its conv and SSM state, a fixed size whatever its length). The same
 manager hands them out: one per sequence at admission (a request is admitted only when its blocks
 *and* its slots are free, so a request that finds no slot waits), given back at finish, abort and
-preemption (recompute: readmitted, the sequence starts from a zero state and recomputes it).
+preemption (recompute: readmitted, the sequence starts from a zero state and recomputes it). With
+prefix caching they also hold *snapshots* of that state every ``stride`` tokens, owned by KV blocks
+(:mod:`infer.engine.state_snapshots`): a hit is cut back to its last snapshot, which the sequence's
+first step starts from.
 
 Nothing here touches tensors: this module only decides which block ids (and slots) each sequence
 owns. The tensors live in :class:`infer.attention.KVCache` (and
@@ -29,6 +32,8 @@ from __future__ import annotations
 from infer.engine.block_pool import BlockPool, cdiv
 from infer.engine.prefix_cache import PrefixCachingBlockPool, block_hashes
 from infer.engine.sequence import PLACEHOLDER, Request, Sequence
+from infer.engine.state_snapshots import StateSnapshotPool
+from infer.engine.state_snapshots import snapshot_stride as snapshot_stride_of
 
 
 class KVCacheManager:
@@ -45,18 +50,18 @@ class KVCacheManager:
 
         num_state_slots: hybrid models (phase 17): recurrent-state slots, one per running sequence
             (0: the model has none).
+        num_snapshot_slots, snapshot_stride: hybrid models with prefix caching: slots of the state cache
+            after the running ones that hold state snapshots, and the tokens between two snapshots
+            (0: :data:`~infer.engine.state_snapshots.DEFAULT_SNAPSHOT_STRIDE`, block-aligned).
 
     Each :class:`~infer.engine.sequence.Sequence` keeps its own ``block_table`` (a list of
     block ids); this class grows, forks and frees it.
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, num_snapshot_slots: int = 0, snapshot_stride: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if prefix_caching and num_state_slots:
-            raise ValueError("prefix caching is not supported with recurrent state (a hybrid model): a cached "
-                             "prefix's KV blocks would come without the linear-attention state after that prefix")
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: 0 first
         self.prefix_caching = prefix_caching
@@ -65,6 +70,11 @@ class KVCacheManager:
         else:
             self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self.snapshots: StateSnapshotPool | None = None  # hybrid prefix caching (phase 17)
+        if prefix_caching and num_state_slots:
+            self.snapshots = StateSnapshotPool(num_state_slots, num_snapshot_slots,
+                                               snapshot_stride_of(snapshot_stride, block_size), block_size)
+            self.pool.on_forget = self.snapshots.forget
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (admissions)
         self.prefix_cache_hits = 0  # of those, tokens found cached (their prefill skipped)
         # phase 10 (kv_offload): the tiers below the device, set by the engine
@@ -143,6 +153,11 @@ class KVCacheManager:
         for hit in hits:  # first, so that allocating below cannot evict them
             if hit:
                 self.pool.touch(hit)
+        if self.snapshots is not None:  # hybrid: the state at the end of the hit, from its snapshot
+            for seq, hit in zip(seqs, hits):
+                if hit:
+                    seq.state_restore = self.snapshots.of_block[hit[-1]]
+                    self.snapshots.num_hits += 1
         first_admission = request.num_cached_tokens is None
         self._count_prefix_hits(request, hits)
         if not request.shares_prefill:
@@ -211,10 +226,10 @@ class KVCacheManager:
 
         Admitting a request asks three times (:meth:`cached_prefix_tokens`, :meth:`can_admit`,
         :meth:`admit`), and a 4k-token prefix is a walk over 256 keys, so the last answer is kept
-        while no key was added to or dropped from the pool (its ``generation``) and the request's
-        sequences are the same."""
+        while no key was added to or dropped from the pool (its ``generation``; and no state snapshot, for
+        a hybrid model) and the request's sequences are the same."""
         seqs = request.unfinished_seqs
-        key = (request, self.pool.generation, tuple(map(id, seqs)),
+        key = (request, self.pool.generation, self.snapshots and self.snapshots.generation, tuple(map(id, seqs)),
                tuple((len(s.token_ids), s.token_ids[-1]) for s in seqs)) if self.prefix_caching else None
         if key is not None and self._last_hits is not None and self._last_hits[0] == key:
             return self._last_hits[1]
@@ -222,6 +237,8 @@ class KVCacheManager:
             hits = [self.find_cached_prefix(seqs[0])] + [[] for _ in seqs[1:]]
         else:
             hits = [self.find_cached_prefix(s) for s in seqs]
+        if self.snapshots is not None:  # hybrid: only up to the last block with a state snapshot
+            hits = [self.snapshots.usable_hit(h) for h in hits]
         if key is not None:
             self._last_hits = (key, hits)
         return hits
@@ -355,6 +372,37 @@ class KVCacheManager:
         if seq.state_slot >= 0:  # hybrid: its recurrent state is dropped (a preempted one recomputes it)
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = -1
+        seq.state_restore = -1
+
+    # ------------------------------------------------------------------ hybrid prefix caching (phase 17)
+
+    def plan_state_snapshots(self, scheduled: list) -> None:
+        """Fill each scheduled item's ``state_restore`` (the snapshot a prefix hit starts from, taken off
+        the sequence) and ``state_snapshots``: at every multiple of the stride its tokens reach this step,
+        a split of the linear layers' prefill and a snapshot slot for the block that ends there
+        (:meth:`~infer.engine.state_snapshots.StateSnapshotPool.take`; -1 when it has one or none is
+        free). Called by the scheduler once the step is final; the model runner writes the tensors."""
+        snaps, bs = self.snapshots, self.block_size
+        for item in scheduled:
+            seq = item.seq
+            item.state_restore, seq.state_restore = seq.state_restore, -1
+            start = seq.num_computed_tokens
+            item.state_snapshots = [(p - start, snaps.take(seq.block_table[p // bs - 1], self.pool.cached_free))
+                                    for p in snaps.boundaries(start, start + item.num_tokens)]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the pools are consistent: the blocks
+        (:meth:`~infer.engine.prefix_cache.PrefixCachingBlockPool.check_invariants`), the running slots
+        (each free or held by one running sequence is checked by the caller) and the snapshot slots,
+        each owned by a block that is in use or cached."""
+        if self.prefix_caching:
+            self.pool.check_invariants()
+        assert len(set(self.free_state_slots)) == len(self.free_state_slots)
+        assert all(0 <= s < self.num_state_slots for s in self.free_state_slots)
+        if self.snapshots is not None:
+            self.snapshots.check_invariants()
+            for b in self.snapshots.of_block:
+                assert self.pool.ref_counts[b] > 0 or b in self.pool.cached_free, f"snapshot of free block {b}"
 
 
 def block_extra_keys(request: Request) -> tuple:

@@ -125,10 +125,17 @@ class LLMEngine:
                      "%d linear-attention layers keep a recurrent state: %d slots x %.2f MiB = %.2f GiB",
                      mcfg.num_kv_layers, mcfg.num_layers, mcfg.kv_bytes_per_token(self.runner.dtype),
                      mcfg.kv_bytes_per_token(self.runner.dtype) * mcfg.num_layers // max(1, mcfg.num_kv_layers),
-                     mcfg.num_layers - mcfg.num_kv_layers, state.num_slots, state.slot_nbytes / 2**20,
-                     state.nbytes / 2**30)
+                     mcfg.num_layers - mcfg.num_kv_layers, self.runner.num_state_slots, state.slot_nbytes / 2**20,
+                     self.runner.num_state_slots * state.slot_nbytes / 2**30)
+        snapshots = self.runner.num_snapshot_slots if state is not None and config.prefix_caching else 0
         self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_caching=config.prefix_caching,
-                                         num_state_slots=state.num_slots if state is not None else 0)
+                                         num_state_slots=self.runner.num_state_slots if state is not None else 0,
+                                         num_snapshot_slots=snapshots, snapshot_stride=config.state_snapshot_stride)
+        if self.kv_manager.snapshots is not None:  # hybrid prefix caching: the third share of the budget
+            log.info("hybrid prefix caching: %d state snapshots x %.2f MiB = %.2f GiB, one every %d tokens "
+                     "(%d blocks); a prefix hit is cut back to its last snapshot", snapshots,
+                     state.slot_nbytes / 2**20, snapshots * state.slot_nbytes / 2**30,
+                     self.kv_manager.snapshots.stride, self.kv_manager.snapshots.stride // block_size)
         self.offloader = self._make_offloader() if config.kv_offload != "none" else None
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -454,7 +461,8 @@ class LLMEngine:
         kv = self.kv_manager
         q, h = kv.prefix_cache_queries, kv.prefix_cache_hits
         return {"prefix_cache_queries": q, "prefix_cache_hits": h, "prefix_cache_hit_rate": h / q if q else 0.0,
-                "prefix_cache_evictions": getattr(kv.pool, "num_evictions", 0)}
+                "prefix_cache_evictions": getattr(kv.pool, "num_evictions", 0),
+                **(kv.snapshots.stats() if kv.snapshots is not None else {})}
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block (vLLM's ``reset_prefix_cache``; blocks in use keep their

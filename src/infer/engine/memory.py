@@ -69,6 +69,23 @@ def split_state_budget(budget: int, slot_bytes: int, max_num_seqs: int) -> int:
     return int(slots)
 
 
+def split_snapshot_budget(budget: int, slot_bytes: int, reserve: int, block_bytes: int, block_size: int,
+                          stride: int, max_blocks: int) -> int:
+    """Hybrid prefix caching (phase 17): how many state-snapshot slots to take out of what is left of the
+    cache budget after the running sequences' slots.
+
+    Enough for one snapshot per ``stride`` tokens of every block the rest can hold (the cached prefixes
+    then never lack a snapshot), i.e. ``x`` with ``x * slot_bytes + (x * stride / block_size) *
+    block_bytes = budget``; but at most half the budget (a snapshot can cost more bytes than the K/V of
+    its stride: Qwen3.5-4B's 49 MiB against 8 MiB for 256 tokens, and the blocks are what lets sequences
+    run), no more than ``max_blocks`` (the pool's cap) can use, and leaving ``reserve`` bytes (one
+    ``max_model_len`` sequence's blocks). 0 when nothing is left.
+    """
+    cover = budget * block_size // (stride * block_bytes + block_size * slot_bytes)
+    return max(0, int(min(cover, budget // 2 // slot_bytes, max_blocks * block_size // stride,
+                          (budget - reserve) // slot_bytes)))
+
+
 def cache_sizes(
     loaded: LoadedModel,
     block_size: int,
@@ -83,7 +100,8 @@ def cache_sizes(
     state_slot_bytes: int = 0,
     cuda_graph_variants: int = 1,
     state_pad_slots: int = 0,
-) -> tuple[int, int]:
+    snapshot_stride: int = 0,
+) -> tuple[int, int, int]:
     """How many KV-cache blocks of ``block_size`` tokens, and recurrent-state slots, to allocate.
 
     The budget is ``kv_cache_memory_bytes`` if given; on CUDA otherwise, as vLLM does, the
@@ -105,13 +123,15 @@ def cache_sizes(
 
     A hybrid model (phase 17, ``state_slot_bytes`` > 0: the bytes of one sequence's recurrent state)
     first takes its state slots out of the budget (:func:`split_state_budget`), and ``state_pad_slots``
-    more that no sequence owns (the CUDA graphs' padding slot); the blocks get the rest.
+    more that no sequence owns (the CUDA graphs' padding slot); with prefix caching (``snapshot_stride``
+    > 0, tokens between two state snapshots) then its snapshot slots (:func:`split_snapshot_budget`); the
+    blocks get the rest.
 
     Returns:
         ``(blocks, slots)``: ``min(budget // block_bytes, max_num_seqs * ceil(max_model_len / block_size))``
         blocks (more than ``max_num_seqs`` full-length sequences can hold would sit idle; for the
         contiguous cache, ``block_size = max_model_len``, that is the number of rows), and the state
-        slots (0 without ``state_slot_bytes``).
+        slots (0 without ``state_slot_bytes``), and the snapshot slots (0 without ``snapshot_stride``).
 
     Raises:
         ValueError: when not even one ``max_model_len``-token sequence fits, with the numbers.
@@ -133,10 +153,14 @@ def cache_sizes(
     else:
         available = host_available_bytes()
         if available is None:
-            return cap, max_num_seqs if state_slot_bytes else 0
+            return cap, max_num_seqs if state_slot_bytes else 0, \
+                cap * block_size // snapshot_stride if state_slot_bytes and snapshot_stride else 0
         budget, where = int(CPU_KV_FRACTION * available), f"{CPU_KV_FRACTION:.0%} of the host's available memory"
     slots = split_state_budget(budget, state_slot_bytes, max_num_seqs) if state_slot_bytes else 0
     budget -= (slots + state_pad_slots) * state_slot_bytes
+    snapshots = split_snapshot_budget(budget, state_slot_bytes, block_bytes * per_seq, block_bytes, block_size,
+                                      snapshot_stride, cap) if state_slot_bytes and snapshot_stride else 0
+    budget -= snapshots * state_slot_bytes
     blocks = min(cap, budget // block_bytes)
     if blocks < per_seq:
         seq_bytes = per_seq * block_bytes
@@ -145,7 +169,7 @@ def cache_sizes(
             f"max_model_len={max_model_len} tokens ({seq_bytes / 2**30:.2f} GiB); lower max_model_len or "
             f"raise the budget"
         )
-    return int(blocks), slots
+    return int(blocks), slots, snapshots
 
 
 @torch.inference_mode()

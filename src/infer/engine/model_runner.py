@@ -31,6 +31,7 @@ from infer.config import EngineConfig
 from infer.engine.memory import cache_sizes, kv_heads_per_rank
 from infer.engine.scheduler import ScheduledSeq
 from infer.engine.sequence import Sequence
+from infer.engine.state_snapshots import snapshot_stride
 from infer.engine.step import ForwardOutput, StepInputs, StepResult, block_table_array, patch_input_ids
 from infer.kernels import fused_ops, moe_ops, pdl
 from infer.loader import LoadedModel
@@ -80,6 +81,8 @@ class ModelRunner:
             (:class:`~infer.attention.state_cache.RecurrentStateCache`; default ``max(1, ...)`` rows of
             the KV cache when 0). The KV cache then holds the full-attention layers only. With
             ``cuda_graphs`` the state cache has one more slot, the decode graphs' padding slot.
+        num_snapshot_slots: hybrid models with prefix caching: slots after those of the state cache that
+            hold state snapshots (:mod:`infer.engine.state_snapshots`).
 
     Attributes:
         lora_manager: LoRA (phase 16): the model's adapter slots
@@ -93,7 +96,7 @@ class ModelRunner:
                  attention_backend: str = "torch", max_model_len: int = 0,
                  cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256, block_major: bool = False,
                  cuda_graph_prefill_max_tokens: int = 0, cuda_graph_mixed_max_tokens: int = 0,
-                 pdl: bool = False, num_state_slots: int = 0) -> None:
+                 pdl: bool = False, num_state_slots: int = 0, num_snapshot_slots: int = 0) -> None:
         self.model = loaded.model
         self.pdl = pdl
         cfg = loaded.config
@@ -106,9 +109,12 @@ class ModelRunner:
         if cfg.is_hybrid:
             from infer.attention.state_cache import RecurrentStateCache
 
-            # with CUDA graphs, one more slot that no sequence owns: the decode buckets' padding rows write it
-            self.state_cache = RecurrentStateCache.for_model(cfg, num_state_slots or num_blocks, self.dtype, self.device,
-                                                             pad_slot=cuda_graphs)
+            self.num_state_slots = num_state_slots or num_blocks
+            self.num_snapshot_slots = num_snapshot_slots  # prefix caching: state snapshots after the running slots
+            # with CUDA graphs, one more slot that no sequence owns (after the snapshots): the decode buckets'
+            # padding rows write it
+            self.state_cache = RecurrentStateCache.for_model(cfg, self.num_state_slots + num_snapshot_slots,
+                                                             self.dtype, self.device, pad_slot=cuda_graphs)
         self.attention_backend = make_attention_backend(attention_backend, self.device)
         self.model.set_attention_backend(self.attention_backend)
         max_model_len = max_model_len or cfg.max_position_embeddings
@@ -163,11 +169,13 @@ class ModelRunner:
 
             lora = LoRAModelManager(loaded.model, mcfg, config.max_loras, config.max_lora_rank,
                                     config.resolved_max_cpu_loras(), lora_ops(backend))
-        num_blocks, num_slots = cache_sizes(loaded, block_size, max_model_len, config.max_num_seqs, budget,
-                                            config.kv_cache_memory_bytes, config.gpu_memory_utilization, graph_bs,
-                                            graph_prefill, graph_mixed, mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype),
-                                            cuda_graph_variants=2 if lora is not None else 1,
-                                            state_pad_slots=int(config.cuda_graphs))
+        stride = snapshot_stride(config.state_snapshot_stride, block_size) if config.prefix_caching else 0
+        num_blocks, num_slots, num_snapshots = cache_sizes(
+            loaded, block_size, max_model_len, config.max_num_seqs, budget, config.kv_cache_memory_bytes,
+            config.gpu_memory_utilization, graph_bs, graph_prefill, graph_mixed,
+            mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype),
+            cuda_graph_variants=2 if lora is not None else 1, state_pad_slots=int(config.cuda_graphs),
+            snapshot_stride=stride)
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
         runner = cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
@@ -175,7 +183,7 @@ class ModelRunner:
                      cuda_graph_max_batch_size=graph_bs or 1,
                      block_major=config.kv_offload != "none" and backend == "triton",
                      cuda_graph_prefill_max_tokens=graph_prefill, cuda_graph_mixed_max_tokens=graph_mixed,
-                     pdl=config.pdl, num_state_slots=num_slots, **kwargs)
+                     pdl=config.pdl, num_state_slots=num_slots, num_snapshot_slots=num_snapshots, **kwargs)
         runner.lora_manager = lora
         if lora is not None and runner.graphs is not None:  # the graphs' LoRA variants (before capture)
             runner.graphs.enable_lora(lora.mapping)

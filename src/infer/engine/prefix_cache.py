@@ -104,6 +104,9 @@ class PrefixCachingBlockPool(BlockPool):
         block_hash, block_tokens: per block id, its key and token ids (None without a key).
         cached_free: the LRU queue of cached free blocks (``OrderedDict`` block id -> None).
         num_evictions: cached blocks reused for other data so far.
+        on_forget: optional ``on_forget(block)``, called when a block's contents can no longer be hit
+            (evicted, dropped by a reset while cached free, or freed without a key): hybrid models drop
+            the state snapshot the block owns (:mod:`infer.engine.state_snapshots`).
     """
 
     def __init__(self, num_blocks: int, on_evict: EvictionHook | None = None) -> None:
@@ -114,6 +117,7 @@ class PrefixCachingBlockPool(BlockPool):
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.cached_free: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
+        self.on_forget: Callable[[int], None] | None = None
         self.generation = 0  # bumped whenever a key is added or dropped: a lookup's result may change
 
     @property
@@ -162,6 +166,8 @@ class PrefixCachingBlockPool(BlockPool):
             self.ref_counts[b] += 1
 
     def _uncache(self, block: int) -> None:
+        if self.on_forget is not None:
+            self.on_forget(block)
         h = self.block_hash[block]
         if h is not None:
             del self.cached[h]
@@ -206,6 +212,8 @@ class PrefixCachingBlockPool(BlockPool):
                     self.cached_free[b] = None  # the most recently used end
                 else:
                     heapq.heappush(self.free_blocks, b)
+                    if self.on_forget is not None:
+                        self.on_forget(b)
 
     def _evict(self) -> int:
         """Take the least recently freed cached block for new data: report it to ``on_evict``
@@ -226,6 +234,8 @@ class PrefixCachingBlockPool(BlockPool):
         dropped = len(self.cached_free)
         for b in list(self.cached_free):
             heapq.heappush(self.free_blocks, b)
+            if self.on_forget is not None:  # (a block in use keeps what it owns until it is freed, keyless)
+                self.on_forget(b)
         self.cached_free.clear()
         for b in range(self.num_blocks):
             self.block_hash[b] = self.block_tokens[b] = None

@@ -66,12 +66,20 @@ class ScheduledSeq:
 
     ``spec_token_ids``: speculative decoding (phase 12): draft tokens verified this step after the
     sequence's last token; ``num_tokens`` counts them (``1 + len(spec_token_ids)``).
+
+    ``state_restore`` and ``state_snapshots``: hybrid prefix caching (phase 17,
+    :meth:`~infer.engine.kv_cache_manager.KVCacheManager.plan_state_snapshots`): the snapshot slot the
+    sequence's state starts from this step (a prefix hit; -1: its own slot), and ``(offset, slot)`` pairs:
+    after ``offset`` of this step's tokens, the linear layers split their prefill there and copy their
+    state into ``slot`` (-1: split only).
     """
 
     seq: Sequence
     num_tokens: int
     forks: list[Sequence] = field(default_factory=list)
     spec_token_ids: list[int] | tuple = ()
+    state_restore: int = -1
+    state_snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -269,6 +277,8 @@ class Scheduler:
         if self.speculative:
             budget = self._add_drafts(scheduled, budget)
         self._admit_waiting(budget, scheduled)
+        if getattr(self.kv, "snapshots", None) is not None:  # hybrid prefix caching (phase 17): state snapshots
+            self.kv.plan_state_snapshots(scheduled)
         if scheduled:
             self._record(scheduled)
         return scheduled

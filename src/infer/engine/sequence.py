@@ -44,6 +44,8 @@ class Sequence:
             start of ``block_table`` already have their key in the cache.
         state_slot: hybrid models (phase 17): its slot of the recurrent-state cache while it runs
             (-1 otherwise), held like its blocks (see :mod:`infer.engine.kv_cache_manager`).
+            ``state_restore``: after a prefix hit, the snapshot slot (:mod:`infer.engine.state_snapshots`)
+            its first step copies into ``state_slot`` before running (-1: none).
     """
 
     seq_id: int
@@ -59,6 +61,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     state_slot: int = -1  # hybrid models (phase 17): its recurrent-state slot while running, else -1
+    # hybrid prefix caching (phase 17): the snapshot slot its next step starts its state from (a prefix hit), else -1
+    state_restore: int = -1
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[PositionLogprobs] | None = None

@@ -376,6 +376,10 @@ class StepInputs:
             meta.state_cache = cache
             meta.state_slots_cpu = [item.seq.state_slot for item in f.scheduled]
             meta.state_slots = self.to_device(meta.state_slots_cpu, torch.int64)
+            if any(item.state_restore >= 0 for item in f.scheduled):  # prefix hits start from a snapshot
+                meta.state_restores = [item.state_restore for item in f.scheduled]
+            if any(item.state_snapshots for item in f.scheduled):
+                meta.state_snapshots = [item.state_snapshots for item in f.scheduled]
         return meta
 
 

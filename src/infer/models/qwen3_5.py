@@ -127,6 +127,11 @@ class GatedDeltaNet(nn.Module):
         buffers (:class:`~infer.engine.cuda_graphs.CUDAGraphRunner`), so the decode path reads nothing
         on the host and can be captured.
 
+        Prefix caching (:mod:`infer.engine.state_snapshots`): a sequence that starts from a snapshot
+        (``meta.state_restores``) has it copied into its slot first; a prefill is split at the offsets of
+        ``meta.state_snapshots`` and the state there is copied into the snapshot slot (a decode's one
+        token: the state after it).
+
         Returns:
             float32 ``[T, Hv, Dv]``.
         """
@@ -136,6 +141,10 @@ class GatedDeltaNet(nn.Module):
         starts = meta.query_start_loc_cpu
         out = torch.empty(mixed.shape[0], self.nv, self.dv, dtype=torch.float32, device=mixed.device)
         nd = meta.num_decodes if cache is not None else 0
+        snapshots = meta.state_snapshots if cache is not None else None
+        for i, src in enumerate(meta.state_restores or ()):  # a prefix hit: the state at its end
+            if src >= 0:
+                self._copy_state(cache, src, meta.state_slots_cpu[i])
         if nd:
             has_state = meta.scratch.get("decode_has_state")
             if has_state is None:  # once per step: False for a one-token prompt (its slot holds leftovers)
@@ -143,18 +152,36 @@ class GatedDeltaNet(nn.Module):
                     [p > 0 for p in first[:nd]], device=mixed.device)
             out[:nd] = self.decode_ops.decode_step(mixed[:nd], g[:nd], beta[:nd], cache.conv[idx], cache.ssm[idx],
                                                    meta.state_slots[:nd], has_state, weight, self.nk)
+            for i in range(nd) if snapshots else ():  # a decode that ends a stride: a copy of its slot
+                for _, snap in snapshots[i]:
+                    if snap >= 0:
+                        self._copy_state(cache, meta.state_slots_cpu[i], snap)
         for i in range(nd, meta.num_seqs):
             a, b = starts[i], starts[i + 1]
             slot = meta.state_slots_cpu[i] if cache is not None else None
             resume = cache is not None and first[i] > 0  # a later chunk, or a decode
-            conv0 = cache.conv[idx, slot] if resume else None
-            y, conv = gdr.causal_conv1d(mixed[a:b], weight, conv0)
-            q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
-            out[a:b], ssm = gdr.chunk_gated_delta_rule(q, k, v, g[a:b], beta[a:b], cache.ssm[idx, slot] if resume else None)
+            conv = cache.conv[idx, slot] if resume else None
+            ssm = cache.ssm[idx, slot] if resume else None
+            done = 0
+            for end, snap in [*(snapshots[i] if snapshots else ()), (b - a, -1)]:  # segments between snapshots
+                if end > done:
+                    y, conv = gdr.causal_conv1d(mixed[a + done : a + end], weight, conv)
+                    q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
+                    out[a + done : a + end], ssm = gdr.chunk_gated_delta_rule(
+                        q, k, v, g[a + done : a + end], beta[a + done : a + end], ssm)
+                    done = end
+                if snap >= 0:
+                    cache.conv[idx, snap] = conv
+                    cache.ssm[idx, snap] = ssm
             if cache is not None:
                 cache.conv[idx, slot] = conv
                 cache.ssm[idx, slot] = ssm
         return out
+
+    def _copy_state(self, cache, src: int, dst: int) -> None:
+        """This layer's conv and SSM state of slot ``src`` into slot ``dst``."""
+        cache.conv[self.state_idx, dst] = cache.conv[self.state_idx, src]
+        cache.ssm[self.state_idx, dst] = cache.ssm[self.state_idx, src]
 
 
 class Qwen3_5DecoderLayer(nn.Module):

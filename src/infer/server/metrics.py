@@ -247,6 +247,8 @@ class SchedulerCollector:
       its sequence for a later step;
     * ``infer:prefix_cache_queries_total`` / ``infer:prefix_cache_hits_total`` (phase 7): prompt
       tokens looked up in the prefix cache at admission, and found there (vLLM's names);
+    * hybrid models (phase 17): ``infer:prefix_cache_snapshot_hits_total``, ``_snapshots_stored_total``,
+      ``_snapshots_evicted_total``: hits started from a state snapshot, snapshots taken and dropped;
     * with ``kv_offload`` (phase 10): :func:`offload_metrics`.
     """
 
@@ -280,6 +282,17 @@ class SchedulerCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
+        if kv.snapshots is not None:  # hybrid prefix caching (phase 17): the state snapshots
+            sn = kv.snapshots
+            for name, value, doc in (("infer:prefix_cache_snapshot_hits", sn.num_hits,
+                                      "Prefix hits that started the linear layers from a state snapshot"),
+                                     ("infer:prefix_cache_snapshots_stored", sn.num_stored,
+                                      "Linear-attention state snapshots taken"),
+                                     ("infer:prefix_cache_snapshots_evicted", sn.num_evicted,
+                                      "State snapshots dropped (with their block, or for room)")):
+                c = CounterMetricFamily(name, doc, labels=["model_name"])
+                c.add_metric([self.model_name], value)
+                yield c
         if kv.offloader is not None:  # KV offload (phase 10): per-tier hits, bytes, copy time
             yield from offload_metrics(kv.offloader.stats(), kv.offload_hit_tokens, self.model_name)
 
