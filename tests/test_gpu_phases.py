@@ -247,3 +247,30 @@ def test_trace_records_graph_replays(qwen3_4b_2l, tmp_path):
             assert a["graph_size"] >= a["prefill_tokens"] + a["decode_tokens"], a
         if not a["prefill_tokens"]:
             assert a["graph"] == "decode", a
+
+
+def test_hybrid_prefix_hits_with_cuda_graphs_equal_cold_runs(tmp_path_factory):
+    """Hybrid prefix caching (state snapshots every 32 tokens) with decode graphs: prompts sharing prefixes of
+    several lengths, one request at a time so each hits the previous ones' blocks, including a hit that
+    leaves one token to compute (a decode-shaped step that must restore its snapshot, so it runs eagerly)
+    and decodes that end on a stride (a snapshot taken); the greedy tokens of an engine without prefix
+    caching, float32 on CUDA."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    path = make_checkpoint("tiny-qwen3.5", tmp_path_factory.mktemp("q35-prefix"), dtype="float32", device="cpu")
+    base = list(range(100, 164))
+    prompts = [base + [7, 8, 9], base[:32] + [5] * 10, base + [7, 8, 9, 10], base[:48] + [300], base + [7]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    flags = dict(dtype="float32", block_size=16, cuda_graphs=True, state_snapshot_stride=32)
+    cold = [_generate(path, [p], params, **flags)[0][0][0] for p in prompts]
+    from infer.llm import LLM
+
+    llm = LLM(str(path), progress=False, device="cuda", batching="continuous", kv_cache="paged", max_num_seqs=4,
+              max_model_len=512, prefix_caching=True, **flags)
+    try:
+        warm = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        assert [o.outputs[0].token_ids for o in warm] == cold
+        assert sum(o.num_cached_tokens for o in warm) > 0, "no prefix hit"
+    finally:
+        llm.engine.shutdown()

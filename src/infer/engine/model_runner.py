@@ -269,7 +269,10 @@ class ModelRunner:
             self._set_lora_mapping(step)
         # a step that verifies drafts (phase 12) samples k + 1 rows per sequence: only the mixed step's pieces,
         # which return every token's hidden state, serve it (the attention runs eagerly between them)
-        out = self.graphs.run(step, hidden_only=step.has_spec) if self.graphs is not None else None
+        # a hybrid step that restores or takes a state snapshot (phase 17 prefix caching) runs eagerly: the
+        # graphs' static metadata carries no snapshot copies
+        snap = self.state_cache is not None and any(i.state_restore >= 0 or i.state_snapshots for i in scheduled)
+        out = self.graphs.run(step, hidden_only=step.has_spec) if self.graphs is not None and not snap else None
         if out is None:
             out = self._run_eager(step)
         if step.has_forks:
