@@ -25,7 +25,7 @@ from infer.sampling import SamplingParams
 from tests.test_batching import assert_pool_full, make_engine
 from tests.test_chunked_prefill import run
 from tests.test_prefix_caching import assert_drained
-from tests.test_speculative import KW, assert_rolled_back, reference, workload  # noqa: F401  (a fixture)
+from tests.test_speculative import KW, assert_rolled_back, workload
 
 HEAD_HIDDEN, HEAD_HEADS, HEAD_KV_HEADS, HEAD_DIM, HEAD_FFN = 128, 4, 2, 32, 192
 
@@ -152,11 +152,13 @@ def reference_drafts(w: dict, hf_model, tokens: list[int], layers: list[int], k:
     return out
 
 
-def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_llama, random_head):
+@pytest.mark.parametrize("fused", [False, True], ids=["reference-forward", "fused-kernels"])
+def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_llama, random_head, fused):
     """After every step, each sequence's drafts are what the published architecture computes from scratch
     over its tokens so far: the catch-up over prompts (two in one step, one prefilled in chunks), the
     feature fed back for drafts 2..k, the draft-to-target map, and the head's KV after rejected drafts
-    and after a preemption (the head's cache rebuilt)."""
+    and after a preemption (the head's cache rebuilt). With fused kernels the target's layers hand the
+    residual stream on in two parts, added in place by the next norm: the kept states are copies."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama.path, dtype=torch.float32).eval()
@@ -167,7 +169,8 @@ def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_
                 for n, m in ((13, 14), (27, 12), (6, 16))]
     per_block = tiny_llama.config.kv_bytes_per_token(torch.float32) * KW["block_size"]
     engine = make_engine(tiny_llama, speculative_config=eagle3(random_head), chunked_prefill=True,
-                         max_num_batched_tokens=20, kv_cache_memory_bytes=per_block * 9, **{**KW, "max_model_len": 64})
+                         fused_kernels=fused, max_num_batched_tokens=20, kv_cache_memory_bytes=per_block * 9,
+                         **{**KW, "max_model_len": 64})
     layers = [0, 1, 2]  # EAGLE-3's default (2, L // 2, L - 3) for L = 3 layers, in layer order
     assert engine.runner.model.aux_hidden_state_layers == tuple(layers)
     checked = []
@@ -184,6 +187,12 @@ def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_
     assert {r: v["tokens"] for r, v in got.items()} == {r: v["tokens"] for r, v in want.items()}
     assert engine.num_preemptions > 0 and len(checked) > 15 and max(checked) == 3
     assert_pool_full(engine)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """test_speculative's workload without speculation."""
+    return run(make_engine(tiny_llama, **KW), workload(tiny_llama.config.vocab_size))
 
 
 def test_greedy_and_seeded_outputs_are_identical_with_a_random_head(tiny_llama, random_head, reference):

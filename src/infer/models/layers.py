@@ -511,8 +511,8 @@ class CausalLM(nn.Module):
         h, residual = self.embed(input_ids), None
         aux, kept = self.aux_hidden_state_layers, []
         for i, (layer, kind) in enumerate(zip(self.model.layers, self.config.layer_types)):
-            if aux and i in aux:  # the layer's input: the stream, h + residual
-                kept.append(h if residual is None else h + residual)
+            if aux and i in aux:  # the layer's input, h + residual (a copy: the fused norms add in place)
+                kept.append(h.clone() if residual is None else h + residual)
             h, residual = layer.forward_fused(h, residual, positions, self.cos_sin_caches[kind], meta, ops)
         if aux:
             self.aux_hidden_states = torch.cat(kept, dim=-1)
