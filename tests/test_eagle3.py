@@ -326,3 +326,22 @@ def test_eagle3_config_is_parsed_and_refused_where_it_cannot_run():
     assert "EAGLE-3" in c._why_not("cuda_graphs", torch.device("cuda"))
     c.speculative_config = None
     assert c._why_not("cuda_graphs", torch.device("cuda")) is None
+
+
+def test_the_benchmark_runs_a_synthetic_head_at_the_targets_shapes(tiny_llama, tmp_path):
+    """benchmarks/speculative.py --eagle3-synthetic at tiny sizes: the head it writes loads for the target
+    (shapes, d2t), the outputs stay the target's (the program checks), and the proposer's share of the
+    decode time is reported."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import speculative as bench
+
+    args = bench.parse_args(["--model", str(tiny_llama.path), "--parts", "acceptance", "--methods", "ngram",
+                             "--eagle3-synthetic", "--eagle3-dir", str(tmp_path / "head"), "--k", "2",
+                             "--output-len", "5", "--rounds", "1", "--max-model-len", "256"])
+    rows = [r for r in bench.acceptance_part(args) if r["method"].startswith("eagle3:")]
+    assert len(rows) == 2 * len(bench.PROMPTS)
+    assert all(0 < r["propose_share"] < 1 and r["mean_acceptance_length"] >= 1 for r in rows)
+    cfg = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == tiny_llama.config.vocab_size  # (min(32000, 1024))
