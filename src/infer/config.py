@@ -169,8 +169,9 @@ class EngineConfig:
     speculative_config: dict | None = _flag(None, "speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                                             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
                                             "\"prompt_lookup_min\": 2}': propose up to num_speculative_tokens "
-                                            "tokens per sequence (ngram: copied from the prompt and output so far) "
-                                            "and verify them in one forward of the model; the output is the same "
+                                            "tokens per sequence (ngram: copied from the prompt and output so far; "
+                                            "draft: a smaller model's; eagle3: an EAGLE-3 head's, model = its "
+                                            "directory) and verify them in one forward of the model; the output is the same "
                                             "as without it (keys: SpeculativeConfig)", cli_type="json", phase=12)
     # ---- phases 14-15: tensor and expert parallelism
     tensor_parallel_size: int = _flag(1, "ranks (one process each, torch.distributed: NCCL on CUDA, gloo on the CPU) "
