@@ -345,3 +345,21 @@ def test_the_benchmark_runs_a_synthetic_head_at_the_targets_shapes(tiny_llama, t
     assert all(0 < r["propose_share"] < 1 and r["mean_acceptance_length"] >= 1 for r in rows)
     cfg = json.loads((tmp_path / "head" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == tiny_llama.config.vocab_size  # (min(32000, 1024))
+
+
+@pytest.mark.gpu
+def test_eagle3_on_gpu_with_triton_attention_and_fused_kernels(tiny_llama, random_head):
+    """float32 on the GPU, Triton attention (the head's too) and fused kernels: a random head changes no
+    token (the head's K/V written and read by the Triton kernels through the target's block tables)."""
+    rng = random.Random(13)
+    arrivals = [(i, [rng.randrange(10, 1000) for _ in range(n)], SamplingParams(temperature=0.0, max_tokens=24,
+                                                                                ignore_eos=True))
+                for i, n in enumerate((9, 40, 17, 3))]
+    flags = dict(attention_backend="triton", fused_kernels=True, kv_cache_memory_bytes=1 << 24, **KW)
+    loaded = load_model(str(tiny_llama.path), device="cuda", dtype=torch.float32, progress=False)
+    want = run(make_engine(loaded, **flags), arrivals)
+    engine = make_engine(loaded, speculative_config=eagle3(random_head, 4), **flags)
+    got = run(engine, arrivals, check=assert_rolled_back)
+    assert {r: v["tokens"] for r, v in got.items()} == {r: v["tokens"] for r, v in want.items()}
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+    assert_pool_full(engine)

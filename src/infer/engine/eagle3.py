@@ -189,8 +189,8 @@ class Eagle3Proposer:
         work: list[tuple[Sequence, int, int]] = []  # (sequence, first position, rows)
         for i, item in enumerate(flat.scheduled):
             seq = item.seq
-            if seq.status is not SeqStatus.RUNNING:
-                continue
+            if seq.status is not SeqStatus.RUNNING or seq.guide is not None or seq.has_penalties:
+                continue  # (a guide or penalties: it never speculates, can_speculate)
             start = flat.starts[i]
             first = flat.positions[start]
             end = min(first + flat.starts[i + 1] - start, seq.num_computed_tokens)  # past it: rejected drafts
