@@ -104,7 +104,7 @@ def decode(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tupl
 def acceptance_part(args) -> list[dict]:
     plain = make_engine(args, None, 8)
     ids = {kind: [plain.tokenizer.encode(_chat(plain, p), add_special_tokens=False) for p in ps]
-           for kind, ps in PROMPTS.items()}
+           for kind, ps in PROMPTS.items() if kind in args.kinds}
     methods = {"none": None}
     for m in args.methods + (["eagle3:" + write_synthetic_eagle3_head(plain, args)] if args.eagle3_synthetic else []):
         if m == "ngram":
@@ -290,6 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eagle3-synthetic", action="store_true",
                     help="acceptance part: also a random EAGLE-3 head at the model's shapes (its cost, not its gain)")
     ap.add_argument("--eagle3-dir", default=None, help="where --eagle3-synthetic writes the head (default: a temp dir)")
+    ap.add_argument("--kinds", nargs="+", default=list(PROMPTS), choices=list(PROMPTS),
+                    help="acceptance part: the prompt kinds")
     ap.add_argument("--k", type=int, default=4, help="acceptance part: num_speculative_tokens")
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
