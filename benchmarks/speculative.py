@@ -8,16 +8,25 @@
         --batch-sizes 1 8 64 --ks 1 2 4 7 --acceptance 0 0.5 0.8 1 --output-len 128 \\
         --engine kv_cache=paged,batching=continuous,fused_kernels=True,cuda_graphs=True,prefix_caching=True \\
         --out /tmp/phase12-gpu/speculative.json
+    # the EAGLE-3 head's cost at Qwen3-8B shapes: a random head (acceptance ~0, so this is its price, not
+    # its gain), its share of the decode time, against no speculation with the same flags (eagle3 runs
+    # without CUDA graphs and needs kv_cache_memory_bytes on CUDA)
+    python benchmarks/speculative.py --model /tmp/qwen3-8b --device cuda --dtype bfloat16 --parts acceptance \
+        --methods ngram --eagle3-synthetic --k 4 --output-len 128 --rounds 3 \
+        --engine kv_cache=paged,batching=continuous,fused_kernels=True,prefix_caching=True,kv_cache_memory_bytes=17179869184 \
+        --out /tmp/phase12-gpu/speculative-eagle3.json
 
 Two parts, in one process:
 
 1. **acceptance** (real weights: only meaningful on a real checkpoint): greedy chat prompts of three
    kinds, ``edit`` (rewrite a given text: the answer copies it), ``code`` (change a given function) and
    ``open`` (open-ended questions: nothing to copy), decoded without speculation and with each
-   ``--methods`` entry (``ngram``, or ``draft:MODEL``), one request at a time (batch 1) and all of a
-   kind together (batch N). Reports ``ms_per_token`` (decode time over output tokens, all sequences
-   together: the TPOT at batch 1, the inverse of the throughput above), the mean acceptance length
-   (tokens per verify round: 1 + accepted drafts) and the acceptance rate, and checks that every output
+   ``--methods`` entry (``ngram``, ``draft:MODEL`` or ``eagle3:HEAD``; ``--eagle3-synthetic`` adds a random
+   EAGLE-3 head at the target's shapes, :func:`write_synthetic_eagle3_head`), one request at a time (batch 1)
+   and all of a kind together (batch N). Reports ``ms_per_token`` (decode time over output tokens, all
+   sequences together: the TPOT at batch 1, the inverse of the throughput above), the mean acceptance
+   length (tokens per verify round: 1 + accepted drafts), the acceptance rate and ``propose_share`` (the
+   proposer's part of the decode time: a draft model's or a head's forwards), and checks that every output
    is the non-speculative one token for token.
 2. **replay** (any weights): the target's own greedy output is recorded, then a benchmark-side proposer
    replays it, each draft right with probability ``a`` (a wrong one is the right id + 1), so the mean
@@ -95,23 +104,28 @@ def decode(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tupl
 def acceptance_part(args) -> list[dict]:
     plain = make_engine(args, None, 8)
     ids = {kind: [plain.tokenizer.encode(_chat(plain, p), add_special_tokens=False) for p in ps]
-           for kind, ps in PROMPTS.items()}
+           for kind, ps in PROMPTS.items() if kind in args.kinds}
     methods = {"none": None}
-    for m in args.methods:
-        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
-                "prompt_lookup_min": args.lookup_min} if m == "ngram" else \
-            {"method": "draft", "model": m.split(":", 1)[1], "num_speculative_tokens": args.k}
-        methods[m] = spec
+    for m in args.methods + (["eagle3:" + write_synthetic_eagle3_head(plain, args)] if args.eagle3_synthetic else []):
+        if m == "ngram":
+            methods[m] = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
+                          "prompt_lookup_min": args.lookup_min}
+        else:
+            kind, path = m.split(":", 1)
+            methods[m] = {"method": kind, "model": path, "num_speculative_tokens": args.k}
     engines = {m: plain if spec is None else make_engine(args, spec, 8) for m, spec in methods.items()}
+    propose_secs = {m: _time_proposer(eng) for m, eng in engines.items()}
     rows = []
     for kind, prompts in ids.items():
         for batch, groups in (("1", [[p] for p in prompts]), (f"{len(prompts)}", [prompts])):
             times = {m: [] for m in methods}
+            shares = {m: [] for m in methods}
             ref = None
             for _ in range(args.rounds):
                 for m, eng in engines.items():
                     if eng.spec_stats is not None:
                         eng.spec_stats.reset()
+                    propose_secs[m][0] = 0.0
                     outs, secs, n = [], 0.0, 0
                     for g in groups:
                         o, s, t = decode(eng, g, args.output_len)
@@ -120,16 +134,79 @@ def acceptance_part(args) -> list[dict]:
                     ref = ref if m != "none" else outs
                     assert outs == ref, f"{m} changed the output of {kind}"
                     times[m].append(secs / max(n, 1))
+                    shares[m].append(propose_secs[m][0] / max(secs, 1e-9))
             for m in methods:
                 eng = engines[m]
                 stats = eng.stats() if eng.spec_stats is not None else {}
                 row = {"kind": kind, "batch": batch, "method": m, "ms_per_token": 1e3 * statistics.median(times[m]),
                        "speedup": statistics.median(times["none"]) / statistics.median(times[m]),
                        "mean_acceptance_length": stats.get("spec_decode_mean_acceptance_length", 1.0),
-                       "acceptance_rate": stats.get("spec_decode_acceptance_rate", 0.0)}
+                       "acceptance_rate": stats.get("spec_decode_acceptance_rate", 0.0),
+                       "propose_share": statistics.median(shares[m])}
                 rows.append(row)
                 print_row(row)
     return rows
+
+
+def _time_proposer(engine: LLMEngine) -> list[float]:
+    """Wrap ``engine``'s proposer so that its seconds add up in the returned one-element list (the device
+    synchronized around each call; the prefills' proposals count too, a small part)."""
+    total = [0.0]
+    if engine.proposer is None:
+        return total
+    propose = engine.proposer.propose
+
+    def timed(seqs):
+        sync(engine.runner.device)
+        t = time.perf_counter()
+        propose(seqs)
+        sync(engine.runner.device)
+        total[0] += time.perf_counter() - t
+
+    engine.proposer.propose = timed
+    return total
+
+
+def write_synthetic_eagle3_head(engine: LLMEngine, args, draft_vocab: int = 32000, seed: int = 0) -> str:
+    """A random EAGLE-3 head for ``engine``'s model in the ``speculators`` layout (published heads' shapes:
+    the target's hidden size, heads and MLP width; a ``draft_vocab``-token draft vocabulary with ``d2t``),
+    written to ``--eagle3-dir`` (default: a temporary directory); returns its path. Its drafts are random,
+    so it measures what the head costs, not what it gains."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    c = engine.runner.config
+    h, v, dv, ffn = c.hidden_size, c.vocab_size, min(draft_vocab, c.vocab_size), c.intermediate_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if args.dtype in ("bfloat16", "bf16") else torch.float32
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(dtype)
+
+    a = "layers.0."
+    w = {"fc.weight": r(h, 3 * h), a + "self_attn.q_proj.weight": r(q, 2 * h), a + "self_attn.k_proj.weight": r(kv, 2 * h),
+         a + "self_attn.v_proj.weight": r(kv, 2 * h), a + "self_attn.o_proj.weight": r(h, q),
+         a + "mlp.gate_proj.weight": r(ffn, h), a + "mlp.up_proj.weight": r(ffn, h), a + "mlp.down_proj.weight": r(h, ffn),
+         "lm_head.weight": r(dv, h)}
+    for name in (a + "input_layernorm.weight", a + "hidden_norm.weight", a + "post_attention_layernorm.weight",
+                 "norm.weight"):
+        w[name] = torch.ones(h, dtype=dtype)
+    kept = torch.randperm(v, generator=g)[:dv].sort().values
+    w["d2t"] = kept - torch.arange(dv)
+    layer = {"model_type": "llama", "hidden_size": h, "num_attention_heads": c.num_heads,
+             "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "intermediate_size": ffn, "vocab_size": v,
+             "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope.theta}
+    out = Path(args.eagle3_dir or tempfile.mkdtemp(prefix="eagle3-head-"))
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(w, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "draft_vocab_size": dv,
+                                                 "norm_before_residual": True, "transformer_layer_config": layer}))
+    return str(out)
 
 
 def _chat(engine: LLMEngine, text: str) -> str:
@@ -221,7 +298,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--engine", default="", help="EngineConfig overrides, e.g. fused_kernels=True,cuda_graphs=True")
     ap.add_argument("--parts", nargs="+", default=["acceptance", "replay"], choices=["acceptance", "replay"])
-    ap.add_argument("--methods", nargs="+", default=["ngram"], help="ngram and/or draft:MODEL")
+    ap.add_argument("--methods", nargs="+", default=["ngram"], help="ngram, draft:MODEL and/or eagle3:HEAD_DIR")
+    ap.add_argument("--eagle3-synthetic", action="store_true",
+                    help="acceptance part: also a random EAGLE-3 head at the model's shapes (its cost, not its gain)")
+    ap.add_argument("--eagle3-dir", default=None, help="where --eagle3-synthetic writes the head (default: a temp dir)")
+    ap.add_argument("--kinds", nargs="+", default=list(PROMPTS), choices=list(PROMPTS),
+                    help="acceptance part: the prompt kinds")
     ap.add_argument("--k", type=int, default=4, help="acceptance part: num_speculative_tokens")
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
@@ -244,7 +326,7 @@ def main() -> None:
         tables.append(f"Acceptance on {args.model}, greedy, k={args.k}, ngram lookup {args.lookup_min}-{args.lookup_max}, "
                       f"{args.output_len} tokens\n\n" + markdown_table(
                           acc, ["kind", "batch", "method", "ms_per_token", "speedup", "mean_acceptance_length",
-                                "acceptance_rate"]))
+                                "acceptance_rate", "propose_share"]))
     if rep:
         tables.append(f"Replayed drafts on {args.model}, {args.input_len}-token prompts, {args.output_len} tokens\n\n"
                       + markdown_table(rep, ["batch", "k", "acceptance", "ms_per_token_none", "ms_per_token", "speedup",

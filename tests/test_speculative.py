@@ -43,7 +43,7 @@ def test_speculative_config_parses_vllm_json_and_fills_lookup_defaults():
 
 
 @pytest.mark.parametrize("value, match", [
-    ({"method": "eagle3", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},

@@ -169,8 +169,9 @@ class EngineConfig:
     speculative_config: dict | None = _flag(None, "speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                                             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
                                             "\"prompt_lookup_min\": 2}': propose up to num_speculative_tokens "
-                                            "tokens per sequence (ngram: copied from the prompt and output so far) "
-                                            "and verify them in one forward of the model; the output is the same "
+                                            "tokens per sequence (ngram: copied from the prompt and output so far; "
+                                            "draft: a smaller model's; eagle3: an EAGLE-3 head's, model = its "
+                                            "directory) and verify them in one forward of the model; the output is the same "
                                             "as without it (keys: SpeculativeConfig)", cli_type="json", phase=12)
     # ---- phases 14-15: tensor and expert parallelism
     tensor_parallel_size: int = _flag(1, "ranks (one process each, torch.distributed: NCCL on CUDA, gloo on the CPU) "
@@ -388,20 +389,25 @@ class EngineConfig:
             raise ValueError("speculative_config with async_scheduling is not supported: the proposer reads each "
                              "step's tokens on the host to propose the next step's drafts, which async scheduling "
                              "leaves on the device; turn async_scheduling off")
-        if self.world_size > 1 and spec.method == "draft":
-            raise ValueError("speculative_config method 'draft' with tensor/expert parallelism is not supported: "
+        m = spec.method
+        if self.world_size > 1 and m in ("draft", "eagle3"):
+            raise ValueError(f"speculative_config method {m!r} with tensor/expert parallelism is not supported: "
                              "the draft model runs on rank 0 alone, and its KV cache would need the ranks' block "
                              "geometry; use method 'ngram' or tensor_parallel_size=1")
-        if spec.method == "draft" and dev.type == "cuda" and self.kv_cache_memory_bytes is None:
-            raise ValueError("speculative_config method 'draft' on CUDA needs kv_cache_memory_bytes: the draft's KV "
+        if m in ("draft", "eagle3") and dev.type == "cuda" and self.kv_cache_memory_bytes is None:
+            raise ValueError(f"speculative_config method {m!r} on CUDA needs kv_cache_memory_bytes: the draft's KV "
                              "cache (as many blocks as the target's) is allocated beside the target's, and the "
                              "memory profile that sizes the target's from gpu_memory_utilization does not count it")
+        if m == "eagle3" and self.cuda_graphs:
+            raise ValueError("speculative_config method 'eagle3' with cuda_graphs is not supported yet: the EAGLE-3 "
+                             "head reads three target layers' hidden states from every step, which the captured "
+                             "graphs do not return; turn cuda_graphs off")
         if self.enable_lora:
             raise ValueError("speculative_config with enable_lora is not supported yet: a verify step's k + 1 rows "
                              "per sequence would need their adapter slots in the LoRA mapping; the two were built "
                              "apart and have not been tested together")
-        if spec.method == "draft" and self.kv_offload != "none":
-            raise ValueError("speculative_config method 'draft' with kv_offload is not supported: the tiers hold "
+        if m in ("draft", "eagle3") and self.kv_offload != "none":
+            raise ValueError(f"speculative_config method {m!r} with kv_offload is not supported: the tiers hold "
                              "the target's KV blocks only, and a restored block would have no draft KV")
 
     def _resolve_unset(self, dev: torch.device) -> None:
@@ -449,6 +455,13 @@ class EngineConfig:
         if lora is not None:
             return lora
         if name == "cuda_graphs":
+            if graphs is None and self.speculative_config is not None:
+                try:
+                    method = SpeculativeConfig.parse(self.speculative_config).method
+                except ValueError:
+                    method = None  # (validate() reports it)
+                if method == "eagle3":
+                    return "the EAGLE-3 head reads target hidden states the captured graphs do not return"
             return graphs
         if name == "async_scheduling" and self.speculative_config is not None:
             return "speculative decoding proposes from each step's tokens on the host"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle3")
 
 
 @dataclass
@@ -16,12 +16,14 @@ class SpeculativeConfig:
     Attributes:
         method: ``"ngram"`` (prompt lookup: the tokens that followed the latest n-gram's earlier
             occurrence in the prompt and output; Saxena 2023, vLLM's ``ngram``) or ``"draft"`` (a
-            smaller model with the same tokenizer; vLLM's ``draft_model`` is accepted as a synonym).
-            Left out with a ``model`` given: ``"draft"``.
+            smaller model with the same tokenizer; vLLM's ``draft_model`` is accepted as a synonym) or
+            ``"eagle3"`` (an EAGLE-3 draft head fed with three of the target's layers' hidden states; Li
+            et al., arXiv:2503.01840; :mod:`infer.engine.eagle3`). Left out with a ``model`` given: ``"draft"``.
         num_speculative_tokens: ``k``, the most tokens proposed per sequence per step (>= 1).
         prompt_lookup_max, prompt_lookup_min: ngram: the longest and shortest n-gram matched (vLLM:
             when one is left out it takes the other's value; both left out: 5).
-        model: draft: the draft model (a short name, a .gguf file or a Hugging Face directory).
+        model: draft: the draft model (a short name, a .gguf file or a Hugging Face directory); eagle3:
+            the head's directory (config.json + safetensors, the ``speculators`` or the EAGLE/SGLang layout).
     """
 
     method: str
@@ -56,7 +58,7 @@ class SpeculativeConfig:
         method = "draft" if method == "draft_model" else method
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
-                             f"{v.get('method')!r} (eagle3 and other methods are not implemented)")
+                             f"{v.get('method')!r} (other methods are not implemented)")
         k = v.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
@@ -71,6 +73,12 @@ class SpeculativeConfig:
             if v.get("model") is not None:
                 raise ValueError("speculative_config: method 'ngram' takes no model (it looks tokens up in the "
                                  "prompt); use method 'draft' for a draft model")
+        elif method == "eagle3":
+            if lo is not None or hi is not None:
+                raise ValueError("speculative_config: prompt_lookup_min/max are for method 'ngram'")
+            if not v.get("model") or not isinstance(v["model"], str):
+                raise ValueError("speculative_config: method 'eagle3' needs model (the EAGLE-3 head's directory: "
+                                 "config.json and safetensors)")
         else:
             if lo is not None or hi is not None:
                 raise ValueError("speculative_config: prompt_lookup_min/max are for method 'ngram'")

@@ -215,6 +215,10 @@ class LLMEngine:
 
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec, self.max_model_len)
+        elif spec.method == "eagle3":
+            from infer.engine.eagle3 import Eagle3Proposer
+
+            self.proposer = Eagle3Proposer(spec, self)
         else:
             from infer.engine.draft import DraftProposer
 
@@ -532,8 +536,7 @@ class LLMEngine:
             if item.spec_token_ids and item.seq.status is SeqStatus.RUNNING:
                 self.kv_manager.truncate(item.seq, len(item.seq.token_ids))
         running = [s for s in dict.fromkeys(result.sampled) if s.status is SeqStatus.RUNNING]
-        if running:
-            self.proposer.propose(running)
+        self.proposer.propose(running)  # (an EAGLE-3 head also catches up on prompt chunks that sampled nothing)
 
     @contextlib.contextmanager
     def _failing_requests_abort(self, *steps: list[ScheduledSeq]):

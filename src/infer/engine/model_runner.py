@@ -91,6 +91,9 @@ class ModelRunner:
     """
 
     lora_manager = None
+    #: EAGLE-3 (phase 12): the last step's flat layout, whose rows the model's ``aux_hidden_states`` hold
+    #: (:class:`~infer.engine.eagle3.Eagle3Proposer` reads and clears it), or None
+    last_aux_step = None
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
                  attention_backend: str = "torch", max_model_len: int = 0,
@@ -275,6 +278,8 @@ class ModelRunner:
         out = self.graphs.run(step, hidden_only=step.has_spec) if self.graphs is not None and not snap else None
         if out is None:
             out = self._run_eager(step)
+        if self.model.aux_hidden_state_layers:  # EAGLE-3 (phase 12): the step its head catches up on
+            self.last_aux_step = step.flat if out.graph is None else None
         if step.has_forks:
             self._copy_fork_blocks(scheduled)
         logits, prompt_lp = out.logits, {}

@@ -378,6 +378,12 @@ class CausalLM(nn.Module):
     """
 
     layer_cls: type[nn.Module]
+    #: EAGLE-3 (phase 12, :mod:`infer.engine.eagle3`): the layers whose *input* (the residual stream
+    #: after the layers before them) every forward keeps, in increasing order; empty: none are kept
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    #: the last forward's kept hidden states, ``[T, len(aux_hidden_state_layers) * hidden_size]``
+    #: (concatenated in layer order), or None
+    aux_hidden_states: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -480,9 +486,14 @@ class CausalLM(nn.Module):
         rope = {}
         for kind in set(self.config.layer_types):
             rope[kind] = rope_cos_sin(positions, getattr(self, f"inv_freq_{kind}"), h.dtype)
-        for layer, kind in zip(self.model.layers, self.config.layer_types):
+        aux, kept = self.aux_hidden_state_layers, []
+        for i, (layer, kind) in enumerate(zip(self.model.layers, self.config.layer_types)):
+            if aux and i in aux:
+                kept.append(h)
             cos, sin = rope[kind]
             h = layer(h, cos, sin, meta)
+        if aux:
+            self.aux_hidden_states = torch.cat(kept, dim=-1)
         return self.model.norm(h)
 
     def forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -498,8 +509,13 @@ class CausalLM(nn.Module):
         """
         ops = self.ops
         h, residual = self.embed(input_ids), None
-        for layer, kind in zip(self.model.layers, self.config.layer_types):
+        aux, kept = self.aux_hidden_state_layers, []
+        for i, (layer, kind) in enumerate(zip(self.model.layers, self.config.layer_types)):
+            if aux and i in aux:  # the layer's input, h + residual (a copy: the fused norms add in place)
+                kept.append(h.clone() if residual is None else h + residual)
             h, residual = layer.forward_fused(h, residual, positions, self.cos_sin_caches[kind], meta, ops)
+        if aux:
+            self.aux_hidden_states = torch.cat(kept, dim=-1)
         norm = self.model.norm
         return ops.add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)[0]
 
