@@ -23,7 +23,7 @@ from infer.errors import ModelLoadError
 from infer.loader.quantized import QuantizedParams, resolve_scheme, scheme_from_hf_config
 from infer.loader.registry import DEFAULT_MODEL, SHIPPED_MODELS, resolve_model
 from infer.models import MODEL_CLASSES, CausalLM
-from infer.models.quant import QuantScheme, quantize_modules
+from infer.models.quant import QuantizedLinear, QuantScheme, quantize_modules
 from infer.parallel.state import ParallelState, building_for, shard
 from infer.tokenizer import Tokenizer
 
@@ -194,6 +194,10 @@ def materialize(
     model.to(device)  # the rope buffers; parameters are already there
     model.eval()
     model.requires_grad_(False)
+    if scheme is not None and torch.device(device).type == "cpu":
+        for m in model.modules():
+            if isinstance(m, QuantizedLinear):
+                m.cpu_packed()  # the layout of PyTorch's CPU kernels, made once (phase 11)
     return model
 
 
