@@ -12,14 +12,16 @@ Three parts, each for ``--methods`` (``none`` first: the baseline every ratio is
 
 1. **kernels**: each decoder projection of ``--model``'s shapes (merged QKV, o, merged gate/up, down),
    random weights, ``--batch-sizes`` rows: microseconds per call of ``F.linear`` on the model-dtype weight
-   (``none``) and of :func:`infer.kernels.quant_triton.quantized_linear` (the Triton kernel on CUDA; on the
-   CPU the plain-PyTorch reference, which dequantizes per call and so is *slower* than ``none``), and the
-   weight bytes each call reads over that time (GB/s).
+   (``none``) and of the quantized product (on CUDA :func:`infer.kernels.quant_triton.quantized_linear`;
+   on the CPU :func:`infer.kernels.quant_cpu.quantized_linear_cpu`, PyTorch's weight-only kernels on the
+   layout made at load), and the weight bytes each call reads over that time (GB/s).
 2. **decode**: the engine (``infer.LLM`` with ``quantization=METHOD`` and ``--engine-args``), a batch of
    ``B`` requests of ``--prompt-len`` random tokens decoding ``--output-len`` tokens each: ms per decode
    step (steps after every request's first token, median of ``--repeats`` runs), output tok/s, the
    weight bytes one step reads (quantized projections + everything else; the input embedding counts
-   one row) and the floor those bytes set at the copy bandwidth measured in the same run.
+   one row) and the floor those bytes set at the copy bandwidth measured in the same run. With ``--hf``
+   (the default), HF transformers on the same weights, unquantized, in the same run (``generate``, eager):
+   its ms per step, and every method's speed-up over it.
 3. **quality**: ``--quality-model`` (real weights), teacher-forced on the first ``--quality-tokens``
    tokens of a fixed English text, in windows of ``--window`` tokens: perplexity, and top-1
    agreement with ``none`` (the share of positions whose argmax is the same). The text: the Python
@@ -58,6 +60,14 @@ from common import (
 )
 
 METHODS = ("none", "int8", "fp8", "int4")
+#: ``METHOD+head``: the method with ``quantize_lm_head`` (the LM head quantized too)
+HEAD_METHODS = tuple(f"{m}+head" for m in METHODS[1:])
+
+
+def method_args(method: str) -> dict:
+    """``load_model`` / ``EngineConfig`` arguments of a method name (``int8``, ``int8+head``, ...)."""
+    base, _, head = method.partition("+")
+    return {"quantization": base, "quantize_lm_head": head == "head"}
 
 
 def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -72,6 +82,7 @@ def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 def bench_kernels(cfg, methods, batch_sizes, device, dtype, repeats: int) -> list[dict]:
     from infer.kernels import quant_reference as qref
+    from infer.kernels.quant_cpu import pack_for_cpu, quantized_linear_cpu
     from infer.kernels.quant_triton import quantized_linear
 
     rows = []
@@ -84,9 +95,14 @@ def bench_kernels(cfg, methods, batch_sizes, device, dtype, repeats: int) -> lis
                 if method == "none":
                     args, nbytes = (F.linear, x, w), w.numel() * w.element_size()
                 else:
-                    q, s = qref.quantize(w, method)
-                    args = (quantized_linear, x, q, s, method, qref.default_block(method, k))
+                    block = qref.default_block(method, k)
+                    q, s = qref.quantize(w, method, block)
                     nbytes = q.numel() * q.element_size() + s.numel() * s.element_size()
+                    if device.type == "cpu":
+                        packed = pack_for_cpu(q, s, method, block)
+                        args, nbytes = (quantized_linear_cpu, x, packed, q, s, method, block), packed.nbytes()
+                    else:
+                        args = (quantized_linear, x, q, s, method, block)
                 us = 1e6 * timed(lambda a=args: a[0](*a[1:]), device, repeats=repeats, warmup=2)
                 base_us = us if method == "none" else base_us
                 row = {"projection": name, "shape": f"{n}x{k}", "rows": m, "method": method, "us": us,
@@ -101,10 +117,18 @@ def bench_kernels(cfg, methods, batch_sizes, device, dtype, repeats: int) -> lis
 
 def weight_bytes_per_step(model) -> int:
     """Bytes of the weights one decode step reads: every parameter once (storages shared by merged
-    projections and their parts counted once), the input embedding one row unless the LM head is it."""
+    projections and their parts counted once; a quantized layer on the CPU: its kernel's layout instead),
+    the input embedding one row unless the LM head is it."""
+    from infer.models.quant import QuantizedLinear
+
     seen, total = set(), 0
+    for m in model.modules():  # on the CPU a quantized layer reads its kernel's layout (infer.kernels.quant_cpu)
+        packed = m.__dict__.get("_cpu_packed") if isinstance(m, QuantizedLinear) else None
+        if packed is not None:
+            seen.update(t.untyped_storage().data_ptr() for t in (m.qweight, m.weight_scale))
+            total += packed[1].nbytes()
     emb = model.model.embed_tokens.weight
-    tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
+    tied = getattr(model.lm_head, "weight", None) is not None and model.lm_head.weight.data_ptr() == emb.data_ptr()
     for p in model.parameters():
         key = p.untyped_storage().data_ptr()
         if key in seen:
@@ -121,7 +145,7 @@ def bench_decode(model: str, method: str, batch: int, prompt_len: int, output_le
     from infer import LLM
     from infer.sampling import SamplingParams
 
-    llm = LLM(model, progress=False, quantization=method, max_num_seqs=max(batch, 1),
+    llm = LLM(model, progress=False, **method_args(method), max_num_seqs=max(batch, 1),
               max_model_len=prompt_len + output_len + 8, **engine_args)
     engine = llm.engine
     device = engine.runner.device
@@ -151,6 +175,46 @@ def bench_decode(model: str, method: str, batch: int, prompt_len: int, output_le
             "floor_frac": nbytes / (bandwidth_gb_s * 1e6) / ms}
 
 
+def bench_decode_hf(model: str, batch: int, prompt_len: int, output_len: int, repeats: int, device,
+                    dtype) -> dict | None:
+    """HF transformers on the same weights, unquantized (the peer of the CPU goal): ms per decode step of
+    ``generate`` (eager, its default), ``(generate(N) - generate(1)) / (N - 1)`` on ``batch`` rows of
+    ``prompt_len`` random tokens. None when the model has no checkpoint transformers can read (weights
+    generated at load)."""
+    from common import load_hf
+
+    from infer.loader import resolve_model
+    from infer.loader.synthetic import random_weights_spec
+
+    path = resolve_model(model)
+    if path.is_dir() and random_weights_spec(path) is not None:
+        print("skipping HF transformers: the model's weights are generated at load time")
+        return None
+    from transformers import GenerationConfig
+
+    hf = load_hf(path, str(device), dtype)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, hf.config.vocab_size - 100, (batch, prompt_len), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+
+    def run(model, n: int) -> float:
+        cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        sync(device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, generation_config=cfg)
+        sync(device)
+        return time.perf_counter() - t
+
+    run(hf, 4)  # warm-up
+    t1 = statistics.median(run(hf, 1) for _ in range(repeats))
+    tn = statistics.median(run(hf, output_len) for _ in range(repeats))
+    ms = 1e3 * (tn - t1) / (output_len - 1)
+    del hf
+    free_device_memory()
+    return {"method": "hf-transformers", "batch": batch, "step_ms": ms, "tok_s": batch * 1e3 / ms}
+
+
 # -------------------------------------------------------------------------------- 3. quality
 
 
@@ -178,7 +242,7 @@ def bench_quality(model: str, methods, tokens: int, window: int, device, dtype) 
 
     rows, base_argmax, ids = [], None, None
     for method in methods:
-        loaded = load_model(model, device=device, dtype=dtype, progress=False, quantization=method)
+        loaded = load_model(model, device=device, dtype=dtype, progress=False, **method_args(method))
         if ids is None:
             ids = loaded.tokenizer.encode(quality_text())[:tokens]
             if len(ids) < tokens:
@@ -249,13 +313,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--parts", nargs="+", default=["kernels", "decode", "quality"],
                     choices=["kernels", "decode", "quality"])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + HEAD_METHODS,
+                    help="METHOD+head: with quantize_lm_head (decode and quality parts)")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quality-tokens", type=int, default=20000)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode: also time HF transformers (eager, unquantized) on the same weights")
     ap.add_argument("--engine-args", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="EngineConfig fields for the decode part (e.g. optimize=true)")
     out_argument(ap, "", "output directory")
@@ -272,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     tables = []
     if "kernels" in args.parts:
         _, cfg = model_info(args.model)
-        report["kernels"] = bench_kernels(cfg, args.methods, args.batch_sizes, device, dtype, args.repeats * 5)
+        report["kernels"] = bench_kernels(cfg, [m for m in args.methods if "+" not in m], args.batch_sizes, device,
+                                          dtype, args.repeats * 5)
         tables.append("## kernels\n\n" + markdown_table(report["kernels"], ["projection", "shape", "rows", "method",
                                                                             "us", "weight_gb_s", "speedup"]))
     if "decode" in args.parts:
@@ -287,8 +355,18 @@ def main(argv: list[str] | None = None) -> int:
                 row["speedup"] = base["step_ms"] / row["step_ms"]
                 report["decode"].append(row)
                 print_row(row)
+            hf = bench_decode_hf(args.model, b, args.prompt_len, args.output_len, args.repeats, device,
+                                 dtype) if args.hf else None
+            if hf is not None:
+                print_row(hf)
+                for row in report["decode"]:
+                    if row["batch"] == b:
+                        row["speedup_vs_hf"] = hf["step_ms"] / row["step_ms"]
+                base = next(r for r in report["decode"] if r["batch"] == b and r["method"] == "none")
+                report["decode"].append({**hf, "speedup": base["step_ms"] / hf["step_ms"], "speedup_vs_hf": 1.0})
         tables.append("## decode\n\n" + markdown_table(report["decode"], [
-            "method", "batch", "step_ms", "tok_s", "speedup", "weight_mb_per_step", "floor_ms", "floor_frac"]))
+            "method", "batch", "step_ms", "tok_s", "speedup", "speedup_vs_hf", "weight_mb_per_step", "floor_ms",
+            "floor_frac"]))
     if "quality" in args.parts:
         report["quality"] = bench_quality(args.quality_model, args.methods, args.quality_tokens, args.window,
                                           device, dtype)

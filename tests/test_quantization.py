@@ -309,6 +309,30 @@ def cpu_reference_forward(monkeypatch):
     monkeypatch.setattr(QuantizedLinear, "cpu_kernels", False)
 
 
+def test_quantized_lm_head_is_the_model_with_its_dequantized_head(tmp_path, cpu_reference_forward):
+    """quantize_lm_head on a tied model: the LM head gets its own int8 copy, the input embedding keeps the float
+    table; HF transformers with every projection and the (untied) LM head replaced by our dequantized weights
+    is the reference, unfused and fused (the fused forward's CPU layout leaves the quantized head alone)."""
+    from infer.errors import ModelLoadError
+    from tests.hf_reference import save_hf
+
+    ref = tiny_hf_model("qwen3")
+    path = save_hf(ref, tmp_path / "qwen3")
+    ours = load_model(path, device="cpu", dtype=torch.float32, progress=False, quantization="int8",
+                      quantize_lm_head=True)
+    head = ours.model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.qweight.shape == (ref.config.vocab_size, ref.config.hidden_size)
+    assert torch.equal(ours.model.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+    with torch.no_grad():
+        for n, m in ours.model.named_modules():
+            if isinstance(m, QuantizedLinear) and n != "lm_head":
+                ref.get_submodule(n).weight.copy_(m.dequantized_weight())
+        ref.lm_head.weight = nn.Parameter(head.dequantized_weight())  # untied: the embedding keeps its table
+    _check_logits(ours, ref)
+    with pytest.raises(ModelLoadError, match="needs a quantization"):
+        load_model(path, device="cpu", dtype=torch.float32, progress=False, quantize_lm_head=True)
+
+
 def _check_logits(ours, ref, fused: bool = True):
     prompts = _prompts(ref.config.vocab_size, [1, 9, 40])
     for seq, logits in zip(prompts, infer_logits(ours.model, prompts)):

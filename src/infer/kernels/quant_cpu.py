@@ -148,7 +148,8 @@ def quantized_linear_cpu(x: torch.Tensor, packed: CpuPackedWeight, qweight: torc
         return qref.quantized_linear_reference(x, qweight, weight_scale, method, block, bias)
     xb = x2.to(torch.bfloat16).contiguous()  # a fresh, aligned copy (the int8 kernel's aligned loads)
     if packed.kind == "int8":
-        y = torch.ops.aten._weight_int8pack_mm(xb, packed.weight, packed.ones).to(x.dtype) * packed.scale
+        y = torch.ops.aten._weight_int8pack_mm(xb, packed.weight, packed.ones)
+        y = torch.mul(y, packed.scale) if x.dtype == torch.float32 else (y * packed.scale).to(x.dtype)  # one op
     elif packed.kind == "int4":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed.weight, packed.group_size,
                                                        packed.scales_and_zeros).to(x.dtype)

@@ -12,8 +12,9 @@ reads the quantized weight: on CUDA :func:`infer.kernels.quant_triton.quantized_
 made once at load: :meth:`QuantizedLinear.cpu_packed`).
 
 What is quantized: the attention projections (q, k, v, o) and the dense MLP's (gate, up, down) of
-every decoder layer, as vLLM and the Hub's quantized releases do. The embeddings, the LM head, the norms
-and an MoE block's router and experts keep the model dtype.
+every decoder layer, as vLLM and the Hub's quantized releases do. The embeddings, the norms and an MoE
+block's router and experts keep the model dtype; so does the LM head unless ``EngineConfig.quantize_lm_head``
+(:func:`quantize_lm_head`).
 """
 
 from __future__ import annotations
@@ -186,6 +187,37 @@ def quantize_modules(model: nn.Module, scheme: QuantScheme) -> list[str]:
             setattr(module, attr, q)
             replaced.append(f"{name}.{attr}" if name else attr)
     return replaced
+
+
+@torch.no_grad()
+def quantize_lm_head(model: nn.Module, scheme: QuantScheme) -> QuantizedLinear:
+    """Replace ``model.lm_head`` (a loaded ``nn.Linear``) by a :class:`QuantizedLinear` of its weight, quantized
+    with ``scheme``'s method and scale layout (``EngineConfig.quantize_lm_head``). A tied LM head gets its own
+    quantized copy: the input embedding keeps the float table (a lookup reads one row per token, the LM head
+    every row). On the CPU the kernel's layout is made at once.
+
+    Returns:
+        The new LM head.
+
+    Raises:
+        ValueError: the LM head is not an ``nn.Linear`` (already quantized) or is split across ranks.
+    """
+    head = model.lm_head
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"the LM head is a {type(head).__name__}, not an nn.Linear")
+    parallel = getattr(head, "parallel", None)
+    if parallel is not None and parallel.tp_size > 1:
+        raise ValueError("a quantized LM head is not split across tensor-parallel ranks")
+    with torch.device("meta"):
+        q = QuantizedLinear(head.in_features, head.out_features, False, scheme.method,
+                            scheme.block_for(head.in_features))
+    qweight, scale = q.quantize_weight(head.weight.detach())
+    q.qweight = nn.Parameter(qweight, requires_grad=False)
+    q.weight_scale = nn.Parameter(scale, requires_grad=False)
+    model.lm_head = q
+    if qweight.device.type == "cpu":
+        q.cpu_packed()
+    return q
 
 
 def quantized_bytes(model: nn.Module) -> tuple[int, int]:
