@@ -102,8 +102,9 @@ class QuantizedLinear(nn.Module):
     def cpu_packed(self) -> CpuPackedWeight:
         """The weight in the layout of PyTorch's CPU kernel (:func:`~infer.kernels.quant_cpu.pack_for_cpu`),
         made on the first call (the loader calls it once at load) and again only if ``qweight`` or
-        ``weight_scale`` is replaced or written in place. Not a parameter: the state dict holds the
-        quantized weight only."""
+        ``weight_scale`` is replaced by another tensor or written in place through the parameter (not
+        through ``.data``, whose writes PyTorch does not count). Not a parameter: the state dict holds
+        the quantized weight only."""
         key = tuple((t.data_ptr(), t._version) for t in (self.qweight, self.weight_scale))
         cached = self.__dict__.get("_cpu_packed")
         if cached is None or cached[0] != key:
