@@ -12,14 +12,17 @@ Three parts, each for ``--methods`` (``none`` first: the baseline every ratio is
 
 1. **kernels**: each decoder projection of ``--model``'s shapes (merged QKV, o, merged gate/up, down),
    random weights, ``--batch-sizes`` rows: microseconds per call of ``F.linear`` on the model-dtype weight
-   (``none``) and of :func:`infer.kernels.quant_triton.quantized_linear` (the Triton kernel on CUDA; on the
-   CPU the plain-PyTorch reference, which dequantizes per call and so is *slower* than ``none``), and the
-   weight bytes each call reads over that time (GB/s).
+   (``none``) and of the quantized product (on CUDA :func:`infer.kernels.quant_triton.quantized_linear`;
+   on the CPU :func:`infer.kernels.quant_cpu.quantized_linear_cpu`, PyTorch's weight-only kernels on the
+   layout made at load), and the weight bytes each call reads over that time (GB/s).
 2. **decode**: the engine (``infer.LLM`` with ``quantization=METHOD`` and ``--engine-args``), a batch of
    ``B`` requests of ``--prompt-len`` random tokens decoding ``--output-len`` tokens each: ms per decode
-   step (steps after every request's first token, median of ``--repeats`` runs), output tok/s, the
+   step (steps after every request's first token, median of ``--repeats`` runs; on the CPU the runs of
+   all methods interleaved, ``--interleave``, so load from other jobs falls on each alike), output tok/s, the
    weight bytes one step reads (quantized projections + everything else; the input embedding counts
-   one row) and the floor those bytes set at the copy bandwidth measured in the same run.
+   one row) and the floor those bytes set at the copy bandwidth measured in the same run. With ``--hf``
+   (the default), HF transformers on the same weights, unquantized, in the same run (``generate``, eager):
+   its ms per step, and every method's speed-up over it.
 3. **quality**: ``--quality-model`` (real weights), teacher-forced on the first ``--quality-tokens``
    tokens of a fixed English text, in windows of ``--window`` tokens: perplexity, and top-1
    agreement with ``none`` (the share of positions whose argmax is the same). The text: the Python
@@ -59,6 +62,14 @@ from common import (
 )
 
 METHODS = ("none", "int8", "fp8", "int4")
+#: ``METHOD+head``: the method with ``quantize_lm_head`` (the LM head quantized too)
+HEAD_METHODS = tuple(f"{m}+head" for m in METHODS[1:])
+
+
+def method_args(method: str) -> dict:
+    """``load_model`` / ``EngineConfig`` arguments of a method name (``int8``, ``int8+head``, ...)."""
+    base, _, head = method.partition("+")
+    return {"quantization": base, "quantize_lm_head": head == "head"}
 
 
 def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -73,6 +84,7 @@ def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 def bench_kernels(cfg, methods, batch_sizes, device, dtype, repeats: int) -> list[dict]:
     from infer.kernels import quant_reference as qref
+    from infer.kernels.quant_cpu import pack_for_cpu, quantized_linear_cpu
     from infer.kernels.quant_triton import quantized_linear
 
     rows = []
@@ -85,9 +97,14 @@ def bench_kernels(cfg, methods, batch_sizes, device, dtype, repeats: int) -> lis
                 if method == "none":
                     args, nbytes = (F.linear, x, w), w.numel() * w.element_size()
                 else:
-                    q, s = qref.quantize(w, method)
-                    args = (quantized_linear, x, q, s, method, qref.default_block(method, k))
+                    block = qref.default_block(method, k)
+                    q, s = qref.quantize(w, method, block)
                     nbytes = q.numel() * q.element_size() + s.numel() * s.element_size()
+                    if device.type == "cpu":
+                        packed = pack_for_cpu(q, s, method, block)
+                        args, nbytes = (quantized_linear_cpu, x, packed, q, s, method, block), packed.nbytes()
+                    else:
+                        args = (quantized_linear, x, q, s, method, block)
                 us = 1e6 * timed(lambda a=args: a[0](*a[1:]), device, repeats=repeats, warmup=2)
                 base_us = us if method == "none" else base_us
                 row = {"projection": name, "shape": f"{n}x{k}", "rows": m, "method": method, "us": us,
@@ -219,10 +236,18 @@ def triton_next_pow2(m: int) -> int:
 
 def weight_bytes_per_step(model) -> int:
     """Bytes of the weights one decode step reads: every parameter once (storages shared by merged
-    projections and their parts counted once), the input embedding one row unless the LM head is it."""
+    projections and their parts counted once; a quantized layer on the CPU: its kernel's layout instead),
+    the input embedding one row unless the LM head is it."""
+    from infer.models.quant import QuantizedLinear
+
     seen, total = set(), 0
+    for m in model.modules():  # on the CPU a quantized layer reads its kernel's layout (infer.kernels.quant_cpu)
+        packed = m.__dict__.get("_cpu_packed") if isinstance(m, QuantizedLinear) else None
+        if packed is not None:
+            seen.update(t.untyped_storage().data_ptr() for t in (m.qweight, m.weight_scale))
+            total += packed[1].nbytes()
     emb = model.model.embed_tokens.weight
-    tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
+    tied = getattr(model.lm_head, "weight", None) is not None and model.lm_head.weight.data_ptr() == emb.data_ptr()
     for p in model.parameters():
         key = p.untyped_storage().data_ptr()
         if key in seen:
@@ -234,22 +259,30 @@ def weight_bytes_per_step(model) -> int:
     return total
 
 
-def bench_decode(model: str, method: str, batch: int, prompt_len: int, output_len: int, repeats: int,
-                 engine_args: dict, bandwidth_gb_s: float) -> dict:
-    from infer import LLM
-    from infer.sampling import SamplingParams
+class DecodeRun:
+    """One method's engine, ready to time: ``run()`` decodes ``batch`` requests of ``prompt_len`` random
+    tokens to ``output_len`` tokens and returns ms per decode step (steps after every request's first
+    token)."""
 
-    llm = LLM(model, progress=False, quantization=method, max_num_seqs=max(batch, 1),
-              max_model_len=prompt_len + output_len + 8, **engine_args)
-    engine = llm.engine
-    device = engine.runner.device
-    vocab = engine.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    step_ms = []
-    for r in range(repeats + 1):  # the first run warms up (Triton compiles, graphs)
-        for _ in range(batch):
-            engine.add_request(torch.randint(100, vocab - 100, (prompt_len,), generator=gen).tolist(), params)
+    def __init__(self, model: str, method: str, batch: int, prompt_len: int, output_len: int,
+                 engine_args: dict) -> None:
+        from infer import LLM
+        from infer.sampling import SamplingParams
+
+        self.method, self.batch, self.prompt_len = method, batch, prompt_len
+        self.llm = LLM(model, progress=False, **method_args(method), max_num_seqs=max(batch, 1),
+                       max_model_len=prompt_len + output_len + 8, **engine_args)
+        self.engine = self.llm.engine
+        self.gen = torch.Generator().manual_seed(0)
+        self.params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        self.run()  # warm-up (Triton compiles, graphs)
+
+    def run(self) -> float:
+        engine, device = self.engine, self.engine.runner.device
+        vocab = engine.vocab_size
+        for _ in range(self.batch):
+            engine.add_request(torch.randint(100, vocab - 100, (self.prompt_len,), generator=self.gen).tolist(),
+                               self.params)
         while any(len(s.token_ids) == s.num_prompt_tokens for req in engine.requests.values() for s in req.seqs):
             engine.step()
         sync(device)
@@ -258,15 +291,104 @@ def bench_decode(model: str, method: str, batch: int, prompt_len: int, output_le
             engine.step()
             steps += 1
         sync(device)
-        if r:
-            step_ms.append(1e3 * (time.perf_counter() - t) / max(steps, 1))
-    nbytes = weight_bytes_per_step(engine.loaded.model)
-    ms = statistics.median(step_ms)
-    del llm, engine
-    free_device_memory()
-    return {"method": method, "batch": batch, "step_ms": ms, "tok_s": batch * 1e3 / ms,
-            "weight_mb_per_step": nbytes / 1e6, "floor_ms": nbytes / (bandwidth_gb_s * 1e6),
-            "floor_frac": nbytes / (bandwidth_gb_s * 1e6) / ms}
+        return 1e3 * (time.perf_counter() - t) / max(steps, 1)
+
+    def row(self, step_ms: list[float], bandwidth_gb_s: float) -> dict:
+        nbytes = weight_bytes_per_step(self.engine.loaded.model)
+        ms = statistics.median(step_ms)
+        return {"method": self.method, "batch": self.batch, "step_ms": ms, "tok_s": self.batch * 1e3 / ms,
+                "weight_mb_per_step": nbytes / 1e6, "floor_ms": nbytes / (bandwidth_gb_s * 1e6),
+                "floor_frac": nbytes / (bandwidth_gb_s * 1e6) / ms}
+
+    def close(self) -> None:
+        del self.llm, self.engine
+        free_device_memory()
+
+
+class HFDecodeRun:
+    """HF transformers on the same weights, unquantized (the peer of the CPU goal): ``run()`` returns ms per
+    decode step of ``generate`` (eager, its default), ``(generate(N) - generate(1)) / (N - 1)`` on ``batch``
+    rows of ``prompt_len`` random tokens."""
+
+    method = "hf-transformers"
+
+    def __init__(self, path, batch: int, prompt_len: int, output_len: int, device, dtype) -> None:
+        from common import load_hf
+
+        self.hf = load_hf(path, str(device), dtype)
+        self.batch, self.output_len, self.device = batch, output_len, device
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(100, self.hf.config.vocab_size - 100, (batch, prompt_len), generator=gen).to(device)
+        self.generate(4)  # warm-up
+
+    def generate(self, n: int) -> float:
+        from transformers import GenerationConfig
+
+        cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        sync(self.device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            self.hf.generate(self.ids, attention_mask=torch.ones_like(self.ids), generation_config=cfg)
+        sync(self.device)
+        return time.perf_counter() - t
+
+    def run(self) -> float:
+        t1 = self.generate(1)
+        return 1e3 * (self.generate(self.output_len) - t1) / (self.output_len - 1)
+
+    def row(self, step_ms: list[float], bandwidth_gb_s: float) -> dict:
+        ms = statistics.median(step_ms)
+        return {"method": self.method, "batch": self.batch, "step_ms": ms, "tok_s": self.batch * 1e3 / ms}
+
+    def close(self) -> None:
+        del self.hf
+        free_device_memory()
+
+
+def hf_checkpoint(model: str):
+    """The checkpoint HF transformers can read for ``model``, or None (weights generated at load)."""
+    from infer.loader import resolve_model
+    from infer.loader.synthetic import random_weights_spec
+
+    path = resolve_model(model)
+    return None if path.is_dir() and random_weights_spec(path) is not None else path
+
+
+def bench_decode(args, batch: int, engine_args: dict, device, dtype, bandwidth_gb_s: float) -> list[dict]:
+    """Rows of every method (and HF transformers with ``--hf``) at ``batch``. ``--interleave``: every engine is
+    built first and the timed runs go round-robin (run r of every method, then run r + 1), so a change in
+    the machine's load falls on all of them alike (a shared CPU); otherwise one method after the other (a
+    GPU, whose memory holds one engine at a time)."""
+    make = [lambda m=m: DecodeRun(args.model, m, batch, args.prompt_len, args.output_len, engine_args)
+            for m in args.methods]
+    path = hf_checkpoint(args.model) if args.hf else None
+    if args.hf and path is None:
+        print("skipping HF transformers: the model's weights are generated at load time")
+    if path is not None:
+        make.append(lambda: HFDecodeRun(path, batch, args.prompt_len, args.output_len, device, dtype))
+    rows = []
+    if args.interleave:
+        runs = [f() for f in make]
+        times = [[] for _ in runs]
+        for _ in range(args.repeats):
+            for run, ts in zip(runs, times):
+                ts.append(run.run())
+        rows = [run.row(ts, bandwidth_gb_s) for run, ts in zip(runs, times)]
+        for run in runs:
+            run.close()
+    else:
+        for f in make:
+            run = f()
+            rows.append(run.row([run.run() for _ in range(args.repeats)], bandwidth_gb_s))
+            run.close()
+    base = rows[0]["step_ms"]  # none
+    hf = rows[-1]["step_ms"] if path is not None else None
+    for row in rows:
+        row["speedup"] = base / row["step_ms"]
+        if hf is not None:
+            row["speedup_vs_hf"] = hf / row["step_ms"]
+        print_row(row)
+    return rows
 
 
 # -------------------------------------------------------------------------------- 3. quality
@@ -296,7 +418,7 @@ def bench_quality(model: str, methods, tokens: int, window: int, device, dtype) 
 
     rows, base_argmax, ids = [], None, None
     for method in methods:
-        loaded = load_model(model, device=device, dtype=dtype, progress=False, quantization=method)
+        loaded = load_model(model, device=device, dtype=dtype, progress=False, **method_args(method))
         if ids is None:
             ids = loaded.tokenizer.encode(quality_text())[:tokens]
             if len(ids) < tokens:
@@ -367,13 +489,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--parts", nargs="+", default=["kernels", "decode", "quality"],
                     choices=["kernels", "tune", "decode", "quality"])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + HEAD_METHODS,
+                    help="METHOD+head: with quantize_lm_head (decode and quality parts)")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quality-tokens", type=int, default=20000)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode: also time HF transformers (eager, unquantized) on the same weights")
+    ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode: build every engine first and time them round-robin (default: on the CPU)")
     ap.add_argument("--engine-args", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="EngineConfig fields for the decode part (e.g. optimize=true)")
     out_argument(ap, "", "output directory")
@@ -381,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.methods[0] != "none":
         args.methods = ["none"] + [m for m in args.methods if m != "none"]
     device = resolve_device(args.device)
+    if args.interleave is None:
+        args.interleave = device.type == "cpu"
     from infer.config import parse_dtype
 
     dtype = parse_dtype(args.dtype, device)
@@ -390,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     tables = []
     if "kernels" in args.parts:
         _, cfg = model_info(args.model)
-        report["kernels"] = bench_kernels(cfg, args.methods, args.batch_sizes, device, dtype, args.repeats * 5)
+        report["kernels"] = bench_kernels(cfg, [m for m in args.methods if "+" not in m], args.batch_sizes, device,
+                                          dtype, args.repeats * 5)
         tables.append("## kernels\n\n" + markdown_table(report["kernels"], ["projection", "shape", "rows", "method",
                                                                             "us", "weight_gb_s", "speedup"]))
     if "tune" in args.parts:
@@ -403,16 +533,11 @@ def main(argv: list[str] | None = None) -> int:
         kw = engine_overrides(args.engine_args)
         kw.setdefault("device", str(device))
         report["decode"] = []
-        for b in args.batch_sizes:
-            for method in args.methods:
-                row = bench_decode(args.model, method, b, args.prompt_len, args.output_len, args.repeats, kw,
-                                   ceil["bandwidth_gb_s"])  # the copy rate (bytes read + written) as the read rate
-                base = next((r for r in report["decode"] if r["batch"] == b and r["method"] == "none"), row)
-                row["speedup"] = base["step_ms"] / row["step_ms"]
-                report["decode"].append(row)
-                print_row(row)
+        for b in args.batch_sizes:  # the copy rate (bytes read + written) as the read rate
+            report["decode"] += bench_decode(args, b, kw, device, dtype, ceil["bandwidth_gb_s"])
         tables.append("## decode\n\n" + markdown_table(report["decode"], [
-            "method", "batch", "step_ms", "tok_s", "speedup", "weight_mb_per_step", "floor_ms", "floor_frac"]))
+            "method", "batch", "step_ms", "tok_s", "speedup", "speedup_vs_hf", "weight_mb_per_step", "floor_ms",
+            "floor_frac"]))
     if "quality" in args.parts:
         report["quality"] = bench_quality(args.quality_model, args.methods, args.quality_tokens, args.window,
                                           device, dtype)

@@ -5,10 +5,15 @@
 * The Triton kernel (interpreter on the CPU) against the plain-PyTorch reference, on fresh random inputs:
   the one-row-to-8-row GEMV form and the tl.dot GEMM form, every method, per-channel, per-group and
   block-wise scales, partial last blocks, bias, bfloat16.
+* The CPU path (PyTorch's weight-only kernels on a layout made once at load, bfloat16 activations) against
+  the float32 dequantize-then-matmul reference, within the bound bfloat16 rounding allows: int8 per channel,
+  int4 in torch's groups (a partial last group of ours included), the bfloat16 copy of every other layout,
+  1 to 16 rows and a prefill.
 * Merging quantized projections (the fused forward's QKV and gate/up) is exact.
 * The engine on the shipped SmolLM2-135M with int8: the greedy tokens of the same model with each
   projection's weight replaced by its dequantized value, run unquantized (an exact reference for
-  weight-only quantization), with and without fused kernels; and how many match the float model.
+  weight-only quantization, and what the CPU computed before it had kernels), with and without fused
+  kernels, the quantized layers on the CPU kernels; and how many match the float model.
 * Pre-quantized checkpoints loaded as stored: Hugging Face's block-wise FP8 (transformers' own reader,
   dequantizing, is the reference) and compressed-tensors W8A16 / W4A16 / FP8 written by the
   ``compressed-tensors`` library (the reference: a float model with the library's fake-quantized weights).
@@ -26,6 +31,7 @@ from torch import nn
 
 from infer.config import EngineConfig
 from infer.kernels import quant_reference as qref
+from infer.kernels.quant_cpu import error_bound, pack_for_cpu, quantized_linear_cpu
 from infer.loader import load_model
 from infer.models.quant import QuantizedLinear, QuantScheme, merge_quantized
 from infer.sampling import SamplingParams
@@ -176,6 +182,46 @@ def test_merged_quantized_projections_compute_the_parts():
     assert torch.equal(torch.cat([p.dequantized_weight() for p in parts]), want_w)
 
 
+# ---------------------------------------------------------------------------- the CPU kernels
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("m, n, k, block, kinds", [
+    (1, 48, 576, (1, 128), {"int8": "bf16", "int4": "int4", "fp8": "bf16"}),  # 4.5 groups: int4 in torch's 64s
+    (5, 64, 96, None, {"int8": "int8", "int4": "int4", "fp8": "bf16"}),  # one partial group of 96 (int4: 32s)
+    (16, 40, 80, (1, 32), {"int8": "bf16", "int4": "bf16", "fp8": "bf16"}),  # N % 16, K % 32: no int4 kernel
+    (40, 32, 64, None, {"int8": "int8", "int4": "int4", "fp8": "bf16"}),  # a prefill: the float32 GEMM
+])
+def test_cpu_kernels_match_the_reference(method, m, n, k, block, kinds):
+    """PyTorch's CPU weight-only kernels on the layout made at load, against dequantize-then-matmul in float32,
+    on fresh random inputs: within the bound of bfloat16 activations and outputs (quant_cpu.error_bound)."""
+    torch.manual_seed(m * 1000 + k)
+    block = block or qref.default_block(method, k)
+    q, s = qref.quantize(torch.randn(n, k) * 0.05, method, block)
+    packed = pack_for_cpu(q, s, method, block)
+    assert packed.kind == kinds[method]
+    bias = torch.randn(n)
+    x = torch.randn(3, m, k) if m == 40 else torch.randn(m, k)
+    got = quantized_linear_cpu(x, packed, q, s, method, block, bias)
+    want = qref.quantized_linear_reference(x, q, s, method, block, bias)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    excess = (got - want).abs() - error_bound(x, qref.dequantize(q, s, method, block))
+    assert excess.max() <= 0, f"{packed.kind}: beyond the bound by {excess.max():.2e}"
+
+
+def test_cpu_layout_is_made_once_and_follows_the_weight():
+    layer = QuantizedLinear(64, 32, False, "int4", (1, 32))
+    layer.qweight.data, layer.weight_scale.data = layer.quantize_weight(torch.randn(32, 64))
+    first = layer.cpu_packed()
+    assert layer.cpu_packed() is first and first.kind == "int4"  # made once
+    assert set(layer.state_dict()) == {"qweight", "weight_scale"}  # not saved with the model
+    x = torch.randn(2, 64)
+    layer.qweight.data, layer.weight_scale.data = layer.quantize_weight(torch.randn(32, 64))  # a new weight
+    assert layer.cpu_packed() is not first
+    want = qref.quantized_linear_reference(x, layer.qweight, layer.weight_scale, "int4", (1, 32))
+    assert ((layer(x) - want).abs() <= error_bound(x, layer.dequantized_weight())).all()
+
+
 # ---------------------------------------------------------------------------- the engine on SmolLM2
 
 
@@ -253,7 +299,7 @@ def _check_against(path, ref, method: str, fused: bool = True):
 
 
 @pytest.mark.parametrize("kind, method", [("llama", "int4"), ("gemma3", "fp8"), ("qwen3_moe", "int8")])
-def test_online_quantization_is_the_model_with_dequantized_weights(kind, method, tmp_path):
+def test_online_quantization_is_the_model_with_dequantized_weights(kind, method, tmp_path, cpu_reference_forward):
     """Every architecture's projections quantized at load (Gemma 3's GeGLU and sandwich norms, Qwen3-MoE's
     attention beside its unquantized experts): HF transformers with each projection's weight replaced by
     our dequantized one is the reference, unfused and fused."""
@@ -271,6 +317,38 @@ def test_online_quantization_is_the_model_with_dequantized_weights(kind, method,
     _check_logits(ours, ref)
 
 
+@pytest.fixture
+def cpu_reference_forward(monkeypatch):
+    """The CPU forward of quantized layers in float32 (dequantize per call): exactly the float32 model with the
+    dequantized weights, so a checkpoint format is checked at the float32 parity tolerance (the CPU kernels,
+    in bfloat16, are checked against it below)."""
+    monkeypatch.setattr(QuantizedLinear, "cpu_kernels", False)
+
+
+def test_quantized_lm_head_is_the_model_with_its_dequantized_head(tmp_path, cpu_reference_forward):
+    """quantize_lm_head on a tied model: the LM head gets its own int8 copy, the input embedding keeps the float
+    table; HF transformers with every projection and the (untied) LM head replaced by our dequantized weights
+    is the reference, unfused and fused (the fused forward's CPU layout leaves the quantized head alone)."""
+    from infer.errors import ModelLoadError
+    from tests.hf_reference import save_hf
+
+    ref = tiny_hf_model("qwen3")
+    path = save_hf(ref, tmp_path / "qwen3")
+    ours = load_model(path, device="cpu", dtype=torch.float32, progress=False, quantization="int8",
+                      quantize_lm_head=True)
+    head = ours.model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.qweight.shape == (ref.config.vocab_size, ref.config.hidden_size)
+    assert torch.equal(ours.model.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+    with torch.no_grad():
+        for n, m in ours.model.named_modules():
+            if isinstance(m, QuantizedLinear) and n != "lm_head":
+                ref.get_submodule(n).weight.copy_(m.dequantized_weight())
+        ref.lm_head.weight = nn.Parameter(head.dequantized_weight())  # untied: the embedding keeps its table
+    _check_logits(ours, ref)
+    with pytest.raises(ModelLoadError, match="needs a quantization"):
+        load_model(path, device="cpu", dtype=torch.float32, progress=False, quantize_lm_head=True)
+
+
 def _check_logits(ours, ref, fused: bool = True):
     prompts = _prompts(ref.config.vocab_size, [1, 9, 40])
     for seq, logits in zip(prompts, infer_logits(ours.model, prompts)):
@@ -283,7 +361,7 @@ def _check_logits(ours, ref, fused: bool = True):
             assert_parity(logits, hf_logits(ref, seq))
 
 
-def test_hf_block_fp8_checkpoint_loads_as_stored(tmp_path):
+def test_hf_block_fp8_checkpoint_loads_as_stored(tmp_path, cpu_reference_forward):
     """Written in the layout of the Qwen3-FP8 releases (fp8 ``weight``, ``weight_scale_inv`` per 128 x 128
     block); transformers' own reader, dequantizing, is the reference. k and v have 64 rows: half a block."""
     from safetensors.torch import save_file
@@ -316,7 +394,7 @@ def test_hf_block_fp8_checkpoint_loads_as_stored(tmp_path):
 
 @pytest.mark.parametrize("preset, fmt, method", [("W4A16", "pack-quantized", "int4"), ("W8A16", None, "int8"),
                                                  ("FP8_DYNAMIC", None, "fp8")])
-def test_compressed_tensors_checkpoint_loads_as_stored(preset, fmt, method, tmp_path):
+def test_compressed_tensors_checkpoint_loads_as_stored(preset, fmt, method, tmp_path, cpu_reference_forward):
     """Quantized and saved by the ``compressed-tensors`` library (llmcompressor's format). Scales as its own
     observers would set them (min/max per group or channel); the reference: the float model with each
     weight replaced by the library's fake-quantized value."""

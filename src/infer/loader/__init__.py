@@ -23,7 +23,8 @@ from infer.errors import ModelLoadError
 from infer.loader.quantized import QuantizedParams, resolve_scheme, scheme_from_hf_config
 from infer.loader.registry import DEFAULT_MODEL, SHIPPED_MODELS, resolve_model
 from infer.models import MODEL_CLASSES, CausalLM
-from infer.models.quant import QuantScheme, quantize_modules
+from infer.models.quant import QuantizedLinear, QuantScheme, quantize_modules
+from infer.models.quant import quantize_lm_head as quantize_lm_head_  # the parameter has its name
 from infer.parallel.state import ParallelState, building_for, shard
 from infer.tokenizer import Tokenizer
 
@@ -194,6 +195,10 @@ def materialize(
     model.to(device)  # the rope buffers; parameters are already there
     model.eval()
     model.requires_grad_(False)
+    if scheme is not None and torch.device(device).type == "cpu":
+        for m in model.modules():
+            if isinstance(m, QuantizedLinear):
+                m.cpu_packed()  # the layout of PyTorch's CPU kernels, made once (phase 11)
     return model
 
 
@@ -221,6 +226,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     progress: bool = True,
     quantization: str = "none",
+    quantize_lm_head: bool = False,
 ) -> LoadedModel:
     """Load a model and its tokenizer.
 
@@ -233,6 +239,8 @@ def load_model(
         quantization: ``EngineConfig.quantization`` (phase 11): ``"none"`` loads the weights as stored (a
             pre-quantized checkpoint stays quantized); ``"int8"``, ``"fp8"``, ``"int4"`` quantize the
             decoder's projections as they load (:mod:`infer.loader.quantized`).
+        quantize_lm_head: ``EngineConfig.quantize_lm_head``: also quantize the LM head, after loading, with
+            the projections' scheme (:func:`~infer.models.quant.quantize_lm_head`).
 
     Returns:
         A :class:`LoadedModel` (its ``model`` has no attention backend set yet; the engine
@@ -271,12 +279,18 @@ def load_model(
         names = {t.name for t in reader.tensors}
         cfg = g.model_config_from_gguf(meta, names, path)
         tokenizer = g.gguf_tokenizer(meta, path)
+        scheme = resolve_scheme(quantization, None, path)
         net = materialize(cfg, g.iter_gguf_tensors(reader, cfg, path), device, dtype, path, len(reader.tensors),
-                          progress, resolve_scheme(quantization, None, path))
+                          progress, scheme)
         factors = g.rope_freq_factors(reader)
         if factors is not None:
             net.inv_freq_full_attention = net.inv_freq_full_attention / torch.from_numpy(factors).to(device)
         fmt = "gguf"
     else:  # pragma: no cover
         raise ModelLoadError(path, "not a model directory or a .gguf file")
+    if quantize_lm_head:
+        if scheme is None:
+            raise ModelLoadError(path, "quantize_lm_head needs a quantization: set quantization to int8, fp8 or "
+                                 "int4, or load a pre-quantized checkpoint")
+        quantize_lm_head_(net, scheme)
     return LoadedModel(net, tokenizer, cfg, path, fmt, time.perf_counter() - start)

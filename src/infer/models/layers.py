@@ -450,7 +450,7 @@ class CausalLM(nn.Module):
                 owners += [mlp.gate_up_proj, mlp.down_proj]
         for linear in owners:
             set_weight_layout(linear, column_major)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # not a quantized copy
             self.model.embed_tokens.weight = self.lm_head.weight
         self._column_major = column_major
 

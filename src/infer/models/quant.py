@@ -7,11 +7,14 @@ The shape of vLLM's ``QuantizationConfig`` / ``LinearMethodBase``, cut to what i
 the model is built on ``meta`` (:func:`quantize_modules`); the loader then fills each
 :class:`QuantizedLinear` either by quantizing the float weight it reads (online quantization,
 :meth:`QuantizedLinear.quantize_weight`) or with the checkpoint's own quantized tensors. The forward
-calls :func:`infer.kernels.quant_triton.quantized_linear`, which reads the quantized weight.
+reads the quantized weight: on CUDA :func:`infer.kernels.quant_triton.quantized_linear`, on the CPU
+:func:`infer.kernels.quant_cpu.quantized_linear_cpu` (PyTorch's CPU weight-only kernels, on a layout
+made once at load: :meth:`QuantizedLinear.cpu_packed`).
 
 What is quantized: the attention projections (q, k, v, o) and the dense MLP's (gate, up, down) of
-every decoder layer, as vLLM and the Hub's quantized releases do. The embeddings, the LM head, the norms
-and an MoE block's router and experts keep the model dtype.
+every decoder layer, as vLLM and the Hub's quantized releases do. The embeddings, the norms and an MoE
+block's router and experts keep the model dtype; so does the LM head unless ``EngineConfig.quantize_lm_head``
+(:func:`quantize_lm_head`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from infer.kernels import quant_reference as qref
+from infer.kernels.quant_cpu import CpuPackedWeight, pack_for_cpu, quantized_linear_cpu
 
 #: the decoder projections that :func:`quantize_modules` replaces, by attribute name
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -67,6 +71,11 @@ class QuantizedLinear(nn.Module):
     Shapes: ``x [..., in_features]`` -> ``[..., out_features]`` in ``x``'s dtype.
     """
 
+    #: the CPU forward: PyTorch's weight-only kernels (bfloat16 activations, :mod:`infer.kernels.quant_cpu`),
+    #: or with False the float32 reference that dequantizes per call (slow; exactly the float32 model with
+    #: the dequantized weights, which the tests of the checkpoint formats compare against)
+    cpu_kernels: bool = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool, method: str,
                  block: tuple[int, int]) -> None:
         super().__init__()
@@ -83,9 +92,25 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and self.cpu_kernels:
+            return quantized_linear_cpu(x, self.cpu_packed(), self.qweight, self.weight_scale, self.method,
+                                        self.block, self.bias)
         from infer.kernels.quant_triton import quantized_linear
 
         return quantized_linear(x, self.qweight, self.weight_scale, self.method, self.block, self.bias)
+
+    def cpu_packed(self) -> CpuPackedWeight:
+        """The weight in the layout of PyTorch's CPU kernel (:func:`~infer.kernels.quant_cpu.pack_for_cpu`),
+        made on the first call (the loader calls it once at load) and again only if ``qweight`` or
+        ``weight_scale`` is replaced by another tensor or written in place through the parameter (not
+        through ``.data``, whose writes PyTorch does not count). Not a parameter: the state dict holds
+        the quantized weight only."""
+        key = tuple((t.data_ptr(), t._version) for t in (self.qweight, self.weight_scale))
+        cached = self.__dict__.get("_cpu_packed")
+        if cached is None or cached[0] != key:
+            cached = (key, pack_for_cpu(self.qweight.data, self.weight_scale.data, self.method, self.block))
+            self.__dict__["_cpu_packed"] = cached
+        return cached[1]
 
     def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(qweight, weight_scale)`` of a float ``[out_features, in_features]`` weight (online
@@ -129,6 +154,7 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
                    if first.bias is not None else None)
     start = 0
     for p in parts:
+        p.__dict__.pop("_cpu_packed", None)  # the merged layer computes the parts now: no second CPU copy
         rows = p.out_features
         p.qweight = nn.Parameter(merged.qweight[start:start + rows], requires_grad=False)
         p.weight_scale = nn.Parameter(merged.weight_scale[start // br:(start + rows) // br], requires_grad=False)
@@ -136,6 +162,8 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
         if p.bias is not None:
             p.bias = nn.Parameter(merged.bias[start:start + rows], requires_grad=False)
         start += rows
+    if merged.qweight.device.type == "cpu":
+        merged.cpu_packed()
     return merged
 
 
@@ -160,6 +188,37 @@ def quantize_modules(model: nn.Module, scheme: QuantScheme) -> list[str]:
             setattr(module, attr, q)
             replaced.append(f"{name}.{attr}" if name else attr)
     return replaced
+
+
+@torch.no_grad()
+def quantize_lm_head(model: nn.Module, scheme: QuantScheme) -> QuantizedLinear:
+    """Replace ``model.lm_head`` (a loaded ``nn.Linear``) by a :class:`QuantizedLinear` of its weight, quantized
+    with ``scheme``'s method and scale layout (``EngineConfig.quantize_lm_head``). A tied LM head gets its own
+    quantized copy: the input embedding keeps the float table (a lookup reads one row per token, the LM head
+    every row). On the CPU the kernel's layout is made at once.
+
+    Returns:
+        The new LM head.
+
+    Raises:
+        ValueError: the LM head is not an ``nn.Linear`` (already quantized) or is split across ranks.
+    """
+    head = model.lm_head
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"the LM head is a {type(head).__name__}, not an nn.Linear")
+    parallel = getattr(head, "parallel", None)
+    if parallel is not None and parallel.tp_size > 1:
+        raise ValueError("a quantized LM head is not split across tensor-parallel ranks")
+    with torch.device("meta"):
+        q = QuantizedLinear(head.in_features, head.out_features, False, scheme.method,
+                            scheme.block_for(head.in_features))
+    qweight, scale = q.quantize_weight(head.weight.detach())
+    q.qweight = nn.Parameter(qweight, requires_grad=False)
+    q.weight_scale = nn.Parameter(scale, requires_grad=False)
+    model.lm_head = q
+    if qweight.device.type == "cpu":
+        q.cpu_packed()
+    return q
 
 
 def quantized_bytes(model: nn.Module) -> tuple[int, int]:
