@@ -1,0 +1,201 @@
+"""FP8 KV cache (phase 11, ``kv_cache_dtype='fp8'``): the format, each kernel that writes or reads an
+FP8 cache against its plain-PyTorch twin, and the engine with one.
+
+* The format: :func:`quantize_kv` against the e4m3 grid worked out by hand (its step and its clamp).
+* Kernels (the Triton interpreter on the CPU, tiny shapes): the cache write, the RoPE kernel that
+  writes the cache (phase 8) and the paged decode and prefill attention, on fresh random inputs with
+  random per-layer scales, against :mod:`infer.kernels.attention_reference` /
+  :mod:`infer.kernels.fused_reference`.
+* The engine (a tiny random Llama, the torch backend): the greedy tokens and logprobs equal those of
+  the float model whose K/V are rounded through e4m3 by the test itself (the only difference an FP8
+  cache may make), the prefix cache and KV offload give the cold run's tokens and logprobs, the
+  pool holds 4x the float32 blocks in the same bytes, a host-tier round trip is byte-identical, and
+  ``calculate_kv_scales`` sets each layer's scales from the first prompt's K/V.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.attention import AttentionMetadata
+from infer.attention.kv_cache import K_SCALE_CONSTANT, V_SCALE_CONSTANT, KVCache
+from infer.attention.torch_backend import TorchAttentionBackend, cacheless_attention
+from infer.config import EngineConfig
+from infer.kernels import attention_reference as ref
+from infer.kernels import decode_attention as dec
+from infer.kernels import fused_reference as fref
+from infer.kernels import fused_triton as fops
+from infer.kernels import kv_cache_write as kvw
+from infer.kernels import prefill_attention as pre
+from infer.kernels.attention_reference import FP8_KV_DTYPE, dequantize_kv, quantize_kv
+from infer.sampling import SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E4M3 = FP8_KV_DTYPE
+
+
+def e4m3_grid() -> torch.Tensor:
+    """Every finite non-negative e4m3fn value, built from the format's definition (4 exponent bits, bias
+    7, 3 mantissa bits, subnormals at exponent field 0, 0x7F is NaN), sorted."""
+    vals = [m / 8 * 2.0**-6 for m in range(8)]  # subnormals: 0.m * 2^(1 - 7)
+    vals += [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8) if not (e == 15 and m == 7)]
+    return torch.tensor(sorted(vals), dtype=torch.float64)
+
+
+def nearest_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float64 ``x`` (within +-448) to the nearest grid value, ties to the even code: the reference for
+    :func:`quantize_kv`, by search over the grid."""
+    grid = e4m3_grid()
+    a = x.double().abs()
+    i = torch.searchsorted(grid, a).clamp(1, len(grid) - 1)
+    lo, hi = grid[i - 1], grid[i]
+    pick_hi = (hi - a < a - lo) | ((hi - a == a - lo) & (i % 2 == 0))  # grid index parity = code parity
+    return torch.where(pick_hi, hi, lo).copysign(x.double())
+
+
+# ------------------------------------------------------------------------------------ the format
+
+
+def test_quantize_kv_is_the_nearest_e4m3_value_of_x_over_scale_clamped_at_448():
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([0.37])
+    x = torch.cat([torch.randn(4000, generator=g) * s for s in (1e-3, 0.03, 1.0, 30.0)])
+    x = torch.cat([x, torch.tensor([0.0, 448 * 0.37, 460 * 0.37, -1e4, 127.5 * 0.37, 2.0**-10 * 0.37])])
+    got = dequantize_kv(quantize_kv(x, scale), scale, torch.float64)
+    y = (x / scale).double().clamp(-448, 448)  # the float32 quotient; its rounding to e4m3 is under test
+    torch.testing.assert_close(got, nearest_e4m3(y) * scale.double(), rtol=1e-7, atol=0)
+    # the step: a normal value is within 2^-4 of itself, a subnormal within 2^-10 * scale
+    err = (got - x.double()).abs()
+    inside = y.abs() < 448
+    assert bool((err[inside] <= torch.maximum(x.double().abs() * 2.0**-4, torch.tensor(0.3701 * 2.0**-10))[inside]).all())
+    assert got[-3].item() == pytest.approx(-448 * 0.37, rel=1e-6)  # saturated, not NaN
+
+
+# ------------------------------------------------------------------------------------ kernels
+
+
+def fp8_pair(k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor):
+    return quantize_kv(k, ks), quantize_kv(v, vs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_writes_the_reference_codes(dtype):
+    g = torch.Generator().manual_seed(1)
+    nb, bs, hkv, d, t = 6, 5, 2, 24, 11
+    ks, vs = torch.rand(1, generator=g) * 0.1 + 0.01, torch.rand(1, generator=g) * 0.1 + 0.01
+    key = (torch.randn(t, hkv, d, generator=g) * 3).to(dtype)
+    value = (torch.randn(t, hkv, d, generator=g) * 0.5).to(dtype)
+    key[0, 0, :4] = torch.tensor([127.5, 60.0, -1e3, 0.0]).to(dtype) * ks  # a carry into the exponent, clamps
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[2] = -1  # padding: nothing written
+    init = quantize_kv(torch.randn(nb, bs, hkv, d, generator=g), 1.0)
+    kc, vc, kr, vr = (init.clone().to(DEVICE) for _ in range(4))
+    dev = lambda x: x.to(DEVICE)  # noqa: E731
+    kvw.reshape_and_cache(dev(key), dev(value), kc, vc, dev(slots), dev(ks), dev(vs))
+    kr, vr = kr.cpu(), vr.cpu()
+    ref.reshape_and_cache(key, value, kr, vr, slots, ks, vs)
+    # the same values (a -0 may come out +0: the interpreter's conversion drops the sign of a zero)
+    assert torch.equal(kc.cpu().float(), kr.float()) and torch.equal(vc.cpu().float(), vr.float())
+    keep = torch.ones(nb * bs, dtype=torch.bool)
+    keep[slots[slots >= 0]] = False  # every slot not written keeps its bytes
+    assert torch.equal(kc.cpu().view(torch.uint8).flatten(0, 1)[keep], init.view(torch.uint8).flatten(0, 1)[keep])
+    written = kr.float().flatten(0, 1)[slots[slots >= 0]]
+    assert torch.equal(written, nearest_e4m3((key[slots >= 0].double() / ks.double()).clamp(-448, 448)).float())
+
+
+def scaled_case(seq_lens, hkv, d, bs, seed):
+    """An FP8 paged cache with random K/V of each sequence, random scales, tables pointing at shuffled
+    blocks: ``(k8, v8, ks, vs, tables, seq_lens)``."""
+    g = torch.Generator().manual_seed(seed)
+    needs = [-(-n // bs) for n in seq_lens]
+    nb = sum(needs) + 2
+    ks, vs = torch.rand(1, generator=g) * 0.02 + 0.005, torch.rand(1, generator=g) * 0.02 + 0.005
+    k8, v8 = fp8_pair(torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g) * 0.3, ks, vs)
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.zeros(len(seq_lens), max(needs) + 1, dtype=torch.int32)
+    used = 0
+    for b, need in enumerate(needs):
+        tables[b, :need] = perm[used:used + need].to(torch.int32)
+        used += need
+    return k8, v8, ks, vs, tables, torch.tensor(seq_lens, dtype=torch.int32), g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_reads_an_fp8_cache_like_the_reference(dtype):
+    hq, hkv, d, bs = 8, 2, 32, 8
+    k8, v8, ks, vs, tables, lens, g = scaled_case([37, 5, 20], hkv, d, bs, seed=2)
+    q = torch.randn(3, hq, d, generator=g).to(dtype)
+    expected = ref.paged_decode_attention(q.float(), k8, v8, tables, lens, d**-0.5, k_scale=ks, v_scale=vs)
+    # the reference reads what the codes stand for: the same as attending over the dequantized cache
+    plain = ref.paged_decode_attention(q.float(), k8.float() * ks, v8.float() * vs, tables, lens, d**-0.5)
+    torch.testing.assert_close(expected, plain, rtol=1e-6, atol=1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for splits, window in ((1, None), (3, None), (2, 9)):
+        exp = expected if window is None else ref.paged_decode_attention(
+            q.float(), k8, v8, tables, lens, d**-0.5, window=window, k_scale=ks, v_scale=vs)
+        out = dec.paged_decode_attention(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), tables.to(DEVICE),
+                                         lens.to(DEVICE), d**-0.5, window=window, num_splits=splits,
+                                         k_scale=ks.to(DEVICE), v_scale=vs.to(DEVICE))
+        torch.testing.assert_close(out.float().cpu(), exp, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_reads_an_fp8_cache_like_the_reference(dtype):
+    hq, hkv, d, bs = 4, 2, 32, 8
+    seq_lens, q_lens = [30, 18, 9], [7, 18, 1]
+    k8, v8, ks, vs, tables, lens, g = scaled_case(seq_lens, hkv, d, bs, seed=3)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], hq, d, generator=g).to(dtype)
+    qsl = torch.tensor(starts, dtype=torch.int32)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for splits, window in ((1, None), (2, 6)):
+        exp = ref.paged_prefill_attention(q.float(), k8, v8, tables, qsl, lens, max(q_lens), d**-0.5, window=window,
+                                          k_scale=ks, v_scale=vs)
+        out = pre.paged_prefill_attention(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), tables.to(DEVICE),
+                                          qsl.to(DEVICE), lens.to(DEVICE), max(q_lens), d**-0.5, window=window,
+                                          num_splits=splits, k_scale=ks.to(DEVICE), v_scale=vs.to(DEVICE))
+        torch.testing.assert_close(out.float().cpu(), exp, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_kernel_writes_the_reference_fp8_codes(dtype):
+    """The fused QK-norm + RoPE kernel (phase 8) that also writes the cache: the same e4m3 codes as the
+    reference (the rotated k and the loaded v over the layer's scales), padding slots untouched."""
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d, t, nb, bs = 4, 2, 32, 6, 5, 4
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    qw, kw = (torch.randn(d, generator=g) * 0.5).to(dtype), (torch.randn(d, generator=g) * 0.5).to(dtype)
+    cache = fref.build_cos_sin_cache(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), 64, "cpu")
+    pos = torch.randint(0, 64, (t,), generator=g)
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[1] = -1
+    ks, vs = torch.tensor([0.013]), torch.tensor([0.004])
+    init = quantize_kv(torch.randn(nb, bs, hkv, d, generator=g), 1.0)
+    kc, vc, kr, vr = init.clone().to(DEVICE), init.clone().to(DEVICE), init.clone(), init.clone()
+    a = qkv.clone().to(DEVICE)
+    fops.qk_norm_rope(a, pos.to(DEVICE), cache.to(DEVICE), hq, hkv, d, qw.to(DEVICE), kw.to(DEVICE), 1e-6, False,
+                      kv_cache=(kc, vc), slot_mapping=slots.to(DEVICE), kv_scales=(ks.to(DEVICE), vs.to(DEVICE)))
+    _, k, _ = fref.qk_norm_rope(qkv.clone(), pos, cache, hq, hkv, d, qw, kw, 1e-6, False, kv_cache=(kr, vr),
+                                slot_mapping=slots, kv_scales=(ks, vs))
+    # codes equal, or (where the two rotations differ by an ulp of the dtype right at a rounding
+    # boundary of e4m3) one step apart
+    diff = (kc.cpu().float() - kr.float()).abs()
+    assert bool((diff <= kr.float().abs() * 2.0**-3 + 1e-9).all())
+    assert (diff > 0).float().mean() < 0.02
+    assert torch.equal(vc.cpu().float(), vr.float())
+    keep = torch.ones(nb * bs, dtype=torch.bool)
+    keep[slots[slots >= 0]] = False
+    assert torch.equal(kc.cpu().float().flatten(0, 1)[keep], init.float().flatten(0, 1)[keep])
+
+
+def test_kernels_reject_bad_scales():
+    k8 = quantize_kv(torch.randn(2, 4, 1, 16), 1.0)
+    key = torch.randn(1, 1, 16)
+    with pytest.raises(ValueError, match="k_scale"):
+        kvw.reshape_and_cache(key, key, k8, k8.clone(), torch.tensor([0]), torch.ones(2), torch.ones(1))
+    with pytest.raises(ValueError, match="v_scale"):
+        dec.paged_decode_attention(torch.randn(1, 2, 16), k8, k8, torch.zeros(1, 1, dtype=torch.int32),
+                                   torch.ones(1, dtype=torch.int32), 0.25, v_scale=torch.ones(1, dtype=torch.float64))
