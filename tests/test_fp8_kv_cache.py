@@ -20,7 +20,7 @@ import torch
 
 from infer.attention import AttentionMetadata
 from infer.attention.kv_cache import K_SCALE_CONSTANT, V_SCALE_CONSTANT, KVCache
-from infer.attention.torch_backend import TorchAttentionBackend, cacheless_attention
+from infer.attention.torch_backend import TorchAttentionBackend
 from infer.config import EngineConfig
 from infer.kernels import attention_reference as ref
 from infer.kernels import decode_attention as dec
@@ -140,10 +140,10 @@ def test_paged_decode_reads_an_fp8_cache_like_the_reference(dtype):
         torch.testing.assert_close(out.float().cpu(), exp, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_paged_prefill_reads_an_fp8_cache_like_the_reference(dtype):
-    hq, hkv, d, bs = 4, 2, 32, 8
-    seq_lens, q_lens = [30, 18, 9], [7, 18, 1]
+    hq, hkv, d, bs = 4, 2, 16, 8
+    seq_lens, q_lens = [22, 9, 5], [7, 9, 1]
     k8, v8, ks, vs, tables, lens, g = scaled_case(seq_lens, hkv, d, bs, seed=3)
     starts = [0]
     for n in q_lens:
@@ -151,7 +151,7 @@ def test_paged_prefill_reads_an_fp8_cache_like_the_reference(dtype):
     q = torch.randn(starts[-1], hq, d, generator=g).to(dtype)
     qsl = torch.tensor(starts, dtype=torch.int32)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for splits, window in ((1, None), (2, 6)):
+    for splits, window in ((2, 6),):  # split-KV (partials, then the merge kernel) and a window
         exp = ref.paged_prefill_attention(q.float(), k8, v8, tables, qsl, lens, max(q_lens), d**-0.5, window=window,
                                           k_scale=ks, v_scale=vs)
         out = pre.paged_prefill_attention(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), tables.to(DEVICE),
@@ -199,3 +199,158 @@ def test_kernels_reject_bad_scales():
     with pytest.raises(ValueError, match="v_scale"):
         dec.paged_decode_attention(torch.randn(1, 2, 16), k8, k8, torch.zeros(1, 1, dtype=torch.int32),
                                    torch.ones(1, dtype=torch.int32), 0.25, v_scale=torch.ones(1, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------ the engine
+
+ENGINE = dict(kv_cache="paged", block_size=4, batching="continuous", max_model_len=64, max_num_seqs=4,
+              kv_cache_dtype="fp8")
+
+
+class RoundedKV(TorchAttentionBackend):
+    """The reference: a plain list of each layer's K/V, every value rounded to e4m3 by the test's own
+    grid search (:func:`nearest_e4m3`) with the given per-layer scales as it is appended, and SDPA of
+    the new tokens over all of it. Each position's K/V is computed once, in the forward that adds it
+    (as in the engine: recomputing it in a longer forward can move its last float32 bit, and with it an
+    e4m3 code that sits on a rounding boundary). Records each layer's first K and V."""
+
+    def __init__(self, k_scales, v_scales):
+        self.k_scales, self.v_scales, self.seen, self.kv = k_scales, v_scales, {}, {}
+
+    def forward(self, layer_idx, q, k, v, meta, scale, window, kv_written=False):
+        from infer.attention.torch_backend import sdpa_attention
+
+        self.seen.setdefault(layer_idx, (k.clone(), v.clone()))
+        ks, vs = float(self.k_scales[layer_idx]), float(self.v_scales[layer_idx])
+        k = (nearest_e4m3((k / ks).double().clamp(-448, 448)) * ks).to(k.dtype)
+        v = (nearest_e4m3((v / vs).double().clamp(-448, 448)) * vs).to(v.dtype)
+        old_k, old_v = self.kv.get(layer_idx, (k[:0], v[:0]))
+        self.kv[layer_idx] = (torch.cat([old_k, k]), torch.cat([old_v, v]))
+        return sdpa_attention(q, *self.kv[layer_idx], scale, window)
+
+
+def greedy_reference(model, prompt: list[int], n: int, backend) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs: the prompt in one forward, then one token per forward."""
+    model.set_attention_backend(backend)
+    ids, lps, done = list(prompt), [], 0
+    with torch.inference_mode():
+        for _ in range(n):
+            new = ids[done:]
+            hidden = model(torch.tensor(new), torch.arange(done, len(ids)), AttentionMetadata.for_prefill([len(new)], "cpu"))
+            done = len(ids)
+            logp = model.compute_logits(hidden[-1:]).float().log_softmax(-1)[0]
+            ids.append(int(logp.argmax()))
+            lps.append(float(logp[ids[-1]]))
+    return ids[len(prompt):], lps
+
+
+@pytest.mark.parametrize("calibrate,extra", [(False, {}), (True, {}),
+                                             (False, dict(attention_backend="triton"))],
+                         ids=["scale-1", "calculate_kv_scales", "triton-scale-1"])
+def test_engine_gives_the_model_with_e4m3_rounded_kv(tiny_llama, calibrate, extra):
+    """The engine with an FP8 cache (paged, prefill then decode steps, two sequences in a batch) gives
+    the greedy tokens and logprobs of the float model whose every K and V value is rounded to the
+    nearest e4m3 value of ``x / scale`` (times scale): the only difference the format may make. With
+    ``calculate_kv_scales``, each layer's scales are ``max|k| / 200`` and ``max|v| / 100`` of the first
+    prompt's K/V (computed here from the reference's own K/V), kept for the second request. With the
+    Triton backend (the interpreter on a CPU): its cache write, decode and prefill kernels.
+
+    Only where the float32 K/V are bit-identical to the reference's: a last-bit difference moves a value
+    that sits on a rounding boundary of e4m3 to the neighbouring code, a step of 6%. Fused kernels
+    (other float32 rounding) and calibrated scales under the Triton backend (whose attention output
+    differs in the last bits, so the next layer's ``max|k|`` does) are such cases: the largest value
+    ``max|k| / scale`` is 200 by construction, exactly halfway between the e4m3 values 192 and 208, so an
+    ulp decides which. (The RoPE kernel's write is tested against its reference above.)"""
+    from tests.test_batching import make_engine
+
+    vocab = tiny_llama.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (13, 6)]
+    eng = make_engine(tiny_llama, **ENGINE, calculate_kv_scales=calibrate, **extra)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    eng.add_request(prompts[0], params, request_id="0")
+    eng.step()  # the first prefill alone: it sets the scales (with calibrate)
+    kv = eng.runner.kv_cache
+    k_scales, v_scales = kv.k_scale.clone(), kv.v_scale.clone()
+    eng.add_request(prompts[1], params, request_id="1")
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step(stream=False):
+            out[o.request_id] = (o.outputs[0].token_ids, [p.token.logprob for p in o.outputs[0].logprobs])
+    assert torch.equal(kv.k_scale, k_scales) and torch.equal(kv.v_scale, v_scales)  # frozen after the first
+    if not calibrate:
+        assert bool((k_scales == 1).all() and (v_scales == 1).all())
+    for rid, prompt in enumerate(prompts):
+        backend = RoundedKV(k_scales, v_scales)
+        tokens, lps = greedy_reference(tiny_llama.model, prompt, 6, backend)
+        assert out[str(rid)][0] == tokens, rid
+        assert out[str(rid)][1] == pytest.approx(lps, abs=1e-4), rid
+        if calibrate and rid == 0:  # the scales came from this prompt's prefill
+            for layer, (k, v) in backend.seen.items():
+                assert float(k_scales[layer]) == pytest.approx(float(k.abs().max()) / K_SCALE_CONSTANT, rel=1e-6)
+                assert float(v_scales[layer]) == pytest.approx(float(v.abs().max()) / V_SCALE_CONSTANT, rel=1e-6)
+
+
+def test_prefix_hits_and_offloaded_blocks_give_the_cold_fp8_run(tiny_llama):
+    """With an FP8 cache, a prefix found in the device's prefix cache, and one evicted to the host tier
+    and restored from it (the same bytes), give the tokens and logprobs of an engine that recomputes."""
+    from tests.test_batching import make_engine
+    from tests.test_prefix_caching import BS, assert_same_logprobs, eviction_arrivals, run_logprobs
+
+    first, arrivals = eviction_arrivals(tiny_llama.config.vocab_size)
+    per_block = BS * tiny_llama.config.kv_bytes_per_token(E4M3)
+    kw = {**ENGINE, "block_size": BS, "max_model_len": 48, "kv_cache_memory_bytes": 12 * per_block}
+    ref_out = run_logprobs(make_engine(tiny_llama, **kw), arrivals, check=None)
+    eng = make_engine(tiny_llama, **kw, prefix_caching=True, kv_offload="host", kv_offload_bytes=64 * per_block)
+    assert eng.runner.kv_cache.num_blocks == 12 and eng.offloader.host.buffers.dtype == E4M3
+    got = run_logprobs(eng, arrivals, check=None)
+    assert_same_logprobs(got, ref_out)
+    assert got["r1"]["cached"] == 16 and got["r4"]["cached"] == 16  # r1 from the device, r4 from the host tier
+    assert eng.stats()["kv_offload_host_hits"] > 0
+
+
+def test_the_pool_holds_twice_the_bf16_blocks_in_the_same_bytes(tiny_llama):
+    from infer.engine.memory import cache_sizes
+
+    cfg = tiny_llama.config
+    budget = 40 * 16 * cfg.kv_bytes_per_token(torch.float32)  # 40 float32 blocks of 16 tokens
+    blocks = {dt: cache_sizes(tiny_llama, 16, 64, 1000, 64, budget, kv_cache_dtype=dt)[0]
+              for dt in (None, torch.bfloat16, E4M3)}
+    assert blocks == {None: 40, torch.bfloat16: 80, E4M3: 160}
+    kv = KVCache(cfg.num_kv_layers, blocks[E4M3], 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu",
+                 cache_dtype=E4M3)
+    assert kv.k.dtype == E4M3 and kv.nbytes == budget  # one byte per value, the whole budget
+
+
+@pytest.mark.parametrize("block_major", [False, True], ids=["layer-major", "block-major"])
+def test_a_host_tier_round_trip_is_byte_identical(block_major):
+    from infer.engine.kv_offload import BlockCopier, block_shape
+
+    src = KVCache(2, 6, 4, 2, 8, torch.float32, "cpu", block_major=block_major, cache_dtype=E4M3)
+    g = torch.Generator().manual_seed(6)
+    src.k.copy_(quantize_kv(torch.randn(src.k.shape, generator=g), 1.0))
+    src.v.copy_(quantize_kv(torch.randn(src.v.shape, generator=g) * 1e-3, 1.0))  # subnormals too
+    dst = KVCache(2, 6, 4, 2, 8, torch.float32, "cpu", block_major=block_major, cache_dtype=E4M3)
+    bufs = [torch.empty(block_shape(src), dtype=src.k.dtype) for _ in range(2)]
+    BlockCopier(src).to_host([4, 1], bufs)
+    BlockCopier(dst).to_device(bufs, [0, 5])
+    for s, d in ((4, 0), (1, 5)):
+        assert torch.equal(src.k[:, s].view(torch.uint8), dst.k[:, d].view(torch.uint8))
+        assert torch.equal(src.v[:, s].view(torch.uint8), dst.v[:, d].view(torch.uint8))
+
+
+def test_kv_cache_dtype_is_validated():
+    assert EngineConfig(device="cpu", kv_cache_dtype="fp8_e4m3").validate().resolved_kv_cache_dtype() == E4M3
+    assert EngineConfig(device="cpu").validate().resolved_kv_cache_dtype() is None
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(device="cpu", kv_cache_dtype="int8").validate()
+    with pytest.raises(ValueError, match="calculate_kv_scales .* needs kv_cache_dtype='fp8'"):
+        EngineConfig(device="cpu", calculate_kv_scales=True).validate()
+    with pytest.raises(ValueError, match="tensor/expert parallelism"):
+        EngineConfig(device="cpu", kv_cache_dtype="fp8", tensor_parallel_size=2).validate()
+    from infer.model_config import ModelConfig, RopeConfig
+
+    hybrid = ModelConfig("qwen3_5", 64, 8, 16, 2, 2, 2, 4, 1e-6, 64, RopeConfig(1e4),
+                         layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(ValueError, match="not supported for hybrid models"):
+        EngineConfig(model="x", device="cpu", kv_cache_dtype="fp8").validate().validate_model(hybrid)
