@@ -22,7 +22,11 @@ Three parts, each for ``--methods`` (``none`` first: the baseline every ratio is
    one row) and the floor those bytes set at the copy bandwidth measured in the same run.
 3. **quality**: ``--quality-model`` (real weights), teacher-forced on the first ``--quality-tokens``
    tokens of a fixed English text, in windows of ``--window`` tokens: perplexity, and top-1
-   agreement with ``none`` (the share of positions whose argmax is the same). The text: the Python
+   agreement with ``none`` (the share of positions whose argmax is the same). The weight methods run
+   each window as one cache-less forward; the ``--kv-cache-dtypes`` rows (unquantized weights, an FP8
+   KV cache: ``fp8`` with scales 1.0, ``fp8-calibrated`` with ``calculate_kv_scales``' scales, set by
+   the first window) run it through a paged KV cache instead, whose prefill writes every K/V to the
+   cache and attends over what it reads back, so every score uses the stored e4m3 values. The text: the Python
    reference manual's topics shipped with CPython (``pydoc_data.topics``, PSF License), in key order;
    the report records the Python version, since the text is that version's.
 
@@ -162,23 +166,49 @@ def quality_text() -> str:
 
 
 @torch.inference_mode()
-def window_logits(model, ids: list[int], device) -> torch.Tensor:
-    """float32 logits ``[len(ids), vocab]`` of one window (a fresh sequence, no cache)."""
+def window_logits(model, ids: list[int], device, kv=None) -> torch.Tensor:
+    """float32 logits ``[len(ids), vocab]`` of one window (a fresh sequence): no cache, or with ``kv`` (a
+    :class:`~infer.attention.KVCache` of at least ``len(ids)`` slots) prefilled through its blocks
+    ``0, 1, ...``, as the engine prefills a prompt: K/V written to the cache, attention over what is read back."""
     from infer.attention import AttentionMetadata, TorchAttentionBackend
 
     if getattr(model, "attn_backend", None) is None:
         model.set_attention_backend(TorchAttentionBackend())
+    n = len(ids)
     t = torch.tensor(ids, device=device)
-    meta = AttentionMetadata.for_prefill([len(ids)], device)
-    return model.compute_logits(model(t, torch.arange(len(ids), device=device), meta)).float()
+    meta = AttentionMetadata.for_prefill([n], device)
+    if kv is not None:
+        table = list(range(-(-n // kv.block_size)))
+        meta.kv_cache, meta.block_tables_cpu = kv, [table]
+        meta.slot_mapping = torch.arange(n, device=device)
+        meta.block_tables = torch.tensor([table], dtype=torch.int32, device=device)
+    return model.compute_logits(model(t, torch.arange(n, device=device), meta)).float()
 
 
-def bench_quality(model: str, methods, tokens: int, window: int, device, dtype) -> list[dict]:
+KV_LABELS = {"fp8": "none + fp8 e4m3 KV cache (scales 1.0)",
+             "fp8-calibrated": "none + fp8 e4m3 KV cache (calculate_kv_scales)"}
+
+
+def fp8_kv_cache(loaded, window: int, device, calibrate: bool):
+    """A paged FP8 KV cache (block size 16) for one window of ``loaded``'s model."""
+    from infer.attention import KVCache
+    from infer.kernels.attention_reference import FP8_KV_DTYPE
+
+    cfg = loaded.config
+    p = next(loaded.model.parameters())
+    return KVCache(cfg.num_kv_layers, -(-window // 16), 16, cfg.num_kv_heads, cfg.head_dim, p.dtype, device,
+                   cache_dtype=FP8_KV_DTYPE, calibrate=calibrate)
+
+
+def bench_quality(model: str, methods, tokens: int, window: int, device, dtype, kv_dtypes=()) -> list[dict]:
     from infer.loader import load_model
 
     rows, base_argmax, ids = [], None, None
-    for method in methods:
-        loaded = load_model(model, device=device, dtype=dtype, progress=False, quantization=method)
+    for method in [*methods, *kv_dtypes]:
+        kv_mode = method if method in KV_LABELS else None
+        loaded = load_model(model, device=device, dtype=dtype, progress=False,
+                            quantization="none" if kv_mode else method)
+        kv = fp8_kv_cache(loaded, window, device, kv_mode == "fp8-calibrated") if kv_mode else None
         if ids is None:
             ids = loaded.tokenizer.encode(quality_text())[:tokens]
             if len(ids) < tokens:
@@ -186,15 +216,18 @@ def bench_quality(model: str, methods, tokens: int, window: int, device, dtype) 
         nll, n, argmax = 0.0, 0, []
         for start in range(0, len(ids) - 1, window):
             w = ids[start:start + window + 1]
-            logits = window_logits(loaded.model, w[:-1], device)
+            logits = window_logits(loaded.model, w[:-1], device, kv)
             target = torch.tensor(w[1:], device=device)
             nll += F.cross_entropy(logits, target, reduction="sum").item()
             n += len(w) - 1
             argmax.append(logits.argmax(-1).cpu())
         argmax = torch.cat(argmax)
         base_argmax = argmax if base_argmax is None else base_argmax
-        row = {"method": method, "tokens": n, "perplexity": float(torch.tensor(nll / n).exp()),
+        row = {"method": KV_LABELS.get(method, method), "tokens": n, "perplexity": float(torch.tensor(nll / n).exp()),
                "top1_agreement": float((argmax == base_argmax).float().mean())}
+        if kv is not None:  # the scales the rows used (calibrated: from the first window)
+            row["k_scale_range"] = [float(kv.k_scale.min()), float(kv.k_scale.max())]
+            row["v_scale_range"] = [float(kv.v_scale.min()), float(kv.v_scale.max())]
         rows.append(row)
         print_row(row)
         del loaded
@@ -231,7 +264,8 @@ def plot(report: dict, path: Path) -> None:
             ax.set_title(f"decode, {report['model']}")
             ax.legend()
         else:
-            bars = ax.bar([r["method"] for r in rows], [r["perplexity"] for r in rows])
+            short = {v: f"{k} KV" for k, v in KV_LABELS.items()}
+            bars = ax.bar([short.get(r["method"], r["method"]) for r in rows], [r["perplexity"] for r in rows])
             for b, r in zip(bars, rows):
                 ax.annotate(f"{r['perplexity']:.2f}\n{r['top1_agreement']:.1%} top-1",
                             (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
@@ -256,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quality-tokens", type=int, default=20000)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--kv-cache-dtypes", nargs="*", default=[], choices=list(KV_LABELS),
+                    help="quality: also score the unquantized model through an FP8 KV cache (scales 1.0, or "
+                    "calibrated on the first window)")
     ap.add_argument("--engine-args", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="EngineConfig fields for the decode part (e.g. optimize=true)")
     out_argument(ap, "", "output directory")
@@ -291,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             "method", "batch", "step_ms", "tok_s", "speedup", "weight_mb_per_step", "floor_ms", "floor_frac"]))
     if "quality" in args.parts:
         report["quality"] = bench_quality(args.quality_model, args.methods, args.quality_tokens, args.window,
-                                          device, dtype)
+                                          device, dtype, args.kv_cache_dtypes)
         tables.append("## quality\n\n" + markdown_table(report["quality"], [
             "method", "tokens", "perplexity", "ppl_change_pct", "top1_agreement"]))
     out = Path(args.out)
