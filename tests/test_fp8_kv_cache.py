@@ -354,3 +354,33 @@ def test_kv_cache_dtype_is_validated():
                          layer_types=["linear_attention", "full_attention"])
     with pytest.raises(ValueError, match="not supported for hybrid models"):
         EngineConfig(model="x", device="cpu", kv_cache_dtype="fp8").validate().validate_model(hybrid)
+
+
+# ------------------------------------------------------------------------------------ GPU, real shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 8), (256, 2)])
+def test_gpu_fp8_decode_and_prefill_at_real_shapes(head_dim, group):
+    """Qwen3-like shapes on the GPU, bf16 queries over an FP8 cache with random scales: the Triton decode
+    (auto split plan and 4 splits) and prefill (an extend after a long prefix) against the reference."""
+    hkv, bs = 8 if head_dim < 256 else 4, 16
+    hq = hkv * group
+    seq_lens = [1, 17, 4096, 1000, 8191]
+    k8, v8, ks, vs, tables, lens, g = scaled_case(seq_lens, hkv, head_dim, bs, seed=head_dim + group)
+    k8, v8, ks, vs, tables, lens = (x.cuda() for x in (k8, v8, ks, vs, tables, lens))
+    q = torch.randn(len(seq_lens), hq, head_dim, generator=g).to(torch.bfloat16).cuda()
+    expected = ref.paged_decode_attention(q.float(), k8, v8, tables, lens, head_dim**-0.5, k_scale=ks, v_scale=vs)
+    for splits in (None, 4):
+        out = dec.paged_decode_attention(q, k8, v8, tables, lens, head_dim**-0.5, num_splits=splits, k_scale=ks,
+                                         v_scale=vs)
+        err = ((out.float() - expected).norm() / expected.norm()).item()
+        assert err < 1e-2, (splits, err)
+    q_lens = [1, 17, 512, 1000, 64]
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    qp = torch.randn(int(starts[-1]), hq, head_dim, generator=g).to(torch.bfloat16).cuda()
+    exp = ref.paged_prefill_attention(qp.float(), k8, v8, tables, starts, lens, max(q_lens), head_dim**-0.5,
+                                      k_scale=ks, v_scale=vs)
+    out = pre.paged_prefill_attention(qp, k8, v8, tables, starts, lens, max(q_lens), head_dim**-0.5,
+                                      max_context=max(seq_lens), k_scale=ks, v_scale=vs)
+    assert ((out.float() - exp).norm() / exp.norm()).item() < 1e-2
