@@ -7,6 +7,11 @@
     # CPU: quality of each method on the shipped SmolLM2-135M (real weights)
     python benchmarks/quantization.py --device cpu --parts quality --quality-model smollm2-135m \\
         --quality-tokens 20000 --out benchmarks/runs/quantization-cpu
+    # GPU: the FP8 KV cache at batch 32 and 16k context, Qwen3-4B shapes (an H200: the bf16 cache of 32 x
+    # 16k tokens is 77 GB), both caches in the same kv_cache_memory_bytes (kv_blocks: how many each holds)
+    python benchmarks/quantization.py --device cuda --model /tmp/ck/qwen3-4b --parts decode --methods none \
+        --kv-cache-dtypes fp8 --batch-sizes 32 --prompt-len 16384 --output-len 64 --repeats 1 \
+        --engine-args optimize=true kv_cache_memory_bytes=90000000000
 
 Three parts, each for ``--methods`` (``none`` first: the baseline every ratio is against):
 
@@ -125,8 +130,10 @@ def bench_decode(model: str, method: str, batch: int, prompt_len: int, output_le
     from infer import LLM
     from infer.sampling import SamplingParams
 
-    llm = LLM(model, progress=False, quantization=method, max_num_seqs=max(batch, 1),
-              max_model_len=prompt_len + output_len + 8, **engine_args)
+    kv = KV_LABELS.get(method) and "fp8"  # an FP8 KV cache row: unquantized weights
+    kw = {**engine_args, **({"kv_cache_dtype": kv} if kv else {})}
+    llm = LLM(model, progress=False, quantization="none" if kv else method, max_num_seqs=max(batch, 1),
+              max_model_len=prompt_len + output_len + 8, **kw)
     engine = llm.engine
     device = engine.runner.device
     vocab = engine.vocab_size
@@ -147,10 +154,13 @@ def bench_decode(model: str, method: str, batch: int, prompt_len: int, output_le
         if r:
             step_ms.append(1e3 * (time.perf_counter() - t) / max(steps, 1))
     nbytes = weight_bytes_per_step(engine.loaded.model)
+    kvc = engine.runner.kv_cache  # the pool's bytes per token: half with an FP8 cache (2x the blocks per byte)
+    num_blocks, kv_bytes_per_token = kvc.num_blocks, kvc.nbytes // (kvc.num_blocks * kvc.block_size)
     ms = statistics.median(step_ms)
     del llm, engine
     free_device_memory()
-    return {"method": method, "batch": batch, "step_ms": ms, "tok_s": batch * 1e3 / ms,
+    return {"method": KV_LABELS.get(method, method), "batch": batch, "step_ms": ms, "tok_s": batch * 1e3 / ms,
+            "kv_blocks": num_blocks, "kv_bytes_per_token": kv_bytes_per_token,
             "weight_mb_per_step": nbytes / 1e6, "floor_ms": nbytes / (bandwidth_gb_s * 1e6),
             "floor_frac": nbytes / (bandwidth_gb_s * 1e6) / ms}
 
@@ -258,7 +268,9 @@ def plot(report: dict, path: Path) -> None:
             for b in sorted({r["batch"] for r in rows}):
                 rs = [r for r in rows if r["batch"] == b]
                 base = next(r["step_ms"] for r in rs if r["method"] == "none")
-                ax.plot([r["method"] for r in rs], [base / r["step_ms"] for r in rs], "o-", label=f"batch {b}")
+                short = {v: f"{k} KV" for k, v in KV_LABELS.items()}
+                ax.plot([short.get(r["method"], r["method"]) for r in rs], [base / r["step_ms"] for r in rs], "o-",
+                        label=f"batch {b}")
             ax.axhline(1.0, color="grey", lw=0.8)
             ax.set_ylabel("decode speed-up over none (x)")
             ax.set_title(f"decode, {report['model']}")
@@ -292,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--kv-cache-dtypes", nargs="*", default=[], choices=list(KV_LABELS),
                     help="quality: also score the unquantized model through an FP8 KV cache (scales 1.0, or "
-                    "calibrated on the first window)")
+                    "calibrated on the first window); decode: also run the unquantized model with an FP8 KV cache")
     ap.add_argument("--engine-args", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="EngineConfig fields for the decode part (e.g. optimize=true)")
     out_argument(ap, "", "output directory")
@@ -317,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         kw.setdefault("device", str(device))
         report["decode"] = []
         for b in args.batch_sizes:
-            for method in args.methods:
+            for method in [*args.methods, *(["fp8"] if args.kv_cache_dtypes else [])]:
                 row = bench_decode(args.model, method, b, args.prompt_len, args.output_len, args.repeats, kw,
                                    ceil["bandwidth_gb_s"])  # the copy rate (bytes read + written) as the read rate
                 base = next((r for r in report["decode"] if r["batch"] == b and r["method"] == "none"), row)
@@ -325,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 report["decode"].append(row)
                 print_row(row)
         tables.append("## decode\n\n" + markdown_table(report["decode"], [
-            "method", "batch", "step_ms", "tok_s", "speedup", "weight_mb_per_step", "floor_ms", "floor_frac"]))
+            "method", "batch", "step_ms", "tok_s", "speedup", "kv_blocks", "kv_bytes_per_token", "weight_mb_per_step", "floor_ms",
+            "floor_frac"]))
     if "quality" in args.parts:
         report["quality"] = bench_quality(args.quality_model, args.methods, args.quality_tokens, args.window,
                                           device, dtype, args.kv_cache_dtypes)
