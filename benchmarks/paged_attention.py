@@ -27,6 +27,14 @@ Writes ``paged_attention.json`` (commit, hardware, versions, ceilings, every row
 one line per batch, Triton solid, SDPA dashed) into ``--out DIR`` (default ``benchmarks/runs/``);
 ``--plot REPORT.json`` draws the PNG of an existing report beside it.
 
+``--kv-cache-dtype fp8`` (phase 11): each decode shape is measured a second time over an FP8 cache
+(e4m3 codes, one byte per value, scales 1.0; the kernel converts each tile to bf16 as it loads it), with
+its bandwidth (the FP8 bytes read / time), its time against the bf16 cache's (``speedup_vs_auto``) and
+its largest difference from the bf16 kernel over the same values dequantized. The GPU question of the
+FP8 KV cache, batch 32 at 16k context::
+
+    python benchmarks/paged_attention.py --batches 32 --contexts 16384 --kv-cache-dtype fp8 --prefill 1 16
+
 On the CPU (``--device cpu``, with ``TRITON_INTERPRET=1``) the same program runs at tiny shapes in
 float32; it checks the program, not the speed.
 """
@@ -123,17 +131,25 @@ def sdpa_backend(device: torch.device):
 
 
 def decode_row(ops, batch: int, ctx: int, shape: dict, device, ceil: dict, gen, num_splits=None,
-               with_sdpa: bool = True) -> dict:
+               with_sdpa: bool = True, fp8: bool = False) -> dict:
     """One decode measurement: Triton kernel, SDPA on gathered K/V, gather + SDPA (``ops``: the module
-    :mod:`infer.kernels.decode_attention`)."""
+    :mod:`infer.kernels.decode_attention`). ``fp8``: the kernel alone over an FP8 cache of the same shape
+    (scales 1.0), and its largest difference from the kernel over the same values in the model's dtype."""
     hq, hkv, d, bs = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"], shape["block_size"]
     dtype = DTYPES[shape["dtype"]]
-    item = torch.empty((), dtype=dtype).element_size()
+    item = 1 if fp8 else torch.empty((), dtype=dtype).element_size()
     per_seq = -(-ctx // bs)
     need = batch * per_seq
     block_bytes = 2 * bs * hkv * d * item
     num_blocks = max(need, ROTATE_BYTES // block_bytes) if device.type == "cuda" else need * 2
     k_cache, v_cache = make_pool(num_blocks, shape, device, gen)
+    scales = {}
+    if fp8:
+        from infer.kernels.attention_reference import quantize_kv
+
+        k_cache, v_cache = quantize_kv(k_cache, 1.0), quantize_kv(v_cache, 1.0)
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        scales = {"k_scale": one, "v_scale": one}
     n_tables = max(1, min(4, num_blocks // need))
     tables = block_tables(batch, per_seq, num_blocks, n_tables, device, gen)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
@@ -144,15 +160,24 @@ def decode_row(ops, batch: int, ctx: int, shape: dict, device, ceil: dict, gen, 
     bw = ceil["bandwidth_gb_s"]
 
     def triton_call(i):
-        ops.paged_decode_attention(q, k_cache, v_cache, tables[i], seq_lens, scale, out=out, num_splits=num_splits)
+        ops.paged_decode_attention(q, k_cache, v_cache, tables[i], seq_lens, scale, out=out, num_splits=num_splits,
+                                   **scales)
 
     t = bench_gpu_time(triton_call, n_tables, device)
     t_call = bench(Rotating(triton_call, n_tables), device)
     splits = num_splits or (ops.decode_num_splits(batch, hkv, per_seq * bs, device) if device.type == "cuda"
                             else "auto")
-    row = {"batch": batch, "context": ctx, "num_splits": splits, "kv_mb": kv_bytes / 1e6,
+    row = {"batch": batch, "context": ctx, "kv_cache_dtype": "fp8" if fp8 else shape["dtype"],
+           "num_splits": splits, "kv_mb": kv_bytes / 1e6,
            "triton_us": 1e6 * t, "triton_gb_s": kv_bytes / t / 1e9, "triton_frac": kv_bytes / t / 1e9 / bw,
            "triton_call_us": 1e6 * t_call}
+    if fp8:  # the same values in the model's dtype, through the same kernel
+        triton_call(0)
+        got = out.float()
+        ops.paged_decode_attention(q, k_cache.to(dtype), v_cache.to(dtype), tables[0], seq_lens, scale, out=out,
+                                   num_splits=num_splits)
+        row["max_abs_diff_vs_dequantized"] = (got - out.float()).abs().max().item()
+        return row
     if not with_sdpa:
         return row
 
@@ -308,9 +333,13 @@ def plot(report: dict, path: Path) -> bool:
     batches = sorted({r["batch"] for r in rows})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, b in enumerate(batches):
-        rs = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["context"])
+        rs = sorted((r for r in rows if r["batch"] == b and r.get("kv_cache_dtype") != "fp8"),
+                    key=lambda r: r["context"])
         c = colors[i % len(colors)]
         ax.plot([r["context"] for r in rs], [r["triton_frac"] for r in rs], "-o", color=c, label=f"B={b} triton")
+        r8 = sorted((r for r in rows if r["batch"] == b and r.get("kv_cache_dtype") == "fp8"), key=lambda r: r["context"])
+        if r8:
+            ax.plot([r["context"] for r in r8], [r["triton_frac"] for r in r8], ":s", color=c, label=f"B={b} triton, fp8 KV")
         sd = [r for r in rs if "sdpa_frac" in r]
         if sd:
             ax.plot([r["context"] for r in sd], [r["sdpa_frac"] for r in sd], "--x", color=c, alpha=0.7,
@@ -345,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also sweep the kernels' tiles (and the decode split counts): all, decode or prefill")
     ap.add_argument("--plot", default=None, metavar="JSON", help="only draw the PNG of an existing report")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="fp8: also measure each decode shape over an FP8 (e4m3) cache")
     args = ap.parse_args(argv)
 
     if args.plot:
@@ -381,6 +412,13 @@ def main(argv: list[str] | None = None) -> int:
             print_row(row)
             if gpu:
                 torch.cuda.empty_cache()
+            if args.kv_cache_dtype == "fp8":
+                row8 = decode_row(decode_attention, batch, ctx, shape, device, ceil, gen, fp8=True)
+                row8["speedup_vs_auto"] = row["triton_us"] / row8["triton_us"]
+                decode.append(row8)
+                print_row(row8)
+                if gpu:
+                    torch.cuda.empty_cache()
     prefill = []
     for q_len, prefix in ((pre_t, 0), (pre_t // 4, pre_t - pre_t // 4)):
         row = prefill_row(prefill_attention, pre_b, q_len, prefix, shape, device, ceil, gen)
@@ -403,8 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.perf_counter() - start,
     }
     table = "### Decode\n\n" + markdown_table(decode, [
-        "batch", "context", "num_splits", "kv_mb", "triton_us", "triton_gb_s", "triton_frac", "triton_call_us",
-        "sdpa_us", "sdpa_frac", "gather_sdpa_us", "gather_sdpa_frac", "speedup_vs_gather_sdpa"])
+        "batch", "context", "kv_cache_dtype", "num_splits", "kv_mb", "triton_us", "triton_gb_s", "triton_frac",
+        "triton_call_us",
+        "sdpa_us", "sdpa_frac", "gather_sdpa_us", "gather_sdpa_frac", "speedup_vs_gather_sdpa", "speedup_vs_auto",
+        "max_abs_diff_vs_dequantized"])
     table += "\n\n### Prefill\n\n" + markdown_table(prefill, [
         "batch", "new_tokens", "prefix", "triton_ms", "triton_tflops", "triton_mfu", "sdpa_ms", "sdpa_tflops",
         "sdpa_mfu"])

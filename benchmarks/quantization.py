@@ -7,6 +7,11 @@
     # CPU: quality of each method on the shipped SmolLM2-135M (real weights)
     python benchmarks/quantization.py --device cpu --parts quality --quality-model smollm2-135m \\
         --quality-tokens 20000 --out benchmarks/runs/quantization-cpu
+    # GPU: the FP8 KV cache at batch 32 and 16k context, Qwen3-4B shapes (an H200: the bf16 cache of 32 x
+    # 16k tokens is 77 GB), both caches in the same kv_cache_memory_bytes (kv_blocks: how many each holds)
+    python benchmarks/quantization.py --device cuda --model /tmp/ck/qwen3-4b --parts decode --methods none \
+        --kv-cache-dtypes fp8 --batch-sizes 32 --prompt-len 16384 --output-len 64 --repeats 1 \
+        --engine-args optimize=true kv_cache_memory_bytes=90000000000
 
 Three parts, each for ``--methods`` (``none`` first: the baseline every ratio is against):
 
@@ -25,7 +30,11 @@ Three parts, each for ``--methods`` (``none`` first: the baseline every ratio is
    its ms per step, and every method's speed-up over it.
 3. **quality**: ``--quality-model`` (real weights), teacher-forced on the first ``--quality-tokens``
    tokens of a fixed English text, in windows of ``--window`` tokens: perplexity, and top-1
-   agreement with ``none`` (the share of positions whose argmax is the same). The text: the Python
+   agreement with ``none`` (the share of positions whose argmax is the same). The weight methods run
+   each window as one cache-less forward; the ``--kv-cache-dtypes`` rows (unquantized weights, an FP8
+   KV cache: ``fp8`` with scales 1.0, ``fp8-calibrated`` with ``calculate_kv_scales``' scales, set by
+   the first window) run it through a paged KV cache instead, whose prefill writes every K/V to the
+   cache and attends over what it reads back, so every score uses the stored e4m3 values. The text: the Python
    reference manual's topics shipped with CPython (``pydoc_data.topics``, PSF License), in key order;
    the report records the Python version, since the text is that version's.
 
@@ -265,13 +274,16 @@ class DecodeRun:
     token)."""
 
     def __init__(self, model: str, method: str, batch: int, prompt_len: int, output_len: int,
-                 engine_args: dict) -> None:
+                 engine_args: dict, kv_cache_dtype: str | None = None) -> None:
         from infer import LLM
         from infer.sampling import SamplingParams
 
-        self.method, self.batch, self.prompt_len = method, batch, prompt_len
+        # kv_cache_dtype (an FP8 KV cache row, KV_LABELS): the method's weights with that cache
+        self.method = KV_LABELS[kv_cache_dtype] if kv_cache_dtype else method
+        self.batch, self.prompt_len = batch, prompt_len
+        kv = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
         self.llm = LLM(model, progress=False, **method_args(method), max_num_seqs=max(batch, 1),
-                       max_model_len=prompt_len + output_len + 8, **engine_args)
+                       max_model_len=prompt_len + output_len + 8, **engine_args, **kv)
         self.engine = self.llm.engine
         self.gen = torch.Generator().manual_seed(0)
         self.params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -295,8 +307,10 @@ class DecodeRun:
 
     def row(self, step_ms: list[float], bandwidth_gb_s: float) -> dict:
         nbytes = weight_bytes_per_step(self.engine.loaded.model)
+        kvc = self.engine.runner.kv_cache  # the pool's bytes per token: half with an FP8 cache (2x the blocks)
         ms = statistics.median(step_ms)
         return {"method": self.method, "batch": self.batch, "step_ms": ms, "tok_s": self.batch * 1e3 / ms,
+                "kv_blocks": kvc.num_blocks, "kv_bytes_per_token": kvc.nbytes // (kvc.num_blocks * kvc.block_size),
                 "weight_mb_per_step": nbytes / 1e6, "floor_ms": nbytes / (bandwidth_gb_s * 1e6),
                 "floor_frac": nbytes / (bandwidth_gb_s * 1e6) / ms}
 
@@ -361,6 +375,8 @@ def bench_decode(args, batch: int, engine_args: dict, device, dtype, bandwidth_g
     GPU, whose memory holds one engine at a time)."""
     make = [lambda m=m: DecodeRun(args.model, m, batch, args.prompt_len, args.output_len, engine_args)
             for m in args.methods]
+    if args.kv_cache_dtypes:  # unquantized weights through an FP8 KV cache (the scales: engine_args)
+        make.append(lambda: DecodeRun(args.model, "none", batch, args.prompt_len, args.output_len, engine_args, "fp8"))
     path = hf_checkpoint(args.model) if args.hf else None
     if args.hf and path is None:
         print("skipping HF transformers: the model's weights are generated at load time")
@@ -402,23 +418,47 @@ def quality_text() -> str:
 
 
 @torch.inference_mode()
-def window_logits(model, ids: list[int], device) -> torch.Tensor:
-    """float32 logits ``[len(ids), vocab]`` of one window (a fresh sequence, no cache)."""
+def window_logits(model, ids: list[int], device, kv=None) -> torch.Tensor:
+    """float32 logits ``[len(ids), vocab]`` of one window (a fresh sequence): no cache, or with ``kv`` (a
+    :class:`~infer.attention.KVCache` of at least ``len(ids)`` slots) prefilled through its blocks
+    ``0, 1, ...``, as the engine prefills a prompt: K/V written to the cache, attention over what is read back."""
     from infer.attention import AttentionMetadata, TorchAttentionBackend
 
     if getattr(model, "attn_backend", None) is None:
         model.set_attention_backend(TorchAttentionBackend())
+    n = len(ids)
     t = torch.tensor(ids, device=device)
-    meta = AttentionMetadata.for_prefill([len(ids)], device)
-    return model.compute_logits(model(t, torch.arange(len(ids), device=device), meta)).float()
+    meta = AttentionMetadata.for_prefill([n], device)
+    if kv is not None:
+        table = list(range(-(-n // kv.block_size)))
+        meta.kv_cache, meta.block_tables_cpu = kv, [table]
+        meta.slot_mapping = torch.arange(n, device=device)
+        meta.block_tables = torch.tensor([table], dtype=torch.int32, device=device)
+    return model.compute_logits(model(t, torch.arange(n, device=device), meta)).float()
 
 
-def bench_quality(model: str, methods, tokens: int, window: int, device, dtype) -> list[dict]:
+KV_LABELS = {"fp8": "none + fp8 e4m3 KV cache (scales 1.0)",
+             "fp8-calibrated": "none + fp8 e4m3 KV cache (calculate_kv_scales)"}
+
+
+def fp8_kv_cache(loaded, window: int, device, calibrate: bool):
+    """A paged FP8 KV cache (block size 16) for one window of ``loaded``'s model."""
+    from infer.attention import KVCache
+    from infer.kernels.attention_reference import FP8_KV_DTYPE
+
+    cfg = loaded.config
+    p = next(loaded.model.parameters())
+    return KVCache(cfg.num_kv_layers, -(-window // 16), 16, cfg.num_kv_heads, cfg.head_dim, p.dtype, device,
+                   cache_dtype=FP8_KV_DTYPE, calibrate=calibrate)
+
+
+def bench_quality(model: str, methods, tokens: int, window: int, device, dtype, kv_dtypes=()) -> list[dict]:
     from infer.loader import load_model
 
     rows, base_argmax, ids = [], None, None
-    for method in methods:
+    for method, kv_mode in [*((m, None) for m in methods), *(("none", k) for k in kv_dtypes)]:
         loaded = load_model(model, device=device, dtype=dtype, progress=False, **method_args(method))
+        kv = fp8_kv_cache(loaded, window, device, kv_mode == "fp8-calibrated") if kv_mode else None
         if ids is None:
             ids = loaded.tokenizer.encode(quality_text())[:tokens]
             if len(ids) < tokens:
@@ -426,15 +466,18 @@ def bench_quality(model: str, methods, tokens: int, window: int, device, dtype) 
         nll, n, argmax = 0.0, 0, []
         for start in range(0, len(ids) - 1, window):
             w = ids[start:start + window + 1]
-            logits = window_logits(loaded.model, w[:-1], device)
+            logits = window_logits(loaded.model, w[:-1], device, kv)
             target = torch.tensor(w[1:], device=device)
             nll += F.cross_entropy(logits, target, reduction="sum").item()
             n += len(w) - 1
             argmax.append(logits.argmax(-1).cpu())
         argmax = torch.cat(argmax)
         base_argmax = argmax if base_argmax is None else base_argmax
-        row = {"method": method, "tokens": n, "perplexity": float(torch.tensor(nll / n).exp()),
+        row = {"method": KV_LABELS[kv_mode] if kv_mode else method, "tokens": n, "perplexity": float(torch.tensor(nll / n).exp()),
                "top1_agreement": float((argmax == base_argmax).float().mean())}
+        if kv is not None:  # the scales the rows used (calibrated: from the first window)
+            row["k_scale_range"] = [float(kv.k_scale.min()), float(kv.k_scale.max())]
+            row["v_scale_range"] = [float(kv.v_scale.min()), float(kv.v_scale.max())]
         rows.append(row)
         print_row(row)
         del loaded
@@ -465,13 +508,16 @@ def plot(report: dict, path: Path) -> None:
             for b in sorted({r["batch"] for r in rows}):
                 rs = [r for r in rows if r["batch"] == b]
                 base = next(r["step_ms"] for r in rs if r["method"] == "none")
-                ax.plot([r["method"] for r in rs], [base / r["step_ms"] for r in rs], "o-", label=f"batch {b}")
+                short = {v: f"{k} KV" for k, v in KV_LABELS.items()}
+                ax.plot([short.get(r["method"], r["method"]) for r in rs], [base / r["step_ms"] for r in rs], "o-",
+                        label=f"batch {b}")
             ax.axhline(1.0, color="grey", lw=0.8)
             ax.set_ylabel("decode speed-up over none (x)")
             ax.set_title(f"decode, {report['model']}")
             ax.legend()
         else:
-            bars = ax.bar([r["method"] for r in rows], [r["perplexity"] for r in rows])
+            short = {v: f"{k} KV" for k, v in KV_LABELS.items()}
+            bars = ax.bar([short.get(r["method"], r["method"]) for r in rows], [r["perplexity"] for r in rows])
             for b, r in zip(bars, rows):
                 ax.annotate(f"{r['perplexity']:.2f}\n{r['top1_agreement']:.1%} top-1",
                             (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
@@ -501,6 +547,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode: also time HF transformers (eager, unquantized) on the same weights")
     ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                     help="decode: build every engine first and time them round-robin (default: on the CPU)")
+    ap.add_argument("--kv-cache-dtypes", nargs="*", default=[], choices=list(KV_LABELS),
+                    help="quality: also score the unquantized model through an FP8 KV cache (scales 1.0, or "
+                    "calibrated on the first window); decode: also run the unquantized model with an FP8 KV cache")
     ap.add_argument("--engine-args", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="EngineConfig fields for the decode part (e.g. optimize=true)")
     out_argument(ap, "", "output directory")
@@ -536,11 +585,12 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batch_sizes:  # the copy rate (bytes read + written) as the read rate
             report["decode"] += bench_decode(args, b, kw, device, dtype, ceil["bandwidth_gb_s"])
         tables.append("## decode\n\n" + markdown_table(report["decode"], [
-            "method", "batch", "step_ms", "tok_s", "speedup", "speedup_vs_hf", "weight_mb_per_step", "floor_ms",
+            "method", "batch", "step_ms", "tok_s", "speedup", "speedup_vs_hf", "kv_blocks", "kv_bytes_per_token",
+            "weight_mb_per_step", "floor_ms",
             "floor_frac"]))
     if "quality" in args.parts:
         report["quality"] = bench_quality(args.quality_model, args.methods, args.quality_tokens, args.window,
-                                          device, dtype)
+                                          device, dtype, args.kv_cache_dtypes)
         tables.append("## quality\n\n" + markdown_table(report["quality"], [
             "method", "tokens", "perplexity", "ppl_change_pct", "top1_agreement"]))
     out = Path(args.out)

@@ -240,7 +240,7 @@ EXERCISES: dict[str, Exercise] = {
             "tile, score it against the query heads of this group (qk_scale is in log2 units) and mask "
             "keys past the end; update the online softmax state the loop set up (FlashAttention-2: a "
             "running max, a running sum, an accumulator rescaled when the max grows); accumulate P.V. "
-            "Loaded tiles need the UPCAST cast.",
+            "Loaded tiles need the UPCAST cast (and, from an FP8 cache, phase 11, the FP8 one).",
             60,
         ),
         Exercise(

@@ -442,8 +442,11 @@ def test_benchmark_smoke(tmp_path):
     import paged_attention
 
     assert paged_attention.main(["--device", "cpu", "--batches", "1", "--contexts", "20", "--prefill", "1", "16",
-                                 "--out", str(tmp_path)]) == 0
+                                 "--kv-cache-dtype", "fp8", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "paged_attention.json").read_text())
+    fp8 = report["decode"][1]  # the same shape over an FP8 cache: the same kernel result as over its values
+    assert fp8["kv_cache_dtype"] == "fp8" and fp8["max_abs_diff_vs_dequantized"] < 1e-5 and fp8["kv_mb"] * 4 == \
+        pytest.approx(report["decode"][0]["kv_mb"])
     assert report["decode"][0]["triton_us"] > 0 and report["decode"][0]["max_abs_diff_vs_sdpa"] < 1e-4 and report["prefill"][0]["triton_ms"] > 0
     assert (tmp_path / "paged_attention.md").exists()
     if (tmp_path / "paged_attention.png").exists():

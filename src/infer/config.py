@@ -37,6 +37,7 @@ MOE_BACKENDS = ("auto", "torch", "triton")
 ALL_REDUCE_BACKENDS = ("nccl", "symm_mem")
 ALL2ALL_BACKENDS = ("dynamic", "fixed_capacity")
 QUANTIZATION_METHODS = ("none", "int8", "fp8", "int4")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def _flag(default: Any, help: str, **kw: Any) -> Any:
@@ -172,6 +173,15 @@ class EngineConfig:
                                    "the projections; needs a quantization (online or a pre-quantized checkpoint). "
                                    "The LM head is the largest single weight of a small model (SmolLM2-135M: 113 "
                                    "MB of its 538 MB in float32)", phase=11)
+    # ---- phase 11: FP8 KV cache
+    kv_cache_dtype: str = _flag("auto", "storage of the KV cache: auto (the model's dtype); fp8 or fp8_e4m3 "
+                                "(vLLM's names: float8 e4m3, one byte per value, x / scale with one float32 "
+                                "scale per layer for K and one for V, 1.0 unless calculate_kv_scales): twice "
+                                "the blocks of bf16 in the same kv_cache_memory_bytes (4x float32's)",
+                                choices=KV_CACHE_DTYPES, ablation=("auto", "fp8"), phase=11)
+    calculate_kv_scales: bool = _flag(False, "kv_cache_dtype='fp8': set each layer's K and V scales from the first "
+                                      "forward that writes the cache (max|k| / 200, max|v| / 100, vLLM's "
+                                      "calculate_kv_scales), then keep them; off: 1.0", phase=11)
     # ---- phase 12: speculative decoding
     speculative_config: dict | None = _flag(None, "speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                                             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
@@ -366,6 +376,7 @@ class EngineConfig:
             if not self.trace or os.path.isdir(self.trace) or not os.path.isdir(folder):
                 raise ValueError(f"trace: {self.trace!r} is not a file path in an existing directory")
         self._validate_quantization(dev)
+        self._validate_kv_cache_dtype(dev)
         self._validate_lora()
         self._validate_speculative(dev)
         return self
@@ -391,6 +402,31 @@ class EngineConfig:
             if (major, minor) < (8, 9):
                 raise ValueError(f"quantization='fp8' on CUDA needs compute capability >= 8.9 (Ada, Hopper: fp8 "
                                  f"conversions in hardware), {dev} is {major}.{minor}; use int8 or int4")
+
+    def _validate_kv_cache_dtype(self, dev: torch.device) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "auto":
+            if self.calculate_kv_scales:
+                raise ValueError("calculate_kv_scales sets the scales of an FP8 KV cache; it needs kv_cache_dtype='fp8'")
+            return
+        if dev.type == "cuda" and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(dev)
+            if (major, minor) < (8, 9):
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} on CUDA needs compute capability >= 8.9 "
+                                 f"(Ada, Hopper: e4m3 conversions in hardware), {dev} is {major}.{minor}; use 'auto'")
+        if self.world_size > 1:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with tensor/expert parallelism is not supported "
+                             "yet: the ranks' caches and scales have not been tested together; use 'auto'")
+        if self.calculate_kv_scales and self.cuda_graphs:
+            raise ValueError("calculate_kv_scales with cuda_graphs is not supported: the scales are computed in "
+                             "Python before the first write of each layer, and the first prefill may replay a "
+                             "captured graph, which runs no Python; turn cuda_graphs off or calculate_kv_scales off")
+
+    def resolved_kv_cache_dtype(self) -> torch.dtype | None:
+        """The KV cache's storage dtype: ``torch.float8_e4m3fn`` for ``fp8`` / ``fp8_e4m3``; None for
+        ``auto`` (the model's dtype)."""
+        return None if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     def _validate_speculative(self, dev: torch.device) -> None:
         """Parse ``speculative_config`` into :attr:`speculative` (None without it) and reject the flags it
@@ -673,6 +709,10 @@ class EngineConfig:
         if self.kv_offload != "none":
             raise ValueError(f"kv_offload is not supported for hybrid models ({model.architecture}): it moves "
                              "prefix blocks without the linear-attention state snapshots a hit needs")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported for hybrid models "
+                             f"({model.architecture}) yet: the FP8 cache and the recurrent-state cache beside it "
+                             "have not been tested together; use 'auto'")
         if self.world_size > 1:
             raise ValueError(f"tensor/expert parallelism is not supported for hybrid models ({model.architecture}): "
                              "the Gated DeltaNet layers are not split across ranks")

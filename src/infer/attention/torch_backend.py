@@ -257,7 +257,9 @@ class TorchAttentionBackend:
       :func:`sdpa_attention` each over their row.
     * Paged cache: the same, after gathering each decode sequence's blocks into a row (the slots
       are computed once per step from the block tables and shared by the layers); prefills read
-      their context through :meth:`KVCache.read`. :mod:`infer.kernels.attention_reference` holds
+      their context through :meth:`KVCache.read`.
+    * An FP8 cache (phase 11): :meth:`KVCache.write` quantizes, and what is read (the rows, the
+      gathered blocks, :meth:`KVCache.read`) is dequantized to the model's dtype before the SDPA. :mod:`infer.kernels.attention_reference` holds
       the plain-PyTorch twins of the Triton kernels, same signatures, for the kernel tests.
     """
 
@@ -307,6 +309,7 @@ class TorchAttentionBackend:
                 shape = (len(lens), max_len, *kl.shape[2:])
                 k_rows = kl.flatten(0, 1).index_select(0, slots).view(shape)
                 v_rows = vl.flatten(0, 1).index_select(0, slots).view(shape)
+            k_rows, v_rows = cache.dequantize(layer_idx, k_rows, v_rows)  # an FP8 cache: codes x scale
             one_call = not prefills and len(groups) == 1
             o = decode_attention(q if one_call else q[token_idx], k_rows, v_rows, rows, lens, scale, window,
                                  masks[window])

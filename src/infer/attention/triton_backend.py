@@ -11,7 +11,7 @@ The same steps as the plain-PyTorch backend, each one kernel launch per layer:
    new tokens meet a long prefix).
 
 The contiguous cache is a paged cache with one block per sequence, so the same kernels serve
-both. A cache-less forward (parity gate, memory profiling) uses the plain-PyTorch path.
+both. An FP8 cache (phase 11) passes each layer's ``k_scale``/``v_scale`` to the three kernels. A cache-less forward (parity gate, memory profiling) uses the plain-PyTorch path.
 """
 
 from __future__ import annotations
@@ -53,8 +53,11 @@ class TritonAttentionBackend:
         if cache is None:
             return cacheless_attention(q, k, v, meta, scale, window)
         k_cache, v_cache = cache.layer(layer_idx)
+        scales = cache.scales(layer_idx)  # an FP8 cache's (k_scale, v_scale), else None
         if not kv_written:
-            self.kv_cache_write.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            if cache.needs_calibration(layer_idx):
+                cache.calibrate(layer_idx, k, v)
+            self.kv_cache_write.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, *(scales or ()))
         # flash-decoding split plan: once per step and window size, from host numbers only (no sync)
         key = ("decode_fn", window)
         decode = meta.scratch.get(key)
@@ -66,6 +69,8 @@ class TritonAttentionBackend:
                 meta.decode_split_batch or meta.num_decodes, k.shape[1], max_len, self.device)
             decode = meta.scratch[key] = functools.partial(self.decode_attention.paged_decode_attention,
                                                            num_splits=splits, min_split_keys=min_keys)
+        if scales is not None:  # the layer's own scales (the split plan above is shared by the layers)
+            decode = decode and functools.partial(decode, k_scale=scales[0], v_scale=scales[1])
         # extends split their keys too when they are few programs over long contexts (also from host
         # numbers: under a CUDA graph, the capture's context bound)
         key = ("prefill_fn", window)
@@ -76,4 +81,6 @@ class TritonAttentionBackend:
                 ctx = min(ctx, window + meta.max_query_len)
             prefill = meta.scratch[key] = functools.partial(self.prefill_attention.paged_prefill_attention,
                                                             max_context=ctx)
+        if scales is not None:
+            prefill = functools.partial(prefill, k_scale=scales[0], v_scale=scales[1])
         return paged_attention(q, k_cache, v_cache, meta, scale, window, decode, prefill)

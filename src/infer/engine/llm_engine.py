@@ -112,8 +112,9 @@ class LLMEngine:
         block_size = self.runner.kv_cache.block_size
         backend = config.resolved_attention_backend()
         num_blocks = self.runner.kv_cache.num_blocks
-        log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB), attention=%s, max_num_batched_tokens=%d",
-                 config.kv_cache, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**30, backend, budget)
+        log.info("KV cache: %s, %d blocks x %d tokens (%.2f GiB, %s), attention=%s, max_num_batched_tokens=%d",
+                 config.kv_cache, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**30,
+                 str(self.runner.kv_cache.k.dtype).removeprefix("torch."), backend, budget)
         log.info("%s", config.optimization_summary())
         warm_s = self.runner.warm_up()
         if warm_s:

@@ -101,6 +101,7 @@ def cache_sizes(
     cuda_graph_variants: int = 1,
     state_pad_slots: int = 0,
     snapshot_stride: int = 0,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> tuple[int, int, int]:
     """How many KV-cache blocks of ``block_size`` tokens, and recurrent-state slots, to allocate.
 
@@ -121,6 +122,9 @@ def cache_sizes(
     ``cuda_graph_variants``: 2 with LoRA (phase 16), whose mixed-step pieces are captured twice (their
     tensors between the pieces counted twice).
 
+    A block's bytes are those of ``kv_cache_dtype`` (None: the model's dtype): an FP8 cache (phase 11,
+    one byte per value) gets twice the blocks of a bf16 one from the same budget, four times float32's.
+
     A hybrid model (phase 17, ``state_slot_bytes`` > 0: the bytes of one sequence's recurrent state)
     first takes its state slots out of the budget (:func:`split_state_budget`), and ``state_pad_slots``
     more that no sequence owns (the CUDA graphs' padding slot); with prefix caching (``snapshot_stride``
@@ -139,7 +143,7 @@ def cache_sizes(
     cfg = loaded.config
     p = next(loaded.model.parameters())
     # tensor parallelism: each rank caches only its KV heads
-    block_bytes = cfg.kv_bytes_per_token(p.dtype) * block_size * kv_heads_per_rank(loaded.model) // cfg.num_kv_heads
+    block_bytes = cfg.kv_bytes_per_token(kv_cache_dtype or p.dtype) * block_size * kv_heads_per_rank(loaded.model) // cfg.num_kv_heads
     per_seq = -(-max_model_len // block_size)
     cap = max_num_seqs * per_seq
     if kv_cache_memory_bytes is not None:

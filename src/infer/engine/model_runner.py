@@ -83,6 +83,9 @@ class ModelRunner:
             ``cuda_graphs`` the state cache has one more slot, the decode graphs' padding slot.
         num_snapshot_slots: hybrid models with prefix caching: slots after those of the state cache that
             hold state snapshots (:mod:`infer.engine.state_snapshots`).
+        kv_cache_dtype: the KV cache's storage dtype (None: the model's; ``torch.float8_e4m3fn``: an FP8
+            cache, phase 11, ``EngineConfig.kv_cache_dtype``); calculate_kv_scales: calibrate its scales
+            from the first forward that writes it (:meth:`~infer.attention.KVCache.calibrate`).
 
     Attributes:
         lora_manager: LoRA (phase 16): the model's adapter slots
@@ -99,7 +102,8 @@ class ModelRunner:
                  attention_backend: str = "torch", max_model_len: int = 0,
                  cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256, block_major: bool = False,
                  cuda_graph_prefill_max_tokens: int = 0, cuda_graph_mixed_max_tokens: int = 0,
-                 pdl: bool = False, num_state_slots: int = 0, num_snapshot_slots: int = 0) -> None:
+                 pdl: bool = False, num_state_slots: int = 0, num_snapshot_slots: int = 0,
+                 kv_cache_dtype: torch.dtype | None = None, calculate_kv_scales: bool = False) -> None:
         self.model = loaded.model
         self.pdl = pdl
         cfg = loaded.config
@@ -107,7 +111,8 @@ class ModelRunner:
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.kv_cache = KVCache(cfg.num_kv_layers, num_blocks, block_size, kv_heads_per_rank(self.model),
-                                cfg.head_dim, self.dtype, self.device, contiguous=contiguous, block_major=block_major)
+                                cfg.head_dim, self.dtype, self.device, contiguous=contiguous, block_major=block_major,
+                                cache_dtype=kv_cache_dtype, calibrate=calculate_kv_scales)
         self.state_cache = None
         if cfg.is_hybrid:
             from infer.attention.state_cache import RecurrentStateCache
@@ -178,7 +183,7 @@ class ModelRunner:
             config.gpu_memory_utilization, graph_bs, graph_prefill, graph_mixed,
             mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype),
             cuda_graph_variants=2 if lora is not None else 1, state_pad_slots=int(config.cuda_graphs),
-            snapshot_stride=stride)
+            snapshot_stride=stride, kv_cache_dtype=config.resolved_kv_cache_dtype())
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
         runner = cls(loaded, num_blocks, block_size, contiguous=not paged, attention_backend=backend,
@@ -186,7 +191,9 @@ class ModelRunner:
                      cuda_graph_max_batch_size=graph_bs or 1,
                      block_major=config.kv_offload != "none" and backend == "triton",
                      cuda_graph_prefill_max_tokens=graph_prefill, cuda_graph_mixed_max_tokens=graph_mixed,
-                     pdl=config.pdl, num_state_slots=num_slots, num_snapshot_slots=num_snapshots, **kwargs)
+                     pdl=config.pdl, num_state_slots=num_slots, num_snapshot_slots=num_snapshots,
+                     kv_cache_dtype=config.resolved_kv_cache_dtype(), calculate_kv_scales=config.calculate_kv_scales,
+                     **kwargs)
         runner.lora_manager = lora
         if lora is not None and runner.graphs is not None:  # the graphs' LoRA variants (before capture)
             runner.graphs.enable_lora(lora.mapping)
@@ -228,9 +235,10 @@ class ModelRunner:
             self._logits(hidden, [t - 1])
 
         n = min(16, long)
-        dummy_step([(n, n)])  # a prefill: one program per query tile, no split
-        if long > n:
-            dummy_step([(1, long), (n, long)])  # decodes first (AttentionMetadata), then a split extend
+        with self.kv_cache.calibration_paused():  # calculate_kv_scales: the dummy K/V set no scale
+            dummy_step([(n, n)])  # a prefill: one program per query tile, no split
+            if long > n:
+                dummy_step([(1, long), (n, long)])  # decodes first (AttentionMetadata), then a split extend
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 

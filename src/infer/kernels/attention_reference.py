@@ -13,6 +13,11 @@ the plain-PyTorch twins of the other kernels.)
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``; position ``p`` of a sequence is
 in block ``block_table[p // block_size]`` at offset ``p % block_size``.
+
+FP8 KV cache (phase 11, ``EngineConfig.kv_cache_dtype='fp8'``): a cache of dtype
+``torch.float8_e4m3fn`` holds ``x / scale`` rounded to e4m3 (:func:`quantize_kv`), with one float32
+scale per layer for K and one for V (``k_scale``, ``v_scale``: ``[1]`` tensors); readers multiply
+back (:func:`dequantize_kv`). vLLM's ``fp8`` / ``fp8_e4m3`` KV cache, same format and scales.
 """
 
 from __future__ import annotations
@@ -20,7 +25,42 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "reshape_and_cache"]
+__all__ = ["FP8_E4M3_MAX", "FP8_KV_DTYPE", "dequantize_kv", "is_fp8", "paged_decode_attention",
+           "paged_prefill_attention", "quantize_kv", "reshape_and_cache"]
+
+#: the storage dtype of an FP8 KV cache: e4m3 "fn" (finite: no infinities, one NaN code), OCP's and NVIDIA's
+FP8_KV_DTYPE = torch.float8_e4m3fn
+#: the largest finite e4m3fn value; a quantized value is clamped to +-this (saturating, as vLLM does)
+FP8_E4M3_MAX = 448.0
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` is an FP8 KV cache (stores e4m3 codes that need their scale)."""
+    return cache.dtype == FP8_KV_DTYPE
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` clamped to +-448 and rounded to the nearest e4m3 value (ties to even): the codes an
+    FP8 KV cache stores.
+
+    Args:
+        x: any shape, float32/float16/bfloat16 (divided in float32).
+        scale: float32 ``[1]`` (or a Python float), > 0.
+
+    Returns:
+        ``torch.float8_e4m3fn``, x's shape. ``dequantize_kv(quantize_kv(x, s), s)`` is within
+        ``max(|x| * 2**-4, s * 2**-10)`` of ``x`` when ``|x| <= 448 s`` (3 mantissa bits; the subnormal step
+        below ``2**-6 s`` is ``2**-9 s``).
+    """
+    return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The values an FP8 cache's codes ``x`` stand for, ``x * scale`` in ``dtype`` (float32 product); ``x``
+    itself when the cache is not FP8 (``x.dtype`` is already a compute dtype)."""
+    if x.dtype != FP8_KV_DTYPE:
+        return x
+    return (x.float() * (scale if scale is not None else 1.0)).to(dtype)
 
 
 def reshape_and_cache(
@@ -29,14 +69,18 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write each new token's K/V into its cache slot (vLLM's ``reshape_and_cache``).
 
     Args:
-        key, value: ``[T, num_kv_heads, head_dim]`` in the cache's dtype (views are fine).
+        key, value: ``[T, num_kv_heads, head_dim]`` in the cache's dtype (views are fine); with an FP8
+            cache, in any float dtype (quantized on the way in: :func:`quantize_kv`).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
         slot_mapping: int64 ``[T]``: flat slot ``block * block_size + offset`` of each token;
             negative slots are skipped (padding).
+        k_scale, v_scale: FP8 cache: float32 ``[1]`` scales of this layer's K and V (None: 1.0).
 
     Raises:
         ValueError: mismatched shapes or dtypes, ``slot_mapping`` not int64 ``[T]``.
@@ -44,7 +88,8 @@ def reshape_and_cache(
     if key.dim() != 3 or value.shape != key.shape or tuple(key.shape[1:]) != tuple(k_cache.shape[2:]):
         raise ValueError(f"key/value must be [T, {k_cache.shape[2]}, {k_cache.shape[3]}], got "
                          f"{tuple(key.shape)} and {tuple(value.shape)}")
-    if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
+    fp8 = is_fp8(k_cache)
+    if not fp8 and (key.dtype != k_cache.dtype or value.dtype != v_cache.dtype):
         raise ValueError(f"key/value dtype {key.dtype}/{value.dtype} differs from the cache's {k_cache.dtype}")
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be int64 [T={key.shape[0]}], got {slot_mapping.dtype} "
@@ -54,12 +99,17 @@ def reshape_and_cache(
     if not bool(keep.all()):
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     block, offset = slot_mapping // block_size, slot_mapping % block_size
+    if fp8:
+        key, value = quantize_kv(key, 1.0 if k_scale is None else k_scale), \
+            quantize_kv(value, 1.0 if v_scale is None else v_scale)
     k_cache[block, offset] = key
     v_cache[block, offset] = value
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, length: int) -> torch.Tensor:
-    """``[B, length, Hkv, D]``: the first ``length`` positions of each sequence's context.
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, length: int,
+            scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, length, Hkv, D]`` in ``dtype``: the first ``length`` positions of each sequence's context
+    (dequantized with ``scale`` from an FP8 cache).
 
     Positions at or past a sequence's length read block 0 (table entries past a sequence's need are
     arbitrary) and are zeroed, so that a masked key adds exactly nothing (0 * NaN would be NaN).
@@ -69,7 +119,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Ten
     table = block_tables[:, :n_blocks].long()
     needed = (seq_lens.long()[:, None] + block_size - 1) // block_size
     table = torch.where(torch.arange(n_blocks, device=table.device)[None, :] < needed, table, 0)
-    ctx = cache[table].flatten(1, 2)[:, :length]  # [B, n_blocks, bs, Hkv, D] -> [B, length, Hkv, D]
+    ctx = dequantize_kv(cache[table].flatten(1, 2)[:, :length], scale, dtype)  # [B, length, Hkv, D]
     valid = torch.arange(length, device=ctx.device)[None, :] < seq_lens.long()[:, None]
     return ctx.masked_fill(~valid[:, :, None, None], 0)
 
@@ -84,6 +134,8 @@ def paged_decode_attention(
     window: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged cache: one new token per sequence, all sequences in one SDPA.
 
@@ -96,6 +148,8 @@ def paged_decode_attention(
         block_tables: int32 ``[B, W]``; seq_lens: int32 ``[B]`` (>= 1, the new token included).
         scale: multiplier of ``q . k``; window: sliding window in tokens, or None.
         out: optional ``[B, Hq, D]`` to write into. num_splits: ignored (the Triton kernel's knob).
+        k_scale, v_scale: an FP8 cache's float32 ``[1]`` scales (None: 1.0); the gathered K/V are
+            dequantized to q's dtype.
 
     Returns:
         ``out`` (allocated if None), ``[B, Hq, D]`` in q's dtype.
@@ -115,8 +169,8 @@ def paged_decode_attention(
     if b == 0:
         return out
     length = int(seq_lens.max())
-    k = _gather(k_cache, block_tables, seq_lens, length).transpose(1, 2)  # [B, Hkv, L, D]
-    v = _gather(v_cache, block_tables, seq_lens, length).transpose(1, 2)
+    k = _gather(k_cache, block_tables, seq_lens, length, k_scale, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather(v_cache, block_tables, seq_lens, length, v_scale, q.dtype).transpose(1, 2)
     pos = torch.arange(length, device=q.device)[None, :]
     last = (seq_lens.long() - 1)[:, None]
     mask = pos <= last
@@ -139,6 +193,8 @@ def paged_prefill_attention(
     scale: float,
     window: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length causal attention over a paged cache, one SDPA per sequence.
 
@@ -153,6 +209,7 @@ def paged_prefill_attention(
         seq_lens: int32 ``[B]``. max_query_len: unused here (the kernel's grid size).
         scale: multiplier of ``q . k``; window: sliding window in tokens, or None.
         out: optional ``[T, Hq, D]``; only the sequences' rows are written.
+        k_scale, v_scale: an FP8 cache's float32 ``[1]`` scales (None: 1.0).
 
     Returns:
         ``out`` (``torch.empty_like(q)`` if None).
@@ -175,8 +232,8 @@ def paged_prefill_attention(
             raise ValueError(f"sequence {b}: query length {q_len} must be in [1, seq_len={seq_len}]")
         n_blocks = -(-seq_len // block_size)
         blocks = block_tables[b, :n_blocks].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+        k = dequantize_kv(k_cache[blocks].flatten(0, 1)[:seq_len], k_scale, q.dtype).transpose(0, 1)  # [Hkv, L, D]
+        v = dequantize_kv(v_cache[blocks].flatten(0, 1)[:seq_len], v_scale, q.dtype).transpose(0, 1)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         mask = k_pos <= q_pos

@@ -46,6 +46,7 @@ from infer.kernels.triton_common import (
     LOG2E,
     NO_WINDOW,
     check_index,
+    check_kv_scales,
     check_launchable,
     check_out,
     check_paged_cache,
@@ -65,12 +66,12 @@ __all__ = ["LONG_SPLIT_KEYS", "MIN_SPLIT_KEYS", "decode_num_splits", "decode_spl
 )
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    counter_ptr, qk_scale, window, num_splits, min_split_keys,
+    counter_ptr, k_scale_ptr, v_scale_ptr, qk_scale, window, num_splits, min_split_keys,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, USE_PDL: tl.constexpr, MERGE_UNROLL: tl.constexpr,
+    UPCAST: tl.constexpr, USE_PDL: tl.constexpr, MERGE_UNROLL: tl.constexpr, FP8: tl.constexpr,
 ):
     # Grid (B, num_kv_heads, num_splits). Program (b, kvh, split) computes, for the GROUP query heads
     # that share KV head kvh, attention over one contiguous slice of sequence b's keys.
@@ -111,6 +112,8 @@ def _paged_decode_kernel(
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if FP8:  # an FP8 cache holds k / k_scale: the scale joins the score's multiplier (v's: see below)
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     # Online softmax state per query row (FlashAttention-2), in the log2 domain (qk_scale holds
     # scale * log2(e), so exp2 replaces exp): running max m_i, running sum l_i, unnormalized output acc.
@@ -136,6 +139,8 @@ def _paged_decode_kernel(
         k = tl.load(k_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
+        if FP8:  # e4m3 -> q's dtype is exact (more mantissa and exponent bits)
+            k = k.to(q.dtype)
         # 3. Scores of all GROUP query heads against the tile at once: [GROUP_PAD, BLOCK_N], log2 units.
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -149,9 +154,13 @@ def _paged_decode_kernel(
         v = tl.load(v_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
+        if FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
         # <<< EXERCISE paged_decode_inner_loop
+    if FP8:  # sum_j p_j (v_j / v_scale) * v_scale: one multiply per output, not per key
+        acc = acc * tl.load(v_scale_ptr)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if active == 1:  # the whole context in one program: write the normalized output directly
@@ -325,6 +334,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     min_split_keys: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache: one new token per sequence (PagedAttention + flash-decoding).
 
@@ -338,7 +349,9 @@ def paged_decode_attention(
 
     Args:
         q: ``[B, Hq, D]`` (may be a row-slice view of a bigger tensor; last dimension contiguous).
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype (fp32, fp16 or bf16).
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype (fp32, fp16 or bf16), or
+            float8_e4m3fn (an FP8 cache, phase 11: each tile is converted to q's dtype as it is loaded,
+            ``k_scale`` joins the score's multiplier and ``v_scale`` multiplies the output).
         block_tables: int32 ``[B, W]`` with ``W >= ceil(seq_lens[b] / block_size)``; entries past a
             sequence's need are never read.
         seq_lens: int32 ``[B]``: context lengths including the new token; a row with 0 (padding of a
@@ -351,6 +364,7 @@ def paged_decode_attention(
         min_split_keys: the fewest keys of a slice: a sequence of ``L`` keys uses
             ``max(1, ceil(L / max(ceil(L / num_splits), min_split_keys)))`` slices (tile-rounded) and
             the grid's other programs for it exit at once.
+        k_scale, v_scale: an FP8 cache's float32 ``[1]`` scales of this layer (None: 1.0); ignored otherwise.
 
     Returns:
         ``out`` (allocated like q if None): ``[B, Hq, D]``.
@@ -375,6 +389,7 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if min_split_keys < 0:
         raise ValueError(f"min_split_keys must be >= 0, got {min_split_keys}")
+    k_scale, v_scale = check_kv_scales(k_cache, k_scale, v_scale)
     if batch == 0:
         return out
     check_launchable(q)
@@ -396,7 +411,7 @@ def paged_decode_attention(
         part_out = part_lse = unused_buffer(q.device)
         counters = _split_counters(q.device, 1)
     _paged_decode_kernel[(batch, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counters,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counters, k_scale, v_scale,
         scale * LOG2E, window if window is not None else NO_WINDOW, num_splits, min_split_keys,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -405,6 +420,7 @@ def paged_decode_attention(
         UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         # one compiled variant for every grid of 2-8 splits, one for the rest (no recompilation per split count)
         MERGE_UNROLL=UNROLLED_MERGE_MAX_SPLITS if 1 < num_splits <= UNROLLED_MERGE_MAX_SPLITS else 0,
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q),
     )
     return out

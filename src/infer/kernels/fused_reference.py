@@ -174,6 +174,7 @@ def qk_norm_rope(
     unit_offset: bool = False,
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
     slot_mapping: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split a merged QKV projection, RMS-normalize q and k per head, rotate them (RoPE), in place;
     with ``kv_cache``, also store the new K/V into the KV cache.
@@ -211,6 +212,8 @@ def qk_norm_rope(
             slot ``slot_mapping[t]`` (:func:`infer.kernels.attention_reference.reshape_and_cache`; the
             Triton kernel does it in the same launch, as vLLM's and SGLang's fused RoPE kernels do).
         slot_mapping: int64 ``[T]`` with ``kv_cache``; negative slots are skipped (padding).
+        kv_scales: an FP8 cache (float8_e4m3fn, phase 11): the layer's float32 ``[1]`` ``(k_scale,
+            v_scale)`` (None: 1.0); k and v are stored as ``x / scale`` rounded to e4m3.
 
     Returns:
         ``(q, k, v)``: views of ``qkv``, ``[T, num_heads, head_dim]``, ``[T, num_kv_heads, head_dim]``,
@@ -244,7 +247,7 @@ def qk_norm_rope(
     q, k, v = heads[:, :hq], heads[:, hq:h], heads[:, h:]
     if kv_cache is not None:
         check_cache_write(qkv, kv_cache, slot_mapping, num_kv_heads, head_dim)
-        reshape_and_cache(k, v, *kv_cache, slot_mapping)
+        reshape_and_cache(k, v, *kv_cache, slot_mapping, *(kv_scales or (None, None)))
     return q, k, v
 
 
@@ -264,7 +267,7 @@ def check_cache_write(qkv: torch.Tensor, kv_cache, slot_mapping, num_kv_heads: i
         if c.dim() != 4 or tuple(c.shape[2:]) != want:
             raise ValueError(f"{name} must be [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
                              f"got shape {tuple(c.shape)}")
-        if c.dtype != qkv.dtype or c.device != qkv.device:
+        if (c.dtype != qkv.dtype and c.dtype != torch.float8_e4m3fn) or c.device != qkv.device:
             raise ValueError(f"{name} is {c.dtype} on {c.device}; qkv is {qkv.dtype} on {qkv.device}")
         if c.stride(3) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (strides {c.stride()})")

@@ -47,11 +47,13 @@ from infer.kernels.fused_reference import (
 )
 from infer.kernels.pdl import launch_next_then_wait, launch_options, wait_for_previous
 from infer.kernels.triton_common import (
+    check_kv_scales,
     check_launchable,
     manual_bf16,
     num_warps_for,
     round_to,
     silu_or_gelu_tanh,
+    to_fp8_e4m3,
 )
 
 _MAX_ROW = 1 << 16  # widest row the single-pass norm kernels take (registers: 64k fp32 per program)
@@ -218,10 +220,11 @@ def fused_add_rms_norm(
 @triton.jit(do_not_specialize=["max_positions"], do_not_specialize_on_alignment=["pos_ptr"])
 def _qk_norm_rope_kernel(
     qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, stride_t, max_positions, eps,
-    k_cache_ptr, v_cache_ptr, slot_ptr, stride_cb, stride_ct, stride_ch, block_size,
+    k_cache_ptr, v_cache_ptr, slot_ptr, stride_cb, stride_ct, stride_ch, block_size, k_scale_ptr, v_scale_ptr,
     NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
     MANUAL_BF16: tl.constexpr, WRITE_CACHE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # Grid (T, cdiv(Hq + Hkv, BLOCK_H)): program (t, j) rewrites BLOCK_H of token t's q/k heads (q heads
     # first, then k heads, as they lie in qkv). Each head is loaded as its two halves [BLOCK_H, HALF],
@@ -285,10 +288,19 @@ def _qk_norm_rope_kernel(
         v_ptr = v_cache_ptr + row + (heads - NUM_HEADS)[:, None] * stride_ch + offs[None, :]
         k_mask = is_k[:, None] & d_mask[None, :]
         v_mask = is_v[:, None] & d_mask[None, :]
-        tl.store(k_ptr, y1, mask=k_mask)
-        tl.store(k_ptr + HALF, y2, mask=k_mask)
-        tl.store(v_ptr, v1.to(dtype), mask=v_mask)
-        tl.store(v_ptr + HALF, v2.to(dtype), mask=v_mask)
+        if FP8:  # an FP8 cache (phase 11): the rounded k and the loaded v, divided by the layer's scale, in e4m3
+            cdt = k_cache_ptr.dtype.element_ty
+            ks = tl.load(k_scale_ptr)
+            vs = tl.load(v_scale_ptr)
+            tl.store(k_ptr, to_fp8_e4m3(y1.to(tl.float32), ks, cdt), mask=k_mask)
+            tl.store(k_ptr + HALF, to_fp8_e4m3(y2.to(tl.float32), ks, cdt), mask=k_mask)
+            tl.store(v_ptr, to_fp8_e4m3(v1, vs, cdt), mask=v_mask)
+            tl.store(v_ptr + HALF, to_fp8_e4m3(v2, vs, cdt), mask=v_mask)
+        else:
+            tl.store(k_ptr, y1, mask=k_mask)
+            tl.store(k_ptr + HALF, y2, mask=k_mask)
+            tl.store(v_ptr, v1.to(dtype), mask=v_mask)
+            tl.store(v_ptr + HALF, v2.to(dtype), mask=v_mask)
 
 
 def _qk_rope_config(num_heads: int, head_dim: int) -> tuple[int, int]:
@@ -312,6 +324,7 @@ def qk_norm_rope(
     unit_offset: bool = False,
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
     slot_mapping: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k (optional) and RoPE, in place in the merged QKV output
     (see :func:`infer.kernels.fused_reference.qk_norm_rope` for the exact numerics), and with
@@ -331,6 +344,8 @@ def qk_norm_rope(
             :func:`infer.kernels.kv_cache_write.reshape_and_cache` would (vLLM and SGLang fuse the same
             write into their RoPE kernels). ``None``: the cache is not touched.
         slot_mapping: int64 ``[T]`` with ``kv_cache``; negative slots are skipped (padding).
+        kv_scales: an FP8 cache (float8_e4m3fn, phase 11): the layer's float32 ``[1]`` ``(k_scale,
+            v_scale)`` (None: 1.0); k and v are stored as ``x / scale`` rounded to e4m3.
 
     Returns:
         ``(q, k, v)`` views of ``qkv``: ``[T, Hq, D]``, ``[T, Hkv, D]``, ``[T, Hkv, D]``.
@@ -350,15 +365,17 @@ def qk_norm_rope(
         has_norm = q_weight is not None
         write = kv_cache is not None
         k_cache, v_cache = kv_cache if write else (qkv, qkv)
+        k_scale, v_scale = check_kv_scales(k_cache, *(kv_scales or (None, None)))
         _qk_norm_rope_kernel[(t, triton.cdiv(heads + (num_kv_heads if write else 0), block_h))](
             qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
             qkv.stride(0), cos_sin_cache.shape[0], eps,
             k_cache, v_cache, slot_mapping if write else positions,
-            *(k_cache.stride()[:3] if write else (0, 0, 0)), k_cache.shape[1] if write else 1,
+            *(k_cache.stride()[:3] if write else (0, 0, 0)), k_cache.shape[1] if write else 1, k_scale, v_scale,
             NUM_Q_HEADS=num_heads, NUM_HEADS=heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
             HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h, HAS_NORM=has_norm,
             UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(qkv), WRITE_CACHE=write,
-            NUM_KV_HEADS=num_kv_heads, num_warps=warps, **launch_options(qkv),
+            NUM_KV_HEADS=num_kv_heads, FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=warps,
+            **launch_options(qkv),
         )
     q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : heads * head_dim].view(t, num_kv_heads, head_dim)

@@ -25,20 +25,21 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels.triton_common import check_launchable, check_paged_cache
+from infer.kernels.triton_common import check_kv_scales, check_launchable, check_paged_cache, to_fp8_e4m3
 
 __all__ = ["reshape_and_cache"]
 
 
 @triton.jit(do_not_specialize_on_alignment=["key_ptr", "value_ptr", "slot_ptr"])
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ct, stride_ch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):
-    # One program per new token: copy its [num_kv_heads, head_dim] keys and values into its slot.
+    # One program per new token: copy its [num_kv_heads, head_dim] keys and values into its slot
+    # (an FP8 cache: x / scale rounded to e4m3, the layer's scales read from memory, not baked in).
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padding token (vLLM's convention): nothing to write
@@ -52,8 +53,13 @@ def _reshape_and_cache_kernel(
     src_k = key_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     src_v = value_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     dst = block * stride_cb + offset * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, tl.load(src_k, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(src_v, mask=mask), mask=mask)
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    if FP8:
+        k = to_fp8_e4m3(k.to(tl.float32), tl.load(k_scale_ptr), k_cache_ptr.dtype.element_ty)
+        v = to_fp8_e4m3(v.to(tl.float32), tl.load(v_scale_ptr), v_cache_ptr.dtype.element_ty)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def reshape_and_cache(
@@ -62,19 +68,23 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write each new token's K/V into its cache slot (vLLM's ``reshape_and_cache``, Kwon et al. 2023).
 
     Args:
-        key, value: ``[T, num_kv_heads, head_dim]``, the cache's dtype; may be strided views (e.g.
+        key, value: ``[T, num_kv_heads, head_dim]``, the cache's dtype (an FP8 cache: float32, float16
+            or bfloat16, stored as ``x / scale`` rounded to e4m3); may be strided views (e.g.
             slices of a fused qkv output), only the last dimension must be contiguous.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same shape, dtype and
             strides, last dimension contiguous. Written in place.
         slot_mapping: int64 ``[T]``: ``key[t]`` goes to flat slot ``slot_mapping[t]`` (block ``slot //
             block_size``, offset ``slot % block_size``); negative slots are skipped (padding).
+        k_scale, v_scale: an FP8 cache's float32 ``[1]`` scales of this layer (None: 1.0); ignored otherwise.
 
     Raises:
-        ValueError: wrong rank, shapes, dtypes or devices, a non-contiguous last dimension, or
+        ValueError: wrong rank, shapes, dtypes or devices, a non-contiguous last dimension, bad scales, or
             ``slot_mapping`` not int64.
     """
     check_paged_cache(k_cache, v_cache)
@@ -84,7 +94,7 @@ def reshape_and_cache(
         if tuple(x.shape[1:]) != tuple(k_cache.shape[2:]):
             raise ValueError(f"{name} heads/head_dim {tuple(x.shape[1:])} do not match the cache "
                              f"{tuple(k_cache.shape[2:])}")
-        if x.dtype != k_cache.dtype:
+        if x.dtype != k_cache.dtype and (k_cache.dtype != torch.float8_e4m3fn or not x.dtype.is_floating_point):
             raise ValueError(f"{name} dtype {x.dtype} differs from the cache dtype {k_cache.dtype}")
         if x.device != k_cache.device:
             raise ValueError(f"{name} is on {x.device}, the cache on {k_cache.device}")
@@ -101,12 +111,13 @@ def reshape_and_cache(
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
+    k_scale, v_scale = check_kv_scales(k_cache, k_scale, v_scale)
     check_launchable(k_cache)
     _, block_size, hkv, d = k_cache.shape
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, H_PAD=triton.next_power_of_2(hkv), D_PAD=triton.next_power_of_2(d),
-        BLOCK_SIZE=block_size, num_warps=4 if hkv * d >= 1024 else 1,
+        BLOCK_SIZE=block_size, FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4 if hkv * d >= 1024 else 1,
     )

@@ -43,6 +43,7 @@ from infer.kernels.triton_common import (
     LOG2E,
     NO_WINDOW,
     check_index,
+    check_kv_scales,
     check_launchable,
     check_out,
     check_paged_cache,
@@ -60,6 +61,7 @@ def _prefill_tiles(
     acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, offs_n, offs_d, d_mask,
     lo, hi, kv_end, window, qk_scale, stride_cb, stride_ct,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Key tiles ``[lo, hi)`` (multiples of BLOCK_N) of one query tile; masks only when MASK is set."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -77,6 +79,8 @@ def _prefill_tiles(
         k = tl.load(k_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
+        if FP8:  # an FP8 cache: e4m3 -> q's dtype (exact); the scales are applied by the caller
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if MASK:
             # causal (key at or before the query) and sliding window (fewer than `window` back)
@@ -95,6 +99,8 @@ def _prefill_tiles(
         v = tl.load(v_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
+        if FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     return acc, l_i, m_i
@@ -107,12 +113,13 @@ def _prefill_tiles(
 )
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    part_out_ptr, part_lse_ptr, num_splits,
+    part_out_ptr, part_lse_ptr, num_splits, k_scale_ptr, v_scale_ptr,
     qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # Grid (cdiv(max_query_len, BLOCK_M) * num_splits, B, Hq): program (i, b, h) computes BLOCK_M
     # queries of sequence b, query head h, over key split i % num_splits. The last query tiles (the
@@ -141,6 +148,8 @@ def _paged_prefill_kernel(
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if FP8:  # an FP8 cache holds k / k_scale and v / v_scale: k_scale joins the score's multiplier
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     # Which key tiles matter: from the first query's window start to the last query's position.
     first_pos = seq_len - q_len + m_block * BLOCK_M
@@ -170,14 +179,16 @@ def _paged_prefill_kernel(
     v_head = v_cache_ptr + kvh * stride_ch
     acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, offs_n, offs_d, d_mask,
                                    s_lo, mid_lo, kv_end, window, qk_scale, stride_cb, stride_ct,
-                                   BLOCK_SIZE, BLOCK_N, True, UPCAST)
+                                   BLOCK_SIZE, BLOCK_N, True, UPCAST, FP8)
     acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, offs_n, offs_d, d_mask,
                                    mid_lo, mid_hi, kv_end, window, qk_scale, stride_cb, stride_ct,
-                                   BLOCK_SIZE, BLOCK_N, False, UPCAST)
+                                   BLOCK_SIZE, BLOCK_N, False, UPCAST, FP8)
     acc, l_i, m_i = _prefill_tiles(acc, l_i, m_i, q, q_pos, k_head, v_head, bt_row, offs_n, offs_d, d_mask,
                                    mid_hi, s_hi, kv_end, window, qk_scale, stride_cb, stride_ct,
-                                   BLOCK_SIZE, BLOCK_N, True, UPCAST)
+                                   BLOCK_SIZE, BLOCK_N, True, UPCAST, FP8)
 
+    if FP8:  # and v_scale multiplies the output once
+        acc = acc * tl.load(v_scale_ptr)
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # padding rows, and rows with no key in this split, have l = 0
     o = acc / l_safe[:, None]
     if SPLIT:
@@ -244,6 +255,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_context: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length causal "extend" attention over a paged KV cache, every sequence in one launch.
 
@@ -257,7 +270,9 @@ def paged_prefill_attention(
 
     Args:
         q: ``[T, Hq, D]`` (last dimension contiguous).
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype, or float8_e4m3fn (an FP8
+            cache, phase 11: tiles converted to q's dtype as loaded, ``k_scale`` joins the score's
+            multiplier, ``v_scale`` multiplies the output).
         block_tables: int32 ``[B, W]``, ``W >= ceil(seq_lens[b] / block_size)``.
         query_start_loc: int32 ``[B + 1]``: absolute, non-decreasing row offsets into q and out
             (``query_start_loc[0]`` may be > 0).
@@ -273,6 +288,7 @@ def paged_prefill_attention(
             whole prefix), then merge the partial results in a second kernel. None: chosen from
             ``max_context`` (:func:`prefill_num_splits`); 1 without it.
         max_context: host upper bound of the sequences' context lengths, for the automatic choice.
+        k_scale, v_scale: an FP8 cache's float32 ``[1]`` scales of this layer (None: 1.0); ignored otherwise.
 
     Returns:
         ``out`` (``torch.empty_like(q)`` if None).
@@ -297,6 +313,7 @@ def paged_prefill_attention(
     check_index(block_tables, "block_tables", k_cache)
     check_window(window)
     out = check_out(out, q, tuple(q.shape))
+    k_scale, v_scale = check_kv_scales(k_cache, k_scale, v_scale)
     if batch == 0:
         return out
     if max_query_len < 1:
@@ -317,12 +334,13 @@ def paged_prefill_attention(
         part_out = part_lse = unused_buffer(q.device)
     _paged_prefill_kernel[(m_tiles * num_splits, batch, hq)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, part_out, part_lse, num_splits,
-        scale * LOG2E, window if window is not None else NO_WINDOW,
+        k_scale, v_scale, scale * LOG2E, window if window is not None else NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        SPLIT=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPLIT=split, FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if split:
         _prefill_combine_kernel[(q.shape[0], hq)](

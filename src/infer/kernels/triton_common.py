@@ -2,6 +2,8 @@
 
 * :data:`INTERPRET`: whether the kernels run under the Triton interpreter (CPU tensors, tests).
 * :func:`round_to`: float32 to a 16-bit dtype with round-to-nearest-even, also in the interpreter.
+* :func:`to_fp8_e4m3`, :func:`check_kv_scales`: an FP8 KV cache's write (``x / scale`` to e4m3) and
+  the scale arguments of the kernels that read or write one (phase 11).
 * :func:`first_argmax`: the max of a block and the first index attaining it, ``torch.argmax``'s rule.
 * :func:`silu_or_gelu_tanh`: SiLU or tanh-GELU in float32 (the gated MLP's activation).
 * :func:`manual_bf16`, :func:`num_warps_for`, :func:`check_launchable`, :func:`sm_count`: host-side
@@ -42,6 +44,28 @@ def round_to(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
         return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def to_fp8_e4m3(x, scale, DTYPE: tl.constexpr):
+    """float32 ``x / scale`` clamped to +-448 and rounded to the nearest e4m3 value (ties to even), as a
+    ``DTYPE`` (``tl.float8e4nv``, a ``torch.float8_e4m3fn`` tensor's element) tensor: the code an FP8 KV
+    cache stores (:func:`infer.kernels.attention_reference.quantize_kv`, bit for bit).
+
+    The rounding is done here in float32, so that the final conversion is exact: the GPU's ``cvt.rn``
+    would round the same way, but the interpreter's conversion neither carries a rounded-up mantissa
+    into the exponent (127.4 became 64, not 128) nor rounds ties to even. Normal e4m3 values (``|y| >=
+    2**-6``) keep 3 of float32's 23 mantissa bits (add ``0x7FFFF`` plus the lowest kept bit, clear the
+    20 below: the carry runs into the exponent); subnormal ones are multiples of ``2**-9``, which adding
+    and subtracting ``1.5 * 2**14`` (whose float32 ulp is ``2**-9``) rounds to. A few integer operations
+    in a kernel bound by memory."""
+    y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+    b = y.to(tl.int32, bitcast=True)
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    a = tl.abs(y)
+    sub = (a + 24576.0) - 24576.0
+    sub = tl.where(y < 0, -sub, sub)
+    return tl.where(a < 0.015625, sub, normal).to(DTYPE)
 
 
 @triton.jit
@@ -126,8 +150,8 @@ def unused_buffer(device: torch.device) -> torch.Tensor:
 
 def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Check a layer's paged cache: ``k_cache`` and ``v_cache`` of shape ``[num_blocks, block_size,
-    num_kv_heads, head_dim]``, the same shape, dtype (float32, float16 or bfloat16), device and strides,
-    the last dimension contiguous.
+    num_kv_heads, head_dim]``, the same shape, dtype (float32, float16, bfloat16 or, an FP8 cache,
+    float8_e4m3fn), device and strides, the last dimension contiguous.
 
     Raises:
         ValueError: any of these does not hold.
@@ -146,8 +170,34 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
                          f"{v_cache.stride()})")
     if k_cache.shape[3] > 1 and k_cache.stride(3) != 1:
         raise ValueError(f"k_cache/v_cache must have a contiguous last dimension (strides {k_cache.stride()})")
-    if k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"cache dtype must be float32, float16 or bfloat16, got {k_cache.dtype}")
+    if k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+        raise ValueError(f"cache dtype must be float32, float16, bfloat16 or float8_e4m3fn, got {k_cache.dtype}")
+
+
+def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(k_scale, v_scale)`` pointers a paged-cache kernel is given: an FP8 cache's float32 ``[1]``
+    scales (None: a tensor of 1.0), or for any other cache two placeholders the kernel never reads.
+
+    Raises:
+        ValueError: a scale that is not a float32 tensor of one element on the cache's device.
+    """
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return k_cache, k_cache
+    out = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            s = _ones(k_cache.device)
+        elif s.dtype != torch.float32 or s.numel() != 1 or s.device != k_cache.device:
+            raise ValueError(f"{name} must be a float32 tensor of one element on {k_cache.device}, got "
+                             f"{s.dtype} {tuple(s.shape)} on {s.device}")
+        out.append(s)
+    return out[0], out[1]
+
+
+@functools.cache
+def _ones(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, dtype=torch.float32, device=device)
 
 
 def check_query(q: torch.Tensor, k_cache: torch.Tensor, name: str) -> tuple[int, int, int, int]:
@@ -166,8 +216,10 @@ def check_query(q: torch.Tensor, k_cache: torch.Tensor, name: str) -> tuple[int,
         raise ValueError(f"{name} head_dim {d} differs from the cache's {k_cache.shape[3]}")
     if hq % hkv != 0:
         raise ValueError(f"{name} has {hq} heads, not a multiple of the cache's {hkv} KV heads")
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{name} dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{name} dtype must be float32, float16 or bfloat16, got {q.dtype}")
     if q.device != k_cache.device:
         raise ValueError(f"{name} is on {q.device}, the cache on {k_cache.device}")
     if d > 1 and q.stride(2) != 1:

@@ -212,13 +212,16 @@ class Attention(nn.Module):
         t = qkv.shape[0]
         qn, kn = self.q_norm, self.k_norm
         # the Triton backend lets the RoPE kernel write the new K/V into the cache (one launch fewer)
-        write = meta.kv_cache is not None and getattr(self.backend, "cache_write_in_rope", False)
+        # (not while an FP8 cache calibrates this layer's scales: from the rotated k, before its first write)
+        write = (meta.kv_cache is not None and getattr(self.backend, "cache_write_in_rope", False)
+                 and not meta.kv_cache.needs_calibration(self.layer_idx))
         q, k, v = ops.qk_norm_rope(
             qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
             qn.weight if qn is not None else None, kn.weight if kn is not None else None,
             qn.eps if qn is not None else 1e-6, qn.unit_offset if qn is not None else False,
             kv_cache=meta.kv_cache.layer(self.layer_idx) if write else None,
             slot_mapping=meta.slot_mapping if write else None,
+            kv_scales=meta.kv_cache.scales(self.layer_idx) if write else None,
         )
         o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, self.window, kv_written=write)
         o = o.reshape(t, self.num_heads * self.head_dim)
