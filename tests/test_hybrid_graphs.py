@@ -57,7 +57,9 @@ def _load(path, device: str):
 def _assert_state_slots_free(engine) -> None:
     """Every sequence slot back in the free list, once; the padding slot never handed out."""
     kv, state = engine.kv_manager, engine.runner.state_cache
-    assert sorted(kv.free_state_slots) == list(range(kv.num_state_slots)) == list(range(state.num_slots))
+    snapshots = engine.runner.num_snapshot_slots if kv.prefix_caching else 0  # after the sequences' slots
+    assert sorted(kv.free_state_slots) == list(range(kv.num_state_slots))
+    assert state.num_slots == kv.num_state_slots + snapshots
     assert state.pad_slot == state.num_slots and state.conv.shape[1] == state.num_slots + 1
 
 
