@@ -113,14 +113,7 @@ class DraftProposer:
         """One forward of the draft over the sequences of ``work`` (``lengths[i]`` tokens of sequence ``i``
         from position ``firsts[i]``); the argmax token after each sequence's last one."""
         r = self.runner
-        tables = [seq.block_table for seq, _ in work]
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        seq_lens = [f + n for f, n in zip(firsts, lengths)]
-        slots = r._to_device(r.kv_cache.slot_mapping(tables, firsts, lengths), torch.int64)
-        num_decodes = len(lengths) if all(n == 1 for n in lengths) else 0
-        meta = r._metadata(starts, seq_lens, slots, tables, num_decodes)
+        meta = r.runs_metadata([seq.block_table for seq, _ in work], firsts, lengths)
         hidden = r._forward(r._to_device(ids, torch.int64), r._to_device(positions, torch.int64), meta)
-        logits = r._logits(hidden, [s - 1 for s in starts[1:]])
+        logits = r._logits(hidden, [s - 1 for s in meta.query_start_loc_cpu[1:]])
         return logits.argmax(dim=-1).tolist()

@@ -246,16 +246,8 @@ class Eagle3Proposer:
         """One forward of the head over ``work`` (``(sequence, first position, rows)``, back to back):
         ``(norm(h), h)`` of every row."""
         r = self.target
-        tables = [seq.block_table for seq, _, _ in work]
         firsts = [f for _, f, _ in work]
         lengths = [n for _, _, n in work]
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        seq_lens = [f + n for f, n in zip(firsts, lengths)]
-        slots = r._to_device(self.kv_cache.slot_mapping(tables, firsts, lengths), torch.int64)
-        num_decodes = len(lengths) if all(n == 1 for n in lengths) else 0
-        meta = r._metadata(starts, seq_lens, slots, tables, num_decodes)
-        meta.kv_cache = self.kv_cache
+        meta = r.runs_metadata([seq.block_table for seq, _, _ in work], firsts, lengths, self.kv_cache)
         positions = [p for f, n in zip(firsts, lengths) for p in range(f, f + n)]
         return self.head(r._to_device(ids, torch.int64), hidden, r._to_device(positions, torch.int64), meta)

@@ -377,6 +377,22 @@ class ModelRunner:
     # The three places a step touches the model or the cache. Tensor parallelism (phase 14,
     # infer.engine.executor) overrides them to run the same call on every rank.
 
+    def runs_metadata(self, tables: list[list[int]], firsts: list[int], lengths: list[int],
+                      kv_cache: KVCache | None = None) -> AttentionMetadata:
+        """:class:`AttentionMetadata` of sequences that each run ``lengths[i]`` tokens from position
+        ``firsts[i]``, back to back (a draft model's or an EAGLE-3 head's forward, phase 12), their K/V
+        written to and read from ``kv_cache`` (default: this runner's). All of them one token: decodes."""
+        kv = kv_cache if kv_cache is not None else self.kv_cache
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        seq_lens = [f + n for f, n in zip(firsts, lengths)]
+        slots = self._to_device(kv.slot_mapping(tables, firsts, lengths), torch.int64)
+        meta = self._metadata(starts, seq_lens, slots, tables, len(lengths) if all(n == 1 for n in lengths) else 0)
+        if kv_cache is not None:
+            meta.kv_cache = kv_cache
+        return meta
+
     def _metadata(self, starts: list[int], seq_lens: list[int], slot_mapping: torch.Tensor,
                   tables: list[list[int]], num_decodes: int) -> AttentionMetadata:
         """The step's :class:`AttentionMetadata` over this runner's KV cache."""
