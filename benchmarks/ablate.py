@@ -5,6 +5,9 @@
         --out benchmarks/runs/ablation-offline
     python benchmarks/ablate.py --workload serve --scale 0.05 --request-rates 1 4 inf --out /tmp/abl-serve
     python benchmarks/ablate.py --workload offline --flags batching --dry-run        # list the configurations
+    # TTFT and TPOT of one request alone, per flag (a 128-token prompt)
+    python benchmarks/ablate.py --workload single --model DIR --device cuda --dtype bfloat16 \\
+        --prompt-lens 128 --output-len 32 --out /tmp/abl-single
     # chunked prefill alone, on its own workload: 4 decode streams, a 3000-token prompt arriving
     python benchmarks/ablate.py --workload serve --serve-workload decode-interference --flags chunked_prefill \
         --batching continuous --max-model-len 4096 --num-requests 4 --input-len 32 --output-len 200 \
@@ -38,6 +41,9 @@ CUDA-graph state of one run reaches the next:
 * ``--workload offline``: ``benchmarks/offline_throughput.py --engines infer --infer-configs
   <that configuration>`` (the nano-vllm workload; ``--scale`` and every other workload flag of
   that program are passed on).
+* ``--workload single``: ``benchmarks/single_stream.py``: one request alone (``--prompt-lens``,
+  ``--output-len``, ``--repeats`` are passed on), its TTFT and TPOT, the latency a flag buys where
+  nothing queues (the TTFT row per flag).
 * ``--workload serve``: ``benchmarks/serve_bench.py --launch`` (a ``python -m infer.server`` with
   the configuration's flags), Poisson arrivals at ``--request-rates``, token-id prompts of
   ``--input-len`` tokens and ``--output-len`` output tokens (defaults: 200 requests, 512 and 256
@@ -84,6 +90,7 @@ from common import (
     out_argument,
     plot_throughput,
     save_figure,
+    server_flags,
     write_report,
 )
 
@@ -91,6 +98,7 @@ HERE = Path(__file__).resolve().parent
 
 OFFLINE = HERE / "offline_throughput.py"
 SERVE = HERE / "serve_bench.py"
+SINGLE = HERE / "single_stream.py"
 SERVE_DEFAULTS = {"num_requests": 200, "input_len": 512, "output_len": 256}
 
 # ---------------------------------------------------------------------------------- configurations
@@ -195,18 +203,6 @@ def split_engine_args(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
     return vars(ns), rest
 
 
-def server_flags(overrides: dict[str, Any]) -> list[str]:
-    """CLI flags of ``python -m infer.server`` for EngineConfig overrides (None = leave the default)."""
-    out: list[str] = []
-    for k, v in overrides.items():
-        flag = "--" + k.replace("_", "-")
-        if isinstance(v, bool):
-            out.append(flag if v else "--no-" + k.replace("_", "-"))
-        elif v is not None:
-            out += [flag, str(v)]
-    return out
-
-
 def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "config"
 
@@ -258,6 +254,18 @@ def offline_command(c: dict[str, Any], args, passthrough: list[str], out: Path) 
     return cmd + passthrough
 
 
+def single_command(c: dict[str, Any], args, given: dict[str, Any], rest: list[str], out: Path) -> list[str]:
+    """single_stream.py for one configuration: one request alone, TTFT and TPOT (no HF run). The fixed
+    EngineConfig flags join the configuration's overrides; device and dtype are that program's own flags."""
+    overrides = {k: v for k, v in given.items() if k not in ("device", "dtype")}
+    overrides.update(c["overrides"])
+    cmd = [sys.executable, str(SINGLE), "--model", args.model, "--hf", "--out", str(out)]
+    if overrides:
+        cmd += ["--infer-configs", format_overrides(overrides)]
+    cmd += [a for k in ("device", "dtype") if k in given for a in (f"--{k}", str(given[k]))]
+    return cmd + rest
+
+
 def serve_command(c: dict[str, Any], args, given: dict[str, Any], rest: list[str], out: Path) -> list[str]:
     scale = 1.0 if args.scale is None else args.scale
     n = max(2, round(SERVE_DEFAULTS["num_requests"] * scale))
@@ -283,6 +291,14 @@ def offline_figures(rep: dict[str, Any]) -> dict[str, Any]:
     keys = ["output_tok_per_s", "total_tok_per_s", "req_per_s", "wall_s", "ttft_p50_ms", "ttft_p99_ms",
             "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "tokens_ok"]
     return {k: r.get(k) for k in keys}
+
+
+def single_figures(rep: dict[str, Any]) -> dict[str, Any]:
+    """TTFT and TPOT of single_stream's first prompt length (p50 = the median of its repeats; one
+    request at a time, so there is no p99) and the output rate of one stream."""
+    r = rep["rows"][0]
+    return {"ttft_p50_ms": r["ttft_ms"], "tpot_p50_ms": r["tpot_ms"], "output_tok_per_s": r["tok_s"],
+            "prompt_len": r["prompt"]}
 
 
 def serve_figures(rep: dict[str, Any]) -> dict[str, Any]:
@@ -356,8 +372,9 @@ def plot_vs_rate(configs: list[dict[str, Any]], path: Path, title: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
-    ap.add_argument("--workload", choices=["offline", "serve"], default="offline",
-                    help="offline: offline_throughput.py; serve: serve_bench.py --launch (default: offline)")
+    ap.add_argument("--workload", choices=["offline", "serve", "single"], default="offline",
+                    help="offline: offline_throughput.py; serve: serve_bench.py --launch; single: single_stream.py, "
+                         "one request alone (TTFT and TPOT per flag) (default: offline)")
     ap.add_argument("--flags", default=None,
                     help="comma-separated ablation flags to vary (default: every EngineConfig.ablation_values() flag)")
     ap.add_argument("--model", default="smollm2-135m", help="short name, .gguf or HF directory (default: %(default)s)")
@@ -416,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         rep_path.unlink(missing_ok=True)
         if args.workload == "offline":
             cmd = offline_command(c, args, passthrough, rep_path)
+        elif args.workload == "single":
+            cmd = single_command(c, args, given, rest, rep_path)
         else:
             cmd = serve_command(c, args, given, rest, rep_path)
         c["command"] = shlex.join(cmd)
@@ -435,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             c.update(offline_figures(rep))
             c["engine_config"] = next(iter(rep["engine_configs"].values()), c.get("engine_config"))
+        elif args.workload == "single":
+            c.update(single_figures(rep))
+            c["engine_config"] = next(iter(rep["engine_config"].values()), c.get("engine_config"))
         else:
             c.update(serve_figures(rep))
             c["server_command"] = rep.get("server_command")

@@ -115,6 +115,18 @@ def engine_overrides(items: list[str]) -> dict[str, Any]:
         raise SystemExit(f"--engine-args: {e}") from None
 
 
+def server_flags(overrides: dict[str, Any]) -> list[str]:
+    """CLI flags of ``python -m infer.server`` for EngineConfig overrides (None = leave the default)."""
+    out: list[str] = []
+    for k, v in overrides.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + k.replace("_", "-"))
+        elif v is not None:
+            out += [flag, str(v)]
+    return out
+
+
 def ceilings(device: str | torch.device, quick: bool = False) -> dict[str, float]:
     """Measured memory bandwidth (GB/s, read + written) and matmul rate (TFLOP/s)."""
     device = torch.device(device)

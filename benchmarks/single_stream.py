@@ -4,8 +4,10 @@
     python benchmarks/single_stream.py --prompt-lens 128 1024 --output-len 128 --hf eager
     python benchmarks/single_stream.py --model /path/qwen3-0.6b --device cuda --hf eager compiled
 
-For each prompt length: a prompt of random token ids (fixed seed), ``output-len`` tokens
-generated greedily with ``ignore_eos`` (so every run produces the same number of tokens).
+For each prompt length: prompts of random token ids (fixed seeds), ``output-len`` tokens
+generated greedily with ``ignore_eos`` (so every run produces the same number of tokens). infer
+gets a new prompt each run (a warm-up, then ``--repeats``), so that with prefix caching on its
+TTFT is still a cold prefill; HF, which caches nothing across calls, repeats one.
 TTFT is the time to the first token, TPOT the mean time per later token. TPOT is also given as a
 fraction of the batch-1 decode floor (weights + KV bytes / measured bandwidth). HF
 transformers runs the same weights in the same process: ``eager`` is its default
@@ -42,13 +44,15 @@ from common import (
 from workloads import random_prompt
 
 
-def bench_infer(llm, prompt: list[int], output_len: int, repeats: int) -> dict[str, float]:
+def bench_infer(llm, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    """Median TTFT and TPOT (ms) of the prompts run one after the other, the first as a warm-up. Each
+    prompt is new to the engine, so with prefix caching on no run is a cache hit (a cold TTFT)."""
     from infer.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     ttfts, tpots = [], []
     device = llm.engine.runner.device
-    for _ in range(repeats + 1):  # the first run warms up
+    for prompt in prompts:  # the first run warms up
         sync(device)
         start = time.perf_counter()
         first = None
@@ -130,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"measuring ceilings on {device} ...", flush=True)
             ceil = ceilings(device)
         for plen in args.prompt_lens:
-            prompt = random_prompt(cfg.vocab_size, plen, args.seed)
+            prompts = [random_prompt(cfg.vocab_size, plen, args.seed + r) for r in range(args.repeats + 1)]
             floor_ms = 1e3 * decode_floor_s(cfg, dtype, plen + args.output_len // 2, ceil["bandwidth_gb_s"])
             print(f"{label}: prompt {plen} ...", flush=True)
-            r = bench_infer(llm, prompt, args.output_len, args.repeats)
+            r = bench_infer(llm, prompts, args.output_len)
             results[f"{label}/{plen}"] = r
             rows.append({"engine": label, "prompt": plen, **r, "floor_ms": floor_ms,
                          "tok_s": 1e3 / r["tpot_ms"], "floor_frac": floor_ms / r["tpot_ms"]})

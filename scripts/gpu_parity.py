@@ -31,6 +31,12 @@ Gates (both metric sets are always reported; ``--gate auto`` picks by dtype):
   bf16 ulps of the logits), so bf16 rounding alone flips argmaxes. Measured on an H100
   (2026-11-22): HF eager vs HF sdpa agree on 0.84-0.96 of the positions (tie-aware); infer vs
   HF on 0.94-0.999, every mismatch within 0.22 nats (HF vs itself: 0.44).
+  With ``--float64`` HF also runs in float64 (eager), the answer bf16 rounds away from: the report
+  says how often each bf16 forward (HF sdpa, HF eager, infer) picks float64's argmax and, at each
+  infer/HF mismatch, which token float64 prefers and by how much; and when the noise floor's test
+  fails, float64 judges: infer passes if it picks float64's argmax at least as often as the least
+  accurate of HF's bf16 forwards does (rounding, not a bug, if infer is as close to the exact
+  answer as the reference is).
 * ``fp32`` (CPU or GPU, float32): max |delta logit| <= 1e-3 and identical (strict) argmax. On
   the GPU this is the exactness check at real shapes (measured: max |delta logit| <= 8e-5).
 
@@ -41,6 +47,9 @@ Usage::
     python scripts/gpu_parity.py --presets qwen3-30b-a3b-4l             # Qwen3-MoE (Triton experts on CUDA)
     python scripts/gpu_parity.py --dtype float32 --out parity_fp32.json # exact check at real shapes
     python scripts/gpu_parity.py --device cpu --dtype float32 --presets tiny-qwen3,tiny-llama,tiny-gemma3,tiny-qwen3-moe
+    # which fused op moves an argmax: one run per op swapped for its plain-PyTorch twin, float64 as judge
+    python scripts/gpu_parity.py --presets gemma3-1b --fused-kernels --attention-backend triton \\
+        --float64 --reference-ops each
 
 Exit status 1 when any preset fails its gate (or raises).
 """
@@ -50,6 +59,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import shutil
@@ -58,6 +68,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +134,13 @@ def hf_logits(path: Path, prompts: list[torch.Tensor], device: torch.device, dty
 
 @torch.inference_mode()
 def infer_logits(path: Path, prompts: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 attention_backend: str = "torch", fused_kernels: bool = False,
+                 attention_backend: str = "torch", fused_kernels: bool = False, ops: Any = None,
                  ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """infer's teacher-forced logits, one flattened prefill of every prompt.
 
     ``attention_backend`` ("torch" or "triton") and ``fused_kernels`` choose the forward the engine
-    runs with those settings (``EngineConfig.attention_backend`` / ``fused_kernels``, phase 8).
+    runs with those settings (``EngineConfig.attention_backend`` / ``fused_kernels``, phase 8);
+    ``ops`` replaces the fused ops module (:func:`mixed_ops`).
     """
     from infer.attention import AttentionMetadata, TorchAttentionBackend
     from infer.attention.triton_backend import TritonAttentionBackend
@@ -140,7 +152,9 @@ def infer_logits(path: Path, prompts: list[torch.Tensor], device: torch.device, 
     lengths = [len(p) for p in prompts]
     lm.model.set_attention_backend(TritonAttentionBackend(device) if attention_backend == "triton"
                                    else TorchAttentionBackend())
-    lm.model.set_fused_ops(fused_ops(attention_backend) if fused_kernels else None, max(lengths))
+    if fused_kernels and ops is None:
+        ops = fused_ops(attention_backend)
+    lm.model.set_fused_ops(ops if fused_kernels else None, max(lengths))
     if hasattr(lm.model, "set_moe_impl") and device.type == "cuda":
         from infer.kernels import moe_triton
 
@@ -158,6 +172,65 @@ def infer_logits(path: Path, prompts: list[torch.Tensor], device: torch.device, 
     del lm, hidden
     free(device)
     return out, {"infer_load_s": t1 - t0, "infer_forward_s": t2 - t1}
+
+
+def fused_op_names() -> list[str]:
+    """The fused operations a model's fused forward calls (phase 8), each with a plain-PyTorch twin."""
+    from infer.kernels import fused_triton
+
+    return [n for n in fused_triton.__all__ if n != "build_cos_sin_cache"]
+
+
+def mixed_ops(reference: set[str]) -> types.SimpleNamespace:
+    """The Triton fused ops with those named in ``reference`` taken from their plain-PyTorch twins
+    (:mod:`infer.kernels.fused_reference`, the same functions): swapping one op at a time shows which
+    op moves a position's argmax.
+
+    Raises:
+        ValueError: a name that is no fused op.
+    """
+    from infer.kernels import fused_reference, fused_triton
+
+    unknown = reference - set(fused_op_names())
+    if unknown:
+        raise ValueError(f"unknown fused op(s) {sorted(unknown)}; choose from {', '.join(fused_op_names())}")
+    ops = types.SimpleNamespace(**{n: getattr(fused_triton, n) for n in dir(fused_triton) if not n.startswith("_")})
+    for n in reference:
+        setattr(ops, n, getattr(fused_reference, n))
+    return ops
+
+
+@torch.inference_mode()
+def float64_agreement(exact: list[torch.Tensor], sides: dict[str, list[torch.Tensor]],
+                      hf: list[torch.Tensor], mine: list[torch.Tensor]) -> dict[str, Any]:
+    """How often each bf16 side picks the float64 forward's argmax, and at each position where infer
+    and the bf16 reference disagree, which of the two tokens float64 prefers and by how much.
+
+    ``exact``: float64 logits ``[T, V]`` per prompt (HF eager in float64, the same weights): the
+    answer bf16 rounds away from. ``sides``: label -> bf16 logits per prompt. ``gap_f64`` of a
+    mismatch is float64's logit of HF's token minus that of infer's (> 0: float64 sides with HF);
+    ``f64_margin`` float64's own top-1/top-2 margin there (a tie at bf16 resolution is well under
+    one bf16 ulp of the logit, 2^-7 of its magnitude).
+    """
+    agree = {k: [] for k in sides}
+    mismatches = []
+    for i, ex in enumerate(exact):
+        a_ex = ex.argmax(-1)
+        for k, v in sides.items():
+            agree[k].append((v[i].to(ex.device).argmax(-1) == a_ex).cpu())
+        a_hf, a_me = hf[i].to(ex.device).argmax(-1), mine[i].to(ex.device).argmax(-1)
+        top2 = ex.topk(2, dim=-1).values
+        for pos in torch.nonzero(a_hf != a_me).flatten().tolist():
+            lh, lm = ex[pos, a_hf[pos]].item(), ex[pos, a_me[pos]].item()
+            mismatches.append({"prompt": i, "position": pos, "hf_token": int(a_hf[pos]), "infer_token": int(a_me[pos]),
+                               "f64_argmax": int(a_ex[pos]), "gap_f64": lh - lm,
+                               "f64_margin": float(top2[pos, 0] - top2[pos, 1]),
+                               "bf16_ulp_at_logit": 2.0 ** (math.floor(math.log2(max(abs(lh), 1e-30))) - 7)})
+    out = {"argmax_agree_f64": {k: float(torch.cat(v).double().mean()) for k, v in agree.items()},
+           "mismatches": mismatches}
+    out["mismatches_f64_sides_with_infer"] = sum(m["f64_argmax"] == m["infer_token"] for m in mismatches)
+    out["mismatches_within_one_bf16_ulp"] = sum(abs(m["gap_f64"]) <= m["bf16_ulp_at_logit"] for m in mismatches)
+    return out
 
 
 @torch.inference_mode()
@@ -214,7 +287,7 @@ def summarize(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
 
 
 def check_gate(m: dict[str, float], gate: str, floor: dict[str, float] | None = None,
-               strict_argmax: bool = False) -> tuple[list[str], str]:
+               strict_argmax: bool = False, f64: dict[str, Any] | None = None) -> tuple[list[str], str]:
     """Reasons the metrics fail ``gate`` (empty list: pass), and the argmax criterion applied.
 
     bf16 argmax: tie-aware agreement >= 0.99, or, when the reference's noise floor (HF eager
@@ -222,7 +295,9 @@ def check_gate(m: dict[str, float], gate: str, floor: dict[str, float] | None = 
     agreement and no mismatch where HF prefers its top-1 by more than the p99 budget (0.2 nats)
     or than the floor's own largest mismatch, whichever is larger. (A random-weight model's
     next-token distribution is nearly flat, so bf16 rounding alone flips near-ties; HF
-    disagrees with itself that often.)
+    disagrees with itself that often.) With a float64 forward (``f64``, :func:`float64_agreement`)
+    the exact answer judges instead, when the floor's test fails: infer passes if it picks
+    float64's argmax at least as often as the least accurate of HF's bf16 forwards does.
     """
     g = GATES[gate]
     bad = []
@@ -237,18 +312,29 @@ def check_gate(m: dict[str, float], gate: str, floor: dict[str, float] | None = 
         agree, need = m["argmax_agree_tie_aware"], g["argmax_agree_tie_aware_min"]
         criterion = f"tie-aware agreement >= {need}"
         if agree < need:
+            argmax_bad = [f"argmax agreement {agree:.4f} < {need}"]
             if floor is not None and not strict_argmax:
                 budget = max(g["top8_p99_abs_dlogprob_max"], floor["mismatch_ref_gap_max"])
                 criterion = (f"tie-aware agreement >= noise floor's ({floor['argmax_agree_tie_aware']:.4f}) and "
                              f"every mismatch a near tie (HF gap <= {budget:.3f})")
+                argmax_bad = []
                 if agree < floor["argmax_agree_tie_aware"]:
-                    bad.append(f"argmax agreement {agree:.4f} < {need} and < the noise floor's "
-                               f"{floor['argmax_agree_tie_aware']:.4f} (HF eager vs HF)")
+                    argmax_bad.append(f"argmax agreement {agree:.4f} < {need} and < the noise floor's "
+                                      f"{floor['argmax_agree_tie_aware']:.4f} (HF eager vs HF)")
                 if m["mismatch_ref_gap_max"] > budget:
-                    bad.append(f"an argmax mismatch where HF's top-1 leads infer's by "
-                               f"{m['mismatch_ref_gap_max']:.3f} > {budget:.3f} nats")
-            else:
-                bad.append(f"argmax agreement {agree:.4f} < {need}")
+                    argmax_bad.append(f"an argmax mismatch where HF's top-1 leads infer's by "
+                                      f"{m['mismatch_ref_gap_max']:.3f} > {budget:.3f} nats")
+            if argmax_bad and f64 is not None and not strict_argmax:
+                a = f64["argmax_agree_f64"]
+                worst_ref = min(v for k, v in a.items() if k != "infer")
+                criterion = (f"float64 as the judge: infer picks float64's argmax ({a['infer']:.4f}) at least as "
+                             f"often as HF's least accurate bf16 forward ({worst_ref:.4f})")
+                if a["infer"] >= worst_ref:
+                    argmax_bad = []
+                else:
+                    argmax_bad.append(f"infer picks float64's argmax less often ({a['infer']:.4f}) than HF's bf16 "
+                                      f"forwards ({worst_ref:.4f})")
+            bad += argmax_bad
     else:
         criterion = "identical argmax"
         if not m["max_abs_dlogit"] <= g["max_abs_dlogit_max"]:
@@ -288,26 +374,36 @@ def run_preset(preset: str, args: argparse.Namespace, device: torch.device, dtyp
         log(f"[{preset}] HF transformers forward ({args.attn})")
         ref, t = hf_logits(ckpt, prompts, device, dtype, args.attn)
         timings.update(t)
+        eager = None
         if args.noise_floor:
             log(f"[{preset}] HF transformers forward (eager): the reference's own noise floor")
             eager, t = hf_logits(ckpt, prompts, device, dtype, "eager")
             timings["hf_eager_s"] = t["hf_load_s"] + t["hf_forward_s"]
             res["noise_floor"] = {"what": f"HF {args.attn} (reference) vs HF eager, same weights and dtype",
                                   **summarize([compare(a, b) for a, b in zip(ref, eager)])}
-            del eager
-            free(device)
+        exact = None
+        if args.float64:
+            log(f"[{preset}] HF transformers forward in float64 (eager): the exact answer")
+            t0 = time.perf_counter()
+            exact, _ = hf_logits(ckpt, prompts, device, torch.float64, "eager")
+            timings["hf_float64_s"] = time.perf_counter() - t0
         log(f"[{preset}] infer forward")
         mine, t = infer_logits(ckpt, prompts, device, dtype, args.attention_backend, args.fused_kernels)
         timings.update(t)
 
         parts = [compare(a, b) for a, b in zip(ref, mine)]
-        del ref, mine
-        free(device)
         res["per_prompt"] = [{"length": n, **summarize([p])} for n, p in zip(lengths, parts)]
         res["metrics"] = summarize(parts)
+        if exact is not None:
+            sides = {f"hf_{args.attn}": ref, **({"hf_eager": eager} if eager is not None else {}), "infer": mine}
+            res["float64"] = float64_agreement(exact, sides, ref, mine)
         res["failures"], res["argmax_criterion"] = check_gate(res["metrics"], gate, res.get("noise_floor"),
-                                                              args.strict_argmax)
+                                                              args.strict_argmax, res.get("float64"))
         res["passed"] = not res["failures"]
+        if args.reference_ops:
+            res["swaps"] = swap_sweep(ckpt, prompts, device, dtype, args, ref, exact)
+        del ref, mine, eager, exact
+        free(device)
     except Exception as e:  # report and go on with the other presets
         res["passed"] = False
         res["failures"] = [f"{type(e).__name__}: {e}"]
@@ -319,6 +415,34 @@ def run_preset(preset: str, args: argparse.Namespace, device: torch.device, dtyp
         if not args.keep and ckpt.exists():
             shutil.rmtree(ckpt, ignore_errors=True)
     return res
+
+
+def swap_sweep(ckpt: Path, prompts: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
+               args: argparse.Namespace, ref: list[torch.Tensor], exact: list[torch.Tensor] | None) -> list[dict]:
+    """infer's fused forward again with fused ops swapped for their plain-PyTorch twins
+    (``--reference-ops``: ``each`` runs one forward per op, ``all`` one with every op swapped, else
+    the comma-separated ops together): the same metrics against HF for each run, and with
+    ``--float64`` the agreement with float64's argmax."""
+    names = fused_op_names()
+    if args.reference_ops == "each":
+        runs = [[n] for n in names]
+    elif args.reference_ops == "all":
+        runs = [names]
+    else:
+        runs = [args.reference_ops.split(",")]
+    out = []
+    for swapped in runs:
+        log(f"infer forward with the reference {', '.join(swapped)}")
+        mine, _ = infer_logits(ckpt, prompts, device, dtype, args.attention_backend, True, mixed_ops(set(swapped)))
+        row = {"reference_ops": swapped, **summarize([compare(a, b) for a, b in zip(ref, mine)])}
+        if exact is not None:
+            f64 = float64_agreement(exact, {"infer": mine}, ref, mine)
+            row["argmax_agree_f64"] = f64["argmax_agree_f64"]["infer"]
+            row["mismatch_positions"] = [(m["prompt"], m["position"]) for m in f64["mismatches"]]
+        out.append(row)
+        del mine
+        free(device)
+    return out
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -370,11 +494,24 @@ def table(results: list[dict[str, Any]]) -> str:
                      f"{total:.1f}"))
         if "noise_floor" in r:
             rows.append((r["preset"], "HF eager/HF", "", *cells(r["noise_floor"]), "", "(floor)", ""))
+        for sw in r.get("swaps", []):
+            rows.append((r["preset"], "ref " + "+".join(sw["reference_ops"]) if len(sw["reference_ops"]) < 3
+                         else "ref (all ops)", "", *cells(sw), "", "(swap)", ""))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line(row) for row in rows]
     for r in results:
+        if "float64" in r:
+            f = r["float64"]
+            agree = ", ".join(f"{k} {v:.4f}" for k, v in f["argmax_agree_f64"].items())
+            out.append(f"  {r['preset']}: argmax agreement with float64: {agree}; of {len(f['mismatches'])} "
+                       f"infer/HF mismatches float64 sides with infer at {f['mismatches_f64_sides_with_infer']}, "
+                       f"{f['mismatches_within_one_bf16_ulp']} within one bf16 ulp")
+        for sw in r.get("swaps", []):
+            if "argmax_agree_f64" in sw:
+                out.append(f"  {r['preset']}: reference {'+'.join(sw['reference_ops'])}: float64 agreement "
+                           f"{sw['argmax_agree_f64']:.4f}, mismatches with HF at {sw['mismatch_positions']}")
         for f in r.get("failures", []):
             out.append(f"  {r['preset']}: {f}")
     return "\n".join(out)
@@ -410,6 +547,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fused-kernels", action="store_true",
                     help="run infer's fused forward (phase 8: merged projections and the fused kernels of "
                          "the chosen backend)")
+    ap.add_argument("--float64", action="store_true",
+                    help="also run HF in float64 (eager): which side of each argmax mismatch the exact answer takes, "
+                         "and a gate that lets it judge when bf16 sides disagree (see check_gate)")
+    ap.add_argument("--reference-ops", default=None, metavar="OPS",
+                    help="with --fused-kernels: rerun infer with fused ops swapped for their plain-PyTorch twins: "
+                         "'each' (one run per op), 'all', or a comma-separated list; reported, not gated")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
 
@@ -427,6 +570,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown preset(s) {unknown}; choose from {', '.join(PRESETS)}")
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    if args.reference_ops and not args.fused_kernels:
+        ap.error("--reference-ops needs --fused-kernels")
+    if args.reference_ops not in (None, "each", "all"):
+        try:
+            mixed_ops(set(args.reference_ops.split(",")))
+        except ValueError as e:
+            ap.error(str(e))
     if device.type == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
 
@@ -470,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
         "hf_attn_implementation": args.attn,
         "infer_attention_backend": args.attention_backend,
         "infer_fused_kernels": args.fused_kernels,
+        "float64_reference": args.float64,
+        "reference_ops": args.reference_ops,
         "results": results,
         "passed": passed,
         "wall_s": round(time.perf_counter() - start, 1),

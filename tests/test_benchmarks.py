@@ -286,6 +286,35 @@ def test_ablate_passes_engine_flags_on_and_refuses_an_ablated_one(capsys):
         ablate.main(["--dry-run", "--batching", "static"])
 
 
+def test_ablate_single_runs_single_stream_with_the_fixed_flags_and_its_own_device_flag(tmp_path):
+    from argparse import Namespace
+
+    c = {"overrides": {"prefix_caching": True}}
+    cmd = ablate.single_command(c, Namespace(model="m"), {"device": "cpu", "max_num_seqs": 4},
+                                ["--prompt-lens", "16"], tmp_path / "r.json")
+    assert cmd[1].endswith("single_stream.py") and cmd[-2:] == ["--prompt-lens", "16"]
+    assert cmd[cmd.index("--infer-configs") + 1] == "max_num_seqs=4,prefix_caching=true"
+    assert cmd[cmd.index("--device") + 1] == "cpu" and "--hf" in cmd
+    rep = {"rows": [{"engine": "x", "prompt": 16, "ttft_ms": 3.0, "tpot_ms": 2.0, "tok_s": 500.0}]}
+    assert ablate.single_figures(rep) == {"ttft_p50_ms": 3.0, "tpot_p50_ms": 2.0, "output_tok_per_s": 500.0,
+                                          "prompt_len": 16}
+
+
+def test_single_stream_gives_each_run_a_new_prompt_so_a_prefix_cache_never_hits(tiny_llama):
+    import single_stream
+
+    from infer.llm import LLM
+
+    llm = LLM(str(tiny_llama.path), batching="continuous", kv_cache="paged", prefix_caching=True, block_size=4,
+              max_model_len=64)
+    prompts = [workloads.random_prompt(tiny_llama.config.vocab_size, 24, seed) for seed in range(3)]
+    r = single_stream.bench_infer(llm, prompts, 3)
+    assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0
+    assert llm.engine.stats()["prefix_cache_hits"] == 0  # the same prompt twice would hit its 6 blocks
+    single_stream.bench_infer(llm, prompts[:1] * 2, 3)
+    assert llm.engine.stats()["prefix_cache_hits"] > 0
+
+
 # ---------------------------------------------------------------------------------- end to end
 
 
