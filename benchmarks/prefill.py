@@ -21,7 +21,8 @@ the same run. For each prompt length ``T`` (``--prompt-lens``) the program measu
    engine's ``ModelConfig``): achieved TFLOP/s and its fraction of the peak (``ttft_mfu``; the issue's
    criterion is >= 0.65 at 2,048 tokens on Qwen3-4B). ``max_num_batched_tokens`` is raised to the
    longest prompt unless ``--engine-args`` sets it, so each prompt is ONE prefill step; the report
-   says how many steps it took (more than one: chunked by the user's budget). Beside it, from a step
+   says how many steps it took (more than one: chunked by the user's budget, whose steps run their GEMMs
+   at ``M`` = the budget, not at the GEMM ceiling's ``M = T``). Beside it, from a step
    trace (``LLMEngine.set_tracer``, :mod:`infer.engine.step_trace`): the prefill step's host work
    (``host_ms``: schedule + outputs; ``launch_ms``: inputs built and the forward and sampling launched,
    on a CPU run) and its span on the device (``device_ms``, CUDA events); ``ttft_minus_device_ms``, what
@@ -157,7 +158,7 @@ def model_linears(model) -> list[tuple[str, torch.nn.Linear]]:
 
 
 _ATTENTION = ("_paged_prefill_kernel", "_prefill_combine_kernel", "_paged_decode_kernel", "_merge_splits", "flash",
-              "fmha", "attention", "sdpa", "softmax")
+              "fmha", "attention", "sdpa")
 _GEMM = ("gemm", "gemv", "cutlass", "sm90", "sm80", "nvjet", "ampere", "matmul", "cublas", "_quantized_",
          "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")
 _NORM = ("rms_norm", "layer_norm", "rope", "rotary", "act_and_mul", "silu", "gelu", "aten::mul", "aten::rsqrt",
@@ -386,7 +387,7 @@ def measure_length(engine, cfg, num_tokens: int, args, peak: float, rng: random.
            "ttft_tflops": ttft_tflops, "ttft_mfu": ttft_tflops / peak,
            "device_mfu": (flops["total"] / (tt["device_ms"] / 1e3) / 1e12 / peak) if tt["device_ms"] else None,
            "ttft_minus_device_ms": tt["ttft_ms"] - tt["device_ms"] if tt["device_ms"] is not None else None,
-           "gemm_ceiling_tflops": gemm["tflops"], "gemm_ceiling_frac_peak": gemm["tflops"] / peak,
+           "gemm_ceiling_tflops": gemm["tflops"], "gemm_ceiling_frac_peak": gemm["tflops"] / peak if gemm["tflops"] else None,
            "gemm_ceiling_ms": gemm["ms"]}
     print_row(row)
     attention = []
@@ -495,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{' '.join(map(str, CPU_LENS))} on CPU)")
     ap.add_argument("--engine-args", nargs="*", default=None, metavar="FIELD=VALUE",
                     help="EngineConfig overrides (default: optimize=true); max_num_batched_tokens defaults to the "
-                         "longest prompt + 8 (one prefill step), max_num_seqs to 1")
+                         "longest prompt + 8 (one prefill step), max_num_seqs to 1 (a KV cache of one sequence)")
     ap.add_argument("--repeats", type=int, default=None, help="timed TTFTs per length (default 5 on CUDA, 2 on CPU)")
     ap.add_argument("--extend-tokens", type=int, default=None,
                     help=f"attention alone: new tokens of the extend case (default {GPU_EXTEND} on CUDA, "
@@ -530,13 +531,13 @@ def main(argv: list[str] | None = None) -> int:
     from infer.kernels.triton_common import INTERPRET
 
     with_attention = gpu or INTERPRET
+    print("measuring the matmul peak ...", flush=True)
+    ceil = ceilings(device, quick=not gpu)
+    peak = ceil["matmul_tflops"]
     print(f"loading {args.model} on {device} ...", flush=True)
     llm = make_llm(args.model, kw, longest, progress=False)
     engine = llm.engine
     cfg = engine.runner.config
-    print("measuring the matmul peak ...", flush=True)
-    ceil = ceilings(device, quick=not gpu)
-    peak = ceil["matmul_tflops"]
     print(f"matmul peak {peak:.1f} TFLOP/s ({ceil['matmul_dtype']}); {engine.config.optimization_summary()}",
           flush=True)
     rng = random.Random(args.seed)
