@@ -224,7 +224,7 @@ def breakdown(kernels: list[dict[str, Any]], flops: dict[str, int], peak: float,
 
 def bench(fn, device: torch.device) -> float:
     """Median seconds of ``fn()``: ``triton.testing.do_bench`` on a GPU (warm-up, L2 cleared per run),
-    the wall time of one call after one warm-up on the CPU."""
+    the median wall time of 3 calls after one warm-up on the CPU."""
     if device.type == "cuda":
         import triton.testing
 
@@ -315,8 +315,9 @@ def profile_prefill(engine, num_tokens: int, vocab: int, rng: random.Random) -> 
 
 
 def attention_rows(cfg, num_tokens: int, device: torch.device, dtype: torch.dtype, peak: float,
-                   gen: torch.Generator, extend: int) -> list[dict[str, Any]]:
-    """One layer's attention at this model's heads: the Triton prefill kernel against SDPA (causal),
+                   gen: torch.Generator, extend: int, block_size: int = 16) -> list[dict[str, Any]]:
+    """One layer's attention at this model's heads, over a paged cache of ``block_size``-token
+    blocks: the Triton prefill kernel against SDPA (causal),
     then, when ``num_tokens > extend``, an extend of ``extend`` new tokens after ``num_tokens - extend``
     cached, against SDPA with a lower-right causal mask."""
     import paged_attention as pa
@@ -324,7 +325,7 @@ def attention_rows(cfg, num_tokens: int, device: torch.device, dtype: torch.dtyp
     from infer.kernels import prefill_attention
 
     shape = {"num_q_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-             "block_size": 16, "dtype": str(dtype).replace("torch.", "")}
+             "block_size": block_size, "dtype": str(dtype).replace("torch.", "")}
     ceil = {"matmul_tflops": peak}
     rows = []
     r = pa.prefill_row(prefill_attention, 1, num_tokens, 0, shape, device, ceil, gen, max_context=num_tokens)
@@ -387,15 +388,15 @@ def measure_length(engine, cfg, num_tokens: int, args, peak: float, rng: random.
            "ttft_tflops": ttft_tflops, "ttft_mfu": ttft_tflops / peak,
            "device_mfu": (flops["total"] / (tt["device_ms"] / 1e3) / 1e12 / peak) if tt["device_ms"] else None,
            "ttft_minus_device_ms": tt["ttft_ms"] - tt["device_ms"] if tt["device_ms"] is not None else None,
-           "gemm_ceiling_tflops": gemm["tflops"], "gemm_ceiling_frac_peak": gemm["tflops"] / peak if gemm["tflops"] else None,
-           "gemm_ceiling_ms": gemm["ms"]}
+           "gemm_ceiling_tflops": gemm["tflops"], "gemm_ceiling_ms": gemm["ms"],
+           "gemm_ceiling_frac_peak": gemm["tflops"] / peak if gemm["tflops"] else None}
     print_row(row)
     attention = []
     if with_attention:
         print(f"[{num_tokens} tokens] attention alone: Triton prefill kernel vs SDPA ...", flush=True)
-        attention = [{"prompt_tokens": num_tokens, **r}
-                     for r in attention_rows(cfg, num_tokens, device, engine.runner.dtype, peak, gen,
-                                                                  args.extend_tokens)]
+        rows = attention_rows(cfg, num_tokens, device, engine.runner.dtype, peak, gen, args.extend_tokens,
+                              engine.config.block_size)
+        attention = [{"prompt_tokens": num_tokens, **r} for r in rows]
         for r in attention:
             print_row(r)
     return {"row": row, "flops": flops, "breakdown": {"prompt_tokens": num_tokens, **parts},
