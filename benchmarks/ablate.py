@@ -27,7 +27,7 @@ first ("off") value; the runs are:
 * ``all-off``: the base;
 * for each picked flag and each of its other values: the base with only that flag changed;
 * ``all-on``: every picked flag at its last value;
-* ``optimize`` (when every flag is picked): ``--optimize`` and no flag set, so the engine turns
+* ``optimize`` (when every flag is picked, or with ``--with-optimize``): ``--optimize`` and no flag set, so the engine turns
   on what this device supports (the start-up log of its run says what).
 
 Configurations that coincide are run once (``batching=continuous`` is also ``all-on`` while
@@ -388,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     out_argument(ap, "ablation", "output directory")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per configuration before it counts as failed")
     ap.add_argument("--no-ceilings", dest="ceilings", action="store_false", help="do not measure the ceilings")
+    ap.add_argument("--with-optimize", action="store_true",
+                    help="add the optimize row when --flags picks some flags (it is always there without --flags)")
     ap.add_argument("--dry-run", action="store_true", help="list the configurations (and skips) and stop")
     return ap
 
@@ -400,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     values = EngineConfig.ablation_values()
     flags = [f.strip() for f in args.flags.split(",") if f.strip()] if args.flags else None
     try:
-        configs = ablation_configs(values, flags, optimize=flags is None)
+        configs = ablation_configs(values, flags, optimize=flags is None or args.with_optimize)
     except ValueError as e:
         ap.error(str(e))
     given, rest = split_engine_args(passthrough)

@@ -184,7 +184,7 @@ def test_hybrid_config_keeps_decode_graphs_and_refuses_prefill_graphs(tiny_cpu):
     cuda = torch.device("cuda")
     cfg = EngineConfig(model="x", cuda_graphs=True)
     cfg._resolve_unset(cuda)
-    assert cfg.cuda_graph_prefill_max_tokens == 512
+    assert cfg.cuda_graph_prefill_max_tokens == 2048
     cfg.validate_model(model_cfg)
     assert cfg.cuda_graphs and (cfg.cuda_graph_prefill_max_tokens, cfg.cuda_graph_mixed_max_tokens) == (0, 0)
     assert "decode graphs only" in cfg.optimization_notes["cuda_graph_prefill_max_tokens"]

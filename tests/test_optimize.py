@@ -58,18 +58,19 @@ def test_the_command_line_has_the_switch_and_the_no_flags_still_win():
     cfg = engine_config_from_args(args).validate()
     assert cfg.optimize and cfg.chunked_prefill is False and cfg.kv_cache == "paged"
     assert "turned off explicitly" in cfg.optimization_notes["chunked_prefill"]
-    help_text = ap.format_help()
-    assert "False; True with --optimize" in help_text and "512 with --cuda-graphs, else 0" in help_text
+    help_text = "".join(ap.format_help().split())  # argparse wraps lines where it likes, hyphens too
+    assert "False;Truewith--optimize" in help_text and "2048with--cuda-graphs,else0" in help_text
+    assert "512with--cuda-graphs,else0" in help_text
 
 
 def test_graphs_of_prefill_and_mixed_steps_come_with_cuda_graphs_unless_set():
     """Resolved for a CUDA device without needing one: with cuda_graphs given explicitly, the
-    prefill and mixed graphs default to 512 tokens (one rank only; tensor parallelism captures
+    prefill and mixed graphs default to 2,048 and 512 tokens (one rank only; tensor parallelism captures
     decode graphs alone), and an explicit 0 keeps them off."""
     cuda = torch.device("cuda")
     cfg = EngineConfig(cuda_graphs=True)
     cfg._resolve_unset(cuda)
-    assert (cfg.cuda_graph_prefill_max_tokens, cfg.cuda_graph_mixed_max_tokens) == (512, 512)
+    assert (cfg.cuda_graph_prefill_max_tokens, cfg.cuda_graph_mixed_max_tokens) == (2048, 512)
     cfg = EngineConfig(cuda_graphs=True, cuda_graph_prefill_max_tokens=0, cuda_graph_mixed_max_tokens=128)
     cfg._resolve_unset(cuda)
     assert (cfg.cuda_graph_prefill_max_tokens, cfg.cuda_graph_mixed_max_tokens) == (0, 128)

@@ -132,9 +132,10 @@ class EngineConfig(PhaseChecks):
     cuda_graph_prefill_max_tokens: int | None = _flag(None, "cuda_graphs: also capture steps that prefill one "
                                                       "sequence alone (a prompt, a prompt chunk, the suffix after a "
                                                       "prefix-cache hit) of up to this many tokens, in buckets 16, "
-                                                      "32, 64, ... (powers of 2); default with cuda_graphs: 512 "
-                                                      "(at most max_num_batched_tokens); 0: none",
-                                                      with_cuda_graphs=512, phase=9)
+                                                      "32, 64, ... (powers of 2); default with cuda_graphs: 2048 "
+                                                      "(at most max_num_batched_tokens, the chunked-prefill budget), "
+                                                      "past which a prefill is compute-bound; 0: none",
+                                                      with_cuda_graphs=2048, phase=9)
     cuda_graph_mixed_max_tokens: int | None = _flag(None, "cuda_graphs: also capture mixed steps of up to this many "
                                              "tokens, in buckets 64, 128, 256, ... (powers of 2): decodes beside "
                                              "one prompt chunk as one whole graph, other mixed steps (several "

@@ -26,6 +26,7 @@ import time
 from infer.config import add_engine_args, engine_config_from_args
 from infer.errors import ModelLoadError
 
+SWITCH_INTERVAL_S = 0.001  # sys.setswitchinterval while serving (see main)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.server", description=__doc__,
@@ -133,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
 
     log = logging.getLogger("infer.server")
     start = time.perf_counter()
+    # The engine thread and the event loop share the GIL. A thread that wants it waits until the one
+    # holding it blocks or has run for the switch interval (5 ms by default): a token the engine has
+    # handed over would wait behind the next step's Python. 1 ms bounds that wait.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         config = engine_config_from_args(args)
         # built on the engine thread, which then steps it: one OpenMP pool in the process (see

@@ -211,7 +211,17 @@ class AsyncEngine:
                 there are several.
         """
         process = self.engine.input_processor.process
-        done = await asyncio.gather(*(self.preprocess(process, p) for p in prompts), return_exceptions=True)
+        if all(not isinstance(p, str) for p in prompts):
+            # token ids are only checked (no tokenizer): on the event loop, sparing a short request
+            # two thread hand-offs on its way to the first token
+            done = []
+            for p in prompts:
+                try:
+                    done.append(process(p))
+                except Exception as e:  # reported as the thread pool's would be, below
+                    done.append(e)
+        else:
+            done = await asyncio.gather(*(self.preprocess(process, p) for p in prompts), return_exceptions=True)
         for i, r in enumerate(done):
             if isinstance(r, BaseException):
                 if len(prompts) > 1 and isinstance(r, ValueError):
