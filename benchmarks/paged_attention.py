@@ -256,7 +256,7 @@ def prefill_row(ops, batch: int, q_len: int, prefix: int, shape: dict, device, c
 
 def tune(decode_ops, prefill_ops, shape: dict, device, ceil: dict, gen, what: str = "all") -> list[dict]:
     """Sweep the decode kernel's split counts and tiles (``what`` "all" or "decode"), and the prefill
-    kernel's tiles ("all" or "prefill": a prefill of 8 x 2048 tokens, and the extend of a chunked-prefill
+    kernel's tiles ("all" or "prefill": a prefill of 8 x 2048 tokens, one of 16,384, and the extend of a chunked-prefill
     step, 512 new tokens after a 4096-token prefix, split as the engine splits it); how the defaults
     were chosen."""
     rows = []
@@ -306,7 +306,7 @@ def _tune_prefill(ops, shape: dict, device, ceil: dict, gen, note) -> None:
                 for stages in (2, 3, 4):
                     ops._prefill_config = lambda *_a, c={"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps,
                                                          "num_stages": stages}: c
-                    for batch, q_len, prefix in ((8, 2048, 0), (1, 512, 4096)):
+                    for batch, q_len, prefix in ((8, 2048, 0), (1, 16384, 0), (1, 512, 4096)):
                         try:
                             r = prefill_row(ops, batch, q_len, prefix, shape, device, ceil, gen, with_sdpa=False,
                                             max_context=prefix + q_len)

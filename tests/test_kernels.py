@@ -562,6 +562,59 @@ def test_gpu_prefill_real_shapes(head_dim, group, block_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 1000])
+def test_gpu_prefill_long_prompt_tiles(window):
+    """Prompts of LONG_PROMPT_TOKENS or more take the 128 x 128 tiles on a Hopper GPU: a 6,000-token prompt
+    (not a multiple of 128) beside a 4,100-token extend after a 900-token prefix, against the reference."""
+    seq_lens, q_lens = [6000, 5000], [6000, 4100]
+    case = gpu_case(seq_lens, 32, 8, 128, 16, seed=5)
+    starts = [3]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = gpu_randn(case, starts[-1] + 2, 32, 128)
+    qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    out = poisoned(q)
+    pre.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens, max(q_lens),
+                                case.scale, window=window, out=out)
+    k32, v32 = case.float_caches()
+    expected = ref.paged_prefill_attention(q.float(), k32, v32, case.block_tables, qsl, case.seq_lens, max(q_lens),
+                                           case.scale, window=window)
+    s, e = starts[0], starts[-1]
+    assert torch.isnan(out[:s]).all() and torch.isnan(out[e:]).all()
+    assert rel_err(out[s:e], expected[s:e]) < 1e-2
+
+
+def test_prefill_with_the_long_prompt_tiles_matches_reference(monkeypatch):
+    """The long-prompt tiles (128 queries x 128 keys) under the interpreter: the masks and tile ranges at that
+    size (a prompt not a multiple of 128, an extend after a prefix, a window) give the reference's output."""
+    monkeypatch.setattr(pre, "_prefill_config", lambda *_a: {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8,
+                                                               "num_stages": 3})
+    case = PagedCase([300, 270], 2, 1, 16, 16, torch.float32, seed=13)
+    q, qsl, starts = prefill_inputs(case, [300, 140], 1, 2, 16)
+    k32, v32 = case.float_caches()
+    for window in (None, 150):
+        out = pre.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens, 300,
+                                          case.scale, window=window, num_splits=1)
+        expected = ref.paged_prefill_attention(q, k32, v32, case.block_tables, qsl, case.seq_lens, 300, case.scale,
+                                               window=window)
+        assert_close(out[starts[0]:starts[-1]], expected[starts[0]:starts[-1]], torch.float32)
+
+
+def test_long_prompts_take_the_large_tiles_only_where_shared_memory_holds_them(monkeypatch):
+    assert pre._shared_memory(torch.device("cpu")) == 0
+    monkeypatch.setattr(pre, "INTERPRET", False)
+    cuda = torch.device("cuda", 0)
+    long, short = pre.LONG_PROMPT_TOKENS, pre.LONG_PROMPT_TOKENS - 1
+    monkeypatch.setattr(pre, "_shared_memory", lambda device: 227 * 1024)  # an H100
+    assert pre._prefill_config(128, torch.bfloat16, long, cuda)["BLOCK_M"] == 128
+    assert pre._prefill_config(128, torch.bfloat16, short, cuda)["BLOCK_M"] == 64
+    assert pre._prefill_config(256, torch.bfloat16, long, cuda)["BLOCK_N"] == 32  # head_dim 256
+    assert pre._prefill_config(64, torch.bfloat16, long, cuda)["BLOCK_M"] == 64  # only head_dim 128 was measured
+    monkeypatch.setattr(pre, "_shared_memory", lambda device: 163 * 1024)  # an A100
+    assert pre._prefill_config(128, torch.bfloat16, long, cuda)["BLOCK_M"] == 64
+
+
+@pytest.mark.gpu
 def test_gpu_float32_is_ieee_not_tf32():
     """fp32 inputs must use full-precision dots (TF32 would give ~1e-3 relative errors)."""
     case = gpu_case([3000, 517], 8, 2, 128, 16, seed=99, dtype=torch.float32)

@@ -33,6 +33,8 @@ interpreter every bf16 load is converted to float32 first (``UPCAST``) and tiles
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -226,20 +228,44 @@ def _prefill_combine_kernel(
              mask=d_mask[None, :])
 
 
-def _prefill_config(head_dim_pad: int, dtype: torch.dtype) -> dict:
+# A prompt at least this long (tokens, one launch) takes the long-prompt tiles where they fit.
+LONG_PROMPT_TOKENS = 4096
+_LONG_PROMPT_SMEM = 200 * 1024  # bytes of shared memory per block the long-prompt tiles need (3 stages)
+
+
+def _prefill_config(head_dim_pad: int, dtype: torch.dtype, max_query_len: int = 0,
+                    device: torch.device | None = None) -> dict:
     """Query/key tiles and launch options of the prefill kernel (tiny under the interpreter).
 
-    Chosen on an H100 (--tune, 8 x 2048 tokens, head_dim 128, bf16): 64 x 64 tiles with 4 warps and
-    128 x 128 with 8 warps both reach ~38% of the matmul rate; 128 x 64 with 8 warps 33%, with 4 warps
-    19%. The smaller query tile wastes less on short extends. head_dim 256 (and fp32 rows of 512 bytes)
-    take 32-key tiles to stay within shared memory.
+    Chosen on an H100 (``benchmarks/paged_attention.py --tune prefill``, head_dim 128, bf16): for 8 x 2048
+    tokens 64 x 64 tiles with 4 warps and 128 x 128 with 8 warps both reach ~37% of the matmul rate (128 x 64
+    with 8 warps 32%, with 4 warps 20%), and the smaller query tile wastes less on short extends (a 512-token
+    extend: 33.5% against 32%); for one 16,384-token prompt 128 x 128 with 8 warps and 3 stages reaches 54%
+    against 47%, so prompts of at least ``LONG_PROMPT_TOKENS`` take it on GPUs with the shared memory
+    for it (~200 KB a block: Hopper, not an A100 or a consumer card). head_dim 256 (and fp32 rows of 512
+    bytes) take 32-key tiles to stay within shared memory.
     """
     if INTERPRET:
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     wide = head_dim_pad * (4 if dtype == torch.float32 else 2)  # bytes of one row
     if wide <= 256:  # head_dim <= 128 in 16 bits, <= 64 in fp32
+        if wide == 256 and max_query_len >= LONG_PROMPT_TOKENS and _shared_memory(device) >= _LONG_PROMPT_SMEM:
+            return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def _shared_memory(device: torch.device | None) -> int:
+    """Bytes of shared memory a block may opt in to on a CUDA ``device`` (0 elsewhere)."""
+    if device is None or device.type != "cuda":
+        return 0
+    return _smem_optin(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _smem_optin(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", 0)
 
 
 def paged_prefill_attention(
@@ -320,7 +346,7 @@ def paged_prefill_attention(
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     check_launchable(q)
     d_pad = max(16, triton.next_power_of_2(d))
-    cfg = _prefill_config(d_pad, q.dtype)
+    cfg = _prefill_config(d_pad, q.dtype, max_query_len, q.device)
     m_tiles = triton.cdiv(max_query_len, cfg["BLOCK_M"])
     if num_splits is None:
         num_splits = prefill_num_splits(m_tiles * batch * hq, max_context or 0, q.device)
