@@ -82,6 +82,16 @@ def timed(fn, device, repeats: int = 5, warmup: int = 1, stat=statistics.median)
     return stat(times)
 
 
+def bench(fn, device: torch.device, cpu_repeats: int = 1, cpu_warmup: int = 0) -> float:
+    """Median seconds of ``fn()``: ``triton.testing.do_bench`` on a GPU (warm-up, L2 cleared per run),
+    :func:`timed` with ``cpu_repeats`` calls after ``cpu_warmup`` on the CPU."""
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    return timed(fn, device, repeats=cpu_repeats, warmup=cpu_warmup)
+
+
 def ttft_alone(engine, prompt: list[int]) -> float:
     """Seconds from ``engine.add_request(prompt)`` (greedy, ``max_tokens=1``) until its token is
     on the host, in the output a step returns: the TTFT of a request running alone (the device is

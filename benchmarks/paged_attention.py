@@ -51,6 +51,7 @@ import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgo
 import torch
 import torch.nn.functional as F
 from common import (
+    bench,
     capture_calls,
     ceilings,
     environment,
@@ -59,7 +60,6 @@ from common import (
     print_row,
     resolve_device,
     sync,
-    timed,
     write_report,
 )
 
@@ -69,15 +69,6 @@ GPU_BATCHES, GPU_CONTEXTS = [1, 8, 32, 64, 128], [1024, 4096, 16384, 32768]
 CPU_BATCHES, CPU_CONTEXTS = [1, 2], [32, 64]
 ROTATE_BYTES = 1 << 30  # cache pool at least this big, so rotated block tables hit different memory
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def bench(fn, device: torch.device) -> float:
-    """Median seconds of ``fn()``: do_bench on a GPU (warm-up, L2 cleared per run), wall time on the CPU."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-    return timed(fn, device, repeats=1, warmup=0)
 
 
 class Rotating:

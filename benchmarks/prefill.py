@@ -223,15 +223,8 @@ def breakdown(kernels: list[dict[str, Any]], flops: dict[str, int], peak: float,
 
 
 def bench(fn, device: torch.device) -> float:
-    """Median seconds of ``fn()``: ``triton.testing.do_bench`` on a GPU (warm-up, L2 cleared per run),
-    the median wall time of 3 calls after one warm-up on the CPU."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-    from common import timed
-
-    return timed(fn, device, repeats=3, warmup=1)
+    """:func:`common.bench`; on the CPU the median of 3 calls after one warm-up."""
+    return common.bench(fn, device, cpu_repeats=3, cpu_warmup=1)
 
 
 def gemm_ceiling(model, num_tokens: int, device: torch.device) -> dict[str, Any]:
