@@ -601,16 +601,16 @@ def test_prefill_with_the_long_prompt_tiles_matches_reference(monkeypatch):
 
 
 def test_long_prompts_take_the_large_tiles_only_where_shared_memory_holds_them(monkeypatch):
-    assert pre._shared_memory(torch.device("cpu")) == 0
+    assert pre.shared_memory_per_block(torch.device("cpu")) == 0 and pre.shared_memory_per_block(None) == 0
     monkeypatch.setattr(pre, "INTERPRET", False)
     cuda = torch.device("cuda", 0)
     long, short = pre.LONG_PROMPT_TOKENS, pre.LONG_PROMPT_TOKENS - 1
-    monkeypatch.setattr(pre, "_shared_memory", lambda device: 227 * 1024)  # an H100
+    monkeypatch.setattr(pre, "shared_memory_per_block", lambda device: 227 * 1024)  # an H100
     assert pre._prefill_config(128, torch.bfloat16, long, cuda)["BLOCK_M"] == 128
     assert pre._prefill_config(128, torch.bfloat16, short, cuda)["BLOCK_M"] == 64
     assert pre._prefill_config(256, torch.bfloat16, long, cuda)["BLOCK_N"] == 32  # head_dim 256
     assert pre._prefill_config(64, torch.bfloat16, long, cuda)["BLOCK_M"] == 64  # only head_dim 128 was measured
-    monkeypatch.setattr(pre, "_shared_memory", lambda device: 163 * 1024)  # an A100
+    monkeypatch.setattr(pre, "shared_memory_per_block", lambda device: 163 * 1024)  # an A100
     assert pre._prefill_config(128, torch.bfloat16, long, cuda)["BLOCK_M"] == 64
 
 

@@ -33,8 +33,6 @@ interpreter every bf16 load is converted to float32 first (``UPCAST``) and tiles
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -51,6 +49,7 @@ from infer.kernels.triton_common import (
     check_paged_cache,
     check_query,
     check_window,
+    shared_memory_per_block,
     sm_count,
     unused_buffer,
 )
@@ -249,23 +248,10 @@ def _prefill_config(head_dim_pad: int, dtype: torch.dtype, max_query_len: int = 
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     wide = head_dim_pad * (4 if dtype == torch.float32 else 2)  # bytes of one row
     if wide <= 256:  # head_dim <= 128 in 16 bits, <= 64 in fp32
-        if wide == 256 and max_query_len >= LONG_PROMPT_TOKENS and _shared_memory(device) >= _LONG_PROMPT_SMEM:
+        if wide == 256 and max_query_len >= LONG_PROMPT_TOKENS and shared_memory_per_block(device) >= _LONG_PROMPT_SMEM:
             return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-
-
-def _shared_memory(device: torch.device | None) -> int:
-    """Bytes of shared memory a block may opt in to on a CUDA ``device`` (0 elsewhere)."""
-    if device is None or device.type != "cuda":
-        return 0
-    return _smem_optin(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _smem_optin(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    return getattr(props, "shared_memory_per_block_optin", 0)
 
 
 def paged_prefill_attention(

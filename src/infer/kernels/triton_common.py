@@ -6,8 +6,8 @@
   the scale arguments of the kernels that read or write one (phase 11).
 * :func:`first_argmax`: the max of a block and the first index attaining it, ``torch.argmax``'s rule.
 * :func:`silu_or_gelu_tanh`: SiLU or tanh-GELU in float32 (the gated MLP's activation).
-* :func:`manual_bf16`, :func:`num_warps_for`, :func:`check_launchable`, :func:`sm_count`: host-side
-  choices every launcher makes the same way.
+* :func:`manual_bf16`, :func:`num_warps_for`, :func:`check_launchable`, :func:`sm_count`,
+  :func:`shared_memory_per_block`: host-side choices every launcher makes the same way.
 * :func:`check_paged_cache`, :func:`check_query`, :func:`check_index`, :func:`check_window`,
   :func:`check_out`, :func:`unused_buffer`, :data:`LOG2E`, :data:`NO_WINDOW`: what the paged-cache
   kernels (:mod:`infer.kernels.kv_cache_write`, :mod:`infer.kernels.decode_attention`,
@@ -124,12 +124,24 @@ def check_launchable(x: torch.Tensor) -> None:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (the current device when it has no index), cached: what
     the decode attention's split plan and the skinny GEMM's persistent grid size their grids by."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_properties(device).multi_processor_count
+
+
+def shared_memory_per_block(device: torch.device | None) -> int:
+    """Bytes of shared memory a block may opt in to on a CUDA ``device`` (0 for None, another device type or
+    a torch that does not report it), cached: what the prefill attention's long-prompt tiles need."""
+    if device is None or device.type != "cuda":
+        return 0
+    return getattr(_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
+def _device_properties(device: torch.device):
+    return _properties_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _properties_of(device_index: int):
+    return torch.cuda.get_device_properties(device_index)
 
 
 # ============================================================================ the paged-cache kernels
