@@ -223,19 +223,6 @@ async def merged_outputs(streams: Streams) -> AsyncIterator[tuple[int, RequestOu
     Raises:
         RequestFailed / EngineDead: a stream ended with it (the others are then aborted).
     """
-    if len(streams) == 1:  # one prompt (the usual request): no pump task, no second queue to cross
-        gen, first = streams[0]
-        try:
-            if first is not None:
-                yield 0, first
-                if first.finished:
-                    return
-            async for out in gen:
-                yield 0, out
-        finally:
-            with anyio.CancelScope(shield=True):
-                await gen.aclose()
-        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, gen, first):
