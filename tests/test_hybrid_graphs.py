@@ -119,6 +119,20 @@ def _uncaptured_graphs(engine, max_batch_size: int) -> CUDAGraphRunner:
 CPU_ARRIVALS = [(0, [5, 6, 7], 9), (2, [300] * 9, 3), (3, [42], 2), (4, list(range(200, 212)), 3)]
 
 
+def _arrivals_give_hf_tokens(engine, graphs: CUDAGraphRunner, hf) -> list[tuple[int, int]]:
+    """Drive :data:`CPU_ARRIVALS` (greedy) through ``engine``, its state slots checked every step and the
+    graphs' other slots guarded; each request's tokens are HF's. Returns the (batch, bucket) pairs the
+    graphs ran."""
+    seen: list[tuple[int, int]] = []
+    _guard_other_slots(graphs, seen)
+    arrivals = [(t, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for t, p, n in CPU_ARRIVALS]
+    got = drive(engine, arrivals, check=_slots_consistent)
+    for i, (_, prompt, n) in enumerate(CPU_ARRIVALS):
+        ref = hf_greedy(hf, prompt, n)
+        assert got[i][0][: len(ref)] == ref, f"prompt {i}"
+    return seen
+
+
 def test_decode_graph_inputs_give_hf_tokens_on_cpu(tiny_ckpt, tiny_cpu):
     """The graph route's static inputs (packed state slots, padding rows on the padding slot, flags from
     the positions) run eagerly on the CPU with the Triton kernels interpreted and async scheduling (the
@@ -131,13 +145,7 @@ def test_decode_graph_inputs_give_hf_tokens_on_cpu(tiny_ckpt, tiny_cpu):
                          block_size=8, attention_backend="triton", async_scheduling=True)
     graphs = _uncaptured_graphs(engine, 4)
     assert graphs.sizes == [1, 2, 4] and graphs.num_vectors == 5
-    seen: list[tuple[int, int]] = []
-    _guard_other_slots(graphs, seen)
-    arrivals = [(t, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for t, p, n in CPU_ARRIVALS]
-    got = drive(engine, arrivals, check=_slots_consistent)
-    for i, (_, prompt, n) in enumerate(CPU_ARRIVALS):
-        ref = hf_greedy(hf, prompt, n)
-        assert got[i][0][: len(ref)] == ref, f"prompt {i}"
+    seen = _arrivals_give_hf_tokens(engine, graphs, hf)
     assert (3, 4) in seen, f"no bucket with a padding row: {seen}"
     assert {bucket for _, bucket in seen} == {1, 2, 4}, seen
     pad = engine.runner.state_cache.pad_slot
@@ -297,13 +305,7 @@ def test_cuda_graphs_with_a_padding_bucket_and_a_one_token_prompt(tiny_ckpt, tin
     assert eng.config.cuda_graphs and eng.config.fused_kernels and eng.config.cuda_graph_prefill_max_tokens == 0
     graphs = eng.runner.graphs
     assert sorted(graphs.graphs) == [1, 2, 4]
-    seen: list[tuple[int, int]] = []
-    _guard_other_slots(graphs, seen)
-    arrivals = [(t, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for t, p, n in CPU_ARRIVALS]
-    got = drive(eng, arrivals, check=_slots_consistent)
-    for i, (_, prompt, n) in enumerate(CPU_ARRIVALS):
-        ref = hf_greedy(hf, prompt, n)
-        assert got[i][0][: len(ref)] == ref, f"prompt {i}"
+    seen = _arrivals_give_hf_tokens(eng, graphs, hf)
     assert any(b < bucket for b, bucket in seen), f"no bucket with a padding row: {seen}"
     assert eng.config.prefix_caching  # optimize: the finished prompts' blocks (and snapshots) stay cached
     eng.reset_prefix_cache()
