@@ -28,6 +28,7 @@ from infer.errors import ModelLoadError
 
 SWITCH_INTERVAL_S = 0.001  # sys.setswitchinterval while serving (see main)
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
