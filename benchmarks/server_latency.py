@@ -8,9 +8,12 @@
 1. Starts ``python -m infer.server`` in a fresh process and times the command to ``/health``
    answering and to the first completed answer; reads the server's idle RSS.
 2. Streams the same greedy request (random prompt of ``--prompt-len`` tokens, ``--output-len``
-   tokens, ``ignore_eos``) through HTTP (SSE, httpx) and through the offline API in this
+   tokens, ``ignore_eos``) through HTTP (SSE) and through the offline API in this
    process (``LLM.generate_stream``) as ``--repeats`` *pairs*, the order alternating from pair
-   to pair (HTTP first, then offline first, ...). The server's TPOT overhead is the median over
+   to pair (HTTP first, then offline first, ...). The HTTP client is the standard library's
+   ``http.client`` on one kept-alive connection: a lean client, so that the difference is the
+   server's. ``--httpx`` adds a third run per pair through ``httpx`` (what the ``openai``
+   package uses), whose own Python adds ~0.3-0.5 ms to a TTFT on a fast CPU. The server's TPOT overhead is the median over
    pairs of HTTP TPOT / offline TPOT - 1 (the goal is < 5%), reported with its spread; its TTFT
    overhead the median over pairs of HTTP TTFT - offline TTFT, in ms (the goal: within 1.5 ms).
    Each pair sends a new prompt (the same to both paths, each engine sees it once), so a prefix
@@ -29,7 +32,7 @@ Next to the client-side numbers, each HTTP run also records where the time went:
   ``infer:time_to_first_token_seconds`` / ``infer:time_per_output_token_seconds`` histograms of
   ``/metrics``): client TPOT minus server TPOT is what the HTTP/SSE delivery adds;
 * CPU time per generated token of the server's threads (the event loop, the engine thread,
-  OpenMP workers) and of this client (httpx + JSON), from the kernel's per-thread counters:
+  OpenMP workers) and of this client (HTTP + JSON), from the kernel's per-thread counters:
   on 2 cores, whatever the event loop and the client burn competes with the engine's threads;
 * the 1-minute load average before, and during the pairs the CPU share used by other
   processes and stolen by the hypervisor (Linux), so that a run taken while the machine was
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
 import json
 import os
 import re
@@ -75,10 +79,33 @@ from common import (  # noqa: E402
 from workloads import random_prompt  # noqa: E402
 
 
-def stream_http(client: httpx.Client, port: int, prompt: list[int], n: int) -> tuple[float, float]:
-    """TTFT and TPOT of one streamed request. ``client`` is created once, outside the timing:
-    ``httpx.stream()`` alone builds a client per call, whose SSL context (unused over http://)
-    takes ~47 ms of CPU here, which counted as TTFT and slowed the server's prefill next to it."""
+def stream_http(conn: http.client.HTTPConnection, prompt: list[int], n: int) -> tuple[float, float]:
+    """TTFT and TPOT of one streamed request over ``conn``, a kept-alive connection of the standard
+    library's ``http.client`` (the lean client: the time between its send and its first chunk is the
+    server's and the socket's, with little of its own; see ``stream_httpx``)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+    start = time.perf_counter()
+    conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:500]!r}")
+    first, count = None, 0
+    for line in iter(r.readline, b""):  # http.client undoes the chunked transfer encoding
+        if not line.startswith(b"data: {"):
+            continue
+        if json.loads(line[6:])["choices"]:
+            if first is None:
+                first = time.perf_counter()
+            count += 1
+    end = time.perf_counter()
+    return first - start, (end - first) / max(count - 1, 1)
+
+
+def stream_httpx(client: httpx.Client, port: int, prompt: list[int], n: int) -> tuple[float, float]:
+    """The same through ``httpx`` (the HTTP client of the ``openai`` package): what a typical Python
+    client adds on its own side. ``client`` is created once, outside the timing: ``httpx.stream()``
+    alone builds a client per call, whose SSL context (unused over http://) takes ~47 ms of CPU."""
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
     start = time.perf_counter()
     first = None
@@ -149,10 +176,12 @@ def process_cpu(*pids: int) -> float:
     return sum(sum(psutil.Process(p).cpu_times()[:2]) for p in pids)
 
 
-def http_run(client: httpx.Client, port: int, pid: int, prompt: list[int], n: int) -> dict[str, float]:
-    """One streamed request, with the server's own timings and the CPU time each party used."""
+def http_run(client: httpx.Client, conn: http.client.HTTPConnection, port: int, pid: int, prompt: list[int],
+             n: int, use_httpx: bool = False) -> dict[str, float]:
+    """One streamed request (through ``http.client``, or ``httpx`` if ``use_httpx``), with the server's
+    own timings and the CPU time each party used."""
     h0, t0, c0 = server_histograms(client, port), thread_cpu(pid), time.process_time()
-    ttft, tpot = stream_http(client, port, prompt, n)
+    ttft, tpot = stream_httpx(client, port, prompt, n) if use_httpx else stream_http(conn, prompt, n)
     c1, t1, h1 = time.process_time(), thread_cpu(pid), server_histograms(client, port)
 
     def delta(name: str) -> float:
@@ -177,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-args", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="EngineConfig overrides for both the server (as its CLI flags) and the offline engine, "
                          "e.g. device=cuda dtype=bfloat16 optimize=true")
+    ap.add_argument("--httpx", action="store_true",
+                    help="also stream each pair's prompt through httpx (the openai package's client), to show what "
+                         "such a client adds on its own side")
     out_argument(ap, "server_latency.json", "JSON report (and .md beside it)")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()[0]
@@ -188,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     cmd = [sys.executable, "-m", "infer.server", "--model", args.model, "--port", str(port),
            *server_flags(overrides), "--log-level", "warning"]
-    client = httpx.Client(timeout=600)  # one client throughout (see stream_http)
+    client = httpx.Client(timeout=600)  # one client throughout (see stream_httpx); /health, /metrics
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -213,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(args.model, progress=False, **overrides)
         vocab = llm.engine.vocab_size
         warm = random_prompt(vocab, args.prompt_len, 0)
-        stream_http(client, port, warm, 8)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)  # the timed streams' client
+        stream_http(conn, warm, 8)
+        stream_httpx(client, port, warm, 8)
         stream_offline(llm, warm, 8)  # warm both
         pairs = []
         mach0, ours0, wall0 = machine_cpu(), process_cpu(os.getpid(), proc.pid), time.perf_counter()
@@ -222,14 +256,19 @@ def main(argv: list[str] | None = None) -> int:
             # caching on, a repeated prompt would be a cache hit and TTFT would time a warm prefill
             prompt = random_prompt(vocab, args.prompt_len, i + 1)
             run = {}
-            for path in (("http", "offline") if i % 2 == 0 else ("offline", "http")):
-                if path == "http":
-                    run["http"] = http_run(client, port, proc.pid, prompt, args.output_len)
-                else:
+            paths = ["http", "offline"] + (["httpx"] if args.httpx else [])
+            for path in paths[i % len(paths):] + paths[:i % len(paths)]:  # each path first in turn
+                if path == "offline":
                     ttft, tpot = stream_offline(llm, prompt, args.output_len)
                     run["offline"] = {"ttft": ttft, "tpot": tpot}
+                else:  # httpx sends the same prompt: with prefix caching on, the server has it cached
+                    run[path] = http_run(client, conn, port, proc.pid,
+                                         prompt if path == "http" else random_prompt(vocab, args.prompt_len, 10_000 + i),
+                                         args.output_len, use_httpx=path == "httpx")
             run["tpot_ratio"] = run["http"]["tpot"] / run["offline"]["tpot"]
             run["ttft_diff_ms"] = 1e3 * (run["http"]["ttft"] - run["offline"]["ttft"])
+            if args.httpx:
+                run["httpx_ttft_diff_ms"] = 1e3 * (run["httpx"]["ttft"] - run["offline"]["ttft"])
             pairs.append(run)
             h, o = run["http"], run["offline"]
             print(f"pair {i + 1}/{args.repeats}: TPOT HTTP {1e3 * h['tpot']:.1f} ms (engine thread "
@@ -239,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         mach1, ours1, wall1 = machine_cpu(), process_cpu(os.getpid(), proc.pid), time.perf_counter()
     finally:
         client.close()
+        if "conn" in locals():
+            conn.close()
         proc.terminate()
         try:
             proc.wait(15)
@@ -253,11 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     ttft_diffs = sorted(p["ttft_diff_ms"] for p in pairs)
     ttft_overhead = statistics.median(ttft_diffs)
     rows = [
-        {"path": "HTTP (SSE)", "ttft_ms": 1e3 * med("http", "ttft"), "tpot_ms": 1e3 * med("http", "tpot")},
+        {"path": "HTTP (SSE, http.client)", "ttft_ms": 1e3 * med("http", "ttft"), "tpot_ms": 1e3 * med("http", "tpot")},
         {"path": "HTTP, engine thread's own timing", "ttft_ms": 1e3 * med("http", "server_ttft"),
          "tpot_ms": 1e3 * med("http", "server_tpot")},
         {"path": "offline API", "ttft_ms": 1e3 * med("offline", "ttft"), "tpot_ms": 1e3 * med("offline", "tpot")},
     ]
+    if args.httpx:
+        rows.insert(1, {"path": "HTTP (SSE, httpx)", "ttft_ms": 1e3 * med("httpx", "ttft"),
+                        "tpot_ms": 1e3 * med("httpx", "tpot")})
+    httpx_overhead = statistics.median(p["httpx_ttft_diff_ms"] for p in pairs) if args.httpx else None
     cpu = {k: 1e3 * med("http", k) for k in ("cpu_event_loop", "cpu_engine_thread", "cpu_other_server_threads",
                                               "cpu_client")}
     # what else ran on the machine meanwhile, as a fraction of its CPU capacity
@@ -272,15 +317,17 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "engine_config": dataclasses.asdict(llm.config),  # the server's too: same flags, same defaults
         "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len, "pairs": args.repeats,
-                     "greedy": True, "ignore_eos": True, "client": "one httpx.Client, kept-alive connection"},
+                     "greedy": True, "ignore_eos": True,
+                     "client": "http.client, one kept-alive connection" + (" (and one httpx.Client)" if args.httpx else "")},
         "startup": {"ready_s": ready, "first_answer_s": first_answer, "idle_rss_mb": idle_rss},
         "rows": rows,
         "tpot_overhead": overhead,
         "tpot_overhead_range": [ratios[0] - 1, ratios[-1] - 1],
-        "tpot_overhead_of_medians": rows[0]["tpot_ms"] / rows[2]["tpot_ms"] - 1,
+        "tpot_overhead_of_medians": rows[0]["tpot_ms"] / rows[-1]["tpot_ms"] - 1,
         "ttft_overhead_ms": ttft_overhead,
         "ttft_overhead_ms_range": [ttft_diffs[0], ttft_diffs[-1]],
-        "http_delivery_tpot_ms": rows[0]["tpot_ms"] - rows[1]["tpot_ms"],
+        "httpx_ttft_overhead_ms": httpx_overhead,
+        "http_delivery_tpot_ms": rows[0]["tpot_ms"] - rows[-2]["tpot_ms"],
         "cpu_ms_per_token": cpu,
         "load1_before": load_before,
         "other_processes_cpu_fraction": foreign,
@@ -295,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{ratios[0] - 1:+.1%} to {ratios[-1] - 1:+.1%}; ratio of the medians {report['tpot_overhead_of_medians']:+.1%})"
               f"\nserver TTFT overhead: {ttft_overhead:+.2f} ms (median of the pairs' HTTP - offline; range "
               f"{ttft_diffs[0]:+.2f} to {ttft_diffs[-1]:+.2f} ms)"
-              f"\nHTTP delivery after the engine: {report['http_delivery_tpot_ms']:+.2f} ms per token"
+              + (f"\nthrough httpx: {httpx_overhead:+.2f} ms (the same median, another prompt)" if args.httpx else "")
+              + f"\nHTTP delivery after the engine: {report['http_delivery_tpot_ms']:+.2f} ms per token"
               f"\nCPU per generated token (ms): server event loop {cpu['cpu_event_loop']:.2f}, engine thread "
               f"{cpu['cpu_engine_thread']:.1f}, other server threads {cpu['cpu_other_server_threads']:.1f}, "
               f"client {cpu['cpu_client']:.2f}"

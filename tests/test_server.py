@@ -900,6 +900,50 @@ def test_engine_is_built_on_the_engine_thread():
         AsyncEngine(broken)
 
 
+def test_first_token_handoff_runs_the_next_step_after_the_loop_took_the_token(tiny_llama, monkeypatch):
+    """After a step that carries a request's first token, the engine thread starts its next step only
+    once the event loop has taken that token (``AsyncEngine._deliver_step``'s first-token hand-off: the
+    engine waits with the GIL released instead of competing with the loop that sends the token). The
+    consumer's receipt of the first output must come before the start of the step after the one that
+    produced it; later tokens are not waited for. Without the hand-off the engine starts the next step
+    microseconds after the delivery, long before the loop wakes."""
+    from infer.config import EngineConfig
+    from infer.engine import LLMEngine
+    from infer.server.async_engine import AsyncEngine
+
+    cfg = EngineConfig(model=str(tiny_llama.path), device="cpu", dtype="float32", max_model_len=256,
+                       batching="continuous", kv_cache="paged", block_size=16)
+    # a long bound, so that a slow CI machine never times the wait out: the order is what is checked
+    eng = AsyncEngine(lambda: LLMEngine(cfg, loaded=tiny_llama, progress=False), first_token_handoff_s=10.0)
+    steps: list[tuple[float, set[str]]] = []  # (start, request ids with an output) per step
+    step = eng.engine.step
+
+    def timed_step(*args, **kwargs):
+        start = time.perf_counter()
+        outs = step(*args, **kwargs)
+        steps.append((start, {o.request_id for o in outs}))
+        return outs
+
+    monkeypatch.setattr(eng.engine, "step", timed_step)
+
+    async def go():
+        received = []
+        stream = await eng.submit([5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        async for out in stream:
+            if out.outputs and out.outputs[0].token_ids:
+                received.append(time.perf_counter())
+        return stream.request_id, received
+
+    try:
+        rid, received = asyncio.run(go())
+    finally:
+        eng.shutdown()
+    first = next(i for i, (_, ids) in enumerate(steps) if rid in ids)
+    assert first + 1 < len(steps), "max_tokens=6 needs more steps after the first token's"
+    assert received[0] < steps[first + 1][0]
+    assert eng._awaiting_first == set()
+
+
 # ---------------------------------------------------------------------------- third-party clients
 
 #: schemathesis' examples per operation: completions and chat are the deep ones

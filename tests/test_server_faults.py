@@ -256,3 +256,33 @@ def test_engine_that_keeps_failing_is_dead(served, caplog):
     asyncio.run(main())
     assert fault.raised == 2
     assert len(fault_records(caplog)) == 2  # one traceback per failed step, none for giving up
+
+
+def test_failed_and_aborted_requests_leave_no_first_token_bookkeeping(served):
+    """The engine thread remembers which accepted requests still owe their first token (the
+    first-token hand-off, ``AsyncEngine._deliver_step``). A request that never produces one, because
+    its step failed or it was aborted while it waited, is forgotten too; otherwise the set grows with
+    every such request for the life of the server. A request served after them still gets its answer."""
+    from infer.sampling import SamplingParams
+    from infer.server.async_engine import RequestFailed
+
+    eng, _, fault = served()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def go():
+        fault.armed.set()
+        failed = await eng.submit([5, 6, 7], params)
+        with pytest.raises(RequestFailed):
+            async for _ in failed:
+                pass
+        running = await eng.submit([5, 6, 7], params)  # batching "none": the next one waits behind it
+        waiting = await eng.submit([8, 9, 10], params)
+        await waiting.aclose()  # aborted before it ran
+        outs = [o async for o in running]
+        await wait_for(lambda: not eng.engine.has_unfinished_requests())
+        return outs
+
+    outs = asyncio.run(go())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert fault.raised == 1
+    assert eng._awaiting_first == set()

@@ -73,10 +73,17 @@ class _Stream:
     queue: asyncio.Queue
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    """On the event loop: put each item into its queue (a step's outputs, see ``_deliver_step``)."""
+def _put_all(items: list[tuple[asyncio.Queue, Any]], taken: threading.Event | None = None) -> None:
+    """On the event loop: put each item into its queue (a step's outputs, see ``_deliver_step``);
+    then set ``taken``, if given, once the loop has run what those puts woke (the first-token
+    hand-off of :meth:`AsyncEngine._deliver_step`)."""
     for q, item in items:
         q.put_nowait(item)
+    if taken is not None:
+        # each call_soon runs one loop iteration later: the readers woken above (the response's
+        # pump), then the ones they woke (the SSE body that formats and sends the chunk)
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, taken.set)
 
 
 class RequestStream:
@@ -121,6 +128,9 @@ class AsyncEngine:
         on_finished: optional callback ``(RequestOutput) -> None`` run on the engine thread
             when a request finishes (metrics).
         max_step_failures: consecutive failed steps after which the engine is declared dead.
+        first_token_handoff_s: after a step that carries a request's first token, the engine thread
+            waits up to this long (seconds; 0: not at all) for the event loop to take the outputs before
+            it runs the next step (see :meth:`_deliver_step`).
 
     Faults: a step that raises :class:`~infer.errors.EngineStepError` (the engine has already
     aborted that step's requests and freed their blocks) ends those requests' streams with
@@ -131,8 +141,11 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int = 256,
-                 on_finished=None, max_step_failures: int = 3) -> None:
+                 on_finished=None, max_step_failures: int = 3, first_token_handoff_s: float = 0.001) -> None:
         self.max_waiting = max_waiting
+        self.first_token_handoff_s = first_token_handoff_s
+        self._awaiting_first: set[str] = set()  # accepted requests that have not yet produced an output
+        self._taken = threading.Event()
         self.max_step_failures = max_step_failures
         self.on_finished = on_finished
         self._inbox: queue.Queue = queue.Queue()
@@ -327,27 +340,47 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed
             self._streams.pop(rid, None)
+            self._awaiting_first.discard(rid)
 
     def _deliver_step(self, outs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up of each event loop per step, not
         one per output (``call_soon_threadsafe`` writes to the loop's self-pipe each time: a
         system call per request per step on the engine thread; measured on a 2-core CPU with the
-        loop running, 256 such calls took 1.7-2.0 ms, one call carrying all 256 outputs 0.03 ms)."""
+        loop running, 256 such calls took 1.7-2.0 ms, one call carrying all 256 outputs 0.03 ms).
+
+        **First-token hand-off.** The event loop and this thread share the GIL. Right after a
+        delivery this thread starts the next step, whose Python holds the GIL, and the loop, woken to
+        send the tokens, waits for it (up to the switch interval, each time it needs it back). For a
+        request's *first* token that wait is TTFT, so after a step that carries one this thread waits
+        (the GIL released) until the loop has taken the outputs and sent them on, at most
+        ``first_token_handoff_s``. Later tokens are not waited for: TPOT is a rate, and the next
+        step's launch matters more than a chunk's latency. (vLLM avoids the shared GIL altogether by
+        running its engine core in another process.)"""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        first = False
         for out in outs:
             if out.finished:
                 self._record_finished(out)
+            if out.request_id in self._awaiting_first:
+                self._awaiting_first.discard(out.request_id)
+                first = True
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 batches.setdefault(stream.loop, []).append((stream.queue, out))
             if out.finished:
                 self._streams.pop(out.request_id, None)
+        handoff = first and self.first_token_handoff_s > 0 and len(batches) == 1
+        if handoff:
+            self._taken.clear()
         for loop, items in batches.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(_put_all, items, self._taken if handoff else None)
             except RuntimeError:  # the event loop is closed: its streams are gone
+                handoff = False
                 for rid in [r for r, st in self._streams.items() if st.loop is loop]:
                     self._streams.pop(rid, None)
+        if handoff:
+            self._taken.wait(self.first_token_handoff_s)
 
     def _handle(self, cmd: str, arg: Any, fut: concurrent.futures.Future | None) -> None:
         eng = self.engine
@@ -359,6 +392,7 @@ class AsyncEngine:
                 fut.set_exception(e)
                 return
             self._streams[rid] = stream
+            self._awaiting_first.add(rid)
             self.num_waiting = eng.num_waiting  # visible to the 503 check before the next step
             fut.set_result(rid)
         elif cmd == "abort":
@@ -383,6 +417,7 @@ class AsyncEngine:
         """Stop ``rid`` now (a client that went away, or shutdown): free it in the engine, count it
         as finished with ``"abort"`` and end its stream with a final output. A request that has
         already finished is left alone (its final output went out with its last step)."""
+        self._awaiting_first.discard(rid)  # (the first-token hand-off's bookkeeping, see _deliver_step)
         # >>> EXERCISE abort_request
         req = self.engine.requests.get(rid)
         known = self.engine.abort_request(rid)
@@ -412,6 +447,7 @@ class AsyncEngine:
             self._deliver(rid, RequestFailed(f"internal error while running this request: "
                                              f"{type(cause).__name__}: {cause}"))
             self._streams.pop(rid, None)
+            self._awaiting_first.discard(rid)
 
     def _finish_all(self) -> None:
         """End every open stream with a final output (used at shutdown)."""
