@@ -76,6 +76,22 @@ def test_shrink_expand_match_per_row_reference(ops, num_tokens):
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("split_k", [None, 1, 3, 4])
+def test_split_k_shrink_matches_per_row_reference(split_k):
+    """The Triton shrink with its K columns split among programs (a decode step's few rows): the partial
+    sums of every split, the last one shorter (1,000 columns in 4 splits of 256), add up to x A^T for the
+    rows with an adapter. ``None`` is the default choice for these 3 rows, a split of 3."""
+    assert lora_triton._split_k(3, 1000, 1) == 3 and lora_triton._split_k(70, 1000, 1) == 1
+    g = torch.Generator().manual_seed(11)
+    x, a = torch.randn(3, 1000, generator=g), torch.randn(2, 8, 1000, generator=g)
+    slots = [1, -1, 0]
+    meta = lora_reference.make_lora_meta(slots, 2, "cpu")
+    t = lora_triton.lora_shrink(x, a, meta, torch.zeros(3, 8), split_k=split_k)
+    for row, s in enumerate(slots):
+        if s >= 0:
+            torch.testing.assert_close(t[row].double(), x[row].double() @ a[s].double().T, rtol=1e-5, atol=1e-4)
+
+
 def test_consecutive_segments_take_the_sliced_path_with_the_same_values():
     """A batch whose adapters' rows are consecutive (a prompt, one row per adapter) takes slices instead of
     gathered rows on the CPU: the same values as the per-row reference."""

@@ -120,7 +120,8 @@ def _host_groups(meta: LoRAKernelMeta) -> None:
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor) -> torch.Tensor:
-    """``out[t] = x[t] @ lora_a[slot[t]]^T`` for every row with an adapter (other rows untouched).
+    """``out[t] = x[t] @ lora_a[slot[t]]^T`` for every row with an adapter (other rows untouched here; the
+    Triton kernel's split-K may overwrite them, and no caller reads them).
 
     Args:
         x: ``[T, in]``, the projection's input.

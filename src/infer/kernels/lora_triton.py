@@ -27,11 +27,12 @@ __all__ = ["lora_shrink", "lora_expand", "add_lora"]
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, K, R,
-                        stride_xm, stride_al, stride_ar, stride_om,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        IEEE: tl.constexpr):
-    pid_m, pid_r, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, K, R, K_PER_SPLIT,
+                        stride_xm, stride_al, stride_ar, stride_os, stride_om,
+                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    pid_m, pid_r, pid_ls = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot, split = pid_ls // SPLIT_K, pid_ls % SPLIT_K  # split-K: this program's slice of the K columns
     count = tl.load(counts_ptr + slot)
     if pid_m * BLOCK_M >= count:
         return  # this slot has no rows in this block
@@ -43,9 +44,11 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr,
     mask_r = offs_r < R
     a_base = a_ptr + slot.to(tl.int64) * stride_al
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        mask_k = offs_k < k_end
         x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0)
         a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None], mask=mask_r[None, :] & mask_k[:, None],
@@ -54,7 +57,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr,
             acc += tl.dot(x, a, input_precision="ieee")
         else:
             acc += tl.dot(x, a)
-    tl.store(out_ptr + rows[:, None] * stride_om + offs_r[None, :], acc, mask=mask_m[:, None] & mask_r[None, :])
+    tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + offs_r[None, :], acc,
+             mask=mask_m[:, None] & mask_r[None, :])
 
 
 @triton.jit
@@ -102,16 +106,43 @@ def _check(x: torch.Tensor, w: torch.Tensor, name: str) -> None:
         raise ValueError(f"lora_{name}: the inputs' last dimension must be contiguous")
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor) -> torch.Tensor:
-    """:func:`infer.kernels.lora_reference.lora_shrink` as one Triton launch: ``x [T, in]``,
-    ``lora_a [L, R, in]``, float32 ``out [T, R]``."""
+def _split_k(num_tokens: int, k: int, num_programs: int) -> int:
+    """How many programs share one row block's K columns (split-K). A decode step has one row block per
+    adapter: without a split, one program would stream the adapter's whole A (``R x in``: 393 KB at
+    rank 48 and 4,096 inputs) alone, on one SM, while the others idle. Each split takes at least 256
+    columns, and the grid is kept near 128 programs."""
+    if num_tokens > 64:
+        return 1  # prefill: the row blocks fill the GPU
+    return max(1, min(k // 256, 128 // max(num_programs, 1), 32))
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor,
+                split_k: int | None = None) -> torch.Tensor:
+    """:func:`infer.kernels.lora_reference.lora_shrink` in Triton: ``x [T, in]``, ``lora_a [L, R, in]``,
+    float32 ``out [T, R]``; its rows without an adapter are left as they were when ``split_k`` is 1, and
+    hold whatever the partial sums' scratch held otherwise (no caller reads them: the expand reads the
+    rows of its segments only).
+
+    With ``split_k`` > 1 (default: :func:`_split_k`, > 1 for a decode step's few rows) each row block's
+    K columns are split among that many programs, which write float32 partial sums ``[split_k, T, R]``;
+    one ``torch.sum`` adds them into ``out`` (two launches, in a fixed order: the same bits every run,
+    unlike atomic adds). Split-K is the usual cure for a GEMM whose M and N are too small to fill the
+    GPU (CUTLASS, vLLM's LoRA shrink)."""
     _check(x, lora_a, "shrink")
     num_slots, r, k = lora_a.shape
     bm, br = _block_m(meta), max(16, min(64, triton.next_power_of_2(r)))
-    grid = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(r, br), num_slots)
-    _lora_shrink_kernel[grid](x, lora_a, out, meta.sorted_rows, meta.slot_starts, meta.slot_counts, k, r,
-                              x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-                              BLOCK_M=bm, BLOCK_R=br, BLOCK_K=64, IEEE=x.dtype == torch.float32)
+    blocks = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(r, br))
+    split = split_k or _split_k(meta.num_tokens, k, blocks[1])
+    block_k = 64 if split == 1 else min(128, triton.next_power_of_2(triton.cdiv(k, split)))
+    per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, per_split)  # (no empty splits)
+    dest = out if split == 1 else torch.empty(split, *out.shape, dtype=out.dtype, device=out.device)
+    _lora_shrink_kernel[(*blocks, num_slots * split)](
+        x, lora_a, dest, meta.sorted_rows, meta.slot_starts, meta.slot_counts, k, r, per_split,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), dest.stride(0) if split > 1 else 0, dest.stride(-2),
+        SPLIT_K=split, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
+    if split > 1:
+        torch.sum(dest, dim=0, out=out)
     return out
 
 
