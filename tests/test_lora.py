@@ -92,6 +92,29 @@ def test_split_k_shrink_matches_per_row_reference(split_k):
             torch.testing.assert_close(t[row].double(), x[row].double() @ a[s].double().T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("k", [40, 1000])  # one program per row block; split-K (3 rows, 1,000 columns)
+@pytest.mark.parametrize("ops", [lora_reference, lora_triton], ids=["torch", "triton"])
+def test_stacked_parts_match_per_row_reference(ops, k):
+    """A merged projection's parts (q, k, v: 32, 16 and 16 columns) from stacked A and B: each part's delta
+    lands in its own columns, from its own rank-R slice of the shrink, as three separate projections
+    would give; the Triton version in one shrink and one expand (adding a split-K shrink's partials)."""
+    g = torch.Generator().manual_seed(k)
+    num_slots, rank, outs = 3, 4, [32, 16, 16]
+    starts = (0, 32, 48)
+    x = torch.randn(3, k, generator=g)
+    a_parts = [torch.randn(num_slots, rank, k, generator=g) for _ in outs]
+    b_parts = [torch.randn(num_slots, n, rank, generator=g) for n in outs]
+    slots = [2, -1, 0]
+    y0 = torch.randn(3, sum(outs), generator=g)
+    meta = lora_reference.make_lora_meta(slots, num_slots, "cpu")
+    y = ops.add_lora_stacked(y0.clone(), x, torch.cat(a_parts, 1), torch.cat(b_parts, 1), starts, meta)
+    want = y0.double()
+    for a, b, off in zip(a_parts, b_parts, starts):
+        want = _per_row(want, x, a, b, slots, off)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(y[1], y0[1])  # a row without adapter is untouched
+
+
 def test_consecutive_segments_take_the_sliced_path_with_the_same_values():
     """A batch whose adapters' rows are consecutive (a prompt, one row per adapter) takes slices instead of
     gathered rows on the CPU: the same values as the per-row reference."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["LoRAKernelMeta", "make_lora_meta", "lora_shrink", "lora_expand", "add_lora"]
+__all__ = ["LoRAKernelMeta", "make_lora_meta", "lora_shrink", "lora_expand", "add_lora", "add_lora_stacked"]
 
 
 @dataclass
@@ -194,3 +194,22 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     t = buffer if buffer is not None else torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32,
                                                       device=x.device)
     return lora_expand(lora_shrink(x, lora_a, meta, t), lora_b, meta, y, y_offset)
+
+
+def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                     part_starts: tuple[int, ...], meta: LoRAKernelMeta) -> torch.Tensor:
+    """A merged projection's deltas (q/k/v, gate/up: parts that read the same input) from stacked buffers:
+    part ``i``'s A is rows ``i R .. (i + 1) R - 1`` of ``lora_a [L, P R, in]``, its B rows
+    ``part_starts[i] ..`` (to the next part's start) of ``lora_b [L, N, R]``, and its delta goes to the
+    same columns of ``y [T, N]``: ``y[t, part_i] += (x[t] A_i^T) B_i^T``, in place.
+
+    Here one shrink and an expand per part; the Triton version does one launch of each.
+    """
+    if meta.num_lora_rows == 0:
+        return y
+    rank = lora_b.shape[2]
+    t = lora_shrink(x, lora_a, meta, torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device))
+    ends = [*part_starts[1:], lora_b.shape[1]]
+    for i, (start, end) in enumerate(zip(part_starts, ends)):
+        lora_expand(t[:, i * rank:(i + 1) * rank], lora_b[:, start:end], meta, y, start)
+    return y

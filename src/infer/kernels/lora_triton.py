@@ -10,9 +10,18 @@ adapter has one row it is their BGMV), in the single-kernel form vLLM v1 uses fo
 decode. Programs of a slot with fewer rows than ``m * BLOCK_M`` (or none) return at once: rows
 without an adapter are in no segment and cost nothing.
 
-The grid depends only on ``T``, the ranks and ``max_loras``, never on which rows use which adapter
-(the segments are device tensors the kernels load), so a graph captured for ``T`` rows would replay
-for any adapter mix. On the CPU this runs only under ``TRITON_INTERPRET=1`` (tests).
+Two refinements for a decode step, where each adapter has a row or two (phase 16's page, Measured):
+
+* **split-K shrink** (:func:`_split_k`): the shrink's third grid axis is ``slots x split``, each program
+  taking a slice of the ``in`` columns and writing a float32 partial sum; without it a single program
+  streamed an adapter's whole A;
+* **the expand adds the partial sums** as it loads the shrink output, and covers a merged projection's
+  parts in one launch (:func:`add_lora_stacked`: stacked B, each column tile reading its part's R
+  columns of the shrink output).
+
+The grid depends only on ``T``, the ranks, ``in`` and ``max_loras``, never on which rows use which
+adapter (the segments are device tensors the kernels load), so a graph captured for ``T`` rows would
+replay for any adapter mix. On the CPU this runs only under ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import triton.language as tl
 
 from infer.kernels.lora_reference import LoRAKernelMeta
 
-__all__ = ["lora_shrink", "lora_expand", "add_lora"]
+__all__ = ["lora_shrink", "lora_expand", "add_lora", "add_lora_stacked"]
 
 
 @triton.jit
@@ -62,10 +71,10 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr,
 
 
 @triton.jit
-def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, N, R, y_offset,
-                        stride_tm, stride_bl, stride_bn, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        IEEE: tl.constexpr):
+def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, N, R, y_offset, P1, P2,
+                        stride_ts, stride_tm, stride_bl, stride_bn, stride_ym,
+                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
     pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(counts_ptr + slot)
     if pid_m * BLOCK_M >= count:
@@ -76,13 +85,17 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, N
     rows = tl.load(rows_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    # a merged projection's parts (stacked B): the part of this column tile reads its own R columns of t
+    part = (pid_n * BLOCK_N >= P1).to(tl.int32) + (pid_n * BLOCK_N >= P2).to(tl.int32)
     b_base = b_ptr + slot.to(tl.int64) * stride_bl
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
-        t = tl.load(t_ptr + rows[:, None] * stride_tm + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
-                    other=0.0)
+        t_ptrs = t_ptr + rows[:, None] * stride_tm + (part * R + offs_r)[None, :]
+        t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for s in range(SPLIT_K):  # the shrink's split-K partial sums, added here in a fixed order
+            t += tl.load(t_ptrs + s * stride_ts, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
         b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=mask_n[None, :] & mask_r[:, None],
                     other=0.0)  # [BLOCK_R, BLOCK_N]: B^T's tile
         t = t.to(b.dtype)  # the shrink output rounded to the adapter's dtype (the reference does the same)
@@ -116,6 +129,28 @@ def _split_k(num_tokens: int, k: int, num_programs: int) -> int:
     return max(1, min(k // 256, 128 // max(num_programs, 1), 32))
 
 
+def _shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor | None,
+            split_k: int | None) -> tuple[torch.Tensor, int]:
+    """The shrink launch: ``(out, 1)``, or ``(partial sums [split, T, R], split)`` with split-K (``out``,
+    if given, is then left alone)."""
+    _check(x, lora_a, "shrink")
+    num_slots, r, k = lora_a.shape
+    bm, br = _block_m(meta), max(16, min(64, triton.next_power_of_2(r)))
+    blocks = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(r, br))
+    split = split_k or _split_k(meta.num_tokens, k, blocks[1])
+    block_k = 64 if split == 1 else min(128, triton.next_power_of_2(triton.cdiv(k, split)))
+    per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, per_split)  # (no empty splits)
+    if split == 1 and out is None:
+        out = torch.empty(x.shape[0], r, dtype=torch.float32, device=x.device)
+    dest = out if split == 1 else torch.empty(split, x.shape[0], r, dtype=torch.float32, device=x.device)
+    _lora_shrink_kernel[(*blocks, num_slots * split)](
+        x, lora_a, dest, meta.sorted_rows, meta.slot_starts, meta.slot_counts, k, r, per_split,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), dest.stride(0) if split > 1 else 0, dest.stride(-2),
+        SPLIT_K=split, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
+    return dest, split
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor,
                 split_k: int | None = None) -> torch.Tensor:
     """:func:`infer.kernels.lora_reference.lora_shrink` in Triton: ``x [T, in]``, ``lora_a [L, R, in]``,
@@ -125,48 +160,72 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
 
     With ``split_k`` > 1 (default: :func:`_split_k`, > 1 for a decode step's few rows) each row block's
     K columns are split among that many programs, which write float32 partial sums ``[split_k, T, R]``;
-    one ``torch.sum`` adds them into ``out`` (two launches, in a fixed order: the same bits every run,
-    unlike atomic adds). Split-K is the usual cure for a GEMM whose M and N are too small to fill the
-    GPU (CUTLASS, vLLM's LoRA shrink)."""
-    _check(x, lora_a, "shrink")
-    num_slots, r, k = lora_a.shape
-    bm, br = _block_m(meta), max(16, min(64, triton.next_power_of_2(r)))
-    blocks = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(r, br))
-    split = split_k or _split_k(meta.num_tokens, k, blocks[1])
-    block_k = 64 if split == 1 else min(128, triton.next_power_of_2(triton.cdiv(k, split)))
-    per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, per_split)  # (no empty splits)
-    dest = out if split == 1 else torch.empty(split, *out.shape, dtype=out.dtype, device=out.device)
-    _lora_shrink_kernel[(*blocks, num_slots * split)](
-        x, lora_a, dest, meta.sorted_rows, meta.slot_starts, meta.slot_counts, k, r, per_split,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), dest.stride(0) if split > 1 else 0, dest.stride(-2),
-        SPLIT_K=split, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
+    one ``torch.sum`` adds them into ``out`` in a fixed order (the same bits every run, unlike atomic
+    adds). Split-K is the usual cure for a GEMM whose M and N are too small to fill the GPU (CUTLASS,
+    vLLM's LoRA shrink). :func:`add_lora` and :func:`add_lora_stacked` skip the sum: their expand adds
+    the partial sums as it loads them."""
+    dest, split = _shrink(x, lora_a, meta, out, split_k)
     if split > 1:
         torch.sum(dest, dim=0, out=out)
     return out
+
+
+def _expand(t: torch.Tensor, split: int, lora_b: torch.Tensor, meta: LoRAKernelMeta, y: torch.Tensor,
+            y_offset: int, part_starts: tuple[int, ...] = (0,)) -> torch.Tensor:
+    """The expand launch over ``t`` (``[T, P R]``, or ``split`` partial sums ``[split, T, P R]``) and
+    ``lora_b`` ``[L, N, R]``, whose columns from ``part_starts[i]`` on read columns ``i R ...`` of ``t``
+    (one part unless a merged projection's stacked B: at most 3 parts)."""
+    _check(t, lora_b, "expand")
+    if y.stride(-1) != 1:
+        raise ValueError("lora_expand: y's last dimension must be contiguous")
+    num_slots, n, r = lora_b.shape
+    bounds = [*part_starts[1:], n, n][:2]
+    bm, bn, br = _block_m(meta), _block_n(part_starts, n), max(16, min(64, triton.next_power_of_2(r)))
+    grid = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(n, bn), num_slots)
+    _lora_expand_kernel[grid](t, lora_b, y, meta.sorted_rows, meta.slot_starts, meta.slot_counts, n, r, y_offset,
+                              *bounds, t.stride(0) if split > 1 else 0, t.stride(-2), lora_b.stride(0),
+                              lora_b.stride(1), y.stride(0), SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br,
+                              IEEE=lora_b.dtype == torch.float32)
+    return y
+
+
+def _block_n(part_starts: tuple[int, ...], n: int) -> int:
+    """64 columns a program, fewer (down to 16) if a part of a stacked B starts inside a 64-column tile."""
+    bn = 64
+    while bn > 16 and any(p % bn for p in part_starts):
+        bn //= 2
+    if any(p % bn for p in part_starts):
+        raise ValueError(f"add_lora_stacked: the parts must start at multiples of 16 columns, got {part_starts}")
+    return bn
 
 
 def lora_expand(t: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta, y: torch.Tensor,
                 y_offset: int = 0) -> torch.Tensor:
     """:func:`infer.kernels.lora_reference.lora_expand` as one Triton launch: float32 ``t [T, R]``,
     ``lora_b [L, out, R]``, ``y [T, N]`` updated in place at columns ``y_offset : y_offset + out``."""
-    _check(t, lora_b, "expand")
-    if y.stride(-1) != 1:
-        raise ValueError("lora_expand: y's last dimension must be contiguous")
-    num_slots, n, r = lora_b.shape
-    bm, bn, br = _block_m(meta), 64, max(16, min(64, triton.next_power_of_2(r)))
-    grid = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(n, bn), num_slots)
-    _lora_expand_kernel[grid](t, lora_b, y, meta.sorted_rows, meta.slot_starts, meta.slot_counts, n, r, y_offset,
-                              t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, IEEE=lora_b.dtype == torch.float32)
-    return y
+    return _expand(t, 1, lora_b, meta, y, y_offset)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              meta: LoRAKernelMeta, y_offset: int = 0, buffer: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`infer.kernels.lora_reference.add_lora`: shrink then expand, two launches."""
+    """:func:`infer.kernels.lora_reference.add_lora`: shrink then expand, two launches (the expand adds a
+    split-K shrink's partial sums itself)."""
     if meta.num_lora_rows == 0:
         return y
-    t = buffer if buffer is not None else torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32,
-                                                      device=x.device)
-    return lora_expand(lora_shrink(x, lora_a, meta, t), lora_b, meta, y, y_offset)
+    t, split = _shrink(x, lora_a, meta, buffer, None)
+    return _expand(t, split, lora_b, meta, y, y_offset)
+
+
+def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                     part_starts: tuple[int, ...], meta: LoRAKernelMeta) -> torch.Tensor:
+    """:func:`infer.kernels.lora_reference.add_lora_stacked` in two launches: one shrink by every part's A,
+    one expand over every part's B (each column tile finds its part from ``part_starts``)."""
+    if meta.num_lora_rows == 0:
+        return y
+    if not 1 <= len(part_starts) <= 3 or part_starts[0] != 0:
+        raise ValueError(f"add_lora_stacked: 1 to 3 parts starting at column 0, got {part_starts}")
+    if lora_a.shape[1] != len(part_starts) * lora_b.shape[2]:
+        raise ValueError(f"add_lora_stacked: A stacks {lora_a.shape[1]} rows for {len(part_starts)} parts of rank "
+                         f"{lora_b.shape[2]}")
+    t, split = _shrink(x, lora_a, meta, None, None)
+    return _expand(t, split, lora_b, meta, y, 0, part_starts)

@@ -96,10 +96,13 @@ class LoRAMapping:
         reduce(self.ops.lora_shrink(x, lora_a, meta, t))
         return self.ops.lora_expand(t, lora_b, meta, y, y_offset)
 
-    def apply_parts(self, y: torch.Tensor, x: torch.Tensor, stacked_a: torch.Tensor, parts) -> torch.Tensor:
+    def apply_parts(self, y: torch.Tensor, x: torch.Tensor, stacked_a: torch.Tensor, parts,
+                    stacked_b: torch.Tensor | None = None, part_starts: tuple[int, ...] | None = None
+                    ) -> torch.Tensor:
         """A merged projection's deltas: one shrink by the parts' stacked A (``[L, parts * R, in]``), then
         each part's expand from its ``R`` columns of the shrink output into its slice of ``y``
-        (``parts``: ``[(LoRALinear, first output column), ...]``, in the stacking order)."""
+        (``parts``: ``[(LoRALinear, first output column), ...]``, in the stacking order); with the parts'
+        stacked B (``[L, out, R]``, part ``i``'s rows from ``part_starts[i]``), one expand for all."""
         meta = self.meta
         if meta is None:
             return y
@@ -107,6 +110,8 @@ class LoRAMapping:
             raise RuntimeError(f"the LoRA mapping is for {meta.num_tokens} rows, the forward has {x.shape[0]}")
         if meta.num_lora_rows == 0:
             return y
+        if stacked_b is not None:
+            return self.ops.add_lora_stacked(y, x, stacked_a, stacked_b, part_starts, meta)
         t = self.ops.lora_shrink(x, stacked_a, meta, torch.empty(x.shape[0], stacked_a.shape[1],
                                                                  dtype=torch.float32, device=x.device))
         rank = stacked_a.shape[1] // len(parts)
@@ -221,8 +226,9 @@ class LoRAOps:
         y = self.base_ops.linear(x, base)
         if self.mapping.meta is not None:
             stacked = getattr(layer, "lora_a_stacked", None)
-            if stacked is not None:  # one shrink for every part (_stack_part_a)
-                return self.mapping.apply_parts(y, x, stacked, parts)
+            if stacked is not None:  # one shrink for every part, and one expand if B is stacked (_stack_parts)
+                return self.mapping.apply_parts(y, x, stacked, parts, getattr(layer, "lora_b_stacked", None),
+                                                getattr(layer, "lora_part_starts", None))
             for lora, offset in parts:
                 lora.add_delta(y, x, offset)
         return y
@@ -264,14 +270,17 @@ def _attach_merged_parts(model: nn.Module, layers: dict[tuple[int, str], LoRALin
             wrapper = {id(m.base_layer): m for (j, _), m in layers.items() if j == i}
             proj.lora_parts = [(part if isinstance(part, LoRALinear) else wrapper[id(part)], start)
                                for part, start, _ in proj.part_rows]
-            _stack_part_a(proj)
+            _stack_parts(proj)
 
 
-def _stack_part_a(proj: nn.Module) -> None:
+def _stack_parts(proj: nn.Module) -> None:
     """The parts of a merged projection read the same input, so their A matrices become views of one
     buffer ``lora_a_stacked [L, parts * R, in]`` (part ``i``'s rows ``i R .. (i + 1) R - 1``): one shrink
-    launch gives every part's ``x A^T`` (:meth:`LoRAMapping.apply_parts`), then one expand per part into
-    its slice of the output. Done once at start-up, before any CUDA graph reads the buffers."""
+    launch gives every part's ``x A^T`` (:meth:`LoRAMapping.apply_parts`). When the parts fill the
+    output's columns in order (q, k, v; gate, up), their B matrices likewise become views of
+    ``lora_b_stacked [L, out, R]`` and one expand launch adds every part's delta (a decode step's
+    LoRA kernels per layer: 4 shrinks and 4 expands instead of 4 and 7). Done once at start-up, before
+    any CUDA graph reads the buffers; loading an adapter writes through the views."""
     parts = [lora for lora, _ in proj.lora_parts]
     if getattr(proj, "lora_a_stacked", None) is not None or len(parts) < 2 or any(p.reduce is not None for p in parts):
         return
@@ -282,6 +291,17 @@ def _stack_part_a(proj: nn.Module) -> None:
         view.copy_(part.lora_a)
         part.lora_a = view
     proj.lora_a_stacked = stacked
+    starts = [start for _, start in proj.lora_parts]
+    ends = [*starts[1:], sum(p.lora_b.shape[1] for p in parts)]
+    if (len(parts) > 3 or starts[0] != 0 or any(s % 16 for s in starts)
+            or any(end - start != p.lora_b.shape[1] for p, start, end in zip(parts, starts, ends))):
+        return  # (every merged projection of the supported models qualifies)
+    stacked_b = parts[0].lora_b.new_zeros(num_slots, ends[-1], rank)
+    for part, start, end in zip(parts, starts, ends):
+        view = stacked_b[:, start:end]
+        view.copy_(part.lora_b)
+        part.lora_b = view
+    proj.lora_b_stacked, proj.lora_part_starts = stacked_b, tuple(starts)
 
 
 def add_lora_layers(model: nn.Module, max_loras: int, max_lora_rank: int, mapping: LoRAMapping
