@@ -436,11 +436,101 @@ def test_compressed_tensors_checkpoint_loads_as_stored(preset, fmt, method, tmp_
     _check_against(tmp_path, ref.eval(), method, fused=preset == "W4A16")
 
 
+def _autogptq_pack(w: torch.Tensor, group: int, zero_stored: int):
+    """A projection quantized and packed the way AutoGPTQ's ``QuantLinear.pack`` writes it (its loops,
+    ported: the packers of AutoGPTQ and GPTQModel need CUDA builds that do not install here). A symmetric
+    quantizer per group of ``group`` inputs: ``scale = 2 max|w| / 15``, zero point 8, ``q = round(w / scale)
+    + 8`` in [0, 15]. Returns ``(qweight [K/8, N], qzeros [K/G, N/8], scales fp16 [K/G, N], g_idx [K],
+    the dequantized weight [N, K])``."""
+    import numpy as np
+
+    n, k = w.shape
+    xmax = w.view(n, k // group, group).abs().amax(-1).clamp_min(1e-8)  # [N, G]
+    scales = (2 * xmax / 15).t().contiguous().half()  # [G, N], stored in float16
+    g_idx = torch.arange(k, dtype=torch.int32) // group
+    s = scales.float()[g_idx.long()].t()  # [N, K]
+    intweight = torch.clamp(torch.round(w / s) + 8, 0, 15).to(torch.int64)
+    deq = s * (intweight - 8)
+    iw = intweight.t().contiguous().numpy().astype(np.uint32)  # [K, N]
+    qweight = np.zeros((k // 8, n), dtype=np.uint32)
+    i = row = 0
+    while row < qweight.shape[0]:
+        for j in range(i, i + 8):
+            qweight[row] |= iw[j] << (4 * (j - i))
+        i += 8
+        row += 1
+    zeros = np.full((k // group, n), zero_stored, dtype=np.uint32)
+    qzeros = np.zeros((k // group, n // 8), dtype=np.uint32)
+    i = col = 0
+    while col < qzeros.shape[1]:
+        for j in range(i, i + 8):
+            qzeros[:, col] |= zeros[:, j] << (4 * (j - i))
+        i += 8
+        col += 1
+    return (torch.from_numpy(qweight.astype(np.int32)), torch.from_numpy(qzeros.astype(np.int32)), scales, g_idx,
+            deq)
+
+
+@pytest.mark.parametrize("checkpoint_format, zero_stored", [("gptq", 7), ("gptq_v2", 8)])
+def test_gptq_checkpoint_loads_as_stored(checkpoint_format, zero_stored, tmp_path, cpu_reference_forward):
+    """A symmetric 4-bit GPTQ checkpoint (AutoGPTQ's tensors and config, groups of 32 inputs) loads as
+    infer's int4 without a round trip through floats; the reference is the float model with each weight
+    replaced by its dequantized GPTQ value. AutoGPTQ's original format stores the zero point minus one
+    (7), ``gptq_v2`` stores it as is."""
+    from safetensors.torch import save_file
+
+    model = _tiny_qwen3()
+    ref = copy.deepcopy(model)
+    state, ref_modules = {}, dict(ref.named_modules())
+    for name, w in model.state_dict().items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            prefix = name.removesuffix(".weight")
+            qweight, qzeros, scales, g_idx, deq = _autogptq_pack(w.float(), 32, zero_stored)
+            state.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales,
+                          f"{prefix}.g_idx": g_idx})
+            ref_modules[prefix].weight.data.copy_(deq)
+        elif name != "lm_head.weight":  # tied
+            state[name] = w.contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                                        "sym": True, "checkpoint_format": checkpoint_format}
+    model.config.save_pretrained(tmp_path)
+    ours = _check_against(tmp_path, ref.eval(), "int4")
+    down = ours.model.model.layers[0].mlp.down_proj
+    assert down.weight_scale.shape == (down.out_features, down.in_features // 32)
+
+
+def test_gptq_checkpoints_infer_cannot_serve_are_rejected(tmp_path):
+    """Act-order groups (a permuted ``g_idx``) and zero points other than the symmetric 8 are refused with
+    the reason, tensor by tensor; asymmetric, 8-bit and AWQ configs at once."""
+    from infer.errors import ModelLoadError
+    from infer.loader.quantized import QuantizedParams, scheme_from_hf_config
+    from infer.models.quant import quantize_modules
+
+    for q, match in [({"quant_method": "gptq", "bits": 4, "sym": False}, "asymmetric"),
+                     ({"quant_method": "gptq", "bits": 8, "sym": True}, "4-bit only"),
+                     ({"quant_method": "awq", "bits": 4}, "zero point per group")]:
+        with pytest.raises(ModelLoadError, match=match):
+            scheme_from_hf_config({"quantization_config": q}, tmp_path)
+    scheme = scheme_from_hf_config({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                                            "sym": True}}, tmp_path)
+    layer = torch.nn.Module()
+    layer.q_proj = torch.nn.Linear(64, 16, bias=False)
+    quantize_modules(layer, scheme)
+    params = QuantizedParams(layer, scheme, torch.device("cpu"), torch.float32, tmp_path)
+    _, qzeros, _, g_idx, _ = _autogptq_pack(torch.randn(16, 64), 32, 7)
+    assert params.take("q_proj.qzeros", qzeros) and params.take("q_proj.g_idx", g_idx)
+    with pytest.raises(ModelLoadError, match="act-order"):
+        params.take("q_proj.g_idx", g_idx.flip(0))
+    with pytest.raises(ModelLoadError, match="zero points"):
+        params.take("q_proj.qzeros", _autogptq_pack(torch.randn(16, 64), 32, 5)[1])
+
+
 def test_unsupported_quantization_configs_are_rejected(tmp_path):
     from infer.errors import ModelLoadError
     from infer.loader.quantized import scheme_from_hf_config
 
-    for q, match in [({"quant_method": "awq"}, "not supported"),
+    for q, match in [({"quant_method": "awq"}, "not supported"), ({"quant_method": "exl2"}, "not supported"),
                      ({"quant_method": "fp8"}, "weight_block_size"),
                      ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
                          "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,

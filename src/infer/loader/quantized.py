@@ -14,6 +14,15 @@ checkpoints read as they are stored (no round trip through 16 bits).
   symmetric 4-bit int per group (``W4A16``, format ``pack-quantized``: ``weight_packed`` int32 ``[N, K / 8]``,
   ``weight_scale [N, K / G]``, ``weight_shape``), or 8-bit float per channel / tensor / block
   (``FP8_DYNAMIC`` and kin; activations again served in 16 bits).
+* ``quant_method: "gptq"`` (AutoGPTQ / GPTQModel, the most common 4-bit checkpoints on the Hub) when
+  symmetric (``sym: true``) and without act-order (or whose ``g_idx`` is the plain group order):
+  ``qweight`` int32 ``[K / 8, N]``, eight 4-bit values per word along K, the lowest nibble first, each
+  stored as ``q + 8``; ``scales`` float16 ``[K / G, N]``; ``qzeros`` int32 ``[K / G, N / 8]``, the zero
+  point 8 of a symmetric quantizer, stored as 7 (AutoGPTQ's format ``gptq`` keeps ``zero - 1``) or 8
+  (``checkpoint_format: gptq_v2``); ``g_idx`` int32 ``[K]``, each input's group. That is infer's own int4
+  layout transposed: the words are the same. Asymmetric GPTQ and AWQ (whose zero points vary by
+  group) need a kernel that subtracts a zero point per group, which infer's int4 kernels do not:
+  rejected with that reason, as is act-order (``desc_act``, groups that are not contiguous inputs).
 
 :class:`QuantizedParams` then routes each checkpoint tensor of a quantized projection to the module's
 parameters (``qweight``, ``weight_scale``), or quantizes a float ``weight`` (online).
@@ -70,6 +79,20 @@ def _compressed_tensors_scheme(q: dict[str, Any], source: Path) -> QuantScheme:
                          "are not supported (int8 per channel, int4 per group pack-quantized, fp8)")
 
 
+def _gptq_scheme(q: dict[str, Any], source: Path) -> QuantScheme:
+    bits, group, sym = q.get("bits"), q.get("group_size", 128), q.get("sym", True)
+    if bits != 4:
+        raise ModelLoadError(source, f"gptq: {bits}-bit weights are not supported (4-bit only)")
+    if not sym:
+        raise ModelLoadError(source, "gptq: asymmetric weights (sym: false, a zero point per group) are not "
+                             "supported: infer's int4 kernels are symmetric")
+    fmt = q.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ModelLoadError(source, f"gptq: checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+    # act-order (desc_act) is checked on each g_idx as it loads: a trivial one is the plain group order
+    return QuantScheme("int4", (1, 0 if group in (-1, None) else int(group)), prequantized=True, format=fmt)
+
+
 def scheme_from_hf_config(raw: dict[str, Any], source: Path) -> QuantScheme | None:
     """The :class:`QuantScheme` of a pre-quantized Hugging Face checkpoint, or None for a float one.
 
@@ -84,8 +107,13 @@ def scheme_from_hf_config(raw: dict[str, Any], source: Path) -> QuantScheme | No
         return _fp8_scheme(q, source)
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(q, source)
+    if method == "gptq":
+        return _gptq_scheme(q, source)
+    if method == "awq":
+        raise ModelLoadError(source, "quantization_config.quant_method 'awq' is not supported: AWQ's int4 weights "
+                             "have a zero point per group, and infer's int4 kernels are symmetric")
     raise ModelLoadError(source, f"quantization_config.quant_method {method!r} is not supported (fp8, "
-                         "compressed-tensors)")
+                         "compressed-tensors, gptq)")
 
 
 def resolve_scheme(requested: str, stored: QuantScheme | None, source: Path) -> QuantScheme | None:
@@ -140,7 +168,9 @@ class QuantizedParams:
 
     def _take_stored(self, prefix: str, leaf: str, t: torch.Tensor, module: QuantizedLinear) -> None:
         """One tensor of a pre-quantized checkpoint, by its name in the format."""
-        if leaf == "weight_packed" and module.method == "int8":  # 4 per int32, each stored + 128: one byte each
+        if self.scheme.format in ("gptq", "gptq_v2"):
+            self._take_gptq(prefix, leaf, t, module)
+        elif leaf == "weight_packed" and module.method == "int8":  # 4 per int32, each stored + 128: one byte each
             t = t.to(self.device)
             shifts = torch.arange(0, 32, 8, device=t.device, dtype=torch.int32)
             t = (((t[:, :, None] >> shifts) & 0xFF) - 128).to(torch.int8).flatten(1)
@@ -164,6 +194,32 @@ class QuantizedParams:
         else:
             raise ModelLoadError(self.source, f"unexpected tensor {prefix}.{leaf} for a {self.scheme.format} "
                                  f"{self.scheme.method} projection")
+
+    def _take_gptq(self, prefix: str, leaf: str, t: torch.Tensor, module: QuantizedLinear) -> None:
+        """A GPTQ tensor (module docstring): ``qweight`` and ``scales`` transposed into infer's layout; the
+        zero points and the group index checked, as they carry nothing a symmetric layout keeps."""
+        n, k = module.out_features, module.in_features
+        group = self.scheme.block_for(k)[1]
+        if leaf == "qweight":
+            self._shape(f"{prefix}.qweight", t, (k // 8, n))
+            self._put(f"{prefix}.qweight", t.to(self.device).t().contiguous(), module.qweight)
+        elif leaf == "scales":
+            self._shape(f"{prefix}.scales", t, (k // group, n))
+            self._put(f"{prefix}.weight_scale", t.to(device=self.device, dtype=torch.float32).t().contiguous(),
+                      module.weight_scale)
+        elif leaf == "qzeros":
+            self._shape(f"{prefix}.qzeros", t, (k // group, n // 8))
+            zero = 8 if self.scheme.format == "gptq_v2" else 7  # format gptq stores zero - 1
+            shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+            if bool((((t.to(torch.int32)[..., None] >> shifts) & 0xF) != zero).any()):
+                raise ModelLoadError(self.source, f"{prefix}.qzeros: zero points other than the symmetric "
+                                     f"quantizer's 8 (stored as {zero}) are not supported")
+        elif leaf == "g_idx":
+            if not torch.equal(t.to(torch.int64), torch.arange(k) // group):
+                raise ModelLoadError(self.source, f"{prefix}.g_idx: act-order (desc_act) groups, whose inputs are "
+                                     "not contiguous, are not supported")
+        else:
+            raise ModelLoadError(self.source, f"unexpected tensor {prefix}.{leaf} for a GPTQ int4 projection")
 
     def _shape(self, name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
         if tuple(t.shape) != tuple(want):

@@ -41,8 +41,8 @@ class QuantScheme:
             channel). Online: ``(1, 0)`` for int8 and fp8, ``(1, group_size)`` for int4.
         prequantized: the checkpoint holds the quantized tensors (loaded as stored); otherwise the float
             weights are quantized as they load.
-        format: where the scheme came from: ``"online"``, ``"fp8"`` (Hugging Face's block-wise FP8) or
-            ``"compressed-tensors"``.
+        format: where the scheme came from: ``"online"``, ``"fp8"`` (Hugging Face's block-wise FP8),
+            ``"compressed-tensors"``, or ``"gptq"`` / ``"gptq_v2"`` (symmetric 4-bit GPTQ).
     """
 
     method: str
