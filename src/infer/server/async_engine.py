@@ -144,6 +144,7 @@ class AsyncEngine:
                  on_finished=None, max_step_failures: int = 3, first_token_handoff_s: float = 0.001) -> None:
         self.max_waiting = max_waiting
         self.first_token_handoff_s = first_token_handoff_s
+        self.first_token_handoff_max_outputs = 8  # (see _deliver_step)
         self._awaiting_first: set[str] = set()  # accepted requests that have not yet produced an output
         self._taken = threading.Event()
         self.max_step_failures = max_step_failures
@@ -354,8 +355,14 @@ class AsyncEngine:
         request's *first* token that wait is TTFT, so after a step that carries one this thread waits
         (the GIL released) until the loop has taken the outputs and sent them on, at most
         ``first_token_handoff_s``. Later tokens are not waited for: TPOT is a rate, and the next
-        step's launch matters more than a chunk's latency. (vLLM avoids the shared GIL altogether by
-        running its engine core in another process.)"""
+        step's launch matters more than a chunk's latency. Nor are steps with more than
+        ``first_token_handoff_max_outputs`` outputs: under load the loop has many chunks to send, the
+        wait would grow with them, and a TTFT there is dominated by queueing anyway. (vLLM avoids the
+        shared GIL altogether by running its engine core in another process.)
+
+        Measured on an H100 (Qwen3-0.6B, a 128-token prompt sent 20 ms after the previous request, one
+        server, with and without, interleaved): the token reached the loop 0.08 ms after its step instead
+        of 0.28 ms, and the client read it 0.33 ms sooner."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         first = False
         for out in outs:
@@ -369,7 +376,8 @@ class AsyncEngine:
                 batches.setdefault(stream.loop, []).append((stream.queue, out))
             if out.finished:
                 self._streams.pop(out.request_id, None)
-        handoff = first and self.first_token_handoff_s > 0 and len(batches) == 1
+        handoff = (first and self.first_token_handoff_s > 0 and len(batches) == 1
+                   and len(outs) <= self.first_token_handoff_max_outputs)
         if handoff:
             self._taken.clear()
         for loop, items in batches.items():
