@@ -492,6 +492,9 @@ class AsyncEngine:
                         failures += 1
                         self._fail_step(e, failures)
                         outs = []
+                    # before the delivery, which may wait for the event loop (the first-token hand-off): whoever
+                    # reads an output must not then read the counts of before its step
+                    self.num_running, self.num_waiting = eng.num_running, eng.num_waiting
                     self._deliver_step(outs)
                 self.num_running, self.num_waiting = eng.num_running, eng.num_waiting
                 self.num_preemptions = getattr(eng, "num_preemptions", 0)
