@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from infer.errors import ModelLoadError
+from infer.kernels import quant_reference as qref
 from infer.models.quant import QuantizedLinear, QuantScheme
 
 __all__ = ["QuantizedParams", "scheme_from_hf_config", "resolve_scheme"]
@@ -210,8 +211,8 @@ class QuantizedParams:
         elif leaf == "qzeros":
             self._shape(f"{prefix}.qzeros", t, (k // group, n // 8))
             zero = 8 if self.scheme.format == "gptq_v2" else 7  # format gptq stores zero - 1
-            shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-            if bool((((t.to(torch.int32)[..., None] >> shifts) & 0xF) != zero).any()):
+            # the nibbles run along N here as along K in infer's int4 words: the same unpacking (value - 8)
+            if bool(qref.unpack_int4(t.to(torch.int32)).ne(zero - 8).any()):
                 raise ModelLoadError(self.source, f"{prefix}.qzeros: zero points other than the symmetric "
                                      f"quantizer's 8 (stored as {zero}) are not supported")
         elif leaf == "g_idx":

@@ -484,6 +484,7 @@ class AsyncEngine:
                     pass
                 if self._stopping.is_set():
                     break
+                outs = []
                 if eng.has_unfinished_requests():
                     try:
                         outs = eng.step(stream=True)
@@ -491,13 +492,11 @@ class AsyncEngine:
                     except EngineStepError as e:
                         failures += 1
                         self._fail_step(e, failures)
-                        outs = []
-                    # before the delivery, which may wait for the event loop (the first-token hand-off): whoever
-                    # reads an output must not then read the counts of before its step
-                    self.num_running, self.num_waiting = eng.num_running, eng.num_waiting
-                    self._deliver_step(outs)
+                # published before the delivery, which may wait for the event loop (the first-token hand-off):
+                # whoever reads an output must not then read the counts of before its step
                 self.num_running, self.num_waiting = eng.num_running, eng.num_waiting
                 self.num_preemptions = getattr(eng, "num_preemptions", 0)
+                self._deliver_step(outs)
                 if self.num_waiting and not self.num_running:
                     time.sleep(0.001)  # static batching is waiting for its batch to fill
         except BaseException as e:  # a crash: fail every open request instead of hanging it
