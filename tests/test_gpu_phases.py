@@ -48,12 +48,15 @@ def _prompts(seed: int, lengths, vocab: int) -> list[list[int]]:
     return [torch.randint(100, vocab - 1, (n,), generator=g).tolist() for n in lengths]
 
 
-def _generate(path, prompts, params, **kw):
-    """Token ids and chosen-token logprobs of ``prompts`` through ``infer.LLM`` on CUDA, and the engine's stats."""
+def _generate(path, prompts, params, routes: list | None = None, **kw):
+    """Token ids and chosen-token logprobs of ``prompts`` through ``infer.LLM`` on CUDA, and the engine's stats
+    (``routes``: gets each step's CUDA-graph route, None for an eager step)."""
     from infer.llm import LLM
 
     llm = LLM(str(path), progress=False, device="cuda", batching="continuous", kv_cache="paged", max_num_seqs=8,
               max_model_len=512, **kw)
+    if routes is not None:
+        llm.engine.runner.on_executed = lambda out: routes.append(out.graph)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.stats()
@@ -214,16 +217,23 @@ def test_draft_speculation_is_lossless_with_the_gpu_flags(tmp_path_factory, grap
     so verification accepts nearly all of them: the verify rows' k + 1 tokens per sequence carry the
     output), float32 on CUDA with the fused forward and CUDA graphs for the decode steps: the greedy tokens
     of the same engine without speculation. (Prompt lookup proposes nothing on random weights, whose
-    outputs do not repeat their prompts; float32 keeps verify-vs-decode rounding far below the logit gaps.)"""
+    outputs do not repeat their prompts; float32 keeps verify-vs-decode rounding far below the logit gaps.)
+    With graphs, the verify steps replay the decode graphs with their tokens as decode rows (route
+    ``"verify"``), and a 300-token prompt chunked beside them puts drafts beside a prompt chunk
+    (``"mixed-pieces"``)."""
     path = _checkpoint("tiny-qwen3", tmp_path_factory, "float32")
-    prompts = _prompts(2, (12, 30, 50, 9), 700)
+    prompts = _prompts(2, (12, 30, 50, 9, 300), 700)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    flags = dict(dtype="float32", fused_kernels=True, cuda_graphs=graphs, kv_cache_memory_bytes=64 << 20)
+    flags = dict(dtype="float32", fused_kernels=True, cuda_graphs=graphs, kv_cache_memory_bytes=64 << 20,
+                 chunked_prefill=True, max_num_batched_tokens=64)
     ref, _ = _generate(path, prompts, params, **flags)
     spec = {"method": "draft", "model": str(path), "num_speculative_tokens": 3}
-    got, stats = _generate(path, prompts, params, speculative_config=spec, **flags)
+    routes: list = []
+    got, stats = _generate(path, prompts, params, routes=routes, speculative_config=spec, **flags)
     assert [t for t, _ in got] == [t for t, _ in ref]
     assert stats["spec_decode_num_accepted_tokens"] > 0.9 * stats["spec_decode_num_draft_tokens"] > 0
+    if graphs:
+        assert routes.count("verify") > 5 and "mixed-pieces" in routes, routes
 
 
 # ------------------------------------------------------------------------ the step trace with CUDA graphs

@@ -93,7 +93,7 @@ import torch
 from tqdm.auto import tqdm
 
 from infer.attention import AttentionMetadata, KVCache
-from infer.engine.graph_staging import _SEQ, packed_size, stage_decodes  # noqa: F401  (stage_decodes: re-exported)
+from infer.engine.graph_staging import _SEQ, packed_size, stage_decodes, stage_rows  # noqa: F401  (re-exported)
 from infer.engine.step import BlockTableRows, ForwardOutput, StepInputs, patch_input_ids
 from infer.lora.graphs import LoRAGraphInputs
 
@@ -259,6 +259,11 @@ class CUDAGraphRunner:
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_logits: dict[int, torch.Tensor] = {}
         self.pool = None
+        # verify steps as decode rows (:meth:`_run_verify`): the most extra keys their rows may re-read, a
+        # quarter of the model's weight bytes in KV bytes (at least 16 MiB: a tiny model's weights say nothing)
+        weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        kv_bytes_per_token = kv_cache.nbytes // max(1, kv_cache.num_blocks * kv_cache.block_size)
+        self.verify_max_extra_keys = max(weight_bytes // 4, 16 << 20) // max(1, kv_bytes_per_token)
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         # LoRA (phase 16, :meth:`enable_lora`): the row groups' static buffer, and the LoRA variant of each
@@ -285,28 +290,33 @@ class CUDAGraphRunner:
         """Before a replay: stage the step's row groups; False when no row has an adapter (or no LoRA)."""
         return self.lora is not None and self.lora.stage() > 0
 
-    def run(self, step: StepInputs, hidden_only: bool = False) -> ForwardOutput | None:
+    def run(self, step: StepInputs, verify: bool = False) -> ForwardOutput | None:
         """Run ``step`` through a captured graph if one fits it; ``None`` if none does (the model runner
-        then runs it eagerly). ``hidden_only``: only the route that returns every token's hidden state
-        (the last), for a step whose rows sample in a way the other graphs do not (speculative decoding's
-        verify rows: ``k + 1`` per sequence). The routes, tried in order:
+        then runs it eagerly). ``verify``: a step whose rows sample in a way the other graphs do not
+        (speculative decoding's verify rows: ``k + 1`` per sequence); only the two routes marked
+        (``verify``) serve it. The routes, tried in order:
 
         * a decode-only step no wider than the largest decode bucket: its bucket's graph (forward + LM
           head of every row), its inputs staged straight from the sequences (:func:`stage_decodes`);
+        * (``verify``) a verify step, every sequence decoding or verifying drafts: a decode graph over
+          its tokens as decode rows (:meth:`_run_verify`); returns the logits of the rows that sample;
         * one sequence prefilling alone (a prompt, a chunk, a prefix hit's suffix), within the largest
           prefill bucket and without prompt logprobs: its bucket's graph (LM head on the last row);
         * decodes beside one prompt chunk (chunked prefill's usual step): its bucket's whole-step graph;
-        * any other step within the largest mixed bucket: its bucket's pieces, the attention eagerly
+        * (``verify`` too) any other step within the largest mixed bucket: its bucket's pieces, the attention eagerly
           between them.
 
         Returns:
             The :class:`~infer.engine.step.ForwardOutput`: logits of the rows that sample (decode and
             prefill graphs), or the hidden states of every token (mixed steps); its ``graph`` names the
-            route (``"decode"``, ``"prefill"``, ``"mixed-whole"``, ``"mixed-pieces"``, in the order above).
+            route (``"decode"``, ``"verify"``, ``"prefill"``, ``"mixed-whole"``, ``"mixed-pieces"``, in the
+            order above).
         """
         f = step.flat
         t = len(f.ids)
-        if hidden_only:
+        if verify:
+            if self.graphs and (out := self._run_verify(step)) is not None:
+                return out
             if self.mixed and self.can_run_mixed(t):
                 hidden = self.replay_mixed(f.ids, f.positions, f.slots, step.metadata, step.flat_patch)
                 return ForwardOutput(f.sampled, hidden=hidden, graph="mixed-pieces")
@@ -341,6 +351,52 @@ class CUDAGraphRunner:
             seqs = [seqs[r] for r in rows]
             logits = logits[step.to_device(rows, torch.int64)]
         return ForwardOutput(seqs, logits=logits, graph="decode")
+
+    def _run_verify(self, step: StepInputs) -> ForwardOutput | None:
+        """Speculative decoding's verify step (phase 12) through a decode graph: each of its ``T`` tokens a
+        decode row (:func:`stage_rows`), the LM head on every row, so the step costs one decode step of
+        ``T`` rows (one replay) instead of a mixed bucket's ``L + 1`` pieces with the attention launched
+        eagerly between them. ``None`` (the caller tries the pieces) when some sequence runs a prompt
+        chunk or has forks, when ``T`` is wider than the largest decode bucket, for a hybrid model (its
+        state is one per sequence, not per row), or when the rows would re-read too many keys: a decode
+        row reads its whole context, so a sequence's ``k + 1`` rows read it ``k + 1`` times where the
+        extend kernel reads it once; the route is taken while those ``k x context`` extra keys cost at
+        most a quarter of a weight read (:attr:`verify_max_extra_keys`; at least 16 MiB of keys).
+
+        On an H100 with Qwen3-8B's shapes a verify step of ``k + 1 = 5`` tokens at batch 1 costs 1.24 decode
+        steps this way and 1.44 through the pieces, which launch 36 attention kernels from the host per step
+        (``benchmarks/speculative.py``)."""
+        if self.state_cache is not None:
+            return None
+        f = step.flat
+        t = len(f.ids)
+        if t > self.sizes[-1]:
+            return None
+        extra = 0
+        for item, kv_len in zip(f.scheduled, f.seq_lens):
+            drafts = len(item.spec_token_ids)
+            if item.num_tokens != 1 + drafts or item.forks:
+                return None
+            extra += drafts * kv_len
+        if extra > self.verify_max_extra_keys:
+            return None
+        bs = bucket_for(t, self.sizes)
+        host = self._staging[self._turn]
+        self._turn ^= 1
+        row_seq = np.repeat(np.arange(len(f.scheduled)), [item.num_tokens for item in f.scheduled])
+        width = stage_rows(f.ids, f.positions, f.slots, row_seq, f.tables, self._table_rows, host.numpy(), bs)
+        n = packed_size(t, bs, width, self.num_vectors)
+        packed = self.packed[:n]
+        packed.copy_(host[:n], non_blocking=True)
+        if step.flat_patch is not None:
+            patch_input_ids(packed, step.flat_patch)
+        lora = self._stage_lora()
+        if self.on_staged is not None:
+            self.on_staged(t, bs, width, packed, lora)
+        logits = self.run_packed(t, bs, width, lora)
+        if len(f.sample_at) != t:  # a one-token prompt chunk among the rows samples nothing
+            logits = logits[step.to_device(f.sample_at, torch.int64)]
+        return ForwardOutput(f.sampled, logits=logits, graph="verify")
 
     def _meta(self, bs: int) -> AttentionMetadata:
         """Metadata over the static buffers' first ``bs`` rows. Its host fields are what the

@@ -75,3 +75,37 @@ def packed_size(b: int, bs: int, width: int, vectors: int = 4) -> int:
     bucket's ``bs`` rows (four; five with a hybrid model's state slots) and ``b`` block tables of
     ``width`` columns."""
     return vectors * bs + b * width
+
+
+def stage_rows(ids: list[int], positions: list[int], slots: list[int], row_seq: np.ndarray,
+               tables: list[list[int]], table_rows: BlockTableRows, h: np.ndarray, bs: int) -> int:
+    """Write a step whose every token is laid out as a decode row into ``h`` (int64, :meth:`CUDAGraphRunner.replay`'s
+    packed layout for ``T = len(ids) <= bs`` rows): speculative decoding's verify step (phase 12), where a
+    sequence runs its last token and its ``k`` drafts. Token ``r`` at position ``p`` attends keys ``0 .. p``
+    of its sequence, the last ones written by this step's rows before it: a decode of context ``p + 1``
+    over the sequence's block table. So a verify step of ``B`` sequences is a decode step of ``T`` rows,
+    each with its own position, slot and context length and its sequence's table (the same table in
+    ``k + 1`` rows), and the decode graphs serve it (SGLang's and vLLM's uniform "decode" batches of
+    ``1 + k`` tokens per request are this shape).
+
+    Args:
+        ids, positions, slots: one int per row (the flat step's).
+        row_seq: int64 ``[T]``, the index in ``tables`` of each row's sequence.
+        tables: the step's ``B`` block tables.
+        table_rows: the kept host copies of the tables (:class:`~infer.engine.step.BlockTableRows`).
+
+    Returns:
+        The widest table (blocks).
+    """
+    t = len(ids)
+    width = max(map(len, tables))
+    seq_rows = np.empty((len(tables), width), dtype=np.int64)
+    table_rows.gather(tables, width, seq_rows)
+    h[:t] = ids
+    h[bs: bs + t] = positions
+    h[2 * bs: 2 * bs + t] = slots
+    h[3 * bs: 3 * bs + t] = h[bs: bs + t] + 1
+    for k, pad in enumerate((0, 0, -1, 0)):  # padding rows: slot -1 writes nothing, length 0 reads nothing
+        h[k * bs + t: (k + 1) * bs] = pad
+    np.take(seq_rows, row_seq, axis=0, out=h[4 * bs: 4 * bs + t * width].reshape(t, width))
+    return width

@@ -166,7 +166,12 @@ class ModelRunner:
         loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, max_model_len)
         if hasattr(loaded.model, "set_moe_impl"):  # an MoE model (phase 15): how its experts run
             loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
-        graph_bs = min(config.cuda_graph_max_batch_size, config.max_num_seqs) if config.cuda_graphs else 0
+        # decode buckets up to max_num_seqs rows; with speculative decoding (phase 12) up to max_num_seqs x (1 + k):
+        # its verify steps replay them with every token a decode row (CUDAGraphRunner._run_verify; vLLM's capture
+        # sizes grow the same way)
+        spec = getattr(config, "speculative", None)
+        rows_per_seq = 1 + spec.num_speculative_tokens if spec is not None else 1
+        graph_bs = min(config.cuda_graph_max_batch_size, config.max_num_seqs * rows_per_seq) if config.cuda_graphs else 0
         # no step prefills more than the budget or the context
         graph_prefill = min(config.cuda_graph_prefill_max_tokens, budget, max_model_len) if graph_bs else 0
         graph_mixed = min(config.cuda_graph_mixed_max_tokens, budget) if graph_bs else 0
@@ -278,12 +283,12 @@ class ModelRunner:
         step = StepInputs(scheduled, prev, self)
         if self.lora_manager is not None:
             self._set_lora_mapping(step)
-        # a step that verifies drafts (phase 12) samples k + 1 rows per sequence: only the mixed step's pieces,
-        # which return every token's hidden state, serve it (the attention runs eagerly between them)
+        # a step that verifies drafts (phase 12) samples k + 1 rows per sequence: a decode graph over its tokens
+        # as decode rows serves it, or the mixed step's pieces, which return every token's hidden state
         # a hybrid step that restores or takes a state snapshot (phase 17 prefix caching) runs eagerly: the
         # graphs' static metadata carries no snapshot copies
         snap = self.state_cache is not None and any(i.state_restore >= 0 or i.state_snapshots for i in scheduled)
-        out = self.graphs.run(step, hidden_only=step.has_spec) if self.graphs is not None and not snap else None
+        out = self.graphs.run(step, verify=step.has_spec) if self.graphs is not None and not snap else None
         if out is None:
             out = self._run_eager(step)
         if self.model.aux_hidden_state_layers:  # EAGLE-3 (phase 12): the step its head catches up on

@@ -394,7 +394,7 @@ class ForwardOutput:
         hidden: ``[T, hidden]`` final hidden states of every token otherwise: the runner computes
             prompt logprobs from them and the sampled rows' logits (:attr:`FlatStep.sample_at`).
         graph: the captured graph that ran the step (:meth:`CUDAGraphRunner.run`'s routes:
-            ``"decode"``, ``"prefill"``, ``"mixed-whole"``, ``"mixed-pieces"``), None when it ran
+            ``"decode"``, ``"verify"``, ``"prefill"``, ``"mixed-whole"``, ``"mixed-pieces"``), None when it ran
             eagerly (read by step traces, :mod:`infer.engine.step_trace`).
     """
 

@@ -126,8 +126,8 @@ class StepRecord:
             holding a cached prefix block (evictable); free and empty.
         tier_blocks: with ``kv_offload``, the blocks the host and disk tiers hold after scheduling
             (``(host, disk)``); None without.
-        graph: the captured graph that ran the step (``"decode"``, ``"prefill"``, ``"mixed-whole"``,
-            ``"mixed-pieces"``), None when it ran eagerly; ``graph_size``: its bucket (tokens).
+        graph: the captured graph that ran the step (``"decode"``, ``"verify"``, ``"prefill"``,
+            ``"mixed-whole"``, ``"mixed-pieces"``), None when it ran eagerly; ``graph_size``: its bucket (tokens).
         counts: the change over the step of each engine counter of :data:`COUNTS` (preemptions,
             prefix-cache hit tokens, tokens restored from the KV offload tiers, cached blocks evicted,
             blocks copied to the offload tiers, blocks restored from them, blocks copied on the device).
@@ -313,7 +313,7 @@ class StepRecorder:
         from infer.engine.cuda_graphs import bucket_for
 
         g = engine.runner.graphs
-        sizes = {"decode": g.sizes, "prefill": g.prefill_sizes}.get(rec.graph, g.mixed_sizes)
+        sizes = {"decode": g.sizes, "verify": g.sizes, "prefill": g.prefill_sizes}.get(rec.graph, g.mixed_sizes)
         return bucket_for(rec.num_tokens, sizes)
 
     def read_device_times(self, wait: bool) -> None:
