@@ -378,6 +378,7 @@ def make_checkpoint(
     max_shard_size: str | None = None,
     verbose: bool = False,
     random_weights: bool = False,
+    decisive: bool = False,
 ) -> Path:
     """Write a random-weight HF model directory for ``preset`` into ``outdir``; return its path.
 
@@ -392,6 +393,9 @@ def make_checkpoint(
             ``"random_weights": true``; infer's loader then generates the weights on its device at
             load time (src/infer/loader/synthetic.py). For models too big to write (qwen3-30b-a3b:
             61 GB); Hugging Face transformers cannot load such a directory.
+        decisive: with ``random_weights``: weights whose greedy next token is decided by a wide logit
+            margin (``"decisive": true``, :mod:`infer.loader.synthetic`), for benchmarks that replay a
+            recorded greedy output (speculative decoding's replayed drafts, phase 12) in bf16.
     """
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -400,6 +404,8 @@ def make_checkpoint(
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if decisive and not random_weights:
+        raise ValueError("decisive weights are generated at load time: use them with random_weights")
     p = PRESETS[preset]
     dtype = parse_dtype(dtype)
     device = torch.device(device)
@@ -451,6 +457,7 @@ def make_checkpoint(
         "init_std": p.init_std, "note": "random weights; not a trained model",
         **({"random_weights": True, "note": "no weight files: infer generates random weights at load time"}
            if random_weights else {}),
+        **({"decisive": True} if decisive else {}),
     }, indent=2) + "\n")
     if verbose:
         size = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**30
@@ -475,10 +482,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--random-weights", action="store_true",
                     help="write no weights (config, tokenizer, synthetic.json only): infer generates random "
                          "weights on its device at load time; for models too big to write (qwen3-30b-a3b)")
+    ap.add_argument("--decisive", action="store_true",
+                    help="with --random-weights: greedy next tokens decided by a wide logit margin, so bf16 "
+                         "rounding never flips one (benchmarks/speculative.py's replayed drafts)")
     a = ap.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = make_checkpoint(a.preset, a.outdir, a.dtype, device, a.seed, a.max_shard_size, verbose=True,
-                           random_weights=a.random_weights)
+                           random_weights=a.random_weights, decisive=a.decisive)
     print(path)
     return 0
 

@@ -9,6 +9,16 @@ the statistics the script gives written checkpoints: every matrix ``N(0, init_st
 weights ``1 + N(0, 0.05)`` (``N(0, 0.1)`` for Gemma's ``(1 + w)`` form). A fixed seed gives the same
 weights on the same device and dtype. Only benchmarks use this: a model that was never written
 cannot be compared against Hugging Face transformers.
+
+``"decisive": true`` (the script's ``--decisive``) makes greedy decoding robust to rounding. Plain random
+weights give nearly flat logits over the vocabulary, so the top two are often within bf16's rounding of
+each other, and two computations of the same token that round differently (a one-token decode step and
+a speculative verify step of ``k + 1`` rows, phase 12) pick different tokens. Here every layer's output
+projection (``o_proj``, ``down_proj``, ``out_proj``) is scaled by :data:`DECISIVE_RESIDUAL_SCALE`, so the
+residual stream stays the current token's embedding, and an untied LM head is the embedding's rows in a
+random order: the next token is a fixed function of the current one, ``argmax_s <e_t, e_sigma(s)>`` (a tied
+head repeats the token), with a margin of ~``sqrt(hidden_size)`` standard deviations of the other logits.
+The cost of a forward is unchanged (the same shapes); only the values differ.
 """
 
 from __future__ import annotations
@@ -36,6 +46,12 @@ def random_weights_spec(path: Path) -> dict[str, Any] | None:
     return spec if isinstance(spec, dict) and spec.get("random_weights") else None
 
 
+#: ``"decisive": true``: the factor on each layer's output projection (the residual stream's contributions
+#: stay ~1e-3 of the embedding's over 36 layers at std 0.02)
+DECISIVE_RESIDUAL_SCALE = 1e-4
+_OUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "out_proj.weight")
+
+
 def iter_random_tensors(cfg: ModelConfig, spec: dict[str, Any], shapes: list[tuple[str, tuple[int, ...]]],
                         device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every parameter of ``cfg``'s model, generated on ``device`` in ``dtype``.
@@ -45,9 +61,15 @@ def iter_random_tensors(cfg: ModelConfig, spec: dict[str, Any], shapes: list[tup
     :func:`infer.parallel.state.shard`).
     """
     std = float(spec.get("init_std", 0.02))
+    decisive = bool(spec.get("decisive", False))
     gen = torch.Generator(device=device).manual_seed(int(spec.get("seed", 0)))
+    embedding = None
     for name, shape in shapes:
         if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if decisive and name == "lm_head.weight" and embedding is not None and embedding.shape == shape:
+            order = torch.randperm(shape[0], generator=gen, device=device)
+            yield name, embedding[order]
             continue
         w = torch.empty(shape, device=device, dtype=dtype)
         if name.endswith("A_log"):  # Gated DeltaNet's decay (phase 17): A in [0.01, 2], as the script does
@@ -59,6 +81,9 @@ def iter_random_tensors(cfg: ModelConfig, spec: dict[str, Any], shapes: list[tup
         elif len(shape) == 1 and "norm" in name:
             w.normal_(0.0, 0.1, generator=gen) if cfg.norm_unit_offset else w.normal_(1.0, 0.05, generator=gen)
         else:
-            w.normal_(0.0, std, generator=gen)
+            w.normal_(0.0, std * (DECISIVE_RESIDUAL_SCALE if decisive and name.endswith(_OUT_PROJECTIONS) else 1.0),
+                      generator=gen)
+        if decisive and name.endswith("embed_tokens.weight"):
+            embedding = w
         yield name, w
 
