@@ -1,13 +1,13 @@
 """Speculative decoding (phase 12): acceptance on real weights, and TPOT against a chosen acceptance rate.
 
     python benchmarks/speculative.py                  # smollm2-135m on this CPU: both parts, small
-    # GPU, Qwen3-8B shapes with every phase 5-9 flag that works with speculation (synthetic weights: only
-    # the replay part means anything there)
-    python scripts/make_synthetic_checkpoint.py qwen3-8b /tmp/qwen3-8b
+    # GPU, Qwen3-8B shapes with every optimization (optimize: the baseline gets async scheduling too, which
+    # speculation does not take); synthetic "decisive" weights, whose greedy tokens bf16 rounding cannot flip
+    # (only the replay part means anything on synthetic weights)
+    python scripts/make_synthetic_checkpoint.py qwen3-8b /tmp/qwen3-8b --random-weights --decisive
     python benchmarks/speculative.py --model /tmp/qwen3-8b --device cuda --dtype bfloat16 --parts replay \\
-        --batch-sizes 1 8 64 --ks 1 2 4 7 --acceptance 0 0.5 0.8 1 --output-len 128 \\
-        --engine kv_cache=paged,batching=continuous,fused_kernels=True,cuda_graphs=True,prefix_caching=True \\
-        --out /tmp/phase12-gpu/speculative.json
+        --batch-sizes 1 8 --ks 4 --acceptance 0 0.75 1 --output-len 96 \\
+        --engine optimize=true,kv_cache_memory_bytes=6000000000 --out /tmp/phase12-gpu/speculative.json
     # the EAGLE-3 head's cost at Qwen3-8B shapes: a random head (acceptance ~0, so this is its price, not
     # its gain), its share of the decode time, against no speculation with the same flags (eagle3 runs
     # without CUDA graphs and needs kv_cache_memory_bytes on CUDA)
@@ -34,6 +34,12 @@ Two parts, in one process:
    no speculation in the same run. With ``a = 0`` every round verifies ``k`` drafts and keeps none: the
    cost of the verify step's ``k + 1`` tokens against one. The expected speedup is
    ``(1 - a^(k+1)) / (1 - a)`` tokens per round over that cost ratio (Leviathan et al., section 3.3).
+   These runs verify at every step (``"backoff": false``); ``speedup_backoff`` is the same setting with the
+   engine's default backoff (:func:`infer.engine.spec_decode.record_round`), which stops verifying drafts
+   that keep failing. The replay needs the same greedy tokens from a verify step as from a decode step: in
+   bf16 plain random weights' near-ties break that (a token flips, every later replayed draft is wrong), so
+   on a GPU use a checkpoint made with ``--random-weights --decisive`` (``outputs_differing`` counts such
+   flips; 0 there).
 
 Rounds alternate (no speculation, then each setting) so all see the same machine. Writes the JSON report
 to ``--out`` (default ``benchmarks/runs/speculative.json``), the Markdown tables (``.md``) and a plot
@@ -241,7 +247,8 @@ def replay_part(args) -> list[dict]:
         plain = make_engine(args, None, b)
         prompts = [[rng.randrange(100, plain.vocab_size - 1) for _ in range(args.input_len)] for _ in range(b)]
         outs, _, _ = decode(plain, prompts, args.output_len)  # the reference (and a warm-up)
-        spec_engine = make_engine(args, {"method": "ngram", "num_speculative_tokens": max(args.ks)}, b)
+        spec = {"method": "ngram", "num_speculative_tokens": max(args.ks), "backoff": False}
+        spec_engine = make_engine(args, spec, b)
         times: dict[tuple, list[float]] = {}
         lengths: dict[tuple, float] = {}
         differ: dict[tuple, int] = {}
@@ -249,17 +256,21 @@ def replay_part(args) -> list[dict]:
             times.setdefault(("none", 0, 0.0), []).append(_replay_tpot(plain, prompts, outs, args, 0, 0.0))
             for k in args.ks:
                 for a in args.acceptance:
-                    times.setdefault(("replay", k, a), []).append(_replay_tpot(spec_engine, prompts, outs, args, k, a,
-                                                                               differ))
-                    lengths[k, a] = spec_engine.stats()["spec_decode_mean_acceptance_length"]
+                    for backoff in (False, True):  # every step verifies (the formula's case), or the backoff
+                        spec_engine.spec_backoff = backoff
+                        times.setdefault(("backoff" if backoff else "replay", k, a), []).append(
+                            _replay_tpot(spec_engine, prompts, outs, args, k, a, differ))
+                        if not backoff:
+                            lengths[k, a] = spec_engine.stats()["spec_decode_mean_acceptance_length"]
         base = statistics.median(times["none", 0, 0.0])
         cost = {k: statistics.median(times["replay", k, 0.0]) / base for k in args.ks if 0.0 in args.acceptance}
         for (method, k, a), ts in times.items():
-            if method == "none":
+            if method != "replay":
                 continue
             tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
             row = {"batch": b, "k": k, "acceptance": a, "ms_per_token": 1e3 * statistics.median(ts),
                    "ms_per_token_none": 1e3 * base, "speedup": base / statistics.median(ts),
+                   "speedup_backoff": base / statistics.median(times["backoff", k, a]),
                    "tokens_per_round": tokens, "measured_acceptance_length": lengths[k, a],
                    "verify_cost": cost.get(k), "expected_speedup": tokens / cost[k] if k in cost else None,
                    "outputs_differing": differ.get((k, a), 0)}
@@ -274,9 +285,10 @@ def _replay_tpot(engine, prompts, outs, args, k, a, differ: dict | None = None) 
     drafts replayed with acceptance probability ``a``.
 
     In float32 the outputs must equal the reference. In bfloat16 a verify step's ``k + 1`` rows may round
-    differently from a one-token decode, and a near-tie can then flip a token (random weights give many):
-    such outputs are counted in ``differ[k, a]`` (the report's ``outputs_differing``), not fatal; after the
-    first differing token the replayed drafts are wrong, so the measured acceptance only drops."""
+    differently from a one-token decode, and a near-tie can then flip a token (plain random weights give
+    many; ``--decisive`` ones none): such outputs are counted in ``differ[k, a]`` (the report's
+    ``outputs_differing``), not fatal; after the first differing token the replayed drafts are wrong, so the
+    measured acceptance only drops."""
     if k:
         refs = {tuple(p): o for p, o in zip(prompts, outs)}
         engine.proposer = ReplayProposer(refs, k, a, engine.vocab_size, engine.max_model_len)
@@ -330,7 +342,7 @@ def main() -> None:
     if rep:
         tables.append(f"Replayed drafts on {args.model}, {args.input_len}-token prompts, {args.output_len} tokens\n\n"
                       + markdown_table(rep, ["batch", "k", "acceptance", "ms_per_token_none", "ms_per_token", "speedup",
-                                             "tokens_per_round", "measured_acceptance_length", "verify_cost",
+                                             "speedup_backoff", "tokens_per_round", "measured_acceptance_length", "verify_cost",
                                              "expected_speedup", "outputs_differing"]))
     write_report({"args": vars(args), "environment": environment(args.device), "acceptance": acc, "replay": rep},
                  args.out, "\n\n".join(tables))
@@ -362,12 +374,15 @@ def plot(acc: list[dict], rep: list[dict], args) -> None:
         ax = axes.pop(0)
         for b in args.batch_sizes:
             for k in args.ks:
-                pts = sorted((r["acceptance"], r["speedup"], r["expected_speedup"]) for r in rep
-                             if r["batch"] == b and r["k"] == k)
+                pts = sorted((r["acceptance"], r["speedup"], r["expected_speedup"], r.get("speedup_backoff"))
+                             for r in rep if r["batch"] == b and r["k"] == k)
                 line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {b}, k={k} measured")
                 if all(p[2] is not None for p in pts):
                     ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=line.get_color(),
                             label=f"batch {b}, k={k} formula")
+                if all(p[3] is not None for p in pts):
+                    ax.plot([p[0] for p in pts], [p[3] for p in pts], "x", ms=8, color=line.get_color(),
+                            label=f"batch {b}, k={k} with the backoff")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xlabel("per-draft acceptance probability a")
         ax.set_ylabel("speedup vs no speculation")

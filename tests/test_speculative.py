@@ -40,6 +40,8 @@ def test_speculative_config_parses_vllm_json_and_fills_lookup_defaults():
     s = SpeculativeConfig.parse({"model": "smollm2-135m", "num_speculative_tokens": 3})
     assert (s.method, s.model) == ("draft", "smollm2-135m")
     assert SpeculativeConfig.parse({"method": "draft_model", "model": "m", "num_speculative_tokens": 1}).method == "draft"
+    assert s.backoff and not SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
+                                                      "backoff": False}).backoff
 
 
 @pytest.mark.parametrize("value, match", [
@@ -49,6 +51,7 @@ def test_speculative_config_parses_vllm_json_and_fills_lookup_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
      "prompt_lookup_min=3 > prompt_lookup_max=2"),
     ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "backoff": "yes"}, "backoff must be true or false"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes no model"),
     ({"method": "draft", "num_speculative_tokens": 2}, "needs model"),
     ("{not json", "not valid JSON"),
@@ -279,6 +282,84 @@ def test_greedy_and_seeded_outputs_are_identical_with_ngram_speculation(tiny_lla
     assert_pool_full(engine)
 
 
+def test_verify_steps_staged_as_decode_rows_give_the_extend_logits(tiny_llama):
+    """The CUDA-graph route of a verify step (``stage_rows``: every token a decode row of context
+    ``position + 1`` over its sequence's table, as the decode graphs read them) computes what the extend
+    layout computes: at every step of an ngram-speculating engine where each sequence decodes or verifies,
+    the model run eagerly on the staged rows as ``T`` decodes (the decode attention, one row per token)
+    gives the logits of the flat step's sampled rows (the extend attention over the drafts), and the
+    padding rows are inert (slot -1, context 0)."""
+    import numpy as np
+
+    from infer.engine.graph_staging import stage_rows
+    from infer.engine.step import BlockTableRows, StepInputs
+
+    engine = make_engine(tiny_llama, speculative_config=NGRAM, **KW)
+    runner, kept, seen = engine.runner, BlockTableRows(16, 32), {"steps": 0, "drafts": 0}
+    execute = runner.execute
+
+    def check(scheduled, eos_ids, prev=None):
+        step = StepInputs(scheduled, prev, runner)
+        if step.has_spec and all(i.num_tokens == 1 + len(i.spec_token_ids) and not i.forks for i in scheduled):
+            f = step.flat
+            t, bs = len(f.ids), len(f.ids) + 3
+            h = np.full(4 * bs + t * 32, -7, dtype=np.int64)
+            row_seq = np.repeat(np.arange(len(f.scheduled)), [i.num_tokens for i in f.scheduled])
+            width = stage_rows(f.ids, f.positions, f.slots, row_seq, f.tables, kept, h, bs)
+            ids, pos, slots, ctx = (h[k * bs: (k + 1) * bs] for k in range(4))
+            assert (ids[t:] == 0).all() and (pos[t:] == 0).all() and (slots[t:] == -1).all() and (ctx[t:] == 0).all()
+            tables = h[4 * bs: 4 * bs + t * width].reshape(t, width)
+            rows_tables = [tables[r, : -(-int(ctx[r]) // 8)].tolist() for r in range(t)]
+            meta = runner._metadata(list(range(t + 1)), ctx[:t].tolist(), torch.tensor(slots[:t]), rows_tables, t)
+            as_rows = runner._forward(torch.tensor(ids[:t]), torch.tensor(pos[:t]), meta)
+            want = runner._logits(runner._forward(torch.tensor(f.ids), torch.tensor(f.positions), step.metadata),
+                                  f.sample_at)
+            got = runner._logits(as_rows, f.sample_at)
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+            seen["steps"] += 1
+            seen["drafts"] += t - len(f.scheduled)
+        return execute(scheduled, eos_ids, prev)
+
+    runner.execute = check
+    run(engine, workload(tiny_llama.config.vocab_size))
+    assert seen["steps"] > 10 and seen["drafts"] > 20
+
+
+def test_decisive_random_weights_decode_a_fixed_walk_with_a_wide_margin(tmp_path):
+    """``make_synthetic_checkpoint.py --random-weights --decisive`` (the GPU replay benchmark's weights, whose
+    greedy tokens bf16 rounding must not flip): the greedy output is the walk ``t -> argmax(lm_head @ e_t)``
+    computed from the loaded embedding and LM head alone, and the forward's chosen logit beats the runner-up
+    by several logit units already at hidden size 128 (plain random weights: hundredths)."""
+    import sys
+    from pathlib import Path
+
+    from infer.llm import LLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    with pytest.raises(ValueError, match="random_weights"):
+        make_checkpoint("tiny-llama", tmp_path / "x", dtype="float32", device="cpu", decisive=True)
+    margins = {}
+    for decisive in (False, True):
+        path = make_checkpoint("tiny-llama", tmp_path / str(decisive), dtype="float32", device="cpu",
+                               random_weights=True, decisive=decisive)
+        llm = LLM(str(path), device="cpu", dtype="float32", progress=False)
+        model = llm.engine.runner.model
+        prompt = [17, 301, 5, 999]
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2),
+                           use_tqdm=False)[0].outputs[0]
+        top2 = [sorted(lp.top, key=lambda x: -x.logprob)[:2] for lp in out.logprobs]
+        margins[decisive] = min(a.logprob - b.logprob for a, b in top2)  # = the logit gap (same softmax)
+        if decisive:
+            emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+            walk = [prompt[-1]]
+            for _ in range(12):
+                walk.append(int((head @ emb[walk[-1]]).argmax()))
+            assert out.token_ids == walk[1:]
+    assert margins[True] > 5 > 1 > margins[False], margins  # (logit units; the gap grows as sqrt(hidden_size))
+
+
 def test_stop_strings_max_tokens_and_eos_inside_an_accepted_run(tiny_llama):
     """A run of accepted drafts can cross a stop: the output ends exactly where decoding ends it."""
     tok = tiny_llama.tokenizer
@@ -302,29 +383,38 @@ def test_stop_strings_max_tokens_and_eos_inside_an_accepted_run(tiny_llama):
     assert_pool_full(engine)
 
 
-def test_acceptance_counters_match_a_simulation_over_the_reference_output(tiny_llama):
+@pytest.mark.parametrize("backoff", [False, True], ids=["every-step", "backoff"])
+def test_acceptance_counters_match_a_simulation_over_the_reference_output(tiny_llama, backoff):
     """One sequence, greedy: replay the proposer over the non-speculative output. Each round proposes from
     the tokens so far, accepts the longest prefix that agrees with the reference's next tokens, and emits
-    one more; the engine's counters must be these."""
-    rng = random.Random(4)
+    one more; the engine's counters must be these. With the backoff, after 3 rounds in a row that accepted
+    nothing the sequence skips proposing for 1, 2, 4, ... (at most 16) steps, each emitting one token."""
+    rng = random.Random(5)
     prompt = repetitive(rng, tiny_llama.config.vocab_size, 30)
-    params = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     ref = run(make_engine(tiny_llama, **KW), [(0, prompt, params)])["r0"]["tokens"][0]
-    k, lo, hi = 3, 1, 2
-    drafts = draft_tokens = accepted = 0
+    k, lo, hi = 3, 1, 1
+    drafts = draft_tokens = accepted = misses = pause = paused_steps = 0
     per_pos = [0] * k
     tokens = prompt + ref[:1]  # the prefill emits the first token
     while len(tokens) - len(prompt) < len(ref):
         left = len(ref) - (len(tokens) - len(prompt)) - 1
-        d = ngram_propose(tokens, lo, hi, min(k, left)) if left > 0 else []
+        if backoff and pause:
+            pause, d, paused_steps = pause - 1, [], paused_steps + 1
+        else:
+            d = ngram_propose(tokens, lo, hi, min(k, left)) if left > 0 else []
         nxt = ref[len(tokens) - len(prompt):]
         a = num_accepted(nxt[:len(d) + 1], d)
         if d:
             drafts, draft_tokens, accepted = drafts + 1, draft_tokens + len(d), accepted + a
             for i in range(a):
                 per_pos[i] += 1
+            misses = 0 if a else misses + 1
+            if misses >= 3:
+                pause = min(2 ** (misses - 3), 16)
         tokens += nxt[:a + 1]
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi,
+            "backoff": backoff}
     engine = make_engine(tiny_llama, speculative_config=spec, **KW)
     assert run(engine, [(0, prompt, params)])["r0"]["tokens"][0] == ref
     s = engine.stats()
@@ -333,6 +423,7 @@ def test_acceptance_counters_match_a_simulation_over_the_reference_output(tiny_l
     assert engine.spec_stats.accepted_per_pos == per_pos
     assert s["spec_decode_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
     assert accepted > 0
+    assert (paused_steps >= 3) == backoff, paused_steps  # the backoff did pause, more than once
 
 
 def test_preemption_prefix_caching_and_chunked_prefill_keep_the_outputs(tiny_llama, reference):
@@ -419,6 +510,33 @@ def test_a_draft_model_equal_to_the_target_is_always_accepted_when_greedy(tiny_l
     assert_pool_full(engine)
 
 
+def test_a_draft_model_keeps_the_outputs_when_the_budget_drops_its_drafts(tiny_llama):
+    """Chunked prefill under a 24-token budget beside a 90-token prompt: some steps have no budget left for a
+    sequence's drafts, which then decodes one token (``Scheduler._add_drafts``); the draft model's cache must
+    forget the drafts' K/V it wrote (it once ran ahead of the tokens and crashed the next proposal). The
+    target as its own draft: the tokens of the engine without speculation, every verified draft accepted."""
+    rng = random.Random(8)
+    arrivals = [(0, [rng.randrange(10, 1000) for _ in range(n)], SamplingParams(temperature=0.0, max_tokens=m,
+                                                                                ignore_eos=True))
+                for n, m in ((11, 20), (30, 17), (5, 26), (90, 12))]
+    kw = {**KW, "chunked_prefill": True, "max_num_batched_tokens": 24}
+    want = run(make_engine(tiny_llama, **kw), arrivals)
+    engine = make_engine(tiny_llama, speculative_config=draft(tiny_llama.path), **kw)
+    dropped = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        dropped.extend(i for i in out if i.seq.spec_token_ids and not i.spec_token_ids and i.num_tokens == 1)
+        return out
+
+    engine.scheduler.schedule = spy
+    got = run(engine, arrivals, check=assert_rolled_back)
+    assert {r: v["tokens"] for r, v in got.items()} == {r: v["tokens"] for r, v in want.items()}
+    s = engine.stats()
+    assert dropped and s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"] > 0
+
+
 def test_a_bad_draft_model_changes_no_token(tiny_llama, other_tiny_llama, reference):
     """Another model's greedy guesses: mostly rejected, and the greedy and seeded outputs are still the
     target's own (with preemptions, so the draft's KV cache is rebuilt too)."""
@@ -465,6 +583,7 @@ def test_the_benchmarks_replayed_drafts_are_accepted_at_the_rate_asked(tiny_llam
     rows = {r["acceptance"]: r for r in bench.replay_part(args)}
     assert rows[0.0]["measured_acceptance_length"] == 1.0 and rows[0.0]["tokens_per_round"] == 1.0
     assert rows[1.0]["measured_acceptance_length"] == rows[1.0]["tokens_per_round"] == 4
+    assert all(r["speedup_backoff"] > 0 for r in rows.values())
     # the acceptance part, with the target as its own draft: every greedy draft accepted
     args = bench.parse_args(["--model", str(tiny_llama.path), "--parts", "acceptance", "--methods", "ngram",
                              f"draft:{tiny_llama.path}", "--k", "2", "--output-len", "6", "--rounds", "1",

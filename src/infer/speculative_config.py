@@ -24,6 +24,10 @@ class SpeculativeConfig:
             when one is left out it takes the other's value; both left out: 5).
         model: draft: the draft model (a short name, a .gguf file or a Hugging Face directory); eagle3:
             the head's directory (config.json + safetensors, the ``speculators`` or the EAGLE/SGLang layout).
+        backoff: (infer's own key, default true) a sequence whose drafts were rejected whole
+            ``BACKOFF_AFTER`` rounds in a row pauses speculating for 1, 2, 4, ... up to 16 steps
+            (:func:`infer.engine.spec_decode.record_round`), so speculation that never pays costs little;
+            false: every step verifies whatever the proposer gives, as vLLM does.
     """
 
     method: str
@@ -31,8 +35,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     model: str | None = None
+    backoff: bool = True
 
-    KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+    KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "backoff")
 
     @classmethod
     def parse(cls, value: dict | str) -> SpeculativeConfig:
@@ -62,6 +67,9 @@ class SpeculativeConfig:
         k = v.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        backoff = v.get("backoff", True)
+        if not isinstance(backoff, bool):
+            raise ValueError(f"speculative_config: backoff must be true or false, got {backoff!r}")
         lo, hi = v.get("prompt_lookup_min"), v.get("prompt_lookup_max")
         if method == "ngram":
             lo, hi = (lo if lo is not None else hi or 5), (hi if hi is not None else lo or 5)
@@ -85,4 +93,4 @@ class SpeculativeConfig:
             if not v.get("model") or not isinstance(v["model"], str):
                 raise ValueError("speculative_config: method 'draft' needs model (the draft model: a short name, "
                                  "a .gguf file or a Hugging Face directory)")
-        return cls(method, k, hi, lo, v.get("model"))
+        return cls(method, k, hi, lo, v.get("model"), backoff)

@@ -159,6 +159,7 @@ class LLMEngine:
         self._req_ids = itertools.count()
         self.index_cache = None  # structured output: compiled constraints (IndexCache), made on first use
         self.proposer = self.spec_stats = None  # speculative decoding (phase 12)
+        self.spec_backoff = False  # its backoff (speculative_config "backoff": infer.engine.spec_decode.record_round)
         if config.speculative is not None:
             self._init_speculative(config.speculative)
         self._compiling: dict[str, tuple[Request, concurrent.futures.Future]] = {}
@@ -225,8 +226,10 @@ class LLMEngine:
 
             self.proposer = DraftProposer(spec, self)
         self.spec_stats = self.output_processor.spec_stats = SpecDecodingStats(spec.num_speculative_tokens)
+        self.spec_backoff = spec.backoff
         self.scheduler.speculative = True
-        log.info("speculative decoding: %s, k=%d", spec.method, spec.num_speculative_tokens)
+        log.info("speculative decoding: %s, k=%d%s", spec.method, spec.num_speculative_tokens,
+                 ", with backoff" if spec.backoff else "")
 
     def _make_offloader(self):
         """Phase 10: the tiers below the KV cache, fed by the prefix cache's evictions and
@@ -532,11 +535,22 @@ class LLMEngine:
     def _speculate(self, scheduled: list[ScheduledSeq], result: StepResult) -> None:
         """Speculative decoding (phase 12), after a step's tokens are applied: give back the blocks a
         verifying sequence took for drafts it rejected, then propose the next drafts of every sequence
-        that sampled and still runs (:mod:`infer.engine.spec_decode`)."""
+        that sampled and still runs (:mod:`infer.engine.spec_decode`), except, with the backoff, those
+        pausing after drafts that kept failing (:func:`~infer.engine.spec_decode.record_round`)."""
+        from infer.engine.spec_decode import take_pause
+
         for item in scheduled:
             if item.spec_token_ids and item.seq.status is SeqStatus.RUNNING:
                 self.kv_manager.truncate(item.seq, len(item.seq.token_ids))
         running = [s for s in dict.fromkeys(result.sampled) if s.status is SeqStatus.RUNNING]
+        if self.spec_backoff:
+            proposing = []
+            for seq in running:
+                if take_pause(seq):
+                    seq.spec_token_ids = []
+                else:
+                    proposing.append(seq)
+            running = proposing
         self.proposer.propose(running)  # (an EAGLE-3 head also catches up on prompt chunks that sampled nothing)
 
     @contextlib.contextmanager

@@ -137,17 +137,22 @@ class OutputProcessor:
         overwrites them). Returns the rows whose tokens are dropped (those after the first rejection); the
         emitted ones (accepted drafts and the token after them) are applied one by one by :meth:`apply`,
         so a stop inside the run ends the sequence exactly where decoding would."""
-        from infer.engine.spec_decode import num_accepted
+        from infer.engine.spec_decode import num_accepted, record_round
 
         skip: set[int] = set()
         row = {id(s): r for r, s in reversed(list(enumerate(sampled)))}  # each sequence's first row
         for item in scheduled:
             draft = item.spec_token_ids
             if not draft:
+                # drafts the scheduler found no budget or blocks for: the sequence decoded one token, and a
+                # draft model's cache (or an EAGLE-3 head's) holds valid K/V only up to what the target computed
+                item.seq.draft_num_computed_tokens = min(item.seq.draft_num_computed_tokens,
+                                                         item.seq.num_computed_tokens)
                 continue
             seq, first = item.seq, row[id(item.seq)]
             accepted = num_accepted(tokens[first : first + len(draft) + 1], draft)
             self.spec_stats.observe(len(draft), accepted)
+            record_round(seq, accepted)
             skip.update(range(first + accepted + 1, first + len(draft) + 1))
             seq.num_computed_tokens -= len(draft) - accepted  # the last token and the accepted drafts stay
             # a draft model's K/V of rejected drafts goes too (infer.engine.draft)

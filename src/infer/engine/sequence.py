@@ -80,6 +80,10 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     # a draft model's proposer: how many of token_ids the draft's KV cache holds (infer.engine.draft)
     draft_num_computed_tokens: int = 0
+    # the backoff (infer.engine.spec_decode.record_round): verify rounds in a row that accepted nothing,
+    # and the steps it is still to skip speculating
+    spec_misses: int = 0
+    spec_pause: int = 0
     # the request's sampling parameters, and whether they penalize tokens already seen (the
     # sampler then needs the sequence's tokens on the host every step); read per sequence per
     # step by the scheduler, the runner and the output processor, so plain attributes
