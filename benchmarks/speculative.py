@@ -90,15 +90,19 @@ def make_engine(args, spec: dict | None, max_num_seqs: int) -> LLMEngine:
                                   max_num_seqs=max_num_seqs, speculative_config=spec, **kw), progress=False)
 
 
-def decode(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
+def decode(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
+           timed_from: list[float] | None = None) -> tuple[list[list[int]], float, int]:
     """Run ``prompts`` together, greedy; returns (outputs, decode seconds after every prefill, output tokens
-    after the first of each)."""
+    after the first of each). ``timed_from``: a counter set to 0 where the timing starts (the proposer's
+    seconds, :func:`_time_proposer`, then count the timed steps only)."""
     reqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
             for p in prompts]
     while engine.num_waiting or any(s.num_output_tokens == 0 for r in reqs for s in r.seqs):
         engine.step(stream=False)  # prefills (and the first tokens)
     before = sum(r.seqs[0].num_output_tokens for r in reqs)
     sync(engine.runner.device)
+    if timed_from is not None:
+        timed_from[0] = 0.0
     t = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step(stream=False)
@@ -119,6 +123,7 @@ def acceptance_part(args) -> list[dict]:
         else:
             kind, path = m.split(":", 1)
             methods[m] = {"method": kind, "model": path, "num_speculative_tokens": args.k}
+        methods[m]["backoff"] = args.backoff
     engines = {m: plain if spec is None else make_engine(args, spec, 8) for m, spec in methods.items()}
     propose_secs = {m: _time_proposer(eng) for m, eng in engines.items()}
     rows = []
@@ -131,16 +136,15 @@ def acceptance_part(args) -> list[dict]:
                 for m, eng in engines.items():
                     if eng.spec_stats is not None:
                         eng.spec_stats.reset()
-                    propose_secs[m][0] = 0.0
-                    outs, secs, n = [], 0.0, 0
+                    outs, secs, n, proposing = [], 0.0, 0, 0.0
                     for g in groups:
-                        o, s, t = decode(eng, g, args.output_len)
+                        o, s, t = decode(eng, g, args.output_len, propose_secs[m])
                         outs += o
-                        secs, n = secs + s, n + t
+                        secs, n, proposing = secs + s, n + t, proposing + propose_secs[m][0]
                     ref = ref if m != "none" else outs
                     assert outs == ref, f"{m} changed the output of {kind}"
                     times[m].append(secs / max(n, 1))
-                    shares[m].append(propose_secs[m][0] / max(secs, 1e-9))
+                    shares[m].append(proposing / max(secs, 1e-9))
             for m in methods:
                 eng = engines[m]
                 stats = eng.stats() if eng.spec_stats is not None else {}
@@ -317,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kinds", nargs="+", default=list(PROMPTS), choices=list(PROMPTS),
                     help="acceptance part: the prompt kinds")
     ap.add_argument("--k", type=int, default=4, help="acceptance part: num_speculative_tokens")
+    ap.add_argument("--no-backoff", dest="backoff", action="store_false",
+                    help="acceptance part: verify every step's drafts (the backoff off), e.g. to price a proposer")
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--ks", type=int, nargs="+", default=[4], help="replay part: the k values")

@@ -48,9 +48,10 @@ def _prompts(seed: int, lengths, vocab: int) -> list[list[int]]:
     return [torch.randint(100, vocab - 1, (n,), generator=g).tolist() for n in lengths]
 
 
-def _generate(path, prompts, params, routes: list | None = None, **kw):
+def _generate(path, prompts, params, routes: list | None = None, inspect=None, **kw):
     """Token ids and chosen-token logprobs of ``prompts`` through ``infer.LLM`` on CUDA, and the engine's stats
-    (``routes``: gets each step's CUDA-graph route, None for an eager step)."""
+    (``routes``: gets each step's CUDA-graph route, None for an eager step; ``inspect``: called with the engine
+    after the run)."""
     from infer.llm import LLM
 
     llm = LLM(str(path), progress=False, device="cuda", batching="continuous", kv_cache="paged", max_num_seqs=8,
@@ -59,6 +60,8 @@ def _generate(path, prompts, params, routes: list | None = None, **kw):
         llm.engine.runner.on_executed = lambda out: routes.append(out.graph)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
+        if inspect is not None:
+            inspect(llm.engine)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.stats()
     finally:
         llm.engine.shutdown()
@@ -219,8 +222,9 @@ def test_draft_speculation_is_lossless_with_the_gpu_flags(tmp_path_factory, grap
     of the same engine without speculation. (Prompt lookup proposes nothing on random weights, whose
     outputs do not repeat their prompts; float32 keeps verify-vs-decode rounding far below the logit gaps.)
     With graphs, the verify steps replay the decode graphs with their tokens as decode rows (route
-    ``"verify"``), and a 300-token prompt chunked beside them puts drafts beside a prompt chunk
-    (``"mixed-pieces"``)."""
+    ``"verify"``), a 300-token prompt chunked beside them puts drafts beside a prompt chunk
+    (``"mixed-pieces"``), and the draft's forwards replay its own decode graphs (all but the catch-ups over
+    whole prompts, which run eagerly)."""
     path = _checkpoint("tiny-qwen3", tmp_path_factory, "float32")
     prompts = _prompts(2, (12, 30, 50, 9, 300), 700)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -229,11 +233,16 @@ def test_draft_speculation_is_lossless_with_the_gpu_flags(tmp_path_factory, grap
     ref, _ = _generate(path, prompts, params, **flags)
     spec = {"method": "draft", "model": str(path), "num_speculative_tokens": 3}
     routes: list = []
-    got, stats = _generate(path, prompts, params, routes=routes, speculative_config=spec, **flags)
+    draft_graph_steps = []
+    got, stats = _generate(path, prompts, params, routes=routes, speculative_config=spec,
+                           inspect=lambda engine: draft_graph_steps.append(engine.proposer.graph_steps), **flags)
     assert [t for t, _ in got] == [t for t, _ in ref]
     assert stats["spec_decode_num_accepted_tokens"] > 0.9 * stats["spec_decode_num_draft_tokens"] > 0
     if graphs:
         assert routes.count("verify") > 5 and "mixed-pieces" in routes, routes
+        assert draft_graph_steps[0] > 20, draft_graph_steps
+    else:
+        assert draft_graph_steps == [0]
 
 
 # ------------------------------------------------------------------------ the step trace with CUDA graphs

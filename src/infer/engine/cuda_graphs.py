@@ -299,7 +299,8 @@ class CUDAGraphRunner:
         * a decode-only step no wider than the largest decode bucket: its bucket's graph (forward + LM
           head of every row), its inputs staged straight from the sequences (:func:`stage_decodes`);
         * (``verify``) a verify step, every sequence decoding or verifying drafts: a decode graph over
-          its tokens as decode rows (:meth:`_run_verify`); returns the logits of the rows that sample;
+          its tokens as decode rows (:meth:`_run_verify`, :meth:`replay_rows`); the logits of the rows that
+          sample;
         * one sequence prefilling alone (a prompt, a chunk, a prefix hit's suffix), within the largest
           prefill bucket and without prompt logprobs: its bucket's graph (LM head on the last row);
         * decodes beside one prompt chunk (chunked prefill's usual step): its bucket's whole-step graph;
@@ -353,50 +354,71 @@ class CUDAGraphRunner:
         return ForwardOutput(seqs, logits=logits, graph="decode")
 
     def _run_verify(self, step: StepInputs) -> ForwardOutput | None:
-        """Speculative decoding's verify step (phase 12) through a decode graph: each of its ``T`` tokens a
-        decode row (:func:`stage_rows`), the LM head on every row, so the step costs one decode step of
-        ``T`` rows (one replay) instead of a mixed bucket's ``L + 1`` pieces with the attention launched
-        eagerly between them. ``None`` (the caller tries the pieces) when some sequence runs a prompt
-        chunk or has forks, when ``T`` is wider than the largest decode bucket, for a hybrid model (its
-        state is one per sequence, not per row), or when the rows would re-read too many keys: a decode
-        row reads its whole context, so a sequence's ``k + 1`` rows read it ``k + 1`` times where the
-        extend kernel reads it once; the route is taken while those ``k x context`` extra keys cost at
-        most a quarter of a weight read (:attr:`verify_max_extra_keys`; at least 16 MiB of keys).
+        """Speculative decoding's verify step (phase 12) through a decode graph, each of its ``T`` tokens a
+        decode row (:meth:`replay_rows`), so the step costs one decode step of ``T`` rows (one replay)
+        instead of a mixed bucket's ``L + 1`` pieces with the attention launched eagerly between them.
+        ``None`` (the caller tries the pieces) when some sequence runs a prompt chunk or has forks, or
+        :meth:`replay_rows` declines.
 
         On an H100 with Qwen3-8B's shapes a verify step of ``k + 1 = 5`` tokens at batch 1 costs 1.24 decode
         steps this way and 1.44 through the pieces, which launch 36 attention kernels from the host per step
         (``benchmarks/speculative.py``)."""
-        if self.state_cache is not None:
-            return None
         f = step.flat
-        t = len(f.ids)
-        if t > self.sizes[-1]:
-            return None
-        extra = 0
-        for item, kv_len in zip(f.scheduled, f.seq_lens):
-            drafts = len(item.spec_token_ids)
-            if item.num_tokens != 1 + drafts or item.forks:
+        for item in f.scheduled:
+            if item.num_tokens != 1 + len(item.spec_token_ids) or item.forks:
                 return None
-            extra += drafts * kv_len
-        if extra > self.verify_max_extra_keys:
+        row_seq = np.repeat(np.arange(len(f.scheduled)), [item.num_tokens for item in f.scheduled])
+        logits = self.replay_rows(f.ids, f.positions, f.slots, row_seq, f.tables, step.flat_patch)
+        if logits is None:
+            return None
+        if len(f.sample_at) != len(f.ids):  # a one-token prompt chunk among the rows samples nothing
+            logits = logits[step.to_device(f.sample_at, torch.int64)]
+        return ForwardOutput(f.sampled, logits=logits, graph="verify")
+
+    def replay_rows(self, ids: list[int], positions: list[int], slots: list[int], row_seq: np.ndarray,
+                    tables: list[list[int]], patch: tuple[torch.Tensor | None, torch.Tensor] | None = None
+                    ) -> torch.Tensor | None:
+        """Run ``T = len(ids)`` tokens, each a decode row of context ``position + 1`` over its sequence's
+        block table (:func:`stage_rows`), through a decode bucket's graph: a verify step (several rows per
+        sequence: its last token and its drafts), or a draft model's catch-up and draft steps
+        (:class:`~infer.engine.draft.DraftProposer`).
+
+        ``None`` (run it eagerly) for a hybrid model (its state is one per sequence, not per row), when
+        ``T`` is wider than the largest decode bucket, or when the rows would re-read too many keys: a
+        decode row reads its whole context, so a sequence's ``n`` rows read it ``n`` times where the
+        extend kernel reads it once; the route is taken while the extra keys cost at most a quarter of a
+        weight read (:attr:`verify_max_extra_keys`; at least 16 MiB of KV).
+
+        Args:
+            ids, positions, slots: one int per row.
+            row_seq: int64 ``[T]``, the index in ``tables`` of each row's sequence.
+            tables: the rows' sequences' block tables.
+            patch: async scheduling's ``(flat positions, tokens)`` (see :func:`patch_input_ids`).
+
+        Returns:
+            Logits ``[T, vocab_size]`` (a view of the graph's output buffer, valid until its next replay).
+        """
+        t = len(ids)
+        if self.state_cache is not None or not self.graphs or t > self.sizes[-1]:
+            return None
+        keys = np.asarray(positions, dtype=np.int64) + 1
+        once = np.zeros(len(tables), dtype=np.int64)
+        np.maximum.at(once, row_seq, keys)  # each sequence's context, read once
+        if int(keys.sum() - once.sum()) > self.verify_max_extra_keys:
             return None
         bs = bucket_for(t, self.sizes)
         host = self._staging[self._turn]
         self._turn ^= 1
-        row_seq = np.repeat(np.arange(len(f.scheduled)), [item.num_tokens for item in f.scheduled])
-        width = stage_rows(f.ids, f.positions, f.slots, row_seq, f.tables, self._table_rows, host.numpy(), bs)
+        width = stage_rows(ids, positions, slots, row_seq, tables, self._table_rows, host.numpy(), bs)
         n = packed_size(t, bs, width, self.num_vectors)
         packed = self.packed[:n]
         packed.copy_(host[:n], non_blocking=True)
-        if step.flat_patch is not None:
-            patch_input_ids(packed, step.flat_patch)
+        if patch is not None:
+            patch_input_ids(packed, patch)
         lora = self._stage_lora()
         if self.on_staged is not None:
             self.on_staged(t, bs, width, packed, lora)
-        logits = self.run_packed(t, bs, width, lora)
-        if len(f.sample_at) != t:  # a one-token prompt chunk among the rows samples nothing
-            logits = logits[step.to_device(f.sample_at, torch.int64)]
-        return ForwardOutput(f.sampled, logits=logits, graph="verify")
+        return self.run_packed(t, bs, width, lora)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         """Metadata over the static buffers' first ``bs`` rows. Its host fields are what the

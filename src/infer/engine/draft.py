@@ -20,10 +20,17 @@ anyway, so they are reserved now (:meth:`~infer.engine.kv_cache_manager.KVCacheM
 when the pool is short, a sequence proposes only what its blocks hold. After the verify step, the
 draft's K/V of rejected drafts is forgotten by lowering ``draft_num_computed_tokens`` to the target's
 ``num_computed_tokens`` (the output processor). A preempted sequence starts over (its blocks are gone).
+
+With ``cuda_graphs`` the draft's runner captures its own decode graphs, and both forwards replay them
+with every token a decode row (:meth:`~infer.engine.cuda_graphs.CUDAGraphRunner.replay_rows`): the drafts
+2 .. k are decode steps, and a catch-up of a few tokens (the accepted drafts and the token after them) is
+one row per token, each attending its context. A catch-up too wide for the buckets (the first one, over
+the whole prompt) runs eagerly.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from infer.config import SpeculativeConfig
@@ -66,10 +73,14 @@ class DraftProposer:
                              f"{self.max_model_len}")
         backend = config.resolved_attention_backend()
         loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, self.max_model_len)
+        graphs = config.cuda_graphs and target.graphs is not None
         self.runner = ModelRunner(loaded, target.kv_cache.num_blocks, target.kv_cache.block_size,
                                   contiguous=config.kv_cache != "paged", attention_backend=backend,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len, cuda_graphs=graphs,
+                                  cuda_graph_max_batch_size=target.graphs.sizes[-1] if graphs else 256)
+        self.runner.capture_cuda_graphs(progress=False)
         self.loaded = loaded
+        self.graph_steps = 0  # forwards that replayed a decode graph (the rest ran eagerly)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence]) -> None:
@@ -113,7 +124,15 @@ class DraftProposer:
         """One forward of the draft over the sequences of ``work`` (``lengths[i]`` tokens of sequence ``i``
         from position ``firsts[i]``); the argmax token after each sequence's last one."""
         r = self.runner
-        meta = r.runs_metadata([seq.block_table for seq, _ in work], firsts, lengths)
+        tables = [seq.block_table for seq, _ in work]
+        if r.graphs is not None:  # every token a decode row of the draft's own decode graphs
+            slots = r.kv_cache.slot_mapping(tables, firsts, lengths)
+            logits = r.graphs.replay_rows(ids, positions, slots, np.repeat(np.arange(len(work)), lengths), tables)
+            if logits is not None:
+                self.graph_steps += 1
+                last = np.cumsum(lengths) - 1
+                return logits[r._to_device(last.tolist(), torch.int64)].argmax(dim=-1).tolist()
+        meta = r.runs_metadata(tables, firsts, lengths)
         hidden = r._forward(r._to_device(ids, torch.int64), r._to_device(positions, torch.int64), meta)
         logits = r._logits(hidden, [s - 1 for s in meta.query_start_loc_cpu[1:]])
         return logits.argmax(dim=-1).tolist()
