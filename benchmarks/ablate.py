@@ -376,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="offline: offline_throughput.py; serve: serve_bench.py --launch; single: single_stream.py, "
                          "one request alone (TTFT and TPOT per flag) (default: offline)")
     ap.add_argument("--flags", default=None,
-                    help="comma-separated ablation flags to vary (default: every EngineConfig.ablation_values() flag)")
+                    help="comma-separated ablation flags to vary (default: every EngineConfig.ablation_values() flag; "
+                         "speculative_config only when named)")
     ap.add_argument("--model", default="smollm2-135m", help="short name, .gguf or HF directory (default: %(default)s)")
     ap.add_argument("--scale", type=float, default=None,
                     help="workload scale (offline: see offline_throughput.py; serve: requests and lengths)")
@@ -399,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     args, passthrough = ap.parse_known_args(argv)
     from infer.config import EngineConfig
 
-    values = EngineConfig.ablation_values()
     flags = [f.strip() for f in args.flags.split(",") if f.strip()] if args.flags else None
+    values = EngineConfig.ablation_values(opt_in=flags or ())
     try:
         configs = ablation_configs(values, flags, optimize=flags is None or args.with_optimize)
     except ValueError as e:

@@ -133,7 +133,7 @@ def server_flags(overrides: dict[str, Any]) -> list[str]:
         if isinstance(v, bool):
             out.append(flag if v else "--no-" + k.replace("_", "-"))
         elif v is not None:
-            out += [flag, str(v)]
+            out += [flag, format_value(v)]
     return out
 
 
@@ -315,6 +315,11 @@ def parse_value(name: str, text: str) -> Any:
         return text.strip()
     if optional and low in ("none", "null"):
         return None
+    if base is dict:  # a JSON object (speculative_config)
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}: {text!r} is not a JSON object")
+        return value
     if base is bool:
         if low in ("1", "true", "yes", "on"):
             return True
@@ -329,7 +334,7 @@ def parse_overrides(spec: str) -> dict[str, Any]:
     from infer.config import EngineConfig
 
     out: dict[str, Any] = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
+    for item in filter(None, (x.strip() for x in _split_top_level(spec))):
         if "=" not in item:
             raise ValueError(f"{item!r}: expected field=value")
         k, v = (x.strip() for x in item.split("=", 1))
@@ -340,10 +345,28 @@ def parse_overrides(spec: str) -> dict[str, Any]:
     return out
 
 
+def _split_top_level(spec: str) -> list[str]:
+    """``spec`` split at the commas outside JSON braces, brackets and strings (a JSON value's own commas stay)."""
+    items, depth, start, quoted = [], 0, 0, False
+    for i, ch in enumerate(spec):
+        if ch == '"' and (i == 0 or spec[i - 1] != "\\"):
+            quoted = not quoted
+        elif not quoted and ch in "{[":
+            depth += 1
+        elif not quoted and ch in "}]":
+            depth -= 1
+        elif not quoted and depth == 0 and ch == ",":
+            items.append(spec[start:i])
+            start = i + 1
+    return items + [spec[start:]]
+
+
 def format_value(v: Any) -> str:
-    """A value as :func:`parse_value` reads it back (``true``/``false``, ``none``)."""
+    """A value as :func:`parse_value` reads it back (``true``/``false``, ``none``, JSON for a dict)."""
     if isinstance(v, bool):
         return "true" if v else "false"
+    if isinstance(v, dict):
+        return json.dumps(v, separators=(",", ":"))
     return "none" if v is None else str(v)
 
 

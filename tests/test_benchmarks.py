@@ -259,6 +259,32 @@ def test_ablation_configs_are_all_off_each_value_all_on_without_duplicates():
         ablate.ablation_configs(values, ["c"])
 
 
+def test_speculative_decoding_is_ablated_only_when_named_and_its_json_round_trips():
+    """``speculative_config`` (a JSON object) is an opt-in ablation flag: left out of the default set (its
+    all-on with async scheduling would be rejected), there with ``--flags speculative_config``; its value
+    survives ``format_overrides`` / ``parse_overrides`` (the commas inside the JSON do not split the items)
+    and becomes one ``--speculative-config`` argument of the server."""
+    from common import format_overrides, parse_overrides, server_flags
+
+    from infer.config import EngineConfig
+
+    assert "speculative_config" not in EngineConfig.ablation_values()
+    values = EngineConfig.ablation_values(opt_in=["speculative_config"])
+    off, on = values["speculative_config"]
+    assert off is None and on["method"] == "ngram"
+    cs = ablate.ablation_configs(values, ["speculative_config"])
+    assert [c["overrides"]["speculative_config"] for c in cs] == [None, on]
+    text = format_overrides(cs[1]["overrides"])
+    assert parse_overrides(text) == cs[1]["overrides"]
+    assert parse_overrides('speculative_config={"method": "ngram", "num_speculative_tokens": 2},max_num_seqs=3') == \
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}, "max_num_seqs": 3}
+    flags = server_flags({"speculative_config": on})
+    assert flags[0] == "--speculative-config" and json.loads(flags[1]) == on
+    EngineConfig(speculative_config=json.loads(flags[1])).validate()
+    with pytest.raises(ValueError, match="not a JSON object"):
+        parse_overrides("speculative_config=[1, 2]")
+
+
 def test_ablation_configs_the_engine_rejects_are_skipped_with_the_reason():
     values = {"batching": ("none", "continuous"), "max_num_seqs": (4, 0)}  # max_num_seqs=0 is invalid
     cs = ablate.ablation_configs(values)

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import os
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,7 +189,10 @@ class EngineConfig(PhaseChecks):
                                             "tokens per sequence (ngram: copied from the prompt and output so far; "
                                             "draft: a smaller model's; eagle3: an EAGLE-3 head's, model = its "
                                             "directory) and verify them in one forward of the model; the output is the same "
-                                            "as without it (keys: SpeculativeConfig)", cli_type="json", phase=12)
+                                            "as without it (keys: SpeculativeConfig)", cli_type="json", phase=12,
+                                            ablation=(None, {"method": "ngram", "num_speculative_tokens": 4,
+                                                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}),
+                                            ablation_opt_in=True)
     # ---- phases 14-15: tensor and expert parallelism
     tensor_parallel_size: int = _flag(1, "ranks (one process each, torch.distributed: NCCL on CUDA, gloo on the CPU) "
                                       "the model is split over, Megatron-style: attention heads, MLP columns and the "
@@ -673,13 +677,17 @@ class EngineConfig(PhaseChecks):
         return budget
 
     @classmethod
-    def ablation_values(cls) -> dict[str, tuple[Any, ...]]:
+    def ablation_values(cls, opt_in: Iterable[str] = ()) -> dict[str, tuple[Any, ...]]:
         """``{field: (off, ..., on)}`` for every optimization flag (the first value is "off").
 
         The ablation harness (``benchmarks/ablate.py``) runs a workload once per value of one
-        flag with every other field left as given.
+        flag with every other field left as given. A flag marked ``ablation_opt_in`` is only there
+        when ``opt_in`` names it: ``speculative_config`` (prompt lookup, k = 4), which refuses
+        async scheduling, so an all-on with it would be rejected.
         """
-        return {f.name: tuple(f.metadata["ablation"]) for f in dataclasses.fields(cls) if "ablation" in f.metadata}
+        named = set(opt_in)
+        return {f.name: tuple(f.metadata["ablation"]) for f in dataclasses.fields(cls)
+                if "ablation" in f.metadata and (not f.metadata.get("ablation_opt_in") or f.name in named)}
 
     def default_max_model_len(self, model_max: int) -> int:
         """``max_model_len``, or the model's context capped for this device."""
