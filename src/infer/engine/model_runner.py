@@ -133,6 +133,8 @@ class ModelRunner:
         self._bitmask_turn = 0
         # the last step's sampling tensors, reused while the same sequences sample (_sampling_tensors)
         self._last_sampling: tuple[list[Sequence], SamplingTensors] | None = None
+        # the last verify step's rows, their offsets and tensors (speculative decoding: _verify_sampling_tensors)
+        self._last_verify: tuple[list[Sequence], list[int], SamplingTensors] | None = None
         #: step traces (:mod:`infer.engine.step_trace`): called with the step's ForwardOutput once all of
         #: the step's work is launched (on a CPU: done); None, the default, costs one check per step
         self.on_executed: Callable[[ForwardOutput], None] | None = None
@@ -338,15 +340,29 @@ class ModelRunner:
         ``k`` drafts has ``k + 1`` consecutive rows in ``seqs``. Row ``i`` of such a sequence samples its
         ``(num_output_tokens + i)``-th token, so it takes that place in the sequence's random stream
         (``steps``): with the drafts before it accepted, it draws exactly what decoding would have.
-        (Verifying sequences carry no per-token sampling state: :func:`~infer.engine.spec_decode.can_speculate`.)"""
+        (Verifying sequences carry no per-token sampling state: :func:`~infer.engine.spec_decode.can_speculate`.)
+
+        As for decode steps (:meth:`_sampling_tensors`), the last verify step's tensors are reused when the
+        same stateless rows verify again (the same sequences, as many drafts each): only the stream positions
+        change, by however many tokens each sequence gained, so they are copied anew (not at all when every
+        row is greedy). Building them cost ~0.8 ms of host time per step on the development CPU."""
         offsets = [0] * len(seqs)
         for i in range(1, len(seqs)):
             if seqs[i] is seqs[i - 1]:
                 offsets[i] = offsets[i - 1] + 1
         self._last_sampling = None  # the rows differ from any decode step's
+        last = self._last_verify
+        if last is not None and last[1] == offsets and len(last[0]) == len(seqs) and all(map(operator.is_, last[0], seqs)):
+            tensors = last[2]
+            if not tensors.all_greedy:
+                steps = [s.num_output_tokens + o for s, o in zip(seqs, offsets)]
+                tensors.steps.copy_(self._to_device(steps, tensors.steps.dtype))
+            return tensors
         stateless = all(s.guide is None and not s.has_penalties and s.num_output_tokens >= s.params.min_tokens
                         for s in seqs)
-        return self._build_sampling_tensors(seqs, eos_ids, stateless, offsets)
+        tensors = self._build_sampling_tensors(seqs, eos_ids, stateless, offsets)
+        self._last_verify = (list(seqs), offsets, tensors) if stateless else None
+        return tensors
 
     def _run_eager(self, step: StepInputs) -> ForwardOutput:
         """The step's forward, launched kernel by kernel: the hidden states of every token."""
