@@ -432,6 +432,16 @@ EXERCISES: dict[str, Exercise] = {
             5,
         ),
         Exercise(
+            "draft_backoff", 12, "src/infer/engine/spec_decode.py",
+            ("tests/test_speculative.py::test_backoff_pauses_double_after_three_missed_rounds_and_a_hit_resets",
+             "tests/test_speculative.py::test_acceptance_counters_match_a_simulation_over_the_reference_output"),
+            "After a verify round of seq that accepted `accepted` drafts: a round that accepted any resets "
+            "seq.spec_misses to 0; one that accepted none counts a miss, and from BACKOFF_AFTER misses in a row on "
+            "sets seq.spec_pause (steps without speculating) to 1, 2, 4, ... doubling with each further miss, "
+            "at most BACKOFF_MAX_STEPS.",
+            10,
+        ),
+        Exercise(
             "rejection_rule", 12, "src/infer/sampling/rejection.py",
             ("tests/test_speculative.py::test_rejection_sampling_emits_the_target_distribution",
              "tests/test_speculative.py::test_rejection_sampling_with_the_target_as_draft_accepts_everything"),

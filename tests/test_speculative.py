@@ -360,6 +360,21 @@ def test_decisive_random_weights_decode_a_fixed_walk_with_a_wide_margin(tmp_path
     assert margins[True] > 5 > 1 > margins[False], margins  # (logit units; the gap grows as sqrt(hidden_size))
 
 
+def test_backoff_pauses_double_after_three_missed_rounds_and_a_hit_resets(tiny_llama):
+    """``record_round`` on a real sequence, round after round (each round happens after its pause ran out):
+    no pause for two misses in a row, then 1, 2, 4, 8, 16 steps, 16 again (the cap); an accepted draft
+    resets the count, so the next pause comes after three more misses. Derived by hand from the rule."""
+    from infer.engine.spec_decode import record_round
+
+    seq = make_engine(tiny_llama, **KW).add_request([5, 6, 7], SamplingParams(max_tokens=4)).seqs[0]
+    pauses = []
+    for accepted in (0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0):
+        seq.spec_pause = 0
+        record_round(seq, accepted)
+        pauses.append(seq.spec_pause)
+    assert pauses == [0, 0, 1, 2, 4, 8, 16, 16, 16, 0, 0, 0, 1]
+
+
 def test_stop_strings_max_tokens_and_eos_inside_an_accepted_run(tiny_llama):
     """A run of accepted drafts can cross a stop: the output ends exactly where decoding ends it."""
     tok = tiny_llama.tokenizer

@@ -100,12 +100,14 @@ def record_round(seq: Sequence, accepted: int) -> None:
     :data:`BACKOFF_MAX_STEPS` steps, TCP's exponential backoff); one accepted draft ends it. With drafts
     that are never right, 1 step in 17 verifies; with a per-draft acceptance of 0.75, three misses in a
     row happen in 1.6% of the rounds. Output is unchanged either way (a paused sequence decodes)."""
+    # >>> EXERCISE draft_backoff
     if accepted:
         seq.spec_misses = 0
         return
     seq.spec_misses += 1
     if seq.spec_misses >= BACKOFF_AFTER:
         seq.spec_pause = min(2 ** (seq.spec_misses - BACKOFF_AFTER), BACKOFF_MAX_STEPS)
+    # <<< EXERCISE draft_backoff
 
 
 def take_pause(seq: Sequence) -> bool:
