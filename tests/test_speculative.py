@@ -63,12 +63,15 @@ def test_speculative_config_rejects_bad_values(value, match):
 
 
 def test_speculative_config_rejects_flags_it_does_not_work_with_and_optimize_leaves_them_off():
+    head = {"method": "eagle3", "model": "head-dir", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(device="cpu", async_scheduling=True, speculative_config=NGRAM).validate()
+        EngineConfig(device="cpu", async_scheduling=True, speculative_config=head).validate()
     with pytest.raises(ValueError, match="enable_lora is not supported yet"):
         EngineConfig(device="cpu", enable_lora=True, speculative_config=NGRAM).validate()
+    c = EngineConfig(device="cpu", optimize=True, speculative_config=head).validate()
+    assert c.async_scheduling is False and "EAGLE-3" in c.optimization_notes["async_scheduling"]
     c = EngineConfig(device="cpu", optimize=True, speculative_config=NGRAM).validate()
-    assert c.async_scheduling is False and "speculative" in c.optimization_notes["async_scheduling"]
+    assert c.async_scheduling is True  # (steps that verify drafts run synchronously)
     assert c.speculative.method == "ngram"
     assert EngineConfig(device="cpu").validate().speculative is None
 
@@ -373,6 +376,32 @@ def test_backoff_pauses_double_after_three_missed_rounds_and_a_hit_resets(tiny_l
         record_round(seq, accepted)
         pauses.append(seq.spec_pause)
     assert pauses == [0, 0, 1, 2, 4, 8, 16, 16, 16, 0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "ngram-every-step"])
+def test_async_scheduling_with_speculation_keeps_the_outputs(tiny_llama, reference, method):
+    """Async scheduling with speculation: steps that verify drafts run synchronously (the step in flight is
+    waited for, its sequences propose), steps where no sequence speculates run ahead of the host. The mixed
+    workload (seeded sampling, logprobs, n = 2, penalties, arrivals mid-decode) gives the tokens of the
+    engine without either; with the backoff both kinds of step happen, and drafts are verified."""
+    spec = {"ngram": NGRAM, "ngram-every-step": {**NGRAM, "backoff": False},
+            "draft": {**draft(tiny_llama.path), "num_speculative_tokens": 2}}[method]
+    engine = make_engine(tiny_llama, speculative_config=spec, async_scheduling=True, **KW)
+    kinds = {"sync": 0, "async": 0}
+    step_async, step_speculating = engine._step_async, engine._step_speculating
+
+    def counted(kind, fn):
+        def wrapped(stream):
+            kinds[kind] += 1
+            return fn(stream)
+        return wrapped
+
+    engine._step_async, engine._step_speculating = counted("async", step_async), counted("sync", step_speculating)
+    got = run(engine, workload(tiny_llama.config.vocab_size), check=assert_rolled_back)
+    for rid in reference:
+        assert got[rid]["tokens"] == reference[rid]["tokens"], rid
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0 and kinds["sync"] > 0 and kinds["async"] > 0, kinds
+    assert_pool_full(engine)
 
 
 def test_stop_strings_max_tokens_and_eos_inside_an_accepted_run(tiny_llama):

@@ -438,7 +438,12 @@ class EngineConfig(PhaseChecks):
                     return "the EAGLE-3 head reads target hidden states the captured graphs do not return"
             return graphs
         if name == "async_scheduling" and self.speculative_config is not None:
-            return "speculative decoding proposes from each step's tokens on the host"
+            try:
+                method = SpeculativeConfig.parse(self.speculative_config).method
+            except ValueError:
+                method = None  # (validate() reports it)
+            if method == "eagle3":
+                return "the EAGLE-3 head catches up on every step's hidden states on the host"
         if name == "pdl":
             if graphs in ("needs a CUDA device", "needs the triton attention backend"):
                 return graphs

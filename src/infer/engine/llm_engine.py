@@ -154,6 +154,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[list[ScheduledSeq], StepResult] | None = None  # async scheduling
+        # async scheduling with speculation: a sequence of a step applied while the next ran is ready to propose
+        self._ready_to_propose = False
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -519,6 +521,8 @@ class LLMEngine:
         """:meth:`step`'s work: admit compiled requests, then one synchronous or async step."""
         admitted = self._admit_compiled(wait=not self.scheduler.has_unfinished() and self._in_flight is None)
         if self.config.async_scheduling:
+            if self.proposer is not None and self._speculation_due():
+                return admitted + self._step_speculating(stream)
             return admitted + self._step_async(stream)
         scheduled = self._schedule()
         if not scheduled:
@@ -531,6 +535,35 @@ class LLMEngine:
         if self.proposer is not None:
             self._speculate(scheduled, result)
         return admitted + outputs
+
+    def _speculation_due(self) -> bool:
+        """Async scheduling with speculative decoding: does the next step verify drafts, or must the step in
+        flight be waited for so that sequences ready to speculate again can propose? (Proposals need each
+        sequence's tokens on the host, which a step in flight has not delivered.)"""
+        return self._ready_to_propose or any(s.spec_token_ids for s in self.scheduler.running)
+
+    def _step_speculating(self, stream: bool) -> list[RequestOutput]:
+        """A synchronous step inside an async-scheduling engine, for speculative decoding: wait for the step in
+        flight and apply its tokens, propose (:meth:`_speculate`), then schedule, run and apply one step
+        whose drafts are verified, and propose again. Steps where no sequence speculates (the backoff
+        pauses them, or they cannot) run ahead of the host as usual (:meth:`_step_async`): speculation is
+        synchronous, the rest overlaps."""
+        outputs: list[RequestOutput] = []
+        self._ready_to_propose = False
+        if self._in_flight is not None:
+            scheduled, result = self._in_flight
+            outputs += self._process_in_flight(stream, tick=False)
+            self._speculate(scheduled, result)
+        scheduled = self._schedule()
+        if not scheduled:
+            return outputs
+        with self._failing_requests_abort(scheduled):
+            self._activate_loras(scheduled)
+            result = self.runner.execute(scheduled, self.eos_token_ids)
+            finished = self.output_processor.apply(result, scheduled)
+        outputs += self._finish(scheduled, finished, stream)
+        self._speculate(scheduled, result)
+        return outputs
 
     def _speculate(self, scheduled: list[ScheduledSeq], result: StepResult) -> None:
         """Speculative decoding (phase 12), after a step's tokens are applied: give back the blocks a
@@ -695,15 +728,25 @@ class LLMEngine:
                                       "after they finish", param="lora_name")
         return self.runner.remove_lora(lora_int_id)
 
-    def _process_in_flight(self, stream: bool) -> list[RequestOutput]:
-        """Wait for the step in flight's tokens and apply them (async scheduling)."""
+    def _process_in_flight(self, stream: bool, tick: bool = True) -> list[RequestOutput]:
+        """Wait for the step in flight's tokens and apply them (async scheduling). With speculative decoding
+        (``tick``), the step counts off the backoff's pauses of its sequences, and one that may propose
+        again makes the next step wait for the one then in flight (:meth:`_step_speculating`)."""
         if self._in_flight is None:
             return []
         scheduled, result = self._in_flight
         self._in_flight = None
         with self._failing_requests_abort(scheduled):
             finished = self.output_processor.apply(result, scheduled, advanced=True)
-        return self._finish(scheduled, finished, stream)
+        outputs = self._finish(scheduled, finished, stream)
+        if self.proposer is not None and tick:
+            from infer.engine.spec_decode import can_speculate, take_pause
+
+            for seq in dict.fromkeys(result.sampled):
+                if seq.status is SeqStatus.RUNNING and not (self.spec_backoff and take_pause(seq)) \
+                        and can_speculate(seq):
+                    self._ready_to_propose = True
+        return outputs
 
     @staticmethod
     def _needs_host_tokens(result) -> bool:
