@@ -1,8 +1,8 @@
 """Speculative decoding (phase 12): acceptance on real weights, and TPOT against a chosen acceptance rate.
 
     python benchmarks/speculative.py                  # smollm2-135m on this CPU: both parts, small
-    # GPU, Qwen3-8B shapes with every optimization (optimize: the baseline gets async scheduling too, which
-    # speculation does not take); synthetic "decisive" weights, whose greedy tokens bf16 rounding cannot flip
+    # GPU, Qwen3-8B shapes with every optimization (optimize: async scheduling too, which a speculating engine
+    # uses for the steps that verify nothing); synthetic "decisive" weights, whose greedy tokens bf16 rounding cannot flip
     # (only the replay part means anything on synthetic weights)
     python scripts/make_synthetic_checkpoint.py qwen3-8b /tmp/qwen3-8b --random-weights --decisive
     python benchmarks/speculative.py --model /tmp/qwen3-8b --device cuda --dtype bfloat16 --parts replay \\

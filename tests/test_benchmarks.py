@@ -260,8 +260,8 @@ def test_ablation_configs_are_all_off_each_value_all_on_without_duplicates():
 
 
 def test_speculative_decoding_is_ablated_only_when_named_and_its_json_round_trips():
-    """``speculative_config`` (a JSON object) is an opt-in ablation flag: left out of the default set (its
-    all-on with async scheduling would be rejected), there with ``--flags speculative_config``; its value
+    """``speculative_config`` (a JSON object) is an opt-in ablation flag: left out of the default set (the
+    all-on earlier ablations measured stays as it was), there with ``--flags speculative_config``; its value
     survives ``format_overrides`` / ``parse_overrides`` (the commas inside the JSON do not split the items)
     and becomes one ``--speculative-config`` argument of the server."""
     from common import format_overrides, parse_overrides, server_flags
