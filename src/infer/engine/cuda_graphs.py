@@ -53,13 +53,14 @@ several prompts cannot be one graph this way: its attention splits the tokens by
 no fixed grid holds. But the attention is only a few launches per layer; everything between two attention
 calls (norms, projections, RoPE with the cache write, the MLP) only sees a ``[T, hidden]`` tensor.
 So such steps are captured per token bucket as ``L + 1`` graphs, one per stretch between attention
-calls: while capturing, the attention backend is replaced by :class:`_Pieces`, which ends the current
-graph at each attention call (allocating its output in the pool) and begins the next one. At replay
-the runner replays graph 0, runs layer 0's attention eagerly with the step's real metadata on the
-tensors graph 0 wrote (q, k, v), copies its output where graph 1 reads it, replays graph 1, and so
-on. The host cost of a mixed step becomes ``L + 1`` graph launches and a few attention launches per
-layer instead of hundreds of kernels. The ``T`` tokens fill the bucket's first rows; the padding
-rows have slot -1 (no K/V written) and are not passed to the attention.
+calls: while capturing, the attention backend is replaced by
+:class:`~infer.engine.graph_pieces.Pieces`, which ends the current graph at each attention call
+(allocating its output in the pool) and begins the next one. At replay the runner replays graph 0,
+runs layer 0's attention eagerly with the step's real metadata on the tensors graph 0 wrote (q, k, v),
+copies its output where graph 1 reads it, replays graph 1, and so on. The host cost of a mixed step
+becomes ``L + 1`` graph launches and a few attention launches per layer instead of hundreds of kernels.
+The ``T`` tokens fill the bucket's first rows; the padding rows have slot -1 (no K/V written) and are
+not passed to the attention.
 
 **LoRA** (phase 16, :meth:`CUDAGraphRunner.enable_lora`). Each graph (and each mixed bucket's pieces)
 is captured twice: its base variant, and a LoRA variant whose shrink / expand kernels read the
@@ -86,13 +87,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from infer.attention import AttentionMetadata, KVCache
+from infer.engine.graph_pieces import Hole, Pieces
 from infer.engine.graph_staging import _SEQ, packed_size, stage_decodes, stage_rows  # noqa: F401  (re-exported)
 from infer.engine.step import BlockTableRows, ForwardOutput, StepInputs, patch_input_ids
 from infer.lora.graphs import LoRAGraphInputs
@@ -250,7 +251,7 @@ class CUDAGraphRunner:
             self._mixed_turn = 0
             self._mixed_packed = torch.zeros(size, dtype=torch.int64, device=dev)
         # mixed-step buckets: T -> (the L + 1 graphs, the L attention holes between them, hidden [T, H])
-        self.mixed: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Hole], torch.Tensor]] = {}
+        self.mixed: dict[int, tuple[list[torch.cuda.CUDAGraph], list[Hole], torch.Tensor]] = {}
         # whole mixed steps: T -> the graph, and its final hidden states [T, H]
         self.mixed_full: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_full_hidden: dict[int, torch.Tensor] = {}
@@ -259,11 +260,10 @@ class CUDAGraphRunner:
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_logits: dict[int, torch.Tensor] = {}
         self.pool = None
-        # verify steps as decode rows (:meth:`_run_verify`): the most extra keys their rows may re-read, a
-        # quarter of the model's weight bytes in KV bytes (at least 16 MiB: a tiny model's weights say nothing)
+        # tokens as decode rows (replay_rows): the most extra keys they may re-read, a quarter of the weights' bytes
         weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        kv_bytes_per_token = kv_cache.nbytes // max(1, kv_cache.num_blocks * kv_cache.block_size)
-        self.verify_max_extra_keys = max(weight_bytes // 4, 16 << 20) // max(1, kv_bytes_per_token)
+        self.verify_max_extra_keys = max(weight_bytes // 4, 16 << 20) // max(1, kv_cache.nbytes // max(
+            1, kv_cache.num_blocks * kv_cache.block_size))
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         # LoRA (phase 16, :meth:`enable_lora`): the row groups' static buffer, and the LoRA variant of each
@@ -271,7 +271,7 @@ class CUDAGraphRunner:
         # and of each mixed bucket's pieces, as :attr:`mixed`
         self.lora: LoRAGraphInputs | None = None
         self.lora_graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.lora_pieces: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Hole], torch.Tensor]] = {}
+        self.lora_pieces: dict[int, tuple[list[torch.cuda.CUDAGraph], list[Hole], torch.Tensor]] = {}
 
     def enable_lora(self, mapping) -> None:
         """LoRA (phase 16): capture a LoRA variant of every graph (decode, prefill, whole mixed step, a
@@ -358,11 +358,7 @@ class CUDAGraphRunner:
         decode row (:meth:`replay_rows`), so the step costs one decode step of ``T`` rows (one replay)
         instead of a mixed bucket's ``L + 1`` pieces with the attention launched eagerly between them.
         ``None`` (the caller tries the pieces) when some sequence runs a prompt chunk or has forks, or
-        :meth:`replay_rows` declines.
-
-        On an H100 with Qwen3-8B's shapes a verify step of ``k + 1 = 5`` tokens at batch 1 costs 1.24 decode
-        steps this way and 1.44 through the pieces, which launch 36 attention kernels from the host per step
-        (``benchmarks/speculative.py``)."""
+        :meth:`replay_rows` declines."""
         f = step.flat
         for item in f.scheduled:
             if item.num_tokens != 1 + len(item.spec_token_ids) or item.forks:
@@ -379,25 +375,13 @@ class CUDAGraphRunner:
                     tables: list[list[int]], patch: tuple[torch.Tensor | None, torch.Tensor] | None = None
                     ) -> torch.Tensor | None:
         """Run ``T = len(ids)`` tokens, each a decode row of context ``position + 1`` over its sequence's
-        block table (:func:`stage_rows`), through a decode bucket's graph: a verify step (several rows per
-        sequence: its last token and its drafts), or a draft model's catch-up and draft steps
-        (:class:`~infer.engine.draft.DraftProposer`).
-
-        ``None`` (run it eagerly) for a hybrid model (its state is one per sequence, not per row), when
-        ``T`` is wider than the largest decode bucket, or when the rows would re-read too many keys: a
-        decode row reads its whole context, so a sequence's ``n`` rows read it ``n`` times where the
-        extend kernel reads it once; the route is taken while the extra keys cost at most a quarter of a
-        weight read (:attr:`verify_max_extra_keys`; at least 16 MiB of KV).
-
-        Args:
-            ids, positions, slots: one int per row.
-            row_seq: int64 ``[T]``, the index in ``tables`` of each row's sequence.
-            tables: the rows' sequences' block tables.
-            patch: async scheduling's ``(flat positions, tokens)`` (see :func:`patch_input_ids`).
-
-        Returns:
-            Logits ``[T, vocab_size]`` (a view of the graph's output buffer, valid until its next replay).
-        """
+        block table (:func:`stage_rows`; ``row_seq``: int64 ``[T]``, each row's index in ``tables``), through
+        a decode bucket's graph: a verify step, or a draft model's forwards (:mod:`infer.engine.draft`).
+        Returns logits ``[T, vocab_size]`` (the graph's output buffer, valid until its next
+        replay), or ``None`` (run it eagerly) for a hybrid model (one state per sequence, not per row), for
+        ``T`` wider than the largest bucket, or when the rows would re-read too many keys: a sequence's ``n``
+        decode rows read its context ``n`` times where the extend kernel reads it once, so the extra keys
+        may cost at most a quarter of a weight read (:attr:`verify_max_extra_keys`; at least 16 MiB of KV)."""
         t = len(ids)
         if self.state_cache is not None or not self.graphs or t > self.sizes[-1]:
             return None
@@ -410,15 +394,7 @@ class CUDAGraphRunner:
         host = self._staging[self._turn]
         self._turn ^= 1
         width = stage_rows(ids, positions, slots, row_seq, tables, self._table_rows, host.numpy(), bs)
-        n = packed_size(t, bs, width, self.num_vectors)
-        packed = self.packed[:n]
-        packed.copy_(host[:n], non_blocking=True)
-        if patch is not None:
-            patch_input_ids(packed, patch)
-        lora = self._stage_lora()
-        if self.on_staged is not None:
-            self.on_staged(t, bs, width, packed, lora)
-        return self.run_packed(t, bs, width, lora)
+        return self._replay_staged(host, t, bs, width, patch)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         """Metadata over the static buffers' first ``bs`` rows. Its host fields are what the
@@ -550,7 +526,7 @@ class CUDAGraphRunner:
         """Capture bucket ``t``'s pieces (see the module docstring); returns how many graphs."""
         dev = self.input_ids.device
         meta = self._mixed_meta(t)
-        pieces = _Pieces(self.attention_backend, self.pool)
+        pieces = Pieces(self.attention_backend, self.pool)
         self.model.set_attention_backend(pieces)
         try:
             stream.wait_stream(torch.cuda.current_stream(dev))
@@ -750,15 +726,21 @@ class CUDAGraphRunner:
         self._turn ^= 1
         pad = self.state_cache.pad_slot if self.state_cache is not None else None
         width, rows = stage_decodes(seqs, self._table_rows, self.kv_cache.block_size, host.numpy(), bs, pad)
-        n = packed_size(b, bs, width, self.num_vectors)
-        packed = self.packed[:n]
-        packed.copy_(host[:n], non_blocking=True)
-        if patch is not None:  # a decode-only step: flat position = row, inside the ids part
+        return self._replay_staged(host, b, bs, width, patch), rows
+
+    def _replay_staged(self, host: torch.Tensor, b: int, bs: int, width: int,
+                       patch: tuple[torch.Tensor | None, torch.Tensor] | None) -> torch.Tensor:
+        """Copy the packed step of ``b`` rows staged in ``host`` to the device, patch its input ids (async
+        scheduling: a row's flat position is its row), stage the LoRA groups, hand it to the other ranks,
+        replay bucket ``bs``: logits ``[b, vocab_size]``."""
+        packed = self.packed[: packed_size(b, bs, width, self.num_vectors)]
+        packed.copy_(host[: packed.shape[0]], non_blocking=True)
+        if patch is not None:
             patch_input_ids(packed, patch)
         lora = self._stage_lora()
         if self.on_staged is not None:
             self.on_staged(b, bs, width, packed, lora)
-        return self.run_packed(b, bs, width, lora), rows
+        return self.run_packed(b, bs, width, lora)
 
     def run_packed(self, b: int, bs: int, width: int, lora: bool = False) -> torch.Tensor:
         """Replay bucket ``bs``'s graph on the packed step (:meth:`replay`'s layout) in :attr:`packed`
@@ -816,56 +798,3 @@ class CUDAGraphRunner:
                          else (self.prefill_graphs[tb], self.prefill_logits[tb]))
         graph.replay()
         return logits
-
-
-@dataclass
-class _Hole:
-    """One attention call between two captured pieces: where the earlier piece leaves its inputs
-    and the later one reads its output (``[T_bucket, heads, head_dim]`` tensors in the pool)."""
-
-    layer_idx: int
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
-    scale: float
-    window: int | None
-    kv_written: bool
-
-
-class _Pieces:
-    """The attention backend while a mixed-step bucket is captured: each call ends the graph being
-    captured and begins the next one (before :meth:`begin`, it returns zeros: the warm-up run).
-
-    ``cache_write_in_rope`` is the real backend's, so the layers write K/V the same way (inside the
-    pieces, with the RoPE kernel, when the Triton backend lets them).
-    """
-
-    def __init__(self, backend, pool) -> None:
-        self.cache_write_in_rope = getattr(backend, "cache_write_in_rope", False)
-        self.pool = pool
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.holes: list[_Hole] = []
-
-    def _next(self) -> None:
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: see CUDAGraphRunner.capture
-        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-        if self.pool is None:
-            self.pool = graph.pool()
-        self.graphs.append(graph)
-
-    def begin(self) -> None:
-        self._next()
-
-    def end(self) -> None:
-        self.graphs[-1].capture_end()
-
-    def forward(self, layer_idx, q, k, v, meta, scale, window=None, kv_written=False) -> torch.Tensor:
-        if not self.graphs:  # the warm-up run
-            return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # in the pool: the next piece reads it
-        self.graphs[-1].capture_end()
-        self.holes.append(_Hole(layer_idx, q, k, v, out, scale, window, kv_written))
-        self._next()
-        return out
