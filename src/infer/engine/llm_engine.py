@@ -524,9 +524,13 @@ class LLMEngine:
             if self.proposer is not None and self._speculation_due():
                 return admitted + self._step_speculating(stream)
             return admitted + self._step_async(stream)
+        return admitted + self._step_sync(stream)
+
+    def _step_sync(self, stream: bool) -> list[RequestOutput]:
+        """One synchronous step: schedule, run, apply the tokens, then (phase 12) propose the next drafts."""
         scheduled = self._schedule()
         if not scheduled:
-            return admitted
+            return []
         with self._failing_requests_abort(scheduled):
             self._activate_loras(scheduled)
             result = self.runner.execute(scheduled, self.eos_token_ids)
@@ -534,7 +538,7 @@ class LLMEngine:
         outputs = self._finish(scheduled, finished, stream)
         if self.proposer is not None:
             self._speculate(scheduled, result)
-        return admitted + outputs
+        return outputs
 
     def _speculation_due(self) -> bool:
         """Async scheduling with speculative decoding: does the next step verify drafts, or must the step in
@@ -554,16 +558,7 @@ class LLMEngine:
             scheduled, result = self._in_flight
             outputs += self._process_in_flight(stream, tick=False)
             self._speculate(scheduled, result)
-        scheduled = self._schedule()
-        if not scheduled:
-            return outputs
-        with self._failing_requests_abort(scheduled):
-            self._activate_loras(scheduled)
-            result = self.runner.execute(scheduled, self.eos_token_ids)
-            finished = self.output_processor.apply(result, scheduled)
-        outputs += self._finish(scheduled, finished, stream)
-        self._speculate(scheduled, result)
-        return outputs
+        return outputs + self._step_sync(stream)
 
     def _speculate(self, scheduled: list[ScheduledSeq], result: StepResult) -> None:
         """Speculative decoding (phase 12), after a step's tokens are applied: give back the blocks a
