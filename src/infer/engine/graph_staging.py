@@ -64,10 +64,16 @@ def stage_decodes(seqs: list, table_rows: BlockTableRows, block_size: int, h: np
     rows = h[at: at + b * width].reshape(b, width)
     table_rows.gather(tables, width, rows)
     h[2 * bs: 2 * bs + b] = rows[np.arange(b), pos // block_size] * block_size + pos % block_size
-    for k, pad in enumerate((0, 0, -1, 0)):  # padding rows: slot -1 writes nothing, length 0 reads nothing
-        h[k * bs + b: (k + 1) * bs] = pad
+    _pad_rows(h, b, bs)
     samples = pos + 1 == np.fromiter(map(len, token_ids), dtype=np.int64, count=b)
     return width, None if samples.all() else np.flatnonzero(samples)
+
+
+def _pad_rows(h: np.ndarray, b: int, bs: int) -> None:
+    """The padding rows ``b .. bs - 1`` of the packed step's four vectors: id 0 at position 0, slot -1 (writes
+    nothing), context length 0 (reads nothing)."""
+    for k, pad in enumerate((0, 0, -1, 0)):
+        h[k * bs + b: (k + 1) * bs] = pad
 
 
 def packed_size(b: int, bs: int, width: int, vectors: int = 4) -> int:
@@ -105,7 +111,6 @@ def stage_rows(ids: list[int], positions: list[int], slots: list[int], row_seq: 
     h[bs: bs + t] = positions
     h[2 * bs: 2 * bs + t] = slots
     h[3 * bs: 3 * bs + t] = h[bs: bs + t] + 1
-    for k, pad in enumerate((0, 0, -1, 0)):  # padding rows: slot -1 writes nothing, length 0 reads nothing
-        h[k * bs + t: (k + 1) * bs] = pad
+    _pad_rows(h, t, bs)
     np.take(seq_rows, row_seq, axis=0, out=h[4 * bs: 4 * bs + t * width].reshape(t, width))
     return width

@@ -565,21 +565,13 @@ class LLMEngine:
         verifying sequence took for drafts it rejected, then propose the next drafts of every sequence
         that sampled and still runs (:mod:`infer.engine.spec_decode`), except, with the backoff, those
         pausing after drafts that kept failing (:func:`~infer.engine.spec_decode.record_round`)."""
-        from infer.engine.spec_decode import take_pause
+        from infer.engine.spec_decode import proposing
 
         for item in scheduled:
             if item.spec_token_ids and item.seq.status is SeqStatus.RUNNING:
                 self.kv_manager.truncate(item.seq, len(item.seq.token_ids))
         running = [s for s in dict.fromkeys(result.sampled) if s.status is SeqStatus.RUNNING]
-        if self.spec_backoff:
-            proposing = []
-            for seq in running:
-                if take_pause(seq):
-                    seq.spec_token_ids = []
-                else:
-                    proposing.append(seq)
-            running = proposing
-        self.proposer.propose(running)  # (an EAGLE-3 head also catches up on prompt chunks that sampled nothing)
+        self.proposer.propose(proposing(running, self.spec_backoff))  # (an EAGLE-3 head also catches up on prompt chunks that sampled nothing)
 
     @contextlib.contextmanager
     def _failing_requests_abort(self, *steps: list[ScheduledSeq]):
@@ -735,12 +727,11 @@ class LLMEngine:
             finished = self.output_processor.apply(result, scheduled, advanced=True)
         outputs = self._finish(scheduled, finished, stream)
         if self.proposer is not None and tick:
-            from infer.engine.spec_decode import can_speculate, take_pause
+            from infer.engine.spec_decode import can_speculate, proposing
 
-            for seq in dict.fromkeys(result.sampled):
-                if seq.status is SeqStatus.RUNNING and not (self.spec_backoff and take_pause(seq)) \
-                        and can_speculate(seq):
-                    self._ready_to_propose = True
+            running = [s for s in dict.fromkeys(result.sampled) if s.status is SeqStatus.RUNNING]
+            if any(map(can_speculate, proposing(running, self.spec_backoff))):
+                self._ready_to_propose = True
         return outputs
 
     @staticmethod

@@ -43,7 +43,7 @@ from infer.config import SpeculativeConfig
 from infer.engine.sequence import Sequence
 
 __all__ = ["BACKOFF_AFTER", "BACKOFF_MAX_STEPS", "NgramProposer", "SpecDecodingStats", "can_speculate", "draft_budget",
-           "ngram_propose", "num_accepted", "record_round", "take_pause"]
+           "ngram_propose", "num_accepted", "proposing", "record_round", "take_pause"]
 
 #: the backoff: verify rounds in a row that accept no draft before a sequence pauses speculating
 BACKOFF_AFTER = 3
@@ -116,6 +116,20 @@ def take_pause(seq: Sequence) -> bool:
         seq.spec_pause -= 1
         return True
     return False
+
+
+def proposing(seqs: list[Sequence], backoff: bool) -> list[Sequence]:
+    """Of ``seqs`` (running, each sampled a token this step), those that propose next. With the ``backoff``,
+    each counts this step off its pause (:func:`take_pause`), and one still pausing gets no drafts."""
+    if not backoff:
+        return seqs
+    out = []
+    for seq in seqs:
+        if take_pause(seq):
+            seq.spec_token_ids = []
+        else:
+            out.append(seq)
+    return out
 
 
 def can_speculate(seq: Sequence) -> bool:
