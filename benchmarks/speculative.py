@@ -229,16 +229,27 @@ def _chat(engine: LLMEngine, text: str) -> str:
 
 
 class ReplayProposer:
-    """Proposes the target's recorded greedy continuation, each draft right with probability ``a``."""
+    """Proposes the target's recorded greedy continuation, each draft right with probability ``a``.
 
-    def __init__(self, refs: dict[int, list[int]], k: int, a: float, vocab: int, max_model_len: int, seed: int = 0):
+    ``inner``: the engine's own proposer (an EAGLE-3 head's), run first for its cost (its forwards, its K/V
+    and blocks); its drafts are then replaced by the replayed ones, as many as it made."""
+
+    def __init__(self, refs: dict[int, list[int]], k: int, a: float, vocab: int, max_model_len: int, seed: int = 0,
+                 inner=None):
         self.refs, self.k, self.a, self.vocab, self.max_model_len = refs, k, a, vocab, max_model_len
         self.rng = random.Random(seed)
+        self.inner = inner
+        if inner is not None:
+            inner.k = k
 
     def propose(self, seqs) -> None:
+        if self.inner is not None:
+            self.inner.propose(seqs)
         for seq in seqs:
             ref = self.refs[tuple(seq.request.prompt_token_ids)]
             k = draft_budget(seq, self.k, self.max_model_len) if can_speculate(seq) else 0
+            if self.inner is not None:
+                k = len(seq.spec_token_ids)
             at = seq.num_output_tokens
             true = ref[at:at + k]
             seq.spec_token_ids = [t if self.rng.random() < self.a else (t + 1) % self.vocab for t in true]
@@ -252,6 +263,8 @@ def replay_part(args) -> list[dict]:
         prompts = [[rng.randrange(100, plain.vocab_size - 1) for _ in range(args.input_len)] for _ in range(b)]
         outs, _, _ = decode(plain, prompts, args.output_len)  # the reference (and a warm-up)
         spec = {"method": "ngram", "num_speculative_tokens": max(args.ks), "backoff": False}
+        if args.replay_proposer == "eagle3":  # the head's forwards run (a random head at the model's shapes)
+            spec = {**spec, "method": "eagle3", "model": write_synthetic_eagle3_head(plain, args)}
         spec_engine = make_engine(args, spec, b)
         times: dict[tuple, list[float]] = {}
         lengths: dict[tuple, float] = {}
@@ -295,7 +308,9 @@ def _replay_tpot(engine, prompts, outs, args, k, a, differ: dict | None = None) 
     measured acceptance only drops."""
     if k:
         refs = {tuple(p): o for p, o in zip(prompts, outs)}
-        engine.proposer = ReplayProposer(refs, k, a, engine.vocab_size, engine.max_model_len)
+        inner = getattr(engine.proposer, "inner", engine.proposer)
+        engine.proposer = ReplayProposer(refs, k, a, engine.vocab_size, engine.max_model_len,
+                                         inner=inner if args.replay_proposer == "eagle3" else None)
         engine.spec_stats.reset()
     got, secs, n = decode(engine, prompts, args.output_len)
     n_diff = sum(g != o for g, o in zip(got, outs))
@@ -326,6 +341,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--ks", type=int, nargs="+", default=[4], help="replay part: the k values")
+    ap.add_argument("--replay-proposer", default="ngram", choices=["ngram", "eagle3"],
+                    help="replay part: eagle3 runs a random EAGLE-3 head's forwards (the method's cost) before "
+                         "its drafts are replaced by the replayed ones")
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--input-len", type=int, default=64)

@@ -152,13 +152,49 @@ def reference_drafts(w: dict, hf_model, tokens: list[int], layers: list[int], k:
     return out
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["reference-forward", "fused-kernels"])
-def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_llama, random_head, fused):
+def uncaptured_graphs(model, kv_cache, max_batch_size: int, max_model_len: int):
+    """A :class:`~infer.engine.cuda_graphs.CUDAGraphRunner` (decode buckets only) whose "graphs" run the
+    bucket's decode forward eagerly on the static buffers (what a capture records): the graph routes' inputs
+    and outputs on the CPU."""
+    from infer.engine.cuda_graphs import CUDAGraphRunner
+
+    graphs = CUDAGraphRunner(model, kv_cache, max_batch_size, -(-max_model_len // kv_cache.block_size), max_model_len)
+
+    class Uncaptured:
+        def __init__(self, bs: int) -> None:
+            self.bs = bs
+
+        def replay(self) -> None:
+            graphs.logits[self.bs] = graphs._decode_forward(self.bs)
+
+    graphs.graphs = {bs: Uncaptured(bs) for bs in graphs.sizes}
+    return graphs
+
+
+def through_graph_routes(engine, max_batch_size: int = 16) -> list:
+    """Give ``engine`` (Triton attention) the target's and the head's decode-graph routes, uncaptured
+    (:func:`uncaptured_graphs`); returns the list the target's routes are appended to, step by step."""
+    from infer.engine.eagle3 import _HeadForGraphs
+
+    runner, proposer = engine.runner, engine.proposer
+    runner.graphs = uncaptured_graphs(runner.model, runner.kv_cache, max_batch_size, runner.max_model_len)
+    proposer.graph_model = _HeadForGraphs(proposer.head, max_batch_size)
+    proposer.graphs = uncaptured_graphs(proposer.graph_model, proposer.kv_cache, max_batch_size, runner.max_model_len)
+    routes = []
+    runner.on_executed = lambda out: routes.append(out.graph)
+    return routes
+
+
+@pytest.mark.parametrize("route", ["reference-forward", "fused-kernels", "graph-routes"])
+def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_llama, random_head, route):
     """After every step, each sequence's drafts are what the published architecture computes from scratch
     over its tokens so far: the catch-up over prompts (two in one step, one prefilled in chunks), the
     feature fed back for drafts 2..k, the draft-to-target map, and the head's KV after rejected drafts
     and after a preemption (the head's cache rebuilt). With fused kernels the target's layers hand the
-    residual stream on in two parts, added in place by the next norm: the kept states are copies."""
+    residual stream on in two parts, added in place by the next norm: the kept states are copies. Through
+    the graph routes (uncaptured, Triton kernels interpreted) the target's verify steps and the head's
+    forwards run as decode rows of their decode buckets."""
+    fused = route == "fused-kernels"
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama.path, dtype=torch.float32).eval()
@@ -170,7 +206,9 @@ def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_
     per_block = tiny_llama.config.kv_bytes_per_token(torch.float32) * KW["block_size"]
     engine = make_engine(tiny_llama, speculative_config=eagle3(random_head), chunked_prefill=True,
                          fused_kernels=fused, max_num_batched_tokens=20, kv_cache_memory_bytes=per_block * 9,
+                         attention_backend="triton" if route == "graph-routes" else "torch",
                          **{**KW, "max_model_len": 64})
+    routes = through_graph_routes(engine) if route == "graph-routes" else []
     layers = [0, 1, 2]  # EAGLE-3's default (2, L // 2, L - 3) for L = 3 layers, in layer order
     assert engine.runner.model.aux_hidden_state_layers == tuple(layers)
     checked = []
@@ -187,6 +225,8 @@ def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_
     assert {r: v["tokens"] for r, v in got.items()} == {r: v["tokens"] for r, v in want.items()}
     assert engine.num_preemptions > 0 and len(checked) > 15 and max(checked) == 3
     assert_pool_full(engine)
+    if route == "graph-routes":
+        assert "verify" in routes and engine.proposer.graph_steps > 10, (routes, engine.proposer.graph_steps)
 
 
 @pytest.fixture(scope="module")
@@ -240,11 +280,12 @@ def repeating_target(tiny_llama, tmp_path_factory):
     return load_model(str(path), device="cpu", dtype=torch.float32, progress=False), w
 
 
-def test_a_head_that_reads_the_next_token_off_the_target_is_always_accepted(repeating_target, tmp_path):
+@pytest.fixture(scope="module")
+def always_right(repeating_target, tmp_path_factory):
     """The EAGLE/SGLang layout (``midlayer.*``, ``LlamaForCausalLMEagle3``, aux layers in ``eagle_config``):
     fc passes layer 2's input through, the head's attention and MLP add nothing, and its norm and LM head
-    are the target's, so every draft is the target's next token: each verify round accepts all k and the
-    bonus token, and the output is the target's."""
+    are the target's, so every draft is the target's next token. Returns ``(loaded target, head directory,
+    arrivals, the target's outputs without speculation)``."""
     loaded, tw = repeating_target
     c = loaded.config
     h = c.hidden_size
@@ -258,20 +299,31 @@ def test_a_head_that_reads_the_next_token_off_the_target_is_always_accepted(repe
     config = {"architectures": ["LlamaForCausalLMEagle3"], **layer_config(c.vocab_size),
               "rms_norm_eps": c.rms_norm_eps, "draft_vocab_size": c.vocab_size,
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
-    head = write_head(tmp_path / "head", w, config, layout="eagle")
+    head = write_head(tmp_path_factory.mktemp("always-right") / "head", w, config, layout="eagle")
     rng = random.Random(12)
     arrivals = [(i, [rng.randrange(10, 1000) for _ in range(n)], SamplingParams(temperature=0.0, max_tokens=13,
                                                                                 ignore_eos=True))
                 for i, n in enumerate((9, 21, 4))]
     want = run(make_engine(loaded, **KW), arrivals)
     assert all(len(set(v["tokens"][0])) == 1 for v in want.values())  # the target repeats
-    engine = make_engine(loaded, speculative_config=eagle3(head, 4), **KW)
+    return loaded, head, arrivals, want
+
+
+def assert_always_accepted(engine, always_right) -> None:
+    """Run ``always_right``'s arrivals through ``engine``: the target's tokens, every draft accepted (each
+    verify round takes all k and the bonus token), every block back in the pool."""
+    _, _, arrivals, want = always_right
     got = run(engine, arrivals, check=assert_rolled_back)
     assert {r: v["tokens"] for r, v in got.items()} == {r: v["tokens"] for r, v in want.items()}
     s = engine.stats()
     assert s["spec_decode_num_draft_tokens"] > 0 and s["spec_decode_acceptance_rate"] == 1.0
     assert engine.runner.model.aux_hidden_state_layers == (0, 1, 2)
     assert_pool_full(engine)
+
+
+def test_a_head_that_reads_the_next_token_off_the_target_is_always_accepted(always_right):
+    loaded, head, _, _ = always_right
+    assert_always_accepted(make_engine(loaded, speculative_config=eagle3(head, 4), **KW), always_right)
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -318,14 +370,13 @@ def test_eagle3_config_is_parsed_and_refused_where_it_cannot_run():
                          (dict(enable_lora=True), "enable_lora")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(device="cpu", speculative_config=eagle3("h"), **flags).validate()
-    # on a CUDA device, no graphs (they do not return the target's hidden states); checked here without one
+    # on a CUDA device (checked here without one): graphs are allowed (the target's graphs write the hidden
+    # states into a fixed buffer), async scheduling is not
     c = EngineConfig(device="cpu", cuda_graphs=True, kv_cache_memory_bytes=1 << 30, speculative_config=eagle3("h"))
-    with pytest.raises(ValueError, match="'eagle3' with cuda_graphs is not supported"):
-        c._validate_speculative(torch.device("cuda"))
+    c._validate_speculative(torch.device("cuda"))
     c = EngineConfig(device="cpu", attention_backend="triton", moe_backend="triton", speculative_config=eagle3("h"))
-    assert "EAGLE-3" in c._why_not("cuda_graphs", torch.device("cuda"))
-    c.speculative_config = None
     assert c._why_not("cuda_graphs", torch.device("cuda")) is None
+    assert "EAGLE-3" in c._why_not("async_scheduling", torch.device("cuda"))
 
 
 def test_the_benchmark_runs_a_synthetic_head_at_the_targets_shapes(tiny_llama, tmp_path):
@@ -345,6 +396,14 @@ def test_the_benchmark_runs_a_synthetic_head_at_the_targets_shapes(tiny_llama, t
     assert all(0 < r["propose_share"] < 1 and r["mean_acceptance_length"] >= 1 for r in rows)
     cfg = json.loads((tmp_path / "head" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == tiny_llama.config.vocab_size  # (min(32000, 1024))
+    # the replay part with the head's forwards run first: its drafts replaced, as many as it made
+    args = bench.parse_args(["--model", str(tiny_llama.path), "--parts", "replay", "--replay-proposer", "eagle3",
+                             "--eagle3-dir", str(tmp_path / "head2"), "--batch-sizes", "2", "--ks", "3",
+                             "--acceptance", "0", "1", "--input-len", "8", "--output-len", "9", "--rounds", "1",
+                             "--max-model-len", "64"])
+    rows = {r["acceptance"]: r for r in bench.replay_part(args)}
+    assert rows[0.0]["measured_acceptance_length"] == 1.0
+    assert rows[1.0]["measured_acceptance_length"] == 4
 
 
 @pytest.mark.gpu
@@ -363,3 +422,18 @@ def test_eagle3_on_gpu_with_triton_attention_and_fused_kernels(tiny_llama, rando
     assert {r: v["tokens"] for r, v in got.items()} == {r: v["tokens"] for r, v in want.items()}
     assert engine.stats()["spec_decode_num_draft_tokens"] > 0
     assert_pool_full(engine)
+
+
+@pytest.mark.gpu
+def test_eagle3_with_cuda_graphs_on_gpu(always_right):
+    """The target on CUDA graphs (decode, verify, prefill and mixed routes captured, float32, Triton attention,
+    fused kernels): the captured forwards write the kept hidden states into the fixed buffer at replay, so
+    the always-right head still drafts the target's next token every time."""
+    cpu, head, _, _ = always_right
+    loaded = load_model(str(cpu.path), device="cuda", dtype=torch.float32, progress=False)
+    engine = make_engine(loaded, speculative_config=eagle3(head, 4), attention_backend="triton", fused_kernels=True,
+                         cuda_graphs=True, kv_cache_memory_bytes=1 << 24, **KW)
+    routes = []
+    engine.runner.on_executed = lambda out: routes.append(out.graph)
+    assert_always_accepted(engine, always_right)
+    assert "verify" in routes and None not in routes, routes

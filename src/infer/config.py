@@ -429,8 +429,6 @@ class EngineConfig(PhaseChecks):
         if lora is not None:
             return lora
         if name == "cuda_graphs":
-            if graphs is None and self._speculative_method() == "eagle3":
-                return "the EAGLE-3 head reads target hidden states the captured graphs do not return"
             return graphs
         if name == "async_scheduling" and self._speculative_method() == "eagle3":
             return "the EAGLE-3 head catches up on every step's hidden states on the host"

@@ -85,10 +85,6 @@ class PhaseChecks:
             raise ValueError(f"speculative_config method {m!r} on CUDA needs kv_cache_memory_bytes: the draft's KV "
                              "cache (as many blocks as the target's) is allocated beside the target's, and the "
                              "memory profile that sizes the target's from gpu_memory_utilization does not count it")
-        if m == "eagle3" and self.cuda_graphs:
-            raise ValueError("speculative_config method 'eagle3' with cuda_graphs is not supported yet: the EAGLE-3 "
-                             "head reads three target layers' hidden states from every step, which the captured "
-                             "graphs do not return; turn cuda_graphs off")
         if self.enable_lora:
             raise ValueError("speculative_config with enable_lora is not supported yet: a verify step's k + 1 rows "
                              "per sequence would need their adapter slots in the LoRA mapping; the two were built "

@@ -34,10 +34,12 @@ import itertools
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from infer.attention import KVCache, make_attention_backend
 from infer.config import ModelConfig, SpeculativeConfig
+from infer.engine.cuda_graphs import CUDAGraphRunner
 from infer.engine.sequence import SeqStatus, Sequence
 from infer.engine.spec_decode import can_speculate, draft_budget
 from infer.errors import ModelLoadError
@@ -167,7 +169,19 @@ class Eagle3Proposer:
         self.kv_cache = KVCache(1, target.kv_cache.num_blocks, target.kv_cache.block_size, lc.num_kv_heads,
                                 lc.head_dim, dtype, device, contiguous=target.kv_cache.contiguous)
         self.head.set_attention_backend(make_attention_backend(config.resolved_attention_backend(), device))
-        target.model.aux_hidden_state_layers = layers
+        # every target forward writes those layers' inputs into one fixed buffer, rows in the step's flat order:
+        # an eager step, and each CUDA-graph route (captured after this, LLMEngine._init_rest) alike
+        rows = engine.scheduler.max_num_batched_tokens
+        target.model.keep_aux_hidden_states(layers, max(rows, target.graphs.max_rows) if target.graphs else rows)
+        # with CUDA graphs, the head's forwards replay decode graphs of its own, every token a decode row
+        self.graphs = self.graph_model = None
+        if target.graphs is not None:
+            width = -(-self.max_model_len // self.kv_cache.block_size)
+            self.graph_model = _HeadForGraphs(self.head, target.graphs.sizes[-1])
+            self.graphs = CUDAGraphRunner(self.graph_model, self.kv_cache, target.graphs.sizes[-1], width,
+                                          self.max_model_len)
+            self.graphs.capture(progress=False)
+        self.graph_steps = 0  # forwards that replayed a graph (the rest ran eagerly)
         log.info("EAGLE-3 head %s (%s layout): target layers %s, draft vocabulary %d", spec.model,
                  self.head.config.layout, list(layers), self.head.config.draft_vocab_size)
 
@@ -179,7 +193,7 @@ class Eagle3Proposer:
         for seq in seqs:
             seq.spec_token_ids = []
         flat, aux = self.target.last_aux_step, self.target.model.aux_hidden_states
-        self.target.last_aux_step = self.target.model.aux_hidden_states = None
+        self.target.last_aux_step = None
         if flat is None:
             return
         want = {id(s): k for s in seqs
@@ -204,20 +218,12 @@ class Eagle3Proposer:
         if not work:
             return
         hidden = self.head.combine_hidden_states(aux[self.target._to_device(rows, torch.int64)])
-        normed, feats = self._step(work, ids, hidden)
         last = list(itertools.accumulate(n for _, _, n in work))  # each sequence's last row, plus one
         drafting = [(j, seq) for j, (seq, begin, n) in enumerate(work)
                     if id(seq) in want and begin + n == len(seq.token_ids) - 1]
-        if not drafting:
-            return
-        pick = self.target._to_device([last[j] - 1 for j, _ in drafting], torch.int64)
-        tokens = self.head.draft_token_ids(normed[pick]).tolist()
-        feats = feats[pick]
-        live = []
-        for (_, seq), t in zip(drafting, tokens):
-            seq.spec_token_ids.append(t)
-            live.append((seq, self._reserve(seq, want[id(seq)])))
-        self._draft_more(live, feats)
+        tokens, feats = self._step(work, ids, hidden, [last[j] - 1 for j, _ in drafting])
+        if drafting:
+            self._draft_more([(seq, self._reserve(seq, want[id(seq)])) for _, seq in drafting], tokens, feats)
 
     def _reserve(self, seq: Sequence, k: int) -> int:
         """Blocks for drafts 2..k's K/V (positions L-1 .. L+k-3, which the verify step takes anyway); fewer
@@ -226,28 +232,83 @@ class Eagle3Proposer:
             k = min(k, len(seq.block_table) * self.kv.block_size - (len(seq.token_ids) - 1) + 1)
         return k
 
-    def _draft_more(self, live: list[tuple[Sequence, int]], feats: torch.Tensor) -> None:
-        """Drafts 2..k: one decode forward of the head per draft, each row fed its last draft and the
-        head's own feature from the step before."""
+    def _draft_more(self, live: list[tuple[Sequence, int]], tokens: torch.Tensor, feats: torch.Tensor) -> None:
+        """Given draft 1 of each sequence of ``live`` (``(sequence, drafts it makes)``; ``tokens`` int64 ``[N]`` and
+        the features ``feats`` ``[N, H]`` on the device), drafts 2..k: one decode forward of the head per draft,
+        each row fed its last draft and the head's own feature from the step before. The drafts stay on the
+        device until the last forward is launched, then are read back at once (no wait between forwards)."""
+        steps = [(live, tokens)]
         for j in range(2, max(k for _, k in live) + 1):
             keep = [i for i, (_, k) in enumerate(live) if k >= j]
-            if not keep:
-                break
             if len(keep) < len(live):
-                feats = feats[self.target._to_device(keep, torch.int64)]
+                at = self.target._to_device(keep, torch.int64)
+                tokens, feats = tokens[at], feats[at]
                 live = [live[i] for i in keep]
             work = [(seq, len(seq.token_ids) - 3 + j, 1) for seq, _ in live]
-            normed, feats = self._step(work, [seq.spec_token_ids[-1] for seq, _ in live], feats)
-            for (seq, _), t in zip(live, self.head.draft_token_ids(normed).tolist()):
-                seq.spec_token_ids.append(t)
+            tokens, feats = self._step(work, tokens, feats)
+            steps.append((live, tokens))
+        drafts = iter(torch.cat([t for _, t in steps]).tolist())
+        for rows, _ in steps:
+            for seq, _ in rows:
+                seq.spec_token_ids.append(next(drafts))
 
-    def _step(self, work: list[tuple[Sequence, int, int]], ids: list[int],
-              hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of the head over ``work`` (``(sequence, first position, rows)``, back to back):
-        ``(norm(h), h)`` of every row."""
+    def _step(self, work: list[tuple[Sequence, int, int]], ids: list[int] | torch.Tensor, hidden: torch.Tensor,
+              pick: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the head over ``work`` (``(sequence, first position, rows)``, back to back; ``ids`` the
+        ``T`` input tokens, on the host or the device; ``hidden`` ``[T, H]``, each row's feature): the greedy
+        draft tokens (target ids, int64 on the device) and the features ``h`` (``[N, H]``) of the rows ``pick``
+        (None: every row). With CUDA graphs, every row a decode row of the head's own decode graphs (as a draft
+        model's, :mod:`infer.engine.draft`; device ids patched in after the staging); a catch-up wider than
+        the largest bucket (a whole prompt) runs eagerly."""
         r = self.target
+        t = len(ids)
         firsts = [f for _, f, _ in work]
         lengths = [n for _, _, n in work]
-        meta = r.runs_metadata([seq.block_table for seq, _, _ in work], firsts, lengths, self.kv_cache)
+        tables = [seq.block_table for seq, _, _ in work]
         positions = [p for f, n in zip(firsts, lengths) for p in range(f, f + n)]
-        return self.head(r._to_device(ids, torch.int64), hidden, r._to_device(positions, torch.int64), meta)
+        on_device = isinstance(ids, torch.Tensor)
+        tokens = None
+        if self.graphs is not None and t <= self.graphs.sizes[-1]:
+            self.graph_model.feats[:t].copy_(hidden)
+            tokens = self.graphs.replay_rows([0] * t if on_device else ids, positions,
+                                             self.kv_cache.slot_mapping(tables, firsts, lengths),
+                                             np.repeat(np.arange(len(work)), lengths), tables,
+                                             (None, ids) if on_device else None)
+            feats = self.graph_model.feats_out[:t]
+        if tokens is None:
+            meta = r.runs_metadata(tables, firsts, lengths, self.kv_cache)
+            normed, feats = self.head(ids if on_device else r._to_device(ids, torch.int64), hidden,
+                                      r._to_device(positions, torch.int64), meta)
+            if pick is not None:
+                normed = normed[r._to_device(pick, torch.int64)]
+            tokens = self.head.draft_token_ids(normed)
+        else:
+            self.graph_steps += 1
+            if pick is not None:
+                tokens = tokens[r._to_device(pick, torch.int64)]
+        if pick is not None:
+            feats = feats[r._to_device(pick, torch.int64)]
+        return tokens, feats
+
+
+class _HeadForGraphs(torch.nn.Module):
+    """The head as :class:`~infer.engine.cuda_graphs.CUDAGraphRunner` captures a model: :meth:`forward`
+    ``(ids, positions, meta)`` reads each row's feature from :attr:`feats` (staged before a replay) and writes
+    the row's new feature ``h`` to :attr:`feats_out`; :meth:`compute_logits` returns what the graph hands back,
+    the draft tokens (target ids, int64 ``[T]``) rather than logits. Both buffers ``[max_rows, H]``."""
+
+    def __init__(self, head: Eagle3Head, max_rows: int) -> None:
+        super().__init__()
+        self.head = head
+        w = head.fc.weight
+        self.feats = torch.zeros(max_rows, head.config.layer.hidden_size, dtype=w.dtype, device=w.device)
+        self.feats_out = torch.zeros_like(self.feats)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        t = input_ids.shape[0]
+        normed, h = self.head(input_ids, self.feats[:t], positions, meta)
+        self.feats_out[:t].copy_(h)
+        return normed
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.head.draft_token_ids(normed)

@@ -119,7 +119,6 @@ class LLMEngine:
         warm_s = self.runner.warm_up()
         if warm_s:
             log.info("warm-up: the attention kernels' variants launched once in %.1f s", warm_s)
-        self.runner.capture_cuda_graphs(progress)
         state = self.runner.state_cache
         if state is not None:  # hybrid models (phase 17): how the budget was split
             log.info("hybrid model: %d of %d layers keep K/V (%d bytes per token, %d without linear attention); "
@@ -164,6 +163,8 @@ class LLMEngine:
         self.spec_backoff = False  # its backoff (speculative_config "backoff": infer.engine.spec_decode.record_round)
         if config.speculative is not None:
             self._init_speculative(config.speculative)
+        # after the proposer: an EAGLE-3 head makes every target forward keep hidden states, graphs included
+        self.runner.capture_cuda_graphs(progress)
         self._compiling: dict[str, tuple[Request, concurrent.futures.Future]] = {}
         self.tracer: StepRecorder | None = None
         if config.trace is not None:

@@ -94,8 +94,8 @@ class ModelRunner:
     """
 
     lora_manager = None
-    #: EAGLE-3 (phase 12): the last step's flat layout, whose rows the model's ``aux_hidden_states`` hold
-    #: (:class:`~infer.engine.eagle3.Eagle3Proposer` reads and clears it), or None
+    #: EAGLE-3 (phase 12): the last step's flat layout, whose rows the model's ``aux_hidden_states`` buffer
+    #: holds, whichever route ran it (:class:`~infer.engine.eagle3.Eagle3Proposer` reads and clears it), or None
     last_aux_step = None
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
@@ -125,6 +125,8 @@ class ModelRunner:
                                                              self.dtype, self.device, pad_slot=cuda_graphs)
         self.attention_backend = make_attention_backend(attention_backend, self.device)
         self.model.set_attention_backend(self.attention_backend)
+        if hasattr(self.model, "keep_aux_hidden_states"):  # an EAGLE-3 proposer of this engine asks again
+            self.model.keep_aux_hidden_states(())
         max_model_len = max_model_len or cfg.max_position_embeddings
         self.max_model_len = max_model_len
         self.vocab_size = cfg.vocab_size
@@ -294,7 +296,7 @@ class ModelRunner:
         if out is None:
             out = self._run_eager(step)
         if self.model.aux_hidden_state_layers:  # EAGLE-3 (phase 12): the step its head catches up on
-            self.last_aux_step = step.flat if out.graph is None else None
+            self.last_aux_step = step.flat
         if step.has_forks:
             self._copy_fork_blocks(scheduled)
         logits, prompt_lp = out.logits, {}

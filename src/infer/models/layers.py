@@ -383,9 +383,10 @@ class CausalLM(nn.Module):
     layer_cls: type[nn.Module]
     #: EAGLE-3 (phase 12, :mod:`infer.engine.eagle3`): the layers whose *input* (the residual stream
     #: after the layers before them) every forward keeps, in increasing order; empty: none are kept
+    #: (:meth:`keep_aux_hidden_states`)
     aux_hidden_state_layers: tuple[int, ...] = ()
-    #: the last forward's kept hidden states, ``[T, len(aux_hidden_state_layers) * hidden_size]``
-    #: (concatenated in layer order), or None
+    #: where every forward writes them: rows ``[0, T)`` of ``[max_tokens, len(layers) * hidden_size]``
+    #: (concatenated in layer order), one fixed buffer, so a CUDA graph's replay writes them too
     aux_hidden_states: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -457,6 +458,39 @@ class CausalLM(nn.Module):
             self.model.embed_tokens.weight = self.lm_head.weight
         self._column_major = column_major
 
+    def keep_aux_hidden_states(self, layers: tuple[int, ...], max_tokens: int = 0) -> None:
+        """EAGLE-3 (phase 12): from now on every forward writes the inputs of ``layers`` (increasing
+        layer ids) into rows ``[0, T)`` of :attr:`aux_hidden_states`, a buffer of ``max_tokens`` rows
+        allocated here (model dtype, ``max_tokens * len(layers) * hidden_size`` elements); no layers: keep
+        none (and free the buffer). Capture CUDA graphs after this call: a graph replays the writes to the
+        buffer's address.
+
+        Raises:
+            ValueError: a layer id out of range, or ``max_tokens < 1`` with layers to keep.
+        """
+        n = self.config.num_layers
+        self.aux_hidden_state_layers, self.aux_hidden_states = (), None
+        if not layers:
+            return
+        if max_tokens < 1 or any(not 0 <= i < n for i in layers):
+            raise ValueError(f"keep_aux_hidden_states: layers {list(layers)} of {n}, max_tokens {max_tokens}")
+        w = self.model.embed_tokens.weight
+        self.aux_hidden_state_layers = tuple(layers)
+        self.aux_hidden_states = torch.empty(max_tokens, len(layers) * self.config.hidden_size, dtype=w.dtype,
+                                             device=w.device)
+
+    def _aux_out(self, t: int):
+        """The column block of each kept layer in the buffer's first ``t`` rows, by layer id (empty:
+        none kept)."""
+        aux = self.aux_hidden_state_layers
+        if not aux:
+            return {}
+        buf = self.aux_hidden_states
+        if t > buf.shape[0]:
+            raise RuntimeError(f"a forward of {t} tokens, but the EAGLE-3 hidden-state buffer holds {buf.shape[0]}")
+        h = self.config.hidden_size
+        return {layer: buf[:t, j * h: (j + 1) * h] for j, layer in enumerate(aux)}
+
     def set_attention_backend(self, backend) -> None:
         """Choose the attention implementation once, for every layer."""
         self.attn_backend = backend
@@ -489,14 +523,12 @@ class CausalLM(nn.Module):
         rope = {}
         for kind in set(self.config.layer_types):
             rope[kind] = rope_cos_sin(positions, getattr(self, f"inv_freq_{kind}"), h.dtype)
-        aux, kept = self.aux_hidden_state_layers, []
+        aux = self._aux_out(len(input_ids))
         for i, (layer, kind) in enumerate(zip(self.model.layers, self.config.layer_types)):
-            if aux and i in aux:
-                kept.append(h)
+            if i in aux:
+                aux[i].copy_(h)
             cos, sin = rope[kind]
             h = layer(h, cos, sin, meta)
-        if aux:
-            self.aux_hidden_states = torch.cat(kept, dim=-1)
         return self.model.norm(h)
 
     def forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -512,13 +544,13 @@ class CausalLM(nn.Module):
         """
         ops = self.ops
         h, residual = self.embed(input_ids), None
-        aux, kept = self.aux_hidden_state_layers, []
+        aux = self._aux_out(len(input_ids))
         for i, (layer, kind) in enumerate(zip(self.model.layers, self.config.layer_types)):
-            if aux and i in aux:  # the layer's input, h + residual (a copy: the fused norms add in place)
-                kept.append(h.clone() if residual is None else h + residual)
+            if i in aux and residual is None:
+                aux[i].copy_(h)
+            elif i in aux:  # the layer's input, h + residual (written before the fused norm adds in place)
+                torch.add(h, residual, out=aux[i])
             h, residual = layer.forward_fused(h, residual, positions, self.cos_sin_caches[kind], meta, ops)
-        if aux:
-            self.aux_hidden_states = torch.cat(kept, dim=-1)
         norm = self.model.norm
         return ops.add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)[0]
 
