@@ -185,7 +185,7 @@ def through_graph_routes(engine, max_batch_size: int = 16) -> list:
     return routes
 
 
-@pytest.mark.parametrize("route", ["reference-forward", "fused-kernels", "graph-routes"])
+@pytest.mark.parametrize("route", ["reference-forward", "fused-kernels", "graph-routes", "async-scheduling"])
 def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_llama, random_head, route):
     """After every step, each sequence's drafts are what the published architecture computes from scratch
     over its tokens so far: the catch-up over prompts (two in one step, one prefilled in chunks), the
@@ -193,7 +193,8 @@ def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_
     and after a preemption (the head's cache rebuilt). With fused kernels the target's layers hand the
     residual stream on in two parts, added in place by the next norm: the kept states are copies. Through
     the graph routes (uncaptured, Triton kernels interpreted) the target's verify steps and the head's
-    forwards run as decode rows of their decode buckets."""
+    forwards run as decode rows of their decode buckets. With async scheduling (the backoff off, so every
+    step after which a sequence can draft runs synchronously) the head reads the step just waited for."""
     fused = route == "fused-kernels"
     from transformers import AutoModelForCausalLM
 
@@ -204,8 +205,9 @@ def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_
                                                                                 ignore_eos=True))
                 for n, m in ((13, 14), (27, 12), (6, 16))]
     per_block = tiny_llama.config.kv_bytes_per_token(torch.float32) * KW["block_size"]
-    engine = make_engine(tiny_llama, speculative_config=eagle3(random_head), chunked_prefill=True,
-                         fused_kernels=fused, max_num_batched_tokens=20, kv_cache_memory_bytes=per_block * 9,
+    engine = make_engine(tiny_llama, speculative_config={**eagle3(random_head), "backoff": route != "async-scheduling"},
+                         chunked_prefill=True, fused_kernels=fused, max_num_batched_tokens=20,
+                         kv_cache_memory_bytes=per_block * 9, async_scheduling=route == "async-scheduling",
                          attention_backend="triton" if route == "graph-routes" else "torch",
                          **{**KW, "max_model_len": 64})
     routes = through_graph_routes(engine) if route == "graph-routes" else []
@@ -235,14 +237,18 @@ def reference(tiny_llama):
     return run(make_engine(tiny_llama, **KW), workload(tiny_llama.config.vocab_size))
 
 
-def test_greedy_and_seeded_outputs_are_identical_with_a_random_head(tiny_llama, random_head, reference):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_and_seeded_outputs_are_identical_with_a_random_head(tiny_llama, random_head, reference,
+                                                                    async_scheduling):
     """vLLM's workload of test_speculative (greedy, seeded, n = 2, logprobs, penalties, min_tokens) with
     preemption, prefix caching and chunked prefill, and one request aborted mid-decode: the tokens of
-    the engine without speculation, and every block back in the pool."""
+    the engine without speculation, and every block back in the pool. With async scheduling the steps of
+    sequences the backoff pauses run ahead of the host, so the head misses their hidden states (positions
+    it skips: only its acceptance can suffer)."""
     per_block = tiny_llama.config.kv_bytes_per_token(torch.float32) * KW["block_size"]
     engine = make_engine(tiny_llama, speculative_config=eagle3(random_head, 4), prefix_caching=True,
                          chunked_prefill=True, max_num_batched_tokens=24, kv_cache_memory_bytes=per_block * 12,
-                         **{**KW, "max_model_len": 80})
+                         async_scheduling=async_scheduling, **{**KW, "max_model_len": 80})
     aborted = []
 
     def check(e):
@@ -366,17 +372,17 @@ def test_eagle3_config_is_parsed_and_refused_where_it_cannot_run():
         EngineConfig(device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2}).validate()
     for flags, match in ((dict(tensor_parallel_size=2), "'eagle3' with tensor/expert parallelism"),
                          (dict(kv_cache="paged", prefix_caching=True, kv_offload="host"), "'eagle3' with kv_offload"),
-                         (dict(async_scheduling=True), "async_scheduling"),
                          (dict(enable_lora=True), "enable_lora")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(device="cpu", speculative_config=eagle3("h"), **flags).validate()
-    # on a CUDA device (checked here without one): graphs are allowed (the target's graphs write the hidden
-    # states into a fixed buffer), async scheduling is not
-    c = EngineConfig(device="cpu", cuda_graphs=True, kv_cache_memory_bytes=1 << 30, speculative_config=eagle3("h"))
+    # on a CUDA device (checked here without one): graphs and async scheduling are allowed (the target's graphs
+    # write the hidden states into a fixed buffer; steps that speculate run synchronously)
+    c = EngineConfig(device="cpu", cuda_graphs=True, async_scheduling=True, kv_cache_memory_bytes=1 << 30,
+                     speculative_config=eagle3("h"))
     c._validate_speculative(torch.device("cuda"))
     c = EngineConfig(device="cpu", attention_backend="triton", moe_backend="triton", speculative_config=eagle3("h"))
     assert c._why_not("cuda_graphs", torch.device("cuda")) is None
-    assert "EAGLE-3" in c._why_not("async_scheduling", torch.device("cuda"))
+    assert c._why_not("async_scheduling", torch.device("cuda")) is None
 
 
 def test_the_benchmark_runs_a_synthetic_head_at_the_targets_shapes(tiny_llama, tmp_path):
@@ -425,15 +431,17 @@ def test_eagle3_on_gpu_with_triton_attention_and_fused_kernels(tiny_llama, rando
 
 
 @pytest.mark.gpu
-def test_eagle3_with_cuda_graphs_on_gpu(always_right):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_eagle3_with_cuda_graphs_on_gpu(always_right, async_scheduling):
     """The target on CUDA graphs (decode, verify, prefill and mixed routes captured, float32, Triton attention,
-    fused kernels): the captured forwards write the kept hidden states into the fixed buffer at replay, so
-    the always-right head still drafts the target's next token every time."""
+    fused kernels), and the head on its own: the captured forwards write the kept hidden states into the
+    fixed buffer at replay, so the always-right head still drafts the target's next token every time; with
+    async scheduling too (a step run ahead of the host keeps a copy of the last one's states)."""
     cpu, head, _, _ = always_right
     loaded = load_model(str(cpu.path), device="cuda", dtype=torch.float32, progress=False)
     engine = make_engine(loaded, speculative_config=eagle3(head, 4), attention_backend="triton", fused_kernels=True,
-                         cuda_graphs=True, kv_cache_memory_bytes=1 << 24, **KW)
+                         cuda_graphs=True, async_scheduling=async_scheduling, kv_cache_memory_bytes=1 << 24, **KW)
     routes = []
     engine.runner.on_executed = lambda out: routes.append(out.graph)
     assert_always_accepted(engine, always_right)
-    assert "verify" in routes and None not in routes, routes
+    assert "verify" in routes and None not in routes and engine.proposer.graph_steps > 5, routes

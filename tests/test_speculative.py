@@ -62,17 +62,15 @@ def test_speculative_config_rejects_bad_values(value, match):
         EngineConfig(device="cpu", speculative_config=value).validate()
 
 
-def test_speculative_config_rejects_flags_it_does_not_work_with_and_optimize_leaves_them_off():
-    head = {"method": "eagle3", "model": "head-dir", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(device="cpu", async_scheduling=True, speculative_config=head).validate()
+def test_speculative_config_rejects_lora_and_optimize_turns_async_scheduling_on():
     with pytest.raises(ValueError, match="enable_lora is not supported yet"):
         EngineConfig(device="cpu", enable_lora=True, speculative_config=NGRAM).validate()
-    c = EngineConfig(device="cpu", optimize=True, speculative_config=head).validate()
-    assert c.async_scheduling is False and "EAGLE-3" in c.optimization_notes["async_scheduling"]
-    c = EngineConfig(device="cpu", optimize=True, speculative_config=NGRAM).validate()
-    assert c.async_scheduling is True  # (steps that verify drafts run synchronously)
-    assert c.speculative.method == "ngram"
+    with pytest.raises(ValueError, match="enable_lora is not supported yet"):
+        EngineConfig(device="cpu", optimize=True, enable_lora=True, speculative_config=NGRAM).validate()
+    head = {"method": "eagle3", "model": "head-dir", "num_speculative_tokens": 2}
+    for spec in (NGRAM, head):  # (steps that verify drafts run synchronously)
+        c = EngineConfig(device="cpu", optimize=True, speculative_config=spec).validate()
+        assert c.async_scheduling is True and c.speculative.method == spec["method"]
     assert EngineConfig(device="cpu").validate().speculative is None
 
 

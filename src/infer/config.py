@@ -430,23 +430,12 @@ class EngineConfig(PhaseChecks):
             return lora
         if name == "cuda_graphs":
             return graphs
-        if name == "async_scheduling" and self._speculative_method() == "eagle3":
-            return "the EAGLE-3 head catches up on every step's hidden states on the host"
         if name == "pdl":
             if graphs in ("needs a CUDA device", "needs the triton attention backend"):
                 return graphs
             if torch.cuda.get_device_capability(dev)[0] < 9:
                 return "needs a GPU of compute capability 9.0 or later (Hopper)"
         return None
-
-    def _speculative_method(self) -> str | None:
-        """``speculative_config``'s method, None without one or when it does not parse (validate() says why)."""
-        if self.speculative_config is None:
-            return None
-        try:
-            return SpeculativeConfig.parse(self.speculative_config).method
-        except ValueError:
-            return None
 
     def optimization_summary(self) -> str:
         """One line for the start-up log: which optimizations are on, and with ``optimize``, why any

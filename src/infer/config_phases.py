@@ -73,10 +73,6 @@ class PhaseChecks:
             return
         self.speculative = spec = SpeculativeConfig.parse(self.speculative_config)
         m = spec.method
-        if self.async_scheduling and m == "eagle3":
-            raise ValueError("speculative_config method 'eagle3' with async_scheduling is not supported: the head "
-                             "catches up on every step's hidden states, and the steps that run ahead of the host "
-                             "would leave gaps; turn async_scheduling off")
         if self.world_size > 1 and m in ("draft", "eagle3"):
             raise ValueError(f"speculative_config method {m!r} with tensor/expert parallelism is not supported: "
                              "the draft model runs on rank 0 alone, and its KV cache would need the ranks' block "

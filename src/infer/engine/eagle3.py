@@ -6,11 +6,13 @@ already computed: the hidden states of three target layers (a low, a middle and 
 position the target just ran, fused by ``fc``. It drafts better than n-gram lookup (it predicts from
 the target's own features, not from repeats) for about the cost of one extra layer per draft token.
 
-How it runs here. The target's forward keeps the inputs of the three layers
-(:attr:`~infer.models.layers.CausalLM.aux_hidden_state_layers`) for every row of the step; the runner
-notes the step's layout (:attr:`~infer.engine.model_runner.ModelRunner.last_aux_step`). After the
-output processor has accepted (rolling ``num_computed_tokens`` back past rejected drafts), the proposer
-takes, for every running sequence of the step, the rows whose positions the target kept::
+How it runs here. The target's forward writes the inputs of the three layers
+(:meth:`~infer.models.layers.CausalLM.keep_aux_hidden_states`) for every row of the step into one fixed
+buffer, so CUDA graphs replay the writes too; the runner notes the step's layout
+(:attr:`~infer.engine.model_runner.ModelRunner.aux_steps`; under async scheduling, where the next step runs
+before this one is applied, a copy of its rows). After the output processor has accepted (rolling
+``num_computed_tokens`` back past rejected drafts), the proposer takes, for every running sequence of those
+steps, the rows whose positions the target kept::
 
     catch up + draft 1:  positions draft_num_computed .. L-2 (the accepted ones of this step, a prompt
                          chunk, or the whole prompt): tokens t[p+1], features fc(target states at p);
@@ -187,37 +189,39 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence]) -> None:
-        """Catch the head up on the last step's accepted positions (every running sequence of the step),
+        """Catch the head up on the accepted positions of the steps since the last call (every running sequence
+        of them, :attr:`~infer.engine.model_runner.ModelRunner.aux_steps`),
         then set ``seq.spec_token_ids`` of each of ``seqs`` (running, its last token sampled) to the head's
         greedy drafts (``[]`` for a sequence that may not speculate or whose last position it lacks)."""
         for seq in seqs:
             seq.spec_token_ids = []
-        flat, aux = self.target.last_aux_step, self.target.model.aux_hidden_states
-        self.target.last_aux_step = None
-        if flat is None:
-            return
+        steps, self.target.aux_steps = self.target.aux_steps, []
         want = {id(s): k for s in seqs
                 if (k := draft_budget(s, self.k, self.max_model_len) if can_speculate(s) else 0)}
-        rows: list[int] = []
+        kept: list[torch.Tensor] = []
         ids: list[int] = []
-        work: list[tuple[Sequence, int, int]] = []  # (sequence, first position, rows)
-        for i, item in enumerate(flat.scheduled):
-            seq = item.seq
-            if seq.status is not SeqStatus.RUNNING or seq.guide is not None or seq.has_penalties:
-                continue  # (a guide or penalties: it never speculates, can_speculate)
-            start = flat.starts[i]
-            first = flat.positions[start]
-            end = min(first + flat.starts[i + 1] - start, seq.num_computed_tokens)  # past it: rejected drafts
-            begin = max(first, seq.draft_num_computed_tokens)  # (before `first`: a prefix hit, skipped)
-            if end <= begin:
-                continue
-            rows.extend(range(start + begin - first, start + end - first))
-            ids.extend(seq.token_ids[begin + 1 : end + 1])  # row p pairs the state at p with token p + 1
-            work.append((seq, begin, end - begin))
-            seq.draft_num_computed_tokens = end
+        work: list[tuple[Sequence, int, int]] = []  # (sequence, first position, rows); a sequence once per step
+        for flat, aux in steps:  # oldest first: each sequence's positions in order
+            rows: list[int] = []
+            for i, item in enumerate(flat.scheduled):
+                seq = item.seq
+                if seq.status is not SeqStatus.RUNNING or seq.guide is not None or seq.has_penalties:
+                    continue  # (a guide or penalties: it never speculates, can_speculate)
+                start = flat.starts[i]
+                first = flat.positions[start]
+                end = min(first + flat.starts[i + 1] - start, seq.num_computed_tokens)  # past it: rejected drafts
+                begin = max(first, seq.draft_num_computed_tokens)  # (before `first`: a prefix hit, skipped)
+                if end <= begin:
+                    continue
+                rows.extend(range(start + begin - first, start + end - first))
+                ids.extend(seq.token_ids[begin + 1 : end + 1])  # row p pairs the state at p with token p + 1
+                work.append((seq, begin, end - begin))
+                seq.draft_num_computed_tokens = end
+            if rows:
+                kept.append(aux[self.target._to_device(rows, torch.int64)])
         if not work:
             return
-        hidden = self.head.combine_hidden_states(aux[self.target._to_device(rows, torch.int64)])
+        hidden = self.head.combine_hidden_states(kept[0] if len(kept) == 1 else torch.cat(kept))
         last = list(itertools.accumulate(n for _, _, n in work))  # each sequence's last row, plus one
         drafting = [(j, seq) for j, (seq, begin, n) in enumerate(work)
                     if id(seq) in want and begin + n == len(seq.token_ids) - 1]

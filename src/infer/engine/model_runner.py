@@ -94,9 +94,13 @@ class ModelRunner:
     """
 
     lora_manager = None
-    #: EAGLE-3 (phase 12): the last step's flat layout, whose rows the model's ``aux_hidden_states`` buffer
-    #: holds, whichever route ran it (:class:`~infer.engine.eagle3.Eagle3Proposer` reads and clears it), or None
-    last_aux_step = None
+    #: EAGLE-3 (phase 12): the steps the head has not caught up on, oldest first, each ``(flat layout, kept
+    #: hidden states [T, n * H])``, whichever route ran it (:class:`~infer.engine.eagle3.Eagle3Proposer` takes
+    #: them); the newest is a view of the model's buffer, older ones copies (:meth:`_keep_aux_steps`)
+    aux_steps: list
+    #: how many such steps are kept at most (async scheduling runs a step before the last one is applied);
+    #: older ones are dropped, and the head skips their positions (only its acceptance can suffer)
+    MAX_AUX_STEPS = 2
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, contiguous: bool = False,
                  attention_backend: str = "torch", max_model_len: int = 0,
@@ -127,6 +131,7 @@ class ModelRunner:
         self.model.set_attention_backend(self.attention_backend)
         if hasattr(self.model, "keep_aux_hidden_states"):  # an EAGLE-3 proposer of this engine asks again
             self.model.keep_aux_hidden_states(())
+        self.aux_steps = []
         max_model_len = max_model_len or cfg.max_position_embeddings
         self.max_model_len = max_model_len
         self.vocab_size = cfg.vocab_size
@@ -292,11 +297,13 @@ class ModelRunner:
         # a hybrid step that restores or takes a state snapshot (phase 17 prefix caching) runs eagerly: the
         # graphs' static metadata carries no snapshot copies
         snap = self.state_cache is not None and any(i.state_restore >= 0 or i.state_snapshots for i in scheduled)
+        if self.model.aux_hidden_state_layers:
+            self._keep_aux_steps()
         out = self.graphs.run(step, verify=step.has_spec) if self.graphs is not None and not snap else None
         if out is None:
             out = self._run_eager(step)
-        if self.model.aux_hidden_state_layers:  # EAGLE-3 (phase 12): the step its head catches up on
-            self.last_aux_step = step.flat
+        if self.model.aux_hidden_state_layers:  # EAGLE-3 (phase 12): a step its head catches up on
+            self.aux_steps.append((step.flat, self.model.aux_hidden_states[: len(step.flat.ids)]))
         if step.has_forks:
             self._copy_fork_blocks(scheduled)
         logits, prompt_lp = out.logits, {}
@@ -316,6 +323,14 @@ class ModelRunner:
         if self.on_executed is not None:
             self.on_executed(out)
         return result
+
+    def _keep_aux_steps(self) -> None:
+        """EAGLE-3, before a forward overwrites the kept hidden states: the last step's, if the head has not
+        read them yet (async scheduling: the next step runs before the last one's tokens are applied), become
+        a copy, enqueued before the forward; at most :attr:`MAX_AUX_STEPS` steps stay (the oldest dropped)."""
+        steps = self.aux_steps = self.aux_steps[-(self.MAX_AUX_STEPS - 1):]
+        if steps and steps[-1][1].data_ptr() == self.model.aux_hidden_states.data_ptr():
+            steps[-1] = (steps[-1][0], steps[-1][1].clone())
 
     def activate_loras(self, loras: list, in_use: set[int]) -> None:
         """LoRA (phase 16): make ``loras`` (:class:`~infer.lora.LoRARequest` s) resident in device slots,
