@@ -191,9 +191,10 @@ def test_the_heads_drafts_match_a_plain_pytorch_eagle3_fed_by_transformers(tiny_
     over its tokens so far: the catch-up over prompts (two in one step, one prefilled in chunks), the
     feature fed back for drafts 2..k, the draft-to-target map, and the head's KV after rejected drafts
     and after a preemption (the head's cache rebuilt). With fused kernels the target's layers hand the
-    residual stream on in two parts, added in place by the next norm: the kept states are copies. Through
-    the graph routes (uncaptured, Triton kernels interpreted) the target's verify steps and the head's
-    forwards run as decode rows of their decode buckets. With async scheduling (the backoff off, so every
+    residual stream on in two parts, added in place by the next norm: the kept states are copies (and the
+    head runs its fused forward; the Triton twins: the GPU tests). Through the graph routes (uncaptured,
+    Triton kernels interpreted) the target's verify steps and the head's forwards run as decode rows of
+    their decode buckets. With async scheduling (the backoff off, so every
     step after which a sequence can draft runs synchronously) the head reads the step just waited for."""
     fused = route == "fused-kernels"
     from transformers import AutoModelForCausalLM

@@ -45,6 +45,7 @@ from infer.engine.cuda_graphs import CUDAGraphRunner
 from infer.engine.sequence import SeqStatus, Sequence
 from infer.engine.spec_decode import can_speculate, draft_budget
 from infer.errors import ModelLoadError
+from infer.kernels import fused_ops
 from infer.loader.hf import iter_safetensors, read_config, safetensors_files
 from infer.models.eagle3 import Eagle3Head, default_aux_layers, parse_eagle3_config
 
@@ -170,7 +171,9 @@ class Eagle3Proposer:
         lc = self.head.config.layer
         self.kv_cache = KVCache(1, target.kv_cache.num_blocks, target.kv_cache.block_size, lc.num_kv_heads,
                                 lc.head_dim, dtype, device, contiguous=target.kv_cache.contiguous)
-        self.head.set_attention_backend(make_attention_backend(config.resolved_attention_backend(), device))
+        backend = config.resolved_attention_backend()
+        self.head.set_attention_backend(make_attention_backend(backend, device))
+        self.head.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, self.max_model_len)
         # every target forward writes those layers' inputs into one fixed buffer, rows in the step's flat order:
         # an eager step, and each CUDA-graph route (captured after this, LLMEngine._init_rest) alike
         rows = engine.scheduler.max_num_batched_tokens

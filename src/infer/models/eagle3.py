@@ -158,6 +158,8 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.inv_freq: torch.Tensor | None = None  # set by set_rope (after loading: not a meta tensor)
+        self.ops = None  # the fused ops module (set_fused_ops), or None: the reference forward
+        self.cos_sin_cache: torch.Tensor | None = None
 
     def set_rope(self, device: torch.device) -> None:
         """Build the rotary table (``1 / theta^(2i / d)``) on ``device``."""
@@ -166,6 +168,20 @@ class Eagle3Head(nn.Module):
 
     def set_attention_backend(self, backend) -> None:
         self.layers[0].self_attn.backend = backend
+
+    def set_fused_ops(self, ops, max_positions: int) -> None:
+        """The fused forward (phase 8's ops, as :meth:`~infer.models.layers.CausalLM.set_fused_ops`; after
+        :meth:`set_rope`): merges q/k/v and gate/up (the parts become views) and builds the cos/sin table
+        of ``max_positions`` rows; ``ops=None``: the reference forward."""
+        self.ops = ops
+        if ops is None:
+            return
+        from infer.kernels.fused_reference import build_cos_sin_cache
+
+        layer = self.layers[0]
+        layer.self_attn.merge_qkv()
+        layer.mlp.merge_gate_up()
+        self.cos_sin_cache = build_cos_sin_cache(self.inv_freq, max_positions, self.inv_freq.device)
 
     def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's kept hidden states ``[T, num_aux * H_target]`` -> the head's feature ``[T, H]``."""
@@ -187,6 +203,8 @@ class Eagle3Head(nn.Module):
             ``(norm(h), h)``, each ``[T, H]``: the first for :meth:`draft_token_ids`, the second the
             feature of the next draft step.
         """
+        if self.ops is not None:
+            return self.forward_fused(input_ids, hidden, positions, meta)
         layer = self.layers[0]
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         if self.config.norm_before_residual:
@@ -199,6 +217,27 @@ class Eagle3Head(nn.Module):
         h = residual + layer.self_attn(x, cos, sin, meta)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h), h
+
+    def forward_fused(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` through the fused ops, as a target layer's ``forward_fused``: the two norms write
+        the halves of the q/k/v input in place of a concatenation, one merged q/k/v projection, one RoPE
+        kernel (which writes K/V with the Triton backend), each residual add with a norm or a projection's
+        epilogue. The same values; ``hidden`` is not modified."""
+        ops, layer, h = self.ops, self.layers[0], self.config.layer.hidden_size
+        attn, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)
+        x = torch.empty(hidden.shape[0], 2 * h, dtype=hidden.dtype, device=hidden.device)
+        ops.rms_norm(emb, layer.input_layernorm.weight, layer.input_layernorm.eps, out=x[:, :h])
+        ops.rms_norm(hidden, layer.hidden_norm.weight, layer.hidden_norm.eps, out=x[:, h:])
+        # the stream the attention adds to: the normed feature, or the feature (copied: the adds run in place)
+        residual = x[:, h:].clone() if self.config.norm_before_residual else hidden.clone()
+        o, residual = attn.forward_fused_qkv(ops.linear(x, attn.qkv_proj), positions, self.cos_sin_cache, meta, ops,
+                                             residual)
+        act, residual = ops.add_rms_norm_linear(o, residual, post.weight, post.eps, False, mlp.gate_up_proj,
+                                                mlp.act_name)
+        out, residual = ops.linear_residual(act, mlp.down_proj, residual)
+        return ops.add_rms_norm(out, residual, self.norm.weight, self.norm.eps)
 
     def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens as target ids: ``argmax(lm_head(normed)) + d2t[argmax]`` (int64 ``[N]``)."""
