@@ -72,24 +72,31 @@ def _generate(path, prompts, params, routes: list | None = None, inspect=None, *
 
 @pytest.mark.parametrize("tile", [None, (1, 256, 1), (8, 512, 4), (4, 2048, 8)],
                          ids=["default", "1x256x1", "8x512x4", "4x2048x8"])
-@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4", "int4-asym"])
 def test_quantized_linear_at_qwen3_4b_shapes(method, tile):
     """The dequantize-in-registers kernel (GEMV rows 1 and 16, the tl.dot GEMM at 128 rows) on Qwen3-4B's merged
     QKV and down projections, bf16 activations, against float64 over the dequantized weight: within bf16's
     output rounding (relative Frobenius error 4e-3; one rounding to bf16 alone is ~1e-3). The GEMV with its
-    default tile and with other (BLOCK_N, BLOCK_K, warps) tiles of benchmarks/quantization.py's tune grid."""
+    default tile and with other (BLOCK_N, BLOCK_K, warps) tiles of benchmarks/quantization.py's tune grid.
+    ``int4-asym``: int4 with a zero point per group (AWQ's and asymmetric GPTQ's layout)."""
     from infer.kernels import quant_reference as qref
     from infer.kernels.quant_triton import quantized_linear_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
+    zp = None
+    asym, method = method.endswith("-asym"), method.removesuffix("-asym")
     for n, k in ((6144, 2560), (2560, 9728)):
         block = qref.default_block(method, k)
-        q, s = qref.quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02, method, block)
-        exact_w = qref.dequantize(q, s, method, block).double()
+        w = torch.randn(n, k, generator=g, device="cuda") * 0.02
+        if asym:
+            q, s, zp = qref.quantize_asymmetric(w + 0.01, block)
+        else:
+            q, s = qref.quantize(w, method, block)
+        exact_w = qref.dequantize(q, s, method, block, zero_point=zp).double()
         for m in (1, 16, 128):
             x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
             config = None if tile is None or m > 16 else (1 << (m - 1).bit_length(), *tile, False)
-            ours = quantized_linear_triton(x, q, s, method, block, config=config)
+            ours = quantized_linear_triton(x, q, s, method, block, config=config, zero_point=zp)
             assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
             exact = x.double() @ exact_w.T
             err = ((ours.double() - exact).norm() / exact.norm()).item()

@@ -78,6 +78,28 @@ def test_int4_packing_against_a_hand_computed_word():
     assert torch.equal(qref.unpack_int4(qref.pack_int4(r)), r)
 
 
+def test_asymmetric_int4_by_hand_and_within_half_a_step():
+    """A group of 8 one-sided values: its range [0, 0.7] onto the 16 codes (step 0.7 / 15, zero point code 0,
+    i.e. -8 signed), each value to its nearest code; random rows: every weight within half its group's step,
+    which is the range / 15 (a symmetric quantizer's step is 2 max|w| / 15: twice as coarse here)."""
+    w = torch.arange(8, dtype=torch.float32)[None] / 10  # 0.0 .. 0.7
+    q, s, z = qref.quantize_asymmetric(w, (1, 8))
+    step = 0.7 / 15
+    assert s.shape == z.shape == (1, 1) and abs(s.item() - step) < 1e-7 and z.item() == -8
+    u = [round(v / step) for v in (i / 10 for i in range(8))]  # unsigned codes (zero point 0)
+    assert (qref.unpack_int4(q)[0] + 8).tolist() == u == [0, 2, 4, 6, 9, 11, 13, 15]
+    torch.testing.assert_close(qref.dequantize(q, s, "int4", (1, 8), zero_point=z), torch.tensor([u]) * step)
+    torch.manual_seed(1)
+    w = torch.randn(24, 64) * 0.1 + torch.rand(24, 1)  # rows shifted off zero
+    w[5] = 0.0
+    q, s, z = qref.quantize_asymmetric(w, (1, 32))
+    back = qref.dequantize(q, s, "int4", (1, 32), zero_point=z)
+    assert bool(((back - w).abs() <= qref.expand_scale(s, w.shape, (1, 32)) / 2 + 1e-6).all())
+    assert bool((back[5] == 0).all())
+    _, s_sym = qref.quantize(w, "int4", (1, 32))
+    assert bool((s <= s_sym * (15 / 14) + 1e-9).all())  # never coarser than the symmetric step (range includes 0)
+
+
 def test_bad_input_raises_value_errors():
     w = torch.randn(8, 12)
     with pytest.raises(ValueError, match="multiple of 8"):
@@ -91,6 +113,8 @@ def test_bad_input_raises_value_errors():
         qref.quantized_linear_reference(torch.randn(2, 15), q, s, "int8", (1, 16))
     with pytest.raises(ValueError, match="weight_scale must be"):
         qref.quantized_linear_reference(torch.randn(2, 16), q, s[:4], "int8", (1, 16))
+    with pytest.raises(ValueError, match="zero_point must be int8"):  # zero points are int4's
+        qref.quantized_linear_reference(torch.randn(2, 16), q, s, "int8", (1, 16), zero_point=s.to(torch.int8))
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(device="cpu", quantization="int3").validate()
     with pytest.raises(ValueError, match="parallelism is not supported"):
@@ -128,6 +152,22 @@ def test_triton_kernel_matches_the_reference(method, m, n, k, block):
     ours = quantized_linear_triton(x, q, s, method, blk, bias)
     ref = qref.quantized_linear_reference(x.double(), q, s, method, blk, bias.double() if bias is not None else None)
     assert ours.dtype == x.dtype
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m, n, k, block", [(1, 40, 96, (1, 32)), (5, 33, 80, (1, 16)), (3, 16, 64, (1, 64)),
+                                           (20, 24, 64, (1, 32))])
+def test_triton_kernel_with_zero_points_matches_the_reference(m, n, k, block):
+    """Asymmetric int4: the GEMV (1, 5 and 3 rows; one group per row: the per-row scale path, which must
+    subtract the zero point inside the loop) and the GEMM (20 rows) subtract each group's zero point."""
+    from infer.kernels.quant_triton import quantized_linear_triton
+
+    g = torch.Generator().manual_seed(m * 100 + n)
+    q, s, z = qref.quantize_asymmetric(torch.randn(n, k, generator=g) + 0.5, block)
+    assert bool(z.ne(0).any())
+    x = torch.randn(m, k, generator=g)
+    ours = quantized_linear_triton(x, q, s, "int4", block, zero_point=z)
+    ref = qref.quantized_linear_reference(x.double(), q, s, "int4", block, zero_point=z)
     torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -182,6 +222,23 @@ def test_merged_quantized_projections_compute_the_parts():
     assert torch.equal(torch.cat([p.dequantized_weight() for p in parts]), want_w)
 
 
+def test_merged_asymmetric_int4_projections_keep_their_zero_points():
+    torch.manual_seed(4)
+    parts = []
+    for n in (16, 8):
+        layer = QuantizedLinear(64, n, False, "int4", (1, 32), zero_point=True)
+        q, s, z = qref.quantize_asymmetric(torch.randn(n, 64) + 1.0, (1, 32))
+        layer.qweight.data, layer.weight_scale.data, layer.weight_zero_point.data = q, s, z
+        parts.append(layer)
+    want_w = torch.cat([p.dequantized_weight() for p in parts])
+    merged = merge_quantized(*parts)
+    assert merged.weight_zero_point.shape == (24, 2) and torch.equal(merged.dequantized_weight(), want_w)
+    assert parts[1].weight_zero_point.data_ptr() == merged.weight_zero_point[16:].data_ptr()
+    plain = QuantizedLinear(64, 8, False, "int4", (1, 32))
+    with pytest.raises(ValueError, match="can be merged"):
+        merge_quantized(parts[0], plain)
+
+
 # ---------------------------------------------------------------------------- the CPU kernels
 
 
@@ -207,6 +264,19 @@ def test_cpu_kernels_match_the_reference(method, m, n, k, block, kinds):
     assert got.shape == want.shape and got.dtype == torch.float32
     excess = (got - want).abs() - error_bound(x, qref.dequantize(q, s, method, block))
     assert excess.max() <= 0, f"{packed.kind}: beyond the bound by {excess.max():.2e}"
+
+
+def test_cpu_path_of_asymmetric_int4_is_within_the_bfloat16_bound():
+    """Zero points: the CPU keeps a bfloat16 copy (torch's int4 kernel would need ``-z * scale`` in bfloat16,
+    an error on the zero term the bound does not cover); 1 row and a prefill against the float32 reference."""
+    torch.manual_seed(5)
+    q, s, z = qref.quantize_asymmetric(torch.randn(48, 128) * 0.05 + 0.02, (1, 64))
+    packed = pack_for_cpu(q, s, "int4", (1, 64), z)
+    assert packed.kind == "bf16"
+    for x in (torch.randn(1, 128), torch.randn(40, 128)):
+        got = quantized_linear_cpu(x, packed, q, s, "int4", (1, 64), zero_point=z)
+        want = qref.quantized_linear_reference(x, q, s, "int4", (1, 64), zero_point=z)
+        assert ((got - want).abs() <= error_bound(x, qref.dequantize(q, s, "int4", (1, 64), zero_point=z))).all()
 
 
 def test_cpu_layout_is_made_once_and_follows_the_weight():
@@ -393,7 +463,7 @@ def test_hf_block_fp8_checkpoint_loads_as_stored(tmp_path, cpu_reference_forward
 
 
 @pytest.mark.parametrize("preset, fmt, method", [("W4A16", "pack-quantized", "int4"), ("W8A16", None, "int8"),
-                                                 ("FP8_DYNAMIC", None, "fp8")])
+                                                 ("FP8_DYNAMIC", None, "fp8"), ("W4A16_ASYM", "pack-quantized", "int4")])
 def test_compressed_tensors_checkpoint_loads_as_stored(preset, fmt, method, tmp_path, cpu_reference_forward):
     """Quantized and saved by the ``compressed-tensors`` library (llmcompressor's format). Scales as its own
     observers would set them (min/max per group or channel); the reference: the float model with each
@@ -433,24 +503,34 @@ def test_compressed_tensors_checkpoint_loads_as_stored(preset, fmt, method, tmp_
     compressor.update_config(str(tmp_path))
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"] == \
         "compressed-tensors"
-    _check_against(tmp_path, ref.eval(), method, fused=preset == "W4A16")
+    ours = _check_against(tmp_path, ref.eval(), method, fused=preset.startswith("W4A16"))
+    assert (ours.model.model.layers[0].mlp.down_proj.weight_zero_point is not None) == preset.endswith("ASYM")
 
 
-def _autogptq_pack(w: torch.Tensor, group: int, zero_stored: int):
+def _autogptq_pack(w: torch.Tensor, group: int, zero_stored: int, sym: bool = True):
     """A projection quantized and packed the way AutoGPTQ's ``QuantLinear.pack`` writes it (its loops,
-    ported: the packers of AutoGPTQ and GPTQModel need CUDA builds that do not install here). A symmetric
-    quantizer per group of ``group`` inputs: ``scale = 2 max|w| / 15``, zero point 8, ``q = round(w / scale)
-    + 8`` in [0, 15]. Returns ``(qweight [K/8, N], qzeros [K/G, N/8], scales fp16 [K/G, N], g_idx [K],
-    the dequantized weight [N, K])``."""
+    ported: the packers of AutoGPTQ and GPTQModel need CUDA builds that do not install here). Per group of
+    ``group`` inputs, symmetric: ``scale = 2 max|w| / 15``, zero point 8; asymmetric (``sym=False``): ``scale =
+    (max - min) / 15`` over the range widened to 0, zero point ``round(-min / scale)``; ``q = round(w / scale) +
+    zero`` in [0, 15]. The zero point is stored as ``zero - 8 + zero_stored`` (format gptq: ``zero_stored`` 7,
+    i.e. minus one; gptq_v2: 8). Returns ``(qweight [K/8, N], qzeros [K/G, N/8], scales fp16 [K/G, N], g_idx
+    [K], the dequantized weight [N, K])``."""
     import numpy as np
 
     n, k = w.shape
-    xmax = w.view(n, k // group, group).abs().amax(-1).clamp_min(1e-8)  # [N, G]
-    scales = (2 * xmax / 15).t().contiguous().half()  # [G, N], stored in float16
+    v = w.view(n, k // group, group)
+    if sym:
+        scales = (2 * v.abs().amax(-1).clamp_min(1e-8) / 15).t().contiguous().half()  # [G, N], stored in float16
+        zero = torch.full((k // group, n), 8.0)
+    else:
+        lo, hi = v.amin(-1).clamp_max(0), v.amax(-1).clamp_min(0)
+        scales = ((hi - lo).clamp_min(1e-8) / 15).t().contiguous().half()
+        zero = torch.round(-lo.t() / scales.float()).clamp(0, 15)
     g_idx = torch.arange(k, dtype=torch.int32) // group
     s = scales.float()[g_idx.long()].t()  # [N, K]
-    intweight = torch.clamp(torch.round(w / s) + 8, 0, 15).to(torch.int64)
-    deq = s * (intweight - 8)
+    zk = zero[g_idx.long()].t()  # [N, K]
+    intweight = torch.clamp(torch.round(w / s) + zk, 0, 15).to(torch.int64)
+    deq = s * (intweight - zk)
     iw = intweight.t().contiguous().numpy().astype(np.uint32)  # [K, N]
     qweight = np.zeros((k // 8, n), dtype=np.uint32)
     i = row = 0
@@ -459,7 +539,7 @@ def _autogptq_pack(w: torch.Tensor, group: int, zero_stored: int):
             qweight[row] |= iw[j] << (4 * (j - i))
         i += 8
         row += 1
-    zeros = np.full((k // group, n), zero_stored, dtype=np.uint32)
+    zeros = ((zero.long() - 8 + zero_stored) % 16).numpy().astype(np.uint32)
     qzeros = np.zeros((k // group, n // 8), dtype=np.uint32)
     i = col = 0
     while col < qzeros.shape[1]:
@@ -471,12 +551,13 @@ def _autogptq_pack(w: torch.Tensor, group: int, zero_stored: int):
             deq)
 
 
-@pytest.mark.parametrize("checkpoint_format, zero_stored", [("gptq", 7), ("gptq_v2", 8)])
-def test_gptq_checkpoint_loads_as_stored(checkpoint_format, zero_stored, tmp_path, cpu_reference_forward):
-    """A symmetric 4-bit GPTQ checkpoint (AutoGPTQ's tensors and config, groups of 32 inputs) loads as
-    infer's int4 without a round trip through floats; the reference is the float model with each weight
+@pytest.mark.parametrize("checkpoint_format, zero_stored, sym", [("gptq", 7, True), ("gptq_v2", 8, True),
+                                                                  ("gptq", 7, False), ("gptq_v2", 8, False)])
+def test_gptq_checkpoint_loads_as_stored(checkpoint_format, zero_stored, sym, tmp_path, cpu_reference_forward):
+    """A 4-bit GPTQ checkpoint (AutoGPTQ's tensors and config, groups of 32 inputs), symmetric or not, loads
+    as infer's int4 without a round trip through floats; the reference is the float model with each weight
     replaced by its dequantized GPTQ value. AutoGPTQ's original format stores the zero point minus one
-    (7), ``gptq_v2`` stores it as is."""
+    (modulo 16), ``gptq_v2`` stores it as is."""
     from safetensors.torch import save_file
 
     model = _tiny_qwen3()
@@ -485,7 +566,8 @@ def test_gptq_checkpoint_loads_as_stored(checkpoint_format, zero_stored, tmp_pat
     for name, w in model.state_dict().items():
         if name.startswith("model.layers.") and name.endswith("_proj.weight"):
             prefix = name.removesuffix(".weight")
-            qweight, qzeros, scales, g_idx, deq = _autogptq_pack(w.float(), 32, zero_stored)
+            w = w.float() + (0.02 if not sym else 0.0)  # shifted off zero: zero points away from 8
+            qweight, qzeros, scales, g_idx, deq = _autogptq_pack(w, 32, zero_stored, sym)
             state.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales,
                           f"{prefix}.g_idx": g_idx})
             ref_modules[prefix].weight.data.copy_(deq)
@@ -493,23 +575,81 @@ def test_gptq_checkpoint_loads_as_stored(checkpoint_format, zero_stored, tmp_pat
             state[name] = w.contiguous()
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     model.config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
-                                        "sym": True, "checkpoint_format": checkpoint_format}
+                                        "sym": sym, "checkpoint_format": checkpoint_format}
     model.config.save_pretrained(tmp_path)
     ours = _check_against(tmp_path, ref.eval(), "int4")
     down = ours.model.model.layers[0].mlp.down_proj
     assert down.weight_scale.shape == (down.out_features, down.in_features // 32)
+    assert (down.weight_zero_point is None) == sym
+    if not sym:
+        assert bool(down.weight_zero_point.ne(0).any())
 
 
-def test_gptq_checkpoints_infer_cannot_serve_are_rejected(tmp_path):
-    """Act-order groups (a permuted ``g_idx``) and zero points other than the symmetric 8 are refused with
-    the reason, tensor by tensor; asymmetric, 8-bit and AWQ configs at once."""
+def _autoawq_pack(w: torch.Tensor, group: int):
+    """A projection quantized and packed the way AutoAWQ's ``WQLinear_GEMM.from_linear`` writes it (its
+    loops, ported; ``version: "gemm"``): per group, ``scale = (max - min) / 15``, zero point ``round(-min /
+    scale)`` (AutoAWQ's zero-point quantizer, ``q = round(w / scale) + zero`` in [0, 15]); ``qweight [K, N/8]``
+    and ``qzeros [K/G, N/8]`` packed along N in the order ``[0, 2, 4, 6, 1, 3, 5, 7]``, ``scales`` fp16
+    ``[K/G, N]``. Returns ``(qweight, qzeros, scales, the dequantized weight [N, K])``."""
+    import numpy as np
+
+    n, k = w.shape
+    v = w.view(n, k // group, group)
+    lo, hi = v.amin(-1), v.amax(-1)
+    scales = ((hi - lo).clamp_min(1e-5) / 15).half()  # [N, G]
+    zeros = torch.round(-lo / scales.float()).clamp(0, 15)  # [N, G]
+    s, z = scales.float().repeat_interleave(group, 1), zeros.repeat_interleave(group, 1)  # [N, K]
+    intweight = torch.clamp(torch.round(w / s) + z, 0, 15)
+    deq = (intweight - z) * s
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+
+    def pack(t):  # [R, C] unsigned -> [R, C / 8] int32, AWQ's order along C
+        t = t.numpy().astype(np.uint32)
+        out = np.zeros((t.shape[0], t.shape[1] // 8), dtype=np.uint32)
+        for col in range(out.shape[1]):
+            for i in range(8):
+                out[:, col] |= t[:, col * 8 + order[i]] << (4 * i)
+        return torch.from_numpy(out.astype(np.int32))
+
+    return pack(intweight.t().contiguous()), pack(zeros.t().contiguous()), scales.t().contiguous(), deq
+
+
+def test_awq_checkpoint_loads_as_stored(tmp_path, cpu_reference_forward):
+    """A 4-bit AWQ checkpoint (AutoAWQ's GEMM tensors and config, groups of 32) loads as infer's asymmetric
+    int4 (repacked once along K); the reference is the float model with each weight replaced by its
+    dequantized AWQ value."""
+    from safetensors.torch import save_file
+
+    model = _tiny_qwen3()
+    ref = copy.deepcopy(model)
+    state, ref_modules = {}, dict(ref.named_modules())
+    for name, w in model.state_dict().items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            prefix = name.removesuffix(".weight")
+            qweight, qzeros, scales, deq = _autoawq_pack(w.float(), 32)
+            state.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales})
+            ref_modules[prefix].weight.data.copy_(deq)
+        elif name != "lm_head.weight":  # tied
+            state[name] = w.contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                        "version": "gemm"}
+    model.config.save_pretrained(tmp_path)
+    ours = _check_against(tmp_path, ref.eval(), "int4")
+    down = ours.model.model.layers[0].mlp.down_proj
+    assert down.weight_zero_point.shape == down.weight_scale.shape == (down.out_features, down.in_features // 32)
+
+
+def test_gptq_and_awq_checkpoints_infer_cannot_serve_are_rejected(tmp_path):
+    """Act-order groups (a permuted ``g_idx``) and, under ``sym: true``, zero points other than 8 are refused
+    with the reason, tensor by tensor; 8-bit GPTQ and AWQ, and AWQ's GEMV packing, at once."""
     from infer.errors import ModelLoadError
     from infer.loader.quantized import QuantizedParams, scheme_from_hf_config
     from infer.models.quant import quantize_modules
 
-    for q, match in [({"quant_method": "gptq", "bits": 4, "sym": False}, "asymmetric"),
-                     ({"quant_method": "gptq", "bits": 8, "sym": True}, "4-bit only"),
-                     ({"quant_method": "awq", "bits": 4}, "zero point per group")]:
+    for q, match in [({"quant_method": "gptq", "bits": 8, "sym": True}, "4-bit only"),
+                     ({"quant_method": "awq", "bits": 8}, "4-bit only"),
+                     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version 'gemv'")]:
         with pytest.raises(ModelLoadError, match=match):
             scheme_from_hf_config({"quantization_config": q}, tmp_path)
     scheme = scheme_from_hf_config({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32,
@@ -524,17 +664,19 @@ def test_gptq_checkpoints_infer_cannot_serve_are_rejected(tmp_path):
         params.take("q_proj.g_idx", g_idx.flip(0))
     with pytest.raises(ModelLoadError, match="zero points"):
         params.take("q_proj.qzeros", _autogptq_pack(torch.randn(16, 64), 32, 5)[1])
+    assert scheme.symmetric
+    asym = scheme_from_hf_config({"quantization_config": {"quant_method": "gptq", "bits": 4, "sym": False}}, tmp_path)
+    assert (asym.method, asym.symmetric) == ("int4", False)
 
 
 def test_unsupported_quantization_configs_are_rejected(tmp_path):
     from infer.errors import ModelLoadError
     from infer.loader.quantized import scheme_from_hf_config
 
-    for q, match in [({"quant_method": "awq"}, "not supported"), ({"quant_method": "exl2"}, "not supported"),
-                     ({"quant_method": "fp8"}, "weight_block_size"),
-                     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
-                         "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
-                                                                  "strategy": "group", "group_size": 128}}}},
+    for q, match in [({"quant_method": "exl2"}, "not supported"), ({"quant_method": "fp8"}, "weight_block_size"),
+                     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
+                         "g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": False,
+                                                                  "strategy": "channel"}}}},
                       "asymmetric")]:
         with pytest.raises(ModelLoadError, match=match):
             scheme_from_hf_config({"quantization_config": q}, tmp_path)

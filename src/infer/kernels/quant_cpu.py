@@ -23,7 +23,7 @@ float16 input takes a scalar loop that is 5-10x slower):
   be 32, 64, 128 or 256 and divide ``K``: our group of 128 over SmolLM2's ``K = 576`` (4.5 groups)
   becomes torch groups of 64, each scale repeated over its two halves (exact).
 * everything else (``fp8``: no CPU kernel reads e4m3; int8 with group or block scales; int4 whose
-  shape the kernel does not take): the weight is dequantized **once, at load**, into a bfloat16 copy
+  shape the kernel does not take, or with zero points): the weight is dequantized **once, at load**, into a bfloat16 copy
   (``bf16(q * scale)``, an error of at most ``2^-9`` of each weight, far below the format's own), and
   each call is one bfloat16 ``F.linear``. Faster than float32 (half the bytes), but the memory held is
   that copy's, beside the quantized weight.
@@ -98,12 +98,12 @@ def _int4_group(n: int, k: int, block: tuple[int, int]) -> int:
 
 @torch.no_grad()
 def pack_for_cpu(qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
-                 block: tuple[int, int]) -> CpuPackedWeight:
+                 block: tuple[int, int], zero_point: torch.Tensor | None = None) -> CpuPackedWeight:
     """The CPU layout of one quantized weight (call once, at load).
 
     Args:
-        qweight, weight_scale, method, block: as :mod:`infer.kernels.quant_reference` describes them
-            (CPU tensors).
+        qweight, weight_scale, method, block, zero_point: as :mod:`infer.kernels.quant_reference` describes
+            them (CPU tensors).
 
     Returns:
         A :class:`CpuPackedWeight`: ``int8`` for int8 with one scale per output channel and
@@ -115,7 +115,7 @@ def pack_for_cpu(qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
     if method == "int8" and br == 1 and weight_scale.shape[1] == 1 and k % 8 == 0:
         return CpuPackedWeight("int8", qweight.contiguous(), scale=weight_scale.reshape(n).float().contiguous(),
                                ones=torch.ones(n, dtype=torch.bfloat16))
-    g = _int4_group(n, k, block) if method == "int4" else 0
+    g = _int4_group(n, k, block) if method == "int4" and zero_point is None else 0
     if g:
         u = qref.unpack_int4(qweight).to(torch.int32) + 8  # [N, K] in [0, 15]: the kernel's unsigned nibbles
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 1)
@@ -123,18 +123,20 @@ def pack_for_cpu(qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
         s = weight_scale[:, cols].t()  # [K / g, N]
         sz = torch.stack([s, torch.zeros_like(s)], dim=-1).to(torch.bfloat16).contiguous()
         return CpuPackedWeight("int4", packed, scales_and_zeros=sz, group_size=g)
-    return CpuPackedWeight("bf16", qref.dequantize(qweight, weight_scale, method, block, torch.bfloat16).contiguous())
+    return CpuPackedWeight("bf16", qref.dequantize(qweight, weight_scale, method, block, torch.bfloat16,
+                                                   zero_point).contiguous())
 
 
 def quantized_linear_cpu(x: torch.Tensor, packed: CpuPackedWeight, qweight: torch.Tensor, weight_scale: torch.Tensor,
-                         method: str, block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+                         method: str, block: tuple[int, int], bias: torch.Tensor | None = None,
+                         zero_point: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(W)^T + bias`` on the CPU by the kernel of ``packed`` (bfloat16 activations,
     float32 accumulation); at least :data:`GEMM_MIN_ROWS` rows go through the float32 reference.
 
     Args:
         x: ``[..., K]`` float32 (or bfloat16/float16).
         packed: :func:`pack_for_cpu` of the same weight.
-        qweight, weight_scale, method, block: the stored weight (for the reference at many rows).
+        qweight, weight_scale, method, block, zero_point: the stored weight (for the reference at many rows).
         bias: ``[N]`` in ``x.dtype`` or None.
 
     Returns:
@@ -145,7 +147,7 @@ def quantized_linear_cpu(x: torch.Tensor, packed: CpuPackedWeight, qweight: torc
     if x2.shape[0] >= GEMM_MIN_ROWS:  # a float32 GEMM on a transient float32 weight
         if packed.kind == "bf16":
             return F.linear(x, packed.weight.to(x.dtype), bias)
-        return qref.quantized_linear_reference(x, qweight, weight_scale, method, block, bias)
+        return qref.quantized_linear_reference(x, qweight, weight_scale, method, block, bias, zero_point)
     xb = x2.to(torch.bfloat16).contiguous()  # a fresh, aligned copy (the int8 kernel's aligned loads)
     if packed.kind == "int8":
         y = torch.ops.aten._weight_int8pack_mm(xb, packed.weight, packed.ones)

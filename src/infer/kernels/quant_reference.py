@@ -18,6 +18,14 @@ A quantized projection keeps two tensors instead of its ``[N, K]`` weight (``N``
   DeepSeek-V3's and Qwen3-FP8's checkpoints. The real weight is ``w[n, k] = q[n, k] *
   weight_scale[n // br, k // bc]``. A last partial block (``K`` not a multiple of ``bc``) is allowed.
 
+* ``weight_zero_point`` (int4 only, *asymmetric*: AWQ, GPTQ with ``sym: false``, compressed-tensors'
+  ``W4A16_ASYM``): int8 ``[ceil(N / br), ceil(K / bc)]`` in ``[-8, 7]``, one per scale, and then
+  ``w[n, k] = (q[n, k] - zero_point[n // br, k // bc]) * weight_scale[...]``. A group whose weights all
+  lie in ``[lo, hi]`` uses all 16 codes for that range instead of for ``[-max|w|, max|w|]``: the step is
+  ``(hi - lo) / 15`` instead of ``2 max|w| / 15`` (the same for a symmetric range, up to twice finer for a
+  one-sided one). The formats store the zero point as an unsigned nibble ``z + 8`` (GPTQ's original format
+  as ``z + 7``); symmetric weights have none (``z = 0``).
+
 Round-to-nearest quantization bounds the error of each weight: for the integer formats
 ``|w - dequantize(quantize(w))| <= scale / 2`` (the step is ``scale``); for e4m3 the step is relative,
 ``2^-3`` of the value's binade, so ``|error| <= max(|w| 2^-4, scale 2^-10)`` (the second term: e4m3's
@@ -29,7 +37,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["INT8_MAX", "FP8_MAX", "INT4_MIN", "INT4_MAX", "quantize", "dequantize", "pack_int4", "unpack_int4",
+__all__ = ["INT8_MAX", "FP8_MAX", "INT4_MIN", "INT4_MAX", "quantize", "quantize_asymmetric", "dequantize",
+           "pack_int4", "unpack_int4",
            "expand_scale", "quantized_linear_reference", "check_quantized", "qweight_shape", "scale_shape",
            "default_block", "QDTYPES"]
 
@@ -134,11 +143,39 @@ def quantize(w: torch.Tensor, method: str, block: tuple[int, int] | None = None
     # <<< EXERCISE symmetric_quantize
 
 
+def quantize_asymmetric(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest *asymmetric* int4 quantization of a ``[N, K]`` float weight (``K % 8 == 0``): each
+    block's range ``[lo, hi]`` (widened to include 0) maps onto the 16 codes, ``scale = (hi - lo) / 15``
+    (1 for a block of zeros), unsigned zero point ``u0 = round(-lo / scale)``, codes ``u = clamp(round(w /
+    scale) + u0, 0, 15)`` (AWQ's and GPTQ's ``sym: false`` quantizer).
+
+    Returns:
+        ``(qweight, weight_scale, weight_zero_point)`` in the layout of the module docstring (codes and zero
+        points shifted by -8 into the signed range).
+
+    Raises:
+        ValueError: a weight that is not 2-D float, or ``K % 8 != 0``.
+    """
+    if w.dim() != 2 or not w.is_floating_point() or w.shape[1] % 8:
+        raise ValueError(f"int4 needs a 2-D float weight with in_features a multiple of 8, got {w.dtype} "
+                         f"{tuple(w.shape)}")
+    n, k = w.shape
+    lo = -_block_amax((-w.float()).clamp_min(0), block)  # min(w, 0) per block: the max of the negative parts
+    hi = _block_amax(w.float().clamp_min(0), block)
+    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
+    u0 = (-lo / scale).round().clamp(0, 15)
+    u = (w.float() / expand_scale(scale, (n, k), block) + expand_scale(u0, (n, k), block)).round().clamp(0, 15)
+    return pack_int4((u - 8).to(torch.int8)), scale, (u0 - 8).to(torch.int8)
+
+
 def dequantize(qweight: torch.Tensor, weight_scale: torch.Tensor, method: str, block: tuple[int, int],
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The real weight ``[N, K]``: ``q * scale`` computed in float32, rounded once to ``dtype``."""
+               dtype: torch.dtype = torch.float32, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """The real weight ``[N, K]``: ``(q - zero_point) * scale`` (``q * scale`` without zero points) computed in
+    float32, rounded once to ``dtype``."""
     q = (unpack_int4(qweight) if method == "int4" else qweight).float()
     (n, k), (br, bc) = q.shape, block
+    if zero_point is not None:
+        q.sub_(expand_scale(zero_point, (n, k), block))
     if br == 1 and weight_scale.shape[1] == 1:  # per output channel: a broadcast
         return q.mul_(weight_scale).to(dtype)
     if br == 1 and k % bc == 0:  # whole groups along each row
@@ -147,23 +184,26 @@ def dequantize(qweight: torch.Tensor, weight_scale: torch.Tensor, method: str, b
 
 
 def quantized_linear_reference(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
-                               block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+                               block: tuple[int, int], bias: torch.Tensor | None = None,
+                               zero_point: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(W).T + bias``: the weight dequantized to ``x.dtype`` (a transient copy, freed after
     the call), then one ``F.linear``. What the CPU runs, and exactly the unquantized layer with the
     dequantized weight: the reference of weight-only quantization.
 
     Args:
-        x: ``[..., K]`` float; qweight, weight_scale, method, block: as the module docstring; bias: ``[N]``.
+        x: ``[..., K]`` float; qweight, weight_scale, method, block, zero_point (int4 only, or None): as the
+            module docstring; bias: ``[N]``.
 
     Returns:
         ``[..., N]`` in ``x.dtype``.
     """
-    check_quantized(x, qweight, weight_scale, method, block, bias)
-    return F.linear(x, dequantize(qweight, weight_scale, method, block, x.dtype), bias)
+    check_quantized(x, qweight, weight_scale, method, block, bias, zero_point)
+    return F.linear(x, dequantize(qweight, weight_scale, method, block, x.dtype, zero_point), bias)
 
 
 def check_quantized(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
-                    block: tuple[int, int], bias: torch.Tensor | None) -> None:
+                    block: tuple[int, int], bias: torch.Tensor | None,
+                    zero_point: torch.Tensor | None = None) -> None:
     """The arguments of a quantized product (shared with the Triton launcher, so both raise the same errors).
 
     Raises:
@@ -185,6 +225,10 @@ def check_quantized(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.
                          f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
-    for name, t in (("qweight", qweight), ("weight_scale", weight_scale), ("bias", bias)):
+    if zero_point is not None and (method != "int4" or zero_point.dtype != torch.int8
+                                   or tuple(zero_point.shape) != want):
+        raise ValueError(f"zero_point must be int8 {list(want)} (int4 only), got {zero_point.dtype} "
+                         f"{tuple(zero_point.shape)} for {method}")
+    for name, t in (("qweight", qweight), ("weight_scale", weight_scale), ("bias", bias), ("zero_point", zero_point)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")

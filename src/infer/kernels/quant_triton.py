@@ -38,19 +38,22 @@ _METHOD_CODE = {"int8": 0, "fp8": 1, "int4": 2}
 
 
 @triton.jit
-def _dequant_tile(q_ptr, s_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC, METHOD: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC,
+                  METHOD: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Columns ``k`` (one tile, ``k0`` its first) of rows ``offs_n`` of the weight, dequantized: float32
-    ``[BLOCK_N, BLOCK_K]``, 0 where masked. METHOD 0 int8, 1 fp8 e4m3, 2 int4 (8 per int32 along K)."""
+    ``[BLOCK_N, BLOCK_K]``, 0 where masked. METHOD 0 int8, 1 fp8 e4m3, 2 int4 (8 per int32 along K); HAS_ZP:
+    int4's zero points (one per scale, same strides) subtracted from the codes."""
     mask = n_mask[:, None] & (k < K)[None, :]
     if METHOD == 2:  # each word loaded once, unpacked in registers
         q = _unpack_words(_load_words(q_ptr, offs_n, k0, n_mask, K, stride_qn, BLOCK_K), BLOCK_N, BLOCK_K)
     else:
         q = _load_bytes(q_ptr, offs_n, k0, n_mask, K, stride_qn, BLOCK_K).to(tl.float32)
+    # the tile lies in one scale column: one scale (and zero point) per row
+    at = (offs_n // BR).to(tl.int64) * stride_sn + k0 // BC
+    if HAS_ZP:
+        q = q - tl.load(z_ptr + at, mask=n_mask, other=0).to(tl.float32)[:, None]
     q = tl.where(mask, q, 0.0)  # masked lanes zeroed after the conversion (a load's `other` cannot be fp8)
-    # the tile lies in one scale column: one scale per row
-    s = tl.load(s_ptr + (offs_n // BR).to(tl.int64) * stride_sn + k0 // BC, mask=n_mask, other=0.0)
-    return q * s[:, None]
+    return q * tl.load(s_ptr + at, mask=n_mask, other=0.0)[:, None]
 
 
 @triton.jit
@@ -81,8 +84,8 @@ def _unpack_words(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _quantized_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym, BR, BC,
-    METHOD: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym, BR, BC,
+    METHOD: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, ROW_SCALE: tl.constexpr, MANUAL_BF16: tl.constexpr,
 ):
     # Grid (cdiv(N, BLOCK_N),): program j computes outputs [j * BLOCK_N, (j + 1) * BLOCK_N) of all M (<= M_PAD)
@@ -90,7 +93,7 @@ def _quantized_gemv_kernel(
     # bits) before the current one is used (skinny_gemm's register loop). The products are summed per element
     # in a [M_PAD, BLOCK_N, BLOCK_K] float32 tile and reduced over K once, at the end. ROW_SCALE: one scale per
     # output row (per-channel int8 / fp8), applied once after the reduction; otherwise each column's scale
-    # (its group's: k // BC) multiplies the codes in the loop.
+    # (its group's: k // BC) multiplies the codes in the loop, after its zero point is subtracted (HAS_ZP).
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
@@ -99,6 +102,7 @@ def _quantized_gemv_kernel(
     m_mask = offs_m < M
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     s_rows = s_ptr + (offs_n // BR).to(tl.int64)[:, None] * stride_sn
+    z_rows = z_ptr + (offs_n // BR).to(tl.int64)[:, None] * stride_sn
     if METHOD == 2:
         raw = _load_words(q_ptr, offs_n, 0, n_mask, K, stride_qn, BLOCK_K)
     else:
@@ -113,6 +117,8 @@ def _quantized_gemv_kernel(
             raw_next = _load_bytes(q_ptr, offs_n, k0 + BLOCK_K, n_mask, K, stride_qn, BLOCK_K)
             w = raw.to(tl.float32)
         # masked lanes zeroed after the conversion (a load's `other` cannot be cast to fp8)
+        if HAS_ZP:
+            w = w - tl.load(z_rows + (k // BC)[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0).to(tl.float32)
         w = tl.where(n_mask[:, None] & (k < K)[None, :], w, 0.0)
         xk = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
         if not ROW_SCALE:
@@ -130,8 +136,8 @@ def _quantized_gemv_kernel(
 
 @triton.jit
 def _quantized_linear_kernel(
-    x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym, BR, BC,
-    METHOD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym, BR, BC,
+    METHOD: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_16BIT: tl.constexpr, MANUAL_BF16: tl.constexpr,
 ):
     # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): program (j, i) computes outputs [j * BLOCK_N, ...) of rows
@@ -150,8 +156,8 @@ def _quantized_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        w = _dequant_tile(q_ptr, s_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC, METHOD, BLOCK_N,
-                          BLOCK_K)
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC, METHOD,
+                          HAS_ZP, BLOCK_N, BLOCK_K)
         if DOT_16BIT:
             acc += tl.dot(x.to(dtype), tl.trans(w.to(dtype)))
         else:
@@ -205,7 +211,8 @@ GEMM_TILE = (16, 16, 128, 4)
 
 def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
                             block: tuple[int, int], bias: torch.Tensor | None = None,
-                            config: tuple[int, int, int, int, bool] | None = None) -> torch.Tensor:
+                            config: tuple[int, int, int, int, bool] | None = None,
+                            zero_point: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(W)^T + bias`` by :func:`_quantized_linear_kernel` (CUDA, or the interpreter).
 
     Args:
@@ -213,6 +220,7 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
         qweight, weight_scale, method, block: as :mod:`infer.kernels.quant_reference` describes them.
         bias: ``[N]`` in ``x.dtype`` or None.
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT)``; default :func:`default_config`.
+        zero_point: int4's int8 zero points (the scale's shape; asymmetric formats), or None.
 
     Returns:
         ``[..., N]`` in ``x.dtype``: float32 accumulation, one rounding to the dtype.
@@ -221,7 +229,7 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
         ValueError: as :func:`~infer.kernels.quant_reference.check_quantized`, or scale columns a K tile
             cannot stay inside.
     """
-    check_quantized(x, qweight, weight_scale, method, block, bias)
+    check_quantized(x, qweight, weight_scale, method, block, bias, zero_point)
     n = qweight.shape[0]
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -233,27 +241,31 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
         return y.view(*x.shape[:-1], n)
     bm, bn, bk, warps, dot = config or default_config(m, n, k, block[1], method)
     br, bc = block
-    common = dict(METHOD=_METHOD_CODE[method], HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-                  MANUAL_BF16=manual_bf16(x), num_warps=warps)
+    common = dict(METHOD=_METHOD_CODE[method], HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None, BLOCK_N=bn,
+                  BLOCK_K=bk, MANUAL_BF16=manual_bf16(x), num_warps=warps)
     b = bias if bias is not None else y
+    z = weight_scale  # (unread without zero points)
+    if zero_point is not None:  # read with the scales' strides
+        weight_scale, z = weight_scale.contiguous(), zero_point.contiguous()
     if dot:
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-        _quantized_linear_kernel[grid](x2, qweight, weight_scale, b, y, m, n, k, x2.stride(0), qweight.stride(0),
+        _quantized_linear_kernel[grid](x2, qweight, weight_scale, z, b, y, m, n, k, x2.stride(0), qweight.stride(0),
                                        weight_scale.stride(0), y.stride(0), br, bc, BLOCK_M=bm,
                                        DOT_16BIT=x.dtype != torch.float32 and not INTERPRET, **common)
     else:
         if bm < m or bm > GEMV_ROWS_LIMIT:
             raise ValueError(f"the GEMV form takes m <= BLOCK_M <= {GEMV_ROWS_LIMIT} rows, got m={m}, BLOCK_M={bm}")
         _quantized_gemv_kernel[(triton.cdiv(n, bn),)](
-            x2, qweight, weight_scale, b, y, m, n, k, x2.stride(0), qweight.stride(0), weight_scale.stride(0),
-            y.stride(0), br, bc, M_PAD=bm, ROW_SCALE=bc >= k, **common)
+            x2, qweight, weight_scale, z, b, y, m, n, k, x2.stride(0), qweight.stride(0), weight_scale.stride(0),
+            y.stride(0), br, bc, M_PAD=bm, ROW_SCALE=bc >= k and zero_point is None, **common)
     return y.view(*x.shape[:-1], n)
 
 
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
-                     block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+                     block: tuple[int, int], bias: torch.Tensor | None = None,
+                     zero_point: torch.Tensor | None = None) -> torch.Tensor:
     """The quantized projection a model runs: :func:`quantized_linear_triton` on CUDA, the plain-PyTorch
     reference (dequantize per call, then ``F.linear``) on the CPU. Same arguments and result."""
     if x.is_cuda:
-        return quantized_linear_triton(x, qweight, weight_scale, method, block, bias)
-    return quantized_linear_reference(x, qweight, weight_scale, method, block, bias)
+        return quantized_linear_triton(x, qweight, weight_scale, method, block, bias, zero_point=zero_point)
+    return quantized_linear_reference(x, qweight, weight_scale, method, block, bias, zero_point)

@@ -14,15 +14,20 @@ checkpoints read as they are stored (no round trip through 16 bits).
   symmetric 4-bit int per group (``W4A16``, format ``pack-quantized``: ``weight_packed`` int32 ``[N, K / 8]``,
   ``weight_scale [N, K / G]``, ``weight_shape``), or 8-bit float per channel / tensor / block
   (``FP8_DYNAMIC`` and kin; activations again served in 16 bits).
-* ``quant_method: "gptq"`` (AutoGPTQ / GPTQModel, the most common 4-bit checkpoints on the Hub) when
-  symmetric (``sym: true``) and without act-order (or whose ``g_idx`` is the plain group order):
-  ``qweight`` int32 ``[K / 8, N]``, eight 4-bit values per word along K, the lowest nibble first, each
-  stored as ``q + 8``; ``scales`` float16 ``[K / G, N]``; ``qzeros`` int32 ``[K / G, N / 8]``, the zero
-  point 8 of a symmetric quantizer, stored as 7 (AutoGPTQ's format ``gptq`` keeps ``zero - 1``) or 8
-  (``checkpoint_format: gptq_v2``); ``g_idx`` int32 ``[K]``, each input's group. That is infer's own int4
-  layout transposed: the words are the same. Asymmetric GPTQ and AWQ (whose zero points vary by
-  group) need a kernel that subtracts a zero point per group, which infer's int4 kernels do not:
-  rejected with that reason, as is act-order (``desc_act``, groups that are not contiguous inputs).
+* ``quant_method: "gptq"`` (AutoGPTQ / GPTQModel, the most common 4-bit checkpoints on the Hub) without
+  act-order (or whose ``g_idx`` is the plain group order): ``qweight`` int32 ``[K / 8, N]``, eight 4-bit
+  values per word along K, the lowest nibble first, each stored unsigned (``q + 8``); ``scales`` float16
+  ``[K / G, N]``; ``qzeros`` int32 ``[K / G, N / 8]``, each group's unsigned zero point, stored minus one
+  (AutoGPTQ's format ``gptq``) or as is (``checkpoint_format: gptq_v2``); ``g_idx`` int32 ``[K]``, each
+  input's group. That is infer's own int4 layout transposed: the words are the same. With ``sym: true``
+  every zero point is 8 (checked, and not kept); with ``sym: false`` they become ``weight_zero_point``.
+  Act-order (``desc_act``, groups that are not contiguous inputs) is rejected with the reason.
+* ``quant_method: "awq"`` (AutoAWQ's ``version: "gemm"``): ``qweight`` int32 ``[K, N / 8]`` and ``qzeros``
+  int32 ``[K / G, N / 8]``, eight unsigned 4-bit values per word along **N** in AWQ's interleaved order
+  (word nibble ``j`` of word ``c`` holds column ``8 c + [0, 2, 4, 6, 1, 3, 5, 7][j]``), ``scales`` float16 ``[K / G, N]``;
+  ``w = (u - zero) * scale``. Repacked once at load into infer's words along K.
+* compressed-tensors with ``symmetric: false`` (``W4A16_ASYM``): ``weight_zero_point`` int32 ``[N / 8, K / G]``,
+  packed along N (nibble ``z + 8``).
 
 :class:`QuantizedParams` then routes each checkpoint tensor of a quantized projection to the module's
 parameters (``qweight``, ``weight_scale``), or quantizes a float ``weight`` (online).
@@ -60,10 +65,14 @@ def _compressed_tensors_scheme(q: dict[str, Any], source: Path) -> QuantScheme:
     targets = group.get("targets") or []
     if targets != ["Linear"]:
         raise ModelLoadError(source, f"compressed-tensors: targets {targets}; infer loads ['Linear']")
-    if not w.get("symmetric", True):
-        raise ModelLoadError(source, "compressed-tensors: asymmetric weights (a zero point) are not supported")
     bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
     fmt = q.get("format") or group.get("format")
+    if not w.get("symmetric", True):
+        if kind == "int" and bits == 4 and strategy == "group" and fmt == "pack-quantized":
+            return QuantScheme("int4", (1, int(w["group_size"])), prequantized=True, format="compressed-tensors",
+                               symmetric=False)
+        raise ModelLoadError(source, "compressed-tensors: asymmetric weights (a zero point) are supported for "
+                             f"int4 per group pack-quantized only, not {kind}{bits} {strategy!r} {fmt!r}")
     if kind == "int" and bits == 8 and strategy in ("channel", "group") and fmt in ("int-quantized", "naive-quantized",
                                                                                    "pack-quantized"):
         group = int(w["group_size"]) if strategy == "group" else 0
@@ -84,14 +93,25 @@ def _gptq_scheme(q: dict[str, Any], source: Path) -> QuantScheme:
     bits, group, sym = q.get("bits"), q.get("group_size", 128), q.get("sym", True)
     if bits != 4:
         raise ModelLoadError(source, f"gptq: {bits}-bit weights are not supported (4-bit only)")
-    if not sym:
-        raise ModelLoadError(source, "gptq: asymmetric weights (sym: false, a zero point per group) are not "
-                             "supported: infer's int4 kernels are symmetric")
     fmt = q.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise ModelLoadError(source, f"gptq: checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
     # act-order (desc_act) is checked on each g_idx as it loads: a trivial one is the plain group order
-    return QuantScheme("int4", (1, 0 if group in (-1, None) else int(group)), prequantized=True, format=fmt)
+    return QuantScheme("int4", (1, 0 if group in (-1, None) else int(group)), prequantized=True, format=fmt,
+                       symmetric=bool(sym))
+
+
+def _awq_scheme(q: dict[str, Any], source: Path) -> QuantScheme:
+    bits, group = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size", 128))
+    version = str(q.get("version", "gemm")).lower()
+    if bits != 4:
+        raise ModelLoadError(source, f"awq: {bits}-bit weights are not supported (4-bit only)")
+    if version != "gemm":
+        raise ModelLoadError(source, f"awq: version {version!r} is not supported (gemm: the packing of AutoAWQ's "
+                             "default kernels)")
+    if not q.get("zero_point", True):
+        raise ModelLoadError(source, "awq: zero_point false is not supported (AutoAWQ's checkpoints have them)")
+    return QuantScheme("int4", (1, int(group)), prequantized=True, format="awq", symmetric=False)
 
 
 def scheme_from_hf_config(raw: dict[str, Any], source: Path) -> QuantScheme | None:
@@ -111,10 +131,9 @@ def scheme_from_hf_config(raw: dict[str, Any], source: Path) -> QuantScheme | No
     if method == "gptq":
         return _gptq_scheme(q, source)
     if method == "awq":
-        raise ModelLoadError(source, "quantization_config.quant_method 'awq' is not supported: AWQ's int4 weights "
-                             "have a zero point per group, and infer's int4 kernels are symmetric")
+        return _awq_scheme(q, source)
     raise ModelLoadError(source, f"quantization_config.quant_method {method!r} is not supported (fp8, "
-                         "compressed-tensors, gptq)")
+                         "compressed-tensors, gptq, awq)")
 
 
 def resolve_scheme(requested: str, stored: QuantScheme | None, source: Path) -> QuantScheme | None:
@@ -130,6 +149,21 @@ def resolve_scheme(requested: str, stored: QuantScheme | None, source: Path) -> 
                                  f"quantization={requested!r} would quantize it again: use quantization='none'")
         return stored
     return None if requested in ("none", None) else QuantScheme.online(requested)
+
+
+#: AWQ's packing order: nibble j of a word holds column AWQ_ORDER[j] of its 8 (AutoAWQ's ``order_map``)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ's int32 ``[R, C / 8]`` (eight unsigned 4-bit values per word along C, :data:`AWQ_ORDER`) -> int8
+    ``[R, C]``, each value minus 8 (infer's signed codes and zero points)."""
+    r, w = packed.shape
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    nib = ((packed.to(torch.int32)[:, :, None] >> shifts) & 0xF) - 8  # [R, C / 8, 8] by nibble
+    out = torch.empty_like(nib)
+    out[:, :, list(AWQ_ORDER)] = nib
+    return out.to(torch.int8).view(r, w * 8)
 
 
 def _as_tensor(w) -> torch.Tensor:
@@ -171,6 +205,8 @@ class QuantizedParams:
         """One tensor of a pre-quantized checkpoint, by its name in the format."""
         if self.scheme.format in ("gptq", "gptq_v2"):
             self._take_gptq(prefix, leaf, t, module)
+        elif self.scheme.format == "awq":
+            self._take_awq(prefix, leaf, t, module)
         elif leaf == "weight_packed" and module.method == "int8":  # 4 per int32, each stored + 128: one byte each
             t = t.to(self.device)
             shifts = torch.arange(0, 32, 8, device=t.device, dtype=torch.int32)
@@ -188,10 +224,14 @@ class QuantizedParams:
             if tuple(int(v) for v in t.tolist()) != (module.out_features, module.in_features):
                 raise ModelLoadError(self.source, f"{prefix}.weight_shape {t.tolist()} differs from the config's "
                                      f"{[module.out_features, module.in_features]}")
+        elif leaf == "weight_zero_point" and module.weight_zero_point is not None:  # packed along N: [N / 8, K / G]
+            self._shape(f"{prefix}.weight_zero_point", t, (module.out_features // 8, module.weight_scale.shape[1]))
+            z = qref.unpack_int4(t.to(torch.int32).t().contiguous()).t().contiguous()
+            self._put(f"{prefix}.weight_zero_point", z.to(self.device), module.weight_zero_point)
         elif leaf == "weight_zero_point":
             if bool(t.ne(0).any()):
-                raise ModelLoadError(self.source, f"{prefix}.weight_zero_point is not zero (asymmetric weights are "
-                                     "not supported)")
+                raise ModelLoadError(self.source, f"{prefix}.weight_zero_point is not zero, but the config says the "
+                                     "weights are symmetric")
         else:
             raise ModelLoadError(self.source, f"unexpected tensor {prefix}.{leaf} for a {self.scheme.format} "
                                  f"{self.scheme.method} projection")
@@ -210,17 +250,42 @@ class QuantizedParams:
                       module.weight_scale)
         elif leaf == "qzeros":
             self._shape(f"{prefix}.qzeros", t, (k // group, n // 8))
-            zero = 8 if self.scheme.format == "gptq_v2" else 7  # format gptq stores zero - 1
-            # the nibbles run along N here as along K in infer's int4 words: the same unpacking (value - 8)
-            if bool(qref.unpack_int4(t.to(torch.int32)).ne(zero - 8).any()):
+            # the nibbles run along N here as along K in infer's int4 words: the same unpacking (value - 8);
+            # format gptq stores the zero point minus one, modulo 16
+            z = qref.unpack_int4(t.to(torch.int32))
+            if self.scheme.format == "gptq":
+                z = (z + 9) % 16 - 8
+            if module.weight_zero_point is not None:
+                self._put(f"{prefix}.weight_zero_point", z.t().contiguous().to(self.device), module.weight_zero_point)
+            elif bool(z.ne(0).any()):
                 raise ModelLoadError(self.source, f"{prefix}.qzeros: zero points other than the symmetric "
-                                     f"quantizer's 8 (stored as {zero}) are not supported")
+                                     "quantizer's 8, but the config says sym: true")
         elif leaf == "g_idx":
             if not torch.equal(t.to(torch.int64), torch.arange(k) // group):
                 raise ModelLoadError(self.source, f"{prefix}.g_idx: act-order (desc_act) groups, whose inputs are "
                                      "not contiguous, are not supported")
         else:
             raise ModelLoadError(self.source, f"unexpected tensor {prefix}.{leaf} for a GPTQ int4 projection")
+
+    def _take_awq(self, prefix: str, leaf: str, t: torch.Tensor, module: QuantizedLinear) -> None:
+        """An AWQ tensor (module docstring): ``qweight`` and ``qzeros`` unpacked from AWQ's order along N, the
+        weight repacked along K; ``scales`` transposed."""
+        n, k = module.out_features, module.in_features
+        group = self.scheme.block_for(k)[1]
+        if leaf == "qweight":
+            self._shape(f"{prefix}.qweight", t, (k, n // 8))
+            q = awq_unpack(t.to(self.device))  # [K, N], signed
+            self._put(f"{prefix}.qweight", qref.pack_int4(q.t().contiguous()), module.qweight)
+        elif leaf == "qzeros":
+            self._shape(f"{prefix}.qzeros", t, (k // group, n // 8))
+            self._put(f"{prefix}.weight_zero_point", awq_unpack(t.to(self.device)).t().contiguous(),
+                      module.weight_zero_point)
+        elif leaf == "scales":
+            self._shape(f"{prefix}.scales", t, (k // group, n))
+            self._put(f"{prefix}.weight_scale", t.to(device=self.device, dtype=torch.float32).t().contiguous(),
+                      module.weight_scale)
+        else:
+            raise ModelLoadError(self.source, f"unexpected tensor {prefix}.{leaf} for an AWQ int4 projection")
 
     def _shape(self, name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
         if tuple(t.shape) != tuple(want):

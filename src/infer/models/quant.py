@@ -42,13 +42,16 @@ class QuantScheme:
         prequantized: the checkpoint holds the quantized tensors (loaded as stored); otherwise the float
             weights are quantized as they load.
         format: where the scheme came from: ``"online"``, ``"fp8"`` (Hugging Face's block-wise FP8),
-            ``"compressed-tensors"``, or ``"gptq"`` / ``"gptq_v2"`` (symmetric 4-bit GPTQ).
+            ``"compressed-tensors"``, ``"gptq"`` / ``"gptq_v2"`` (4-bit GPTQ) or ``"awq"``.
+        symmetric: False for int4 with a zero point per group (AWQ, GPTQ ``sym: false``, compressed-tensors'
+            ``W4A16_ASYM``): every projection then has a ``weight_zero_point``.
     """
 
     method: str
     block: tuple[int, int]
     prequantized: bool = False
     format: str = "online"
+    symmetric: bool = True
 
     @classmethod
     def online(cls, method: str, group_size: int = 128) -> QuantScheme:
@@ -66,7 +69,8 @@ class QuantizedLinear(nn.Module):
     """``y = x @ dequantize(W)^T + b`` with ``W`` stored quantized (never in 16 bits).
 
     Parameters (frozen, in the state dict): ``qweight`` and ``weight_scale`` in the layout of
-    :mod:`infer.kernels.quant_reference`, and ``bias [N]`` in the model dtype when the layer has one.
+    :mod:`infer.kernels.quant_reference`, ``weight_zero_point`` (int8, the scale's shape) for asymmetric int4
+    (``zero_point=True``), and ``bias [N]`` in the model dtype when the layer has one.
 
     Shapes: ``x [..., in_features]`` -> ``[..., out_features]`` in ``x``'s dtype.
     """
@@ -77,7 +81,7 @@ class QuantizedLinear(nn.Module):
     cpu_kernels: bool = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, method: str,
-                 block: tuple[int, int]) -> None:
+                 block: tuple[int, int], zero_point: bool = False) -> None:
         super().__init__()
         if method not in qref.QDTYPES:
             raise ValueError(f"unknown quantization method {method!r} (int8, fp8 or int4)")
@@ -90,14 +94,19 @@ class QuantizedLinear(nn.Module):
         self.weight_scale = nn.Parameter(torch.empty(qref.scale_shape(out_features, in_features, self.block),
                                                      dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        if zero_point and method != "int4":
+            raise ValueError(f"zero points are for int4 weights, not {method}")
+        self.weight_zero_point = nn.Parameter(torch.empty(self.weight_scale.shape, dtype=torch.int8),
+                                              requires_grad=False) if zero_point else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and self.cpu_kernels:
             return quantized_linear_cpu(x, self.cpu_packed(), self.qweight, self.weight_scale, self.method,
-                                        self.block, self.bias)
+                                        self.block, self.bias, self.weight_zero_point)
         from infer.kernels.quant_triton import quantized_linear
 
-        return quantized_linear(x, self.qweight, self.weight_scale, self.method, self.block, self.bias)
+        return quantized_linear(x, self.qweight, self.weight_scale, self.method, self.block, self.bias,
+                                self.weight_zero_point)
 
     def cpu_packed(self) -> CpuPackedWeight:
         """The weight in the layout of PyTorch's CPU kernel (:func:`~infer.kernels.quant_cpu.pack_for_cpu`),
@@ -105,10 +114,12 @@ class QuantizedLinear(nn.Module):
         ``weight_scale`` is replaced by another tensor or written in place through the parameter (not
         through ``.data``, whose writes PyTorch does not count). Not a parameter: the state dict holds
         the quantized weight only."""
-        key = tuple((t.data_ptr(), t._version) for t in (self.qweight, self.weight_scale))
+        zp = self.weight_zero_point
+        key = tuple((t.data_ptr(), t._version) for t in (self.qweight, self.weight_scale, zp) if t is not None)
         cached = self.__dict__.get("_cpu_packed")
         if cached is None or cached[0] != key:
-            cached = (key, pack_for_cpu(self.qweight.data, self.weight_scale.data, self.method, self.block))
+            cached = (key, pack_for_cpu(self.qweight.data, self.weight_scale.data, self.method, self.block,
+                                        zp.data if zp is not None else None))
             self.__dict__["_cpu_packed"] = cached
         return cached[1]
 
@@ -120,11 +131,11 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the layer multiplies by, ``[out_features, in_features]`` (a new tensor; for tests and
         the reference model, not for the forward)."""
-        return qref.dequantize(self.qweight, self.weight_scale, self.method, self.block, dtype)
+        return qref.dequantize(self.qweight, self.weight_scale, self.method, self.block, dtype, self.weight_zero_point)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}, "
-                f"block={self.block}, bias={self.bias is not None}")
+                f"block={self.block}, bias={self.bias is not None}, zero_point={self.weight_zero_point is not None}")
 
 
 def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
@@ -134,8 +145,11 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
     first (the same values, repeated). The parts become views of the merged tensors."""
     first = parts[0]
     if any(p.method != first.method or p.block[1] != first.block[1] or p.in_features != first.in_features
-           or (p.bias is None) != (first.bias is None) for p in parts):
+           or (p.bias is None) != (first.bias is None)
+           or (p.weight_zero_point is None) != (first.weight_zero_point is None) for p in parts):
         raise ValueError("only projections of one input, method and scale layout can be merged")
+    if first.weight_zero_point is not None and any(p.block[0] != 1 for p in parts):
+        raise ValueError("zero points are merged for row groups (block (1, G)) only")
     br = first.block[0]
     if any(p.block[0] != br or p.out_features % br for p in parts):
         scales = [qref.expand_scale(p.weight_scale, (p.out_features, -(-p.in_features // p.block[1])),
@@ -152,6 +166,8 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
     merged.weight_scale = nn.Parameter(torch.cat(scales).contiguous(), requires_grad=False)
     merged.bias = (nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
                    if first.bias is not None else None)
+    merged.weight_zero_point = (nn.Parameter(torch.cat([p.weight_zero_point for p in parts]), requires_grad=False)
+                                if first.weight_zero_point is not None else None)
     start = 0
     for p in parts:
         p.__dict__.pop("_cpu_packed", None)  # the merged layer computes the parts now: no second CPU copy
@@ -161,6 +177,8 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
         p.block = merged.block
         if p.bias is not None:
             p.bias = nn.Parameter(merged.bias[start:start + rows], requires_grad=False)
+        if p.weight_zero_point is not None:
+            p.weight_zero_point = nn.Parameter(merged.weight_zero_point[start:start + rows], requires_grad=False)
         start += rows
     if merged.qweight.device.type == "cpu":
         merged.cpu_packed()
@@ -184,7 +202,7 @@ def quantize_modules(model: nn.Module, scheme: QuantScheme) -> list[str]:
             if parallel is not None and parallel.tp_size > 1:
                 raise ValueError("quantized projections are not split across tensor-parallel ranks")
             q = QuantizedLinear(child.in_features, child.out_features, child.bias is not None, scheme.method,
-                                scheme.block_for(child.in_features))
+                                scheme.block_for(child.in_features), zero_point=not scheme.symmetric)
             setattr(module, attr, q)
             replaced.append(f"{name}.{attr}" if name else attr)
     return replaced
@@ -230,5 +248,6 @@ def quantized_bytes(model: nn.Module) -> tuple[int, int]:
         if isinstance(m, QuantizedLinear):
             key = m.qweight.untyped_storage().data_ptr()
             q = m.qweight.numel() * m.qweight.element_size() + m.weight_scale.numel() * 4
+            q += m.weight_zero_point.numel() if m.weight_zero_point is not None else 0
             storages[key] = max(storages.get(key, (0, 0)), (q, m.out_features * m.in_features * dtype_size))
     return sum(q for q, _ in storages.values()), sum(f for _, f in storages.values())
