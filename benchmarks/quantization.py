@@ -70,7 +70,7 @@ from common import (
     timed,
 )
 
-METHODS = ("none", "int8", "fp8", "int4")
+METHODS = ("none", "int8", "fp8", "int4", "int4_asym")
 #: ``METHOD+head``: the method with ``quantize_lm_head`` (the LM head quantized too)
 HEAD_METHODS = tuple(f"{m}+head" for m in METHODS[1:])
 
@@ -106,14 +106,17 @@ def bench_kernels(cfg, methods, batch_sizes, device, dtype, repeats: int) -> lis
                 if method == "none":
                     args, nbytes = (F.linear, x, w), w.numel() * w.element_size()
                 else:
-                    block = qref.default_block(method, k)
-                    q, s = qref.quantize(w, method, block)
-                    nbytes = q.numel() * q.element_size() + s.numel() * s.element_size()
+                    kind = method.removesuffix("_asym")  # int4_asym: int4 with zero points
+                    block = qref.default_block(kind, k)
+                    q, s, *z = (qref.quantize(w, kind, block) if kind == method else
+                                qref.quantize_asymmetric(w, block))
+                    z = z[0] if z else None
+                    nbytes = q.numel() * q.element_size() + s.numel() * s.element_size() + (z.numel() if z is not None else 0)
                     if device.type == "cpu":
-                        packed = pack_for_cpu(q, s, method, block)
-                        args, nbytes = (quantized_linear_cpu, x, packed, q, s, method, block), packed.nbytes()
+                        packed = pack_for_cpu(q, s, kind, block, z)
+                        args, nbytes = (quantized_linear_cpu, x, packed, q, s, kind, block, None, z), packed.nbytes()
                     else:
-                        args = (quantized_linear, x, q, s, method, block)
+                        args = (quantized_linear, x, q, s, kind, block, None, z)
                 us = 1e6 * timed(lambda a=args: a[0](*a[1:]), device, repeats=repeats, warmup=2)
                 base_us = us if method == "none" else base_us
                 row = {"projection": name, "shape": f"{n}x{k}", "rows": m, "method": method, "us": us,
@@ -179,7 +182,7 @@ def bench_tune(cfg, methods, batch_sizes, device, dtype) -> list[dict]:
         for m in batch_sizes:
             x = torch.randn(m, k, device=device, dtype=dtype)
             bf16_us = graph_us([functools.partial(F.linear, x, wi) for wi in ws], device)
-            for method in [mt for mt in methods if mt != "none"]:
+            for method in [mt for mt in methods if mt in qref.QDTYPES]:  # (not int4_asym)
                 block = qref.default_block(method, k)
                 q, s = qref.quantize(w, method, block)
                 nbytes = q.numel() * q.element_size() + s.numel() * s.element_size()

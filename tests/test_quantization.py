@@ -368,11 +368,12 @@ def _check_against(path, ref, method: str, fused: bool = True):
     return ours
 
 
-@pytest.mark.parametrize("kind, method", [("llama", "int4"), ("gemma3", "fp8"), ("qwen3_moe", "int8")])
+@pytest.mark.parametrize("kind, method", [("llama", "int4"), ("gemma3", "fp8"), ("qwen3_moe", "int8"),
+                                          ("qwen3", "int4_asym")])
 def test_online_quantization_is_the_model_with_dequantized_weights(kind, method, tmp_path, cpu_reference_forward):
     """Every architecture's projections quantized at load (Gemma 3's GeGLU and sandwich norms, Qwen3-MoE's
-    attention beside its unquantized experts): HF transformers with each projection's weight replaced by
-    our dequantized one is the reference, unfused and fused."""
+    attention beside its unquantized experts, int4 with zero points): HF transformers with each projection's
+    weight replaced by our dequantized one is the reference, unfused and fused."""
     from tests.hf_reference import save_hf
 
     ref = tiny_hf_model(kind)
@@ -381,6 +382,7 @@ def test_online_quantization_is_the_model_with_dequantized_weights(kind, method,
     names = dict(ours.model.named_modules())
     quantized = [n for n, m in names.items() if isinstance(m, QuantizedLinear)]
     assert len(quantized) == ref.config.num_hidden_layers * (7 if kind != "qwen3_moe" else 4)
+    assert all((names[n].weight_zero_point is not None) == (method == "int4_asym") for n in quantized)
     with torch.no_grad():
         for n in quantized:
             ref.get_submodule(n).weight.copy_(names[n].dequantized_weight())
@@ -507,6 +509,29 @@ def test_compressed_tensors_checkpoint_loads_as_stored(preset, fmt, method, tmp_
     assert (ours.model.model.layers[0].mlp.down_proj.weight_zero_point is not None) == preset.endswith("ASYM")
 
 
+def _packed_checkpoint(path, pack, quantization_config: dict) -> nn.Module:
+    """The tiny Qwen3 saved to ``path`` with each decoder projection's weight replaced by ``pack(w)``'s tensors
+    (``pack``: float ``[N, K]`` -> ``({leaf name: tensor}, the dequantized weight)``) and ``quantization_config``
+    in its config; returns the float reference: the same model holding the dequantized weights."""
+    from safetensors.torch import save_file
+
+    model = _tiny_qwen3()
+    ref = copy.deepcopy(model)
+    state, ref_modules = {}, dict(ref.named_modules())
+    for name, w in model.state_dict().items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            prefix = name.removesuffix(".weight")
+            tensors, deq = pack(w.float())
+            state.update({f"{prefix}.{leaf}": t for leaf, t in tensors.items()})
+            ref_modules[prefix].weight.data.copy_(deq)
+        elif name != "lm_head.weight":  # tied
+            state[name] = w.contiguous()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = quantization_config
+    model.config.save_pretrained(path)
+    return ref.eval()
+
+
 def _autogptq_pack(w: torch.Tensor, group: int, zero_stored: int, sym: bool = True):
     """A projection quantized and packed the way AutoGPTQ's ``QuantLinear.pack`` writes it (its loops,
     ported: the packers of AutoGPTQ and GPTQModel need CUDA builds that do not install here). Per group of
@@ -558,26 +583,14 @@ def test_gptq_checkpoint_loads_as_stored(checkpoint_format, zero_stored, sym, tm
     as infer's int4 without a round trip through floats; the reference is the float model with each weight
     replaced by its dequantized GPTQ value. AutoGPTQ's original format stores the zero point minus one
     (modulo 16), ``gptq_v2`` stores it as is."""
-    from safetensors.torch import save_file
+    def pack(w):
+        w = w + (0.02 if not sym else 0.0)  # shifted off zero: zero points away from 8
+        qweight, qzeros, scales, g_idx, deq = _autogptq_pack(w, 32, zero_stored, sym)
+        return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}, deq
 
-    model = _tiny_qwen3()
-    ref = copy.deepcopy(model)
-    state, ref_modules = {}, dict(ref.named_modules())
-    for name, w in model.state_dict().items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            prefix = name.removesuffix(".weight")
-            w = w.float() + (0.02 if not sym else 0.0)  # shifted off zero: zero points away from 8
-            qweight, qzeros, scales, g_idx, deq = _autogptq_pack(w, 32, zero_stored, sym)
-            state.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales,
-                          f"{prefix}.g_idx": g_idx})
-            ref_modules[prefix].weight.data.copy_(deq)
-        elif name != "lm_head.weight":  # tied
-            state[name] = w.contiguous()
-    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    model.config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
-                                        "sym": sym, "checkpoint_format": checkpoint_format}
-    model.config.save_pretrained(tmp_path)
-    ours = _check_against(tmp_path, ref.eval(), "int4")
+    ref = _packed_checkpoint(tmp_path, pack, {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                                              "sym": sym, "checkpoint_format": checkpoint_format})
+    ours = _check_against(tmp_path, ref, "int4")
     down = ours.model.model.layers[0].mlp.down_proj
     assert down.weight_scale.shape == (down.out_features, down.in_features // 32)
     assert (down.weight_zero_point is None) == sym
@@ -618,24 +631,13 @@ def test_awq_checkpoint_loads_as_stored(tmp_path, cpu_reference_forward):
     """A 4-bit AWQ checkpoint (AutoAWQ's GEMM tensors and config, groups of 32) loads as infer's asymmetric
     int4 (repacked once along K); the reference is the float model with each weight replaced by its
     dequantized AWQ value."""
-    from safetensors.torch import save_file
+    def pack(w):
+        qweight, qzeros, scales, deq = _autoawq_pack(w, 32)
+        return {"qweight": qweight, "qzeros": qzeros, "scales": scales}, deq
 
-    model = _tiny_qwen3()
-    ref = copy.deepcopy(model)
-    state, ref_modules = {}, dict(ref.named_modules())
-    for name, w in model.state_dict().items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            prefix = name.removesuffix(".weight")
-            qweight, qzeros, scales, deq = _autoawq_pack(w.float(), 32)
-            state.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales})
-            ref_modules[prefix].weight.data.copy_(deq)
-        elif name != "lm_head.weight":  # tied
-            state[name] = w.contiguous()
-    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    model.config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
-                                        "version": "gemm"}
-    model.config.save_pretrained(tmp_path)
-    ours = _check_against(tmp_path, ref.eval(), "int4")
+    ref = _packed_checkpoint(tmp_path, pack, {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                              "version": "gemm"})
+    ours = _check_against(tmp_path, ref, "int4")
     down = ours.model.model.layers[0].mlp.down_proj
     assert down.weight_zero_point.shape == down.weight_scale.shape == (down.out_features, down.in_features // 32)
 

@@ -164,7 +164,9 @@ class EngineConfig(PhaseChecks):
     quantization: str = _flag("none", "weight-only quantization of the decoder's projections at load: none (the "
                               "checkpoint's weights as stored; a pre-quantized checkpoint stays quantized); int8 "
                               "(per-output-channel symmetric scales); fp8 (e4m3, per-output-channel scales); int4 "
-                              "(symmetric, one scale per group of 128 inputs). The matmul reads the quantized "
+                              "(symmetric, one scale per group of 128 inputs); int4_asym (a scale and a zero point per "
+                              "group of 128: each group's range onto the 16 codes, AWQ's layout and torchao's int4 "
+                              "default). The matmul reads the quantized "
                               "weights (Triton on CUDA; on the CPU PyTorch's weight-only kernels for int8 and int4, "
                               "a bfloat16 copy made at load for fp8)",
                               choices=QUANTIZATION_METHODS, ablation=QUANTIZATION_METHODS, phase=11)

@@ -10,7 +10,7 @@ import torch
 
 from infer.speculative_config import SpeculativeConfig
 
-QUANTIZATION_METHODS = ("none", "int8", "fp8", "int4")
+QUANTIZATION_METHODS = ("none", "int8", "fp8", "int4", "int4_asym")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
@@ -34,6 +34,10 @@ class PhaseChecks:
                 "quantization='fp8' on the CPU: no CPU kernel reads e4m3, so each projection is widened once at "
                 "load to a bfloat16 copy held beside its fp8 weight (3 bytes per weight instead of float32's 4; "
                 "decode reads the 2-byte copy). int8 and int4 are read as stored by PyTorch's CPU kernels")
+        if self.quantization == "int4_asym" and dev.type == "cpu":
+            logging.getLogger("infer").warning(
+                "quantization='int4_asym' on the CPU: PyTorch's int4 kernel is not used for weights with zero points, "
+                "so each projection keeps a bfloat16 copy made at load (the quality of int4_asym, not its speed)")
         if self.quantization == "fp8" and dev.type == "cuda" and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability(dev)
             if (major, minor) < (8, 9):

@@ -194,9 +194,8 @@ class QuantizedParams:
             if leaf != "weight":
                 raise ModelLoadError(self.source, f"unexpected tensor {name} in a float checkpoint")
             self._shape(name, t, (module.out_features, module.in_features))
-            q, s = module.quantize_weight(t.to(device=self.device, dtype=torch.float32))
-            self._put(f"{prefix}.qweight", q, module.qweight)
-            self._put(f"{prefix}.weight_scale", s, module.weight_scale)
+            for leaf, q in module.quantized_tensors(t.to(device=self.device, dtype=torch.float32)).items():
+                self._put(f"{prefix}.{leaf}", q, getattr(module, leaf))
         else:
             self._take_stored(prefix, leaf, t, module)
         return True

@@ -55,9 +55,11 @@ class QuantScheme:
 
     @classmethod
     def online(cls, method: str, group_size: int = 128) -> QuantScheme:
-        """The scheme of ``EngineConfig.quantization = method``."""
+        """The scheme of ``EngineConfig.quantization = method`` (``int4_asym``: int4 with zero points)."""
+        if method == "int4_asym":
+            return cls("int4", (1, group_size), symmetric=False)
         if method not in qref.QDTYPES:
-            raise ValueError(f"unknown quantization method {method!r} (int8, fp8 or int4)")
+            raise ValueError(f"unknown quantization method {method!r} (int8, fp8, int4 or int4_asym)")
         return cls(method, (1, group_size) if method == "int4" else (1, 0))
 
     def block_for(self, in_features: int) -> tuple[int, int]:
@@ -124,9 +126,17 @@ class QuantizedLinear(nn.Module):
         return cached[1]
 
     def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(qweight, weight_scale)`` of a float ``[out_features, in_features]`` weight (online
+        """``(qweight, weight_scale)`` of a float ``[out_features, in_features]`` weight (online symmetric
         quantization; :func:`~infer.kernels.quant_reference.quantize`), on the weight's device."""
         return qref.quantize(weight, self.method, self.block)
+
+    def quantized_tensors(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This layer's quantized parameters of a float ``[out_features, in_features]`` weight, by name (online
+        quantization): :meth:`quantize_weight`'s two, or with zero points
+        :func:`~infer.kernels.quant_reference.quantize_asymmetric`'s three."""
+        if self.weight_zero_point is None:
+            return dict(zip(("qweight", "weight_scale"), self.quantize_weight(weight)))
+        return dict(zip(("qweight", "weight_scale", "weight_zero_point"), qref.quantize_asymmetric(weight, self.block)))
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the layer multiplies by, ``[out_features, in_features]`` (a new tensor; for tests and
@@ -229,12 +239,11 @@ def quantize_lm_head(model: nn.Module, scheme: QuantScheme) -> QuantizedLinear:
         raise ValueError("a quantized LM head is not split across tensor-parallel ranks")
     with torch.device("meta"):
         q = QuantizedLinear(head.in_features, head.out_features, False, scheme.method,
-                            scheme.block_for(head.in_features))
-    qweight, scale = q.quantize_weight(head.weight.detach())
-    q.qweight = nn.Parameter(qweight, requires_grad=False)
-    q.weight_scale = nn.Parameter(scale, requires_grad=False)
+                            scheme.block_for(head.in_features), zero_point=not scheme.symmetric)
+    for name, t in q.quantized_tensors(head.weight.detach()).items():
+        setattr(q, name, nn.Parameter(t, requires_grad=False))
     model.lm_head = q
-    if qweight.device.type == "cpu":
+    if q.qweight.device.type == "cpu":
         q.cpu_packed()
     return q
 
