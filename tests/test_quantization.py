@@ -702,11 +702,11 @@ def test_benchmark_runs_at_tiny_size(tiny_llama, tmp_path):
     path = str(tiny_llama.path)
     assert bench.main(["--device", "cpu", "--model", path, "--quality-model", path, "--parts", "kernels", "quality",
                        "--batch-sizes", "1", "--repeats", "1", "--quality-tokens", "48", "--window", "16",
-                       "--methods", "none", "int8", "int4", "--kv-cache-dtypes", "fp8", "fp8-calibrated",
+                       "--methods", "none", "int8", "int4", "int4_asym", "--kv-cache-dtypes", "fp8", "fp8-calibrated",
                        "--out", str(tmp_path)]) == 0
     rep = json.loads((tmp_path / "quantization.json").read_text())
     assert {(r["projection"], r["method"]) for r in rep["kernels"]} == {
-        (p, m) for p in ("qkv", "o", "gate_up", "down") for m in ("none", "int8", "int4")}
+        (p, m) for p in ("qkv", "o", "gate_up", "down") for m in ("none", "int8", "int4", "int4_asym")}
     none, *rest = rep["quality"]
     assert none["method"] == "none" and none["top1_agreement"] == 1.0 and none["tokens"] == 47
     assert all(0 < r["perplexity"] < float("inf") and 0 <= r["top1_agreement"] <= 1 for r in rest)
