@@ -68,11 +68,14 @@ class ModelRunner:
         max_model_len: the longest sequence (tokens): sizes the block-table buffers of the CUDA
             graphs. (Which forward the model runs, fused or not, the engine chooses before it
             profiles memory: :meth:`CausalLM.set_fused_ops`.)
-        cuda_graphs: capture decode-only steps up to ``cuda_graph_max_batch_size`` sequences as
-            CUDA graphs (phase 9; :class:`~infer.engine.cuda_graphs.CUDAGraphRunner`); call
-            :meth:`capture_cuda_graphs` once the runner exists.
+        cuda_graphs: capture decode steps of up to ``cuda_graph_max_batch_size`` rows as CUDA graphs
+            (phase 9; :class:`~infer.engine.cuda_graphs.CUDAGraphRunner`; speculative decoding's verify
+            steps replay them too, every token a decode row); call :meth:`capture_cuda_graphs` once the
+            runner exists (the engine does, after its proposer is built).
         cuda_graph_prefill_max_tokens: with ``cuda_graphs``, also capture steps that prefill one
             sequence of up to this many tokens (0: none).
+        cuda_graph_mixed_max_tokens: with ``cuda_graphs``, also capture mixed steps of up to this many
+            tokens, whole (decodes and one prompt chunk) and in pieces (any other; 0: none).
         block_major: the block-major KV cache (phase 10, KV offload: one block of every layer is one
             contiguous copy; :class:`~infer.attention.KVCache`).
         pdl: launch the Triton kernels of every step, warm-up and capture with programmatic dependent
