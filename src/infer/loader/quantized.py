@@ -158,12 +158,10 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
     """AWQ's int32 ``[R, C / 8]`` (eight unsigned 4-bit values per word along C, :data:`AWQ_ORDER`) -> int8
     ``[R, C]``, each value minus 8 (infer's signed codes and zero points)."""
-    r, w = packed.shape
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    nib = ((packed.to(torch.int32)[:, :, None] >> shifts) & 0xF) - 8  # [R, C / 8, 8] by nibble
-    out = torch.empty_like(nib)
-    out[:, :, list(AWQ_ORDER)] = nib
-    return out.to(torch.int8).view(r, w * 8)
+    by_nibble = qref.unpack_int4(packed.to(torch.int32))  # column 8 c + j: nibble j of word c
+    out = torch.empty_like(by_nibble)
+    out.view(out.shape[0], -1, 8)[:, :, list(AWQ_ORDER)] = by_nibble.view(out.shape[0], -1, 8)
+    return out
 
 
 def _as_tensor(w) -> torch.Tensor:
