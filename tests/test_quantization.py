@@ -188,6 +188,40 @@ def test_gemv_tiles_wider_than_a_scale_group_and_a_partial_last_tile(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("path", ["row scale", "one group a step", "a group a word", "zero points, one group a step"])
+def test_one_row_gemv_scale_paths(method, path):
+    """The one-row GEMV (batch-1 decode: codes taken out of int32 words with bit tricks, no int->float
+    conversion) through each way it applies scales: one per row after the reduction; a group per K step
+    (64 columns inside groups of 128, and 128-row scale blocks); a group per word (steps of 128 columns
+    over groups of 16); zero points (asymmetric int4 and, as GGUF's Q4_1/Q4_K layouts give, float ones).
+    K = 328 ends in a partial step; 37 outputs over programs of 4 end in a partial program."""
+    from infer.kernels.quant_triton import quantized_linear_triton
+
+    if path.startswith("zero") and method != "int4":
+        pytest.skip("zero points are int4's")
+    g = torch.Generator().manual_seed(hash((method, path)) % 1000)
+    k = 384 if "one group" in path else 328
+    w = torch.randn(37, k, generator=g) + 0.3
+    blk, config = {"row scale": ((1, k), (1, 4, 64, 2, False)),
+                   "one group a step": ((128, 128), (1, 4, 64, 2, False)),
+                   "a group a word": ((1, 8 if method == "int4" else 16), (1, 4, 128, 2, False)),
+                   "zero points, one group a step": ((1, 128), (1, 4, 64, 2, False))}[path]
+    z = None
+    if path.startswith("zero"):
+        q, s, z = qref.quantize_asymmetric(w, blk)
+        z = z.float() + torch.rand(z.shape, generator=g) - 0.5  # float zero points
+    else:
+        q, s = qref.quantize(w, method, blk)
+    x = torch.randn(1, k, generator=g)
+    bias = torch.randn(37, generator=g)
+    ours = quantized_linear_triton(x, q, s, method, blk, bias, config=config, zero_point=z)
+    ref = qref.quantized_linear_reference(x.double(), q, s, method, blk, bias.double(), zero_point=z)
+    # int4 sums f = 1 + u / 16 in float32, then takes 16 sum f x - 24 sum x: that cancellation costs ~5 of
+    # float32's 24 bits, ~1e-4 of the terms' size here (the GPU rounds the output to bfloat16's 8 bits)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-4 if method == "int4" else 1e-5)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_triton_kernel_in_bfloat16_rounds_once(method):
     from infer.kernels.quant_triton import quantized_linear_triton
 

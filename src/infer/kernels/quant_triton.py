@@ -7,7 +7,11 @@ scales). That holds only if the kernel reads the small weights: dequantizing the
 first (and reading that) saves memory but no time. Here each program loads a tile of quantized values
 and the scale(s) that cover it, turns them into float32 in registers, and multiplies:
 
-* :func:`quantized_linear` with a few rows (decode; :func:`default_config` says how many): like
+* with one row (batch-1 decode) :func:`_quantized_gemv1_kernel`: the weight read as int32 words and each code
+  taken out with a shift and a mask into a float's mantissa, not an int->float conversion (those run at a
+  quarter of the FMA rate, and bounded the kernel below at 1.4-1.7 TB/s on an H200); it waits for the
+  previous kernel with PDL (:mod:`infer.kernels.pdl`);
+* with a few rows (decode; :func:`default_config` says how many): like
   :mod:`infer.kernels.skinny_gemm`, each program owns ``BLOCK_N`` outputs and streams their rows along
   ``K``, the next tile loaded in its stored 8 or 4 bits before the current one is used, the products
   summed per element in float32 and reduced once at the end (gpt-fast's and Marlin's int4/int8 GEMV idea,
@@ -30,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels.pdl import launch_options, wait_for_previous
 from infer.kernels.quant_reference import check_quantized, quantized_linear_reference
 from infer.kernels.triton_common import INTERPRET, manual_bf16, round_to
 
@@ -135,6 +140,81 @@ def _quantized_gemv_kernel(
 
 
 @triton.jit
+def _quantized_gemv1_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_qn, stride_sn, BR, BC,
+    METHOD: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr,
+    IN_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, STAGES: tl.constexpr,
+    MANUAL_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # One row (batch-1 decode). Grid (cdiv(N, BLOCK_N),): program j owns outputs [j * BLOCK_N, ...) and streams
+    # their rows as int32 words ([N, K / PER]: PER = 4 int8/fp8 bytes or 8 int4 nibbles, code i of word c is
+    # column PER * c + i), BLOCK_W words a step, pipelined by Triton (STAGES). The codes of word position i are
+    # taken out in registers (a static loop over i; 2-D tiles only) without an int->float conversion, which
+    # runs at a quarter of the FMA rate and bounded the GEMV before (gpt-fast's and Marlin's bit tricks):
+    # * int8: byte ^ 0x80 in the low mantissa bits of 2^23: float(2^23 + code + 128), minus that offset (exact);
+    # * int4: the nibble u = code + 8 in the top mantissa bits of 1.0: f = 1 + u / 16; sum_i code x =
+    #   16 sum_i f x - 24 sum_i x, so a code costs a shift, a mask-or and one FMA;
+    # * fp8: the hardware conversion (two codes per instruction).
+    # Each step's products T[n, c] = sum_i code x (per word) then take the scale: per row at the end
+    # (ROW_SCALE), else per row and group ((T - z sum_i x) s, one group per tile (IN_GROUP) or per word).
+    # USE_PDL: launched early (infer.kernels.pdl), it waits before its first load, then lets the next kernel launch.
+    wait_for_previous(USE_PDL)
+    PER: tl.constexpr = 8 if METHOD == 2 else 4
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, BLOCK_W)
+    kw = K // PER
+    rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
+    s_rows = (offs_n // BR).to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    for w0 in tl.range(0, kw, BLOCK_W, num_stages=STAGES):
+        wk = w0 + offs_w
+        wm = wk < kw
+        words = tl.load(rows + wk[None, :], mask=n_mask[:, None] & wm[None, :], other=0)
+        t = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        xs = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for i in tl.static_range(PER):
+            xi = tl.load(x_ptr + wk * PER + i, mask=wm, other=0.0).to(tl.float32)
+            if METHOD == 2:
+                xs += xi
+                if 4 * i <= 19:  # nibble i to bits 19..22
+                    u = words << (19 - 4 * i)
+                else:
+                    u = words >> (4 * i - 19)
+                code = ((u & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+            elif METHOD == 0:
+                if HAS_ZP or not ROW_SCALE:
+                    xs += xi
+                code = (((words >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+            else:
+                if HAS_ZP or not ROW_SCALE:
+                    xs += xi
+                code = ((words >> (8 * i)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            t += code * xi[None, :]
+        if METHOD == 2:
+            t = t * 16.0 - 24.0 * xs[None, :]
+        if ROW_SCALE:
+            acc += t
+        else:
+            if IN_GROUP:  # the step lies in one scale column
+                at = s_rows[:, None] + (w0 * PER) // BC
+                sm = n_mask[:, None]
+            else:
+                at = s_rows[:, None] + ((wk * PER) // BC)[None, :]
+                sm = n_mask[:, None] & wm[None, :]
+            if HAS_ZP:
+                t -= tl.load(z_ptr + at, mask=sm, other=0).to(tl.float32) * xs[None, :]
+            acc += t * tl.load(s_ptr + at, mask=sm, other=0.0)
+    y = tl.sum(acc, 1)
+    if ROW_SCALE:
+        y = y * tl.load(s_ptr + s_rows, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, round_to(y, y_ptr.dtype.element_ty, MANUAL_BF16), mask=n_mask)
+
+
+@triton.jit
 def _quantized_linear_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym, BR, BC,
     METHOD: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -185,17 +265,22 @@ def default_config(m: int, n: int, k: int, bc: int, method: str = "int8") -> tup
     The tiles are the best of ``benchmarks/quantization.py --parts tune`` at Qwen3-4B's shapes on an H100
     (timed in a CUDA graph, each call on its own copy of the weight), or within ~10% of the best:
 
-    * one row (batch-1 decode): the GEMV kernel (``DOT`` False), a few outputs per program and 256-512
-      columns a step, so many small programs spread the weight stream over every SM: rows of K <= 2,560
-      (QKV, gate/up) ``(8, 256, 1)``, longer rows (o, down) ``(4, 512, 4)``;
+    * one row (batch-1 decode): the one-row GEMV (:func:`_quantized_gemv1_kernel`, ``DOT`` False, ``BLOCK_M``
+      1), 1,024 columns a step in a few outputs per program, or, for wide projections (gate/up), more outputs
+      and fewer columns: int8 ``(8, 1024, 4)`` (``(16, 256, 2)`` from 16,384 outputs), fp8 ``(4, 1024, 4)``
+      (``(8, 512, 2)``), int4 ``(8, 1024, 2)`` (``(4, 1024, 2)`` under 6,144 outputs); measured on an H200
+      at Qwen3-8B's and 4B's shapes (``benchmarks/quantization.py --parts tune``);
     * up to :data:`GEMV_MAX_ROWS` rows (int4: up to :data:`GEMV_ROWS_LIMIT`): the GEMV with ``(4, 256, 2)``
       (int4 ``(2, 256, 4)``): its float32 products grow with the rows, but unpacking int4 for tensor cores
       costs more;
     * more rows: the tl.dot GEMM on :data:`GEMM_TILE` tiles (``BLOCK_K`` inside one scale column)."""
     m_pad = triton.next_power_of_2(max(m, 1))
     if m <= 1:
-        block_n, block_k, warps = (8, 256, 1) if k <= 2560 else (4, 512, 4)
-        return 1, block_n, min(block_k, max(16, triton.next_power_of_2(k))), warps, False
+        wide = n >= 16384
+        block_n, block_k, warps = {"int8": (16, 256, 2) if wide else (8, 1024, 4),
+                                   "fp8": (8, 512, 2) if wide else (4, 1024, 4),
+                                   "int4": (8 if n >= 6144 else 4, 1024, 2)}[method]
+        return 1, block_n, min(block_k, max(32, triton.next_power_of_2(k))), warps, False
     if m <= (GEMV_ROWS_LIMIT if method == "int4" else GEMV_MAX_ROWS):
         block_n, warps = (2, 4) if method == "int4" else (4, 2)
         return m_pad, block_n, min(256, max(16, triton.next_power_of_2(k))), warps, False
@@ -207,6 +292,16 @@ def default_config(m: int, n: int, k: int, bc: int, method: str = "int8") -> tup
 GEMV_MAX_ROWS = 4
 #: (BLOCK_M at least, BLOCK_N, BLOCK_K, num_warps) of the GEMM past the GEMV's rows (default_config)
 GEMM_TILE = (16, 16, 128, 4)
+
+
+def _as_words(qweight: torch.Tensor, method: str) -> torch.Tensor | None:
+    """``qweight`` as int32 words ``[N, K / 4]`` (int8, fp8: four codes a word, the first in the low byte) or as
+    stored (int4); None where its rows cannot be read so (``K % 4``, a row stride or start not on 4 bytes)."""
+    if method == "int4":
+        return qweight
+    if qweight.shape[1] % 4 or qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.storage_offset() % 4:
+        return None
+    return qweight.view(torch.int32)
 
 
 def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
@@ -252,6 +347,15 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
         _quantized_linear_kernel[grid](x2, qweight, weight_scale, z, b, y, m, n, k, x2.stride(0), qweight.stride(0),
                                        weight_scale.stride(0), y.stride(0), br, bc, BLOCK_M=bm,
                                        DOT_16BIT=x.dtype != torch.float32 and not INTERPRET, **common)
+    elif m == 1 and bm == 1 and (words := _as_words(qweight, method)) is not None and (
+            (row := bc >= k and zero_point is None) or bc % (per := 8 if method == "int4" else 4) == 0):
+        per = 8 if method == "int4" else 4
+        _quantized_gemv1_kernel[(triton.cdiv(n, bn),)](
+            x2, words, weight_scale, z, b, y, n, k, words.stride(0), weight_scale.stride(0), br, bc,
+            METHOD=common["METHOD"], HAS_ZP=common["HAS_ZP"], HAS_BIAS=common["HAS_BIAS"], ROW_SCALE=row,
+            IN_GROUP=not row and bk <= bc and bc % bk == 0, BLOCK_N=bn, BLOCK_W=max(1, bk // per),
+            STAGES=3 if method == "int8" else 1, MANUAL_BF16=common["MANUAL_BF16"], num_warps=warps,
+            **launch_options(x2))
     else:
         if bm < m or bm > GEMV_ROWS_LIMIT:
             raise ValueError(f"the GEMV form takes m <= BLOCK_M <= {GEMV_ROWS_LIMIT} rows, got m={m}, BLOCK_M={bm}")
