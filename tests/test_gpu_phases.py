@@ -105,14 +105,15 @@ def test_quantized_linear_at_qwen3_4b_shapes(method, tile):
 
 @pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
 def test_quantized_engine_replays_what_it_runs_eagerly(qwen3_4b_2l, method):
-    """Quantized weights under the fused forward, CUDA graphs and async scheduling: the tokens and
-    logprobs of the same engine without graphs and async steps, bit for bit (a graph that read a stale
-    scale or a packed weight at a moved address would differ)."""
+    """Quantized weights under the fused forward, CUDA graphs, async scheduling and PDL: the tokens and
+    logprobs of the same engine without graphs, async steps and PDL, bit for bit (a graph that read a stale
+    scale or a packed weight at a moved address, or a kernel that read its input before its PDL wait, would
+    differ)."""
     prompts = _prompts(1, (40, 7, 129), 150000)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
     eager, _ = _generate(qwen3_4b_2l, prompts, params, dtype="bfloat16", quantization=method, fused_kernels=True)
     graphs, _ = _generate(qwen3_4b_2l, prompts, params, dtype="bfloat16", quantization=method, fused_kernels=True,
-                          cuda_graphs=True, async_scheduling=True)
+                          cuda_graphs=True, async_scheduling=True, pdl=torch.cuda.get_device_capability() >= (9, 0))
     assert graphs == eager
 
 
