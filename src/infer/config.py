@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from infer.config_phases import KV_CACHE_DTYPES, QUANTIZATION_METHODS, PhaseChecks  # noqa: F401  (re-exported)
+from infer.config_phases import GGUF_WEIGHTS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, PhaseChecks  # noqa: F401  (re-exported)
 from infer.model_config import (  # noqa: F401  (re-exported: what a checkpoint is)
     LayerType,
     ModelConfig,
@@ -175,6 +175,14 @@ class EngineConfig(PhaseChecks):
                                    "the projections; needs a quantization (online or a pre-quantized checkpoint). "
                                    "The LM head is the largest single weight of a small model (SmolLM2-135M: 113 "
                                    "MB of its 538 MB in float32)", phase=11)
+    gguf_weights: str = _flag("dequantize", "GGUF checkpoints (ignored for others): quantized serves the decoder's Q8_0, "
+                              "Q4_0, Q4_1, Q4_K and Q6_K projections as stored, repacked without loss into the "
+                              "int8 / int4 layouts the quantized kernels read (Q4_1 and Q4_K with float zero points; "
+                              "other types dequantized); dequantize turns every tensor into float at load (phase 0); "
+                              "quantized saves ~3.5x of the weight memory but is not yet faster (on an H200 at batch 1 "
+                              "the GEMV over groups of 16-32 was 1.2-3.7x slower than bfloat16; on the CPU such layers "
+                              "keep a bfloat16 copy)",
+                              choices=GGUF_WEIGHTS, phase=11)
     # ---- phase 11: FP8 KV cache
     kv_cache_dtype: str = _flag("auto", "storage of the KV cache: auto (the model's dtype); fp8 or fp8_e4m3 "
                                 "(vLLM's names: float8 e4m3, one byte per value, x / scale with one float32 "

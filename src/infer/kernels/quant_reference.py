@@ -20,7 +20,9 @@ A quantized projection keeps two tensors instead of its ``[N, K]`` weight (``N``
 
 * ``weight_zero_point`` (int4 only, *asymmetric*: AWQ, GPTQ with ``sym: false``, compressed-tensors'
   ``W4A16_ASYM``): int8 ``[ceil(N / br), ceil(K / bc)]`` in ``[-8, 7]``, one per scale, and then
-  ``w[n, k] = (q[n, k] - zero_point[n // br, k // bc]) * weight_scale[...]``. A group whose weights all
+  ``w[n, k] = (q[n, k] - zero_point[n // br, k // bc]) * weight_scale[...]``. A zero point may also be
+  float32 (any value: GGUF's Q4_1 and Q4_K, whose groups store a minimum ``m`` instead, ``w = d u + m``,
+  become ``z = -m / d - 8``; :mod:`infer.loader.gguf_quant`). A group whose weights all
   lie in ``[lo, hi]`` uses all 16 codes for that range instead of for ``[-max|w|, max|w|]``: the step is
   ``(hi - lo) / 15`` instead of ``2 max|w| / 15`` (the same for a symmetric range, up to twice finer for a
   one-sided one). The formats store the zero point as an unsigned nibble ``z + 8`` (GPTQ's original format
@@ -40,12 +42,14 @@ import torch.nn.functional as F
 __all__ = ["INT8_MAX", "FP8_MAX", "INT4_MIN", "INT4_MAX", "quantize", "quantize_asymmetric", "dequantize",
            "pack_int4", "unpack_int4",
            "expand_scale", "quantized_linear_reference", "check_quantized", "qweight_shape", "scale_shape",
-           "default_block", "QDTYPES"]
+           "default_block", "QDTYPES", "ZERO_POINT_DTYPES"]
 
 INT8_MAX = 127
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 INT4_MIN, INT4_MAX = -8, 7
 QDTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.int32}
+#: the dtypes of ``weight_zero_point``: int8 codes (AWQ, GPTQ, compressed-tensors), float32 (GGUF's minimums)
+ZERO_POINT_DTYPES = (torch.int8, torch.float32)
 
 
 def default_block(method: str, in_features: int, group_size: int = 128) -> tuple[int, int]:
@@ -225,9 +229,9 @@ def check_quantized(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.
                          f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
-    if zero_point is not None and (method != "int4" or zero_point.dtype != torch.int8
+    if zero_point is not None and (method != "int4" or zero_point.dtype not in ZERO_POINT_DTYPES
                                    or tuple(zero_point.shape) != want):
-        raise ValueError(f"zero_point must be int8 {list(want)} (int4 only), got {zero_point.dtype} "
+        raise ValueError(f"zero_point must be int8 or float32 {list(want)} (int4 only), got {zero_point.dtype} "
                          f"{tuple(zero_point.shape)} for {method}")
     for name, t in (("qweight", qweight), ("weight_scale", weight_scale), ("bias", bias), ("zero_point", zero_point)):
         if t is not None and t.device != x.device:

@@ -315,7 +315,7 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
         qweight, weight_scale, method, block: as :mod:`infer.kernels.quant_reference` describes them.
         bias: ``[N]`` in ``x.dtype`` or None.
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT)``; default :func:`default_config`.
-        zero_point: int4's int8 zero points (the scale's shape; asymmetric formats), or None.
+        zero_point: int4's zero points, int8 or float32 (the scale's shape; asymmetric formats, GGUF's Q4_1 / Q4_K), or None.
 
     Returns:
         ``[..., N]`` in ``x.dtype``: float32 accumulation, one rounding to the dtype.

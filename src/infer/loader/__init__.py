@@ -9,6 +9,7 @@ dtype, one at a time, so the host never holds a float32 copy of the whole model.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from infer.config import ModelConfig, default_device, parse_dtype
+from infer.config import GGUF_WEIGHTS, ModelConfig, default_device, parse_dtype
 from infer.errors import ModelLoadError
 from infer.loader.quantized import QuantizedParams, resolve_scheme, scheme_from_hf_config
 from infer.loader.registry import DEFAULT_MODEL, SHIPPED_MODELS, resolve_model
@@ -30,6 +31,8 @@ from infer.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "SHIPPED_MODELS", "LoadedModel", "ModelLoadError", "load_model", "read_model_config",
            "resolve_model"]
+
+_log = logging.getLogger("infer")
 
 
 @dataclass
@@ -133,12 +136,15 @@ def materialize(
     total: int | None = None,
     progress: bool = True,
     scheme: QuantScheme | None = None,
+    layouts: dict[str, QuantScheme] | None = None,
 ) -> CausalLM:
     """Build the model on ``meta`` and fill it from ``(hf_name, array)`` pairs.
 
     With a quantization ``scheme`` (phase 11) the decoder's projections are built as
     :class:`~infer.models.quant.QuantizedLinear` and their tensors go through
-    :class:`~infer.loader.quantized.QuantizedParams` (quantized as they load, or stored quantized).
+    :class:`~infer.loader.quantized.QuantizedParams` (quantized as they load, or stored quantized). With
+    ``layouts`` (``{module name: scheme}``: a GGUF served quantized) only those projections are, each in its own
+    layout.
 
     Raises:
         ModelLoadError: for a missing tensor, an unexpected one, or a shape mismatch.
@@ -147,7 +153,7 @@ def materialize(
         model = MODEL_CLASSES[cfg.architecture](cfg)
         if scheme is not None:
             try:
-                quantize_modules(model, scheme)
+                quantize_modules(model, scheme, layouts)
             except ValueError as e:
                 raise ModelLoadError(source, f"cannot quantize this model with {scheme.method}: {e}") from None
     quantized = QuantizedParams(model, scheme, device, dtype, source) if scheme is not None else None
@@ -202,6 +208,42 @@ def materialize(
     return model
 
 
+def _gguf_layouts(types: dict[str, str], path: Path, gguf_weights: str, quantization: str,
+                  device: torch.device) -> dict | None:
+    """The projections a GGUF serves quantized (phase 11: ``gguf_weights``, :func:`load_model`), or None to
+    dequantize every tensor.
+
+    Raises:
+        ModelLoadError: ``"quantized"`` beside an online ``quantization`` (the blocks would be quantized twice).
+    """
+    online = quantization not in ("none", None)
+    if gguf_weights == "dequantize":
+        return None
+    if online:
+        raise ModelLoadError(path, f"gguf_weights='quantized' serves the file's own blocks; quantization="
+                             f"{quantization!r} would quantize its dequantized weights again: use one of them")
+    from infer.loader.gguf_quant import gguf_layouts
+
+    return gguf_layouts(types)
+
+
+def _gguf_head(net: CausalLM, reader, cfg: ModelConfig, path: Path, device: torch.device) -> str:
+    """``quantize_lm_head`` on a GGUF served quantized: the head in its GGUF type's layout; returns that type.
+
+    Raises:
+        ModelLoadError: the head's type has no quantized layout.
+    """
+    from infer.loader.gguf_quant import SERVED_TYPES, gguf_lm_head
+
+    head, qtype = gguf_lm_head(reader, cfg, device)
+    if head is None:
+        raise ModelLoadError(path, f"quantize_lm_head: the LM head is stored as {qtype}, which infer cannot serve "
+                             f"quantized (it serves {', '.join(SERVED_TYPES)}); use gguf_weights='dequantize' with an "
+                             "online quantization, or leave the head in float")
+    net.lm_head = head
+    return qtype
+
+
 def read_model_config(model: str | Path) -> ModelConfig:
     """The :class:`ModelConfig` of a checkpoint without loading its weights (``config.json`` or the
     GGUF header), e.g. to check a parallel layout before starting worker processes.
@@ -227,6 +269,7 @@ def load_model(
     progress: bool = True,
     quantization: str = "none",
     quantize_lm_head: bool = False,
+    gguf_weights: str = "dequantize",
 ) -> LoadedModel:
     """Load a model and its tokenizer.
 
@@ -240,7 +283,12 @@ def load_model(
             pre-quantized checkpoint stays quantized); ``"int8"``, ``"fp8"``, ``"int4"`` quantize the
             decoder's projections as they load (:mod:`infer.loader.quantized`).
         quantize_lm_head: ``EngineConfig.quantize_lm_head``: also quantize the LM head, after loading, with
-            the projections' scheme (:func:`~infer.models.quant.quantize_lm_head`).
+            the projections' scheme (:func:`~infer.models.quant.quantize_lm_head`); on a GGUF served quantized,
+            in the layout of its own GGUF type (:func:`~infer.loader.gguf_quant.gguf_lm_head`).
+        gguf_weights: ``EngineConfig.gguf_weights`` resolved (phase 11; ignored for other checkpoints):
+            ``"dequantize"`` every GGUF tensor to float (phase 0); ``"quantized"``: the decoder's Q8_0, Q4_0,
+            Q4_1, Q4_K and Q6_K projections repacked into :class:`~infer.models.quant.QuantizedLinear` layouts
+            (:mod:`infer.loader.gguf_quant`), the rest dequantized.
 
     Returns:
         A :class:`LoadedModel` (its ``model`` has no attention backend set yet; the engine
@@ -248,7 +296,10 @@ def load_model(
 
     Raises:
         ModelLoadError: naming the file and what is wrong with it.
+        ValueError: an unknown ``gguf_weights``.
     """
+    if gguf_weights not in GGUF_WEIGHTS:
+        raise ValueError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {gguf_weights!r}")
     start = time.perf_counter()
     device = torch.device(device or default_device())
     dtype = parse_dtype(dtype, device)
@@ -280,12 +331,25 @@ def load_model(
         cfg = g.model_config_from_gguf(meta, names, path)
         tokenizer = g.gguf_tokenizer(meta, path)
         scheme = resolve_scheme(quantization, None, path)
-        net = materialize(cfg, g.iter_gguf_tensors(reader, cfg, path), device, dtype, path, len(reader.tensors),
-                          progress, scheme)
+        types = g.tensor_types(reader, cfg)
+        layouts = _gguf_layouts(types, path, gguf_weights, quantization, device)
+        if layouts is not None:
+            from infer.loader.gguf_quant import GGUF_SCHEME
+
+            scheme = GGUF_SCHEME if layouts else None
+        net = materialize(cfg, g.iter_gguf_tensors(reader, cfg, path, layouts), device, dtype, path,
+                          len(reader.tensors), progress, scheme,
+                          {k: v for k, (_, v) in layouts.items()} if layouts is not None else None)
         factors = g.rope_freq_factors(reader)
         if factors is not None:
             net.inv_freq_full_attention = net.inv_freq_full_attention / torch.from_numpy(factors).to(device)
         fmt = "gguf"
+        if layouts is not None:
+            from infer.loader.gguf_quant import describe_gguf_weights
+
+            head = _gguf_head(net, reader, cfg, path, device) if quantize_lm_head else None
+            _log.info(describe_gguf_weights(types, layouts, head))
+            quantize_lm_head = False  # done, in the layout of its GGUF type
     else:  # pragma: no cover
         raise ModelLoadError(path, "not a model directory or a .gguf file")
     if quantize_lm_head:

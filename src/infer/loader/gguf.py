@@ -5,7 +5,9 @@ tokenizer's vocabulary, the chat template), a table of tensors (name, shape, qua
 type, offset) and the tensor data. Quantized tensors are stored in blocks (for example
 Q4_1: 32 weights as 4-bit integers plus a float16 scale and minimum, 20 bytes); we
 dequantize each tensor with ``gguf.quants.dequantize`` to float32 on the host, cast it to
-the target dtype and move it to the device one tensor at a time.
+the target dtype and move it to the device one tensor at a time. (Phase 11: with
+``EngineConfig.gguf_weights`` ``quantized`` the decoder's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
+projections are repacked into infer's quantized layouts instead: :mod:`infer.loader.gguf_quant`.)
 
 Two conversions are needed to reach Hugging Face's weights (docs/phases/00-weights-to-logits.md):
 
@@ -25,6 +27,7 @@ import numpy as np
 
 from infer.config import ModelConfig, RopeConfig
 from infer.errors import ModelLoadError
+from infer.loader.gguf_quant import repack
 from infer.models.gemma3 import gemma3_layer_types
 from infer.tokenizer import Tokenizer
 
@@ -208,7 +211,8 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's row permutation of a Q or K projection (``[n_head * head_dim, in]``).
+    """Undo llama.cpp's row permutation of a Q or K projection (``[n_head * head_dim, in]``; an ndarray or a
+    tensor, whose rows may be any per-row data: repacked codes, scales).
 
     llama.cpp's converter reorders each head's rows from rotate-half order (HF: pairs
     ``(i, i + d/2)``) to interleaved order (pairs ``(2i, 2i + 1)``); this is the inverse.
@@ -217,8 +221,14 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(reader, cfg: ModelConfig, source: Path) -> Iterator[tuple[str, np.ndarray]]:
+def iter_gguf_tensors(reader, cfg: ModelConfig, source: Path,
+                      layouts: dict[str, Any] | None = None) -> Iterator[tuple[str, Any]]:
     """Yield ``(hf_name, float32 ndarray)`` for every tensor the model needs, converted.
+
+    With ``layouts`` (phase 11, :func:`infer.loader.gguf_quant.gguf_layouts`: the projections served quantized,
+    by module name) those projections' blocks are not dequantized: each yields its repacked tensors instead,
+    ``(module + ".qweight", tensor)``, ``".weight_scale"`` and, for Q4_1 / Q4_K, ``".weight_zero_point"``
+    (:func:`infer.loader.gguf_quant.repack`; the rows of Llama's Q and K unpermuted alike).
 
     Raises:
         ModelLoadError: for a quantization type we cannot dequantize or a truncated tensor.
@@ -233,16 +243,32 @@ def iter_gguf_tensors(reader, cfg: ModelConfig, source: Path) -> Iterator[tuple[
             raise ModelLoadError(
                 source, f"tensor {t.name} has unsupported GGUF type {qtype} (supported: {sorted(SUPPORTED_TYPES)})"
             )
+        qk = arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
+        heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+        if layouts and (prefix := name.removesuffix(".weight")) in layouts:
+            try:
+                parts = repack(t.data, qtype)
+            except ValueError as e:
+                raise ModelLoadError(source, f"cannot repack tensor {t.name} ({qtype}): {e}") from None
+            for leaf, v in parts.items():  # a row permutation moves each row's codes, scales and zero points
+                yield f"{prefix}.{leaf}", unpermute_qk(v, heads) if qk else v
+            continue
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:  # numpy reshape errors on truncated data, NotImplementedError, ...
             raise ModelLoadError(source, f"cannot dequantize tensor {t.name} ({qtype}): {e}") from None
         w = np.asarray(w, dtype=np.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute_qk(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        if qk:
+            w = unpermute_qk(w, heads)
         if arch == "gemma3" and "norm.weight" in name:
             w = w - 1.0
         yield name, w
+
+
+def tensor_types(reader, cfg: ModelConfig) -> dict[str, str]:
+    """The GGUF type (``"Q4_K"``, ``"F32"``, ...) of every tensor the model loads, by Hugging Face name."""
+    return {name: GGMLQuantizationType(t.tensor_type).name for t in reader.tensors
+            if (name := hf_name(t.name, cfg.architecture)) is not None}
 
 
 def rope_freq_factors(reader) -> np.ndarray | None:

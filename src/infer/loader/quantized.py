@@ -28,6 +28,9 @@ checkpoints read as they are stored (no round trip through 16 bits).
   ``w = (u - zero) * scale``. Repacked once at load into infer's words along K.
 * compressed-tensors with ``symmetric: false`` (``W4A16_ASYM``): ``weight_zero_point`` int32 ``[N / 8, K / G]``,
   packed along N (nibble ``z + 8``).
+* GGUF's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K projections (``EngineConfig.gguf_weights``): repacked into infer's
+  layouts by :mod:`infer.loader.gguf_quant` (format ``"gguf"``, each module in the layout of its own type) and
+  taken here as they come.
 
 :class:`QuantizedParams` then routes each checkpoint tensor of a quantized projection to the module's
 parameters (``qweight``, ``weight_scale``), or quantizes a float ``weight`` (online).
@@ -200,7 +203,11 @@ class QuantizedParams:
 
     def _take_stored(self, prefix: str, leaf: str, t: torch.Tensor, module: QuantizedLinear) -> None:
         """One tensor of a pre-quantized checkpoint, by its name in the format."""
-        if self.scheme.format in ("gptq", "gptq_v2"):
+        if self.scheme.format == "gguf":  # repacked into infer's layout already (infer.loader.gguf_quant)
+            if leaf not in ("qweight", "weight_scale", "weight_zero_point") or getattr(module, leaf) is None:
+                raise ModelLoadError(self.source, f"unexpected tensor {prefix}.{leaf} for a GGUF projection")
+            self._put(f"{prefix}.{leaf}", t.to(self.device), getattr(module, leaf))
+        elif self.scheme.format in ("gptq", "gptq_v2"):
             self._take_gptq(prefix, leaf, t, module)
         elif self.scheme.format == "awq":
             self._take_awq(prefix, leaf, t, module)

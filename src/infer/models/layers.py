@@ -11,6 +11,7 @@ Hugging Face state dict loads without renaming.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 from infer.attention.metadata import AttentionMetadata
 from infer.config import ModelConfig, RopeConfig
 from infer.kernels.activations import ACTIVATIONS
-from infer.models.quant import QuantizedLinear, merge_quantized
+from infer.models.quant import ConcatLinear, QuantizedLinear, merge_quantized
 from infer.parallel.state import get_parallel, mark_shard, tp_rank, tp_size
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -232,8 +233,14 @@ def _merge_linears(*parts: nn.Linear) -> nn.Linear:
     """One ``nn.Linear`` whose output rows are ``parts``' rows, in order (all take the same input).
 
     Each part's weight (and bias) is re-pointed at its rows of the merged tensor, so the parts
-    keep working and the merge costs no memory beyond the copy it replaces.
+    keep working and the merge costs no memory beyond the copy it replaces. Quantized parts (phase 11)
+    go to :func:`~infer.models.quant.merge_quantized`; parts of different layouts (a GGUF's projections
+    of different types, some dequantized) become a :class:`~infer.models.quant.ConcatLinear` of each
+    run of consecutive parts of one layout, merged.
     """
+    runs = [list(run) for _, run in itertools.groupby(parts, key=_layout)]
+    if len(runs) > 1:  # phase 11: a GGUF's parts in different layouts: each run merged, the runs side by side
+        return ConcatLinear(*[_merge_linears(*run) if len(run) > 1 else run[0] for run in runs])
     if isinstance(parts[0], QuantizedLinear):  # phase 11: the quantized values and scales, concatenated
         return merge_quantized(*parts)
     weight = torch.cat([p.weight for p in parts], dim=0)
@@ -254,6 +261,11 @@ def _merge_linears(*parts: nn.Linear) -> nn.Linear:
     return merged
 
 
+def _layout(p: nn.Module) -> tuple:
+    """What parts merged into one tensor must share (:meth:`QuantizedLinear.layout`, or a float layer's input)."""
+    return p.layout() if isinstance(p, QuantizedLinear) else ("float", p.in_features, p.bias is not None)
+
+
 def set_weight_layout(linear: nn.Linear, column_major: bool) -> None:
     """Store ``linear``'s ``[out, in]`` weight row-major (PyTorch's default) or column-major
     (the same values, each *input* feature's column contiguous: a ``[in, out]`` tensor seen
@@ -263,6 +275,8 @@ def set_weight_layout(linear: nn.Linear, column_major: bool) -> None:
     one-row product (batch-1 decode) streams that layout faster: measured on a 2-core x86 machine,
     SmolLM2's per-layer weights 15.6 -> 18.0 GB/s and its 113 MB LM head 14.6 -> 25.5 GB/s.
     """
+    for part in getattr(linear, "parts", ()):  # a ConcatLinear (phase 11): its float parts
+        set_weight_layout(part, column_major)
     if not isinstance(linear, nn.Linear):  # a QuantizedLinear (phase 11) keeps its packed layout
         return
     w = linear.weight

@@ -44,7 +44,9 @@ class QuantScheme:
         format: where the scheme came from: ``"online"``, ``"fp8"`` (Hugging Face's block-wise FP8),
             ``"compressed-tensors"``, ``"gptq"`` / ``"gptq_v2"`` (4-bit GPTQ) or ``"awq"``.
         symmetric: False for int4 with a zero point per group (AWQ, GPTQ ``sym: false``, compressed-tensors'
-            ``W4A16_ASYM``): every projection then has a ``weight_zero_point``.
+            ``W4A16_ASYM``, GGUF's Q4_1 and Q4_K): every projection then has a ``weight_zero_point``.
+        zero_point_dtype: the zero points' dtype: ``torch.int8`` (integer codes), or ``torch.float32`` (GGUF's
+            minimums, ``-m / d - 8``: :mod:`infer.loader.gguf_quant`).
     """
 
     method: str
@@ -52,6 +54,7 @@ class QuantScheme:
     prequantized: bool = False
     format: str = "online"
     symmetric: bool = True
+    zero_point_dtype: torch.dtype = torch.int8
 
     @classmethod
     def online(cls, method: str, group_size: int = 128) -> QuantScheme:
@@ -71,8 +74,9 @@ class QuantizedLinear(nn.Module):
     """``y = x @ dequantize(W)^T + b`` with ``W`` stored quantized (never in 16 bits).
 
     Parameters (frozen, in the state dict): ``qweight`` and ``weight_scale`` in the layout of
-    :mod:`infer.kernels.quant_reference`, ``weight_zero_point`` (int8, the scale's shape) for asymmetric int4
-    (``zero_point=True``), and ``bias [N]`` in the model dtype when the layer has one.
+    :mod:`infer.kernels.quant_reference`, ``weight_zero_point`` (the scale's shape, ``zero_point_dtype``: int8
+    codes, or float32 for GGUF's minimums) for asymmetric int4 (``zero_point=True``), and ``bias [N]`` in the
+    model dtype when the layer has one.
 
     Shapes: ``x [..., in_features]`` -> ``[..., out_features]`` in ``x``'s dtype.
     """
@@ -83,7 +87,7 @@ class QuantizedLinear(nn.Module):
     cpu_kernels: bool = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, method: str,
-                 block: tuple[int, int], zero_point: bool = False) -> None:
+                 block: tuple[int, int], zero_point: bool = False, zero_point_dtype: torch.dtype = torch.int8) -> None:
         super().__init__()
         if method not in qref.QDTYPES:
             raise ValueError(f"unknown quantization method {method!r} (int8, fp8 or int4)")
@@ -98,7 +102,9 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         if zero_point and method != "int4":
             raise ValueError(f"zero points are for int4 weights, not {method}")
-        self.weight_zero_point = nn.Parameter(torch.empty(self.weight_scale.shape, dtype=torch.int8),
+        if zero_point_dtype not in qref.ZERO_POINT_DTYPES:
+            raise ValueError(f"zero points are int8 or float32, not {zero_point_dtype}")
+        self.weight_zero_point = nn.Parameter(torch.empty(self.weight_scale.shape, dtype=zero_point_dtype),
                                               requires_grad=False) if zero_point else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,8 +150,16 @@ class QuantizedLinear(nn.Module):
         return qref.dequantize(self.qweight, self.weight_scale, self.method, self.block, dtype, self.weight_zero_point)
 
     def extra_repr(self) -> str:
+        zp = self.weight_zero_point
         return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}, "
-                f"block={self.block}, bias={self.bias is not None}, zero_point={self.weight_zero_point is not None}")
+                f"block={self.block}, bias={self.bias is not None}, "
+                f"zero_point={str(zp.dtype).removeprefix('torch.') if zp is not None else None}")
+
+    def layout(self) -> tuple:
+        """What :func:`merge_quantized` needs equal across parts: ``(method, scale columns, in_features, bias?,
+        zero points' dtype or None)``."""
+        zp = self.weight_zero_point
+        return (self.method, self.block[1], self.in_features, self.bias is not None, zp.dtype if zp is not None else None)
 
 
 def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
@@ -154,10 +168,9 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
     row blocks (``N % br != 0``, e.g. block-wise FP8 on a small model) gets one scale row per output row
     first (the same values, repeated). The parts become views of the merged tensors."""
     first = parts[0]
-    if any(p.method != first.method or p.block[1] != first.block[1] or p.in_features != first.in_features
-           or (p.bias is None) != (first.bias is None)
-           or (p.weight_zero_point is None) != (first.weight_zero_point is None) for p in parts):
-        raise ValueError("only projections of one input, method and scale layout can be merged")
+    if any(p.layout() != first.layout() for p in parts):
+        raise ValueError("only projections of one input, method and scale layout can be merged (projections of "
+                         "different layouts: ConcatLinear)")
     if first.weight_zero_point is not None and any(p.block[0] != 1 for p in parts):
         raise ValueError("zero points are merged for row groups (block (1, G)) only")
     br = first.block[0]
@@ -195,9 +208,12 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
     return merged
 
 
-def quantize_modules(model: nn.Module, scheme: QuantScheme) -> list[str]:
+def quantize_modules(model: nn.Module, scheme: QuantScheme,
+                     layouts: dict[str, QuantScheme] | None = None) -> list[str]:
     """Replace every decoder projection (:data:`QUANTIZED_PROJECTIONS` of each layer's attention and dense
-    MLP) of ``model``, built on ``meta``, with an empty :class:`QuantizedLinear` of ``scheme``.
+    MLP) of ``model``, built on ``meta``, with an empty :class:`QuantizedLinear` of ``scheme``; with
+    ``layouts`` (``{module name: scheme}``, a GGUF's projections, each in the layout of its own type) only the
+    modules named there, each with its own scheme (the others stay ``nn.Linear``).
 
     Returns:
         The replaced modules' names (``model.layers.0.self_attn.q_proj``, ...).
@@ -206,16 +222,46 @@ def quantize_modules(model: nn.Module, scheme: QuantScheme) -> list[str]:
     for name, module in list(model.named_modules()):
         for attr in QUANTIZED_PROJECTIONS:
             child = getattr(module, attr, None)
-            if not isinstance(child, nn.Linear):
+            full = f"{name}.{attr}" if name else attr
+            if not isinstance(child, nn.Linear) or (layouts is not None and full not in layouts):
                 continue
             parallel = getattr(child, "parallel", None)
             if parallel is not None and parallel.tp_size > 1:
                 raise ValueError("quantized projections are not split across tensor-parallel ranks")
-            q = QuantizedLinear(child.in_features, child.out_features, child.bias is not None, scheme.method,
-                                scheme.block_for(child.in_features), zero_point=not scheme.symmetric)
+            s = scheme if layouts is None else layouts[full]
+            q = QuantizedLinear(child.in_features, child.out_features, child.bias is not None, s.method,
+                                s.block_for(child.in_features), zero_point=not s.symmetric,
+                                zero_point_dtype=s.zero_point_dtype)
             setattr(module, attr, q)
-            replaced.append(f"{name}.{attr}" if name else attr)
+            replaced.append(full)
     return replaced
+
+
+class ConcatLinear(nn.Module):
+    """Projections of one input whose outputs sit side by side: ``cat([part(x) for part in parts], -1)``.
+
+    The merged projection of the fused forward (phase 8's ``qkv_proj``, ``gate_up_proj``) when its parts
+    cannot share one weight tensor: a GGUF stores each projection in its own type (a Q4_K_M file has q and k
+    in Q4_K, v in Q6_K or Q8_0, some in Q5_0 that is dequantized), and each is served in the layout of its
+    type (:mod:`infer.loader.gguf_quant`). Rewriting every part into one common layout (int8 codes, groups of
+    16, float zero points) would be exact too, but would widen the 4-bit parts to 8 bits plus two float32
+    values per 16 weights: 12 bits a weight read per token instead of 4.5. Here each part keeps its bytes
+    and its kernel; ``_merge_linears`` (:mod:`infer.models.layers`) first merges each run of consecutive parts
+    of one layout, so the cost is one product per run and one concatenation.
+
+    Shapes: ``x [..., in_features]`` -> ``[..., out_features]`` (the parts' outputs, in order).
+    """
+
+    def __init__(self, *parts: nn.Module) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("the parts of a ConcatLinear must take the same input")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 @torch.no_grad()
@@ -239,7 +285,8 @@ def quantize_lm_head(model: nn.Module, scheme: QuantScheme) -> QuantizedLinear:
         raise ValueError("a quantized LM head is not split across tensor-parallel ranks")
     with torch.device("meta"):
         q = QuantizedLinear(head.in_features, head.out_features, False, scheme.method,
-                            scheme.block_for(head.in_features), zero_point=not scheme.symmetric)
+                            scheme.block_for(head.in_features), zero_point=not scheme.symmetric,
+                            zero_point_dtype=scheme.zero_point_dtype)
     for name, t in q.quantized_tensors(head.weight.detach()).items():
         setattr(q, name, nn.Parameter(t, requires_grad=False))
     model.lm_head = q
@@ -257,6 +304,7 @@ def quantized_bytes(model: nn.Module) -> tuple[int, int]:
         if isinstance(m, QuantizedLinear):
             key = m.qweight.untyped_storage().data_ptr()
             q = m.qweight.numel() * m.qweight.element_size() + m.weight_scale.numel() * 4
-            q += m.weight_zero_point.numel() if m.weight_zero_point is not None else 0
+            zp = m.weight_zero_point
+            q += zp.numel() * zp.element_size() if zp is not None else 0
             storages[key] = max(storages.get(key, (0, 0)), (q, m.out_features * m.in_features * dtype_size))
     return sum(q for q, _ in storages.values()), sum(f for _, f in storages.values())
