@@ -234,8 +234,8 @@ def test_tiny_gguf_loads_quantized_and_computes_the_dequantized_model(tiny_gguf,
 
 
 def test_tiny_gguf_on_the_cpu_kernels_and_a_quantized_lm_head(tiny_gguf, monkeypatch):
-    """The CPU forward as served (a bfloat16 copy of each layer with float zero points or int8 groups, the int4
-    kernel for Q4_0): within bfloat16's rounding of the float32 model, 2^-7 of the logits' range per layer
+    """The CPU forward as served (torch's int4 kernel for Q4_0, and for Q4_1 / Q4_K with their float zero points;
+    a bfloat16 copy for the int8 groups of Q8_0 / Q6_K): within bfloat16's rounding of the float32 model, 2^-7 of the logits' range per layer
     (quant_cpu.error_bound's relative term). quantize_lm_head: the LM head from its Q8_0 blocks, the input
     embedding keeps the float table; Q8_0 dequantizes exactly, so the float32 reference forward matches tightly."""
     ref = _load(tiny_gguf, "dequantize")
@@ -243,6 +243,7 @@ def test_tiny_gguf_on_the_cpu_kernels_and_a_quantized_lm_head(tiny_gguf, monkeyp
     scale = float(want.abs().max())
     cpu = _load(tiny_gguf, "quantized")
     assert cpu.model.model.layers[1].self_attn.q_proj.cpu_packed().kind == "int4"  # Q4_0: the int4 kernel
+    assert cpu.model.model.layers[1].self_attn.o_proj.cpu_packed().kind == "int4"  # Q4_K: float zero points too
     got = _logits(cpu)
     assert float((got - want).abs().max()) <= 2.0**-7 * len(LAYER_TYPES) * scale
     head = _load(tiny_gguf, "quantized", quantize_lm_head=True)

@@ -300,17 +300,27 @@ def test_cpu_kernels_match_the_reference(method, m, n, k, block, kinds):
     assert excess.max() <= 0, f"{packed.kind}: beyond the bound by {excess.max():.2e}"
 
 
-def test_cpu_path_of_asymmetric_int4_is_within_the_bfloat16_bound():
-    """Zero points: the CPU keeps a bfloat16 copy (torch's int4 kernel would need ``-z * scale`` in bfloat16,
-    an error on the zero term the bound does not cover); 1 row and a prefill against the float32 reference."""
+@pytest.mark.parametrize("zero_points", ["int8", "float32"])
+def test_cpu_path_of_asymmetric_int4_is_within_the_bfloat16_bound(zero_points):
+    """Zero points (int8: AWQ, asymmetric GPTQ, int4_asym; float32: GGUF's Q4_1 / Q4_K) on torch's int4 CPU
+    kernel, ``-z * scale`` as its bfloat16 zero: 1 row and a prefill against the float32 reference, within
+    the bound that counts the zero term's rounding (error_bound's ``offset``); the zero points are applied
+    (the same codes without them give another product)."""
     torch.manual_seed(5)
     q, s, z = qref.quantize_asymmetric(torch.randn(48, 128) * 0.05 + 0.02, (1, 64))
+    if zero_points == "float32":
+        z = z.float() + torch.rand(z.shape) - 0.5
     packed = pack_for_cpu(q, s, "int4", (1, 64), z)
-    assert packed.kind == "bf16"
+    assert packed.kind == "int4"
+    w = qref.dequantize(q, s, "int4", (1, 64), zero_point=z)
+    offset = qref.expand_scale(z.float() * s, w.shape, (1, 64))
     for x in (torch.randn(1, 128), torch.randn(40, 128)):
         got = quantized_linear_cpu(x, packed, q, s, "int4", (1, 64), zero_point=z)
         want = qref.quantized_linear_reference(x, q, s, "int4", (1, 64), zero_point=z)
-        assert ((got - want).abs() <= error_bound(x, qref.dequantize(q, s, "int4", (1, 64), zero_point=z))).all()
+        assert ((got - want).abs() <= error_bound(x, w, offset)).all()
+    x = torch.randn(1, 128)
+    got = quantized_linear_cpu(x, packed, q, s, "int4", (1, 64), zero_point=z)
+    assert not torch.equal(got, quantized_linear_cpu(x, pack_for_cpu(q, s, "int4", (1, 64)), q, s, "int4", (1, 64)))
 
 
 def test_cpu_layout_is_made_once_and_follows_the_weight():

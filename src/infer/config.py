@@ -180,8 +180,8 @@ class EngineConfig(PhaseChecks):
                               "int8 / int4 layouts the quantized kernels read (Q4_1 and Q4_K with float zero points; "
                               "other types dequantized); dequantize turns every tensor into float at load (phase 0); "
                               "quantized saves ~3.5x of the weight memory but is not yet faster (on an H200 at batch 1 "
-                              "the GEMV over groups of 16-32 was 1.2-3.7x slower than bfloat16; on the CPU such layers "
-                              "keep a bfloat16 copy)",
+                              "the GEMV over groups of 16-32 was 1.2-3.7x slower than bfloat16; on the CPU Q8_0 / Q6_K "
+                              "layers keep a bfloat16 copy)",
                               choices=GGUF_WEIGHTS, phase=11)
     # ---- phase 11: FP8 KV cache
     kv_cache_dtype: str = _flag("auto", "storage of the KV cache: auto (the model's dtype); fp8 or fp8_e4m3 "

@@ -42,9 +42,8 @@ class PhaseChecks:
                              "projections; use 'dequantize'")
         if dev.type == "cpu":
             logging.getLogger("infer").warning(
-                "gguf_weights='quantized' on the CPU: the Q4_1, Q4_K, Q8_0 and Q6_K projections keep a bfloat16 copy "
-                "made at load (PyTorch's CPU kernels take neither float zero points nor groups of 16 or 32 int8 "
-                "values; only Q4_0 runs on the int4 kernel): for learning and tests, not speed")
+                "gguf_weights='quantized' on the CPU: the Q8_0 and Q6_K projections keep a bfloat16 copy made at load "
+                "(PyTorch's int8 CPU kernel takes no groups of 16 or 32); Q4_0, Q4_1 and Q4_K run on its int4 kernel")
 
     def _validate_quantization(self, dev: torch.device) -> None:
         self._validate_gguf_weights(dev)
@@ -63,10 +62,6 @@ class PhaseChecks:
                 "quantization='fp8' on the CPU: no CPU kernel reads e4m3, so each projection is widened once at "
                 "load to a bfloat16 copy held beside its fp8 weight (3 bytes per weight instead of float32's 4; "
                 "decode reads the 2-byte copy). int8 and int4 are read as stored by PyTorch's CPU kernels")
-        if self.quantization == "int4_asym" and dev.type == "cpu":
-            logging.getLogger("infer").warning(
-                "quantization='int4_asym' on the CPU: PyTorch's int4 kernel is not used for weights with zero points, "
-                "so each projection keeps a bfloat16 copy made at load (the quality of int4_asym, not its speed)")
         if self.quantization == "fp8" and dev.type == "cuda" and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability(dev)
             if (major, minor) < (8, 9):

@@ -16,14 +16,16 @@ float16 input takes a scalar loop that is 5-10x slower):
 * ``int4``, one scale per group along ``K``: ``_weight_int4pack_mm_for_cpu(x, packed, group, sz)``, with
   ``packed = _convert_weight_to_int4pack_for_cpu(u, 1)`` made once from the unsigned nibbles ``u = q + 8``
   ``[N, K]`` (int32), and ``sz`` bfloat16 ``[K / group, N, 2]`` (scale, zero) per group and output. The
-  kernel computes ``w = (u - 8) * scale + zero``: our symmetric ``q * scale`` exactly, with ``zero = 0``.
+  kernel computes ``w = (u - 8) * scale + zero``: our symmetric ``q * scale`` exactly, with ``zero = 0``;
+  with zero points (AWQ, asymmetric GPTQ, ``int4_asym``, GGUF's Q4_1 / Q4_K) ``(q - z) * scale`` with
+  ``zero = -z * scale``, rounded to bfloat16 like the scale (:func:`error_bound`'s ``offset`` term).
   The packed layout (AVX2): for each block of 32 output channels and each input ``k``, 16 bytes, byte
   ``d`` holding channel ``d`` in its low nibble and channel ``d + 16`` in its high one, so one 16-byte load
   gives 32 channels' weights for one input (AVX-512: blocks of 64 channels, 32 bytes). The group must
   be 32, 64, 128 or 256 and divide ``K``: our group of 128 over SmolLM2's ``K = 576`` (4.5 groups)
   becomes torch groups of 64, each scale repeated over its two halves (exact).
 * everything else (``fp8``: no CPU kernel reads e4m3; int8 with group or block scales; int4 whose
-  shape the kernel does not take, or with zero points): the weight is dequantized **once, at load**, into a bfloat16 copy
+  shape the kernel does not take): the weight is dequantized **once, at load**, into a bfloat16 copy
   (``bf16(q * scale)``, an error of at most ``2^-9`` of each weight, far below the format's own), and
   each call is one bfloat16 ``F.linear``. Faster than float32 (half the bytes), but the memory held is
   that copy's, beside the quantized weight.
@@ -115,13 +117,14 @@ def pack_for_cpu(qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
     if method == "int8" and br == 1 and weight_scale.shape[1] == 1 and k % 8 == 0:
         return CpuPackedWeight("int8", qweight.contiguous(), scale=weight_scale.reshape(n).float().contiguous(),
                                ones=torch.ones(n, dtype=torch.bfloat16))
-    g = _int4_group(n, k, block) if method == "int4" and zero_point is None else 0
+    g = _int4_group(n, k, block) if method == "int4" else 0
     if g:
         u = qref.unpack_int4(qweight).to(torch.int32) + 8  # [N, K] in [0, 15]: the kernel's unsigned nibbles
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 1)
         cols = torch.arange(0, k, g) // bc  # our scale column of each kernel group
-        s = weight_scale[:, cols].t()  # [K / g, N]
-        sz = torch.stack([s, torch.zeros_like(s)], dim=-1).to(torch.bfloat16).contiguous()
+        s = weight_scale[:, cols].t().float()  # [K / g, N]
+        zero = -zero_point[:, cols].t().float() * s if zero_point is not None else torch.zeros_like(s)
+        sz = torch.stack([s, zero], dim=-1).to(torch.bfloat16).contiguous()
         return CpuPackedWeight("int4", packed, scales_and_zeros=sz, group_size=g)
     return CpuPackedWeight("bf16", qref.dequantize(qweight, weight_scale, method, block, torch.bfloat16,
                                                    zero_point).contiguous())
@@ -162,9 +165,14 @@ def quantized_linear_cpu(x: torch.Tensor, packed: CpuPackedWeight, qweight: torc
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def error_bound(x: torch.Tensor, weight: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
     """How far :func:`quantized_linear_cpu` may be from the float32 product ``x @ weight^T`` (``weight`` the
     dequantized float32 ``[N, K]``): ``x`` rounded to bfloat16 (``2^-9`` of each term), the bfloat16 copy
     of the weight (another ``2^-9``), the output rounded to bfloat16 (``2^-9`` of it), and float32
-    summation: ``2^-7 (|x| @ |W|^T) + 1e-6``, elementwise ``[..., N]``."""
-    return 2.0 ** -7 * (x.abs().float() @ weight.abs().float().t()) + 1e-6
+    summation: ``2^-7 (|x| @ |W|^T) + 1e-6``, elementwise ``[..., N]``.
+
+    ``offset``: with zero points, the float32 ``[N, K]`` term ``z * scale`` of each weight (``w = q * scale -
+    offset``). The int4 kernel rounds ``scale`` and ``-z * scale`` to bfloat16 apart, an error of ``2^-9 (|q
+    scale| + |z scale|) <= 2^-9 (|w| + 2 |offset|)`` per weight, so the bound takes ``|W| + 2 |offset|``."""
+    w = weight.abs().float() + (2 * offset.abs().float() if offset is not None else 0)
+    return 2.0 ** -7 * (x.abs().float() @ w.t()) + 1e-6
