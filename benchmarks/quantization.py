@@ -194,7 +194,7 @@ def bench_tune(cfg, methods, batch_sizes, device, dtype) -> list[dict]:
 
                 default = qt.default_config(m, n, k, block[1], method)
                 times = {}
-                for tile in tune_tiles(m, k, block[1]):
+                for tile in tune_tiles(m, k, block[1], method):
                     times[tile] = run(tile)
                 default_us = times.get(default) or run(default)
                 best = min(times, key=times.get)
@@ -209,20 +209,24 @@ def bench_tune(cfg, methods, batch_sizes, device, dtype) -> list[dict]:
     return rows
 
 
-def tune_tiles(m: int, k: int, bc: int) -> list[tuple[int, int, int, int, bool]]:
-    """The configs :func:`bench_tune` tries for ``m`` rows: GEMV tiles (BLOCK_N, BLOCK_K, warps from the TUNE_*
-    grids, an accumulator of 8-64 registers a thread; at most 512 columns a step past one row) and, past one
-    row, tl.dot GEMM tiles (BLOCK_M 16 or the rows padded, BLOCK_N 16-128, BLOCK_K 64 or 128 inside one
-    scale column, 2-8 warps)."""
+def tune_tiles(m: int, k: int, bc: int, method: str = "int8") -> list[tuple[int, int, int, int, bool]]:
+    """The configs :func:`bench_tune` tries for ``m`` rows. One row: the one-row GEMV's tiles (BLOCK_N up to 16,
+    BLOCK_K, warps from the TUNE_* grids, 4-64 int32 words of the weight a thread per step). More rows: GEMV tiles
+    (an accumulator of 8-64 registers a thread; at most 512 columns a step) and tl.dot GEMM tiles (BLOCK_M 16 or
+    the rows padded, BLOCK_N 16-128, BLOCK_K 64 or 128 inside one scale column, 2-8 warps)."""
     from infer.kernels.quant_triton import GEMV_ROWS_LIMIT
 
     m_pad = triton_next_pow2(m)
+    if m == 1:
+        per = 8 if method == "int4" else 4  # codes a word
+        return [(1, bn, bk, warps, False) for bn in TUNE_BLOCK_N + (16,) for bk in TUNE_BLOCK_K for warps in TUNE_WARPS
+                if 4 <= bn * bk // per // (32 * warps) <= 64 and bk <= max(256, k)]
     tiles = []
     for bn in TUNE_BLOCK_N if m <= GEMV_ROWS_LIMIT else ():
         for bk in TUNE_BLOCK_K:
             for warps in TUNE_WARPS:
                 regs = m_pad * bn * bk // (32 * warps)
-                if 8 <= regs <= 64 and bk <= max(256, k) and (m == 1 or bk <= 512):
+                if 8 <= regs <= 64 and bk <= max(256, k) and bk <= 512:
                     tiles.append((m_pad, bn, bk, warps, False))
     if m > 1:
         for bn in (16, 32, 64, 128):
