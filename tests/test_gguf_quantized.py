@@ -258,8 +258,8 @@ def test_tiny_gguf_on_the_cpu_kernels_and_a_quantized_lm_head(tiny_gguf, monkeyp
 def test_gguf_weights_resolution_and_rejected_combinations(tiny_gguf):
     """dequantize is the default; online quantization of a GGUF still works through the float weights;
     quantized beside it, with parallelism or LoRA, or unknown, is refused."""
-    assert EngineConfig(device="cpu").validate().resolved_gguf_weights() == "dequantize"
-    assert EngineConfig(device="cpu", gguf_weights="quantized").validate().resolved_gguf_weights() == "quantized"
+    assert EngineConfig(device="cpu").validate().gguf_weights == "dequantize"
+    assert EngineConfig(device="cpu", gguf_weights="quantized").validate().gguf_weights == "quantized"
     plain = _load(tiny_gguf, "dequantize")
     assert not any(isinstance(m, QuantizedLinear) for m in plain.model.modules())
     online = _load(tiny_gguf, "dequantize", quantization="int4")

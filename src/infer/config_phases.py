@@ -19,13 +19,6 @@ class PhaseChecks:
     """Validation of the quantization, KV-cache dtype and speculative-decoding fields (a mixin of
     :class:`~infer.config.EngineConfig`, whose fields it reads)."""
 
-    def resolved_gguf_weights(self) -> str:
-        """How a GGUF's projections load (``gguf_weights``; :func:`infer.loader.load_model`). ``dequantize`` is
-        the default on every device: measured on an H200 at batch 1, the quantized GEMV over GGUF's groups of
-        16-32 was slower than bfloat16 (Q4_K 1.2-1.45x, Q8_0/Q6_K 3.3-3.7x the time); ``quantized`` saves
-        ~3.5x of the weight memory."""
-        return self.gguf_weights
-
     def _validate_gguf_weights(self, dev: torch.device) -> None:
         if self.gguf_weights not in GGUF_WEIGHTS:
             raise ValueError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")

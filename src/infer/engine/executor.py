@@ -326,7 +326,7 @@ def build_runner(config: EngineConfig, state: ParallelState, runner_cls=ModelRun
     with building_for(state):
         loaded = load_model(config.model, rank_device(config, state.rank), config.resolved_dtype(), progress=progress,
                             quantization=config.quantization, quantize_lm_head=config.quantize_lm_head,
-                            gguf_weights=config.resolved_gguf_weights())
+                            gguf_weights=config.gguf_weights)
     runner = runner_cls.from_config(config, loaded, agree_num_blocks=lambda n: agree_num_blocks(state, n),
                                     **runner_kwargs)
     return loaded, runner

@@ -77,7 +77,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(
             config.model, config.resolved_device(), config.resolved_dtype(), progress=progress,
             quantization=config.quantization, quantize_lm_head=config.quantize_lm_head,
-            gguf_weights=config.resolved_gguf_weights(),
+            gguf_weights=config.gguf_weights,
         )
         self._require_tokenizer()
         config.validate_model(self.loaded.config)  # e.g. flags a hybrid model (phase 17) does not support

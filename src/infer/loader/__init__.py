@@ -208,18 +208,16 @@ def materialize(
     return model
 
 
-def _gguf_layouts(types: dict[str, str], path: Path, gguf_weights: str, quantization: str,
-                  device: torch.device) -> dict | None:
+def _gguf_layouts(types: dict[str, str], path: Path, gguf_weights: str, quantization: str) -> dict | None:
     """The projections a GGUF serves quantized (phase 11: ``gguf_weights``, :func:`load_model`), or None to
     dequantize every tensor.
 
     Raises:
         ModelLoadError: ``"quantized"`` beside an online ``quantization`` (the blocks would be quantized twice).
     """
-    online = quantization not in ("none", None)
     if gguf_weights == "dequantize":
         return None
-    if online:
+    if quantization not in ("none", None):
         raise ModelLoadError(path, f"gguf_weights='quantized' serves the file's own blocks; quantization="
                              f"{quantization!r} would quantize its dequantized weights again: use one of them")
     from infer.loader.gguf_quant import gguf_layouts
@@ -285,7 +283,7 @@ def load_model(
         quantize_lm_head: ``EngineConfig.quantize_lm_head``: also quantize the LM head, after loading, with
             the projections' scheme (:func:`~infer.models.quant.quantize_lm_head`); on a GGUF served quantized,
             in the layout of its own GGUF type (:func:`~infer.loader.gguf_quant.gguf_lm_head`).
-        gguf_weights: ``EngineConfig.gguf_weights`` resolved (phase 11; ignored for other checkpoints):
+        gguf_weights: ``EngineConfig.gguf_weights`` (phase 11; ignored for other checkpoints):
             ``"dequantize"`` every GGUF tensor to float (phase 0); ``"quantized"``: the decoder's Q8_0, Q4_0,
             Q4_1, Q4_K and Q6_K projections repacked into :class:`~infer.models.quant.QuantizedLinear` layouts
             (:mod:`infer.loader.gguf_quant`), the rest dequantized.
@@ -332,7 +330,7 @@ def load_model(
         tokenizer = g.gguf_tokenizer(meta, path)
         scheme = resolve_scheme(quantization, None, path)
         types = g.tensor_types(reader, cfg)
-        layouts = _gguf_layouts(types, path, gguf_weights, quantization, device)
+        layouts = _gguf_layouts(types, path, gguf_weights, quantization)
         if layouts is not None:
             from infer.loader.gguf_quant import GGUF_SCHEME
 
