@@ -176,20 +176,17 @@ def _quantized_gemv1_kernel(
         xs = tl.zeros([BLOCK_W], dtype=tl.float32)
         for i in tl.static_range(PER):
             xi = tl.load(x_ptr + wk * PER + i, mask=wm, other=0.0).to(tl.float32)
-            if METHOD == 2:
+            if METHOD == 2 or HAS_ZP or not ROW_SCALE:  # sum x: int4's offset, zero points, group scales
                 xs += xi
+            if METHOD == 2:
                 if 4 * i <= 19:  # nibble i to bits 19..22
                     u = words << (19 - 4 * i)
                 else:
                     u = words >> (4 * i - 19)
                 code = ((u & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
             elif METHOD == 0:
-                if HAS_ZP or not ROW_SCALE:
-                    xs += xi
                 code = (((words >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
             else:
-                if HAS_ZP or not ROW_SCALE:
-                    xs += xi
                 code = ((words >> (8 * i)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             t += code * xi[None, :]
         if METHOD == 2:
@@ -342,14 +339,14 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
     z = weight_scale  # (unread without zero points)
     if zero_point is not None:  # read with the scales' strides
         weight_scale, z = weight_scale.contiguous(), zero_point.contiguous()
+    row = bc >= k and zero_point is None  # one scale per output row, applied after the reduction
+    per = 8 if method == "int4" else 4  # codes per int32 word (the one-row GEMV)
     if dot:
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
         _quantized_linear_kernel[grid](x2, qweight, weight_scale, z, b, y, m, n, k, x2.stride(0), qweight.stride(0),
                                        weight_scale.stride(0), y.stride(0), br, bc, BLOCK_M=bm,
                                        DOT_16BIT=x.dtype != torch.float32 and not INTERPRET, **common)
-    elif m == 1 and bm == 1 and (words := _as_words(qweight, method)) is not None and (
-            (row := bc >= k and zero_point is None) or bc % (per := 8 if method == "int4" else 4) == 0):
-        per = 8 if method == "int4" else 4
+    elif m == 1 and bm == 1 and (words := _as_words(qweight, method)) is not None and (row or bc % per == 0):
         _quantized_gemv1_kernel[(triton.cdiv(n, bn),)](
             x2, words, weight_scale, z, b, y, n, k, words.stride(0), weight_scale.stride(0), br, bc,
             METHOD=common["METHOD"], HAS_ZP=common["HAS_ZP"], HAS_BIAS=common["HAS_BIAS"], ROW_SCALE=row,
@@ -361,7 +358,7 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
             raise ValueError(f"the GEMV form takes m <= BLOCK_M <= {GEMV_ROWS_LIMIT} rows, got m={m}, BLOCK_M={bm}")
         _quantized_gemv_kernel[(triton.cdiv(n, bn),)](
             x2, qweight, weight_scale, z, b, y, m, n, k, x2.stride(0), qweight.stride(0), weight_scale.stride(0),
-            y.stride(0), br, bc, M_PAD=bm, ROW_SCALE=bc >= k and zero_point is None, **common)
+            y.stride(0), br, bc, M_PAD=bm, ROW_SCALE=row, **common)
     return y.view(*x.shape[:-1], n)
 
 
