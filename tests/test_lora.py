@@ -430,20 +430,22 @@ def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
     address = inputs.buffer.data_ptr()
     a, b = torch.randn(num_slots, rank, k, generator=g).to(_DEV), torch.randn(num_slots, n, rank, generator=g).to(_DEV)
     x = torch.randn(bucket, k, generator=g).to(_DEV)
-    for slots in ([2, -1, 0, 2, 0, 1, -1, 2, 1, 0, 2, -1], [1, 1, -1, 1, 2, 0, 0]):
+    for slots in ([2, -1, 0, 2, 0, 1, -1, 2, 1, 0, 2, -1], [1, 1, -1, 1, 2, 0, 0], [-1, 2, -1, 2]):
         mapping.set(slots, _DEV)
-        assert inputs.stage() == 2 * num_slots + len(slots)
+        assert inputs.stage() == 2 * num_slots + min(num_slots, bucket) + len(slots)
         rows, starts, counts = lora_reference.group_rows_by_slot(np.array(slots), num_slots)
         assert torch.equal(static.slot_starts.cpu(), torch.from_numpy(starts))
         assert torch.equal(static.slot_counts.cpu(), torch.from_numpy(counts))
         used = int(counts.sum())
         assert torch.equal(static.sorted_rows[:used].cpu(), torch.from_numpy(rows[:used]))
+        active = sorted(set(slots) - {-1})  # the slots with rows, then -1s up to min(L, rows) entries
+        assert static.active_slots.tolist() == active + [-1] * (num_slots - len(active))
         y0 = torch.randn(bucket, n, generator=g).to(_DEV)
         y = lora_triton.add_lora(y0.clone(), x, a, b, static)
         padded = slots + [-1] * (bucket - len(slots))  # the graph's padding rows: no adapter
         torch.testing.assert_close(y.double(), _per_row(y0, x, a, b, padded, 0), rtol=1e-5, atol=1e-4)
         assert torch.equal(y[len(slots):], y0[len(slots):])
-        assert inputs.buffer.data_ptr() == address and static.sorted_rows.data_ptr() == address + 4 * 2 * num_slots
+        assert inputs.buffer.data_ptr() == address and static.sorted_rows.data_ptr() == address + 4 * 3 * num_slots
     mapping.set([-1, -1, -1], _DEV)
     assert inputs.stage() == 0 and mapping.meta is None  # no adapter: the base variant replays, nothing staged
     with pytest.raises(ValueError, match="does not fit"):
@@ -538,7 +540,9 @@ GPU_LOGPROBS = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, logpr
     dict(fused_kernels=True, async_scheduling=True),
     # decodes beside one prompt chunk: the whole mixed-step graphs' LoRA variants
     dict(fused_kernels=True, chunked_prefill=True, max_num_batched_tokens=16),
-], ids=["graphs", "graphs-fused-async", "graphs-fused-chunked"])
+    # the shrink and expand launched early (PDL, Hopper): each waits for the kernel before it
+    dict(fused_kernels=True, async_scheduling=True, pdl=True),
+], ids=["graphs", "graphs-fused-async", "graphs-fused-chunked", "graphs-fused-async-pdl"])
 def test_cuda_graphs_with_lora_give_the_eager_tokens_and_peft(lora_qwen3, engine_kw):
     """A batch of base rows and three adapters (float32, CUDA): with cuda_graphs the same tokens as the eager
     engine, its steps replaying the LoRA variants (the six prompts at once: a mixed bucket's pieces; with

@@ -38,12 +38,17 @@ class LoRAKernelMeta:
             1's, ... (ascending within a slot); the entries past ``num_lora_rows`` are 0 (unused).
         slot_starts, slot_counts: int32 ``[L]`` on the device: slot ``l``'s rows are
             ``sorted_rows[slot_starts[l] : slot_starts[l] + slot_counts[l]]``.
+        active_slots: int32 ``[A]`` on the device: the slots that have rows, ascending, then -1s. The
+            Triton kernels' grid has one column of programs per entry, not per slot: a step of ``T`` rows
+            uses at most ``min(L, T)`` adapters, and a decode step of one row one, however many slots
+            ``max_loras`` keeps (with 32 slots, one program column instead of 32, all but one of which
+            would only have found their slot empty and returned).
         segments: the same on the host: ``[(slot, start, count), ...]`` of the slots with rows.
         num_lora_rows: rows with an adapter (0: every LoRA op returns at once).
         first_rows: per segment, its first row when its rows are consecutive (``first .. first + count -
             1``: a batch of one adapter, a prompt), else -1; the plain-PyTorch path then takes slices
             instead of gathering rows.
-        static: a CUDA graph's meta (:class:`~infer.lora.graphs.LoRAGraphInputs`): the three tensors are
+        static: a CUDA graph's meta (:class:`~infer.lora.graphs.LoRAGraphInputs`): the four tensors are
             fixed buffers refilled before each replay, so the host knows neither ``segments`` (empty) nor
             ``num_lora_rows`` (set to ``num_tokens``, so no op returns early); only the Triton kernels,
             which read the groups on the device, take it.
@@ -53,6 +58,7 @@ class LoRAKernelMeta:
     sorted_rows: torch.Tensor
     slot_starts: torch.Tensor
     slot_counts: torch.Tensor
+    active_slots: torch.Tensor
     segments: list[tuple[int, int, int]]
     num_lora_rows: int
     first_rows: list[int]
@@ -83,7 +89,9 @@ def make_lora_meta(token_slots: list[int] | np.ndarray, num_slots: int, device: 
         t = torch.from_numpy(a)
         return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
-    return LoRAKernelMeta(len(slots), dev(rows), dev(starts), dev(counts), segments, int(counts.sum()), first_rows)
+    active = np.array([slot for slot, _, _ in segments], dtype=np.int32)
+    return LoRAKernelMeta(len(slots), dev(rows), dev(starts), dev(counts), dev(active), segments, int(counts.sum()),
+                          first_rows)
 
 
 def group_rows_by_slot(slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -2,17 +2,17 @@
 
 The same functions and values as :mod:`.lora_reference` (read its docstring first). Both kernels take
 the step's rows grouped by slot (:func:`~.lora_reference.make_lora_meta`) and run on a grid of
-``(row blocks, column blocks, slots)``: program ``(m, n, l)`` takes rows ``m * BLOCK_M ...`` of slot
-``l``'s segment, gathers them from ``x`` by row index, and multiplies them by one tile of slot ``l``'s
-A (shrink) or B (expand). So one tile of an adapter read from memory serves every row of that adapter
-in the step, which is Punica's SGMV (segmented gather matrix-vector; for a decode step where each
+``(row blocks, column blocks, the step's adapters)``: program ``(m, n, i)`` takes the ``i``-th slot with
+rows (``l = active_slots[i]``), its rows ``m * BLOCK_M ...``, gathers them from ``x`` by row index, and
+multiplies them by one tile of slot ``l``'s A (shrink) or B (expand). So one tile of an adapter read
+from memory serves every row of that adapter in the step, which is Punica's SGMV (segmented gather matrix-vector; for a decode step where each
 adapter has one row it is their BGMV), in the single-kernel form vLLM v1 uses for both prefill and
-decode. Programs of a slot with fewer rows than ``m * BLOCK_M`` (or none) return at once: rows
-without an adapter are in no segment and cost nothing.
+decode. Programs of a slot with fewer rows than ``m * BLOCK_M``, or past the step's adapters (an
+``active_slots`` entry of -1), return at once: rows without an adapter are in no segment and cost nothing.
 
 Two refinements for a decode step, where each adapter has a row or two (phase 16's page, Measured):
 
-* **split-K shrink** (:func:`_split_k`): the shrink's third grid axis is ``slots x split``, each program
+* **split-K shrink** (:func:`_split_k`): the shrink's third grid axis is ``adapters x split``, each program
   taking a slice of the ``in`` columns and writing a float32 partial sum; without it a single program
   streamed an adapter's whole A;
 * **the expand adds the partial sums** as it loads the shrink output, and covers a merged projection's
@@ -21,7 +21,10 @@ Two refinements for a decode step, where each adapter has a row or two (phase 16
 
 The grid depends only on ``T``, the ranks, ``in`` and ``max_loras``, never on which rows use which
 adapter (the segments are device tensors the kernels load), so a graph captured for ``T`` rows would
-replay for any adapter mix. On the CPU this runs only under ``TRITON_INTERPRET=1`` (tests).
+replay for any adapter mix. With PDL (``EngineConfig.pdl``, :mod:`infer.kernels.pdl`) each kernel loads
+the row groups and its first tile of A or B before it waits for the kernel before it, like the
+projections around it; without, the kernels after a LoRA kernel would lose their early start too. On
+the CPU this runs only under ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
@@ -31,17 +34,22 @@ import triton
 import triton.language as tl
 
 from infer.kernels.lora_reference import LoRAKernelMeta
+from infer.kernels.pdl import launch_options, wait_for_previous
 
 __all__ = ["lora_shrink", "lora_expand", "add_lora", "add_lora_stacked"]
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, K, R, K_PER_SPLIT,
+def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, active_ptr, K, R, K_PER_SPLIT,
                         stride_xm, stride_al, stride_ar, stride_os, stride_om,
                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     pid_m, pid_r, pid_ls = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot, split = pid_ls // SPLIT_K, pid_ls % SPLIT_K  # split-K: this program's slice of the K columns
+    # the grid's third axis: the step's adapters (active_slots), each split-K ways (a slice of K columns)
+    slot = tl.load(active_ptr + pid_ls // SPLIT_K)
+    split = pid_ls % SPLIT_K
+    if slot < 0:
+        return  # fewer adapters in this step than the grid has room for
     count = tl.load(counts_ptr + slot)
     if pid_m * BLOCK_M >= count:
         return  # this slot has no rows in this block
@@ -52,30 +60,39 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr,
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     a_base = a_ptr + slot.to(tl.int64) * stride_al
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    # A's first tile before the PDL wait (infer.kernels.pdl): no kernel of the step writes the adapters (nor
+    # the row groups above, staged by the host), only x, which the kernel before this one writes
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None], mask=mask_r[None, :] & (offs_k < k_end)[:, None],
+                other=0.0)  # [BLOCK_K, BLOCK_R]: A^T's tile
+    wait_for_previous(USE_PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0)
-        a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None], mask=mask_r[None, :] & mask_k[:, None],
-                    other=0.0)  # [BLOCK_K, BLOCK_R]: A^T's tile
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+                    mask=mask_m[:, None] & (offs_k < k_end)[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(x, a, input_precision="ieee")
         else:
             acc += tl.dot(x, a)
+        offs_k += BLOCK_K  # the next tile of A (nothing past k_end: the last load is masked off)
+        a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
+                    mask=mask_r[None, :] & (offs_k < k_end)[:, None], other=0.0)
     tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + offs_r[None, :], acc,
              mask=mask_m[:, None] & mask_r[None, :])
 
 
 @triton.jit
-def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, N, R, y_offset, P1, P2,
+def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, active_ptr, N, R, y_offset, P1, P2,
                         stride_ts, stride_tm, stride_bl, stride_bn, stride_ym,
                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                        BLOCK_R: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(active_ptr + tl.program_id(2))
+    if slot < 0:
+        return
     count = tl.load(counts_ptr + slot)
     if pid_m * BLOCK_M >= count:
         return
@@ -88,21 +105,27 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, N
     # a merged projection's parts (stacked B): the part of this column tile reads its own R columns of t
     part = (pid_n * BLOCK_N >= P1).to(tl.int32) + (pid_n * BLOCK_N >= P2).to(tl.int32)
     b_base = b_ptr + slot.to(tl.int64) * stride_bl
+    # B's first tile before the PDL wait, as the shrink's A; t (the shrink's) and y (the base product's)
+    # are written by the kernels before this one
+    offs_r = tl.arange(0, BLOCK_R)
+    b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=mask_n[None, :] & (offs_r < R)[:, None],
+                other=0.0)  # [BLOCK_R, BLOCK_N]: B^T's tile
+    wait_for_previous(USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < R
         t_ptrs = t_ptr + rows[:, None] * stride_tm + (part * R + offs_r)[None, :]
         t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for s in range(SPLIT_K):  # the shrink's split-K partial sums, added here in a fixed order
-            t += tl.load(t_ptrs + s * stride_ts, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=mask_n[None, :] & mask_r[:, None],
-                    other=0.0)  # [BLOCK_R, BLOCK_N]: B^T's tile
+            t += tl.load(t_ptrs + s * stride_ts, mask=mask_m[:, None] & (offs_r < R)[None, :], other=0.0)
         t = t.to(b.dtype)  # the shrink output rounded to the adapter's dtype (the reference does the same)
         if IEEE:
             acc += tl.dot(t, b, input_precision="ieee")
         else:
             acc += tl.dot(t, b)
+        offs_r += BLOCK_R  # the next tile of B (none past R: masked off)
+        b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None],
+                    mask=mask_n[None, :] & (offs_r < R)[:, None], other=0.0)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + y_offset + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -134,7 +157,7 @@ def _shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: to
     """The shrink launch: ``(out, 1)``, or ``(partial sums [split, T, R], split)`` with split-K (``out``,
     if given, is then left alone)."""
     _check(x, lora_a, "shrink")
-    num_slots, r, k = lora_a.shape
+    _, r, k = lora_a.shape
     bm, br = _block_m(meta), max(16, min(64, triton.next_power_of_2(r)))
     blocks = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(r, br))
     split = split_k or _split_k(meta.num_tokens, k, blocks[1])
@@ -144,10 +167,10 @@ def _shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: to
     if split == 1 and out is None:
         out = torch.empty(x.shape[0], r, dtype=torch.float32, device=x.device)
     dest = out if split == 1 else torch.empty(split, x.shape[0], r, dtype=torch.float32, device=x.device)
-    _lora_shrink_kernel[(*blocks, num_slots * split)](
-        x, lora_a, dest, meta.sorted_rows, meta.slot_starts, meta.slot_counts, k, r, per_split,
+    _lora_shrink_kernel[(*blocks, meta.active_slots.numel() * split)](
+        x, lora_a, dest, meta.sorted_rows, meta.slot_starts, meta.slot_counts, meta.active_slots, k, r, per_split,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), dest.stride(0) if split > 1 else 0, dest.stride(-2),
-        SPLIT_K=split, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
+        SPLIT_K=split, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, **launch_options(x))
     return dest, split
 
 
@@ -178,14 +201,14 @@ def _expand(t: torch.Tensor, split: int, lora_b: torch.Tensor, meta: LoRAKernelM
     _check(t, lora_b, "expand")
     if y.stride(-1) != 1:
         raise ValueError("lora_expand: y's last dimension must be contiguous")
-    num_slots, n, r = lora_b.shape
+    _, n, r = lora_b.shape
     bounds = [*part_starts[1:], n, n][:2]
     bm, bn, br = _block_m(meta), _block_n(part_starts, n), max(16, min(64, triton.next_power_of_2(r)))
-    grid = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(n, bn), num_slots)
-    _lora_expand_kernel[grid](t, lora_b, y, meta.sorted_rows, meta.slot_starts, meta.slot_counts, n, r, y_offset,
-                              *bounds, t.stride(0) if split > 1 else 0, t.stride(-2), lora_b.stride(0),
+    grid = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(n, bn), meta.active_slots.numel())
+    _lora_expand_kernel[grid](t, lora_b, y, meta.sorted_rows, meta.slot_starts, meta.slot_counts, meta.active_slots,
+                              n, r, y_offset, *bounds, t.stride(0) if split > 1 else 0, t.stride(-2), lora_b.stride(0),
                               lora_b.stride(1), y.stride(0), SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br,
-                              IEEE=lora_b.dtype == torch.float32)
+                              IEEE=lora_b.dtype == torch.float32, **launch_options(y))
     return y
 
 
