@@ -143,11 +143,14 @@ def decode_kernel_row(cfg, b: int, device: torch.device, fla) -> dict[str, Any]:
     conv = torch.zeros(64, c, k - 1, device=device, dtype=dtype)
     ssm = torch.zeros(64, hv, dk, dv, device=device)
     x = torch.randn(b, c, device=device, dtype=dtype)
-    g, beta = -torch.rand(b, hv, device=device), torch.rand(b, hv, device=device, dtype=dtype)
+    a, bb = torch.randn(b, hv, device=device, dtype=dtype), torch.randn(b, hv, device=device, dtype=dtype)
+    a_log, dt_bias = torch.randn(hv, device=device), torch.randn(hv, device=device)
+    g, beta = ref.gating(a, bb, a_log, dt_bias)  # fla's kernel takes them computed
     row = {"op": f"decode step, batch {b}"}
-    row["torch_us"] = timed(lambda: ref.decode_step(x, g, beta, conv, ssm, slots, has, w, nk), device, 20, 3) * 1e6
-    row["infer_triton_us"] = timed(lambda: tri.decode_step(x, g, beta, conv, ssm, slots, has, w, nk), device,
-                                   20, 3) * 1e6
+    row["torch_us"] = timed(lambda: ref.decode_step(x, a, bb, a_log, dt_bias, conv, ssm, slots, has, w, nk), device,
+                            20, 3) * 1e6
+    row["infer_triton_us"] = timed(lambda: tri.decode_step(x, a, bb, a_log, dt_bias, conv, ssm, slots, has, w, nk),
+                                   device, 20, 3) * 1e6
     if fla is not None:  # its recurrent rule alone (the convolution done beforehand), [B, T=1, H, D] inputs
         q, kk, v = (t.to(dtype)[:, None] for t in ref.split_qkv(ref.causal_conv1d_update(x, conv[:b], w)[0],
                                                                 nk, dk, hv, dv))

@@ -181,9 +181,9 @@ def test_gated_delta_decode_step_at_qwen35_4b_shapes(dtype):
     nk, hv, dk, dv, kernel, num_slots, batch = 16, 32, 128, 128, 4, 64, 8
     c = 2 * nk * dk + hv * dv
     dev = "cuda"
-    mixed = torch.randn(batch, c, generator=gen, device=dev).to(dtype)
-    g = -torch.rand(batch, hv, generator=gen, device=dev) * 2
-    beta = torch.rand(batch, hv, generator=gen, device=dev).to(dtype)
+    merged = torch.randn(batch, c + 2 * hv, generator=gen, device=dev).to(dtype)  # the fused forward's slices
+    mixed, b, a = merged[:, :c], merged[:, c:c + hv], merged[:, c + hv:]
+    a_log, dt_bias = torch.randn(hv, generator=gen, device=dev), torch.randn(hv, generator=gen, device=dev)
     weight = torch.randn(c, kernel, generator=gen, device=dev).to(dtype)
     conv = torch.randn(num_slots, c, kernel - 1, generator=gen, device=dev).to(dtype)
     ssm = torch.randn(num_slots, hv, dk, dv, generator=gen, device=dev)
@@ -191,12 +191,31 @@ def test_gated_delta_decode_step_at_qwen35_4b_shapes(dtype):
     has = torch.ones(batch, dtype=torch.bool, device=dev)
     has[1] = False  # a sequence starting from a zero state
     conv_ref, ssm_ref = conv.clone(), ssm.clone()
-    ref = gdr.decode_step(mixed, g, beta, conv_ref, ssm_ref, slots, has, weight, nk)
-    out = tri.decode_step(mixed, g, beta, conv, ssm, slots, has, weight, nk)
+    ref = gdr.decode_step(mixed, a, b, a_log, dt_bias, conv_ref, ssm_ref, slots, has, weight, nk)
+    out = tri.decode_step(mixed, a, b, a_log, dt_bias, conv, ssm, slots, has, weight, nk)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=3e-2)
     torch.testing.assert_close(out, ref, **tol)
     torch.testing.assert_close(ssm, ssm_ref, **tol)
     torch.testing.assert_close(conv, conv_ref, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gated_rms_norm_at_qwen35_4b_shapes():
+    """The one-kernel gated norm in bfloat16 at Qwen3.5-4B's shapes (32 value heads of 128), its gate a slice of
+    the merged in-projection: the reference's roundings to nearest, so nearly every value bit for bit."""
+    from infer.kernels import gated_delta_reference as gdr
+    from infer.kernels import gated_delta_triton as tri
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    t, h, dv, dev = 8, 32, 128, "cuda"
+    x = torch.randn(t, h, dv, generator=gen, device=dev) * 3
+    merged = torch.randn(t, 9 + h * dv, generator=gen, device=dev).to(torch.bfloat16)
+    gate = merged[:, 9:].view(t, h, dv)
+    weight = (torch.rand(dv, generator=gen, device=dev) + 0.5).to(torch.bfloat16)
+    out = tri.gated_rms_norm(x, gate, weight, 1e-6)
+    ref = gdr.gated_rms_norm(x, gate, weight, 1e-6)
+    assert (out == ref).float().mean() >= 0.97
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=1e-2)
 
 
 def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory):

@@ -189,17 +189,33 @@ def split_qkv(y: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: i
     return q, k, v.reshape(t, num_v_heads, head_v_dim)
 
 
-def decode_step(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
-                ssm_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, weight: torch.Tensor,
-                num_k_heads: int, scale: float | None = None) -> torch.Tensor:
-    """One decode token for each of ``B`` sequences through a Gated DeltaNet layer's mixer, from and back
-    to the sequences' state slots: :func:`causal_conv1d_update`, :func:`split_qkv`, then
-    :func:`gated_delta_step` (the plain-PyTorch twin of
-    :func:`infer.kernels.gated_delta_triton.decode_step`, which fuses each half into one kernel).
+def gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's per-head decay and write strength from the ``in_proj_a`` / ``in_proj_b`` outputs
+    (Hugging Face's Qwen3.5, Mamba-2's discretization): ``g = -exp(A_log) * softplus(a + dt_bias)``
+    (float32: the log of the decay, ``<= 0``) and ``beta = sigmoid(b)`` (``b``'s dtype).
 
     Args:
-        mixed: ``[B, C]`` the ``in_proj_qkv`` output (before the convolution).
-        g, beta: float32 / model dtype ``[B, Hv]``.
+        a, b: ``[T, Hv]``; A_log, dt_bias: ``[Hv]`` (the layer's parameters).
+
+    Returns:
+        ``(g, beta)``, each ``[T, Hv]``.
+    """
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float()), b.sigmoid()
+
+
+def decode_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+                weight: torch.Tensor, num_k_heads: int, scale: float | None = None) -> torch.Tensor:
+    """One decode token for each of ``B`` sequences through a Gated DeltaNet layer's mixer, from and back
+    to the sequences' state slots: :func:`gating`, :func:`causal_conv1d_update`, :func:`split_qkv`, then
+    :func:`gated_delta_step` (the plain-PyTorch twin of
+    :func:`infer.kernels.gated_delta_triton.decode_step`, which fuses it into two kernels).
+
+    Args:
+        mixed: ``[B, C]`` the ``in_proj_qkv`` output (before the convolution); may be a column slice of a
+            wider tensor (rows strided).
+        a, b: ``[B, Hv]`` the ``in_proj_a`` / ``in_proj_b`` outputs; A_log, dt_bias: ``[Hv]``.
         conv_state: ``[S, C, K - 1]`` one layer's conv states (all slots); updated in place.
         ssm_state: float32 ``[S, Hv, Dk, Dv]`` one layer's delta-rule states; updated in place.
         slots: int64 ``[B]`` each sequence's slot; has_state: bool ``[B]``, False for a sequence that
@@ -210,6 +226,7 @@ def decode_step(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_s
         float32 ``[B, Hv, Dv]``.
     """
     num_v_heads, dk, dv = ssm_state.shape[1:]
+    g, beta = gating(a, b, A_log, dt_bias)
     keep = has_state[:, None, None]
     conv = torch.where(keep, conv_state[slots], 0)
     ssm = torch.where(keep[..., None], ssm_state[slots], 0)
@@ -224,11 +241,12 @@ def decode_step(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_s
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The Gated DeltaNet output norm: ``rms_norm(x) * w * silu(gate)`` per head.
 
-    ``x``, ``gate``: ``[..., Dv]``; the statistics in float32, cast back to ``x.dtype`` before ``w``
-    (Hugging Face's ``Qwen3_5RMSNormGated``); returns ``[..., Dv]`` in ``x.dtype``.
+    ``x``, ``gate``: ``[..., Dv]``, ``x`` rounded to ``gate``'s dtype (the model's) first (the mixer's
+    float32 output, as Hugging Face's layer casts it); the statistics in float32, cast back before ``w``
+    (Hugging Face's ``Qwen3_5RMSNormGated``); returns ``[..., Dv]`` in ``gate``'s dtype.
     """
-    dtype = x.dtype
-    h = x.float()
+    dtype = gate.dtype
+    h = x.to(dtype).float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = weight * h.to(dtype)
     return (h * F.silu(gate.float())).to(dtype)

@@ -12,8 +12,13 @@ read by the query and stored back, in registers (flash-linear-attention's
 * :func:`causal_conv1d_update`: one program per (sequence, channel block): the ``K``-tap dot product,
   SiLU, and the state shifted by one token.
 * :func:`gated_delta_step`: one program per (sequence, value head, ``BV`` columns of the state): the
-  L2 norms of q and k, the decay, the delta-rule write and the output, with the state tile in registers.
+  gating (decay and beta from the projections' ``a`` and ``b``), the L2 norms of q and k, the decay,
+  the delta-rule write and the output, with the state tile in registers.
 * :func:`decode_step`: both, with :func:`~infer.kernels.gated_delta_reference.decode_step`'s signature.
+* :func:`gated_rms_norm`: the output norm gated by ``silu(z)``, one program per token and head.
+
+With PDL (``EngineConfig.pdl``, :mod:`infer.kernels.pdl`) each loads what no kernel of the step writes
+(the slots, the weights) before it waits for the kernel before it.
 
 Tested against the reference under ``TRITON_INTERPRET=1`` (tests/test_hybrid.py).
 """
@@ -24,17 +29,21 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels.pdl import launch_options, wait_for_previous
+
 
 @triton.jit
 def _conv_update_kernel(x_ptr, x_stride, state_ptr, st_slot, st_c, w_ptr, slots_ptr, has_ptr, out_ptr, out_stride, C,
-                        K: tl.constexpr, BC: tl.constexpr):
+                        K: tl.constexpr, BC: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     offs = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = offs < C
     slot = tl.load(slots_ptr + b).to(tl.int64)
     has = tl.load(has_ptr + b) != 0
+    w_last = tl.load(w_ptr + offs * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    wait_for_previous(USE_PDL)  # (infer.kernels.pdl) x is the projection's, just before
     x = tl.load(x_ptr + b * x_stride + offs, mask=mask, other=0.0)
-    acc = x.to(tl.float32) * tl.load(w_ptr + offs * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    acc = x.to(tl.float32) * w_last
     row = state_ptr + slot * st_slot + offs * st_c
     for j in tl.static_range(K - 1):  # state column j (oldest first) meets tap j
         s = tl.load(row + j, mask=mask & has, other=0.0)
@@ -51,7 +60,8 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     """``silu(conv)`` of one new token per sequence, shifting each sequence's slot in place.
 
     Args:
-        x: ``[B, C]``; conv_state: ``[S, C, K - 1]`` (last dim contiguous); weight: contiguous ``[C, K]``;
+        x: ``[B, C]`` (rows may be strided: a column slice of the merged in-projection); conv_state:
+        ``[S, C, K - 1]`` (last dim contiguous); weight: contiguous ``[C, K]``;
         slots: int64 ``[B]``; has_state: bool ``[B]`` (False: the slot is read as zeros).
 
     Returns:
@@ -59,37 +69,44 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     """
     b, c = x.shape
     k = weight.shape[1]
-    if k < 2 or conv_state.stride(2) != 1:
-        raise ValueError(f"need a kernel of 2+ taps and a conv state with contiguous taps, got K={k}, "
-                         f"strides {conv_state.stride()}")
-    out = torch.empty_like(x)
+    if k < 2 or conv_state.stride(2) != 1 or x.stride(1) != 1:
+        raise ValueError(f"need a kernel of 2+ taps, a conv state with contiguous taps and x with contiguous rows, "
+                         f"got K={k}, strides {conv_state.stride()} and {x.stride()}")
+    out = torch.empty(b, c, dtype=x.dtype, device=x.device)
     bc = min(256, triton.next_power_of_2(c))
     _conv_update_kernel[(b, triton.cdiv(c, bc))](x, x.stride(0), conv_state, conv_state.stride(0),
                                                   conv_state.stride(1), weight.contiguous(), slots, has_state, out,
-                                                  out.stride(0), c, K=k, BC=bc)
+                                                  out.stride(0), c, K=k, BC=bc, **launch_options(x))
     return out
 
 
 @triton.jit
-def _delta_step_kernel(y_ptr, y_stride, g_ptr, g_stride, beta_ptr, beta_stride, s_ptr, s_slot, s_head, s_k,
-                       slots_ptr, has_ptr, o_ptr, o_stride, scale, eps, KEY_DIM: tl.constexpr, REP: tl.constexpr,
-                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    b = tl.program_id(0)
+def _delta_step_kernel(y_ptr, y_stride, a_ptr, a_stride, b_ptr, b_stride, alog_ptr, dtb_ptr, s_ptr, s_slot, s_head,
+                       s_k, slots_ptr, has_ptr, o_ptr, o_stride, scale, eps, KEY_DIM: tl.constexpr, REP: tl.constexpr,
+                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_PDL: tl.constexpr):
+    seq = tl.program_id(0)
     h = tl.program_id(1)
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
     mk, mv = offs_k < DK, offs_v < DV
-    row = y_ptr + b * y_stride
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    has = tl.load(has_ptr + seq) != 0
+    decay_rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    wait_for_previous(USE_PDL)  # (infer.kernels.pdl) y is the convolution's, a and b the projection's
+    row = y_ptr + seq * y_stride
     kh = h // REP  # the key head this value head reads
     q = tl.load(row + kh * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(row + KEY_DIM + kh * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
     v = tl.load(row + 2 * KEY_DIM + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * scale  # L2 norm, then Dk ** -0.5
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
-    g = tl.load(g_ptr + b * g_stride + h).to(tl.float32)
-    beta = tl.load(beta_ptr + b * beta_stride + h).to(tl.float32)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    has = tl.load(has_ptr + b) != 0
+    # the gating (gated_delta_reference.gating): g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
+    # rounded to b's dtype as the reference's; vLLM's fused_sigmoid_gating_delta_rule_update does the same
+    a = tl.load(a_ptr + seq * a_stride + h).to(tl.float32) + dt_bias
+    g = -decay_rate * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # softplus, linear past 20 (PyTorch's)
+    braw = tl.load(b_ptr + seq * b_stride + h)
+    beta = tl.sigmoid(braw.to(tl.float32)).to(braw.dtype).to(tl.float32)
     ptrs = s_ptr + slot * s_slot + h * s_head + offs_k[:, None] * s_k + offs_v[None, :]
     m2 = mk[:, None] & mv[None, :]
     s = tl.load(ptrs, mask=m2 & has, other=0.0)  # [BK, BV]: this program's columns of S
@@ -97,40 +114,80 @@ def _delta_step_kernel(y_ptr, y_stride, g_ptr, g_stride, beta_ptr, beta_stride, 
     u = (v - tl.sum(s * k[:, None], axis=0)) * beta  # the delta: what S^T k misses of v
     s = s + k[:, None] * u[None, :]
     tl.store(ptrs, s, mask=m2)
-    tl.store(o_ptr + b * o_stride + h * DV + offs_v, tl.sum(s * q[:, None], axis=0), mask=mv)
+    tl.store(o_ptr + seq * o_stride + h * DV + offs_v, tl.sum(s * q[:, None], axis=0), mask=mv)
 
 
-def gated_delta_step(y: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
-                     slots: torch.Tensor, has_state: torch.Tensor, num_k_heads: int, scale: float | None = None,
-                     eps: float = 1e-6) -> torch.Tensor:
-    """One token of the gated delta rule per sequence, each state updated in place in its slot.
+def gated_delta_step(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     ssm_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, num_k_heads: int,
+                     scale: float | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """One token of the gated delta rule per sequence, each state updated in place in its slot, the gating
+    (:func:`~infer.kernels.gated_delta_reference.gating`) computed in the kernel.
 
     Args:
         y: ``[B, C]`` the convolution's output: ``Hk * Dk`` q channels, as many k, then ``Hv * Dv`` v.
-        g, beta: ``[B, Hv]`` (rows contiguous); ssm_state: float32 ``[S, Hv, Dk, Dv]`` (contiguous Dv).
+        a, b: ``[B, Hv]`` (contiguous columns; rows may be strided); A_log, dt_bias: ``[Hv]``;
+        ssm_state: float32 ``[S, Hv, Dk, Dv]`` (contiguous Dv).
         slots: int64 ``[B]``; has_state: bool ``[B]``.
         scale: multiplies q after its L2 norm (default ``Dk ** -0.5``).
 
     Returns:
         float32 ``[B, Hv, Dv]``.
     """
-    b = y.shape[0]
+    n = y.shape[0]
     _, hv, dk, dv = ssm_state.shape
-    if ssm_state.dtype != torch.float32 or ssm_state.stride(3) != 1 or g.stride(1) != 1 or beta.stride(1) != 1:
-        raise ValueError("need a float32 state with contiguous Dv and [B, Hv] g / beta with contiguous rows")
-    out = torch.empty(b, hv, dv, dtype=torch.float32, device=y.device)
+    if ssm_state.dtype != torch.float32 or ssm_state.stride(3) != 1 or a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("need a float32 state with contiguous Dv and [B, Hv] a / b with contiguous columns")
+    out = torch.empty(n, hv, dv, dtype=torch.float32, device=y.device)
     bk, bv = triton.next_power_of_2(dk), min(32, triton.next_power_of_2(dv))
     scale = dk ** -0.5 if scale is None else scale
-    _delta_step_kernel[(b, hv, triton.cdiv(dv, bv))](
-        y, y.stride(0), g, g.stride(0), beta, beta.stride(0), ssm_state, ssm_state.stride(0), ssm_state.stride(1),
-        ssm_state.stride(2), slots, has_state, out, out.stride(0), scale, eps, KEY_DIM=num_k_heads * dk,
-        REP=hv // num_k_heads, DK=dk, DV=dv, BK=bk, BV=bv)
+    _delta_step_kernel[(n, hv, triton.cdiv(dv, bv))](
+        y, y.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, ssm_state, ssm_state.stride(0),
+        ssm_state.stride(1), ssm_state.stride(2), slots, has_state, out, out.stride(0), scale, eps,
+        KEY_DIM=num_k_heads * dk, REP=hv // num_k_heads, DK=dk, DV=dv, BK=bk, BV=bv, **launch_options(y))
     return out
 
 
-def decode_step(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor,
-                ssm_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, weight: torch.Tensor,
-                num_k_heads: int, scale: float | None = None) -> torch.Tensor:
+def decode_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+                weight: torch.Tensor, num_k_heads: int, scale: float | None = None) -> torch.Tensor:
     """:func:`infer.kernels.gated_delta_reference.decode_step` in two kernels (same arguments, same result)."""
     y = causal_conv1d_update(mixed, conv_state, weight, slots, has_state)
-    return gated_delta_step(y, g, beta, ssm_state, slots, has_state, num_k_heads, scale)
+    return gated_delta_step(y, a, b, A_log, dt_bias, ssm_state, slots, has_state, num_k_heads, scale)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, w_ptr, o_ptr, H, eps, DV: tl.constexpr,
+                           BD: tl.constexpr, USE_PDL: tl.constexpr):
+    row = tl.program_id(0)  # one (token, head)
+    t, h = row // H, row % H
+    offs = tl.arange(0, BD)
+    m = offs < DV
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    wait_for_previous(USE_PDL)
+    dt = o_ptr.dtype.element_ty
+    x = tl.load(x_ptr + t * x_stride + h * DV + offs, mask=m, other=0.0).to(dt).to(tl.float32)
+    z = tl.load(z_ptr + t * z_stride + h * DV + offs, mask=m, other=0.0).to(tl.float32)
+    hn = (x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DV + eps))).to(dt).to(tl.float32)
+    hw = (w * hn).to(dt).to(tl.float32)  # the reference's roundings: to the model's dtype, times w in it
+    tl.store(o_ptr + row * DV + offs, (hw * (z / (1.0 + tl.exp(-z)))).to(dt), mask=m)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`infer.kernels.gated_delta_reference.gated_rms_norm` in one kernel (one program per token and
+    head) instead of the reference's eight or so elementwise ones.
+
+    Args:
+        x: ``[T, H, Dv]`` (the mixer's float32 output, contiguous heads); gate: ``[T, H, Dv]`` (rows may
+            be strided: a slice of the merged in-projection); weight: ``[Dv]``.
+
+    Returns:
+        contiguous ``[T, H, Dv]`` in ``gate``'s dtype.
+    """
+    t, h, dv = gate.shape
+    if x.shape != gate.shape or x.stride(2) != 1 or x.stride(1) != dv or gate.stride(2) != 1 or gate.stride(1) != dv:
+        raise ValueError(f"need x and gate of one shape [T, H, Dv] with contiguous heads, got {tuple(x.shape)} "
+                         f"strides {x.stride()} and {tuple(gate.shape)} strides {gate.stride()}")
+    out = torch.empty(t, h, dv, dtype=gate.dtype, device=gate.device)
+    _gated_rms_norm_kernel[(t * h,)](x, x.stride(0), gate, gate.stride(0), weight, out, h, eps, DV=dv,
+                                     BD=triton.next_power_of_2(dv), **launch_options(gate))
+    return out

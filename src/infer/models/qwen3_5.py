@@ -31,14 +31,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from infer.attention.metadata import AttentionMetadata
 from infer.config import ModelConfig
 from infer.kernels import gated_delta_reference as gdr
 from infer.models.hf_config import common_fields, eos_ids, parse_rope
-from infer.models.layers import CausalLM, GatedMLP, RMSNorm, apply_rope, rope_cos_sin
+from infer.models.layers import CausalLM, GatedMLP, RMSNorm, _merge_linears, apply_rope, rope_cos_sin
 
 
 class GatedAttention(nn.Module):
@@ -64,16 +63,36 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``; ``cos``/``sin`` ``[T, rotary_dim]``."""
-        t, d, r = x.shape[0], self.head_dim, self.rotary_dim
-        qg = self.q_proj(x).view(t, self.num_heads, 2 * d)
+        return self.o_proj(self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, meta))
+
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                      ops) -> torch.Tensor:
+        """:meth:`forward` with q (and gate), k and v from one merged projection (:meth:`merge_qkv`) and both
+        products through ``ops.linear`` (phase 8: on a GPU the skinny GEMM for a decode step's rows)."""
+        qkv = ops.linear(x, self.qkv_proj)
+        nq, nk = self.q_proj.out_features, self.k_proj.out_features
+        o = self._attend(qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:], cos, sin, meta)
+        return ops.linear(o, self.o_proj)
+
+    def merge_qkv(self) -> None:
+        """One ``qkv_proj`` (rows: q and its gate, k, v); the parts become views of it. Idempotent."""
+        if not hasattr(self, "qkv_proj"):
+            self.qkv_proj = _merge_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def _attend(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The projections' outputs (``[T, Hq * 2D]``, ``[T, Hkv * D]`` twice; rows may be strided) to the
+        gated attention output ``[T, Hq * D]``, before ``o_proj``."""
+        t, d, r = qg.shape[0], self.head_dim, self.rotary_dim
+        qg = qg.view(t, self.num_heads, 2 * d)
         q, gate = self.q_norm(qg[..., :d]), qg[..., d:].reshape(t, self.num_heads * d)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
-        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        k = self.k_norm(k.view(t, self.num_kv_heads, d))
+        v = v.view(t, self.num_kv_heads, d)
         qk = torch.cat((q, k), dim=1)
         qk = torch.cat((apply_rope(qk[..., :r], cos, sin), qk[..., r:]), dim=-1)  # partial RoPE
         q, k = qk[:, : self.num_heads].contiguous(), qk[:, self.num_heads :].contiguous()
         o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, None)
-        return self.o_proj(o.reshape(t, self.num_heads * d) * torch.sigmoid(gate))
+        return o.reshape(t, self.num_heads * d) * torch.sigmoid(gate)
 
 
 class GatedDeltaNet(nn.Module):
@@ -91,7 +110,7 @@ class GatedDeltaNet(nn.Module):
         if self.nv % self.nk:
             raise ValueError(f"linear_num_value_heads ({self.nv}) must be a multiple of linear_num_key_heads ({self.nk})")
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
-        conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_dim = conv_dim = 2 * self.key_dim + self.value_dim
         self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)
         self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(h, self.nv, bias=False)
@@ -106,15 +125,29 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``x [T, hidden]`` (every sequence's new tokens) -> ``[T, hidden]``."""
         t = x.shape[0]
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(t, self.nv, self.dv)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        core = self.mix(mixed, g, beta, meta).to(x.dtype)
-        o = gdr.gated_rms_norm(core, z, self.norm.weight, self.norm.eps)
+        core = self.mix(self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x), meta)
+        o = self.decode_ops.gated_rms_norm(core, self.in_proj_z(x).view(t, self.nv, self.dv), self.norm.weight,
+                                           self.norm.eps)
         return self.out_proj(o.reshape(t, self.value_dim))
 
-    def mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward_fused(self, x: torch.Tensor, meta: AttentionMetadata, ops) -> torch.Tensor:
+        """:meth:`forward` with the four in-projections as one (:meth:`merge_in_proj`) and both products
+        through ``ops.linear`` (phase 8: on a GPU the skinny GEMM for a decode step's rows): a decode step
+        of this layer is then four launches, the projection, the convolution, the delta rule (its gating
+        inside) and the gated norm, before ``out_proj``."""
+        t, c, vd, nv = x.shape[0], self.conv_dim, self.value_dim, self.nv
+        p = ops.linear(x, self.in_proj)  # [T, C | Hv Dv | Hv | Hv]: qkv, z, b, a
+        core = self.mix(p[:, :c], p[:, c + vd + nv:], p[:, c + vd:c + vd + nv], meta)
+        o = self.decode_ops.gated_rms_norm(core, p[:, c:c + vd].view(t, nv, self.dv), self.norm.weight, self.norm.eps)
+        return ops.linear(o.reshape(t, vd), self.out_proj)
+
+    def merge_in_proj(self) -> None:
+        """One ``in_proj`` whose output columns are ``in_proj_qkv``'s, ``in_proj_z``'s, ``in_proj_b``'s and
+        ``in_proj_a``'s (all read the same ``x``); the parts become views of it. Idempotent."""
+        if not hasattr(self, "in_proj"):
+            self.in_proj = _merge_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
+    def mix(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The short convolution and the gated delta rule over every sequence of the step, each from its
         slot's state (zeros for a sequence whose first new position is 0), writing the state back.
 
@@ -126,6 +159,10 @@ class GatedDeltaNet(nn.Module):
         flags once from the host's positions, a CUDA graph's decode step provides them from its static
         buffers (:class:`~infer.engine.cuda_graphs.CUDAGraphRunner`), so the decode path reads nothing
         on the host and can be captured.
+
+        ``a`` and ``b`` are the ``in_proj_a`` / ``in_proj_b`` outputs: the decode step computes each
+        token's decay and beta from them itself (:func:`~infer.kernels.gated_delta_reference.gating`),
+        the prefills from :func:`~infer.kernels.gated_delta_reference.gating`'s output.
 
         Prefix caching (:mod:`infer.engine.state_snapshots`): a sequence that starts from a snapshot
         (``meta.state_restores``) has it copied into its slot first; a prefill is split at the offsets of
@@ -139,8 +176,9 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0]
         first = meta.first_positions()
         starts = meta.query_start_loc_cpu
-        out = torch.empty(mixed.shape[0], self.nv, self.dv, dtype=torch.float32, device=mixed.device)
         nd = meta.num_decodes if cache is not None else 0
+        out = None if nd == mixed.shape[0] else torch.empty(mixed.shape[0], self.nv, self.dv, dtype=torch.float32,
+                                                            device=mixed.device)
         snapshots = meta.state_snapshots if cache is not None else None
         for i, src in enumerate(meta.state_restores or ()):  # a prefix hit: the state at its end
             if src >= 0:
@@ -150,25 +188,31 @@ class GatedDeltaNet(nn.Module):
             if has_state is None:  # once per step: False for a one-token prompt (its slot holds leftovers)
                 has_state = meta.scratch["decode_has_state"] = torch.tensor(
                     [p > 0 for p in first[:nd]], device=mixed.device)
-            out[:nd] = self.decode_ops.decode_step(mixed[:nd], g[:nd], beta[:nd], cache.conv[idx], cache.ssm[idx],
-                                                   meta.state_slots[:nd], has_state, weight, self.nk)
+            decoded = self.decode_ops.decode_step(mixed[:nd], a[:nd], b[:nd], self.A_log, self.dt_bias, cache.conv[idx],
+                                                  cache.ssm[idx], meta.state_slots[:nd], has_state, weight, self.nk)
+            if out is None:  # a decode step: its rows are the whole output (no copy)
+                out = decoded
+            else:
+                out[:nd] = decoded
             for i in range(nd) if snapshots else ():  # a decode that ends a stride: a copy of its slot
                 for _, snap in snapshots[i]:
                     if snap >= 0:
                         self._copy_state(cache, meta.state_slots_cpu[i], snap)
+        if nd < meta.num_seqs:  # prefills: the decay and beta of every row (the decodes' unused)
+            g, beta = gdr.gating(a, b, self.A_log, self.dt_bias)
         for i in range(nd, meta.num_seqs):
-            a, b = starts[i], starts[i + 1]
+            lo, hi = starts[i], starts[i + 1]
             slot = meta.state_slots_cpu[i] if cache is not None else None
             resume = cache is not None and first[i] > 0  # a later chunk, or a decode
             conv = cache.conv[idx, slot] if resume else None
             ssm = cache.ssm[idx, slot] if resume else None
             done = 0
-            for end, snap in [*(snapshots[i] if snapshots else ()), (b - a, -1)]:  # segments between snapshots
+            for end, snap in [*(snapshots[i] if snapshots else ()), (hi - lo, -1)]:  # segments between snapshots
                 if end > done:
-                    y, conv = gdr.causal_conv1d(mixed[a + done : a + end], weight, conv)
+                    y, conv = gdr.causal_conv1d(mixed[lo + done : lo + end], weight, conv)
                     q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
-                    out[a + done : a + end], ssm = gdr.chunk_gated_delta_rule(
-                        q, k, v, g[a + done : a + end], beta[a + done : a + end], ssm)
+                    out[lo + done : lo + end], ssm = gdr.chunk_gated_delta_rule(
+                        q, k, v, g[lo + done : lo + end], beta[lo + done : lo + end], ssm)
                     done = end
                 if snap >= 0:
                     cache.conv[idx, snap] = conv
@@ -205,11 +249,12 @@ class Qwen3_5DecoderLayer(nn.Module):
     def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, cos, sin, meta: AttentionMetadata,
                       ops) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` with each norm fused with the residual add (``ops.add_rms_norm``: the stream
-        travels beside ``h``, as in :meth:`CausalLM.forward_fused`) and the fused MLP; the mixer as in
-        :meth:`forward`. Returns ``(h, residual)``, whose sum is the layer's output."""
+        travels beside ``h``, as in :meth:`CausalLM.forward_fused`), the fused MLP and the mixer's merged
+        projections (its ``forward_fused``). Returns ``(h, residual)``, whose sum is the layer's output."""
         norm = self.input_layernorm
         x, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)
-        h = self.linear_attn(x, meta) if self.is_linear else self.self_attn(x, cos, sin, meta)
+        h = (self.linear_attn.forward_fused(x, meta, ops) if self.is_linear
+             else self.self_attn.forward_fused(x, cos, sin, meta, ops))
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)
         return self.mlp.forward_fused(x, ops), residual
@@ -234,15 +279,20 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def set_fused_ops(self, ops, max_positions: int = 0) -> None:
         """``fused_kernels`` (phase 8) for the hybrid: every RMSNorm fused with its residual add, each MLP's
-        gate and up in one GEMM and ``silu(gate) * up`` in one kernel, and the LM head through
-        ``ops.linear`` (one-row products in the skinny GEMM on a GPU). The mixers keep their own
-        projections: the gated attention's interleaved query / gate heads and partial RoPE, and the
-        Gated DeltaNet's in-projections, are not what the fused attention kernels take. (No column-major
-        CPU layout here: the plain-PyTorch products take the weights as they are.)"""
+        gate and up in one GEMM and ``silu(gate) * up`` in one kernel, each mixer's input projections
+        merged into one (the gated attention's q / gate, k, v; the Gated DeltaNet's qkv, z, b, a), and
+        every projection and the LM head through ``ops.linear`` (one-row products in the skinny GEMM on a
+        GPU). The gated attention's interleaved query / gate heads and partial RoPE are not what the fused
+        QK-norm + RoPE kernel takes: they keep their PyTorch steps. (No column-major CPU layout here: the
+        plain-PyTorch products take the weights as they are.)"""
         self.ops = ops
         if ops is not None:
             for layer in self.model.layers:
                 layer.mlp.merge_gate_up()
+                if layer.is_linear:
+                    layer.linear_attn.merge_in_proj()
+                else:
+                    layer.self_attn.merge_qkv()
 
     def set_attention_backend(self, backend) -> None:
         """The attention layers' backend; the Gated DeltaNet layers' decode step follows it (the Triton
