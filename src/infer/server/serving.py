@@ -223,6 +223,14 @@ async def merged_outputs(streams: Streams) -> AsyncIterator[tuple[int, RequestOu
     Raises:
         RequestFailed / EngineDead: a stream ended with it (the others are then aborted).
     """
+    if len(streams) == 1:  # one request (most): read it here, without a pump task and its queue, whose
+        # hop would cost every token one more turn of the event loop
+        try:
+            async for out in outputs_of(*streams[0]):
+                yield 0, out
+        finally:
+            await close_streams([], streams)
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, gen, first):
