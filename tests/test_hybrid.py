@@ -42,6 +42,21 @@ def test_recurrent_and_chunked_forms_agree():
     torch.testing.assert_close(s2, s_rec, atol=2e-5, rtol=1e-5)
 
 
+def test_chunked_form_returns_the_states_at_chunk_ends():
+    """``states_out``: the states after 0, 64 and 128 of 150 tokens from one chunked pass (prefix caching's
+    snapshots) equal the recurrent form's after as many tokens; a count off the chunks is refused."""
+    q, k, v, g, beta, s0 = _rule_inputs(150, 3, 16, 8, seed=4)
+    states = {0: None, 64: None, 128: None}
+    _, last = gdr.chunk_gated_delta_rule(q, k, v, g, beta, s0, states_out=states)
+    for n in (64, 128):
+        _, want = gdr.recurrent_gated_delta_rule(q[:n], k[:n], v[:n], g[:n], beta[:n], s0)
+        torch.testing.assert_close(states[n], want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(states[0], s0)
+    torch.testing.assert_close(last, gdr.recurrent_gated_delta_rule(q, k, v, g, beta, s0)[1], atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        gdr.chunk_gated_delta_rule(q, k, v, g, beta, s0, states_out={48: None})
+
+
 def test_conv1d_update_steps_equal_the_prefill_convolution():
     """The same tokens one at a time from a zero state (batched over two rows) equal the prefill form, and
     so does the prefill split in two calls (the state carries the last K - 1 inputs across)."""
@@ -338,6 +353,26 @@ def test_prefix_hits_restore_snapshots_and_equal_a_cold_run(tiny_qwen35):
     families = {f.name: f.samples[0].value for f in SchedulerCollector(engine.scheduler, "m").collect()}
     assert (families["infer:prefix_cache_snapshot_hits"], families["infer:prefix_cache_snapshots_stored"],
             families["infer:prefix_cache_snapshots_evicted"]) == (4, 8, 1)
+
+
+def test_snapshots_on_chunk_ends_come_from_one_pass_and_equal_a_cold_run(tiny_qwen35):
+    """A 64-token stride (a multiple of the chunked form's 64-token chunks): a whole prompt's prefill runs
+    as one pass that takes its snapshots on the way. A 150-token prompt, then prompts sharing 140 and 70
+    tokens of it: each hit is cut back to the snapshot at 128 or 64, and every greedy output equals an
+    engine's without prefix caching."""
+    from infer.sampling import SamplingParams
+    from tests.test_batching import make_engine
+
+    loaded, _ = tiny_qwen35
+    flags = dict(max_model_len=256, max_num_seqs=4, batching="continuous", kv_cache="paged", block_size=8)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    p = HYBRID_PREFIX + HYBRID_PREFIX[::-1] + [5] * 10
+    prompts = [p, p[:140] + [1, 2, 3], p[:70] + [4, 5]]
+    cold = _one_at_a_time(make_engine(loaded, **flags), prompts, params)
+    warm = _one_at_a_time(make_engine(loaded, prefix_caching=True, state_snapshot_stride=64, **flags), prompts,
+                          params)
+    assert [w[0] for w in warm] == [c[0] for c in cold]
+    assert [w[1] for w in warm] == [0, 128, 64]
 
 
 def test_snapshot_pool_stress_eviction_preemption_abort(tiny_qwen35):

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+CHUNK_SIZE = 64  # tokens per chunk of chunk_gated_delta_rule (flash-linear-attention's default too)
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2, last dim) + eps)`` (flash-linear-attention's and Hugging Face's form)."""
@@ -126,7 +128,8 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            initial_state: torch.Tensor | None = None, scale: float | None = None,
-                           chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk_size: int = CHUNK_SIZE, states_out: dict[int, torch.Tensor] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over one sequence, ``chunk_size`` tokens at a time (the prefill form).
 
     Inside a chunk, with ``G_t = exp(g_1 + ... + g_t)`` (decay since the chunk's start) and ``S0`` the
@@ -143,7 +146,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     So a prompt of ``T`` tokens costs ``T / C`` small sequential steps instead of ``T``, and each is a
     handful of ``C x C`` and ``C x D`` matmuls (Yang et al., arXiv:2406.06484 and arXiv:2412.06464).
 
-    Args and returns as :func:`recurrent_gated_delta_rule`.
+    Args and returns as :func:`recurrent_gated_delta_rule`; ``states_out``, if given, maps token counts
+    (multiples of ``chunk_size``, at most ``T``) to None and gets the state after that many tokens
+    filled in (prefix caching's snapshots from one pass, instead of one call per segment).
+
+    Raises:
+        ValueError: a ``states_out`` count that is not a multiple of ``chunk_size`` or is past ``T``.
     """
     t, h, dk = k.shape
     dv = v.shape[-1]
@@ -168,11 +176,18 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
     chunk_decay = gc[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
     state = q.new_zeros(h, dk, dv) if initial_state is None else initial_state.float().clone()
+    wanted = states_out if states_out is not None else {}
+    if any(n % c or not 0 <= n <= t for n in wanted):
+        raise ValueError(f"states_out: token counts must be multiples of {c} in [0, {t}], got {sorted(wanted)}")
+    if 0 in wanted:
+        wanted[0] = state
     out = torch.empty_like(v)
     for n in range(q.shape[1]):
         u = u0[:, n] - w[:, n] @ state
         out[:, n] = q_decayed[:, n] @ state + attn[:, n] @ u
         state = state * chunk_decay[:, n] + k_to_end[:, n].transpose(-1, -2) @ u
+        if (n + 1) * c in wanted:
+            wanted[(n + 1) * c] = state
     return out.reshape(h, -1, dv)[:, :t].transpose(0, 1), state
 
 

@@ -206,8 +206,18 @@ class GatedDeltaNet(nn.Module):
             resume = cache is not None and first[i] > 0  # a later chunk, or a decode
             conv = cache.conv[idx, slot] if resume else None
             ssm = cache.ssm[idx, slot] if resume else None
+            snaps = [(end, snap) for end, snap in (snapshots[i] if snapshots else ()) if snap >= 0]
+            if all(end % gdr.CHUNK_SIZE == 0 for end, _ in snaps):
+                # one pass over the prefill, its states at the snapshots taken on the way (the chunks end
+                # there): the same numbers as one call per segment, without a call's fixed cost each stride
+                conv, ssm = self._prefill_with_snapshots(mixed[lo:hi], g[lo:hi], beta[lo:hi], conv, ssm, snaps,
+                                                         out[lo:hi], cache)
+                if cache is not None:
+                    cache.conv[idx, slot] = conv
+                    cache.ssm[idx, slot] = ssm
+                continue
             done = 0
-            for end, snap in [*(snapshots[i] if snapshots else ()), (hi - lo, -1)]:  # segments between snapshots
+            for end, snap in [*snaps, (hi - lo, -1)]:  # segments between snapshots
                 if end > done:
                     y, conv = gdr.causal_conv1d(mixed[lo + done : lo + end], weight, conv)
                     q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
@@ -221,6 +231,26 @@ class GatedDeltaNet(nn.Module):
                 cache.conv[idx, slot] = conv
                 cache.ssm[idx, slot] = ssm
         return out
+
+    def _prefill_with_snapshots(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                                conv: torch.Tensor | None, ssm: torch.Tensor | None, snaps: list[tuple[int, int]],
+                                out: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's prefill tokens (``mixed [T, C]``) from its states ``conv`` / ``ssm`` (None: zeros)
+        through the convolution and the chunked delta rule, the output into ``out [T, Hv, Dv]``; the state
+        after ``end`` tokens copied into snapshot slot ``snap`` for each ``(end, snap)`` of ``snaps`` (``end`` a
+        multiple of the chunk size). Returns the states after the ``T`` tokens."""
+        weight = self.conv1d.weight[:, 0]
+        y, conv_end = gdr.causal_conv1d(mixed, weight, conv)
+        q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
+        states = {end: None for end, _ in snaps}
+        out[:], ssm_end = gdr.chunk_gated_delta_rule(q, k, v, g, beta, ssm, states_out=states)
+        if snaps:  # the conv state after `end` tokens: the K - 1 inputs before token `end`
+            prev = conv.to(mixed.dtype) if conv is not None else mixed.new_zeros(mixed.shape[1], weight.shape[1] - 1)
+            inputs = torch.cat([prev, mixed.t()], dim=1)  # [C, K - 1 + T], as causal_conv1d lays them out
+            for end, snap in snaps:
+                cache.conv[self.state_idx, snap] = inputs[:, end:end + weight.shape[1] - 1]
+                cache.ssm[self.state_idx, snap] = states[end]
+        return conv_end, ssm_end
 
     def _copy_state(self, cache, src: int, dst: int) -> None:
         """This layer's conv and SSM state of slot ``src`` into slot ``dst``."""
