@@ -165,9 +165,10 @@ class GatedDeltaNet(nn.Module):
         the prefills from :func:`~infer.kernels.gated_delta_reference.gating`'s output.
 
         Prefix caching (:mod:`infer.engine.state_snapshots`): a sequence that starts from a snapshot
-        (``meta.state_restores``) has it copied into its slot first; a prefill is split at the offsets of
-        ``meta.state_snapshots`` and the state there is copied into the snapshot slot (a decode's one
-        token: the state after it).
+        (``meta.state_restores``) has it copied into its slot first; the state at each offset of
+        ``meta.state_snapshots`` is copied into its snapshot slot (a decode's one token: the state after
+        it), taken in one pass of the chunked rule when the offsets end its chunks
+        (:meth:`_prefill_with_snapshots`), else by splitting the prefill at them.
 
         Returns:
             float32 ``[T, Hv, Dv]``.
