@@ -57,6 +57,43 @@ def test_chunked_form_returns_the_states_at_chunk_ends():
         gdr.chunk_gated_delta_rule(q, k, v, g, beta, s0, states_out={48: None})
 
 
+def test_varlen_forms_equal_one_sequence_at_a_time():
+    """A step's prefills in one call: four sequences of 150, 1, 64 and 70 tokens back to back (one ending
+    on a chunk, one shorter than a chunk, two zero states, two resumed ones), their outputs, final states
+    and the states at chunk ends asked for, against the recurrent form one sequence at a time; the
+    convolution's outputs and states against :func:`causal_conv1d` per sequence."""
+    lens = [150, 1, 64, 70]
+    q, k, v, g, beta, _ = _rule_inputs(sum(lens), 3, 16, 8, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    inits = [torch.randn(3, 16, 8, generator=gen), None, None, torch.randn(3, 16, 8, generator=gen)]
+    states = [{64: None, 128: None}, {}, {0: None, 64: None}, {}]
+    o, finals = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=states)
+    at = 0
+    for i, n in enumerate(lens):
+        part = slice(at, at + n)
+        want_o, want_s = gdr.recurrent_gated_delta_rule(q[part], k[part], v[part], g[part], beta[part], inits[i])
+        torch.testing.assert_close(o[part], want_o, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(finals[i], want_s, atol=2e-5, rtol=1e-5)
+        for count in states[i]:
+            cut = slice(at, at + count)
+            want = (gdr.recurrent_gated_delta_rule(q[cut], k[cut], v[cut], g[cut], beta[cut], inits[i])[1] if count
+                    else torch.zeros(3, 16, 8) if inits[i] is None else inits[i])
+            torch.testing.assert_close(states[i][count], want, atol=2e-5, rtol=1e-5)
+        at += n
+    with pytest.raises(ValueError, match="add up"):
+        gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, [150, 1])
+
+    x, weight = torch.randn(sum(lens), 6, generator=gen), torch.randn(6, 4, generator=gen)
+    convs = [torch.randn(6, 3, generator=gen), None, torch.randn(6, 3, generator=gen), None]
+    y, inputs, offsets = gdr.causal_conv1d_varlen(x, weight, lens, convs)
+    at = 0
+    for i, n in enumerate(lens):
+        want_y, want_state = gdr.causal_conv1d(x[at:at + n], weight, convs[i])
+        torch.testing.assert_close(y[at:at + n], want_y, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(inputs[:, offsets[i] + n:offsets[i] + n + 3], want_state)
+        at += n
+
+
 def test_conv1d_update_steps_equal_the_prefill_convolution():
     """The same tokens one at a time from a zero state (batched over two rows) equal the prefill form, and
     so does the prefill split in two calls (the state carries the last K - 1 inputs across)."""

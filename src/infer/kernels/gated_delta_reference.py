@@ -23,6 +23,7 @@ times over a long context.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -58,6 +59,29 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     full = torch.cat([conv_state.to(x.dtype), x.t()], dim=1)  # [C, K - 1 + T]
     y = F.conv1d(full[None].float(), weight.float()[:, None, :], groups=c)[0]  # [C, T]
     return F.silu(y).t().to(x.dtype), full[:, -(k - 1):]
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[int],
+                         conv_states: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """:func:`causal_conv1d` over several sequences' tokens back to back (``seq_lens``, as
+    :func:`chunk_gated_delta_rule_varlen` takes them), each after its own ``conv_states[i]`` (None: zeros),
+    in one convolution: each sequence's ``K - 1`` previous inputs, then its tokens, laid side by side.
+
+    Returns:
+        ``(y [T, C] in x.dtype, inputs [C, sum(K - 1 + T_i)], offsets)``: sequence ``i``'s conv state after
+        ``n`` of its tokens is ``inputs[:, offsets[i] + n : offsets[i] + n + K - 1]`` (``n = T_i``: its new state).
+    """
+    c, k = weight.shape
+    zeros = x.new_zeros(c, k - 1)
+    pieces, offsets, start, at = [], [], 0, 0
+    for n, state in zip(seq_lens, conv_states):
+        pieces += [zeros if state is None else state.to(x.dtype), x[at:at + n].t()]
+        offsets.append(start)
+        start, at = start + k - 1 + n, at + n
+    inputs = torch.cat(pieces, dim=1)
+    y = F.conv1d(inputs[None].float(), weight.float()[:, None, :], groups=c)[0]  # output j: inputs j .. j + K - 1
+    keep = np.concatenate([np.arange(o, o + n) for o, n in zip(offsets, seq_lens)])
+    return F.silu(y[:, torch.from_numpy(keep).to(x.device)]).t().to(x.dtype), inputs, offsets
 
 
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
@@ -153,15 +177,66 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     Raises:
         ValueError: a ``states_out`` count that is not a multiple of ``chunk_size`` or is past ``T``.
     """
+    o, states = chunk_gated_delta_rule_varlen(q, k, v, g, beta, [k.shape[0]], [initial_state], scale, chunk_size,
+                                              None if states_out is None else [states_out])
+    return o, states[0]
+
+
+def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, seq_lens: list[int],
+                                  initial_states: list[torch.Tensor | None] | None = None, scale: float | None = None,
+                                  chunk_size: int = CHUNK_SIZE, states_out: list[dict[int, torch.Tensor]] | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_gated_delta_rule` over several sequences at once (a step's prefills), their tokens back to
+    back (``seq_lens[i]`` tokens of sequence ``i`` after the ones before; flash-linear-attention's
+    ``cu_seqlens`` layout). Each sequence is cut into its own chunks (the last one zero-padded); the
+    work inside the chunks runs for all of them together, and the chunk-to-chunk recurrence steps every
+    sequence's ``j``-th chunk together: ``max(chunks)`` sequential steps for the batch, instead of the sum
+    over sequences, and a fixed cost paid once instead of once per sequence.
+
+    Args:
+        q, k: ``[T, H, Dk]``; v: ``[T, H, Dv]``; g, beta: ``[T, H]`` with ``T = sum(seq_lens)``.
+        seq_lens: each sequence's tokens (>= 1).
+        initial_states: per sequence a float32 ``[H, Dk, Dv]`` state or None (zeros); default all zeros.
+        states_out: per sequence, as :func:`chunk_gated_delta_rule`'s (token counts of that sequence).
+
+    Returns:
+        ``(o [T, H, Dv] float32, final states [B, H, Dk, Dv] float32)``.
+
+    Raises:
+        ValueError: lengths that do not add up to ``T``, or a ``states_out`` count off the chunks.
+    """
     t, h, dk = k.shape
     dv = v.shape[-1]
     scale = dk ** -0.5 if scale is None else scale
-    c = chunk_size
-    pad = (c - t % c) % c
-    # [H, N, C, ...] float32, zero-padded to whole chunks (a padded token has g = 0, beta = 0: no effect)
-    def chunks(x: torch.Tensor) -> torch.Tensor:
-        x = F.pad(x.float().transpose(0, 1), (0, 0, 0, pad) if x.dim() == 3 else (0, pad))
-        return x.reshape(h, -1, c, *x.shape[2:])
+    c, dev, nseq = chunk_size, q.device, len(seq_lens)
+    if sum(seq_lens) != t or min(seq_lens) < 1:
+        raise ValueError(f"seq_lens {seq_lens} must be positive and add up to the {t} tokens")
+    for n_tokens, wanted in zip(seq_lens, states_out or ()):
+        if any(n % c or not 0 <= n <= n_tokens for n in wanted):
+            raise ValueError(f"states_out: token counts must be multiples of {c} in [0, {n_tokens}], got "
+                             f"{sorted(wanted)}")
+    # The chunks' layout: the sequences sorted by their number of chunks (most first), then every sequence's
+    # chunk 0, every one's chunk 1 that has one, ...: the j-th step below reads and writes a contiguous range
+    # of chunks and a prefix of the states (views, no gathers). One sequence: its chunks in order.
+    n_chunks = [-(-n // c) for n in seq_lens]
+    order = sorted(range(nseq), key=lambda i: -n_chunks[i])
+    live = [sum(n > j for n in n_chunks) for j in range(n_chunks[order[0]])]  # sequences with a chunk j
+    base = np.concatenate(([0], np.cumsum(live)))  # where each step's chunks start
+    if nseq > 1:
+        rank = np.empty(nseq, dtype=np.int64)
+        rank[order] = np.arange(nseq)
+        pos = np.concatenate([np.arange(n) for n in seq_lens])
+        owner = np.repeat(rank, seq_lens)
+        slots = torch.from_numpy((base[pos // c] + owner) * c + pos % c).to(dev)  # each token's padded place
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [H, chunks, C, ...] float32, zero-padded (a padded
+        x = x.float().transpose(0, 1)               # token has g = 0, beta = 0: no effect on the state)
+        if nseq == 1:
+            return F.pad(x, (0, 0, 0, -t % c) if x.dim() == 3 else (0, -t % c)).reshape(h, -1, c, *x.shape[2:])
+        padded = x.new_zeros(h, int(base[-1]) * c, *x.shape[2:])
+        padded[:, slots] = x
+        return padded.reshape(h, -1, c, *x.shape[2:])
 
     q, k, v, g, beta = chunks(q) * scale, chunks(k), chunks(v), chunks(g), chunks(beta)
     gc = g.cumsum(-1)  # [H, N, C]: log G_t
@@ -175,20 +250,27 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q_decayed = q * gc.exp()[..., None]
     k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
     chunk_decay = gc[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
-    state = q.new_zeros(h, dk, dv) if initial_state is None else initial_state.float().clone()
-    wanted = states_out if states_out is not None else {}
-    if any(n % c or not 0 <= n <= t for n in wanted):
-        raise ValueError(f"states_out: token counts must be multiples of {c} in [0, {t}], got {sorted(wanted)}")
-    if 0 in wanted:
-        wanted[0] = state
+    inits = initial_states or [None] * nseq
+    state = torch.stack([q.new_zeros(h, dk, dv) if inits[i] is None else inits[i].float() for i in order],
+                        dim=1)  # [H, B, Dk, Dv], the sorted order
+    wanted = [(r, states_out[i]) for r, i in enumerate(order) if states_out[i]] if states_out else []
+    for r, counts in wanted:
+        if 0 in counts:
+            counts[0] = state[:, r].clone()
     out = torch.empty_like(v)
-    for n in range(q.shape[1]):
-        u = u0[:, n] - w[:, n] @ state
-        out[:, n] = q_decayed[:, n] @ state + attn[:, n] @ u
-        state = state * chunk_decay[:, n] + k_to_end[:, n].transpose(-1, -2) @ u
-        if (n + 1) * c in wanted:
-            wanted[(n + 1) * c] = state
-    return out.reshape(h, -1, dv)[:, :t].transpose(0, 1), state
+    for j, n_live in enumerate(live):  # chunk j of every sequence that has one, together
+        at, s0 = slice(base[j], base[j + 1]), state[:, :n_live]
+        u = u0[:, at] - w[:, at] @ s0
+        out[:, at] = q_decayed[:, at] @ s0 + attn[:, at] @ u
+        state[:, :n_live] = s0 * chunk_decay[:, at] + k_to_end[:, at].transpose(-1, -2) @ u
+        for r, counts in wanted:
+            if r < n_live and (j + 1) * c in counts:
+                counts[(j + 1) * c] = state[:, r].clone()
+    out = out.reshape(h, -1, dv)
+    o = out[:, :t] if nseq == 1 else out[:, slots]
+    finals = torch.empty_like(state)
+    finals[:, order] = state  # back to the callers' order
+    return o.transpose(0, 1), finals.transpose(0, 1)
 
 
 def split_qkv(y: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int

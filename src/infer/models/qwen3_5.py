@@ -167,8 +167,8 @@ class GatedDeltaNet(nn.Module):
         Prefix caching (:mod:`infer.engine.state_snapshots`): a sequence that starts from a snapshot
         (``meta.state_restores``) has it copied into its slot first; the state at each offset of
         ``meta.state_snapshots`` is copied into its snapshot slot (a decode's one token: the state after
-        it), taken in one pass of the chunked rule when the offsets end its chunks
-        (:meth:`_prefill_with_snapshots`), else by splitting the prefill at them.
+        it), taken in one pass of the chunked rule when the offsets end its chunks (:meth:`_prefills`),
+        else by splitting the prefill at them.
 
         Returns:
             float32 ``[T, Hv, Dv]``.
@@ -176,7 +176,6 @@ class GatedDeltaNet(nn.Module):
         cache, idx = meta.state_cache, self.state_idx
         weight = self.conv1d.weight[:, 0]
         first = meta.first_positions()
-        starts = meta.query_start_loc_cpu
         nd = meta.num_decodes if cache is not None else 0
         out = None if nd == mixed.shape[0] else torch.empty(mixed.shape[0], self.nv, self.dv, dtype=torch.float32,
                                                             device=mixed.device)
@@ -199,26 +198,55 @@ class GatedDeltaNet(nn.Module):
                 for _, snap in snapshots[i]:
                     if snap >= 0:
                         self._copy_state(cache, meta.state_slots_cpu[i], snap)
-        if nd < meta.num_seqs:  # prefills: the decay and beta of every row (the decodes' unused)
-            g, beta = gdr.gating(a, b, self.A_log, self.dt_bias)
-        for i in range(nd, meta.num_seqs):
+        if nd < meta.num_seqs:  # the prefills (and prefill chunks)
+            self._prefills(mixed, a, b, meta, out, nd)
+        return out
+
+    def _prefills(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata,
+                  out: torch.Tensor, nd: int) -> None:
+        """Sequences ``nd ..`` of the step (prefills or prefill chunks, their rows after the decodes'): the
+        convolution and the chunked rule from each one's slot (zeros for a first chunk), the output into
+        ``out``, the states back into the slots and into the snapshot slots the step asked for.
+
+        All of them in one pass (:func:`~infer.kernels.gated_delta_reference.causal_conv1d_varlen`,
+        :func:`~infer.kernels.gated_delta_reference.chunk_gated_delta_rule_varlen`), the snapshots taken at
+        chunk ends on the way, when every snapshot offset ends a chunk (the default stride's do for prefills
+        that start on one); otherwise each sequence alone, split at its snapshot offsets."""
+        cache, idx = meta.state_cache, self.state_idx
+        weight = self.conv1d.weight[:, 0]
+        first, starts = meta.first_positions(), meta.query_start_loc_cpu
+        g, beta = gdr.gating(a, b, self.A_log, self.dt_bias)
+        seqs = range(nd, meta.num_seqs)
+        slots = {i: meta.state_slots_cpu[i] if cache is not None else None for i in seqs}
+        resume = {i: cache is not None and first[i] > 0 for i in seqs}  # a later chunk (a decode came above)
+        snaps = {i: [(end, snap) for end, snap in (meta.state_snapshots[i] if cache is not None and
+                                                   meta.state_snapshots else ()) if snap >= 0] for i in seqs}
+        lo, hi = starts[nd], starts[meta.num_seqs]
+        if all(end % gdr.CHUNK_SIZE == 0 for i in seqs for end, _ in snaps[i]):
+            lens = [starts[i + 1] - starts[i] for i in seqs]
+            y, inputs, offsets = gdr.causal_conv1d_varlen(
+                mixed[lo:hi], weight, lens, [cache.conv[idx, slots[i]] if resume[i] else None for i in seqs])
+            q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
+            states = [{end: None for end, _ in snaps[i]} for i in seqs]
+            out[lo:hi], ssm = gdr.chunk_gated_delta_rule_varlen(
+                q, k, v, g[lo:hi], beta[lo:hi], lens, [cache.ssm[idx, slots[i]] if resume[i] else None for i in seqs],
+                states_out=states)
+            if cache is None:
+                return
+            kk = weight.shape[1] - 1
+            for j, i in enumerate(seqs):
+                for end, snap in snaps[i]:  # the conv state after `end` tokens: the K - 1 inputs before token `end`
+                    cache.conv[idx, snap] = inputs[:, offsets[j] + end:offsets[j] + end + kk]
+                    cache.ssm[idx, snap] = states[j][end]
+                cache.conv[idx, slots[i]] = inputs[:, offsets[j] + lens[j]:offsets[j] + lens[j] + kk]
+                cache.ssm[idx, slots[i]] = ssm[j]
+            return
+        for i in seqs:
             lo, hi = starts[i], starts[i + 1]
-            slot = meta.state_slots_cpu[i] if cache is not None else None
-            resume = cache is not None and first[i] > 0  # a later chunk, or a decode
-            conv = cache.conv[idx, slot] if resume else None
-            ssm = cache.ssm[idx, slot] if resume else None
-            snaps = [(end, snap) for end, snap in (snapshots[i] if snapshots else ()) if snap >= 0]
-            if all(end % gdr.CHUNK_SIZE == 0 for end, _ in snaps):
-                # one pass over the prefill, its states at the snapshots taken on the way (the chunks end
-                # there): the same numbers as one call per segment, without a call's fixed cost each stride
-                conv, ssm = self._prefill_with_snapshots(mixed[lo:hi], g[lo:hi], beta[lo:hi], conv, ssm, snaps,
-                                                         out[lo:hi], cache)
-                if cache is not None:
-                    cache.conv[idx, slot] = conv
-                    cache.ssm[idx, slot] = ssm
-                continue
+            conv = cache.conv[idx, slots[i]] if resume[i] else None
+            ssm = cache.ssm[idx, slots[i]] if resume[i] else None
             done = 0
-            for end, snap in [*snaps, (hi - lo, -1)]:  # segments between snapshots
+            for end, snap in [*snaps[i], (hi - lo, -1)]:  # segments between snapshots
                 if end > done:
                     y, conv = gdr.causal_conv1d(mixed[lo + done : lo + end], weight, conv)
                     q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
@@ -229,29 +257,8 @@ class GatedDeltaNet(nn.Module):
                     cache.conv[idx, snap] = conv
                     cache.ssm[idx, snap] = ssm
             if cache is not None:
-                cache.conv[idx, slot] = conv
-                cache.ssm[idx, slot] = ssm
-        return out
-
-    def _prefill_with_snapshots(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                                conv: torch.Tensor | None, ssm: torch.Tensor | None, snaps: list[tuple[int, int]],
-                                out: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's prefill tokens (``mixed [T, C]``) from its states ``conv`` / ``ssm`` (None: zeros)
-        through the convolution and the chunked delta rule, the output into ``out [T, Hv, Dv]``; the state
-        after ``end`` tokens copied into snapshot slot ``snap`` for each ``(end, snap)`` of ``snaps`` (``end`` a
-        multiple of the chunk size). Returns the states after the ``T`` tokens."""
-        weight = self.conv1d.weight[:, 0]
-        y, conv_end = gdr.causal_conv1d(mixed, weight, conv)
-        q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
-        states = {end: None for end, _ in snaps}
-        out[:], ssm_end = gdr.chunk_gated_delta_rule(q, k, v, g, beta, ssm, states_out=states)
-        if snaps:  # the conv state after `end` tokens: the K - 1 inputs before token `end`
-            prev = conv.to(mixed.dtype) if conv is not None else mixed.new_zeros(mixed.shape[1], weight.shape[1] - 1)
-            inputs = torch.cat([prev, mixed.t()], dim=1)  # [C, K - 1 + T], as causal_conv1d lays them out
-            for end, snap in snaps:
-                cache.conv[self.state_idx, snap] = inputs[:, end:end + weight.shape[1] - 1]
-                cache.ssm[self.state_idx, snap] = states[end]
-        return conv_end, ssm_end
+                cache.conv[idx, slots[i]] = conv
+                cache.ssm[idx, slots[i]] = ssm
 
     def _copy_state(self, cache, src: int, dst: int) -> None:
         """This layer's conv and SSM state of slot ``src`` into slot ``dst``."""
