@@ -221,7 +221,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     # of chunks and a prefix of the states (views, no gathers). One sequence: its chunks in order.
     n_chunks = [-(-n // c) for n in seq_lens]
     order = sorted(range(nseq), key=lambda i: -n_chunks[i])
-    live = [sum(n > j for n in n_chunks) for j in range(n_chunks[order[0]])]  # sequences with a chunk j
+    live = (np.array(n_chunks)[:, None] > np.arange(n_chunks[order[0]])).sum(0).tolist()  # sequences with a chunk j
     base = np.concatenate(([0], np.cumsum(live)))  # where each step's chunks start
     if nseq > 1:
         rank = np.empty(nseq, dtype=np.int64)
