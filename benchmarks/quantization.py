@@ -73,12 +73,21 @@ from common import (
 METHODS = ("none", "int8", "fp8", "int4", "int4_asym")
 #: ``METHOD+head``: the method with ``quantize_lm_head`` (the LM head quantized too)
 HEAD_METHODS = tuple(f"{m}+head" for m in METHODS[1:])
+#: ``int4-triton``: int4 decode on our Triton GEMV instead of PyTorch's tinygemm (``QuantizedLinear.tinygemm``)
+TRITON_METHODS = ("int4-triton", "int4_asym-triton")
 
 
 def method_args(method: str) -> dict:
-    """``load_model`` / ``EngineConfig`` arguments of a method name (``int8``, ``int8+head``, ...)."""
+    """``load_model`` / ``EngineConfig`` arguments of a method name (``int8``, ``int8+head``, ``int4-triton``...)."""
     base, _, head = method.partition("+")
-    return {"quantization": base, "quantize_lm_head": head == "head"}
+    return {"quantization": base.removesuffix("-triton"), "quantize_lm_head": head == "head"}
+
+
+def use_kernels(method: str) -> None:
+    """Set the CUDA int4 kernel a method name asks for (``-triton``: our GEMV; else tinygemm) before its runs."""
+    from infer.models.quant import QuantizedLinear
+
+    QuantizedLinear.tinygemm = "-triton" not in method
 
 
 def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -132,6 +141,7 @@ def bench_kernels(cfg, methods, batch_sizes, device, dtype, repeats: int) -> lis
 TUNE_BLOCK_N = (1, 2, 4, 8)
 TUNE_BLOCK_K = (256, 512, 1024, 2048)
 TUNE_WARPS = (1, 2, 4, 8)
+TUNE_STAGES = (1, 2, 3, 4)  # the one-row GEMV's pipeline
 
 
 def graph_us(calls, device) -> float:
@@ -219,7 +229,8 @@ def tune_tiles(m: int, k: int, bc: int, method: str = "int8") -> list[tuple[int,
     m_pad = triton_next_pow2(m)
     if m == 1:
         per = 8 if method == "int4" else 4  # codes a word
-        return [(1, bn, bk, warps, False) for bn in TUNE_BLOCK_N + (16,) for bk in TUNE_BLOCK_K for warps in TUNE_WARPS
+        return [(1, bn, bk, warps, False, stages) for bn in TUNE_BLOCK_N + (16,) for bk in TUNE_BLOCK_K
+                for warps in TUNE_WARPS for stages in TUNE_STAGES
                 if 4 <= bn * bk // per // (32 * warps) <= 64 and bk <= max(256, k)]
     tiles = []
     for bn in TUNE_BLOCK_N if m <= GEMV_ROWS_LIMIT else ():
@@ -239,8 +250,11 @@ def tune_tiles(m: int, k: int, bc: int, method: str = "int8") -> list[tuple[int,
 
 
 def tile_name(tile) -> str:
-    """``BLOCK_NxBLOCK_KxWARPS`` of a GEMV tile; ``dot:BLOCK_MxBLOCK_NxBLOCK_KxWARPS`` of a GEMM tile."""
-    return ("dot:" + "x".join(map(str, tile[:4]))) if tile[4] else "x".join(map(str, tile[1:4]))
+    """``BLOCK_NxBLOCK_KxWARPS`` of a GEMV tile (``...xsSTAGES`` for the one-row GEMV's);
+    ``dot:BLOCK_MxBLOCK_NxBLOCK_KxWARPS`` of a GEMM tile."""
+    if tile[4]:
+        return "dot:" + "x".join(map(str, tile[:4]))
+    return "x".join(map(str, tile[1:4])) + (f"xs{tile[5]}" if len(tile) > 5 else "")
 
 
 def triton_next_pow2(m: int) -> int:
@@ -289,6 +303,7 @@ class DecodeRun:
         self.method = KV_LABELS[kv_cache_dtype] if kv_cache_dtype else method
         self.batch, self.prompt_len = batch, prompt_len
         kv = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
+        use_kernels(method)  # (the graphs captured now call the kernel it picks)
         self.llm = LLM(model, progress=False, **method_args(method), max_num_seqs=max(batch, 1),
                        max_model_len=prompt_len + output_len + 8, **engine_args, **kv)
         self.engine = self.llm.engine
@@ -297,6 +312,7 @@ class DecodeRun:
         self.run()  # warm-up (Triton compiles, graphs)
 
     def run(self) -> float:
+        use_kernels(self.method)
         engine, device = self.engine, self.engine.runner.device
         vocab = engine.vocab_size
         for _ in range(self.batch):
@@ -542,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--parts", nargs="+", default=["kernels", "decode", "quality"],
                     choices=["kernels", "tune", "decode", "quality"])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + HEAD_METHODS,
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + HEAD_METHODS + TRITON_METHODS,
                     help="METHOD+head: with quantize_lm_head (decode and quality parts)")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)

@@ -103,6 +103,48 @@ def test_quantized_linear_at_qwen3_4b_shapes(method, tile):
             assert err < 4e-3, (method, n, k, m, err)
 
 
+@pytest.mark.parametrize("zero_points", [None, "int8", "float32"])
+def test_tinygemm_int4_at_qwen3_4b_shapes(zero_points):
+    """PyTorch's tensor-core int4 kernel on the layout infer.kernels.quant_tinygemm makes (symmetric int4, AWQ-style
+    int8 zero points, GGUF-style float zero points), 1-16 rows, against float64 over the dequantized weight: within
+    bf16's roundings of the output and of the scales (relative Frobenius error 5e-3). QuantizedLinear's CUDA forward
+    takes it up to TINYGEMM_MAX_ROWS rows and the Triton GEMM above; a shape it does not take (N % 16) has no layout
+    and keeps the Triton GEMV."""
+    from infer.kernels import quant_reference as qref
+    from infer.kernels.quant_tinygemm import TINYGEMM_MAX_ROWS, pack_tinygemm, tinygemm_linear
+    from infer.models.quant import QuantizedLinear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((6144, 2560), (2560, 9728)):
+        block = (1, 128)
+        w = torch.randn(n, k, generator=g, device="cuda") * 0.02 + (0.01 if zero_points else 0.0)
+        zp = None
+        if zero_points:
+            q, s, zp = qref.quantize_asymmetric(w, block)
+            zp = zp.float() + 0.25 if zero_points == "float32" else zp  # GGUF's minimums are not integers
+        else:
+            q, s = qref.quantize(w, "int4", block)
+        exact_w = qref.dequantize(q, s, "int4", block, zero_point=zp).double()
+        packed = pack_tinygemm(q, s, block, zp)
+        layer = QuantizedLinear(k, n, False, "int4", block, zero_point=zp is not None,
+                                zero_point_dtype=zp.dtype if zp is not None else torch.int8).cuda()
+        layer.qweight.data, layer.weight_scale.data = q, s
+        if zp is not None:
+            layer.weight_zero_point.data = zp
+        for m in (1, 4, 16, 40):
+            x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+            exact = x.double() @ exact_w.T
+            outs = {"layer": layer(x)}
+            if m <= TINYGEMM_MAX_ROWS:
+                outs["tinygemm"] = tinygemm_linear(x, packed)
+                assert torch.equal(outs["layer"], outs["tinygemm"])  # the forward took it
+            for name, y in outs.items():
+                err = ((y.double() - exact).norm() / exact.norm()).item()
+                assert y.dtype == torch.bfloat16 and err < 5e-3, (name, n, k, m, err)
+    q, s = qref.quantize(torch.randn(40, 256, device="cuda"), "int4", (1, 128))
+    assert pack_tinygemm(q, s, (1, 128)) is None  # 40 outputs: not a multiple of 16
+
+
 @pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
 def test_quantized_engine_replays_what_it_runs_eagerly(qwen3_4b_2l, method):
     """Quantized weights under the fused forward, CUDA graphs, async scheduling and PDL: the tokens and

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from infer.kernels import quant_reference as qref
 
 __all__ = ["CpuPackedWeight", "pack_for_cpu", "quantized_linear_cpu", "error_bound", "GEMM_MIN_ROWS",
-           "INT4_GROUP_SIZES"]
+           "INT4_GROUP_SIZES", "int4_group", "int4_scales_and_zeros"]
 
 #: rows from which :func:`quantized_linear_cpu` uses the reference (dequantize, then a float32 GEMM)
 GEMM_MIN_ROWS = 32
@@ -86,9 +86,10 @@ class CpuPackedWeight:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def _int4_group(n: int, k: int, block: tuple[int, int]) -> int:
-    """The largest kernel group that lies inside one of our scale groups and divides ``K``; 0 if none,
-    or if the kernel does not take this shape (``N`` a multiple of 16)."""
+def int4_group(n: int, k: int, block: tuple[int, int]) -> int:
+    """The largest group of PyTorch's int4 kernels (:data:`INT4_GROUP_SIZES`) that lies inside one of our
+    scale groups and divides ``K``; 0 if none, or if the kernels do not take this shape (``N`` a multiple
+    of 16). The CUDA kernel (:mod:`infer.kernels.quant_tinygemm`) takes the same groups."""
     br, bc = block
     if br != 1 or n % 16:
         return 0
@@ -96,6 +97,18 @@ def _int4_group(n: int, k: int, block: tuple[int, int]) -> int:
         if k % g == 0 and (bc % g == 0 or bc >= k):
             return g
     return 0
+
+
+def int4_scales_and_zeros(weight_scale: torch.Tensor, zero_point: torch.Tensor | None, k: int, g: int,
+                          bc: int) -> torch.Tensor:
+    """PyTorch's int4 kernels' ``scales_and_zeros``, bfloat16 ``[K / g, N, 2]``: for each kernel group of ``g``
+    inputs and output ``n``, ``(scale, zero)`` with ``w = (u - 8) * scale + zero`` for the unsigned nibble
+    ``u = q + 8``: ``zero = 0`` for our symmetric ``q * scale``, ``-z * scale`` with zero points
+    (``(q - z) * scale``). ``weight_scale`` / ``zero_point``: ours, ``[N, ceil(K / bc)]``."""
+    cols = torch.arange(0, k, g, device=weight_scale.device) // bc  # our scale column of each kernel group
+    s = weight_scale[:, cols].t().float()  # [K / g, N]
+    zero = -zero_point[:, cols].t().float() * s if zero_point is not None else torch.zeros_like(s)
+    return torch.stack([s, zero], dim=-1).to(torch.bfloat16).contiguous()
 
 
 @torch.no_grad()
@@ -117,14 +130,11 @@ def pack_for_cpu(qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,
     if method == "int8" and br == 1 and weight_scale.shape[1] == 1 and k % 8 == 0:
         return CpuPackedWeight("int8", qweight.contiguous(), scale=weight_scale.reshape(n).float().contiguous(),
                                ones=torch.ones(n, dtype=torch.bfloat16))
-    g = _int4_group(n, k, block) if method == "int4" else 0
+    g = int4_group(n, k, block) if method == "int4" else 0
     if g:
         u = qref.unpack_int4(qweight).to(torch.int32) + 8  # [N, K] in [0, 15]: the kernel's unsigned nibbles
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 1)
-        cols = torch.arange(0, k, g) // bc  # our scale column of each kernel group
-        s = weight_scale[:, cols].t().float()  # [K / g, N]
-        zero = -zero_point[:, cols].t().float() * s if zero_point is not None else torch.zeros_like(s)
-        sz = torch.stack([s, zero], dim=-1).to(torch.bfloat16).contiguous()
+        sz = int4_scales_and_zeros(weight_scale, zero_point, k, g, bc)
         return CpuPackedWeight("int4", packed, scales_and_zeros=sz, group_size=g)
     return CpuPackedWeight("bf16", qref.dequantize(qweight, weight_scale, method, block, torch.bfloat16,
                                                    zero_point).contiguous())

@@ -7,10 +7,15 @@ scales). That holds only if the kernel reads the small weights: dequantizing the
 first (and reading that) saves memory but no time. Here each program loads a tile of quantized values
 and the scale(s) that cover it, turns them into float32 in registers, and multiplies:
 
-* with one row (batch-1 decode) :func:`_quantized_gemv1_kernel`: the weight read as int32 words and each code
-  taken out with a shift and a mask into a float's mantissa, not an int->float conversion (those run at a
-  quarter of the FMA rate, and bounded the kernel below at 1.4-1.7 TB/s on an H200); it waits for the
-  previous kernel with PDL (:mod:`infer.kernels.pdl`);
+* with one row (batch-1 decode) :func:`_quantized_gemv1_kernel`: the weight read as int32 words and each
+  int8 or int4 code taken out with one AND, left where it lies in the word: read as a float32 those bits are
+  the subnormal ``u * 2^(p - 149)`` (``u`` the unsigned code, ``p`` its bit position), so one FMA with ``x``
+  scaled by ``2^(149 - p)`` in advance (once per input, shared by the program's rows) adds ``u * x``. No
+  int->float conversion (a quarter of the FMA rate: it bounded the kernel at 1.4-1.7 TB/s on an H200) and no
+  shift per code (the integer units run at half the float rate on Hopper: a shift, two masks and an FMA a
+  code bounded int4 at 0.6-1.2 TB/s). FP32 subnormals are exact on the GPU (Triton emits no flush-to-zero)
+  and in the interpreter. fp8 codes use the hardware conversion. It waits for the previous kernel with PDL
+  (:mod:`infer.kernels.pdl`);
 * with a few rows (decode; :func:`default_config` says how many): like
   :mod:`infer.kernels.skinny_gemm`, each program owns ``BLOCK_N`` outputs and streams their rows along
   ``K``, the next tile loaded in its stored 8 or 4 bits before the current one is used, the products
@@ -150,10 +155,12 @@ def _quantized_gemv1_kernel(
     # their rows as int32 words ([N, K / PER]: PER = 4 int8/fp8 bytes or 8 int4 nibbles, code i of word c is
     # column PER * c + i), BLOCK_W words a step, pipelined by Triton (STAGES). The codes of word position i are
     # taken out in registers (a static loop over i; 2-D tiles only) without an int->float conversion, which
-    # runs at a quarter of the FMA rate and bounded the GEMV before (gpt-fast's and Marlin's bit tricks):
-    # * int8: byte ^ 0x80 in the low mantissa bits of 2^23: float(2^23 + code + 128), minus that offset (exact);
-    # * int4: the nibble u = code + 8 in the top mantissa bits of 1.0: f = 1 + u / 16; sum_i code x =
-    #   16 sum_i f x - 24 sum_i x, so a code costs a shift, a mask-or and one FMA;
+    # runs at a quarter of the FMA rate, and without a shift (the integer units' half rate bounded the GEMV
+    # before): the code u (unsigned: int8 q + 128 after one XOR a word, int4 q + 8) masked in place at bit
+    # p = 8j or 4j of the word (j < 2 or 4; the word's upper half shifted down once for the other codes) is,
+    # as float32 bits, the subnormal u 2^(p - 149); x is scaled by 2^(100 - p) when loaded, so one FMA adds
+    # u x 2^-49, and sum_i q x = 2^49 sum_i u x ... - 128 (or 8) sum_i x once per step (x up to 2^28 stays
+    # finite; u x 2^-49 stays normal for |x| > 2^-77);
     # * fp8: the hardware conversion (two codes per instruction).
     # Each step's products T[n, c] = sum_i code x (per word) then take the scale: per row at the end
     # (ROW_SCALE), else per row and group ((T - z sum_i x) s, one group per tile (IN_GROUP) or per word).
@@ -174,23 +181,43 @@ def _quantized_gemv1_kernel(
         words = tl.load(rows + wk[None, :], mask=n_mask[:, None] & wm[None, :], other=0)
         t = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         xs = tl.zeros([BLOCK_W], dtype=tl.float32)
+        if METHOD == 0:
+            words = words ^ -2139062144  # 0x80808080: each byte the unsigned u = q + 128
+        if METHOD != 1:
+            high = words >> 16  # codes 4..7 (int4) or bytes 2, 3 (int8) to bits 0..15
         for i in tl.static_range(PER):
             xi = tl.load(x_ptr + wk * PER + i, mask=wm, other=0.0).to(tl.float32)
-            if METHOD == 2 or HAS_ZP or not ROW_SCALE:  # sum x: int4's offset, zero points, group scales
+            if METHOD != 1 or HAS_ZP or not ROW_SCALE:  # sum x: the codes' offset, zero points, group scales
                 xs += xi
-            if METHOD == 2:
-                if 4 * i <= 19:  # nibble i to bits 19..22
-                    u = words << (19 - 4 * i)
+            if METHOD == 2:  # nibble u at bits 4j..4j+3 (j = i % 4) as the subnormal u 16^j 2^-149; x scaled to match
+                if i < 4:
+                    code = (words & (0xF << (4 * i))).to(tl.float32, bitcast=True)
                 else:
-                    u = words >> (4 * i - 19)
-                code = ((u & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-            elif METHOD == 0:
-                code = (((words >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+                    code = (high & (0xF << (4 * (i - 4)))).to(tl.float32, bitcast=True)
+                if i % 4 == 0:  # x 2^(100 - 4j): sum u x 2^-49, undone once per step (x up to 2^28 stays finite)
+                    xi = xi * 1.2676506002282294e30
+                elif i % 4 == 1:
+                    xi = xi * 7.922816251426434e28
+                elif i % 4 == 2:
+                    xi = xi * 4.951760157141521e27
+                else:
+                    xi = xi * 3.094850098213451e26
+            elif METHOD == 0:  # byte u at bits 8j..8j+7 (j = i % 2) as the subnormal u 256^j 2^-149
+                if i < 2:
+                    code = (words & (0xFF << (8 * i))).to(tl.float32, bitcast=True)
+                else:
+                    code = (high & (0xFF << (8 * (i - 2)))).to(tl.float32, bitcast=True)
+                if i % 2 == 0:  # x 2^(100 - 8j)
+                    xi = xi * 1.2676506002282294e30
+                else:
+                    xi = xi * 4.951760157141521e27
             else:
                 code = ((words >> (8 * i)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             t += code * xi[None, :]
         if METHOD == 2:
-            t = t * 16.0 - 24.0 * xs[None, :]
+            t = t * 562949953421312.0 - 8.0 * xs[None, :]  # 2^49 sum u x - 8 sum x = sum (u - 8) x
+        elif METHOD == 0:
+            t = t * 562949953421312.0 - 128.0 * xs[None, :]
         if ROW_SCALE:
             acc += t
         else:
@@ -263,21 +290,24 @@ def default_config(m: int, n: int, k: int, bc: int, method: str = "int8") -> tup
     (timed in a CUDA graph, each call on its own copy of the weight), or within ~10% of the best:
 
     * one row (batch-1 decode): the one-row GEMV (:func:`_quantized_gemv1_kernel`, ``DOT`` False, ``BLOCK_M``
-      1), 1,024 columns a step in a few outputs per program, or, for wide projections (gate/up), more outputs
-      and fewer columns: int8 ``(8, 1024, 4)`` (``(16, 256, 2)`` from 16,384 outputs), fp8 ``(4, 1024, 4)``
-      (``(8, 512, 2)``), int4 ``(8, 1024, 2)`` (``(4, 1024, 2)`` under 6,144 outputs); measured on an H200
-      at Qwen3-8B's and 4B's shapes (``benchmarks/quantization.py --parts tune``);
+      1, then the pipeline's stages: 1, Triton's loop unpipelined), int8 and fp8 ``(8, 2048, 4)``, wide
+      projections (gate/up, 16,384+ outputs) ``(16, 512, 4)``; int4 ``(8, 2048, 2)``, ``(8, 2048, 4)`` for long
+      rows (down, 8,192+ inputs), ``(16, 1024, 2)`` when wide; up to 2^23 weights (Qwen3-0.6B) ``(2, 1024, 2)``.
+      Within 5-15% of each shape's best tile at Qwen3-4B's and 8B's projections on an H200 (``benchmarks/
+      quantization.py --parts tune``; the tiles before were 10-50% slower there);
     * up to :data:`GEMV_MAX_ROWS` rows (int4: up to :data:`GEMV_ROWS_LIMIT`): the GEMV with ``(4, 256, 2)``
       (int4 ``(2, 256, 4)``): its float32 products grow with the rows, but unpacking int4 for tensor cores
       costs more;
     * more rows: the tl.dot GEMM on :data:`GEMM_TILE` tiles (``BLOCK_K`` inside one scale column)."""
     m_pad = triton.next_power_of_2(max(m, 1))
     if m <= 1:
-        wide = n >= 16384
-        block_n, block_k, warps = {"int8": (16, 256, 2) if wide else (8, 1024, 4),
-                                   "fp8": (8, 512, 2) if wide else (4, 1024, 4),
-                                   "int4": (8 if n >= 6144 else 4, 1024, 2)}[method]
-        return 1, block_n, min(block_k, max(32, triton.next_power_of_2(k))), warps, False
+        if n * k <= 1 << 23:  # small (Qwen3-0.6B): more programs
+            block_n, block_k, warps = 2, 1024, 2
+        elif method == "int4":
+            block_n, block_k, warps = (16, 1024, 2) if n >= 16384 else (8, 2048, 4 if k >= 8192 else 2)
+        else:
+            block_n, block_k, warps = (16, 512, 4) if n >= 16384 else (8, 2048, 4)
+        return 1, block_n, min(block_k, max(32, triton.next_power_of_2(k))), warps, False, 1
     if m <= (GEMV_ROWS_LIMIT if method == "int4" else GEMV_MAX_ROWS):
         block_n, warps = (2, 4) if method == "int4" else (4, 2)
         return m_pad, block_n, min(256, max(16, triton.next_power_of_2(k))), warps, False
@@ -311,7 +341,8 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
         x: ``[..., K]`` float32/bfloat16/float16 (the last dimension contiguous after flattening).
         qweight, weight_scale, method, block: as :mod:`infer.kernels.quant_reference` describes them.
         bias: ``[N]`` in ``x.dtype`` or None.
-        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT)``; default :func:`default_config`.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT)``, for one row optionally followed by the pipeline's
+            stages; default :func:`default_config`.
         zero_point: int4's zero points, int8 or float32 (the scale's shape; asymmetric formats, GGUF's Q4_1 / Q4_K), or None.
 
     Returns:
@@ -331,7 +362,7 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    bm, bn, bk, warps, dot = config or default_config(m, n, k, block[1], method)
+    bm, bn, bk, warps, dot, *rest = config or default_config(m, n, k, block[1], method)
     br, bc = block
     common = dict(METHOD=_METHOD_CODE[method], HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None, BLOCK_N=bn,
                   BLOCK_K=bk, MANUAL_BF16=manual_bf16(x), num_warps=warps)
@@ -351,7 +382,7 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
             x2, words, weight_scale, z, b, y, n, k, words.stride(0), weight_scale.stride(0), br, bc,
             METHOD=common["METHOD"], HAS_ZP=common["HAS_ZP"], HAS_BIAS=common["HAS_BIAS"], ROW_SCALE=row,
             IN_GROUP=not row and bk <= bc and bc % bk == 0, BLOCK_N=bn, BLOCK_W=max(1, bk // per),
-            STAGES=3 if method == "int8" else 1, MANUAL_BF16=common["MANUAL_BF16"], num_warps=warps,
+            STAGES=rest[0] if rest else 3 if method == "int8" else 1, MANUAL_BF16=common["MANUAL_BF16"], num_warps=warps,
             **launch_options(x2))
     else:
         if bm < m or bm > GEMV_ROWS_LIMIT:

@@ -201,10 +201,12 @@ def materialize(
     model.to(device)  # the rope buffers; parameters are already there
     model.eval()
     model.requires_grad_(False)
-    if scheme is not None and torch.device(device).type == "cpu":
-        for m in model.modules():
-            if isinstance(m, QuantizedLinear):
-                m.cpu_packed()  # the layout of PyTorch's CPU kernels, made once (phase 11)
+    if scheme is not None:
+        for m in model.modules():  # the layout of PyTorch's CPU kernels, or its CUDA int4 kernel's, made once (phase 11)
+            if isinstance(m, QuantizedLinear) and torch.device(device).type == "cpu":
+                m.cpu_packed()
+            elif isinstance(m, QuantizedLinear) and m.method == "int4":
+                m.tinygemm_packed()
     return model
 
 

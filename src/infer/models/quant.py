@@ -7,9 +7,10 @@ The shape of vLLM's ``QuantizationConfig`` / ``LinearMethodBase``, cut to what i
 the model is built on ``meta`` (:func:`quantize_modules`); the loader then fills each
 :class:`QuantizedLinear` either by quantizing the float weight it reads (online quantization,
 :meth:`QuantizedLinear.quantize_weight`) or with the checkpoint's own quantized tensors. The forward
-reads the quantized weight: on CUDA :func:`infer.kernels.quant_triton.quantized_linear`, on the CPU
-:func:`infer.kernels.quant_cpu.quantized_linear_cpu` (PyTorch's CPU weight-only kernels, on a layout
-made once at load: :meth:`QuantizedLinear.cpu_packed`).
+reads the quantized weight: on CUDA :func:`infer.kernels.quant_triton.quantized_linear` (int4 decode rows:
+PyTorch's tensor-core int4 kernel, :mod:`infer.kernels.quant_tinygemm`, on a layout made once at load:
+:meth:`QuantizedLinear.tinygemm_packed`), on the CPU :func:`infer.kernels.quant_cpu.quantized_linear_cpu`
+(PyTorch's CPU weight-only kernels, on a layout made once at load: :meth:`QuantizedLinear.cpu_packed`).
 
 What is quantized: the attention projections (q, k, v, o) and the dense MLP's (gate, up, down) of
 every decoder layer, as vLLM and the Hub's quantized releases do. The embeddings, the norms and an MoE
@@ -26,6 +27,7 @@ from torch import nn
 
 from infer.kernels import quant_reference as qref
 from infer.kernels.quant_cpu import CpuPackedWeight, pack_for_cpu, quantized_linear_cpu
+from infer.kernels.quant_tinygemm import TINYGEMM_MAX_ROWS, TinygemmWeight, pack_tinygemm, tinygemm_linear
 
 #: the decoder projections that :func:`quantize_modules` replaces, by attribute name
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -85,6 +87,10 @@ class QuantizedLinear(nn.Module):
     #: or with False the float32 reference that dequantizes per call (slow; exactly the float32 model with
     #: the dequantized weights, which the tests of the checkpoint formats compare against)
     cpu_kernels: bool = True
+    #: the CUDA int4 forward at up to :data:`~infer.kernels.quant_tinygemm.TINYGEMM_MAX_ROWS` rows (decode), bfloat16
+    #: activations: PyTorch's tensor-core int4 kernel (:mod:`infer.kernels.quant_tinygemm`), or with False our
+    #: Triton GEMV (:mod:`infer.kernels.quant_triton`; ``benchmarks/quantization.py``'s ``int4-triton`` method)
+    tinygemm: bool = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, method: str,
                  block: tuple[int, int], zero_point: bool = False, zero_point_dtype: torch.dtype = torch.int8) -> None:
@@ -111,10 +117,21 @@ class QuantizedLinear(nn.Module):
         if x.device.type == "cpu" and self.cpu_kernels:
             return quantized_linear_cpu(x, self.cpu_packed(), self.qweight, self.weight_scale, self.method,
                                         self.block, self.bias, self.weight_zero_point)
+        if (self.method == "int4" and self.tinygemm and x.is_cuda and x.dtype == torch.bfloat16
+                and x.numel() <= TINYGEMM_MAX_ROWS * self.in_features and (tg := self.tinygemm_packed()) is not None):
+            return tinygemm_linear(x, tg, self.bias)
         from infer.kernels.quant_triton import quantized_linear
 
         return quantized_linear(x, self.qweight, self.weight_scale, self.method, self.block, self.bias,
                                 self.weight_zero_point)
+
+    def tinygemm_packed(self) -> TinygemmWeight | None:
+        """The int4 weight in the layout of PyTorch's CUDA int4 kernel (:func:`~infer.kernels.quant_tinygemm.
+        pack_tinygemm`), or None where it does not take this layer; made on the first call (the loader calls it
+        at load, and :func:`merge_quantized` for a merged layer) and again only if the weight is replaced, like
+        :meth:`cpu_packed`. Held beside ``qweight`` (which prefill's Triton GEMM reads): an int4 layer takes
+        twice its packed bytes on the GPU."""
+        return self._packed("_tinygemm_packed", pack_tinygemm)
 
     def cpu_packed(self) -> CpuPackedWeight:
         """The weight in the layout of PyTorch's CPU kernel (:func:`~infer.kernels.quant_cpu.pack_for_cpu`),
@@ -122,13 +139,17 @@ class QuantizedLinear(nn.Module):
         ``weight_scale`` is replaced by another tensor or written in place through the parameter (not
         through ``.data``, whose writes PyTorch does not count). Not a parameter: the state dict holds
         the quantized weight only."""
+        return self._packed("_cpu_packed", lambda q, s, block, zp: pack_for_cpu(q, s, self.method, block, zp))
+
+    def _packed(self, attr: str, pack):
+        """``pack(qweight, weight_scale, block, zero_point)`` cached in ``self.__dict__[attr]``, made again when one
+        of those tensors is replaced or written in place through its parameter."""
         zp = self.weight_zero_point
         key = tuple((t.data_ptr(), t._version) for t in (self.qweight, self.weight_scale, zp) if t is not None)
-        cached = self.__dict__.get("_cpu_packed")
+        cached = self.__dict__.get(attr)
         if cached is None or cached[0] != key:
-            cached = (key, pack_for_cpu(self.qweight.data, self.weight_scale.data, self.method, self.block,
-                                        zp.data if zp is not None else None))
-            self.__dict__["_cpu_packed"] = cached
+            cached = (key, pack(self.qweight.data, self.weight_scale.data, self.block, zp.data if zp is not None else None))
+            self.__dict__[attr] = cached
         return cached[1]
 
     def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,8 +213,9 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
     merged.weight_zero_point = (nn.Parameter(torch.cat([p.weight_zero_point for p in parts]), requires_grad=False)
                                 if first.weight_zero_point is not None else None)
     start = 0
-    for p in parts:
-        p.__dict__.pop("_cpu_packed", None)  # the merged layer computes the parts now: no second CPU copy
+    for p in parts:  # the merged layer computes the parts now: no second copy in a kernel's layout
+        p.__dict__.pop("_cpu_packed", None)
+        p.__dict__.pop("_tinygemm_packed", None)
         rows = p.out_features
         p.qweight = nn.Parameter(merged.qweight[start:start + rows], requires_grad=False)
         p.weight_scale = nn.Parameter(merged.weight_scale[start // br:(start + rows) // br], requires_grad=False)
@@ -205,6 +227,8 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
         start += rows
     if merged.qweight.device.type == "cpu":
         merged.cpu_packed()
+    elif merged.method == "int4":
+        merged.tinygemm_packed()
     return merged
 
 
