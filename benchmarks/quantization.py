@@ -73,8 +73,9 @@ from common import (
 METHODS = ("none", "int8", "fp8", "int4", "int4_asym")
 #: ``METHOD+head``: the method with ``quantize_lm_head`` (the LM head quantized too)
 HEAD_METHODS = tuple(f"{m}+head" for m in METHODS[1:])
-#: ``int4-triton``: int4 decode on our Triton GEMV instead of PyTorch's tinygemm (``QuantizedLinear.tinygemm``)
-TRITON_METHODS = ("int4-triton", "int4_asym-triton")
+#: ``int4-triton``: int4 decode on our Triton GEMV instead of PyTorch's tinygemm (``QuantizedLinear.tinygemm``);
+#: ``fp8_w8a8``: fp8 weights with per-token fp8 activations on the FP8 tensor cores (CUDA; the reference on the CPU)
+TRITON_METHODS = ("int4-triton", "int4_asym-triton", "fp8_w8a8")
 
 
 def method_args(method: str) -> dict:
@@ -104,6 +105,7 @@ def bench_kernels(cfg, methods, batch_sizes, device, dtype, repeats: int) -> lis
     from infer.kernels import quant_reference as qref
     from infer.kernels.quant_cpu import pack_for_cpu, quantized_linear_cpu
     from infer.kernels.quant_triton import quantized_linear
+    from infer.kernels.quant_w8a8 import W8A8_MIN_ROWS, w8a8_linear
 
     rows = []
     for name, (n, k) in projection_shapes(cfg).items():
@@ -115,15 +117,17 @@ def bench_kernels(cfg, methods, batch_sizes, device, dtype, repeats: int) -> lis
                 if method == "none":
                     args, nbytes = (F.linear, x, w), w.numel() * w.element_size()
                 else:
-                    kind = method.removesuffix("_asym")  # int4_asym: int4 with zero points
+                    kind = {"int4_asym": "int4", "fp8_w8a8": "fp8"}.get(method, method)  # the weight's format
                     block = qref.default_block(kind, k)
-                    q, s, *z = (qref.quantize(w, kind, block) if kind == method else
+                    q, s, *z = (qref.quantize(w, kind, block) if method != "int4_asym" else
                                 qref.quantize_asymmetric(w, block))
                     z = z[0] if z else None
                     nbytes = q.numel() * q.element_size() + s.numel() * s.element_size() + (z.numel() if z is not None else 0)
                     if device.type == "cpu":
                         packed = pack_for_cpu(q, s, kind, block, z)
                         args, nbytes = (quantized_linear_cpu, x, packed, q, s, kind, block, None, z), packed.nbytes()
+                    elif method == "fp8_w8a8" and m >= W8A8_MIN_ROWS:
+                        args = (w8a8_linear, x, q, s)
                     else:
                         args = (quantized_linear, x, q, s, kind, block, None, z)
                 us = 1e6 * timed(lambda a=args: a[0](*a[1:]), device, repeats=repeats, warmup=2)

@@ -145,12 +145,45 @@ def test_tinygemm_int4_at_qwen3_4b_shapes(zero_points):
     assert pack_tinygemm(q, s, (1, 128)) is None  # 40 outputs: not a multiple of 16
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
-def test_quantized_engine_replays_what_it_runs_eagerly(qwen3_4b_2l, method):
+def test_w8a8_fp8_at_qwen3_4b_shapes():
+    """W8A8: the per-token e4m3 quantization kernel equals its reference bit for bit (a row of zeros and a row with
+    one outlier among them), and torch._scaled_mm on its codes equals the float32 reference within bf16's output
+    rounding (relative Frobenius error 4e-3), 5 to 2,048 rows; QuantizedLinear takes it from W8A8_MIN_ROWS rows."""
+    from infer.kernels import quant_reference as qref
+    from infer.kernels.quant_w8a8 import W8A8_MIN_ROWS, per_token_fp8, w8a8_linear
+    from infer.models.quant import QuantizedLinear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((6144, 2560), (2560, 9728)):
+        w = torch.randn(n, k, generator=g, device="cuda") * 0.02
+        q, s = qref.quantize(w, "fp8", (1, k))
+        layer = QuantizedLinear(k, n, False, "fp8", (1, k), fp8_activations=True).cuda()
+        layer.qweight.data, layer.weight_scale.data = q, s
+        for m in (W8A8_MIN_ROWS, 16, 128, 2048):
+            x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+            x[0] = 0
+            x[-1, 7] = 300.0
+            xq, xs = per_token_fp8(x)
+            rq, rs = qref.quantize_per_token_fp8(x)
+            assert torch.equal(xs, rs) and torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
+            ref = qref.w8a8_linear_reference(x.float(), q, s)
+            y = w8a8_linear(x, q, s)
+            err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert y.dtype == torch.bfloat16 and err < 4e-3, (n, k, m, err)
+            assert torch.equal(layer(x), y)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4", "fp8_w8a8"])
+def test_quantized_engine_replays_what_it_runs_eagerly(qwen3_4b_2l, method, monkeypatch):
     """Quantized weights under the fused forward, CUDA graphs, async scheduling and PDL: the tokens and
     logprobs of the same engine without graphs, async steps and PDL, bit for bit (a graph that read a stale
     scale or a packed weight at a moved address, or a kernel that read its input before its PDL wait, would
-    differ)."""
+    differ). Prefills take the tl.dot GEMM here: cuBLAS, behind the default dequantize-then-GEMM path, picks its
+    kernel by the row count, and a graph pads a prefill's rows (int8 failed bit-equality that way on an H200; the
+    kernel itself is checked against float64 in test_quantized_linear_at_qwen3_4b_shapes)."""
+    from infer.kernels import quant_triton
+
+    monkeypatch.setattr(quant_triton, "DEQUANT_THEN_CUBLAS", False)
     prompts = _prompts(1, (40, 7, 129), 150000)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
     eager, _ = _generate(qwen3_4b_2l, prompts, params, dtype="bfloat16", quantization=method, fused_kernels=True)

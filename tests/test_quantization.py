@@ -130,6 +130,7 @@ def test_the_cli_flag_parses_to_the_field():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args(["--quantization", "int4"])).quantization == "int4"
+    assert engine_config_from_args(parser.parse_args(["--quantization", "fp8_w8a8"])).quantization == "fp8_w8a8"
     assert engine_config_from_args(parser.parse_args([])).quantization == "none"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int3"])
@@ -226,6 +227,25 @@ def test_one_row_gemv_scale_paths(method, path, inputs):
     scale = qref.expand_scale(s, (37, k), blk).double()
     bound = 2.0**-22 * (x.double().abs() @ (255 * scale).T) + 1e-6
     assert bool(((ours.double() - ref).abs() <= bound).all()), ((ours.double() - ref).abs() / bound).max()
+
+
+@pytest.mark.parametrize("method, block", [("int8", (1, 200)), ("fp8", (16, 32)), ("int4", (1, 32)),
+                                           ("int4", (1, 200)), ("int4-asym", (1, 64))])
+def test_triton_dequantize_equals_the_reference(method, block):
+    """The dequantizing kernel that feeds cuBLAS for prefills on CUDA (37 rows: a partial tile; per-channel, group and
+    128-row block scales; zero points): bit for bit the reference's weight, in float32 and rounded to bfloat16."""
+    from infer.kernels.quant_triton import dequantize_triton
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 256 if method == "int4-asym" else 200, generator=g) + 0.2
+    z = None
+    if method == "int4-asym":
+        method = "int4"
+        q, s, z = qref.quantize_asymmetric(w, block)
+    else:
+        q, s = qref.quantize(w, method, block)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize_triton(q, s, method, block, dtype, z), qref.dequantize(q, s, method, block, dtype, z))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -482,6 +502,62 @@ def _check_logits(ours, ref, fused: bool = True):
         ours.model.set_fused_ops(fused_reference, max_positions=64)
         for seq, logits in zip(prompts, infer_logits(ours.model, prompts)):
             assert_parity(logits, hf_logits(ref, seq))
+
+
+# ---------------------------------------------------------------------------- W8A8: fp8 activations
+
+
+def test_per_token_fp8_quantization_by_hand():
+    """Each row's scale is max|x| / 448 (1 for a row of zeros): the largest value becomes +-448 exactly, the others
+    round to the nearest e4m3 value (13.44 -> 13 in steps of 1, 6.72 -> 6.5 in steps of 0.5, -3.36 -> -3.25)."""
+    x = torch.tensor([[448.0, -224.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.5, -0.75, 100.0]])
+    q, s = qref.quantize_per_token_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 1)
+    assert s.flatten().tolist() == [1.0, 1.0, pytest.approx(100 / 448)]
+    assert q.float().tolist() == [[448.0, -224.0, 1.0, 0.0], [0.0] * 4, [13.0, 6.5, -3.25, 448.0]]
+
+
+def test_w8a8_reference_by_hand():
+    """(q_x s_x) @ (q_w s_w)^T: x's row scale is 1 (its max is 448); weight rows with scales 0.5 and 2."""
+    x = torch.tensor([[448.0, -224.0, 1.0, 0.0]])
+    qw = torch.tensor([[1.0, 2.0, 4.0, 8.0], [0.5, 0.0, -1.0, 448.0]]).to(torch.float8_e4m3fn)
+    sw = torch.tensor([[0.5], [2.0]])
+    y = qref.w8a8_linear_reference(x, qw, sw, bias=torch.tensor([0.0, 1.0]))
+    assert y.tolist() == [[(448 - 448 + 4) * 0.5, (224 - 1) * 2.0 + 1.0]]
+    with pytest.raises(ValueError):  # block scales: W8A8 needs one per row
+        qref.w8a8_linear_reference(x, qw, torch.ones(2, 2))
+
+
+def test_fp8_w8a8_is_the_model_with_quantized_activations(tmp_path):
+    """quantization='fp8_w8a8' on the CPU, unfused and fused (merged QKV and gate/up keep their fp8 activations):
+    HF transformers with each projection's weight replaced by our dequantized fp8 one and its input quantized per
+    token to e4m3 and back (a forward pre-hook written here) is the reference. The activations' quantization is
+    real: the model differs from weight-only fp8."""
+    from tests.hf_reference import save_hf
+
+    ref = tiny_hf_model("qwen3")
+    path = save_hf(ref, tmp_path / "qwen3")
+    ours = load_model(path, device="cpu", dtype=torch.float32, progress=False, quantization="fp8_w8a8")
+    names = dict(ours.model.named_modules())
+    quantized = [n for n, m in names.items() if isinstance(m, QuantizedLinear)]
+    assert len(quantized) == 7 * ref.config.num_hidden_layers and all(names[n].fp8_activations for n in quantized)
+
+    def fake_quant(module, args):
+        x = args[0]
+        s = (x.abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-30)
+        return ((x / s).to(torch.float8_e4m3fn).float() * s,)
+
+    with torch.no_grad():
+        for n in quantized:
+            ref.get_submodule(n).weight.copy_(names[n].dequantized_weight())
+            ref.get_submodule(n).register_forward_pre_hook(fake_quant)
+    _check_logits(ours, ref)
+    merged = [m for m in ours.model.modules() if isinstance(m, QuantizedLinear) and m.out_features > 64]
+    assert merged and all(m.fp8_activations for m in merged)  # the fused forward's merged projections
+    weight_only = load_model(path, device="cpu", dtype=torch.float32, progress=False, quantization="fp8")
+    seq = _prompts(ref.config.vocab_size, [40])[0]
+    a, b = infer_logits(ours.model, [seq])[0], infer_logits(weight_only.model, [seq])[0]
+    assert (a - b).abs().max() > 1e-3
 
 
 def test_hf_block_fp8_checkpoint_loads_as_stored(tmp_path, cpu_reference_forward):

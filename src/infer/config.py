@@ -163,7 +163,9 @@ class EngineConfig(PhaseChecks):
     # ---- phase 11: weight quantization
     quantization: str = _flag("none", "weight-only quantization of the decoder's projections at load: none (the "
                               "checkpoint's weights as stored; a pre-quantized checkpoint stays quantized); int8 "
-                              "(per-output-channel symmetric scales); fp8 (e4m3, per-output-channel scales); int4 "
+                              "(per-output-channel symmetric scales); fp8 (e4m3, per-output-channel scales); fp8_w8a8 (fp8 weights, "
+                              "and activations quantized to e4m3 per token for prefills and batches of 5+ rows: the "
+                              "FP8 tensor cores, Hopper); int4 "
                               "(symmetric, one scale per group of 128 inputs); int4_asym (a scale and a zero point per "
                               "group of 128: each group's range onto the 16 codes, AWQ's layout and torchao's int4 "
                               "default). The matmul reads the quantized "

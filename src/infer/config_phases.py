@@ -10,7 +10,7 @@ import torch
 
 from infer.speculative_config import SpeculativeConfig
 
-QUANTIZATION_METHODS = ("none", "int8", "fp8", "int4", "int4_asym")
+QUANTIZATION_METHODS = ("none", "int8", "fp8", "fp8_w8a8", "int4", "int4_asym")
 GGUF_WEIGHTS = ("dequantize", "quantized")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
@@ -50,11 +50,19 @@ class PhaseChecks:
         if self.world_size > 1:
             raise ValueError(f"quantization={self.quantization!r} with tensor/expert parallelism is not supported: "
                              "the quantized projections are not split across ranks")
+        if self.quantization == "fp8_w8a8" and dev.type == "cpu":
+            logging.getLogger("infer").warning(
+                "quantization='fp8_w8a8' on the CPU: every projection runs the float32 reference (activations "
+                "quantized per token, both operands widened to float32 per call): the numerics of W8A8, not its speed")
         if self.quantization == "fp8" and dev.type == "cpu":
             logging.getLogger("infer").warning(
                 "quantization='fp8' on the CPU: no CPU kernel reads e4m3, so each projection is widened once at "
                 "load to a bfloat16 copy held beside its fp8 weight (3 bytes per weight instead of float32's 4; "
                 "decode reads the 2-byte copy). int8 and int4 are read as stored by PyTorch's CPU kernels")
+        if self.quantization == "fp8_w8a8" and dev.type == "cuda" and torch.cuda.is_available():
+            if torch.cuda.get_device_capability(dev) < (9, 0):
+                raise ValueError("quantization='fp8_w8a8' on CUDA needs compute capability >= 9.0 (Hopper: FP8 "
+                                 f"tensor-core GEMMs with row-wise scales), {dev} has less; use fp8 (weight-only)")
         if self.quantization == "fp8" and dev.type == "cuda" and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability(dev)
             if (major, minor) < (8, 9):

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["INT8_MAX", "FP8_MAX", "INT4_MIN", "INT4_MAX", "quantize", "quantize_asymmetric", "dequantize",
-           "pack_int4", "unpack_int4",
+           "pack_int4", "unpack_int4", "quantize_per_token_fp8", "w8a8_linear_reference",
            "expand_scale", "quantized_linear_reference", "check_quantized", "qweight_shape", "scale_shape",
            "default_block", "QDTYPES", "ZERO_POINT_DTYPES"]
 
@@ -203,6 +203,48 @@ def quantized_linear_reference(x: torch.Tensor, qweight: torch.Tensor, weight_sc
     """
     check_quantized(x, qweight, weight_scale, method, block, bias, zero_point)
     return F.linear(x, dequantize(qweight, weight_scale, method, block, x.dtype, zero_point), bias)
+
+
+def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token e4m3 quantization of activations (W8A8: vLLM's and llmcompressor's ``FP8_DYNAMIC``): each
+    row's scale is ``max |x_row| / 448`` (1 for a row of zeros), so its largest value maps to e4m3's largest and
+    nothing saturates, and ``q = e4m3(x / scale)`` (round to nearest).
+
+    Args:
+        x: ``[M, K]`` float (computed in float32).
+
+    Returns:
+        ``(q, scale)``: ``torch.float8_e4m3fn [M, K]`` and float32 ``[M, 1]``.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def w8a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W8A8 product: ``x`` quantized per token (:func:`quantize_per_token_fp8`) times an fp8 weight with one
+    scale per output channel, ``(q_x s_x) @ (q_w s_w)^T + bias``, in float32 (the products of two e4m3 values are
+    exact in float32). What a tensor-core FP8 GEMM with row-wise scales computes (``torch._scaled_mm``), up to the
+    order of its float32 sums.
+
+    Args:
+        x: ``[..., K]`` float; qweight: e4m3 ``[N, K]``; weight_scale: float32 ``[N, 1]``; bias: ``[N]`` or None.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: a weight that is not e4m3 with one scale per row.
+    """
+    check_quantized(x, qweight, weight_scale, "fp8", (1, x.shape[-1]), bias)
+    k = x.shape[-1]
+    q, s = quantize_per_token_fp8(x.reshape(-1, k))
+    y = (q.float() @ qweight.float().T) * s * weight_scale.float().view(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
 
 
 def check_quantized(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, method: str,

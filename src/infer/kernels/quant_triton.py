@@ -272,6 +272,42 @@ def _quantized_linear_kernel(
     tl.store(out, round_to(acc, dtype, MANUAL_BF16), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sn, BR, BC, METHOD: tl.constexpr,
+                       HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    # Grid (cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)): program (j, i) writes tile (j, i) of the weight in w's dtype.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    k = k0 + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, k, k0, n_mask, K, stride_qn, stride_sn, BR, BC, METHOD, HAS_ZP,
+                      BLOCK_N, BLOCK_K)
+    tl.store(w_ptr + offs_n.to(tl.int64)[:, None] * K + k[None, :], round_to(w, w_ptr.dtype.element_ty, MANUAL_BF16),
+             mask=n_mask[:, None] & (k < K)[None, :])
+
+
+def dequantize_triton(qweight: torch.Tensor, weight_scale: torch.Tensor, method: str, block: tuple[int, int],
+                      dtype: torch.dtype, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`~infer.kernels.quant_reference.dequantize` in one Triton kernel: the ``[N, K]`` weight in ``dtype``
+    (float32 products rounded once). What :func:`quantized_linear_triton` does for many rows on CUDA before one
+    cuBLAS GEMM: a prefill is bound by arithmetic, and our ``tl.dot`` GEMM on dequantized tiles ran 3-6x slower
+    than cuBLAS on bf16 at 2,048 rows of Qwen3-8B's projections on an H200 (offline throughput with fp8 weights:
+    0.33x bf16); writing a bf16 copy and reading it costs ~2 bytes a weight more than bf16 alone, ~10% of a
+    2,048-row GEMM. The copy is transient (the caching allocator's, one projection at a time)."""
+    n = qweight.shape[0]
+    k = qweight.shape[1] * (8 if method == "int4" else 1)
+    bc = block[1]
+    w = torch.empty((n, k), device=qweight.device, dtype=dtype)
+    bk = _block_k(128, k, bc)
+    z = zero_point.contiguous() if zero_point is not None else weight_scale
+    s = weight_scale.contiguous() if zero_point is not None else weight_scale
+    _dequantize_kernel[(triton.cdiv(n, 32), triton.cdiv(k, bk))](
+        qweight, s, z, w, n, k, qweight.stride(0), s.stride(0), block[0], bc, METHOD=_METHOD_CODE[method],
+        HAS_ZP=zero_point is not None, BLOCK_N=32, BLOCK_K=bk, MANUAL_BF16=INTERPRET and dtype == torch.bfloat16,
+        num_warps=4)
+    return w
+
+
 def _block_k(preferred: int, k: int, bc: int) -> int:
     """The largest power of two <= ``preferred`` (and >= 16) that keeps every K tile inside one scale column."""
     b = preferred
@@ -315,6 +351,11 @@ def default_config(m: int, n: int, k: int, bc: int, method: str = "int8") -> tup
     return max(block_m, min(64, m_pad)), block_n, _block_k(block_k, k, bc), warps, True
 
 
+#: more rows than the GEMV takes, on CUDA: dequantize the weight once, then a cuBLAS GEMM (:func:`dequantize_triton`);
+#: False: the ``tl.dot`` GEMM on dequantized tiles, 3-6x slower, but a row's result does not depend on how many rows
+#: the call has (cuBLAS picks its kernel by shape, so a CUDA graph's padded prefill can round differently from the
+#: same prefill run eagerly)
+DEQUANT_THEN_CUBLAS = True
 #: the most rows (int8, fp8) the GEMV kernel takes in the engine (default_config)
 GEMV_MAX_ROWS = 4
 #: (BLOCK_M at least, BLOCK_N, BLOCK_K, num_warps) of the GEMM past the GEMV's rows (default_config)
@@ -372,6 +413,9 @@ def quantized_linear_triton(x: torch.Tensor, qweight: torch.Tensor, weight_scale
         weight_scale, z = weight_scale.contiguous(), zero_point.contiguous()
     row = bc >= k and zero_point is None  # one scale per output row, applied after the reduction
     per = 8 if method == "int4" else 4  # codes per int32 word (the one-row GEMV)
+    if dot and config is None and x.is_cuda and DEQUANT_THEN_CUBLAS:  # prefill, large batches: dequantize, cuBLAS
+        w = dequantize_triton(qweight, weight_scale, method, block, x.dtype, zero_point)
+        return torch.nn.functional.linear(x, w, bias)
     if dot:
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
         _quantized_linear_kernel[grid](x2, qweight, weight_scale, z, b, y, m, n, k, x2.stride(0), qweight.stride(0),

@@ -204,7 +204,8 @@ def materialize(
     if scheme is not None:
         for m in model.modules():  # the layout of PyTorch's CPU kernels, or its CUDA int4 kernel's, made once (phase 11)
             if isinstance(m, QuantizedLinear) and torch.device(device).type == "cpu":
-                m.cpu_packed()
+                if not m.fp8_activations:  # (W8A8 on the CPU runs the reference: no kernel layout)
+                    m.cpu_packed()
             elif isinstance(m, QuantizedLinear) and m.method == "int4":
                 m.tinygemm_packed()
     return model

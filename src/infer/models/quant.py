@@ -28,6 +28,7 @@ from torch import nn
 from infer.kernels import quant_reference as qref
 from infer.kernels.quant_cpu import CpuPackedWeight, pack_for_cpu, quantized_linear_cpu
 from infer.kernels.quant_tinygemm import TINYGEMM_MAX_ROWS, TinygemmWeight, pack_tinygemm, tinygemm_linear
+from infer.kernels.quant_w8a8 import W8A8_MIN_ROWS, w8a8_linear
 
 #: the decoder projections that :func:`quantize_modules` replaces, by attribute name
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -49,6 +50,9 @@ class QuantScheme:
             ``W4A16_ASYM``, GGUF's Q4_1 and Q4_K): every projection then has a ``weight_zero_point``.
         zero_point_dtype: the zero points' dtype: ``torch.int8`` (integer codes), or ``torch.float32`` (GGUF's
             minimums, ``-m / d - 8``: :mod:`infer.loader.gguf_quant`).
+        fp8_activations: W8A8 (``quantization="fp8_w8a8"``): fp8 weights with one scale per row whose prefills and
+            larger batches quantize the activations per token and run on the FP8 tensor cores
+            (:mod:`infer.kernels.quant_w8a8`).
     """
 
     method: str
@@ -57,14 +61,18 @@ class QuantScheme:
     format: str = "online"
     symmetric: bool = True
     zero_point_dtype: torch.dtype = torch.int8
+    fp8_activations: bool = False
 
     @classmethod
     def online(cls, method: str, group_size: int = 128) -> QuantScheme:
-        """The scheme of ``EngineConfig.quantization = method`` (``int4_asym``: int4 with zero points)."""
+        """The scheme of ``EngineConfig.quantization = method`` (``int4_asym``: int4 with zero points;
+        ``fp8_w8a8``: fp8 per channel with per-token fp8 activations)."""
         if method == "int4_asym":
             return cls("int4", (1, group_size), symmetric=False)
+        if method == "fp8_w8a8":
+            return cls("fp8", (1, 0), fp8_activations=True)
         if method not in qref.QDTYPES:
-            raise ValueError(f"unknown quantization method {method!r} (int8, fp8, int4 or int4_asym)")
+            raise ValueError(f"unknown quantization method {method!r} (int8, fp8, fp8_w8a8, int4 or int4_asym)")
         return cls(method, (1, group_size) if method == "int4" else (1, 0))
 
     def block_for(self, in_features: int) -> tuple[int, int]:
@@ -93,8 +101,12 @@ class QuantizedLinear(nn.Module):
     tinygemm: bool = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, method: str,
-                 block: tuple[int, int], zero_point: bool = False, zero_point_dtype: torch.dtype = torch.int8) -> None:
+                 block: tuple[int, int], zero_point: bool = False, zero_point_dtype: torch.dtype = torch.int8,
+                 fp8_activations: bool = False) -> None:
         super().__init__()
+        if fp8_activations and (method != "fp8" or block[0] != 1 or block[1] < in_features or zero_point):
+            raise ValueError(f"fp8 activations (W8A8) need an fp8 weight with one scale per row, not {method} {block}")
+        self.fp8_activations = fp8_activations
         if method not in qref.QDTYPES:
             raise ValueError(f"unknown quantization method {method!r} (int8, fp8 or int4)")
         if method == "int4" and in_features % 8:
@@ -114,9 +126,14 @@ class QuantizedLinear(nn.Module):
                                               requires_grad=False) if zero_point else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_activations and not x.is_cuda:  # W8A8 on the CPU: the float32 reference
+            return qref.w8a8_linear_reference(x, self.qweight, self.weight_scale, self.bias)
         if x.device.type == "cpu" and self.cpu_kernels:
             return quantized_linear_cpu(x, self.cpu_packed(), self.qweight, self.weight_scale, self.method,
                                         self.block, self.bias, self.weight_zero_point)
+        if (self.fp8_activations and x.dtype == torch.bfloat16 and x.numel() >= W8A8_MIN_ROWS * self.in_features
+                and self.in_features % 16 == 0 and self.out_features % 16 == 0):
+            return w8a8_linear(x, self.qweight, self.weight_scale, self.bias)
         if (self.method == "int4" and self.tinygemm and x.is_cuda and x.dtype == torch.bfloat16
                 and x.numel() <= TINYGEMM_MAX_ROWS * self.in_features and (tg := self.tinygemm_packed()) is not None):
             return tinygemm_linear(x, tg, self.bias)
@@ -174,13 +191,15 @@ class QuantizedLinear(nn.Module):
         zp = self.weight_zero_point
         return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}, "
                 f"block={self.block}, bias={self.bias is not None}, "
-                f"zero_point={str(zp.dtype).removeprefix('torch.') if zp is not None else None}")
+                f"zero_point={str(zp.dtype).removeprefix('torch.') if zp is not None else None}"
+                + (", fp8_activations=True" if self.fp8_activations else ""))
 
     def layout(self) -> tuple:
         """What :func:`merge_quantized` needs equal across parts: ``(method, scale columns, in_features, bias?,
-        zero points' dtype or None)``."""
+        zero points' dtype or None, fp8 activations?)``."""
         zp = self.weight_zero_point
-        return (self.method, self.block[1], self.in_features, self.bias is not None, zp.dtype if zp is not None else None)
+        return (self.method, self.block[1], self.in_features, self.bias is not None, zp.dtype if zp is not None else None,
+                self.fp8_activations)
 
 
 def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
@@ -206,6 +225,7 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
     nn.Module.__init__(merged)
     merged.in_features, merged.out_features = first.in_features, n
     merged.method, merged.block = first.method, (br, first.block[1])
+    merged.fp8_activations = first.fp8_activations
     merged.qweight = nn.Parameter(torch.cat([p.qweight for p in parts]), requires_grad=False)
     merged.weight_scale = nn.Parameter(torch.cat(scales).contiguous(), requires_grad=False)
     merged.bias = (nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
@@ -225,7 +245,7 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
         if p.weight_zero_point is not None:
             p.weight_zero_point = nn.Parameter(merged.weight_zero_point[start:start + rows], requires_grad=False)
         start += rows
-    if merged.qweight.device.type == "cpu":
+    if merged.qweight.device.type == "cpu" and not merged.fp8_activations:
         merged.cpu_packed()
     elif merged.method == "int4":
         merged.tinygemm_packed()
@@ -255,7 +275,7 @@ def quantize_modules(model: nn.Module, scheme: QuantScheme,
             s = scheme if layouts is None else layouts[full]
             q = QuantizedLinear(child.in_features, child.out_features, child.bias is not None, s.method,
                                 s.block_for(child.in_features), zero_point=not s.symmetric,
-                                zero_point_dtype=s.zero_point_dtype)
+                                zero_point_dtype=s.zero_point_dtype, fp8_activations=s.fp8_activations)
             setattr(module, attr, q)
             replaced.append(full)
     return replaced
@@ -310,7 +330,7 @@ def quantize_lm_head(model: nn.Module, scheme: QuantScheme) -> QuantizedLinear:
     with torch.device("meta"):
         q = QuantizedLinear(head.in_features, head.out_features, False, scheme.method,
                             scheme.block_for(head.in_features), zero_point=not scheme.symmetric,
-                            zero_point_dtype=scheme.zero_point_dtype)
+                            zero_point_dtype=scheme.zero_point_dtype, fp8_activations=scheme.fp8_activations)
     for name, t in q.quantized_tensors(head.weight.detach()).items():
         setattr(q, name, nn.Parameter(t, requires_grad=False))
     model.lm_head = q
