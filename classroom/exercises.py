@@ -413,6 +413,15 @@ EXERCISES: dict[str, Exercise] = {
             "the offset, return int8 [N, 8 * words].",
             15,
         ),
+        Exercise(
+            "per_token_fp8", 11, "src/infer/kernels/quant_reference.py",
+            ("tests/test_quantization.py::test_per_token_fp8_quantization_by_hand",),
+            "W8A8's activations: one scale per row (token), its largest |x| over e4m3's largest value 448, so "
+            "nothing overflows (e4m3fn has no infinity: a value past 448 becomes NaN); a row of zeros gets scale "
+            "1. Divide, clamp to +-448, cast to torch.float8_e4m3fn (the cast rounds to nearest). Return the codes "
+            "and the float32 [M, 1] scales.",
+            10,
+        ),
         # ---------------------------------------------------------------- phase 12
         Exercise(
             "ngram_lookup", 12, "src/infer/engine/spec_decode.py",

@@ -216,10 +216,12 @@ def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     Returns:
         ``(q, scale)``: ``torch.float8_e4m3fn [M, K]`` and float32 ``[M, 1]``.
     """
+    # >>> EXERCISE per_token_fp8
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    # <<< EXERCISE per_token_fp8
 
 
 def w8a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
