@@ -528,6 +528,13 @@ def test_w8a8_reference_by_hand():
         qref.w8a8_linear_reference(x, qw, torch.ones(2, 2))
 
 
+def _per_token_fake_quant(module, args):
+    """A forward pre-hook: the layer's input quantized to e4m3 per token (scale max|x| / 448) and back."""
+    x = args[0]
+    s = (x.abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-30)
+    return ((x / s).to(torch.float8_e4m3fn).float() * s,)
+
+
 def test_fp8_w8a8_is_the_model_with_quantized_activations(tmp_path):
     """quantization='fp8_w8a8' on the CPU, unfused and fused (merged QKV and gate/up keep their fp8 activations):
     HF transformers with each projection's weight replaced by our dequantized fp8 one and its input quantized per
@@ -542,15 +549,10 @@ def test_fp8_w8a8_is_the_model_with_quantized_activations(tmp_path):
     quantized = [n for n, m in names.items() if isinstance(m, QuantizedLinear)]
     assert len(quantized) == 7 * ref.config.num_hidden_layers and all(names[n].fp8_activations for n in quantized)
 
-    def fake_quant(module, args):
-        x = args[0]
-        s = (x.abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-30)
-        return ((x / s).to(torch.float8_e4m3fn).float() * s,)
-
     with torch.no_grad():
         for n in quantized:
             ref.get_submodule(n).weight.copy_(names[n].dequantized_weight())
-            ref.get_submodule(n).register_forward_pre_hook(fake_quant)
+            ref.get_submodule(n).register_forward_pre_hook(_per_token_fake_quant)
     _check_logits(ours, ref)
     merged = [m for m in ours.model.modules() if isinstance(m, QuantizedLinear) and m.out_features > 64]
     assert merged and all(m.fp8_activations for m in merged)  # the fused forward's merged projections
@@ -596,7 +598,8 @@ def test_hf_block_fp8_checkpoint_loads_as_stored(tmp_path, cpu_reference_forward
 def test_compressed_tensors_checkpoint_loads_as_stored(preset, fmt, method, tmp_path, cpu_reference_forward):
     """Quantized and saved by the ``compressed-tensors`` library (llmcompressor's format). Scales as its own
     observers would set them (min/max per group or channel); the reference: the float model with each
-    weight replaced by the library's fake-quantized value."""
+    weight replaced by the library's fake-quantized value. FP8_DYNAMIC's activations are dynamic per token: it
+    loads as W8A8 (``fp8_activations``), and the reference quantizes each projection's input per token too."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -626,6 +629,8 @@ def test_compressed_tensors_checkpoint_loads_as_stored(preset, fmt, method, tmp_
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
         module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
         ref_modules[name].weight.data.copy_(fake_quantize(w, module.weight_scale, module.weight_zero_point, args))
+        if preset == "FP8_DYNAMIC":
+            ref_modules[name].register_forward_pre_hook(_per_token_fake_quant)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(tmp_path)
@@ -634,6 +639,7 @@ def test_compressed_tensors_checkpoint_loads_as_stored(preset, fmt, method, tmp_
         "compressed-tensors"
     ours = _check_against(tmp_path, ref.eval(), method, fused=preset.startswith("W4A16"))
     assert (ours.model.model.layers[0].mlp.down_proj.weight_zero_point is not None) == preset.endswith("ASYM")
+    assert ours.model.model.layers[0].mlp.down_proj.fp8_activations == (preset == "FP8_DYNAMIC")
 
 
 def _packed_checkpoint(path, pack, quantization_config: dict) -> nn.Module:

@@ -84,7 +84,10 @@ def _compressed_tensors_scheme(q: dict[str, Any], source: Path) -> QuantScheme:
         return QuantScheme("int4", (1, int(w["group_size"])), prequantized=True, format="compressed-tensors")
     if kind == "float" and bits == 8 and fmt in ("float-quantized", "naive-quantized"):
         if strategy in ("channel", "tensor"):  # a per-tensor scale is repeated per row when it loads
-            return QuantScheme("fp8", (1, 0), prequantized=True, format="compressed-tensors")
+            a = group.get("input_activations") or {}
+            w8a8 = (a.get("type"), a.get("num_bits"), a.get("strategy"), a.get("dynamic")) == ("float", 8, "token", True)
+            # FP8_DYNAMIC: activations quantized per token at run time, as infer's fp8_w8a8 does
+            return QuantScheme("fp8", (1, 0), prequantized=True, format="compressed-tensors", fp8_activations=w8a8)
         if strategy == "block":
             br, bc = w["block_structure"]
             return QuantScheme("fp8", (int(br), int(bc)), prequantized=True, format="compressed-tensors")
