@@ -531,17 +531,26 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, part in zip(axes[0], panels):
         rows = report[part]
-        if part == "decode":
-            for b in sorted({r["batch"] for r in rows}):
-                rs = [r for r in rows if r["batch"] == b]
-                base = next(r["step_ms"] for r in rs if r["method"] == "none")
-                short = {v: f"{k} KV" for k, v in KV_LABELS.items()}
-                ax.plot([short.get(r["method"], r["method"]) for r in rs], [base / r["step_ms"] for r in rs], "o-",
-                        label=f"batch {b}")
+        if part == "decode":  # a group of bars per method, one bar per batch size: speed-up, share of the floor
+            short = {v: f"{k} KV" for k, v in KV_LABELS.items()}
+            batches = sorted({r["batch"] for r in rows})
+            methods = list(dict.fromkeys(r["method"] for r in rows))
+            width = 0.8 / len(batches)
+            for i, b in enumerate(batches):
+                rs = {r["method"]: r for r in rows if r["batch"] == b}
+                base = rs["none"]["step_ms"]
+                xs = [j + (i - (len(batches) - 1) / 2) * width for j, m in enumerate(methods) if m in rs]
+                bars = ax.bar(xs, [base / rs[m]["step_ms"] for m in methods if m in rs], width, label=f"batch {b}")
+                for bar, m in zip(bars, [m for m in methods if m in rs]):
+                    ax.annotate(f"{bar.get_height():.2f}x\n{rs[m]['floor_frac']:.0%}", (bar.get_x() + bar.get_width() / 2,
+                                bar.get_height()), ha="center", va="bottom", fontsize=7)
+            ax.set_xticks(range(len(methods)), [short.get(m, m) for m in methods], rotation=30, ha="right")
             ax.axhline(1.0, color="grey", lw=0.8)
+            ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
             ax.set_ylabel("decode speed-up over none (x)")
-            ax.set_title(f"decode, {report['model']}")
-            ax.legend()
+            ax.set_title(f"decode, {Path(str(report['model'])).name}\n(labels: speed-up, share of the bytes' floor)",
+                         fontsize=10)
+            ax.legend(loc="lower right")
         else:
             short = {v: f"{k} KV" for k, v in KV_LABELS.items()}
             bars = ax.bar([short.get(r["method"], r["method"]) for r in rows], [r["perplexity"] for r in rows])
