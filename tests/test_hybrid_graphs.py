@@ -22,6 +22,7 @@ import torch
 
 from infer.config import EngineConfig
 from infer.engine.cuda_graphs import CUDAGraphRunner, bucket_for, stage_decodes
+from infer.kernels.triton_common import INTERPRET
 from infer.sampling import SamplingParams
 from tests.test_batching import assert_pool_full, drive, make_engine, mixed_workload
 from tests.test_generation import hf_greedy
@@ -133,6 +134,8 @@ def _arrivals_give_hf_tokens(engine, graphs: CUDAGraphRunner, hf) -> list[tuple[
     return seen
 
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU tensors through Triton kernels need TRITON_INTERPRET=1 (on a GPU "
+                    "machine: tests/test_gpu_phases.py)")
 def test_decode_graph_inputs_give_hf_tokens_on_cpu(tiny_ckpt, tiny_cpu):
     """The graph route's static inputs (packed state slots, padding rows on the padding slot, flags from
     the positions) run eagerly on the CPU with the Triton kernels interpreted and async scheduling (the
@@ -209,6 +212,8 @@ def test_hybrid_config_keeps_decode_graphs_and_refuses_prefill_graphs(tiny_cpu):
 # ---------------------------------------------------------------------------------- fused kernels
 
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU tensors through Triton kernels need TRITON_INTERPRET=1 (on a GPU "
+                    "machine: tests/test_gpu_phases.py)")
 def test_fused_forward_gives_hf_logits_and_tokens(tiny_ckpt, tiny_cpu):
     """``fused_kernels`` for the hybrid (norms fused with the residual add, the fused MLP, the LM head
     through ``ops.linear``): teacher-forced logits of a 24-token and a one-token prompt within 1e-4 of

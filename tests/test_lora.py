@@ -24,6 +24,7 @@ pytest.importorskip("peft")
 
 from infer import LLM, EngineConfig, InvalidRequestError, LoRARequest, SamplingParams  # noqa: E402
 from infer.kernels import lora_reference, lora_triton  # noqa: E402
+from infer.kernels.triton_common import INTERPRET  # noqa: E402
 from infer.loader import load_model  # noqa: E402
 from infer.lora import LoRAModelManager, load_adapter  # noqa: E402
 from infer.lora.adapter import LORA_PROJS  # noqa: E402
@@ -52,8 +53,14 @@ def _per_row(y, x, a, b, slots, off):
     return want
 
 
+#: CPU tensors through the Triton kernels: only under the interpreter (tests/conftest.py sets it where there is no
+#: GPU); on a GPU machine their twins at real shapes run in tests/test_gpu_phases.py
+interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors through Triton kernels need TRITON_INTERPRET=1")
+TRITON_OPS = pytest.param(lora_triton, marks=interpreted, id="triton")
+
+
 @pytest.mark.parametrize("num_tokens", [5, 70])  # decode-like (16-row tiles) and prefill-like (64-row tiles)
-@pytest.mark.parametrize("ops", [lora_reference, lora_triton], ids=["torch", "triton"])
+@pytest.mark.parametrize("ops", [pytest.param(lora_reference, id="torch"), TRITON_OPS])
 def test_shrink_expand_match_per_row_reference(ops, num_tokens):
     g = torch.Generator().manual_seed(num_tokens)
     num_slots, rank, k, n, off = 3, 8, 72, 40, 6
@@ -76,6 +83,7 @@ def test_shrink_expand_match_per_row_reference(ops, num_tokens):
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
 
 
+@interpreted
 @pytest.mark.parametrize("split_k", [None, 1, 3, 4])
 def test_split_k_shrink_matches_per_row_reference(split_k):
     """The Triton shrink with its K columns split among programs (a decode step's few rows): the partial
@@ -93,7 +101,7 @@ def test_split_k_shrink_matches_per_row_reference(split_k):
 
 
 @pytest.mark.parametrize("k", [40, 1000])  # one program per row block; split-K (3 rows, 1,000 columns)
-@pytest.mark.parametrize("ops", [lora_reference, lora_triton], ids=["torch", "triton"])
+@pytest.mark.parametrize("ops", [pytest.param(lora_reference, id="torch"), TRITON_OPS])
 def test_stacked_parts_match_per_row_reference(ops, k):
     """A merged projection's parts (q, k, v: 32, 16 and 16 columns) from stacked A and B: each part's delta
     lands in its own columns, from its own rank-R slice of the shrink, as three separate projections
@@ -457,6 +465,7 @@ def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
         lora_reference.add_lora(y0.clone(), x, a, b, static)
 
 
+@interpreted
 def test_captured_forward_reads_adapters_loaded_after_capture(lora_qwen3):
     """The whole model as its LoRA graph variant runs it (the Triton kernels under the interpreter): the
     layers read the row groups of a static meta built once, as at capture, while the host's own mapping
