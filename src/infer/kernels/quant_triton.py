@@ -22,10 +22,11 @@ and the scale(s) that cover it, turns them into float32 in registers, and multip
   summed per element in float32 and reduced once at the end (gpt-fast's and Marlin's int4/int8 GEMV idea,
   without their layouts tuned for tensor cores). A per-channel scale multiplies each output once, after
   the reduction; group scales (int4's 128 columns, FP8 blocks) multiply the codes in the loop;
-* with more rows (prefill, large batches): a tiled GEMM whose inner product is ``tl.dot`` on the
-  dequantized tile (cast to ``x``'s 16-bit dtype for the tensor cores, float32 in the interpreter). It
-  reads the weight once per row tile instead of once per row; at these sizes the GEMM is bound by
-  arithmetic, so it runs at about the speed of a bf16 GEMM, with the memory saving.
+* with more rows (prefill, large batches): on CUDA the weight dequantized once (:func:`dequantize_triton`)
+  and one cuBLAS GEMM, since at these sizes the step is bound by arithmetic, not bytes; otherwise (the
+  interpreter, an explicit ``config``, ``DEQUANT_THEN_CUBLAS = False``) a tiled GEMM whose inner product is
+  ``tl.dot`` on the dequantized tile (cast to ``x``'s 16-bit dtype for the tensor cores, float32 in the
+  interpreter): the lesson's form, 3-6x slower than cuBLAS on bf16 at 2,048 rows on an H200.
 
 The scale layout is :mod:`infer.kernels.quant_reference`'s (one scale per ``(br, bc)`` block); in the GEMM a
 ``K`` tile never straddles two scale columns (``BLOCK_K`` divides ``bc``, or ``bc >= K``), so each program
