@@ -53,7 +53,8 @@ class PhaseChecks:
         if self.quantization == "fp8_w8a8" and dev.type == "cpu":
             logging.getLogger("infer").warning(
                 "quantization='fp8_w8a8' on the CPU: every projection runs the float32 reference (activations "
-                "quantized per token, both operands widened to float32 per call): the numerics of W8A8, not its speed")
+                "quantized per token, times a float32 copy of the weight's e4m3 codes held beside them): the "
+                "numerics of W8A8 at float32's speed, not the FP8 tensor cores' (a GPU's)")
         if self.quantization == "fp8" and dev.type == "cpu":
             logging.getLogger("infer").warning(
                 "quantization='fp8' on the CPU: no CPU kernel reads e4m3, so each projection is widened once at "

@@ -225,7 +225,7 @@ def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def w8a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
+                          bias: torch.Tensor | None = None, weight_codes: torch.Tensor | None = None) -> torch.Tensor:
     """The W8A8 product: ``x`` quantized per token (:func:`quantize_per_token_fp8`) times an fp8 weight with one
     scale per output channel, ``(q_x s_x) @ (q_w s_w)^T + bias``, in float32 (the products of two e4m3 values are
     exact in float32). What a tensor-core FP8 GEMM with row-wise scales computes (``torch._scaled_mm``), up to the
@@ -233,6 +233,8 @@ def w8a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, weight_scale: 
 
     Args:
         x: ``[..., K]`` float; qweight: e4m3 ``[N, K]``; weight_scale: float32 ``[N, 1]``; bias: ``[N]`` or None.
+        weight_codes: ``qweight`` as float32 (exact), when the caller keeps that copy (the CPU forward does, so
+            that a call does not convert the whole weight again); None: converted here.
 
     Returns:
         ``[..., N]`` in ``x.dtype``.
@@ -243,7 +245,8 @@ def w8a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, weight_scale: 
     check_quantized(x, qweight, weight_scale, "fp8", (1, x.shape[-1]), bias)
     k = x.shape[-1]
     q, s = quantize_per_token_fp8(x.reshape(-1, k))
-    y = (q.float() @ qweight.float().T) * s * weight_scale.float().view(1, -1)
+    codes = weight_codes if weight_codes is not None else qweight.float()
+    y = (q.float() @ codes.T) * s * weight_scale.float().view(1, -1)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])

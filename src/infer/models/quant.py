@@ -126,8 +126,9 @@ class QuantizedLinear(nn.Module):
                                               requires_grad=False) if zero_point else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_activations and not x.is_cuda:  # W8A8 on the CPU: the float32 reference
-            return qref.w8a8_linear_reference(x, self.qweight, self.weight_scale, self.bias)
+        if self.fp8_activations and not x.is_cuda:  # W8A8 on the CPU: the float32 reference, on cached float32 codes
+            codes = self._packed("_w8a8_codes", lambda q, s, block, zp: q.float())
+            return qref.w8a8_linear_reference(x, self.qweight, self.weight_scale, self.bias, weight_codes=codes)
         if x.device.type == "cpu" and self.cpu_kernels:
             return quantized_linear_cpu(x, self.cpu_packed(), self.qweight, self.weight_scale, self.method,
                                         self.block, self.bias, self.weight_zero_point)
