@@ -147,8 +147,8 @@ class QuantizedLinear(nn.Module):
         """The int4 weight in the layout of PyTorch's CUDA int4 kernel (:func:`~infer.kernels.quant_tinygemm.
         pack_tinygemm`), or None where it does not take this layer; made on the first call (the loader calls it
         at load, and :func:`merge_quantized` for a merged layer) and again only if the weight is replaced, like
-        :meth:`cpu_packed`. Held beside ``qweight`` (which prefill's Triton GEMM reads): an int4 layer takes
-        twice its packed bytes on the GPU."""
+        :meth:`cpu_packed`. Held beside ``qweight`` (which prefills read, dequantized): an int4 layer takes twice
+        its packed bytes on the GPU."""
         return self._packed("_tinygemm_packed", pack_tinygemm)
 
     def cpu_packed(self) -> CpuPackedWeight:
@@ -235,8 +235,8 @@ def merge_quantized(*parts: QuantizedLinear) -> QuantizedLinear:
                                 if first.weight_zero_point is not None else None)
     start = 0
     for p in parts:  # the merged layer computes the parts now: no second copy in a kernel's layout
-        p.__dict__.pop("_cpu_packed", None)
-        p.__dict__.pop("_tinygemm_packed", None)
+        for cached in ("_cpu_packed", "_tinygemm_packed", "_w8a8_codes"):
+            p.__dict__.pop(cached, None)
         rows = p.out_features
         p.qweight = nn.Parameter(merged.qweight[start:start + rows], requires_grad=False)
         p.weight_scale = nn.Parameter(merged.weight_scale[start // br:(start + rows) // br], requires_grad=False)
