@@ -10,7 +10,8 @@ and the scale(s) that cover it, turns them into float32 in registers, and multip
 * with one row (batch-1 decode) :func:`_quantized_gemv1_kernel`: the weight read as int32 words and each
   int8 or int4 code taken out with one AND, left where it lies in the word: read as a float32 those bits are
   the subnormal ``u * 2^(p - 149)`` (``u`` the unsigned code, ``p`` its bit position), so one FMA with ``x``
-  scaled by ``2^(149 - p)`` in advance (once per input, shared by the program's rows) adds ``u * x``. No
+  scaled by ``2^(100 - p)`` in advance (once per input, shared by the program's rows) adds ``u * x * 2^-49``, and
+  the ``2^49`` and the codes' offset are settled once per step. No
   int->float conversion (a quarter of the FMA rate: it bounded the kernel at 1.4-1.7 TB/s on an H200) and no
   shift per code (the integer units run at half the float rate on Hopper: a shift, two masks and an FMA a
   code bounded int4 at 0.6-1.2 TB/s). FP32 subnormals are exact on the GPU (Triton emits no flush-to-zero)
@@ -293,8 +294,9 @@ def dequantize_triton(qweight: torch.Tensor, weight_scale: torch.Tensor, method:
     (float32 products rounded once). What :func:`quantized_linear_triton` does for many rows on CUDA before one
     cuBLAS GEMM: a prefill is bound by arithmetic, and our ``tl.dot`` GEMM on dequantized tiles ran 3-6x slower
     than cuBLAS on bf16 at 2,048 rows of Qwen3-8B's projections on an H200 (offline throughput with fp8 weights:
-    0.33x bf16); writing a bf16 copy and reading it costs ~2 bytes a weight more than bf16 alone, ~10% of a
-    2,048-row GEMM. The copy is transient (the caching allocator's, one projection at a time)."""
+    0.33x bf16, 0.73x with this); writing a bf16 copy and reading it costs 3 bytes of traffic a weight more than
+    bf16 alone (an estimated 10-15% of a 2,048-row GEMM, a large share of a decode step of a few rows). The copy is
+    transient (the caching allocator's, one projection at a time)."""
     n = qweight.shape[0]
     k = qweight.shape[1] * (8 if method == "int4" else 1)
     bc = block[1]
