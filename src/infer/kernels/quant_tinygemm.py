@@ -31,7 +31,8 @@ from infer.kernels.quant_cpu import int4_group, int4_scales_and_zeros
 __all__ = ["TinygemmWeight", "pack_tinygemm", "tinygemm_linear", "TINYGEMM_MAX_ROWS", "INNER_K_TILES"]
 
 #: rows up to which :class:`~infer.models.quant.QuantizedLinear` calls tinygemm on CUDA (decode); more rows
-#: (prefill) take the Triton GEMM
+#: (prefill) dequantize the weight once for cuBLAS (:func:`~infer.kernels.quant_triton.dequantize_triton`): tinygemm's
+#: time grows with the rows (2x at 8, 7x at 32 on an H200)
 TINYGEMM_MAX_ROWS = 16
 #: ``innerKTiles`` of the packed layout: 16-input tiles a thread's 16-byte load covers (8: the fastest at
 #: every Qwen3-4B/8B projection on an H200, 1.1-1.4x over 2)
