@@ -221,6 +221,46 @@ def test_lora_shrink_expand_at_qwen3_8b_shapes(num_tokens):
         assert torch.equal(y[0], y0[0])  # a row without adapter is untouched
 
 
+@pytest.mark.parametrize("part", ["qkv", "gate_up", "down"])
+def test_lora_one_row_path_at_qwen3_8b_shapes(part):
+    """Batch-1 decode's LoRA in two kernels (tests/test_lora.py's one-row test, compiled, bf16, rank 16 of 8
+    slots): ``lora_shrink_row`` (with the norm before QKV / gate-up, the residual add before QKV) and the
+    skinny GEMM with the expand in its epilogue, before the activation (gate/up) or the residual add (down),
+    against the unfused reference ops: the values within a rounding or two of the largest."""
+    from infer.kernels import fused_reference, lora_reference, lora_triton
+    from infer.kernels import skinny_gemm as sk
+
+    g = torch.Generator(device="cuda").manual_seed(len(part))
+    num_slots, rank, hidden = 8, 16, 4096
+    k, starts = {"qkv": (hidden, (0, 4096, 5120)), "gate_up": (hidden, (0, 12288)), "down": (12288, (0,))}[part]
+    n = {"qkv": 6144, "gate_up": 24576, "down": hidden}[part]
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).bfloat16()
+
+    x, res, nw = rnd(1, k), rnd(1, k), (1 + rnd(k, scale=0.1).float()).bfloat16()
+    a, b, w = rnd(num_slots, len(starts) * rank, k, scale=0.02), rnd(num_slots, n, rank, scale=0.02), rnd(n, k, scale=0.02)
+    slot = torch.tensor([5], dtype=torch.int32, device="cuda")
+    meta = lora_reference.make_lora_meta([5], num_slots, "cuda")
+    if part == "down":  # after the activation, before the residual add
+        t, h, _ = lora_triton.lora_shrink_row(x, a, slot)
+        got = sk.skinny_linear(h, w, residual=res[:, :n], lora=sk.LoRAEpilogue(t, b, slot, starts))
+        want = lora_reference.add_lora(sk.skinny_linear_reference(x, w), x, a, b, meta) + res[:, :n]
+    else:
+        t, h, s = lora_triton.lora_shrink_row(x, a, slot, res if part == "qkv" else None, nw, 1e-6, False)
+        s_want = x + res if part == "qkv" else x
+        h_want = fused_reference.rms_norm(s_want, nw, 1e-6, False)
+        assert torch.equal(s, s_want) and (h.float() - h_want.float()).abs().max() <= 2 ** -7 * h_want.float().abs().max()
+        act = "silu" if part == "gate_up" else None
+        got = sk.skinny_linear(h, w, config=sk.after_norm_config(w, act), activation=act,
+                               lora=sk.LoRAEpilogue(t, b, slot, starts))
+        want = lora_reference.add_lora_stacked(sk.skinny_linear_reference(h_want, w), h_want, a, b, starts, meta)
+        if act:
+            want = fused_reference.act_and_mul(want, act)
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
 def test_lora_engine_matches_peft_merged_on_cuda(lora_qwen3, reference_tokens):  # noqa: F811
     pytest.importorskip("peft")
     """A batch mixing the base model and three PEFT adapters (tests/test_lora.py's), float32 on CUDA with the

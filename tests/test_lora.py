@@ -123,6 +123,75 @@ def test_stacked_parts_match_per_row_reference(ops, k):
     assert torch.equal(y[1], y0[1])  # a row without adapter is untouched
 
 
+@interpreted
+@pytest.mark.parametrize("norm", [0, 1, 2], ids=["no-norm", "norm", "add-norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_shrink_and_epilogue_match_the_unfused_ops(norm, dtype):
+    """Batch-1 decode's LoRA in two kernels, not four: ``lora_shrink_row`` (the norm before the projection and
+    the shrink, a program per row of A) and the skinny GEMM summing the delta's terms with the product's
+    before its one rounding, then the activation or the residual add. Against the unfused ops they replace: ``rms_norm`` (``x + residual``),
+    the reference shrink, and the base product + ``add_lora_stacked`` (+ ``act_and_mul`` / + residual);
+    float32 within 1e-4 relative, bfloat16 within a rounding or two (the unfused ops round twice). A row of
+    slot 2 of 3, 1,000 columns; merged q/k/v of rank 4, gate/up with SiLU, o with its residual add, with the
+    delta's 12 columns of ``t`` in one tile of the GEMM and in two slices (``BLOCK_K`` 8)."""
+    from infer.kernels import fused_reference
+    from infer.kernels import skinny_gemm as sk
+
+    g = torch.Generator().manual_seed(norm)
+    k, num_slots, rank, eps = 1000, 3, 4, 1e-6
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    x, res, nw = rnd(1, k), rnd(1, k), (1 + rnd(k, scale=0.1).float()).to(dtype)
+    slot = torch.tensor([2], dtype=torch.int32)
+    meta = lora_reference.make_lora_meta([2], num_slots, "cpu")
+
+    def close(got, want):  # bfloat16: a rounding or two of the largest value (a gate's ulp times its up)
+        atol = 1e-4 if dtype == torch.float32 else 2e-2 * want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=atol)
+
+    a = rnd(num_slots, 3 * rank, k, scale=0.05)
+    t, h, s = lora_triton.lora_shrink_row(x, a, slot, res if norm == 2 else None, nw if norm else None, eps, False)
+    s_want = x + res if norm == 2 else x
+    h_want = fused_reference.rms_norm(s_want, nw, eps, False) if norm else x
+    assert torch.equal(s, s_want)
+    torch.testing.assert_close(h, h_want, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-6 if dtype == torch.float32 else 0)
+    assert t.shape == (1, 3 * rank)
+    t_want = lora_reference.lora_shrink(h_want, a, meta, torch.zeros(1, 3 * rank))
+    torch.testing.assert_close(t, t_want, rtol=1e-5, atol=1e-4)
+
+    starts = (0, 32, 48)  # q, k, v
+    w, b = rnd(64, k, scale=0.05), rnd(num_slots, 64, rank)
+    y = sk.skinny_linear(h, w, lora=sk.LoRAEpilogue(t, b, slot, starts))
+    want = lora_reference.add_lora_stacked(sk.skinny_linear_reference(h, w), h, a, b, starts, meta)
+    close(y, want)
+    for config in ((8, 8, 1, 0), (8, 8, 1, 0, 3)):  # t's 12 columns in two slices of 8; also a persistent grid
+        close(sk.skinny_linear(h, w, config=config, lora=sk.LoRAEpilogue(t, b, slot, starts)), want)
+    close(sk.skinny_linear_reference(h, w, lora=sk.LoRAEpilogue(t, b, slot, starts)), want)
+    assert (want.float() - sk.skinny_linear_reference(h, w).float()).abs().max() > 0.1  # the delta counts
+
+    gate_up_a, gate_up_b, w_gu = rnd(num_slots, 2 * rank, k, scale=0.05), rnd(num_slots, 64, rank), rnd(64, k, scale=0.05)
+    t2 = lora_triton.lora_shrink_row(h, gate_up_a, slot)[0]
+    y = sk.skinny_linear(h, w_gu, activation="silu", lora=sk.LoRAEpilogue(t2, gate_up_b, slot, (0, 32)))
+    gu = lora_reference.add_lora_stacked(sk.skinny_linear_reference(h, w_gu), h, gate_up_a, gate_up_b, (0, 32), meta)
+    close(y, fused_reference.act_and_mul(gu, "silu"))
+
+    o_a, o_b, w_o, add = rnd(num_slots, rank, k, scale=0.05), rnd(num_slots, 48, rank), rnd(48, k, scale=0.05), rnd(1, 48)
+    t3 = lora_triton.lora_shrink_row(h, o_a, slot)[0]
+    o = lora_reference.add_lora(sk.skinny_linear_reference(h, w_o), h, o_a, o_b, meta)
+    for config in (None, (8, 32, 1, 0, 3)):  # one program per row block; a persistent grid (3 programs, 6 blocks)
+        close(sk.skinny_linear(h, w_o, config=config, residual=add, lora=sk.LoRAEpilogue(t3, o_b, slot)), o + add)
+    # a row without adapter (slot -1): the epilogue adds nothing
+    none = torch.tensor([-1], dtype=torch.int32)
+    torch.testing.assert_close(sk.skinny_linear(h, w_o, lora=sk.LoRAEpilogue(t3, o_b, none)),
+                               sk.skinny_linear(h, w_o), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="one row"):
+        sk.skinny_linear(torch.cat([h, h]), w_o, lora=sk.LoRAEpilogue(t3, o_b, slot))
+    with pytest.raises(ValueError, match="residual goes with a norm"):
+        lora_triton.lora_shrink_row(h, o_a, slot, residual=res)
+
+
 def test_consecutive_segments_take_the_sliced_path_with_the_same_values():
     """A batch whose adapters' rows are consecutive (a prompt, one row per adapter) takes slices instead of
     gathered rows on the CPU: the same values as the per-row reference."""
@@ -511,6 +580,48 @@ def test_captured_forward_reads_adapters_loaded_after_capture(lora_qwen3):
     assert manager.slot_of(3) == 0 and manager.num_slot_loads == 3
     assert (results[1][0] - results[0][0]).abs().max() > 0.05  # row 0: base, then adapter 2 (slot 0 reloaded)
     assert [(m.lora_a.data_ptr(), m.lora_b.data_ptr()) for m in manager.layers.values()] == addresses
+
+
+@interpreted
+def test_one_row_step_launches_two_lora_kernels_a_projection_and_matches_peft(lora_qwen3, monkeypatch):
+    """A one-row step of the fused forward with the Triton kernels (batch-1 decode) takes the one-row path
+    (:meth:`~infer.lora.layers.LoRAOps._row_lora`): per layer four ``lora_shrink_row`` launches (two with the
+    norm in them) and no expand, activation or norm kernel of its own (only the model's final norm); its logits are PEFT's merged model's
+    for the adapter on all seven projections, and the base model's for a row without adapter."""
+    from infer.kernels import fused_triton
+
+    base, adapters = lora_qwen3
+    loaded = load_model(str(base), device="cpu", dtype=torch.float32, progress=False)
+    loaded.model.set_fused_ops(fused_triton, 64)
+    loaded.model._set_cpu_weight_layout(False)  # row-major, as on a GPU (the skinny GEMM's layout)
+    manager = LoRAModelManager(loaded.model, loaded.config, max_loras=2, max_lora_rank=8, max_cpu_loras=2,
+                               ops=lora_triton)
+    manager.activate([LoRARequest("a1", 2, str(adapters[1]))], in_use=set())  # rank 8, every projection
+    calls = {"shrink_row": 0, "expand": 0, "act_and_mul": 0, "norm": 0}
+
+    def spy(module, name, key):
+        real = getattr(module, name)
+
+        def wrapped(*args, **kw):
+            calls[key] += 1
+            return real(*args, **kw)
+        monkeypatch.setattr(module, name, wrapped)
+    spy(lora_triton, "lora_shrink_row", "shrink_row")
+    spy(lora_triton, "_expand", "expand")
+    spy(fused_triton, "act_and_mul", "act_and_mul")
+    spy(fused_triton, "add_rms_norm", "norm")
+    token = PROMPTS[0][:1]
+    manager.set_mapping([manager.slot_of(2)])
+    got = infer_logits(loaded.model, [token])[0]
+    layers = loaded.config.num_layers
+    assert calls == {"shrink_row": 4 * layers, "expand": 0, "act_and_mul": 0, "norm": 1}  # the final norm
+    with torch.no_grad():
+        want = _merged(base, adapters[1])(torch.tensor([token])).logits[0].float()
+        hf_base = _hf(base)(torch.tensor([token])).logits[0].float()
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    assert (want - hf_base).abs().max() > 0.05
+    manager.set_mapping([-1])
+    torch.testing.assert_close(infer_logits(loaded.model, [token])[0], hf_base, atol=1e-3, rtol=1e-3)
 
 
 def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:

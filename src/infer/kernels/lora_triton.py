@@ -35,8 +35,10 @@ import triton.language as tl
 
 from infer.kernels.lora_reference import LoRAKernelMeta
 from infer.kernels.pdl import launch_options, wait_for_previous
+from infer.kernels.skinny_gemm import _squares, _x_slice
+from infer.kernels.triton_common import manual_bf16, round_to
 
-__all__ = ["lora_shrink", "lora_expand", "add_lora", "add_lora_stacked"]
+__all__ = ["lora_shrink", "lora_expand", "add_lora", "add_lora_stacked", "lora_shrink_row"]
 
 
 @triton.jit
@@ -130,6 +132,42 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, a
     mask = mask_m[:, None] & mask_n[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+@triton.jit
+def _lora_shrink_row_kernel(x_ptr, r_ptr, r_out_ptr, nw_ptr, xn_ptr, a_ptr, slot_ptr, t_ptr, K, PR, eps, stride_al,
+                            stride_ar, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, MANUAL_BF16: tl.constexpr,
+                            BLOCK_R: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    # Grid (cdiv(PR, BLOCK_R),): program p computes t[p BLOCK_R ... (p + 1) BLOCK_R - 1], whole dot products of
+    # the row with BLOCK_R rows of the slot's A ([PR, K]: every part's rows). Each program loads its rows of A
+    # in one tile before the PDL wait (no kernel writes A), then the row from L2: one trip to memory after the
+    # wait and no sum across programs (split-K would need one: measured on an H200, an arrival counter and
+    # the last program's sum cost 1.3 us of 3.2 at QKV's shapes).
+    #   NORM 1 / 2: the row is rms_norm(x) (2: of x + residual), with the skinny GEMM's roundings; program 0
+    #   stores the normalized row (xn) for the projection that follows (and, NORM 2, x + residual: r_out), so
+    #   a LoRA step launches no norm kernel of its own.
+    pid = tl.program_id(0)
+    slot = tl.maximum(tl.load(slot_ptr), 0)  # (a row without adapter: slot 0's values, which no epilogue adds)
+    offs_r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < PR
+    k = tl.arange(0, K_PAD)
+    a = tl.load(a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar + k[None, :],
+                mask=r_mask[:, None] & (k < K)[None, :], other=0.0)
+    wait_for_previous(USE_PDL)
+    m_mask = tl.arange(0, 1) < 1
+    x_rows = x_ptr + tl.zeros([1, 1], dtype=tl.int64)
+    r_rows = r_ptr + tl.zeros([1, 1], dtype=tl.int64)
+    dtype = xn_ptr.dtype.element_ty
+    rstd = tl.zeros([1], dtype=tl.float32)
+    if NORM:
+        sq = _squares(x_rows, r_rows, r_out_ptr + tl.zeros([1, 1], dtype=tl.int64), k, m_mask, K, pid, NORM, dtype,
+                      MANUAL_BF16)
+        rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)
+    xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)  # [1, K_PAD]
+    if NORM:
+        if pid == 0:
+            tl.store(xn_ptr + k[None, :], round_to(xk, dtype, MANUAL_BF16), mask=(k < K)[None, :])
+    tl.store(t_ptr + offs_r, tl.sum(xk * a.to(tl.float32), 1), mask=r_mask)
 
 
 def _block_m(meta: LoRAKernelMeta) -> int:
@@ -252,3 +290,49 @@ def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lor
                          f"{lora_b.shape[2]}")
     t, split = _shrink(x, lora_a, meta, None, None)
     return _expand(t, split, lora_b, meta, y, 0, part_starts)
+
+
+def lora_shrink_row(x: torch.Tensor, lora_a: torch.Tensor, slot: torch.Tensor, residual: torch.Tensor | None = None,
+                    norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shrink of one row (batch-1 decode), optionally after the norm before the projection, in one launch:
+    the ``t`` a :class:`~infer.kernels.skinny_gemm.LoRAEpilogue` adds in the projection that follows.
+
+    ``s = x + residual`` rounded (``x`` without a residual), ``h = rms_norm(s) * norm_weight`` with
+    :func:`infer.kernels.fused_triton.rms_norm`'s roundings (``h = x`` without ``norm_weight``), and
+    ``t = h A_slot^T`` in float32. One program per one or two rows of A, each a whole dot product over ``K``
+    (a decode step's ``P R`` is 16-192 rows: enough programs, and none waits for another's partial sum).
+
+    Args:
+        x: ``[1, K]``, last dimension contiguous. residual: ``[1, K]`` or None (only with ``norm_weight``).
+        lora_a: ``[L, P R, K]``: the slots' A (a merged projection's parts stacked).
+        slot: int32 on the device, ``slot[0]`` the row's slot (-1: no adapter; ``t`` is then slot 0's, which
+            the epilogue does not add).
+        norm_weight: ``[K]`` or None; eps, unit_offset: as in ``rms_norm``.
+
+    Returns:
+        ``(t, h, s)``: float32 ``t [1, P R]``, the normalized row ``h`` (a new ``[1, K]`` tensor; ``x`` itself
+        without a norm) and the new residual stream ``s`` (a new tensor with a residual, else ``x``).
+
+    Raises:
+        ValueError: not one row, a residual without a norm, shapes or dtypes that do not fit.
+    """
+    if x.dim() != 2 or x.shape[0] != 1 or lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1] or x.stride(1) != 1:
+        raise ValueError(f"lora_shrink_row takes one row [1, K] and A [L, PR, K], got {tuple(x.shape)} and "
+                         f"{tuple(lora_a.shape)}")
+    if residual is not None and (norm_weight is None or residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError("lora_shrink_row: a residual goes with a norm weight, shaped like x")
+    if lora_a.stride(2) != 1 or slot.dtype != torch.int32:
+        raise ValueError("lora_shrink_row: A's last dimension must be contiguous and the slot int32")
+    _, pr, k = lora_a.shape
+    k_pad = triton.next_power_of_2(k)
+    block_r = 2 if pr >= 64 else 1  # (QKV's 3 R rows at rank 32 and more: 2 rows a program)
+    norm = 0 if norm_weight is None else 1 if residual is None else 2
+    t = torch.empty(1, pr, dtype=torch.float32, device=x.device)
+    h = torch.empty_like(x) if norm else x
+    s = torch.empty_like(x) if norm == 2 else x
+    _lora_shrink_row_kernel[(triton.cdiv(pr, block_r),)](
+        x, residual if residual is not None else x, s, norm_weight if norm else x, h, lora_a, slot, t, k, pr, eps,
+        lora_a.stride(0), lora_a.stride(1), NORM=norm, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(x),
+        BLOCK_R=block_r, K_PAD=k_pad, num_warps=4 if k_pad <= 4096 else 8, **launch_options(x))
+    return t, h, s

@@ -17,6 +17,8 @@ model layers call it through :func:`linear` for the projections where it beats c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -66,6 +68,52 @@ def _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM: tl.constexpr, UNI
 
 
 @triton.jit
+def _lora_b_tile(cols, n_mask, lora, j):
+    """The row's slot's B at output columns ``cols`` and columns ``j`` of ``t``, ``[BLOCK_N, len(j)]``: element
+    ``(n, j)`` is ``B[slot, n, j - part(n) R]`` inside column ``n``'s part's ``R`` columns of ``t``, else 0.
+
+    ``lora`` = ``(t_ptr, b_ptr, slot_ptr, R, PR, P1, P2, stride_bl, stride_bn)``: ``t`` the shrink's float32
+    ``[PR]`` (``PR = P R``, ``P`` parts), ``B [L, N, R]`` (a merged projection's parts stacked: column ``n``'s
+    part is ``(n >= P1) + (n >= P2)``), the row's slot read on the device (a CUDA graph's input). Neither B
+    nor the slot is written by a kernel of the step: this may run before the PDL wait."""
+    t_ptr, b_ptr, slot_ptr, R, PR, P1, P2, stride_bl, stride_bn = lora
+    slot = tl.load(slot_ptr)
+    part = (cols >= P1).to(tl.int32) + (cols >= P2).to(tl.int32)
+    r = j[None, :] - (part * R)[:, None]  # column j of t is rank r of column n's part
+    return tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + cols.to(tl.int64)[:, None] * stride_bn + r,
+                   mask=n_mask[:, None] & (r >= 0) & (r < R) & (slot >= 0), other=0.0)
+
+
+@triton.jit
+def _lora_terms(lora, j, b):
+    """``t[j] * b[:, j]`` as ``[1, BLOCK_N, len(j)]`` float32 products: the LoRA delta's terms, added to the
+    accumulator like more columns of K (its one reduction over K sums them with the product's). ``t`` is
+    rounded to B's dtype first, as the expand kernel rounds it."""
+    t_ptr, b_ptr, PR = lora[0], lora[1], lora[4]
+    t = tl.load(t_ptr + j, mask=j < PR, other=0.0).to(b_ptr.dtype.element_ty).to(tl.float32)
+    return (t[None, :] * b.to(tl.float32))[None, :, :]
+
+
+@triton.jit
+def _add_lora(acc, acc_u, b, b_u, offs_n, n_mask, offs_k, N, lora, ACT: tl.constexpr, LORA_CHUNKS: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """The accumulators of a row block (gate and up with ACT) with the LoRA delta's terms added: from ``b``
+    (``b_u``), B's tiles loaded before the PDL wait, when ``PR`` fits one ``BLOCK_K`` (``LORA_CHUNKS`` 1), else
+    loaded here in ``LORA_CHUNKS`` slices of ``BLOCK_K`` columns of ``t``."""
+    if LORA_CHUNKS == 1:
+        acc += _lora_terms(lora, offs_k, b)
+        if ACT:
+            acc_u += _lora_terms(lora, offs_k, b_u)
+    else:
+        for c in tl.static_range(LORA_CHUNKS):
+            j = c * BLOCK_K + offs_k
+            acc += _lora_terms(lora, j, _lora_b_tile(offs_n, n_mask, lora, j))
+            if ACT:
+                acc_u += _lora_terms(lora, j, _lora_b_tile(N + offs_n, n_mask, lora, j))
+    return acc, acc_u
+
+
+@triton.jit
 def _store_outputs(acc, acc_u, offs_n, n_mask, offs_m, m_mask, b_ptr, add_ptr, y_ptr, N, stride_am, stride_ym,
                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr, MANUAL_BF16: tl.constexpr):
     """The epilogue of one row block: reduce the ``[M_PAD, BLOCK_N, BLOCK_K]`` sums over K, then bias, activation
@@ -94,10 +142,11 @@ def _store_outputs(acc, acc_u, offs_n, n_mask, offs_m, m_mask, b_ptr, add_ptr, y
 def _skinny_gemm_kernel(
     x_ptr, r_ptr, r_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, y_ptr, M, N, K, stride_xm, stride_rm, stride_om,
     stride_wn, stride_am, stride_ym, up_offset, eps,
+    t_ptr, lb_ptr, slot_ptr, lora_r, lora_pr, lora_p1, lora_p2, stride_bl, stride_bn,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
     MANUAL_BF16: tl.constexpr, NORM_K_PAD: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
-    X_AHEAD: tl.constexpr,
+    X_AHEAD: tl.constexpr, LORA_CHUNKS: tl.constexpr,
 ):
     # Grid (cdiv(N, BLOCK_N),): program j computes outputs [j * BLOCK_N, (j + 1) * BLOCK_N) of every row
     # of x, walking K in BLOCK_K slices: the [BLOCK_N, BLOCK_K] tile of W (contiguous along K) is read
@@ -121,7 +170,11 @@ def _skinny_gemm_kernel(
     #     weight stream does not stop between its row blocks (see persistent_programs).
     #   X_AHEAD (STAGES 0, one program per row block): x's next slice is loaded with the next weight tile,
     #     not at the top of its step (see x_ahead).
+    #   LORA_CHUNKS > 0 (one row): the row's LoRA delta t B^T (see skinny_linear's lora) enters the accumulator
+    #     as PR more terms of the sum over K, before the loop (B's tile loaded before the PDL wait, t after
+    #     it): no reduction of its own, one rounding; LORA_CHUNKS slices of BLOCK_K when PR > BLOCK_K.
     pid = tl.program_id(0)
+    lora = (t_ptr, lb_ptr, slot_ptr, lora_r, lora_pr, lora_p1, lora_p2, stride_bl, stride_bn)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
@@ -133,6 +186,13 @@ def _skinny_gemm_kernel(
     u = w
     if ACT:
         u = tl.load(u_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    lora_b = w
+    lora_bu = w
+    if LORA_CHUNKS == 1:  # B's tiles too (no kernel writes them): the chain slot -> B is off the path
+        if not PERSISTENT:
+            lora_b = _lora_b_tile(offs_n, n_mask, lora, offs_k)
+            if ACT:
+                lora_bu = _lora_b_tile(N + offs_n, n_mask, lora, offs_k)
     wait_for_previous(USE_PDL)
 
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
@@ -165,6 +225,12 @@ def _skinny_gemm_kernel(
             acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
             if ACT:
                 acc_u = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+            if LORA_CHUNKS:  # this row block's B, loaded here
+                for c in tl.static_range(LORA_CHUNKS):
+                    j = c * BLOCK_K + offs_k
+                    acc += _lora_terms(lora, j, _lora_b_tile(offs_n, n_mask, lora, j))
+                    if ACT:
+                        acc_u += _lora_terms(lora, j, _lora_b_tile(N + offs_n, n_mask, lora, j))
             for k0 in range(0, K, BLOCK_K):  # as the STAGES 0 loop below, but the last step's "next tile" is
                 k = k0 + offs_k  # the first of the next row block
                 xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
@@ -182,6 +248,9 @@ def _skinny_gemm_kernel(
             _store_outputs(acc, acc_u, offs_n, n_mask, offs_m, m_mask, b_ptr, add_ptr, y_ptr, N, stride_am,
                            stride_ym, HAS_BIAS, ACT, ADD, MANUAL_BF16)
     else:  # one program per row block
+        if LORA_CHUNKS:
+            acc, acc_u = _add_lora(acc, acc_u, lora_b, lora_bu, offs_n, n_mask, offs_k, N, lora, ACT, LORA_CHUNKS,
+                                   BLOCK_K)
         if STAGES == 0:  # one tile ahead, in registers: the next tile is loaded before the current one is used
             if X_AHEAD:  # and x's next slice with it (see x_ahead)
                 xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, offs_k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
@@ -378,10 +447,52 @@ def _check_residual(residual: torch.Tensor | None, shape: tuple[int, int], x: to
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2, "gelu_pytorch_tanh": 2}  # the kernel's ACT
 
 
+@dataclass(frozen=True)
+class LoRAEpilogue:
+    """One row's LoRA delta, added by :func:`skinny_linear` (phase 16's batch-1 decode: no expand kernel of
+    its own).
+
+    Attributes:
+        t: float32 ``[1, P R]``: ``x A_slot^T`` for ``P`` parts of rank ``R``
+            (:func:`infer.kernels.lora_triton.lora_shrink_row`), rounded to ``lora_b``'s dtype by the kernel
+            (as the expand kernel rounds it).
+        lora_b: ``[L, N, R]``: the slots' B (scale folded in), ``N`` the weight's rows; a merged projection's
+            parts stacked, part ``i`` from row ``part_starts[i]`` on, reading columns ``i R ...`` of ``t``.
+        slot: int32 on the device: ``slot[0]`` the row's slot (-1: no adapter), read by the kernel (a CUDA
+            graph's input, never a launch argument).
+        part_starts: the parts' first rows of ``lora_b``, ascending from 0; at most 3 parts.
+    """
+
+    t: torch.Tensor
+    lora_b: torch.Tensor
+    slot: torch.Tensor
+    part_starts: tuple[int, ...] = (0,)
+
+    def check(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless this delta fits one row ``x`` and ``weight [N, K]``."""
+        rows, pr = self.t.shape if self.t.dim() == 2 else (0, 0)
+        nb = self.lora_b.shape[1] if self.lora_b.dim() == 3 else -1
+        if (x.shape[0] != 1 or self.t.dtype != torch.float32 or rows != 1 or nb != weight.shape[0]
+                or pr != len(self.part_starts) * self.lora_b.shape[2] or self.lora_b.stride(2) != 1
+                or not 1 <= len(self.part_starts) <= 3 or self.part_starts[0] != 0 or self.slot.dtype != torch.int32
+                or self.t.stride(1) != 1):
+            raise ValueError(
+                f"a LoRA epilogue takes one row, float32 t [1, P R], B [L, {weight.shape[0]}, R] and an int32 slot, "
+                f"1-3 parts from row 0; got {tuple(x.shape)} rows, t {tuple(self.t.shape)} {self.t.dtype}, "
+                f"B {tuple(self.lora_b.shape)}, slot {self.slot.dtype}, parts {self.part_starts}")
+
+    def args(self) -> tuple:
+        """The kernel's ``t_ptr ... stride_bn`` arguments."""
+        bounds = [*self.part_starts[1:], 1 << 30, 1 << 30][:2]
+        return (self.t, self.lora_b, self.slot, self.lora_b.shape[2], self.t.shape[1], *bounds,
+                self.lora_b.stride(0), self.lora_b.stride(1))
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int,
             config: tuple[int, ...] | None, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False,
-            act: int = 0, add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            act: int = 0, add: torch.Tensor | None = None, lora: LoRAEpilogue | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the kernel for ``n`` outputs per row; returns ``(y [M, n], new residual or None)``."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -400,25 +511,29 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         x, r, r_out if r_out is not None else y, norm_weight if norm else weight, weight,
         bias if bias is not None else weight, add if add is not None else y, y, m, n, k, x.stride(0), r.stride(0),
         r_out.stride(0) if r_out is not None else 0, weight.stride(0), add.stride(0) if add is not None else 0,
-        y.stride(0), n * weight.stride(0) if act else 0, eps,
+        y.stride(0), n * weight.stride(0) if act else 0, eps, *(lora.args() if lora is not None else (y,) * 3 + (0,) * 6),
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, ADD=add is not None, MANUAL_BF16=manual_bf16(x),
         num_warps=warps,
         NORM_K_PAD=norm and _norm_k_pad(m, k, warps), STAGES=stages, PERSISTENT=programs > 0,
-        X_AHEAD=x_ahead(stages, programs, warps), **launch_options(x),
+        X_AHEAD=x_ahead(stages, programs, warps),
+        LORA_CHUNKS=triton.cdiv(lora.t.shape[1], block_k) if lora is not None else 0, **launch_options(x),
     )
     return y, r_out
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: tuple[int, ...] | None = None, residual: torch.Tensor | None = None,
-                  activation: str | None = None) -> torch.Tensor:
+                  activation: str | None = None, lora: LoRAEpilogue | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``M <= MAX_ROWS`` rows, accumulated in float32, rounded once; with a
     ``residual``, that rounded product plus ``residual``, rounded again (the values of ``linear(x) +
     residual``: a block's last projection and its residual add in one kernel); with an ``activation``
     (``weight`` a merged gate/up ``[2 I, K]``), ``act(gate) * up`` of the product's rounded halves, rounded
     once (the values of :func:`~infer.kernels.fused_triton.act_and_mul` after the projection: the MLP's
-    activation in the epilogue, ``[M, I]``).
+    activation in the epilogue, ``[M, I]``). With ``lora`` (one row), the row's LoRA delta ``t B_slot^T`` is
+    summed with the product in float32 before its one rounding (then the activation or the residual add): the
+    expand needs no kernel of its own, and its terms no reduction of their own (the unfused ops round the
+    product, then the sum with the delta: within a rounding of these values).
 
     Launched with programmatic dependent launch inside an enabled :func:`infer.kernels.pdl.scope`
     (the first weight tiles are loaded before the previous kernel has finished).
@@ -433,6 +548,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             None: :func:`default_config`.
         residual: ``[M, N]`` in ``x``'s dtype, last dimension contiguous, or None; not modified.
         activation: None, ``"silu"``, ``"gelu_tanh"`` or ``"gelu_pytorch_tanh"`` (not with a residual).
+        lora: a :class:`LoRAEpilogue` (one row only) or None.
 
     Returns:
         A new ``[M, N]`` tensor in ``x``'s dtype (``[M, N / 2]`` with an activation).
@@ -440,12 +556,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Raises:
         ValueError: shapes, dtypes, devices or strides that do not fit, more than ``MAX_ROWS`` rows; a
             persistent grid with the pipelined loop; an unknown activation, a gate/up weight of an odd
-            number of rows, an activation with a residual.
+            number of rows, an activation with a residual; a LoRA epilogue that does not fit
+            (:meth:`LoRAEpilogue.check`).
     """
     check_skinny_linear(x, weight, bias, residual, activation)
+    if lora is not None:
+        lora.check(x, weight)
     act = ACTIVATIONS[activation]
     return _launch(x, weight, bias, weight.shape[0] // 2 if act else weight.shape[0], config, act=act,
-                   add=residual)[0]
+                   add=residual, lora=lora)[0]
 
 
 def check_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -497,12 +616,20 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
 
 
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                            residual: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
-    """The same function in plain PyTorch: float32 products and sums, one rounding to ``x.dtype`` (then
-    ``+ residual`` in ``x.dtype``: float32 sum, one rounding; or the activation in float32 on the rounded
-    halves, rounded once)."""
+                            residual: torch.Tensor | None = None, activation: str | None = None,
+                            lora: LoRAEpilogue | None = None) -> torch.Tensor:
+    """The same function in plain PyTorch: float32 products and sums (with ``lora``, the delta of ``t`` rounded
+    to B's dtype times each part's B among them), one rounding to ``x.dtype``; then ``+ residual`` in
+    ``x.dtype`` (float32 sum, one rounding), or the activation in float32 on the rounded halves, rounded once."""
     check_skinny_linear(x, weight, bias, residual, activation)
     y = x.float() @ weight.float().T
+    if lora is not None:
+        lora.check(x, weight)
+        slot = int(lora.slot[0])
+        if slot >= 0:
+            t, b, r = lora.t[0].to(lora.lora_b.dtype).float(), lora.lora_b[slot].float(), lora.lora_b.shape[2]
+            ends = [*lora.part_starts[1:], weight.shape[0]]
+            y = y + torch.cat([t[i * r:(i + 1) * r] @ b[s:e].T for i, (s, e) in enumerate(zip(lora.part_starts, ends))])
     if bias is not None:
         y = y + bias.float()
     y = y.to(x.dtype)

@@ -202,6 +202,13 @@ class LoRAOps:
     epilogue, the activation in it) run as their separate steps when a row of the step has an adapter, so
     the delta is added before the activation and after the norm; steps without adapters keep the fused
     path.
+
+    A one-row step with the Triton kernels (batch-1 decode, :meth:`_row_lora`) keeps the fused steps and
+    needs one LoRA kernel per projection, not two: the shrink (:func:`~infer.kernels.lora_triton.lora_shrink_row`,
+    which also does the norm before QKV and gate/up, so that no norm kernel runs) and the skinny GEMM
+    with the expand in its epilogue (:class:`~infer.kernels.skinny_gemm.LoRAEpilogue`), before its
+    activation or residual add. A decoder layer then launches 2 kernels more than the base model's
+    instead of 9 (8 LoRA kernels and the activation).
     """
 
     def __init__(self, ops, mapping: LoRAMapping) -> None:
@@ -221,7 +228,47 @@ class LoRAOps:
     def _active(self, layer: nn.Module) -> bool:
         return self.mapping.meta is not None and bool(self._parts(layer)[1])
 
+    def _row_lora(self, x: torch.Tensor, layer: nn.Module):
+        """``(base nn.Linear, A [L, P R, in], B [L, out, R], part starts)`` when this product takes the one-row
+        path (one row with an adapter mapping, the Triton LoRA kernels, a one-process ``nn.Linear`` the
+        skinny GEMM takes, its parts' A and B stacked or a single part), else None."""
+        meta = self.mapping.meta
+        if (meta is None or meta.num_tokens != 1 or x.dim() != 2 or x.shape[0] != 1
+                or not hasattr(self.mapping.ops, "lora_shrink_row")):
+            return None
+        from infer.kernels import skinny_gemm
+
+        base, parts = self._parts(layer)
+        parallel = getattr(base, "parallel", None)
+        if (not parts or not isinstance(base, nn.Linear) or (parallel is not None and parallel.tp_size > 1)
+                or any(lora.reduce is not None for lora, _ in parts) or not skinny_gemm.fits(x, base.weight)):
+            return None
+        if isinstance(layer, LoRALinear):
+            a, b, starts = layer.lora_a, layer.lora_b, (0,)
+        else:
+            a, b = getattr(layer, "lora_a_stacked", None), getattr(layer, "lora_b_stacked", None)
+            starts = getattr(layer, "lora_part_starts", None)
+        if a is None or b is None or b.shape[1] != base.weight.shape[0] or a.shape[1] != len(starts) * b.shape[2]:
+            return None
+        return base, a, b, starts
+
+    def _row_product(self, x: torch.Tensor, row, residual: torch.Tensor | None = None,
+                     activation: str | None = None, config=None, t: torch.Tensor | None = None) -> torch.Tensor:
+        """The one-row product of :meth:`_row_lora`'s ``row``: the shrink of ``x`` (unless given, ``t``),
+        then the skinny GEMM adding the delta in its epilogue (then the activation or the residual add)."""
+        from infer.kernels import skinny_gemm
+
+        base, a, b, starts = row
+        slot = self.mapping.meta.active_slots  # one row: its slot, first (a CUDA graph's input)
+        if t is None:
+            t = self.mapping.ops.lora_shrink_row(x, a, slot)[0]
+        return skinny_gemm.skinny_linear(x, base.weight, base.bias, config, residual=residual, activation=activation,
+                                         lora=skinny_gemm.LoRAEpilogue(t, b, slot, starts))
+
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        row = self._row_lora(x, layer)
+        if row is not None:
+            return self._row_product(x, row)
         base, parts = self._parts(layer)
         y = self.base_ops.linear(x, base)
         if self.mapping.meta is not None:
@@ -234,11 +281,25 @@ class LoRAOps:
         return y
 
     def linear_residual(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None):
+        row = self._row_lora(x, layer)
+        if row is not None:  # the residual add in the epilogue, after the delta
+            if residual is not None and residual.stride(-1) == 1 and residual.shape == (1, row[0].weight.shape[0]):
+                return self._row_product(x, row, residual=residual), None
+            return self._row_product(x, row), residual
         if not self._active(layer):
             return self.base_ops.linear_residual(x, self._parts(layer)[0], residual)
         return self.linear(x, layer), residual  # the add rides with the next norm, as the reference's
 
     def add_rms_norm_linear(self, x, residual, weight, eps, unit_offset, layer, activation=None):
+        row = self._row_lora(x, layer)
+        if row is not None and (residual is None or residual.stride(-1) == 1):
+            from infer.kernels import skinny_gemm
+
+            # the norm in the shrink's kernel (which stores the normalized row), the delta in the GEMM's epilogue
+            t, normed, residual = self.mapping.ops.lora_shrink_row(x, row[1], self.mapping.meta.active_slots, residual,
+                                                                   weight, eps, unit_offset)
+            config = skinny_gemm.after_norm_config(row[0].weight, activation)
+            return self._row_product(normed, row, activation=activation, config=config, t=t), residual
         if not self._active(layer):
             return self.base_ops.add_rms_norm_linear(x, residual, weight, eps, unit_offset, self._parts(layer)[0],
                                                      activation)
