@@ -333,6 +333,31 @@ def test_gated_rms_norm_at_qwen35_4b_shapes():
     torch.testing.assert_close(out, ref, atol=3e-2, rtol=1e-2)
 
 
+def test_gated_qk_norm_rope_at_qwen35_4b_shapes():
+    """The gated attention's fused steps in bfloat16 at Qwen3.5-4B's shapes (16 query heads with their gates,
+    4 KV heads of 256, 64 rotated dimensions), 8 tokens at positions up to 30,000, against the plain-PyTorch
+    reference: nearly every value bit for bit (the device's fused multiply-adds may flip a rounding)."""
+    from infer.kernels import fused_reference, fused_triton
+    from infer.models.layers import rope_cos_sin
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    t, hq, hkv, d, r = 8, 16, 4, 256, 64
+    qkv = (torch.randn(t, (2 * hq + 2 * hkv) * d, generator=gen, device="cuda") * 2).bfloat16()
+    pos = torch.randint(0, 30000, (t,), generator=gen, device="cuda")
+    cos, sin = rope_cos_sin(pos, 1.0 / (10000000 ** (torch.arange(0, r, 2, device="cuda").float() / r)), torch.float32)
+    qw, kw = (torch.randn(2, d, generator=gen, device="cuda") * 0.1).bfloat16()
+    a, b = qkv.clone(), qkv.clone()
+    q, k, _, gate = fused_triton.gated_qk_norm_rope(a, cos, sin, hq, hkv, d, r, qw, kw, 1e-6)
+    q_ref, k_ref, _, gate_ref = fused_reference.gated_qk_norm_rope(b, cos, sin, hq, hkv, d, r, qw, kw, 1e-6)
+    for got, want in ((q, q_ref), (k, k_ref)):
+        assert (got == want).float().mean() >= 0.99
+        torch.testing.assert_close(got, want, atol=2 * 2.0 ** -8 * want.float().abs().max().item(), rtol=0)
+    o = torch.randn(t, hq, d, generator=gen, device="cuda").bfloat16()
+    out, ref = fused_triton.sigmoid_gate_mul(o, gate), fused_reference.sigmoid_gate_mul(o, gate_ref)
+    assert (out == ref).float().mean() >= 0.99
+    torch.testing.assert_close(out, ref, atol=2.0 ** -7, rtol=2.0 ** -7)
+
+
 def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory):
     """The tiny Qwen3.5 (3 Gated DeltaNet layers, 1 gated attention), float32 on CUDA with the Triton
     attention and decode-step kernels, paged KV and chunked prefill: HF transformers' greedy tokens."""

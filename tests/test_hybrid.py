@@ -539,3 +539,79 @@ def test_triton_gated_rms_norm_equals_reference(dtype):
     if dtype == torch.float16:
         assert (out == ref).float().mean() >= 0.97
     torch.testing.assert_close(out, ref, atol=1e-5 if dtype == torch.float32 else 5e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------- the gated attention's fused steps
+
+
+def _gated_qkv(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A merged projection's output ``[T, (2 Hq + 2 Hkv) D]`` (q and gate heads, k, v) as a row slice of a
+    wider tensor (strided rows, as the fused forward may pass them)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, (2 * hq + 2 * hkv) * d + 8, generator=g) * 2).to(dtype)[:, 8:]
+
+
+def _unfused_gated_attention_inputs(qkv, cos, sin, hq, hkv, d, r, qw, kw):
+    """The model's unfused steps (GatedAttention._attend): rms_norm per head, apply_rope on the first r
+    dimensions, the rest passed through; the tables in qkv's dtype, as that path has them."""
+    from infer.models.layers import apply_rope, rms_norm
+
+    t = qkv.shape[0]
+    q = rms_norm(qkv[:, :hq * 2 * d].view(t, hq, 2 * d)[..., :d], qw, 1e-6, True)
+    k = rms_norm(qkv[:, hq * 2 * d:hq * 2 * d + hkv * d].view(t, hkv, d), kw, 1e-6, True)
+    qk = torch.cat((q, k), dim=1)
+    qk = torch.cat((apply_rope(qk[..., :r], cos.to(qkv.dtype), sin.to(qkv.dtype)), qk[..., r:]), dim=-1)
+    return qk[:, :hq], qk[:, hq:]
+
+
+@pytest.mark.parametrize("ops", ["reference", pytest.param("triton", marks=interpreted)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_qk_norm_rope_and_output_gate(ops, dtype):
+    """``gated_qk_norm_rope`` and ``sigmoid_gate_mul`` (the gated attention's steps around its attention, two
+    launches on a GPU) against the model's unfused PyTorch steps: in float32 the same values bit for bit
+    (the same float32 operations); in bfloat16 within the unfused path's own extra roundings (the tables
+    and each product rounded to bfloat16 there): 2 ulps of the largest |x| that enters a rotation. The
+    Triton kernels (interpreted) equal the reference bit for bit (the gate within an ulp of float32: its
+    sigmoid). 4 query heads with their gates, 2 KV
+    heads of 32, a partial rotation of 8 dimensions, positions up to 1,000; k rotated in place, v and the
+    gate views of the input, untouched."""
+    from infer.kernels import fused_reference, fused_triton
+    from infer.models.layers import rope_cos_sin
+
+    impl = fused_triton if ops == "triton" else fused_reference
+    hq, hkv, d, r = 4, 2, 32, 8
+    qkv = _gated_qkv(3, hq, hkv, d, dtype, seed=7)
+    before = qkv.clone()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
+    cos, sin = rope_cos_sin(torch.tensor([0, 17, 1000]), inv_freq, torch.float32)
+    g = torch.Generator().manual_seed(8)
+    qw, kw = (torch.randn(d, generator=g) * 0.1).to(dtype), (torch.randn(d, generator=g) * 0.1).to(dtype)
+    q_want, k_want = _unfused_gated_attention_inputs(before, cos, sin, hq, hkv, d, r, qw, kw)
+    q, k, v, gate = impl.gated_qk_norm_rope(qkv, cos, sin, hq, hkv, d, r, qw, kw, 1e-6)
+    assert q.shape == (3, hq, d) and q.is_contiguous() and k.shape == v.shape == (3, hkv, d)
+    nq = hq * 2 * d
+    assert torch.equal(k, qkv[:, nq:nq + hkv * d].view(3, hkv, d))  # k was rotated in place
+    assert torch.equal(v, before[:, nq + hkv * d:].view(3, hkv, d))
+    assert torch.equal(gate, before[:, :nq].view(3, hq, 2 * d)[..., d:])
+    if dtype == torch.float32:
+        assert torch.equal(q, q_want) and torch.equal(k, k_want)
+    else:
+        bound = 2 * 2.0 ** -8 * max(q_want.float().abs().max(), k_want.float().abs().max())
+        assert (q.float() - q_want.float()).abs().max() <= bound and (k.float() - k_want.float()).abs().max() <= bound
+    if ops == "triton":
+        q_ref, k_ref, _, _ = fused_reference.gated_qk_norm_rope(before.clone(), cos, sin, hq, hkv, d, r, qw, kw, 1e-6)
+        assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    o = (torch.randn(3, hq, d, generator=g) * 2).to(dtype)
+    out = impl.sigmoid_gate_mul(o, gate)
+    want = (o.float().reshape(3, -1) * torch.sigmoid(gate.float().reshape(3, -1))).to(dtype)
+    assert out.shape == (3, hq * d)
+    exact = ops == "reference"  # (Triton's sigmoid may differ from torch's by an ulp of float32)
+    torch.testing.assert_close(out, want, atol=0 if exact else 1e-7,
+                               rtol=0 if exact else 1e-6 if dtype == torch.float32 else 2.0 ** -8)
+    with pytest.raises(ValueError, match="qkv must be"):
+        impl.gated_qk_norm_rope(qkv[:, :-d], cos, sin, hq, hkv, d, r, qw, kw, 1e-6)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        impl.gated_qk_norm_rope(qkv, cos, sin, hq, hkv, d, 7, qw, kw, 1e-6)
+    with pytest.raises(ValueError, match="cos must be"):
+        impl.gated_qk_norm_rope(qkv, cos.to(dtype) if dtype != torch.float32 else cos[:2], sin, hq, hkv, d, r, qw,
+                                kw, 1e-6)

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from infer.kernels.activations import ACTIVATION_NAMES
 from infer.kernels.attention_reference import reshape_and_cache
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache",
+__all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "gated_qk_norm_rope", "sigmoid_gate_mul",
+           "act_and_mul", "build_cos_sin_cache",
            "ACTIVATION_NAMES", "linear", "linear_residual", "add_rms_norm", "add_rms_norm_linear"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -249,6 +250,82 @@ def qk_norm_rope(
         check_cache_write(qkv, kv_cache, slot_mapping, num_kv_heads, head_dim)
         reshape_and_cache(k, v, *kv_cache, slot_mapping, *(kv_scales or (None, None)))
     return q, k, v
+
+
+def gated_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       head_dim: int, rotary_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                       unit_offset: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated attention of Qwen3.5 / Qwen3-Next (phase 17) before its attention: split the merged
+    projection, RMS-normalize q and k per head, rotate their first ``rotary_dim`` dimensions (partial RoPE).
+
+    ``qkv[t] = [q_0 | gate_0 | q_1 | gate_1 | ... | k heads | v heads]``: each query head is followed by its
+    output gate (``2 D`` columns a head), then ``num_kv_heads`` k and v heads of ``D``. Each q and k head
+    is normalized as :func:`rms_norm` does (its rounding steps to ``qkv.dtype``); then dimensions ``i <
+    rotary_dim / 2`` and ``i + rotary_dim / 2`` are rotated as in :func:`qk_norm_rope` (float32, rounded
+    once), the dimensions from ``rotary_dim`` on pass through. In float32 these are the values of the
+    unfused steps (``rms_norm``, :func:`infer.models.layers.apply_rope` on the first ``rotary_dim``).
+
+    Args:
+        qkv: ``[T, (2 num_heads + 2 num_kv_heads) D]``, last dimension contiguous; its k columns are
+            overwritten.
+        cos, sin: float32 ``[T, rotary_dim]`` (:func:`infer.models.layers.rope_cos_sin`: the halves equal).
+        q_weight, k_weight: ``[D]``; eps, unit_offset: as in :func:`rms_norm` (Qwen3.5: ``1 + w``).
+
+    Returns:
+        ``(q, k, v, gate)``: ``q`` a new contiguous ``[T, Hq, D]``; ``k`` (rotated), ``v`` and ``gate`` views of
+        ``qkv``, ``[T, Hkv, D]``, ``[T, Hkv, D]`` and ``[T, Hq, D]``.
+
+    Raises:
+        ValueError: a ``qkv`` whose width is not the heads', an odd ``rotary_dim`` or one past ``D``, cos /
+            sin tables of another shape or dtype.
+    """
+    check_gated_qk_norm_rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim, rotary_dim)
+    t, d, half = qkv.shape[0], head_dim, rotary_dim // 2
+    nq = num_heads * 2 * d
+    qg = qkv[:, :nq].view(t, num_heads, 2 * d)
+    k = qkv[:, nq:nq + num_kv_heads * d].view(t, num_kv_heads, d)
+    v = qkv[:, nq + num_kv_heads * d:].view(t, num_kv_heads, d)
+    c, s = cos[:, None, :half], sin[:, None, :half]
+
+    def norm_rope(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # float32 [T, H, D]
+        y = _normalize(x.float(), eps)
+        x = (y * (1.0 + w.float())).to(qkv.dtype).float() if unit_offset else y.to(qkv.dtype).mul(w).float()
+        x1, x2 = x[..., :half], x[..., half:2 * half]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half:]), dim=-1)
+
+    q = norm_rope(qg[..., :d], q_weight).to(qkv.dtype)
+    k.copy_(norm_rope(k, k_weight))
+    return q, k, v, qg[..., d:]
+
+
+def sigmoid_gate_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gated attention's output gate: ``o * sigmoid(gate)`` in float32, rounded once to ``o.dtype``.
+
+    Args:
+        o: ``[T, H, D]`` or ``[T, H D]``, contiguous (the attention's output).
+        gate: ``[T, H, D]`` (:func:`gated_qk_norm_rope`'s view; rows and heads may be strided).
+
+    Returns:
+        A new ``[T, H D]`` tensor, the input of ``o_proj``.
+    """
+    t, h, d = gate.shape
+    if o.numel() != t * h * d or not o.is_contiguous() or gate.stride(-1) != 1:
+        raise ValueError(f"sigmoid_gate_mul: o {tuple(o.shape)} (contiguous) and gate {tuple(gate.shape)} (last "
+                         f"dimension contiguous) must hold the same T x H x D values")
+    return (o.float().view(t, h, d) * torch.sigmoid(gate.float())).to(o.dtype).view(t, h * d)
+
+
+def check_gated_qk_norm_rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim, rotary_dim) -> None:
+    _check_float(qkv, "qkv")
+    if qkv.dim() != 2 or qkv.shape[1] != (2 * num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv must be [T, {(2 * num_heads + 2 * num_kv_heads) * head_dim}] (q and gate, k, v heads "
+                         f"of {head_dim}) with a contiguous last dimension, got {tuple(qkv.shape)}")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim must be even and in (0, {head_dim}], got {rotary_dim}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != (qkv.shape[0], rotary_dim) or table.dtype != torch.float32 or table.device != qkv.device:
+            raise ValueError(f"{name} must be float32 [{qkv.shape[0]}, {rotary_dim}] on {qkv.device}, got "
+                             f"{table.dtype} {tuple(table.shape)}")
 
 
 def check_cache_write(qkv: torch.Tensor, kv_cache, slot_mapping, num_kv_heads: int, head_dim: int) -> None:

@@ -41,6 +41,7 @@ from infer.kernels.fused_reference import (
     check_act_and_mul,
     check_add_rms_norm,
     check_cache_write,
+    check_gated_qk_norm_rope,
     check_qk_norm_rope,
     check_rms_norm,
     norm_linear_steps,
@@ -58,8 +59,8 @@ from infer.kernels.triton_common import (
 
 _MAX_ROW = 1 << 16  # widest row the single-pass norm kernels take (registers: 64k fp32 per program)
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "act_and_mul", "build_cos_sin_cache", "linear",
-           "linear_residual", "add_rms_norm", "add_rms_norm_linear"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "qk_norm_rope", "gated_qk_norm_rope", "sigmoid_gate_mul", "act_and_mul",
+           "build_cos_sin_cache", "linear", "linear_residual", "add_rms_norm", "add_rms_norm_linear"]
 
 
 # ============================================================================ RMSNorm (+ residual add)
@@ -381,6 +382,113 @@ def qk_norm_rope(
     k = qkv[:, num_heads * head_dim : heads * head_dim].view(t, num_kv_heads, head_dim)
     v = qkv[:, heads * head_dim :].view(t, num_kv_heads, head_dim)
     return q, k, v
+
+
+# ============================================================================ the gated attention (Qwen3.5)
+
+
+@triton.jit
+def _gated_qk_norm_rope_kernel(
+    qkv_ptr, q_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, stride_t, stride_cs, eps,
+    NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, UNIT_OFFSET: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # Grid (T, cdiv(Hq + Hkv, BLOCK_H)): program (t, j) normalizes and rotates BLOCK_H of token t's q / k heads.
+    # A q head is read at h * 2D (its gate follows it) and written to q [T, Hq, D]; a k head is read and
+    # written in place at Hq * 2D + (h - Hq) D. Each head is loaded twice: as is, and permuted to its rotation
+    # partners (dimension i < HALF pairs with i + HALF, for i < 2 HALF = rotary_dim; the rest pair with
+    # themselves and pass through), so that each output element needs no shuffle.
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, D_PAD)
+    is_q = heads < NUM_Q_HEADS
+    h_mask = heads < NUM_HEADS
+    d_mask = offs < HEAD_DIM
+    mask = h_mask[:, None] & d_mask[None, :]
+    partner = tl.where(offs < HALF, offs + HALF, tl.where(offs < 2 * HALF, offs - HALF, offs))
+    ang = tl.where(offs < HALF, offs, offs - HALF)  # the angle of each rotated dimension
+    rot = offs < 2 * HALF
+    # what no kernel of the step writes (the tables, the norm weights) before the PDL wait
+    cos = tl.load(cos_ptr + t * stride_cs + ang, mask=rot, other=1.0)[None, :]
+    sin = tl.load(sin_ptr + t * stride_cs + ang, mask=rot, other=0.0)[None, :]
+    sign = tl.where(offs < HALF, -1.0, 1.0)[None, :]
+    w = tl.where(is_q[:, None], tl.load(qw_ptr + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                 tl.load(kw_ptr + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+    wp = tl.where(is_q[:, None], tl.load(qw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                  tl.load(kw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+    wait_for_previous(USE_PDL)
+
+    col = tl.where(is_q, heads * 2 * HEAD_DIM, NUM_Q_HEADS * 2 * HEAD_DIM + (heads - NUM_Q_HEADS) * HEAD_DIM)
+    src = qkv_ptr + t * stride_t + col.to(tl.int64)[:, None]
+    x = tl.load(src + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    dtype = qkv_ptr.dtype.element_ty
+    r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+    if UNIT_OFFSET:  # rms_norm's rounding steps, the normalized head rounded before the rotation
+        x = round_to(x * r * (1.0 + w), dtype, MANUAL_BF16).to(tl.float32)
+        xp = round_to(xp * r * (1.0 + wp), dtype, MANUAL_BF16).to(tl.float32)
+    else:
+        x = round_to(round_to(x * r, dtype, MANUAL_BF16).to(tl.float32) * w, dtype, MANUAL_BF16).to(tl.float32)
+        xp = round_to(round_to(xp * r, dtype, MANUAL_BF16).to(tl.float32) * wp, dtype, MANUAL_BF16).to(tl.float32)
+    y = round_to(x * cos + sign * (xp * sin), dtype, MANUAL_BF16)
+    q_dst = q_ptr + (t * NUM_Q_HEADS + heads).to(tl.int64)[:, None] * HEAD_DIM + offs[None, :]
+    tl.store(q_dst, y, mask=mask & is_q[:, None])
+    tl.store(src + offs[None, :], y, mask=mask & (heads >= NUM_Q_HEADS)[:, None])
+
+
+def gated_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       head_dim: int, rotary_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                       unit_offset: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`infer.kernels.fused_reference.gated_qk_norm_rope` (its arguments, values and returns) in one
+    launch: replaces the gated attention's ~20 small PyTorch steps (two norms, the partial rotation, the
+    concatenations and copies) per layer."""
+    check_gated_qk_norm_rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim, rotary_dim)
+    t, d = qkv.shape[0], head_dim
+    q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+    nq = num_heads * 2 * d
+    if t > 0:
+        check_launchable(qkv)
+        d_pad = triton.next_power_of_2(d)
+        block_h = max(1, min(triton.next_power_of_2(num_heads + num_kv_heads), 512 // d_pad))
+        _gated_qk_norm_rope_kernel[(t, triton.cdiv(num_heads + num_kv_heads, block_h))](
+            qkv, q, cos, sin, q_weight, k_weight, qkv.stride(0), cos.stride(0), eps,
+            NUM_Q_HEADS=num_heads, NUM_HEADS=num_heads + num_kv_heads, HEAD_DIM=d, D_PAD=d_pad, HALF=rotary_dim // 2,
+            BLOCK_H=block_h, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(qkv),
+            num_warps=num_warps_for(block_h * d_pad), **launch_options(qkv))
+    k = qkv[:, nq:nq + num_kv_heads * d].view(t, num_kv_heads, d)
+    v = qkv[:, nq + num_kv_heads * d:].view(t, num_kv_heads, d)
+    return q, k, v, qkv[:, :nq].view(t, num_heads, 2 * d)[..., d:]
+
+
+@triton.jit
+def _sigmoid_gate_mul_kernel(o_ptr, g_ptr, out_ptr, stride_gt, stride_gh, HD: tl.constexpr, D: tl.constexpr,
+                             BLOCK: tl.constexpr, MANUAL_BF16: tl.constexpr, USE_PDL: tl.constexpr):
+    # Grid (T, cdiv(H D, BLOCK)): out[t, i] = o[t, i] * sigmoid(gate[t, i // D, i % D]), float32, rounded once.
+    wait_for_previous(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = i < HD
+    o = tl.load(o_ptr + t * HD + i, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t * stride_gt + (i // D) * stride_gh + i % D, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * HD + i, round_to(o * tl.sigmoid(g), out_ptr.dtype.element_ty, MANUAL_BF16), mask=m)
+
+
+def sigmoid_gate_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """:func:`infer.kernels.fused_reference.sigmoid_gate_mul` in one launch (not three: the gate's copy out
+    of the strided view, the sigmoid, the product)."""
+    t, h, d = gate.shape
+    if o.numel() != t * h * d or not o.is_contiguous() or gate.stride(-1) != 1:
+        raise ValueError(f"sigmoid_gate_mul: o {tuple(o.shape)} (contiguous) and gate {tuple(gate.shape)} (last "
+                         f"dimension contiguous) must hold the same T x H x D values")
+    out = torch.empty(t, h * d, dtype=o.dtype, device=o.device)
+    if t > 0:
+        check_launchable(o)
+        block = min(1024, triton.next_power_of_2(h * d))
+        _sigmoid_gate_mul_kernel[(t, triton.cdiv(h * d, block))](
+            o, gate, out, gate.stride(0), gate.stride(1), HD=h * d, D=d, BLOCK=block, MANUAL_BF16=manual_bf16(o),
+            num_warps=num_warps_for(block), **launch_options(o))
+    return out
 
 
 # ============================================================================ act(gate) * up

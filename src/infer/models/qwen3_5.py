@@ -67,12 +67,17 @@ class GatedAttention(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                       ops) -> torch.Tensor:
-        """:meth:`forward` with q (and gate), k and v from one merged projection (:meth:`merge_qkv`) and both
-        products through ``ops.linear`` (phase 8: on a GPU the skinny GEMM for a decode step's rows)."""
+        """:meth:`forward` with q (and gate), k and v from one merged projection (:meth:`merge_qkv`), both
+        products through ``ops.linear`` (phase 8: on a GPU the skinny GEMM for a decode step's rows), and the
+        steps around the attention fused: the QK-norm and partial RoPE in ``ops.gated_qk_norm_rope``, the
+        output gate in ``ops.sigmoid_gate_mul`` (two launches for ~25 small PyTorch ones). ``cos`` and ``sin``
+        are float32 here (the fused ops round once)."""
         qkv = ops.linear(x, self.qkv_proj)
-        nq, nk = self.q_proj.out_features, self.k_proj.out_features
-        o = self._attend(qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:], cos, sin, meta)
-        return ops.linear(o, self.o_proj)
+        q, k, v, gate = ops.gated_qk_norm_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                                               self.rotary_dim, self.q_norm.weight, self.k_norm.weight,
+                                               self.q_norm.eps, self.q_norm.unit_offset)
+        o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, None)
+        return ops.linear(ops.sigmoid_gate_mul(o, gate), self.o_proj)
 
     def merge_qkv(self) -> None:
         """One ``qkv_proj`` (rows: q and its gate, k, v); the parts become views of it. Idempotent."""
@@ -320,9 +325,9 @@ class Qwen3_5ForCausalLM(CausalLM):
         gate and up in one GEMM and ``silu(gate) * up`` in one kernel, each mixer's input projections
         merged into one (the gated attention's q / gate, k, v; the Gated DeltaNet's qkv, z, b, a), and
         every projection and the LM head through ``ops.linear`` (one-row products in the skinny GEMM on a
-        GPU). The gated attention's interleaved query / gate heads and partial RoPE are not what the fused
-        QK-norm + RoPE kernel takes: they keep their PyTorch steps. (No column-major CPU layout here: the
-        plain-PyTorch products take the weights as they are.)"""
+        GPU), and the gated attention's QK-norm, partial RoPE and output gate in two kernels of their own
+        (:meth:`GatedAttention.forward_fused`). (No column-major CPU layout here: the plain-PyTorch products
+        take the weights as they are.)"""
         self.ops = ops
         if ops is not None:
             for layer in self.model.layers:
@@ -351,7 +356,9 @@ class Qwen3_5ForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """As :meth:`CausalLM.forward`; the rotary tables ``[T, rotary_dim]`` serve the attention layers."""
         h = self.embed(input_ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq_full_attention, h.dtype)
+        # the fused ops take float32 tables (rounding once); the PyTorch steps the model's dtype, as HF's
+        dtype = torch.float32 if self.ops is not None else h.dtype
+        cos, sin = rope_cos_sin(positions, self.inv_freq_full_attention, dtype)
         if self.ops is not None:  # fused_kernels (set_fused_ops)
             residual = None
             for layer in self.model.layers:
