@@ -522,6 +522,16 @@ EXERCISES: dict[str, Exercise] = {
             10,
         ),
         Exercise(
+            "partial_rope", 17, "src/infer/kernels/fused_reference.py",
+            ("tests/test_hybrid.py::test_gated_qk_norm_rope_and_output_gate",),
+            "Qwen3.5's gated attention rotates only the first rotary_dim = 2 * half dimensions of each "
+            "normalized q / k head x [T, H, D] (float32): in the rotate-half layout, dimension i < half pairs "
+            "with i + half, each pair turned by its angle (c, s: [T, 1, half]); the dimensions from rotary_dim "
+            "on pass through unchanged. Return the [T, H, D] result. Which dimension does i pair with when "
+            "rotary_dim < D, and why not i + D / 2?",
+            10,
+        ),
+        Exercise(
             "snapshot_lookup", 17, "src/infer/engine/state_snapshots.py",
             ("tests/test_hybrid.py::test_snapshot_lookup_cuts_a_hit_back_to_its_last_snapshot",
              "tests/test_hybrid.py::test_prefix_hits_restore_snapshots_and_equal_a_cold_run"),

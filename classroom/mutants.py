@@ -497,6 +497,15 @@ _ALL = [
        "wrong inputs", ("torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=2)",
                         "torch.cat([x[:, :, None], conv_state.to(x.dtype)], dim=2)")),
     _m("conv1d_update", "no_silu", "the convolution without its SiLU", ("F.silu(y).to(x.dtype)", "y.to(x.dtype)")),
+    _m("partial_rope", "full_rotation_pairs", "pairs i with i + D / 2, as a full rotation would: the pairs mix "
+       "rotated and passed-through dimensions", ("x1, x2 = x[..., :half], x[..., half:2 * half]",
+                                                 "x1, x2 = x[..., :half], x[..., x.shape[-1] // 2:x.shape[-1] // 2 + half]")),
+    _m("partial_rope", "interleaved_pairs", "GPT-J's interleaved pairs (2i, 2i + 1), not the rotate-half layout",
+       ("x1, x2 = x[..., :half], x[..., half:2 * half]", "x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]")),
+    _m("partial_rope", "rotated_backwards", "the rotation's sign flipped: the angle taken negative",
+       ("(x1 * c - x2 * s, x2 * c + x1 * s,", "(x1 * c + x2 * s, x2 * c - x1 * s,")),
+    _m("partial_rope", "rest_zeroed", "the dimensions past rotary_dim dropped to zero instead of passed through",
+       ("x[..., 2 * half:]), dim=-1)", "torch.zeros_like(x[..., 2 * half:])), dim=-1)")),
     _m("snapshot_lookup", "first_snapshot", "stops at the first snapshot: reuses less than it could",
        ("for n in range(len(hit), 0, -1):", "for n in range(1, len(hit) + 1):")),
     _m("snapshot_lookup", "whole_hit", "keeps the whole KV hit once a snapshot exists: the state after the "

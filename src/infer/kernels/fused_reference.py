@@ -290,8 +290,10 @@ def gated_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     def norm_rope(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # float32 [T, H, D]
         y = _normalize(x.float(), eps)
         x = (y * (1.0 + w.float())).to(qkv.dtype).float() if unit_offset else y.to(qkv.dtype).mul(w).float()
+        # >>> EXERCISE partial_rope
         x1, x2 = x[..., :half], x[..., half:2 * half]
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half:]), dim=-1)
+        # <<< EXERCISE partial_rope
 
     q = norm_rope(qg[..., :d], q_weight).to(qkv.dtype)
     k.copy_(norm_rope(k, k_weight))
