@@ -298,9 +298,12 @@ class Qwen3_5DecoderLayer(nn.Module):
         x, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)
         h = (self.linear_attn.forward_fused(x, meta, ops) if self.is_linear
              else self.self_attn.forward_fused(x, cos, sin, meta, ops))
-        norm = self.post_attention_layernorm
-        x, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps, norm.unit_offset)
-        return self.mlp.forward_fused(x, ops), residual
+        # the MLP as the dense models run it (models/llama.py): the norm with gate/up, the activation in
+        # that projection's epilogue and the residual add in down's (at batch 1 on a GPU: no kernel of their own)
+        post, mlp = self.post_attention_layernorm, self.mlp
+        act, residual = ops.add_rms_norm_linear(h, residual, post.weight, post.eps, post.unit_offset, mlp.gate_up_proj,
+                                                mlp.act_name)
+        return ops.linear_residual(act, mlp.down_proj, residual)
 
 
 class Qwen3_5ForCausalLM(CausalLM):
@@ -322,7 +325,8 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def set_fused_ops(self, ops, max_positions: int = 0) -> None:
         """``fused_kernels`` (phase 8) for the hybrid: every RMSNorm fused with its residual add, each MLP's
-        gate and up in one GEMM and ``silu(gate) * up`` in one kernel, each mixer's input projections
+        gate and up in one GEMM after its norm (``ops.add_rms_norm_linear``: ``silu(gate) * up`` in its epilogue at
+        one row) and down adding the residual (``ops.linear_residual``), each mixer's input projections
         merged into one (the gated attention's q / gate, k, v; the Gated DeltaNet's qkv, z, b, a), and
         every projection and the LM head through ``ops.linear`` (one-row products in the skinny GEMM on a
         GPU), and the gated attention's QK-norm, partial RoPE and output gate in two kernels of their own
