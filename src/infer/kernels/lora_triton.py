@@ -35,7 +35,7 @@ import triton.language as tl
 
 from infer.kernels.lora_reference import LoRAKernelMeta
 from infer.kernels.pdl import launch_options, wait_for_previous
-from infer.kernels.skinny_gemm import _squares, _x_slice
+from infer.kernels.skinny_gemm import row_squares, x_slice
 from infer.kernels.triton_common import manual_bf16, round_to
 
 __all__ = ["lora_shrink", "lora_expand", "add_lora", "add_lora_stacked", "lora_shrink_row"]
@@ -160,10 +160,10 @@ def _lora_shrink_row_kernel(x_ptr, r_ptr, r_out_ptr, nw_ptr, xn_ptr, a_ptr, slot
     dtype = xn_ptr.dtype.element_ty
     rstd = tl.zeros([1], dtype=tl.float32)
     if NORM:
-        sq = _squares(x_rows, r_rows, r_out_ptr + tl.zeros([1, 1], dtype=tl.int64), k, m_mask, K, pid, NORM, dtype,
+        sq = row_squares(x_rows, r_rows, r_out_ptr + tl.zeros([1, 1], dtype=tl.int64), k, m_mask, K, pid, NORM, dtype,
                       MANUAL_BF16)
         rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)
-    xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)  # [1, K_PAD]
+    xk = x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)  # [1, K_PAD]
     if NORM:
         if pid == 0:
             tl.store(xn_ptr + k[None, :], round_to(xk, dtype, MANUAL_BF16), mask=(k < K)[None, :])

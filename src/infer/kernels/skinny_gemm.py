@@ -32,7 +32,7 @@ MAX_ROWS = 8  # the most rows skinny_linear takes
 
 
 @triton.jit
-def _squares(x_rows, r_rows, r_out_rows, k, m_mask, K, pid, NORM: tl.constexpr, DTYPE: tl.constexpr,
+def row_squares(x_rows, r_rows, r_out_rows, k, m_mask, K, pid, NORM: tl.constexpr, DTYPE: tl.constexpr,
              MANUAL_BF16: tl.constexpr):
     """The squares of columns ``k`` of the rows of x (NORM 2: of x + residual rounded to ``DTYPE``, which
     program 0 also stores in ``r_out``, the new residual stream), ``[M_PAD, len(k)]`` float32; 0 where masked."""
@@ -47,7 +47,7 @@ def _squares(x_rows, r_rows, r_out_rows, k, m_mask, K, pid, NORM: tl.constexpr, 
 
 
 @triton.jit
-def _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+def x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
              DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
     """Columns ``k`` of the rows of x as the product reads them, ``[M_PAD, len(k)]`` float32 (0 where masked):
     with NORM, ``rms_norm``'s rounding steps (fused_triton._rms_norm_row) on them (NORM 2: on x + residual)."""
@@ -202,12 +202,12 @@ def _skinny_gemm_kernel(
     if NORM:  # the rows' mean squares
         r_out_rows = r_out_ptr + offs_m.to(tl.int64)[:, None] * stride_om
         if NORM_K_PAD:  # the whole padded rows in one load: one trip to L2, not one per slice
-            sq = _squares(x_rows, r_rows, r_out_rows, tl.arange(0, NORM_K_PAD), m_mask, K, pid, NORM, dtype,
+            sq = row_squares(x_rows, r_rows, r_out_rows, tl.arange(0, NORM_K_PAD), m_mask, K, pid, NORM, dtype,
                           MANUAL_BF16)
         else:  # BLOCK_K columns at a time
             sq = tl.zeros([M_PAD, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                sq += _squares(x_rows, r_rows, r_out_rows, k0 + offs_k, m_mask, K, pid, NORM, dtype, MANUAL_BF16)
+                sq += row_squares(x_rows, r_rows, r_out_rows, k0 + offs_k, m_mask, K, pid, NORM, dtype, MANUAL_BF16)
         rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)
 
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -233,7 +233,7 @@ def _skinny_gemm_kernel(
                         acc_u += _lora_terms(lora, j, _lora_b_tile(N + offs_n, n_mask, lora, j))
             for k0 in range(0, K, BLOCK_K):  # as the STAGES 0 loop below, but the last step's "next tile" is
                 k = k0 + offs_k  # the first of the next row block
-                xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
+                xk = x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
                 last = k0 + BLOCK_K >= K
                 kn = tl.where(last, offs_k, k + BLOCK_K)
                 base = tl.where(last, next_rows, w_rows)
@@ -253,15 +253,15 @@ def _skinny_gemm_kernel(
                                    BLOCK_K)
         if STAGES == 0:  # one tile ahead, in registers: the next tile is loaded before the current one is used
             if X_AHEAD:  # and x's next slice with it (see x_ahead)
-                xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, offs_k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
+                xk = x_slice(x_rows, r_rows, nw_ptr, rstd, offs_k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + offs_k
                 kn = k + BLOCK_K
                 if X_AHEAD:
-                    xk_next = _x_slice(x_rows, r_rows, nw_ptr, rstd, kn, m_mask, K, NORM, UNIT_OFFSET, dtype,
+                    xk_next = x_slice(x_rows, r_rows, nw_ptr, rstd, kn, m_mask, K, NORM, UNIT_OFFSET, dtype,
                                        MANUAL_BF16)
                 else:
-                    xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
+                    xk = x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
                 next_mask = n_mask[:, None] & (kn < K)[None, :]
                 w_next = tl.load(w_rows + kn[None, :], mask=next_mask, other=0.0)
                 acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
@@ -276,13 +276,13 @@ def _skinny_gemm_kernel(
             # loop works; the first tile (loaded before the wait) is used last
             for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
                 k = k0 + offs_k
-                xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
+                xk = x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
                 tile_mask = n_mask[:, None] & (k < K)[None, :]
                 acc += xk[:, None, :] * tl.load(w_rows + k[None, :], mask=tile_mask, other=0.0).to(tl.float32)[None, :, :]
                 if ACT:
                     acc_u += xk[:, None, :] * tl.load(u_rows + k[None, :], mask=tile_mask,
                                                       other=0.0).to(tl.float32)[None, :, :]
-            xk = _x_slice(x_rows, r_rows, nw_ptr, rstd, offs_k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
+            xk = x_slice(x_rows, r_rows, nw_ptr, rstd, offs_k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
             acc += xk[:, None, :] * w.to(tl.float32)[None, :, :]
             if ACT:
                 acc_u += xk[:, None, :] * u.to(tl.float32)[None, :, :]
