@@ -197,7 +197,7 @@ class Attention(nn.Module):
         merge happens after loading. Idempotent.
         """
         if not hasattr(self, "qkv_proj"):
-            self.qkv_proj = _merge_linears(self.q_proj, self.k_proj, self.v_proj)
+            self.qkv_proj = merge_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                       meta: AttentionMetadata, ops) -> torch.Tensor:
@@ -229,7 +229,7 @@ class Attention(nn.Module):
         return ops.linear(o, self.o_proj) if residual is None else ops.linear_residual(o, self.o_proj, residual)
 
 
-def _merge_linears(*parts: nn.Linear) -> nn.Linear:
+def merge_linears(*parts: nn.Linear) -> nn.Linear:
     """One ``nn.Linear`` whose output rows are ``parts``' rows, in order (all take the same input).
 
     Each part's weight (and bias) is re-pointed at its rows of the merged tensor, so the parts
@@ -240,7 +240,7 @@ def _merge_linears(*parts: nn.Linear) -> nn.Linear:
     """
     runs = [list(run) for _, run in itertools.groupby(parts, key=_layout)]
     if len(runs) > 1:  # phase 11: a GGUF's parts in different layouts: each run merged, the runs side by side
-        return ConcatLinear(*[_merge_linears(*run) if len(run) > 1 else run[0] for run in runs])
+        return ConcatLinear(*[merge_linears(*run) if len(run) > 1 else run[0] for run in runs])
     if isinstance(parts[0], QuantizedLinear):  # phase 11: the quantized values and scales, concatenated
         return merge_quantized(*parts)
     weight = torch.cat([p.weight for p in parts], dim=0)
@@ -366,7 +366,7 @@ class GatedMLP(nn.Module):
     def merge_gate_up(self) -> None:
         """Give the module one ``gate_up_proj`` (gate rows first); the parts become views of it."""
         if not hasattr(self, "gate_up_proj"):
-            self.gate_up_proj = _merge_linears(self.gate_proj, self.up_proj)
+            self.gate_up_proj = merge_linears(self.gate_proj, self.up_proj)
 
     def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
         """One GEMM for gate and up, one kernel for ``act(gate) * up``, then ``down_proj``."""

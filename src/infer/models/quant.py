@@ -291,7 +291,7 @@ class ConcatLinear(nn.Module):
     type (:mod:`infer.loader.gguf_quant`). Rewriting every part into one common layout (int8 codes, groups of
     16, float zero points) would be exact too, but would widen the 4-bit parts to 8 bits plus two float32
     values per 16 weights: 12 bits a weight read per token instead of 4.5. Here each part keeps its bytes
-    and its kernel; ``_merge_linears`` (:mod:`infer.models.layers`) first merges each run of consecutive parts
+    and its kernel; ``merge_linears`` (:mod:`infer.models.layers`) first merges each run of consecutive parts
     of one layout, so the cost is one product per run and one concatenation.
 
     Shapes: ``x [..., in_features]`` -> ``[..., out_features]`` (the parts' outputs, in order).

@@ -37,7 +37,7 @@ from infer.attention.metadata import AttentionMetadata
 from infer.config import ModelConfig
 from infer.kernels import gated_delta_reference as gdr
 from infer.models.hf_config import common_fields, eos_ids, parse_rope
-from infer.models.layers import CausalLM, GatedMLP, RMSNorm, _merge_linears, apply_rope, rope_cos_sin
+from infer.models.layers import CausalLM, GatedMLP, RMSNorm, apply_rope, merge_linears, rope_cos_sin
 
 
 class GatedAttention(nn.Module):
@@ -82,7 +82,7 @@ class GatedAttention(nn.Module):
     def merge_qkv(self) -> None:
         """One ``qkv_proj`` (rows: q and its gate, k, v); the parts become views of it. Idempotent."""
         if not hasattr(self, "qkv_proj"):
-            self.qkv_proj = _merge_linears(self.q_proj, self.k_proj, self.v_proj)
+            self.qkv_proj = merge_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def _attend(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -150,7 +150,7 @@ class GatedDeltaNet(nn.Module):
         """One ``in_proj`` whose output columns are ``in_proj_qkv``'s, ``in_proj_z``'s, ``in_proj_b``'s and
         ``in_proj_a``'s (all read the same ``x``); the parts become views of it. Idempotent."""
         if not hasattr(self, "in_proj"):
-            self.in_proj = _merge_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+            self.in_proj = merge_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def mix(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The short convolution and the gated delta rule over every sequence of the step, each from its
