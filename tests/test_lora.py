@@ -192,6 +192,64 @@ def test_one_row_shrink_and_epilogue_match_the_unfused_ops(norm, dtype):
         lora_triton.lora_shrink_row(h, o_a, slot, residual=res)
 
 
+@interpreted
+@pytest.mark.parametrize("num_tokens", [5, 70])
+def test_kernels_read_only_each_slots_own_rank(num_tokens):
+    """Adapters of ranks 2, 4 and 8 in slots of R = 8 (``meta.slot_ranks``): the Triton shrink and expand read
+    only a slot's own rank of A's rows and B's columns. The padding here is garbage, not zeros, so a kernel
+    that read it would be far off: the result is the per-row reference of the unpadded adapters, for one
+    projection (split-K at 5 rows) and for merged q/k/v parts (each part's rows masked to the rank), and batch
+    1's shrink and GEMM epilogue."""
+    g = torch.Generator().manual_seed(num_tokens)
+    num_slots, r, k = 3, 8, 300
+    ranks = [2, 8, 4]
+    slots = [i % 4 - 1 for i in range(num_tokens)]  # -1, 0, 1, 2, -1, ...
+    meta = lora_reference.make_lora_meta(slots, num_slots, "cpu")
+    meta.slot_ranks = torch.tensor(ranks, dtype=torch.int32)
+
+    def padded(shape, rank_dim, parts=1):
+        """(the adapters as the reference sees them: zeros past each slot's rank, the same with garbage there)"""
+        keep = torch.zeros(shape, dtype=torch.bool)
+        for slot, rank in enumerate(ranks):
+            for i in range(parts):
+                index = [slot] + [slice(None)] * (len(shape) - 1)
+                index[rank_dim] = slice(i * r, i * r + rank)
+                keep[tuple(index)] = True
+        values = torch.randn(*shape, generator=g)
+        return values * keep, torch.where(keep, values, torch.randn(*shape, generator=g) * 100)
+
+    x = torch.randn(num_tokens, k, generator=g)
+    a_clean, a = padded((num_slots, r, k), 1)
+    b_clean, b = padded((num_slots, 24, r), 2)
+    y0 = torch.randn(num_tokens, 24, generator=g)
+    y = lora_triton.add_lora(y0.clone(), x, a, b, meta)
+    torch.testing.assert_close(y.double(), _per_row(y0, x, a_clean, b_clean, slots, 0), rtol=1e-5, atol=1e-4)
+    # merged q / k / v: A stacks three parts of R rows, B three column ranges
+    a3_clean, a3 = padded((num_slots, 3 * r, k), 1, parts=3)
+    b3_clean, b3 = padded((num_slots, 48, r), 2)
+    starts = (0, 16, 32)
+    y = lora_triton.add_lora_stacked(y0.repeat(1, 2).clone(), x, a3, b3, starts, meta)
+    want = y0.repeat(1, 2).double()
+    for i, off in enumerate(starts):
+        want = _per_row(want, x, a3_clean[:, i * r:(i + 1) * r], b3_clean[:, off:off + 16], slots, off)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
+    # batch 1's two kernels (one row of slot 2, rank 4): the shrink's rows and the GEMM's B columns masked too
+    from infer.kernels import skinny_gemm as sk
+
+    slot, ranks_t = torch.tensor([2], dtype=torch.int32), meta.slot_ranks
+    t = lora_triton.lora_shrink_row(x[:1], a3, slot, slot_ranks=ranks_t, part_rank=r)[0]
+    t_clean = lora_triton.lora_shrink_row(x[:1], a3_clean, slot)[0]
+    torch.testing.assert_close(t, t_clean, rtol=1e-5, atol=1e-4)
+    w = torch.randn(48, k, generator=g)
+    y1 = sk.skinny_linear(x[:1], w, lora=sk.LoRAEpilogue(t, b3, slot, starts, ranks_t))
+    torch.testing.assert_close(y1, sk.skinny_linear_reference(x[:1], w, lora=sk.LoRAEpilogue(t_clean, b3_clean, slot,
+                                                                                              starts)),
+                               rtol=1e-5, atol=1e-4)
+    meta.slot_ranks = None  # without ranks the kernels read the padding (what the test would catch)
+    y = lora_triton.add_lora(y0.clone(), x, a, b, meta)
+    assert (y.double() - _per_row(y0, x, a_clean, b_clean, slots, 0)).abs().max() > 1
+
+
 def test_consecutive_segments_take_the_sliced_path_with_the_same_values():
     """A batch whose adapters' rows are consecutive (a prompt, one row per adapter) takes slices instead of
     gathered rows on the CPU: the same values as the per-row reference."""
@@ -330,6 +388,8 @@ def test_engine_batch_of_base_and_adapters_matches_hf_greedy(lora_qwen3, referen
     manager = llm.engine.lora_manager
     assert manager.num_slot_loads >= 3 and len(manager.slots) == engine_kw["max_loras"]
     assert llm.engine.scheduler.max_running <= 4
+    for slot, rid in enumerate(manager.slots):  # each resident adapter's rank, for the kernels' rank masks
+        assert rid is None or manager.mapping.slot_ranks[slot].item() == ADAPTERS[rid - 1][0]
 
 
 def test_tensor_parallel_lora_equals_the_reference(lora_qwen3, reference_tokens):

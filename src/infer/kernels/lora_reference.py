@@ -52,6 +52,10 @@ class LoRAKernelMeta:
             fixed buffers refilled before each replay, so the host knows neither ``segments`` (empty) nor
             ``num_lora_rows`` (set to ``num_tokens``, so no op returns early); only the Triton kernels,
             which read the groups on the device, take it.
+        slot_ranks: int32 ``[L]`` on the device, each slot's adapter rank (its rows and columns past it are
+            the zero padding up to ``R``), or None (every slot read to ``R``). The Triton kernels read only a
+            slot's own rank (S-LoRA serves adapters of many ranks the same way); the plain-PyTorch ops
+            multiply the zeros.
     """
 
     num_tokens: int
@@ -63,6 +67,7 @@ class LoRAKernelMeta:
     num_lora_rows: int
     first_rows: list[int]
     static: bool = False
+    slot_ranks: torch.Tensor | None = None
 
 
 def make_lora_meta(token_slots: list[int] | np.ndarray, num_slots: int, device: torch.device | str
@@ -127,7 +132,8 @@ def _host_groups(meta: LoRAKernelMeta) -> None:
                          "ops need them on the host (use infer.kernels.lora_triton)")
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor,
+                part_rank: int | None = None) -> torch.Tensor:
     """``out[t] = x[t] @ lora_a[slot[t]]^T`` for every row with an adapter (other rows untouched here; the
     Triton kernel's split-K may overwrite them, and no caller reads them).
 
@@ -135,6 +141,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
         x: ``[T, in]``, the projection's input.
         lora_a: ``[L, R, in]``, the slots' A matrices.
         out: float32 ``[T, R]``.
+        part_rank: the rank of each part when ``lora_a`` stacks a merged projection's parts (the Triton
+            kernel's rank masks need it); unused here (the padding is zeros).
 
     Returns:
         ``out``.

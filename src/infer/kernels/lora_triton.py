@@ -42,10 +42,10 @@ __all__ = ["lora_shrink", "lora_expand", "add_lora", "add_lora_stacked", "lora_s
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, active_ptr, K, R, K_PER_SPLIT,
-                        stride_xm, stride_al, stride_ar, stride_os, stride_om,
+def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, active_ptr, ranks_ptr, K, R,
+                        PART_R, K_PER_SPLIT, stride_xm, stride_al, stride_ar, stride_os, stride_om,
                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, HAS_RANKS: tl.constexpr, USE_PDL: tl.constexpr):
     pid_m, pid_r, pid_ls = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # the grid's third axis: the step's adapters (active_slots), each split-K ways (a slice of K columns)
     slot = tl.load(active_ptr + pid_ls // SPLIT_K)
@@ -60,7 +60,10 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr,
     mask_m = offs_m < count
     rows = tl.load(rows_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
+    store_r = offs_r < R
+    mask_r = store_r
+    if HAS_RANKS:  # only the slot's own rank of each part's PART_R rows is read (the sums past it: zeros)
+        mask_r = mask_r & (offs_r % PART_R < tl.load(ranks_ptr + slot))
     a_base = a_ptr + slot.to(tl.int64) * stride_al
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
@@ -83,14 +86,14 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr,
         a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
                     mask=mask_r[None, :] & (offs_k < k_end)[:, None], other=0.0)
     tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + offs_r[None, :], acc,
-             mask=mask_m[:, None] & mask_r[None, :])
+             mask=mask_m[:, None] & store_r[None, :])
 
 
 @triton.jit
-def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, active_ptr, N, R, y_offset, P1, P2,
-                        stride_ts, stride_tm, stride_bl, stride_bn, stride_ym,
+def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, active_ptr, ranks_ptr, N, R, y_offset,
+                        P1, P2, stride_ts, stride_tm, stride_bl, stride_bn, stride_ym,
                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_R: tl.constexpr, IEEE: tl.constexpr, HAS_RANKS: tl.constexpr, USE_PDL: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(active_ptr + tl.program_id(2))
     if slot < 0:
@@ -107,27 +110,30 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, a
     # a merged projection's parts (stacked B): the part of this column tile reads its own R columns of t
     part = (pid_n * BLOCK_N >= P1).to(tl.int32) + (pid_n * BLOCK_N >= P2).to(tl.int32)
     b_base = b_ptr + slot.to(tl.int64) * stride_bl
+    rank = R
+    if HAS_RANKS:  # the slot's own rank: B's padding columns are neither read nor multiplied
+        rank = tl.minimum(tl.load(ranks_ptr + slot), R)
     # B's first tile before the PDL wait, as the shrink's A; t (the shrink's) and y (the base product's)
     # are written by the kernels before this one
     offs_r = tl.arange(0, BLOCK_R)
-    b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=mask_n[None, :] & (offs_r < R)[:, None],
-                other=0.0)  # [BLOCK_R, BLOCK_N]: B^T's tile
+    b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None],
+                mask=mask_n[None, :] & (offs_r < rank)[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]: B^T's tile
     wait_for_previous(USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         t_ptrs = t_ptr + rows[:, None] * stride_tm + (part * R + offs_r)[None, :]
         t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for s in range(SPLIT_K):  # the shrink's split-K partial sums, added here in a fixed order
-            t += tl.load(t_ptrs + s * stride_ts, mask=mask_m[:, None] & (offs_r < R)[None, :], other=0.0)
+            t += tl.load(t_ptrs + s * stride_ts, mask=mask_m[:, None] & (offs_r < rank)[None, :], other=0.0)
         t = t.to(b.dtype)  # the shrink output rounded to the adapter's dtype (the reference does the same)
         if IEEE:
             acc += tl.dot(t, b, input_precision="ieee")
         else:
             acc += tl.dot(t, b)
-        offs_r += BLOCK_R  # the next tile of B (none past R: masked off)
+        offs_r += BLOCK_R  # the next tile of B (none past the rank: masked off)
         b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None],
-                    mask=mask_n[None, :] & (offs_r < R)[:, None], other=0.0)
+                    mask=mask_n[None, :] & (offs_r < rank)[:, None], other=0.0)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + y_offset + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -135,9 +141,10 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, a
 
 
 @triton.jit
-def _lora_shrink_row_kernel(x_ptr, r_ptr, r_out_ptr, nw_ptr, xn_ptr, a_ptr, slot_ptr, t_ptr, K, PR, eps, stride_al,
-                            stride_ar, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, MANUAL_BF16: tl.constexpr,
-                            BLOCK_R: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+def _lora_shrink_row_kernel(x_ptr, r_ptr, r_out_ptr, nw_ptr, xn_ptr, a_ptr, slot_ptr, ranks_ptr, t_ptr, K, PR, PART_R,
+                            eps, stride_al, stride_ar, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                            MANUAL_BF16: tl.constexpr, BLOCK_R: tl.constexpr, K_PAD: tl.constexpr,
+                            HAS_RANKS: tl.constexpr, USE_PDL: tl.constexpr):
     # Grid (cdiv(PR, BLOCK_R),): program p computes t[p BLOCK_R ... (p + 1) BLOCK_R - 1], whole dot products of
     # the row with BLOCK_R rows of the slot's A ([PR, K]: every part's rows). Each program loads its rows of A
     # in one tile before the PDL wait (no kernel writes A), then the row from L2: one trip to memory after the
@@ -150,9 +157,12 @@ def _lora_shrink_row_kernel(x_ptr, r_ptr, r_out_ptr, nw_ptr, xn_ptr, a_ptr, slot
     slot = tl.maximum(tl.load(slot_ptr), 0)  # (a row without adapter: slot 0's values, which no epilogue adds)
     offs_r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < PR
+    a_mask = r_mask
+    if HAS_RANKS:  # rows past the slot's rank (each part's) are padding: not read, t = 0 there
+        a_mask = a_mask & (offs_r % PART_R < tl.load(ranks_ptr + slot))
     k = tl.arange(0, K_PAD)
     a = tl.load(a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar + k[None, :],
-                mask=r_mask[:, None] & (k < K)[None, :], other=0.0)
+                mask=a_mask[:, None] & (k < K)[None, :], other=0.0)
     wait_for_previous(USE_PDL)
     m_mask = tl.arange(0, 1) < 1
     x_rows = x_ptr + tl.zeros([1, 1], dtype=tl.int64)
@@ -191,9 +201,9 @@ def _split_k(num_tokens: int, k: int, num_programs: int) -> int:
 
 
 def _shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor | None,
-            split_k: int | None) -> tuple[torch.Tensor, int]:
+            split_k: int | None, part_rank: int | None = None) -> tuple[torch.Tensor, int]:
     """The shrink launch: ``(out, 1)``, or ``(partial sums [split, T, R], split)`` with split-K (``out``,
-    if given, is then left alone)."""
+    if given, is then left alone). ``part_rank``: each stacked part's rows (default: all of A's)."""
     _check(x, lora_a, "shrink")
     _, r, k = lora_a.shape
     bm, br = _block_m(meta), max(16, min(64, triton.next_power_of_2(r)))
@@ -205,15 +215,18 @@ def _shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: to
     if split == 1 and out is None:
         out = torch.empty(x.shape[0], r, dtype=torch.float32, device=x.device)
     dest = out if split == 1 else torch.empty(split, x.shape[0], r, dtype=torch.float32, device=x.device)
+    ranks = meta.slot_ranks
     _lora_shrink_kernel[(*blocks, meta.active_slots.numel() * split)](
-        x, lora_a, dest, meta.sorted_rows, meta.slot_starts, meta.slot_counts, meta.active_slots, k, r, per_split,
+        x, lora_a, dest, meta.sorted_rows, meta.slot_starts, meta.slot_counts, meta.active_slots,
+        ranks if ranks is not None else meta.slot_counts, k, r, part_rank or r, per_split,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), dest.stride(0) if split > 1 else 0, dest.stride(-2),
-        SPLIT_K=split, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, **launch_options(x))
+        SPLIT_K=split, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+        HAS_RANKS=ranks is not None, **launch_options(x))
     return dest, split
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor,
-                split_k: int | None = None) -> torch.Tensor:
+                part_rank: int | None = None, split_k: int | None = None) -> torch.Tensor:
     """:func:`infer.kernels.lora_reference.lora_shrink` in Triton: ``x [T, in]``, ``lora_a [L, R, in]``,
     float32 ``out [T, R]``; its rows without an adapter are left as they were when ``split_k`` is 1, and
     hold whatever the partial sums' scratch held otherwise (no caller reads them: the expand reads the
@@ -224,8 +237,10 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
     one ``torch.sum`` adds them into ``out`` in a fixed order (the same bits every run, unlike atomic
     adds). Split-K is the usual cure for a GEMM whose M and N are too small to fill the GPU (CUTLASS,
     vLLM's LoRA shrink). :func:`add_lora` and :func:`add_lora_stacked` skip the sum: their expand adds
-    the partial sums as it loads them."""
-    dest, split = _shrink(x, lora_a, meta, out, split_k)
+    the partial sums as it loads them. With ``meta.slot_ranks`` only each slot's own rank of A's rows is
+    read (of each part's ``part_rank`` rows when ``lora_a`` stacks a merged projection's parts; default: A's
+    ``R``); the other columns of ``out`` are zeros."""
+    dest, split = _shrink(x, lora_a, meta, out, split_k, part_rank)
     if split > 1:
         torch.sum(dest, dim=0, out=out)
     return out
@@ -243,10 +258,12 @@ def _expand(t: torch.Tensor, split: int, lora_b: torch.Tensor, meta: LoRAKernelM
     bounds = [*part_starts[1:], n, n][:2]
     bm, bn, br = _block_m(meta), _block_n(part_starts, n), max(16, min(64, triton.next_power_of_2(r)))
     grid = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(n, bn), meta.active_slots.numel())
+    ranks = meta.slot_ranks
     _lora_expand_kernel[grid](t, lora_b, y, meta.sorted_rows, meta.slot_starts, meta.slot_counts, meta.active_slots,
-                              n, r, y_offset, *bounds, t.stride(0) if split > 1 else 0, t.stride(-2), lora_b.stride(0),
-                              lora_b.stride(1), y.stride(0), SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br,
-                              IEEE=lora_b.dtype == torch.float32, **launch_options(y))
+                              ranks if ranks is not None else meta.slot_counts, n, r, y_offset, *bounds,
+                              t.stride(0) if split > 1 else 0, t.stride(-2), lora_b.stride(0), lora_b.stride(1),
+                              y.stride(0), SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br,
+                              IEEE=lora_b.dtype == torch.float32, HAS_RANKS=ranks is not None, **launch_options(y))
     return y
 
 
@@ -288,12 +305,13 @@ def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lor
     if lora_a.shape[1] != len(part_starts) * lora_b.shape[2]:
         raise ValueError(f"add_lora_stacked: A stacks {lora_a.shape[1]} rows for {len(part_starts)} parts of rank "
                          f"{lora_b.shape[2]}")
-    t, split = _shrink(x, lora_a, meta, None, None)
+    t, split = _shrink(x, lora_a, meta, None, None, lora_b.shape[2])
     return _expand(t, split, lora_b, meta, y, 0, part_starts)
 
 
 def lora_shrink_row(x: torch.Tensor, lora_a: torch.Tensor, slot: torch.Tensor, residual: torch.Tensor | None = None,
-                    norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False
+                    norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False,
+                    slot_ranks: torch.Tensor | None = None, part_rank: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The shrink of one row (batch-1 decode), optionally after the norm before the projection, in one launch:
     the ``t`` a :class:`~infer.kernels.skinny_gemm.LoRAEpilogue` adds in the projection that follows.
@@ -309,6 +327,9 @@ def lora_shrink_row(x: torch.Tensor, lora_a: torch.Tensor, slot: torch.Tensor, r
         slot: int32 on the device, ``slot[0]`` the row's slot (-1: no adapter; ``t`` is then slot 0's, which
             the epilogue does not add).
         norm_weight: ``[K]`` or None; eps, unit_offset: as in ``rms_norm``.
+        slot_ranks: int32 ``[L]`` on the device (:class:`~infer.kernels.lora_reference.LoRAKernelMeta`'s): A's
+            rows past the slot's rank (in each part of ``part_rank`` rows; default ``P R``) are not read, and
+            ``t`` is 0 there; None: every row is read.
 
     Returns:
         ``(t, h, s)``: float32 ``t [1, P R]``, the normalized row ``h`` (a new ``[1, K]`` tensor; ``x`` itself
@@ -332,7 +353,8 @@ def lora_shrink_row(x: torch.Tensor, lora_a: torch.Tensor, slot: torch.Tensor, r
     h = torch.empty_like(x) if norm else x
     s = torch.empty_like(x) if norm == 2 else x
     _lora_shrink_row_kernel[(triton.cdiv(pr, block_r),)](
-        x, residual if residual is not None else x, s, norm_weight if norm else x, h, lora_a, slot, t, k, pr, eps,
-        lora_a.stride(0), lora_a.stride(1), NORM=norm, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(x),
-        BLOCK_R=block_r, K_PAD=k_pad, num_warps=4 if k_pad <= 4096 else 8, **launch_options(x))
+        x, residual if residual is not None else x, s, norm_weight if norm else x, h, lora_a, slot,
+        slot_ranks if slot_ranks is not None else slot, t, k, pr, part_rank or pr, eps, lora_a.stride(0),
+        lora_a.stride(1), NORM=norm, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(x), BLOCK_R=block_r,
+        K_PAD=k_pad, HAS_RANKS=slot_ranks is not None, num_warps=4 if k_pad <= 4096 else 8, **launch_options(x))
     return t, h, s

@@ -68,20 +68,24 @@ def x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM: tl.constexpr, UNIT
 
 
 @triton.jit
-def _lora_b_tile(cols, n_mask, lora, j):
+def _lora_b_tile(cols, n_mask, lora, j, LORA_RANKS: tl.constexpr):
     """The row's slot's B at output columns ``cols`` and columns ``j`` of ``t``, ``[BLOCK_N, len(j)]``: element
     ``(n, j)`` is ``B[slot, n, j - part(n) R]`` inside column ``n``'s part's ``R`` columns of ``t``, else 0.
 
-    ``lora`` = ``(t_ptr, b_ptr, slot_ptr, R, PR, P1, P2, stride_bl, stride_bn)``: ``t`` the shrink's float32
-    ``[PR]`` (``PR = P R``, ``P`` parts), ``B [L, N, R]`` (a merged projection's parts stacked: column ``n``'s
-    part is ``(n >= P1) + (n >= P2)``), the row's slot read on the device (a CUDA graph's input). Neither B
-    nor the slot is written by a kernel of the step: this may run before the PDL wait."""
-    t_ptr, b_ptr, slot_ptr, R, PR, P1, P2, stride_bl, stride_bn = lora
+    ``lora`` = ``(t_ptr, b_ptr, slot_ptr, ranks_ptr, R, PR, P1, P2, stride_bl, stride_bn)``: ``t`` the shrink's
+    float32 ``[PR]`` (``PR = P R``, ``P`` parts), ``B [L, N, R]`` (a merged projection's parts stacked: column
+    ``n``'s part is ``(n >= P1) + (n >= P2)``), the row's slot read on the device (a CUDA graph's input), and
+    with ``LORA_RANKS`` the slots' ranks (B's columns past the slot's are padding: not read). Neither B, the
+    slot nor the ranks are written by a kernel of the step: this may run before the PDL wait."""
+    t_ptr, b_ptr, slot_ptr, ranks_ptr, R, PR, P1, P2, stride_bl, stride_bn = lora
     slot = tl.load(slot_ptr)
+    rank = R
+    if LORA_RANKS:
+        rank = tl.minimum(tl.load(ranks_ptr + tl.maximum(slot, 0)), R)
     part = (cols >= P1).to(tl.int32) + (cols >= P2).to(tl.int32)
     r = j[None, :] - (part * R)[:, None]  # column j of t is rank r of column n's part
     return tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + cols.to(tl.int64)[:, None] * stride_bn + r,
-                   mask=n_mask[:, None] & (r >= 0) & (r < R) & (slot >= 0), other=0.0)
+                   mask=n_mask[:, None] & (r >= 0) & (r < rank) & (slot >= 0), other=0.0)
 
 
 @triton.jit
@@ -89,14 +93,14 @@ def _lora_terms(lora, j, b):
     """``t[j] * b[:, j]`` as ``[1, BLOCK_N, len(j)]`` float32 products: the LoRA delta's terms, added to the
     accumulator like more columns of K (its one reduction over K sums them with the product's). ``t`` is
     rounded to B's dtype first, as the expand kernel rounds it."""
-    t_ptr, b_ptr, PR = lora[0], lora[1], lora[4]
+    t_ptr, b_ptr, PR = lora[0], lora[1], lora[5]
     t = tl.load(t_ptr + j, mask=j < PR, other=0.0).to(b_ptr.dtype.element_ty).to(tl.float32)
     return (t[None, :] * b.to(tl.float32))[None, :, :]
 
 
 @triton.jit
 def _add_lora(acc, acc_u, b, b_u, offs_n, n_mask, offs_k, N, lora, ACT: tl.constexpr, LORA_CHUNKS: tl.constexpr,
-              BLOCK_K: tl.constexpr):
+              BLOCK_K: tl.constexpr, LORA_RANKS: tl.constexpr):
     """The accumulators of a row block (gate and up with ACT) with the LoRA delta's terms added: from ``b``
     (``b_u``), B's tiles loaded before the PDL wait, when ``PR`` fits one ``BLOCK_K`` (``LORA_CHUNKS`` 1), else
     loaded here in ``LORA_CHUNKS`` slices of ``BLOCK_K`` columns of ``t``."""
@@ -107,9 +111,9 @@ def _add_lora(acc, acc_u, b, b_u, offs_n, n_mask, offs_k, N, lora, ACT: tl.const
     else:
         for c in tl.static_range(LORA_CHUNKS):
             j = c * BLOCK_K + offs_k
-            acc += _lora_terms(lora, j, _lora_b_tile(offs_n, n_mask, lora, j))
+            acc += _lora_terms(lora, j, _lora_b_tile(offs_n, n_mask, lora, j, LORA_RANKS))
             if ACT:
-                acc_u += _lora_terms(lora, j, _lora_b_tile(N + offs_n, n_mask, lora, j))
+                acc_u += _lora_terms(lora, j, _lora_b_tile(N + offs_n, n_mask, lora, j, LORA_RANKS))
     return acc, acc_u
 
 
@@ -142,11 +146,11 @@ def _store_outputs(acc, acc_u, offs_n, n_mask, offs_m, m_mask, b_ptr, add_ptr, y
 def _skinny_gemm_kernel(
     x_ptr, r_ptr, r_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, y_ptr, M, N, K, stride_xm, stride_rm, stride_om,
     stride_wn, stride_am, stride_ym, up_offset, eps,
-    t_ptr, lb_ptr, slot_ptr, lora_r, lora_pr, lora_p1, lora_p2, stride_bl, stride_bn,
+    t_ptr, lb_ptr, slot_ptr, ranks_ptr, lora_r, lora_pr, lora_p1, lora_p2, stride_bl, stride_bn,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
     MANUAL_BF16: tl.constexpr, NORM_K_PAD: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
-    X_AHEAD: tl.constexpr, LORA_CHUNKS: tl.constexpr,
+    X_AHEAD: tl.constexpr, LORA_CHUNKS: tl.constexpr, LORA_RANKS: tl.constexpr,
 ):
     # Grid (cdiv(N, BLOCK_N),): program j computes outputs [j * BLOCK_N, (j + 1) * BLOCK_N) of every row
     # of x, walking K in BLOCK_K slices: the [BLOCK_N, BLOCK_K] tile of W (contiguous along K) is read
@@ -174,7 +178,7 @@ def _skinny_gemm_kernel(
     #     as PR more terms of the sum over K, before the loop (B's tile loaded before the PDL wait, t after
     #     it): no reduction of its own, one rounding; LORA_CHUNKS slices of BLOCK_K when PR > BLOCK_K.
     pid = tl.program_id(0)
-    lora = (t_ptr, lb_ptr, slot_ptr, lora_r, lora_pr, lora_p1, lora_p2, stride_bl, stride_bn)
+    lora = (t_ptr, lb_ptr, slot_ptr, ranks_ptr, lora_r, lora_pr, lora_p1, lora_p2, stride_bl, stride_bn)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
@@ -190,9 +194,9 @@ def _skinny_gemm_kernel(
     lora_bu = w
     if LORA_CHUNKS == 1:  # B's tiles too (no kernel writes them): the chain slot -> B is off the path
         if not PERSISTENT:
-            lora_b = _lora_b_tile(offs_n, n_mask, lora, offs_k)
+            lora_b = _lora_b_tile(offs_n, n_mask, lora, offs_k, LORA_RANKS)
             if ACT:
-                lora_bu = _lora_b_tile(N + offs_n, n_mask, lora, offs_k)
+                lora_bu = _lora_b_tile(N + offs_n, n_mask, lora, offs_k, LORA_RANKS)
     wait_for_previous(USE_PDL)
 
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
@@ -228,9 +232,9 @@ def _skinny_gemm_kernel(
             if LORA_CHUNKS:  # this row block's B, loaded here
                 for c in tl.static_range(LORA_CHUNKS):
                     j = c * BLOCK_K + offs_k
-                    acc += _lora_terms(lora, j, _lora_b_tile(offs_n, n_mask, lora, j))
+                    acc += _lora_terms(lora, j, _lora_b_tile(offs_n, n_mask, lora, j, LORA_RANKS))
                     if ACT:
-                        acc_u += _lora_terms(lora, j, _lora_b_tile(N + offs_n, n_mask, lora, j))
+                        acc_u += _lora_terms(lora, j, _lora_b_tile(N + offs_n, n_mask, lora, j, LORA_RANKS))
             for k0 in range(0, K, BLOCK_K):  # as the STAGES 0 loop below, but the last step's "next tile" is
                 k = k0 + offs_k  # the first of the next row block
                 xk = x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
@@ -250,7 +254,7 @@ def _skinny_gemm_kernel(
     else:  # one program per row block
         if LORA_CHUNKS:
             acc, acc_u = _add_lora(acc, acc_u, lora_b, lora_bu, offs_n, n_mask, offs_k, N, lora, ACT, LORA_CHUNKS,
-                                   BLOCK_K)
+                                   BLOCK_K, LORA_RANKS)
         if STAGES == 0:  # one tile ahead, in registers: the next tile is loaded before the current one is used
             if X_AHEAD:  # and x's next slice with it (see x_ahead)
                 xk = x_slice(x_rows, r_rows, nw_ptr, rstd, offs_k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
@@ -461,12 +465,15 @@ class LoRAEpilogue:
         slot: int32 on the device: ``slot[0]`` the row's slot (-1: no adapter), read by the kernel (a CUDA
             graph's input, never a launch argument).
         part_starts: the parts' first rows of ``lora_b``, ascending from 0; at most 3 parts.
+        slot_ranks: int32 ``[L]`` on the device, each slot's rank (B's columns past it are padding, not read),
+            or None (all ``R`` read).
     """
 
     t: torch.Tensor
     lora_b: torch.Tensor
     slot: torch.Tensor
     part_starts: tuple[int, ...] = (0,)
+    slot_ranks: torch.Tensor | None = None
 
     def check(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         """Raise ``ValueError`` unless this delta fits one row ``x`` and ``weight [N, K]``."""
@@ -484,7 +491,8 @@ class LoRAEpilogue:
     def args(self) -> tuple:
         """The kernel's ``t_ptr ... stride_bn`` arguments."""
         bounds = [*self.part_starts[1:], 1 << 30, 1 << 30][:2]
-        return (self.t, self.lora_b, self.slot, self.lora_b.shape[2], self.t.shape[1], *bounds,
+        ranks = self.slot_ranks if self.slot_ranks is not None else self.slot
+        return (self.t, self.lora_b, self.slot, ranks, self.lora_b.shape[2], self.t.shape[1], *bounds,
                 self.lora_b.stride(0), self.lora_b.stride(1))
 
 
@@ -511,13 +519,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         x, r, r_out if r_out is not None else y, norm_weight if norm else weight, weight,
         bias if bias is not None else weight, add if add is not None else y, y, m, n, k, x.stride(0), r.stride(0),
         r_out.stride(0) if r_out is not None else 0, weight.stride(0), add.stride(0) if add is not None else 0,
-        y.stride(0), n * weight.stride(0) if act else 0, eps, *(lora.args() if lora is not None else (y,) * 3 + (0,) * 6),
+        y.stride(0), n * weight.stride(0) if act else 0, eps, *(lora.args() if lora is not None else (y,) * 4 + (0,) * 6),
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         NORM=norm, UNIT_OFFSET=bool(unit_offset), ACT=act, ADD=add is not None, MANUAL_BF16=manual_bf16(x),
         num_warps=warps,
         NORM_K_PAD=norm and _norm_k_pad(m, k, warps), STAGES=stages, PERSISTENT=programs > 0,
         X_AHEAD=x_ahead(stages, programs, warps),
-        LORA_CHUNKS=triton.cdiv(lora.t.shape[1], block_k) if lora is not None else 0, **launch_options(x),
+        LORA_CHUNKS=triton.cdiv(lora.t.shape[1], block_k) if lora is not None else 0,
+        LORA_RANKS=lora is not None and lora.slot_ranks is not None, **launch_options(x),
     )
     return y, r_out
 

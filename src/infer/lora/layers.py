@@ -33,6 +33,7 @@ class LoRAMapping:
     Args:
         ops: the module whose ``add_lora`` runs (:func:`infer.kernels.lora_ops`).
         num_slots: ``max_loras``.
+        device: the model's (of :attr:`slot_ranks`).
 
     Attributes:
         token_slots: the step's slot of each row as set (tensor parallelism sends them; the CUDA graphs
@@ -40,9 +41,12 @@ class LoRAMapping:
         has_lora: some row of the step has an adapter.
     """
 
-    def __init__(self, ops, num_slots: int) -> None:
+    def __init__(self, ops, num_slots: int, device: torch.device | str = "cpu") -> None:
         self.ops = ops
         self.num_slots = num_slots
+        # each slot's adapter rank (LoRAKernelMeta.slot_ranks), written when an adapter is loaded into it; until
+        # then "all of R" (a rank past R reads to R)
+        self.slot_ranks = torch.full((num_slots,), 1 << 30, dtype=torch.int32, device=device)
         self.token_slots: list[int] | None = None
         self.has_lora = False
         self._device: torch.device | str = "cpu"
@@ -58,6 +62,7 @@ class LoRAMapping:
             return self._capture[0]
         if self._meta is None and self.has_lora:
             self._meta = make_lora_meta(self.token_slots, self.num_slots, self._device)
+            self._meta.slot_ranks = self.slot_ranks
         return self._meta
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
@@ -112,9 +117,9 @@ class LoRAMapping:
             return y
         if stacked_b is not None:
             return self.ops.add_lora_stacked(y, x, stacked_a, stacked_b, part_starts, meta)
-        t = self.ops.lora_shrink(x, stacked_a, meta, torch.empty(x.shape[0], stacked_a.shape[1],
-                                                                 dtype=torch.float32, device=x.device))
         rank = stacked_a.shape[1] // len(parts)
+        t = self.ops.lora_shrink(x, stacked_a, meta, torch.empty(x.shape[0], stacked_a.shape[1], dtype=torch.float32,
+                                                                 device=x.device), part_rank=rank)
         for i, (lora, offset) in enumerate(parts):
             self.ops.lora_expand(t[:, i * rank:(i + 1) * rank], lora.lora_b, meta, y, offset)
         return y
@@ -260,10 +265,11 @@ class LoRAOps:
 
         base, a, b, starts = row
         slot = self.mapping.meta.active_slots  # one row: its slot, first (a CUDA graph's input)
+        ranks = self.mapping.slot_ranks
         if t is None:
-            t = self.mapping.ops.lora_shrink_row(x, a, slot)[0]
+            t = self.mapping.ops.lora_shrink_row(x, a, slot, slot_ranks=ranks, part_rank=b.shape[2])[0]
         return skinny_gemm.skinny_linear(x, base.weight, base.bias, config, residual=residual, activation=activation,
-                                         lora=skinny_gemm.LoRAEpilogue(t, b, slot, starts))
+                                         lora=skinny_gemm.LoRAEpilogue(t, b, slot, starts, ranks))
 
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         row = self._row_lora(x, layer)
@@ -296,8 +302,9 @@ class LoRAOps:
             from infer.kernels import skinny_gemm
 
             # the norm in the shrink's kernel (which stores the normalized row), the delta in the GEMM's epilogue
-            t, normed, residual = self.mapping.ops.lora_shrink_row(x, row[1], self.mapping.meta.active_slots, residual,
-                                                                   weight, eps, unit_offset)
+            t, normed, residual = self.mapping.ops.lora_shrink_row(
+                x, row[1], self.mapping.meta.active_slots, residual, weight, eps, unit_offset,
+                slot_ranks=self.mapping.slot_ranks, part_rank=row[2].shape[2])
             config = skinny_gemm.after_norm_config(row[0].weight, activation)
             return self._row_product(normed, row, activation=activation, config=config, t=t), residual
         if not self._active(layer):

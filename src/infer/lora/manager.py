@@ -48,7 +48,7 @@ class LoRAModelManager:
         self.config = config
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.device = next(model.parameters()).device
-        self.mapping = LoRAMapping(ops, max_loras)
+        self.mapping = LoRAMapping(ops, max_loras, self.device)
         self.layers = add_lora_layers(model, max_loras, max_lora_rank, self.mapping)
         self.slots: list[int | None] = [None] * max_loras
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
@@ -137,6 +137,7 @@ class LoRAModelManager:
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
         for key, layer in self.layers.items():
             layer.set_slot(slot, adapter.weights.get(key))
+        self.mapping.slot_ranks[slot] = adapter.rank  # the kernels read no further (its padding is zeros)
         self.slots[slot] = adapter.int_id
         self._slot_of[adapter.int_id] = slot
         self.num_slot_loads += 1
