@@ -280,11 +280,8 @@ def gated_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
             sin tables of another shape or dtype.
     """
     check_gated_qk_norm_rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim, rotary_dim)
-    t, d, half = qkv.shape[0], head_dim, rotary_dim // 2
-    nq = num_heads * 2 * d
-    qg = qkv[:, :nq].view(t, num_heads, 2 * d)
-    k = qkv[:, nq:nq + num_kv_heads * d].view(t, num_kv_heads, d)
-    v = qkv[:, nq + num_kv_heads * d:].view(t, num_kv_heads, d)
+    d, half = head_dim, rotary_dim // 2
+    qg, k, v = split_gated_qkv(qkv, num_heads, num_kv_heads, head_dim)
     c, s = cos[:, None, :half], sin[:, None, :half]
 
     def norm_rope(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # float32 [T, H, D]
@@ -310,11 +307,26 @@ def sigmoid_gate_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     Returns:
         A new ``[T, H D]`` tensor, the input of ``o_proj``.
     """
+    check_sigmoid_gate_mul(o, gate)
+    t, h, d = gate.shape
+    return (o.float().view(t, h, d) * torch.sigmoid(gate.float())).to(o.dtype).view(t, h * d)
+
+
+def split_gated_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated attention's merged projection output as views: ``qg [T, Hq, 2 D]`` (each query head, then its
+    gate), ``k`` and ``v`` ``[T, Hkv, D]``."""
+    t, nq = qkv.shape[0], num_heads * 2 * head_dim
+    return (qkv[:, :nq].view(t, num_heads, 2 * head_dim),
+            qkv[:, nq:nq + num_kv_heads * head_dim].view(t, num_kv_heads, head_dim),
+            qkv[:, nq + num_kv_heads * head_dim:].view(t, num_kv_heads, head_dim))
+
+
+def check_sigmoid_gate_mul(o: torch.Tensor, gate: torch.Tensor) -> None:
     t, h, d = gate.shape
     if o.numel() != t * h * d or not o.is_contiguous() or gate.stride(-1) != 1:
         raise ValueError(f"sigmoid_gate_mul: o {tuple(o.shape)} (contiguous) and gate {tuple(gate.shape)} (last "
                          f"dimension contiguous) must hold the same T x H x D values")
-    return (o.float().view(t, h, d) * torch.sigmoid(gate.float())).to(o.dtype).view(t, h * d)
 
 
 def check_gated_qk_norm_rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim, rotary_dim) -> None:

@@ -44,7 +44,9 @@ from infer.kernels.fused_reference import (
     check_gated_qk_norm_rope,
     check_qk_norm_rope,
     check_rms_norm,
+    check_sigmoid_gate_mul,
     norm_linear_steps,
+    split_gated_qkv,
 )
 from infer.kernels.pdl import launch_next_then_wait, launch_options, wait_for_previous
 from infer.kernels.triton_common import (
@@ -446,7 +448,6 @@ def gated_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     check_gated_qk_norm_rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim, rotary_dim)
     t, d = qkv.shape[0], head_dim
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
-    nq = num_heads * 2 * d
     if t > 0:
         check_launchable(qkv)
         d_pad = triton.next_power_of_2(d)
@@ -456,9 +457,8 @@ def gated_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
             NUM_Q_HEADS=num_heads, NUM_HEADS=num_heads + num_kv_heads, HEAD_DIM=d, D_PAD=d_pad, HALF=rotary_dim // 2,
             BLOCK_H=block_h, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(qkv),
             num_warps=num_warps_for(block_h * d_pad), **launch_options(qkv))
-    k = qkv[:, nq:nq + num_kv_heads * d].view(t, num_kv_heads, d)
-    v = qkv[:, nq + num_kv_heads * d:].view(t, num_kv_heads, d)
-    return q, k, v, qkv[:, :nq].view(t, num_heads, 2 * d)[..., d:]
+    qg, k, v = split_gated_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    return q, k, v, qg[..., d:]
 
 
 @triton.jit
@@ -477,10 +477,8 @@ def _sigmoid_gate_mul_kernel(o_ptr, g_ptr, out_ptr, stride_gt, stride_gh, HD: tl
 def sigmoid_gate_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """:func:`infer.kernels.fused_reference.sigmoid_gate_mul` in one launch (not three: the gate's copy out
     of the strided view, the sigmoid, the product)."""
+    check_sigmoid_gate_mul(o, gate)
     t, h, d = gate.shape
-    if o.numel() != t * h * d or not o.is_contiguous() or gate.stride(-1) != 1:
-        raise ValueError(f"sigmoid_gate_mul: o {tuple(o.shape)} (contiguous) and gate {tuple(gate.shape)} (last "
-                         f"dimension contiguous) must hold the same T x H x D values")
     out = torch.empty(t, h * d, dtype=o.dtype, device=o.device)
     if t > 0:
         check_launchable(o)

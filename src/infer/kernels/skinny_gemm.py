@@ -100,11 +100,11 @@ def _lora_terms(lora, j, b):
 
 @triton.jit
 def _add_lora(acc, acc_u, b, b_u, offs_n, n_mask, offs_k, N, lora, ACT: tl.constexpr, LORA_CHUNKS: tl.constexpr,
-              BLOCK_K: tl.constexpr, LORA_RANKS: tl.constexpr):
-    """The accumulators of a row block (gate and up with ACT) with the LoRA delta's terms added: from ``b``
-    (``b_u``), B's tiles loaded before the PDL wait, when ``PR`` fits one ``BLOCK_K`` (``LORA_CHUNKS`` 1), else
-    loaded here in ``LORA_CHUNKS`` slices of ``BLOCK_K`` columns of ``t``."""
-    if LORA_CHUNKS == 1:
+              BLOCK_K: tl.constexpr, LORA_RANKS: tl.constexpr, LOADED: tl.constexpr):
+    """The accumulators of a row block (gate and up with ACT) with the LoRA delta's terms added: with ``LOADED``
+    from ``b`` (``b_u``), B's tiles loaded before the PDL wait (``PR`` fits one ``BLOCK_K``), else from B loaded
+    here in ``LORA_CHUNKS`` slices of ``BLOCK_K`` columns of ``t``."""
+    if LOADED:
         acc += _lora_terms(lora, offs_k, b)
         if ACT:
             acc_u += _lora_terms(lora, offs_k, b_u)
@@ -230,11 +230,8 @@ def _skinny_gemm_kernel(
             if ACT:
                 acc_u = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
             if LORA_CHUNKS:  # this row block's B, loaded here
-                for c in tl.static_range(LORA_CHUNKS):
-                    j = c * BLOCK_K + offs_k
-                    acc += _lora_terms(lora, j, _lora_b_tile(offs_n, n_mask, lora, j, LORA_RANKS))
-                    if ACT:
-                        acc_u += _lora_terms(lora, j, _lora_b_tile(N + offs_n, n_mask, lora, j, LORA_RANKS))
+                acc, acc_u = _add_lora(acc, acc_u, lora_b, lora_bu, offs_n, n_mask, offs_k, N, lora, ACT, LORA_CHUNKS,
+                                       BLOCK_K, LORA_RANKS, False)
             for k0 in range(0, K, BLOCK_K):  # as the STAGES 0 loop below, but the last step's "next tile" is
                 k = k0 + offs_k  # the first of the next row block
                 xk = x_slice(x_rows, r_rows, nw_ptr, rstd, k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)
@@ -254,7 +251,7 @@ def _skinny_gemm_kernel(
     else:  # one program per row block
         if LORA_CHUNKS:
             acc, acc_u = _add_lora(acc, acc_u, lora_b, lora_bu, offs_n, n_mask, offs_k, N, lora, ACT, LORA_CHUNKS,
-                                   BLOCK_K, LORA_RANKS)
+                                   BLOCK_K, LORA_RANKS, LORA_CHUNKS == 1)
         if STAGES == 0:  # one tile ahead, in registers: the next tile is loaded before the current one is used
             if X_AHEAD:  # and x's next slice with it (see x_ahead)
                 xk = x_slice(x_rows, r_rows, nw_ptr, rstd, offs_k, m_mask, K, NORM, UNIT_OFFSET, dtype, MANUAL_BF16)

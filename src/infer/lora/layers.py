@@ -257,19 +257,25 @@ class LoRAOps:
             return None
         return base, a, b, starts
 
+    def _row_shrink(self, x: torch.Tensor, row, residual: torch.Tensor | None = None,
+                    norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False):
+        """``lora_shrink_row`` of ``x`` for :meth:`_row_lora`'s ``row`` (optionally after the norm): ``(t, h, s)``."""
+        return self.mapping.ops.lora_shrink_row(x, row[1], self.mapping.meta.active_slots, residual, norm_weight, eps,
+                                                unit_offset, slot_ranks=self.mapping.slot_ranks,
+                                                part_rank=row[2].shape[2])
+
     def _row_product(self, x: torch.Tensor, row, residual: torch.Tensor | None = None,
                      activation: str | None = None, config=None, t: torch.Tensor | None = None) -> torch.Tensor:
         """The one-row product of :meth:`_row_lora`'s ``row``: the shrink of ``x`` (unless given, ``t``),
         then the skinny GEMM adding the delta in its epilogue (then the activation or the residual add)."""
         from infer.kernels import skinny_gemm
 
-        base, a, b, starts = row
-        slot = self.mapping.meta.active_slots  # one row: its slot, first (a CUDA graph's input)
-        ranks = self.mapping.slot_ranks
+        base, _, b, starts = row
         if t is None:
-            t = self.mapping.ops.lora_shrink_row(x, a, slot, slot_ranks=ranks, part_rank=b.shape[2])[0]
+            t = self._row_shrink(x, row)[0]
+        slot = self.mapping.meta.active_slots  # one row: its slot, first (a CUDA graph's input)
         return skinny_gemm.skinny_linear(x, base.weight, base.bias, config, residual=residual, activation=activation,
-                                         lora=skinny_gemm.LoRAEpilogue(t, b, slot, starts, ranks))
+                                         lora=skinny_gemm.LoRAEpilogue(t, b, slot, starts, self.mapping.slot_ranks))
 
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         row = self._row_lora(x, layer)
@@ -302,9 +308,7 @@ class LoRAOps:
             from infer.kernels import skinny_gemm
 
             # the norm in the shrink's kernel (which stores the normalized row), the delta in the GEMM's epilogue
-            t, normed, residual = self.mapping.ops.lora_shrink_row(
-                x, row[1], self.mapping.meta.active_slots, residual, weight, eps, unit_offset,
-                slot_ranks=self.mapping.slot_ranks, part_rank=row[2].shape[2])
+            t, normed, residual = self._row_shrink(x, row, residual, weight, eps, unit_offset)
             config = skinny_gemm.after_norm_config(row[0].weight, activation)
             return self._row_product(normed, row, activation=activation, config=config, t=t), residual
         if not self._active(layer):
