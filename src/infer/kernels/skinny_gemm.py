@@ -26,7 +26,14 @@ import triton.language as tl
 
 from infer.kernels import activations, fused_reference
 from infer.kernels.pdl import launch_options, wait_for_previous
-from infer.kernels.triton_common import INTERPRET, manual_bf16, round_to, silu_or_gelu_tanh, sm_count
+from infer.kernels.triton_common import (
+    INTERPRET,
+    manual_bf16,
+    rank_in_sectors,
+    round_to,
+    silu_or_gelu_tanh,
+    sm_count,
+)
 
 MAX_ROWS = 8  # the most rows skinny_linear takes
 
@@ -81,7 +88,7 @@ def _lora_b_tile(cols, n_mask, lora, j, LORA_RANKS: tl.constexpr):
     slot = tl.load(slot_ptr)
     rank = R
     if LORA_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + tl.maximum(slot, 0)), R)
+        rank = tl.minimum(rank_in_sectors(tl.load(ranks_ptr + tl.maximum(slot, 0))), R)
     part = (cols >= P1).to(tl.int32) + (cols >= P2).to(tl.int32)
     r = j[None, :] - (part * R)[:, None]  # column j of t is rank r of column n's part
     return tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + cols.to(tl.int64)[:, None] * stride_bn + r,

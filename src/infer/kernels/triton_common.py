@@ -69,6 +69,16 @@ def to_fp8_e4m3(x, scale, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def rank_in_sectors(rank):
+    """A LoRA slot's rank rounded up to 16: the columns of B (``[N, R]``, R contiguous) a kernel reads. A mask
+    of contiguous columns at a multiple of 16 keeps the loads 16-byte vectors; at the rank itself the
+    compiler cannot prove that and loads element by element (measured on an H200: a 32-row decode step over
+    8 adapters 6% slower). The columns between the rank and this multiply entries of the shrink output that
+    are zeros (the shrink masks A's rows at the rank itself)."""
+    return (rank + 15) // 16 * 16
+
+
+@triton.jit
 def first_argmax(best, best_i, n):
     """The max of a 1-D block and the smallest index ``best_i`` that attains it, ``torch.argmax``'s
     rule: a NaN counts as larger than any number, so the first NaN wins and the max is NaN. ``n``:
