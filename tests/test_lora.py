@@ -88,16 +88,41 @@ def test_shrink_expand_match_per_row_reference(ops, num_tokens):
 def test_split_k_shrink_matches_per_row_reference(split_k):
     """The Triton shrink with its K columns split among programs (a decode step's few rows): the partial
     sums of every split, the last one shorter (1,000 columns in 4 splits of 256), add up to x A^T for the
-    rows with an adapter. ``None`` is the default choice for these 3 rows, a split of 3."""
+    rows with an adapter. ``None`` is the default choice for these 3 rows, a split of 3. The program that
+    finishes a tile last adds its partial sums and resets the tile's arrival counter: a second launch over
+    the same counters (as a CUDA graph replays) gives the same bits, and leaves them zero again."""
     assert lora_triton._split_k(3, 1000, 1) == 3 and lora_triton._split_k(70, 1000, 1) == 1
     g = torch.Generator().manual_seed(11)
     x, a = torch.randn(3, 1000, generator=g), torch.randn(2, 8, 1000, generator=g)
     slots = [1, -1, 0]
     meta = lora_reference.make_lora_meta(slots, 2, "cpu")
+    meta.split_counters = lora_triton.split_counters(16, "cpu")
     t = lora_triton.lora_shrink(x, a, meta, torch.zeros(3, 8), split_k=split_k)
     for row, s in enumerate(slots):
         if s >= 0:
             torch.testing.assert_close(t[row].double(), x[row].double() @ a[s].double().T, rtol=1e-5, atol=1e-4)
+    assert not meta.split_counters.any()
+    again = lora_triton.lora_shrink(x, a, meta, torch.full((3, 8), 7.0), split_k=split_k)
+    assert torch.equal(again[[0, 2]], t[[0, 2]]) and not meta.split_counters.any()
+
+
+@interpreted
+def test_prefill_sized_shrink_splits_k_when_its_row_blocks_are_few():
+    """A prefill-sized shrink (130 rows: 3 row blocks of 64) over 2,100 columns has too few programs to fill a
+    GPU, so it splits K in two (slices of >= 1,024 columns); the sums equal x A^T per row (rows of slot 0,
+    slot 1 and no adapter interleaved), and the counters are left at zero."""
+    assert lora_triton._split_k(130, 2100, 1) == 2 and lora_triton._split_k(130, 900, 1) == 1
+    assert lora_triton._split_k(8192, 4096, 3) == 1  # enough row blocks: no split
+    g = torch.Generator().manual_seed(5)
+    x, a = torch.randn(130, 2100, generator=g), torch.randn(2, 16, 2100, generator=g)
+    slots = [i % 3 - 1 for i in range(130)]
+    meta = lora_reference.make_lora_meta(slots, 2, "cpu")
+    meta.split_counters = lora_triton.split_counters(16, "cpu")
+    t = lora_triton.lora_shrink(x, a, meta, torch.zeros(130, 16))
+    rows = torch.tensor([i for i, s in enumerate(slots) if s >= 0])
+    want = torch.stack([x[i].double() @ a[slots[i]].double().T for i in rows.tolist()])
+    torch.testing.assert_close(t[rows].double(), want, rtol=1e-5, atol=1e-3)
+    assert not meta.split_counters.any()
 
 
 @pytest.mark.parametrize("k", [40, 1000])  # one program per row block; split-K (3 rows, 1,000 columns)
@@ -105,7 +130,7 @@ def test_split_k_shrink_matches_per_row_reference(split_k):
 def test_stacked_parts_match_per_row_reference(ops, k):
     """A merged projection's parts (q, k, v: 32, 16 and 16 columns) from stacked A and B: each part's delta
     lands in its own columns, from its own rank-R slice of the shrink, as three separate projections
-    would give; the Triton version in one shrink and one expand (adding a split-K shrink's partials)."""
+    would give; the Triton version in one shrink (split-K at 1,000 columns) and one expand."""
     g = torch.Generator().manual_seed(k)
     num_slots, rank, outs = 3, 4, [32, 16, 16]
     starts = (0, 32, 48)
@@ -561,7 +586,7 @@ def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
 
     g = torch.Generator().manual_seed(3)
     num_slots, rank, k, n, bucket = 3, 8, 40, 24, 16
-    mapping = LoRAMapping(lora_triton, num_slots)
+    mapping = LoRAMapping(lora_triton, num_slots, _DEV)
     inputs = LoRAGraphInputs(mapping, max_rows=bucket, device=torch.device(_DEV))
     static = inputs.meta(bucket)  # what the graph captures: views of the buffer
     address = inputs.buffer.data_ptr()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["LoRAKernelMeta", "make_lora_meta", "lora_shrink", "lora_expand", "add_lora", "add_lora_stacked"]
+__all__ = ["LoRAKernelMeta", "make_lora_meta", "lora_shrink", "lora_expand", "add_lora", "add_lora_stacked", "lora_expand_stacked"]
 
 
 @dataclass
@@ -56,6 +56,9 @@ class LoRAKernelMeta:
             the zero padding up to ``R``), or None (every slot read to ``R``). The Triton kernels read only a
             slot's own rank (S-LoRA serves adapters of many ranks the same way); the plain-PyTorch ops
             multiply the zeros.
+        split_counters: int32 zeros on the device, the arrival counters of the Triton shrink's split-K
+            (:func:`~.lora_triton.split_counters`), or None (a launch that splits makes its own, which a CUDA
+            graph cannot capture). The plain-PyTorch ops do not read them.
     """
 
     num_tokens: int
@@ -68,6 +71,7 @@ class LoRAKernelMeta:
     first_rows: list[int]
     static: bool = False
     slot_ranks: torch.Tensor | None = None
+    split_counters: torch.Tensor | None = None
 
 
 def make_lora_meta(token_slots: list[int] | np.ndarray, num_slots: int, device: torch.device | str
@@ -223,8 +227,15 @@ def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lor
     """
     if meta.num_lora_rows == 0:
         return y
-    rank = lora_b.shape[2]
     t = lora_shrink(x, lora_a, meta, torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device))
+    return lora_expand_stacked(t, lora_b, part_starts, meta, y)
+
+
+def lora_expand_stacked(t: torch.Tensor, lora_b: torch.Tensor, part_starts: tuple[int, ...], meta: LoRAKernelMeta,
+                        y: torch.Tensor) -> torch.Tensor:
+    """The expand half of :func:`add_lora_stacked`: float32 ``t [T, P R]`` (the shrink by the stacked A),
+    part ``i``'s B rows ``part_starts[i] ..`` of ``lora_b [L, N, R]``, ``y [T, N]`` updated in place."""
+    rank = lora_b.shape[2]
     ends = [*part_starts[1:], lora_b.shape[1]]
     for i, (start, end) in enumerate(zip(part_starts, ends)):
         lora_expand(t[:, i * rank:(i + 1) * rank], lora_b[:, start:end], meta, y, start)

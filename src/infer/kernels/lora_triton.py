@@ -13,11 +13,13 @@ decode. Programs of a slot with fewer rows than ``m * BLOCK_M``, or past the ste
 Two refinements for a decode step, where each adapter has a row or two (phase 16's page, Measured):
 
 * **split-K shrink** (:func:`_split_k`): the shrink's third grid axis is ``adapters x split``, each program
-  taking a slice of the ``in`` columns and writing a float32 partial sum; without it a single program
-  streamed an adapter's whole A;
-* **the expand adds the partial sums** as it loads the shrink output, and covers a merged projection's
-  parts in one launch (:func:`add_lora_stacked`: stacked B, each column tile reading its part's R
-  columns of the shrink output).
+  taking a slice of the ``in`` columns and writing a float32 partial sum, and the program that finishes a
+  tile last adds the tile's partial sums in a fixed order (an arrival counter per tile); without the split
+  a single program streamed an adapter's whole A. (The expand once added the partial sums itself as it
+  loaded them: every one of its column tiles re-read all of them, 22 us a launch at 32 rows over 8
+  adapters on an H200.)
+* **one expand per merged projection** (:func:`add_lora_stacked`: stacked B, each column tile reading its
+  part's R columns of the shrink output).
 
 The grid depends only on ``T``, the ranks, ``in`` and ``max_loras``, never on which rows use which
 adapter (the segments are device tensors the kernels load), so a graph captured for ``T`` rows would
@@ -36,14 +38,15 @@ import triton.language as tl
 from infer.kernels.lora_reference import LoRAKernelMeta
 from infer.kernels.pdl import launch_options, wait_for_previous
 from infer.kernels.skinny_gemm import row_squares, x_slice
-from infer.kernels.triton_common import manual_bf16, round_to
+from infer.kernels.triton_common import manual_bf16, rank_in_sectors, round_to
 
-__all__ = ["lora_shrink", "lora_expand", "add_lora", "add_lora_stacked", "lora_shrink_row"]
+__all__ = ["lora_shrink", "lora_expand", "add_lora", "add_lora_stacked", "lora_shrink_row", "split_counters",
+           "lora_expand_stacked"]
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, active_ptr, ranks_ptr, K, R,
-                        PART_R, K_PER_SPLIT, stride_xm, stride_al, stride_ar, stride_os, stride_om,
+def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, part_ptr, counter_ptr, rows_ptr, starts_ptr, counts_ptr, active_ptr,
+                        ranks_ptr, K, R, PART_R, K_PER_SPLIT, stride_xm, stride_al, stride_ar, stride_ps, stride_om,
                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_K: tl.constexpr, IEEE: tl.constexpr, HAS_RANKS: tl.constexpr, USE_PDL: tl.constexpr):
     pid_m, pid_r, pid_ls = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -85,14 +88,30 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr,
         offs_k += BLOCK_K  # the next tile of A (nothing past k_end: the last load is masked off)
         a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
                     mask=mask_r[None, :] & (offs_k < k_end)[:, None], other=0.0)
-    tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + offs_r[None, :], acc,
-             mask=mask_m[:, None] & store_r[None, :])
+    mask = mask_m[:, None] & store_r[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_r[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc, mask=mask)
+    else:
+        # Each split stores its partial sum; the one that arrives last at the tile's counter adds all of them
+        # in split order (the same bits every run, unlike atomic adds of the sums), stores the tile and resets
+        # the counter for the next launch. The barrier and the counter's acquire-release order every split's
+        # stores before the last one's loads, which bypass L1 (.cg: another SM wrote them).
+        part_ptrs = part_ptr + rows[:, None] * stride_om + offs_r[None, :]
+        tl.store(part_ptrs + split * stride_ps, acc, mask=mask)
+        tl.debug_barrier()
+        tile = ((pid_ls // SPLIT_K) * tl.num_programs(0) + pid_m) * tl.num_programs(1) + pid_r
+        if tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total, mask=mask)
+            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, active_ptr, ranks_ptr, N, R, y_offset,
-                        P1, P2, stride_ts, stride_tm, stride_bl, stride_bn, stride_ym,
-                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        P1, P2, stride_tm, stride_bl, stride_bn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_R: tl.constexpr, IEEE: tl.constexpr, HAS_RANKS: tl.constexpr, USE_PDL: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(active_ptr + tl.program_id(2))
@@ -111,8 +130,8 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, a
     part = (pid_n * BLOCK_N >= P1).to(tl.int32) + (pid_n * BLOCK_N >= P2).to(tl.int32)
     b_base = b_ptr + slot.to(tl.int64) * stride_bl
     rank = R
-    if HAS_RANKS:  # the slot's own rank: B's padding columns are neither read nor multiplied
-        rank = tl.minimum(tl.load(ranks_ptr + slot), R)
+    if HAS_RANKS:  # the slot's own rank: B's padding columns past it are neither read nor multiplied
+        rank = tl.minimum(rank_in_sectors(tl.load(ranks_ptr + slot)), R)
     # B's first tile before the PDL wait, as the shrink's A; t (the shrink's) and y (the base product's)
     # are written by the kernels before this one
     offs_r = tl.arange(0, BLOCK_R)
@@ -122,10 +141,8 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, a
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        t_ptrs = t_ptr + rows[:, None] * stride_tm + (part * R + offs_r)[None, :]
-        t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for s in range(SPLIT_K):  # the shrink's split-K partial sums, added here in a fixed order
-            t += tl.load(t_ptrs + s * stride_ts, mask=mask_m[:, None] & (offs_r < rank)[None, :], other=0.0)
+        t = tl.load(t_ptr + rows[:, None] * stride_tm + (part * R + offs_r)[None, :],
+                    mask=mask_m[:, None] & (offs_r < rank)[None, :], other=0.0)
         t = t.to(b.dtype)  # the shrink output rounded to the adapter's dtype (the reference does the same)
         if IEEE:
             acc += tl.dot(t, b, input_precision="ieee")
@@ -191,19 +208,31 @@ def _check(x: torch.Tensor, w: torch.Tensor, name: str) -> None:
 
 
 def _split_k(num_tokens: int, k: int, num_programs: int) -> int:
-    """How many programs share one row block's K columns (split-K). A decode step has one row block per
-    adapter: without a split, one program would stream the adapter's whole A (``R x in``: 393 KB at
-    rank 48 and 4,096 inputs) alone, on one SM, while the others idle. Each split takes at least 256
-    columns, and the grid is kept near 128 programs."""
-    if num_tokens > 64:
-        return 1  # prefill: the row blocks fill the GPU
-    return max(1, min(k // 256, 128 // max(num_programs, 1), 32))
+    """How many programs share one row block's K columns (split-K); ``num_programs``: the launch's rank
+    blocks. A decode step has one row block per adapter: without a split, one program would stream the
+    adapter's whole A (``R x in``: 393 KB at rank 48 and 4,096 inputs) alone, on one SM, while the others
+    idle. Each split takes at least 256 columns, and the grid is kept near 128 programs. A prefill chunk
+    of a few thousand rows has about ``T / 64`` row blocks with rows: fewer programs than SMs at 2,048 rows
+    and a merged projection's 3 rank blocks, each looping over all of K (measured on an H200: 59 us a
+    shrink at Qwen3-8B's shapes, 8 adapters), so it is split too, to about 2 programs an SM, in slices of
+    at least 1,024 columns."""
+    if num_tokens <= 64:
+        return max(1, min(k // 256, 128 // max(num_programs, 1), 32))
+    programs = triton.cdiv(num_tokens, 64) * max(num_programs, 1)
+    return max(1, min(k // 1024, 264 // programs, 8))
+
+
+def split_counters(num_tiles: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed int32 arrival counters for :func:`lora_shrink`'s split-K: one per output tile of a launch (row
+    blocks x rank blocks x adapters), reset to zero by the kernel that used them, so a buffer made once serves
+    every launch and every CUDA graph replay (:attr:`~.lora_reference.LoRAKernelMeta.split_counters`)."""
+    return torch.zeros(num_tiles, dtype=torch.int32, device=device)
 
 
 def _shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor | None,
-            split_k: int | None, part_rank: int | None = None) -> tuple[torch.Tensor, int]:
-    """The shrink launch: ``(out, 1)``, or ``(partial sums [split, T, R], split)`` with split-K (``out``,
-    if given, is then left alone). ``part_rank``: each stacked part's rows (default: all of A's)."""
+            split_k: int | None, part_rank: int | None = None) -> torch.Tensor:
+    """The shrink launch into ``out`` (float32 ``[T, R]``, allocated if None); ``part_rank``: each stacked
+    part's rows (default: all of A's)."""
     _check(x, lora_a, "shrink")
     _, r, k = lora_a.shape
     bm, br = _block_m(meta), max(16, min(64, triton.next_power_of_2(r)))
@@ -212,45 +241,49 @@ def _shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: to
     block_k = 64 if split == 1 else min(128, triton.next_power_of_2(triton.cdiv(k, split)))
     per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, per_split)  # (no empty splits)
-    if split == 1 and out is None:
+    if out is None:
         out = torch.empty(x.shape[0], r, dtype=torch.float32, device=x.device)
-    dest = out if split == 1 else torch.empty(split, x.shape[0], r, dtype=torch.float32, device=x.device)
+    adapters = meta.active_slots.numel()
+    part, counters = out, meta.slot_counts  # (not read without a split)
+    if split > 1:
+        part = torch.empty(split, x.shape[0], r, dtype=torch.float32, device=x.device)
+        counters = meta.split_counters
+        if counters is None or counters.numel() < blocks[0] * blocks[1] * adapters:
+            counters = split_counters(blocks[0] * blocks[1] * adapters, x.device)  # (a launch outside a graph)
     ranks = meta.slot_ranks
-    _lora_shrink_kernel[(*blocks, meta.active_slots.numel() * split)](
-        x, lora_a, dest, meta.sorted_rows, meta.slot_starts, meta.slot_counts, meta.active_slots,
+    _lora_shrink_kernel[(*blocks, adapters * split)](
+        x, lora_a, out, part, counters, meta.sorted_rows, meta.slot_starts, meta.slot_counts, meta.active_slots,
         ranks if ranks is not None else meta.slot_counts, k, r, part_rank or r, per_split,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), dest.stride(0) if split > 1 else 0, dest.stride(-2),
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), part.stride(0) if split > 1 else 0, out.stride(0),
         SPLIT_K=split, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
         HAS_RANKS=ranks is not None, **launch_options(x))
-    return dest, split
+    return out
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor,
                 part_rank: int | None = None, split_k: int | None = None) -> torch.Tensor:
     """:func:`infer.kernels.lora_reference.lora_shrink` in Triton: ``x [T, in]``, ``lora_a [L, R, in]``,
-    float32 ``out [T, R]``; its rows without an adapter are left as they were when ``split_k`` is 1, and
-    hold whatever the partial sums' scratch held otherwise (no caller reads them: the expand reads the
-    rows of its segments only).
+    float32 ``out [T, R]`` (contiguous rows); its rows without an adapter are left as they were.
 
     With ``split_k`` > 1 (default: :func:`_split_k`, > 1 for a decode step's few rows) each row block's
     K columns are split among that many programs, which write float32 partial sums ``[split_k, T, R]``;
-    one ``torch.sum`` adds them into ``out`` in a fixed order (the same bits every run, unlike atomic
-    adds). Split-K is the usual cure for a GEMM whose M and N are too small to fill the GPU (CUTLASS,
-    vLLM's LoRA shrink). :func:`add_lora` and :func:`add_lora_stacked` skip the sum: their expand adds
-    the partial sums as it loads them. With ``meta.slot_ranks`` only each slot's own rank of A's rows is
-    read (of each part's ``part_rank`` rows when ``lora_a`` stacks a merged projection's parts; default: A's
-    ``R``); the other columns of ``out`` are zeros."""
-    dest, split = _shrink(x, lora_a, meta, out, split_k, part_rank)
-    if split > 1:
-        torch.sum(dest, dim=0, out=out)
-    return out
+    the program that finishes a tile last (an arrival counter per tile, ``meta.split_counters``) adds them
+    in split order (the same bits every run, unlike atomic adds into ``out``), so the expand reads one sum
+    per row. Split-K is the usual cure for a GEMM whose M and N are too small to fill the GPU (CUTLASS,
+    vLLM's LoRA shrink; the last-arriving reduction is CUTLASS's "serial" split-K). With
+    ``meta.slot_ranks`` only each slot's own rank of A's rows is read (of each part's ``part_rank`` rows
+    when ``lora_a`` stacks a merged projection's parts; default: A's ``R``); the other columns of ``out``
+    are zeros."""
+    if out.stride(-1) != 1:
+        raise ValueError("lora_shrink: out's last dimension must be contiguous")
+    return _shrink(x, lora_a, meta, out, split_k, part_rank)
 
 
-def _expand(t: torch.Tensor, split: int, lora_b: torch.Tensor, meta: LoRAKernelMeta, y: torch.Tensor,
+def _expand(t: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta, y: torch.Tensor,
             y_offset: int, part_starts: tuple[int, ...] = (0,)) -> torch.Tensor:
-    """The expand launch over ``t`` (``[T, P R]``, or ``split`` partial sums ``[split, T, P R]``) and
-    ``lora_b`` ``[L, N, R]``, whose columns from ``part_starts[i]`` on read columns ``i R ...`` of ``t``
-    (one part unless a merged projection's stacked B: at most 3 parts)."""
+    """The expand launch over ``t`` (``[T, P R]``) and ``lora_b`` ``[L, N, R]``, whose columns from
+    ``part_starts[i]`` on read columns ``i R ...`` of ``t`` (one part unless a merged projection's stacked B:
+    at most 3 parts)."""
     _check(t, lora_b, "expand")
     if y.stride(-1) != 1:
         raise ValueError("lora_expand: y's last dimension must be contiguous")
@@ -261,9 +294,9 @@ def _expand(t: torch.Tensor, split: int, lora_b: torch.Tensor, meta: LoRAKernelM
     ranks = meta.slot_ranks
     _lora_expand_kernel[grid](t, lora_b, y, meta.sorted_rows, meta.slot_starts, meta.slot_counts, meta.active_slots,
                               ranks if ranks is not None else meta.slot_counts, n, r, y_offset, *bounds,
-                              t.stride(0) if split > 1 else 0, t.stride(-2), lora_b.stride(0), lora_b.stride(1),
-                              y.stride(0), SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br,
-                              IEEE=lora_b.dtype == torch.float32, HAS_RANKS=ranks is not None, **launch_options(y))
+                              t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+                              BLOCK_R=br, IEEE=lora_b.dtype == torch.float32, HAS_RANKS=ranks is not None,
+                              **launch_options(y))
     return y
 
 
@@ -281,17 +314,15 @@ def lora_expand(t: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta, y: 
                 y_offset: int = 0) -> torch.Tensor:
     """:func:`infer.kernels.lora_reference.lora_expand` as one Triton launch: float32 ``t [T, R]``,
     ``lora_b [L, out, R]``, ``y [T, N]`` updated in place at columns ``y_offset : y_offset + out``."""
-    return _expand(t, 1, lora_b, meta, y, y_offset)
+    return _expand(t, lora_b, meta, y, y_offset)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              meta: LoRAKernelMeta, y_offset: int = 0, buffer: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`infer.kernels.lora_reference.add_lora`: shrink then expand, two launches (the expand adds a
-    split-K shrink's partial sums itself)."""
+    """:func:`infer.kernels.lora_reference.add_lora`: shrink then expand, two launches."""
     if meta.num_lora_rows == 0:
         return y
-    t, split = _shrink(x, lora_a, meta, buffer, None)
-    return _expand(t, split, lora_b, meta, y, y_offset)
+    return _expand(_shrink(x, lora_a, meta, buffer, None), lora_b, meta, y, y_offset)
 
 
 def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -305,8 +336,14 @@ def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lor
     if lora_a.shape[1] != len(part_starts) * lora_b.shape[2]:
         raise ValueError(f"add_lora_stacked: A stacks {lora_a.shape[1]} rows for {len(part_starts)} parts of rank "
                          f"{lora_b.shape[2]}")
-    t, split = _shrink(x, lora_a, meta, None, None, lora_b.shape[2])
-    return _expand(t, split, lora_b, meta, y, 0, part_starts)
+    return lora_expand_stacked(_shrink(x, lora_a, meta, None, None, lora_b.shape[2]), lora_b, part_starts, meta, y)
+
+
+def lora_expand_stacked(t: torch.Tensor, lora_b: torch.Tensor, part_starts: tuple[int, ...], meta: LoRAKernelMeta,
+                        y: torch.Tensor) -> torch.Tensor:
+    """:func:`infer.kernels.lora_reference.lora_expand_stacked` as one launch (each column tile finds its part
+    from ``part_starts``)."""
+    return _expand(t, lora_b, meta, y, 0, part_starts)
 
 
 def lora_shrink_row(x: torch.Tensor, lora_a: torch.Tensor, slot: torch.Tensor, residual: torch.Tensor | None = None,

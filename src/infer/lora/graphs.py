@@ -71,7 +71,8 @@ class LoRAGraphInputs:
         n, a = self.num_slots, self.num_active
         return LoRAKernelMeta(rows, self.buffer[2 * n + a: 2 * n + a + rows], self.buffer[:n], self.buffer[n: 2 * n],
                               self.buffer[2 * n: 2 * n + min(n, rows)], segments=[], num_lora_rows=rows,
-                              first_rows=[], static=True, slot_ranks=self.mapping.slot_ranks)
+                              first_rows=[], static=True, slot_ranks=self.mapping.slot_ranks,
+                              split_counters=self.mapping.split_counters)
 
     def stage(self, token_slots: list[int] | None = None) -> int:
         """Write a step's groups into :attr:`buffer` (the copy is queued on the current stream, before the

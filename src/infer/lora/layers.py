@@ -33,7 +33,8 @@ class LoRAMapping:
     Args:
         ops: the module whose ``add_lora`` runs (:func:`infer.kernels.lora_ops`).
         num_slots: ``max_loras``.
-        device: the model's (of :attr:`slot_ranks`).
+        device: the model's (of :attr:`slot_ranks` and :attr:`split_counters`).
+        max_rank: ``max_lora_rank`` (sizes :attr:`split_counters`).
 
     Attributes:
         token_slots: the step's slot of each row as set (tensor parallelism sends them; the CUDA graphs
@@ -41,12 +42,16 @@ class LoRAMapping:
         has_lora: some row of the step has an adapter.
     """
 
-    def __init__(self, ops, num_slots: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, ops, num_slots: int, device: torch.device | str = "cpu", max_rank: int = 64) -> None:
         self.ops = ops
         self.num_slots = num_slots
         # each slot's adapter rank (LoRAKernelMeta.slot_ranks), written when an adapter is loaded into it; until
         # then "all of R" (a rank past R reads to R)
         self.slot_ranks = torch.full((num_slots,), 1 << 30, dtype=torch.int32, device=device)
+        # the split-K shrink's arrival counters (LoRAKernelMeta.split_counters): one per output tile of a
+        # launch of up to 4,096 rows (64 row blocks; a merged projection's 3 R columns in blocks of >= 16)
+        self.split_counters = torch.zeros(64 * -(-3 * max_rank // 16) * num_slots, dtype=torch.int32,
+                                          device=device)
         self.token_slots: list[int] | None = None
         self.has_lora = False
         self._device: torch.device | str = "cpu"
@@ -62,7 +67,7 @@ class LoRAMapping:
             return self._capture[0]
         if self._meta is None and self.has_lora:
             self._meta = make_lora_meta(self.token_slots, self.num_slots, self._device)
-            self._meta.slot_ranks = self.slot_ranks
+            self._meta.slot_ranks, self._meta.split_counters = self.slot_ranks, self.split_counters
         return self._meta
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
@@ -219,6 +224,9 @@ class LoRAOps:
     def __init__(self, ops, mapping: LoRAMapping) -> None:
         self.base_ops = ops
         self.mapping = mapping
+        device = mapping.slot_ranks.device
+        # the multi-row shrinks' stream (_shrink_beside): beside the base GEMM, which reads the same input
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __getattr__(self, name: str):
         return getattr(self.base_ops, name)
@@ -243,10 +251,18 @@ class LoRAOps:
             return None
         from infer.kernels import skinny_gemm
 
+        stacked = self._stacked(layer)
+        if stacked is None or not skinny_gemm.fits(x, stacked[0].weight):
+            return None
+        return stacked
+
+    def _stacked(self, layer: nn.Module):
+        """``(base nn.Linear, A [L, P R, in], B [L, out, R], part starts)`` of a one-process ``nn.Linear`` whose
+        parts' A and B are stacked (or a single part), else None."""
         base, parts = self._parts(layer)
         parallel = getattr(base, "parallel", None)
         if (not parts or not isinstance(base, nn.Linear) or (parallel is not None and parallel.tp_size > 1)
-                or any(lora.reduce is not None for lora, _ in parts) or not skinny_gemm.fits(x, base.weight)):
+                or any(lora.reduce is not None for lora, _ in parts)):
             return None
         if isinstance(layer, LoRALinear):
             a, b, starts = layer.lora_a, layer.lora_b, (0,)
@@ -256,6 +272,32 @@ class LoRAOps:
         if a is None or b is None or b.shape[1] != base.weight.shape[0] or a.shape[1] != len(starts) * b.shape[2]:
             return None
         return base, a, b, starts
+
+    def _shrink_beside(self, x: torch.Tensor, layer: nn.Module):
+        """A multi-row step on the GPU: start the shrink of ``x`` on the side stream, where it runs while the
+        caller's base GEMM (which reads the same ``x``) runs on the current one, so only the expand follows
+        the GEMM. Returns ``(t, B, part starts)`` for :meth:`_expand_after`, or None (this layer takes the
+        path on one stream). A CUDA graph captures the fork and the join like any two streams' work."""
+        meta = self.mapping.meta
+        if self._side is None or meta is None or meta.num_lora_rows == 0 or not x.is_cuda \
+                or not hasattr(self.mapping.ops, "lora_expand_stacked"):
+            return None
+        stacked = self._stacked(layer)
+        if stacked is None:
+            return None
+        _, a, b, starts = stacked
+        main = torch.cuda.current_stream(x.device)
+        t = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)  # (main's: freed after the join)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            self.mapping.ops.lora_shrink(x, a, meta, t, part_rank=b.shape[2])
+        return t, b, starts
+
+    def _expand_after(self, y: torch.Tensor, shrunk) -> torch.Tensor:
+        """Join the side stream (:meth:`_shrink_beside`), then the expand adds the delta to the base product ``y``."""
+        t, b, starts = shrunk
+        torch.cuda.current_stream(y.device).wait_stream(self._side)
+        return self.mapping.ops.lora_expand_stacked(t, b, starts, self.mapping.meta, y)
 
     def _row_shrink(self, x: torch.Tensor, row, residual: torch.Tensor | None = None,
                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False):
@@ -282,7 +324,10 @@ class LoRAOps:
         if row is not None:
             return self._row_product(x, row)
         base, parts = self._parts(layer)
+        shrunk = self._shrink_beside(x, layer)
         y = self.base_ops.linear(x, base)
+        if shrunk is not None:
+            return self._expand_after(y, shrunk)
         if self.mapping.meta is not None:
             stacked = getattr(layer, "lora_a_stacked", None)
             if stacked is not None:  # one shrink for every part, and one expand if B is stacked (_stack_parts)

@@ -48,7 +48,7 @@ class LoRAModelManager:
         self.config = config
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.device = next(model.parameters()).device
-        self.mapping = LoRAMapping(ops, max_loras, self.device)
+        self.mapping = LoRAMapping(ops, max_loras, self.device, max_lora_rank)
         self.layers = add_lora_layers(model, max_loras, max_lora_rank, self.mapping)
         self.slots: list[int | None] = [None] * max_loras
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
