@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(rows, ["batch", "config", "decode_tok_per_s", "tpot_ms", "tpot_min_ms", "vs_base",
                                   "tpot_vs_base", "offline_tok_per_s", "offline_vs_base", "graph_steps"])
     write_report(report, out / "lora.json", table)
-    plot(rows, out / "lora.png", f"{Path(args.model).name}: rank-{args.rank} LoRA on {len(args.targets)} "
+    label = f"ranks {min(rank_list)}-{max(rank_list)}" if len(set(rank_list)) > 1 else f"rank-{rank_list[0]}"
+    plot(rows, out / "lora.png", f"{Path(args.model).name}: {label} LoRA on {len(args.targets)} "
                                  f"projections, {args.device}")
     return 0
 
