@@ -220,7 +220,8 @@ def test_one_row_shrink_and_epilogue_match_the_unfused_ops(norm, dtype):
 @interpreted
 @pytest.mark.parametrize("num_tokens", [5, 70])
 def test_kernels_read_only_each_slots_own_rank(num_tokens):
-    """Adapters of ranks 2, 4 and 8 in slots of R = 8 (``meta.slot_ranks``): the Triton shrink and expand read
+    """Adapters of ranks 2, 8 and 4 in slots of R = 8 (``meta.active_ranks``, each step adapter's rank beside its
+    slot: make_lora_meta's ``slot_ranks``): the Triton shrink and expand read
     only a slot's own rank of A's rows and B's columns. The padding here is garbage, not zeros, so a kernel
     that read it would be far off: the result is the per-row reference of the unpadded adapters, for one
     projection (split-K at 5 rows) and for merged q/k/v parts (each part's rows masked to the rank), and batch
@@ -229,8 +230,8 @@ def test_kernels_read_only_each_slots_own_rank(num_tokens):
     num_slots, r, k = 3, 8, 300
     ranks = [2, 8, 4]
     slots = [i % 4 - 1 for i in range(num_tokens)]  # -1, 0, 1, 2, -1, ...
-    meta = lora_reference.make_lora_meta(slots, num_slots, "cpu")
-    meta.slot_ranks = torch.tensor(ranks, dtype=torch.int32)
+    meta = lora_reference.make_lora_meta(slots, num_slots, "cpu", ranks)
+    assert meta.active_ranks.tolist() == ranks  # (every slot has rows here)
 
     def padded(shape, rank_dim, parts=1):
         """(the adapters as the reference sees them: zeros past each slot's rank, the same with garbage there)"""
@@ -261,16 +262,16 @@ def test_kernels_read_only_each_slots_own_rank(num_tokens):
     # batch 1's two kernels (one row of slot 2, rank 4): the shrink's rows and the GEMM's B columns masked too
     from infer.kernels import skinny_gemm as sk
 
-    slot, ranks_t = torch.tensor([2], dtype=torch.int32), meta.slot_ranks
-    t = lora_triton.lora_shrink_row(x[:1], a3, slot, slot_ranks=ranks_t, part_rank=r)[0]
+    slot, rank = torch.tensor([2], dtype=torch.int32), torch.tensor([ranks[2]], dtype=torch.int32)
+    t = lora_triton.lora_shrink_row(x[:1], a3, slot, rank=rank, part_rank=r)[0]
     t_clean = lora_triton.lora_shrink_row(x[:1], a3_clean, slot)[0]
     torch.testing.assert_close(t, t_clean, rtol=1e-5, atol=1e-4)
     w = torch.randn(48, k, generator=g)
-    y1 = sk.skinny_linear(x[:1], w, lora=sk.LoRAEpilogue(t, b3, slot, starts, ranks_t))
+    y1 = sk.skinny_linear(x[:1], w, lora=sk.LoRAEpilogue(t, b3, slot, starts, rank))
     torch.testing.assert_close(y1, sk.skinny_linear_reference(x[:1], w, lora=sk.LoRAEpilogue(t_clean, b3_clean, slot,
                                                                                               starts)),
                                rtol=1e-5, atol=1e-4)
-    meta.slot_ranks = None  # without ranks the kernels read the padding (what the test would catch)
+    meta.active_ranks = None  # without ranks the kernels read the padding (what the test would catch)
     y = lora_triton.add_lora(y0.clone(), x, a, b, meta)
     assert (y.double() - _per_row(y0, x, a_clean, b_clean, slots, 0)).abs().max() > 1
 
@@ -587,6 +588,7 @@ def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
     g = torch.Generator().manual_seed(3)
     num_slots, rank, k, n, bucket = 3, 8, 40, 24, 16
     mapping = LoRAMapping(lora_triton, num_slots, _DEV)
+    mapping.slot_ranks[:] = rank  # (as the manager writes them): staged beside the slots
     inputs = LoRAGraphInputs(mapping, max_rows=bucket, device=torch.device(_DEV))
     static = inputs.meta(bucket)  # what the graph captures: views of the buffer
     address = inputs.buffer.data_ptr()
@@ -594,7 +596,7 @@ def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
     x = torch.randn(bucket, k, generator=g).to(_DEV)
     for slots in ([2, -1, 0, 2, 0, 1, -1, 2, 1, 0, 2, -1], [1, 1, -1, 1, 2, 0, 0], [-1, 2, -1, 2]):
         mapping.set(slots, _DEV)
-        assert inputs.stage() == 2 * num_slots + min(num_slots, bucket) + len(slots)
+        assert inputs.stage() == 2 * num_slots + 2 * min(num_slots, bucket) + len(slots)
         rows, starts, counts = lora_reference.group_rows_by_slot(np.array(slots), num_slots)
         assert torch.equal(static.slot_starts.cpu(), torch.from_numpy(starts))
         assert torch.equal(static.slot_counts.cpu(), torch.from_numpy(counts))
@@ -607,7 +609,8 @@ def test_graph_inputs_are_the_eager_groups_at_fixed_addresses():
         padded = slots + [-1] * (bucket - len(slots))  # the graph's padding rows: no adapter
         torch.testing.assert_close(y.double(), _per_row(y0, x, a, b, padded, 0), rtol=1e-5, atol=1e-4)
         assert torch.equal(y[len(slots):], y0[len(slots):])
-        assert inputs.buffer.data_ptr() == address and static.sorted_rows.data_ptr() == address + 4 * 3 * num_slots
+        assert static.active_ranks.tolist() == [rank] * len(active) + [0] * (num_slots - len(active))
+        assert inputs.buffer.data_ptr() == address and static.sorted_rows.data_ptr() == address + 4 * 4 * num_slots
     mapping.set([-1, -1, -1], _DEV)
     assert inputs.stage() == 0 and mapping.meta is None  # no adapter: the base variant replays, nothing staged
     with pytest.raises(ValueError, match="does not fit"):

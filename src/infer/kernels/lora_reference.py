@@ -48,17 +48,18 @@ class LoRAKernelMeta:
         first_rows: per segment, its first row when its rows are consecutive (``first .. first + count -
             1``: a batch of one adapter, a prompt), else -1; the plain-PyTorch path then takes slices
             instead of gathering rows.
-        static: a CUDA graph's meta (:class:`~infer.lora.graphs.LoRAGraphInputs`): the four tensors are
+        static: a CUDA graph's meta (:class:`~infer.lora.graphs.LoRAGraphInputs`): the five tensors are
             fixed buffers refilled before each replay, so the host knows neither ``segments`` (empty) nor
             ``num_lora_rows`` (set to ``num_tokens``, so no op returns early); only the Triton kernels,
             which read the groups on the device, take it.
-        slot_ranks: int32 ``[L]`` on the device, each slot's adapter rank (its rows and columns past it are
-            the zero padding up to ``R``), or None (every slot read to ``R``). The Triton kernels read only a
-            slot's own rank (S-LoRA serves adapters of many ranks the same way); the plain-PyTorch ops
-            multiply the zeros.
+        active_ranks: int32 ``[A]`` on the device, the adapter rank of each ``active_slots`` entry (0 for the
+            -1s; its rows and columns past the rank are the zero padding up to ``R``), or None (every slot
+            read to ``R``). The Triton kernels read only a slot's own rank (S-LoRA serves adapters of many
+            ranks the same way), loading it beside the slot (a rank looked up by slot would be one more
+            memory latency before a kernel's first tile); the plain-PyTorch ops multiply the zeros.
         split_counters: int32 zeros on the device, the arrival counters of the Triton shrink's split-K
-            (:func:`~.lora_triton.split_counters`), or None (a launch that splits makes its own, which a CUDA
-            graph cannot capture). The plain-PyTorch ops do not read them.
+            (:func:`~.lora_triton.split_counters`), or None (a launch that splits zeroes a buffer of its
+            own first). The plain-PyTorch ops do not read them.
     """
 
     num_tokens: int
@@ -70,18 +71,19 @@ class LoRAKernelMeta:
     num_lora_rows: int
     first_rows: list[int]
     static: bool = False
-    slot_ranks: torch.Tensor | None = None
+    active_ranks: torch.Tensor | None = None
     split_counters: torch.Tensor | None = None
 
 
-def make_lora_meta(token_slots: list[int] | np.ndarray, num_slots: int, device: torch.device | str
-                   ) -> LoRAKernelMeta:
+def make_lora_meta(token_slots: list[int] | np.ndarray, num_slots: int, device: torch.device | str,
+                   slot_ranks: list[int] | np.ndarray | None = None) -> LoRAKernelMeta:
     """Group a step's rows by adapter slot.
 
     Args:
         token_slots: ``[T]`` each row's slot in ``[0, num_slots)``, or -1 for no adapter.
         num_slots: ``L``, the slots (``max_loras``).
         device: where the kernels run.
+        slot_ranks: ``[L]`` each slot's adapter rank (sets ``active_ranks``), or None.
 
     Raises:
         ValueError: a slot outside ``[-1, num_slots)``.
@@ -99,8 +101,9 @@ def make_lora_meta(token_slots: list[int] | np.ndarray, num_slots: int, device: 
         return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
     active = np.array([slot for slot, _, _ in segments], dtype=np.int32)
+    ranks = None if slot_ranks is None else dev(np.array([slot_ranks[s] for s in active], dtype=np.int32))
     return LoRAKernelMeta(len(slots), dev(rows), dev(starts), dev(counts), dev(active), segments, int(counts.sum()),
-                          first_rows)
+                          first_rows, active_ranks=ranks)
 
 
 def group_rows_by_slot(slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

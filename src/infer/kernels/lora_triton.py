@@ -52,6 +52,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, part_ptr, counter_ptr, rows_ptr, 
     pid_m, pid_r, pid_ls = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # the grid's third axis: the step's adapters (active_slots), each split-K ways (a slice of K columns)
     slot = tl.load(active_ptr + pid_ls // SPLIT_K)
+    if HAS_RANKS:  # the slot's rank, loaded beside the slot (not looked up by it: no load waits for another)
+        rank = tl.load(ranks_ptr + pid_ls // SPLIT_K)
     split = pid_ls % SPLIT_K
     if slot < 0:
         return  # fewer adapters in this step than the grid has room for
@@ -66,7 +68,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, part_ptr, counter_ptr, rows_ptr, 
     store_r = offs_r < R
     mask_r = store_r
     if HAS_RANKS:  # only the slot's own rank of each part's PART_R rows is read (the sums past it: zeros)
-        mask_r = mask_r & (offs_r % PART_R < tl.load(ranks_ptr + slot))
+        mask_r = mask_r & (offs_r % PART_R < rank)
     a_base = a_ptr + slot.to(tl.int64) * stride_al
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
@@ -115,6 +117,9 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, a
                         BLOCK_R: tl.constexpr, IEEE: tl.constexpr, HAS_RANKS: tl.constexpr, USE_PDL: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(active_ptr + tl.program_id(2))
+    rank = R
+    if HAS_RANKS:  # the slot's own rank, loaded beside it: B's padding columns past it are neither read nor
+        rank = tl.minimum(rank_in_sectors(tl.load(ranks_ptr + tl.program_id(2))), R)  # multiplied
     if slot < 0:
         return
     count = tl.load(counts_ptr + slot)
@@ -129,9 +134,6 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, a
     # a merged projection's parts (stacked B): the part of this column tile reads its own R columns of t
     part = (pid_n * BLOCK_N >= P1).to(tl.int32) + (pid_n * BLOCK_N >= P2).to(tl.int32)
     b_base = b_ptr + slot.to(tl.int64) * stride_bl
-    rank = R
-    if HAS_RANKS:  # the slot's own rank: B's padding columns past it are neither read nor multiplied
-        rank = tl.minimum(rank_in_sectors(tl.load(ranks_ptr + slot)), R)
     # B's first tile before the PDL wait, as the shrink's A; t (the shrink's) and y (the base product's)
     # are written by the kernels before this one
     offs_r = tl.arange(0, BLOCK_R)
@@ -158,7 +160,7 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, counts_ptr, a
 
 
 @triton.jit
-def _lora_shrink_row_kernel(x_ptr, r_ptr, r_out_ptr, nw_ptr, xn_ptr, a_ptr, slot_ptr, ranks_ptr, t_ptr, K, PR, PART_R,
+def _lora_shrink_row_kernel(x_ptr, r_ptr, r_out_ptr, nw_ptr, xn_ptr, a_ptr, slot_ptr, rank_ptr, t_ptr, K, PR, PART_R,
                             eps, stride_al, stride_ar, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
                             MANUAL_BF16: tl.constexpr, BLOCK_R: tl.constexpr, K_PAD: tl.constexpr,
                             HAS_RANKS: tl.constexpr, USE_PDL: tl.constexpr):
@@ -175,8 +177,8 @@ def _lora_shrink_row_kernel(x_ptr, r_ptr, r_out_ptr, nw_ptr, xn_ptr, a_ptr, slot
     offs_r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < PR
     a_mask = r_mask
-    if HAS_RANKS:  # rows past the slot's rank (each part's) are padding: not read, t = 0 there
-        a_mask = a_mask & (offs_r % PART_R < tl.load(ranks_ptr + slot))
+    if HAS_RANKS:  # rows past the slot's rank (each part's; loaded beside the slot) are padding: not read
+        a_mask = a_mask & (offs_r % PART_R < tl.load(rank_ptr))
     k = tl.arange(0, K_PAD)
     a = tl.load(a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar + k[None, :],
                 mask=a_mask[:, None] & (k < K)[None, :], other=0.0)
@@ -250,7 +252,7 @@ def _shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: to
         counters = meta.split_counters
         if counters is None or counters.numel() < blocks[0] * blocks[1] * adapters:
             counters = split_counters(blocks[0] * blocks[1] * adapters, x.device)  # (a launch outside a graph)
-    ranks = meta.slot_ranks
+    ranks = meta.active_ranks
     _lora_shrink_kernel[(*blocks, adapters * split)](
         x, lora_a, out, part, counters, meta.sorted_rows, meta.slot_starts, meta.slot_counts, meta.active_slots,
         ranks if ranks is not None else meta.slot_counts, k, r, part_rank or r, per_split,
@@ -271,7 +273,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
     in split order (the same bits every run, unlike atomic adds into ``out``), so the expand reads one sum
     per row. Split-K is the usual cure for a GEMM whose M and N are too small to fill the GPU (CUTLASS,
     vLLM's LoRA shrink; the last-arriving reduction is CUTLASS's "serial" split-K). With
-    ``meta.slot_ranks`` only each slot's own rank of A's rows is read (of each part's ``part_rank`` rows
+    ``meta.active_ranks`` only each slot's own rank of A's rows is read (of each part's ``part_rank`` rows
     when ``lora_a`` stacks a merged projection's parts; default: A's ``R``); the other columns of ``out``
     are zeros."""
     if out.stride(-1) != 1:
@@ -291,7 +293,7 @@ def _expand(t: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta, y: torc
     bounds = [*part_starts[1:], n, n][:2]
     bm, bn, br = _block_m(meta), _block_n(part_starts, n), max(16, min(64, triton.next_power_of_2(r)))
     grid = (triton.cdiv(meta.num_tokens, bm), triton.cdiv(n, bn), meta.active_slots.numel())
-    ranks = meta.slot_ranks
+    ranks = meta.active_ranks
     _lora_expand_kernel[grid](t, lora_b, y, meta.sorted_rows, meta.slot_starts, meta.slot_counts, meta.active_slots,
                               ranks if ranks is not None else meta.slot_counts, n, r, y_offset, *bounds,
                               t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0), BLOCK_M=bm, BLOCK_N=bn,
@@ -348,7 +350,7 @@ def lora_expand_stacked(t: torch.Tensor, lora_b: torch.Tensor, part_starts: tupl
 
 def lora_shrink_row(x: torch.Tensor, lora_a: torch.Tensor, slot: torch.Tensor, residual: torch.Tensor | None = None,
                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False,
-                    slot_ranks: torch.Tensor | None = None, part_rank: int | None = None
+                    rank: torch.Tensor | None = None, part_rank: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The shrink of one row (batch-1 decode), optionally after the norm before the projection, in one launch:
     the ``t`` a :class:`~infer.kernels.skinny_gemm.LoRAEpilogue` adds in the projection that follows.
@@ -364,9 +366,10 @@ def lora_shrink_row(x: torch.Tensor, lora_a: torch.Tensor, slot: torch.Tensor, r
         slot: int32 on the device, ``slot[0]`` the row's slot (-1: no adapter; ``t`` is then slot 0's, which
             the epilogue does not add).
         norm_weight: ``[K]`` or None; eps, unit_offset: as in ``rms_norm``.
-        slot_ranks: int32 ``[L]`` on the device (:class:`~infer.kernels.lora_reference.LoRAKernelMeta`'s): A's
-            rows past the slot's rank (in each part of ``part_rank`` rows; default ``P R``) are not read, and
-            ``t`` is 0 there; None: every row is read.
+        rank: int32 on the device, ``rank[0]`` the slot's adapter rank (a one-row step's
+            :class:`~infer.kernels.lora_reference.LoRAKernelMeta` ``active_ranks``, beside ``active_slots``):
+            A's rows past it (in each part of ``part_rank`` rows; default ``P R``) are not read, and ``t`` is 0
+            there; None: every row is read.
 
     Returns:
         ``(t, h, s)``: float32 ``t [1, P R]``, the normalized row ``h`` (a new ``[1, K]`` tensor; ``x`` itself
@@ -391,7 +394,7 @@ def lora_shrink_row(x: torch.Tensor, lora_a: torch.Tensor, slot: torch.Tensor, r
     s = torch.empty_like(x) if norm == 2 else x
     _lora_shrink_row_kernel[(triton.cdiv(pr, block_r),)](
         x, residual if residual is not None else x, s, norm_weight if norm else x, h, lora_a, slot,
-        slot_ranks if slot_ranks is not None else slot, t, k, pr, part_rank or pr, eps, lora_a.stride(0),
+        rank if rank is not None else slot, t, k, pr, part_rank or pr, eps, lora_a.stride(0),
         lora_a.stride(1), NORM=norm, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(x), BLOCK_R=block_r,
-        K_PAD=k_pad, HAS_RANKS=slot_ranks is not None, num_warps=4 if k_pad <= 4096 else 8, **launch_options(x))
+        K_PAD=k_pad, HAS_RANKS=rank is not None, num_warps=4 if k_pad <= 4096 else 8, **launch_options(x))
     return t, h, s

@@ -79,16 +79,16 @@ def _lora_b_tile(cols, n_mask, lora, j, LORA_RANKS: tl.constexpr):
     """The row's slot's B at output columns ``cols`` and columns ``j`` of ``t``, ``[BLOCK_N, len(j)]``: element
     ``(n, j)`` is ``B[slot, n, j - part(n) R]`` inside column ``n``'s part's ``R`` columns of ``t``, else 0.
 
-    ``lora`` = ``(t_ptr, b_ptr, slot_ptr, ranks_ptr, R, PR, P1, P2, stride_bl, stride_bn)``: ``t`` the shrink's
+    ``lora`` = ``(t_ptr, b_ptr, slot_ptr, rank_ptr, R, PR, P1, P2, stride_bl, stride_bn)``: ``t`` the shrink's
     float32 ``[PR]`` (``PR = P R``, ``P`` parts), ``B [L, N, R]`` (a merged projection's parts stacked: column
     ``n``'s part is ``(n >= P1) + (n >= P2)``), the row's slot read on the device (a CUDA graph's input), and
-    with ``LORA_RANKS`` the slots' ranks (B's columns past the slot's are padding: not read). Neither B, the
-    slot nor the ranks are written by a kernel of the step: this may run before the PDL wait."""
-    t_ptr, b_ptr, slot_ptr, ranks_ptr, R, PR, P1, P2, stride_bl, stride_bn = lora
+    with ``LORA_RANKS`` the slot's rank, loaded beside the slot (B's columns past it are padding: not read).
+    Neither B, the slot nor the rank are written by a kernel of the step: this may run before the PDL wait."""
+    t_ptr, b_ptr, slot_ptr, rank_ptr, R, PR, P1, P2, stride_bl, stride_bn = lora
     slot = tl.load(slot_ptr)
     rank = R
     if LORA_RANKS:
-        rank = tl.minimum(rank_in_sectors(tl.load(ranks_ptr + tl.maximum(slot, 0))), R)
+        rank = tl.minimum(rank_in_sectors(tl.load(rank_ptr)), R)
     part = (cols >= P1).to(tl.int32) + (cols >= P2).to(tl.int32)
     r = j[None, :] - (part * R)[:, None]  # column j of t is rank r of column n's part
     return tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + cols.to(tl.int64)[:, None] * stride_bn + r,
@@ -153,7 +153,7 @@ def _store_outputs(acc, acc_u, offs_n, n_mask, offs_m, m_mask, b_ptr, add_ptr, y
 def _skinny_gemm_kernel(
     x_ptr, r_ptr, r_out_ptr, nw_ptr, w_ptr, b_ptr, add_ptr, y_ptr, M, N, K, stride_xm, stride_rm, stride_om,
     stride_wn, stride_am, stride_ym, up_offset, eps,
-    t_ptr, lb_ptr, slot_ptr, ranks_ptr, lora_r, lora_pr, lora_p1, lora_p2, stride_bl, stride_bn,
+    t_ptr, lb_ptr, slot_ptr, rank_ptr, lora_r, lora_pr, lora_p1, lora_p2, stride_bl, stride_bn,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
     MANUAL_BF16: tl.constexpr, NORM_K_PAD: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
@@ -185,7 +185,7 @@ def _skinny_gemm_kernel(
     #     as PR more terms of the sum over K, before the loop (B's tile loaded before the PDL wait, t after
     #     it): no reduction of its own, one rounding; LORA_CHUNKS slices of BLOCK_K when PR > BLOCK_K.
     pid = tl.program_id(0)
-    lora = (t_ptr, lb_ptr, slot_ptr, ranks_ptr, lora_r, lora_pr, lora_p1, lora_p2, stride_bl, stride_bn)
+    lora = (t_ptr, lb_ptr, slot_ptr, rank_ptr, lora_r, lora_pr, lora_p1, lora_p2, stride_bl, stride_bn)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
@@ -469,15 +469,15 @@ class LoRAEpilogue:
         slot: int32 on the device: ``slot[0]`` the row's slot (-1: no adapter), read by the kernel (a CUDA
             graph's input, never a launch argument).
         part_starts: the parts' first rows of ``lora_b``, ascending from 0; at most 3 parts.
-        slot_ranks: int32 ``[L]`` on the device, each slot's rank (B's columns past it are padding, not read),
-            or None (all ``R`` read).
+        rank: int32 on the device, ``rank[0]`` the slot's adapter rank (B's columns past it are padding, not
+            read; a one-row step's ``LoRAKernelMeta.active_ranks``), or None (all ``R`` read).
     """
 
     t: torch.Tensor
     lora_b: torch.Tensor
     slot: torch.Tensor
     part_starts: tuple[int, ...] = (0,)
-    slot_ranks: torch.Tensor | None = None
+    rank: torch.Tensor | None = None
 
     def check(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         """Raise ``ValueError`` unless this delta fits one row ``x`` and ``weight [N, K]``."""
@@ -495,8 +495,8 @@ class LoRAEpilogue:
     def args(self) -> tuple:
         """The kernel's ``t_ptr ... stride_bn`` arguments."""
         bounds = [*self.part_starts[1:], 1 << 30, 1 << 30][:2]
-        ranks = self.slot_ranks if self.slot_ranks is not None else self.slot
-        return (self.t, self.lora_b, self.slot, ranks, self.lora_b.shape[2], self.t.shape[1], *bounds,
+        rank = self.rank if self.rank is not None else self.slot
+        return (self.t, self.lora_b, self.slot, rank, self.lora_b.shape[2], self.t.shape[1], *bounds,
                 self.lora_b.stride(0), self.lora_b.stride(1))
 
 
@@ -530,7 +530,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         NORM_K_PAD=norm and _norm_k_pad(m, k, warps), STAGES=stages, PERSISTENT=programs > 0,
         X_AHEAD=x_ahead(stages, programs, warps),
         LORA_CHUNKS=triton.cdiv(lora.t.shape[1], block_k) if lora is not None else 0,
-        LORA_RANKS=lora is not None and lora.slot_ranks is not None, **launch_options(x),
+        LORA_RANKS=lora is not None and lora.rank is not None, **launch_options(x),
     )
     return y, r_out
 

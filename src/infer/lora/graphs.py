@@ -5,11 +5,11 @@ pointers, the same scalars. Two things of a LoRA step change from step to step, 
 the replayed kernels through memory the graph reads, never through its launch arguments:
 
 * **which row uses which adapter.** The shrink / expand kernels (:mod:`infer.kernels.lora_triton`)
-  read the step's rows grouped by slot from four int32 device tensors (``sorted_rows``,
-  ``slot_starts``, ``slot_counts``, ``active_slots``: :func:`~infer.kernels.lora_reference.make_lora_meta`),
-  and their grid depends only on the number of rows and ``max_loras``. Here the four are views of **one
-  fixed device buffer**, ``[slot_starts (L) | slot_counts (L) | active_slots (min(L, rows)) | sorted_rows
-  (rows)]``, which
+  read the step's rows grouped by slot from five int32 device tensors (``sorted_rows``,
+  ``slot_starts``, ``slot_counts``, ``active_slots`` and their ``active_ranks``:
+  :func:`~infer.kernels.lora_reference.make_lora_meta`), and their grid depends only on the number of rows
+  and ``max_loras``. Here the five are views of **one fixed device buffer**, ``[slot_starts (L) |
+  slot_counts (L) | active_slots (A) | active_ranks (A) | sorted_rows (rows)]`` (``A = min(L, rows)``), which
   :meth:`LoRAGraphInputs.stage` refills before every replay (one copy from pinned host memory): the
   per-row slot index, grouped on the host as :func:`~infer.kernels.lora_reference.group_rows_by_slot`
   groups it. A graph's padding rows have no adapter, so they are in no group.
@@ -44,8 +44,8 @@ class LoRAGraphInputs:
         device: the model's device.
 
     Attributes:
-        buffer: int32 ``[2 L + A + max_rows]`` on the device: ``[slot_starts | slot_counts | active_slots |
-            sorted_rows]`` (``A = min(L, max_rows)``: a step uses at most that many adapters).
+        buffer: int32 ``[2 L + 2 A + max_rows]`` on the device: ``[slot_starts | slot_counts | active_slots |
+            active_ranks | sorted_rows]`` (``A = min(L, max_rows)``: a step uses at most that many adapters).
     """
 
     def __init__(self, mapping: LoRAMapping, max_rows: int, device: torch.device) -> None:
@@ -53,7 +53,8 @@ class LoRAGraphInputs:
         self.num_slots = mapping.num_slots
         self.max_rows = max_rows
         self.num_active = min(self.num_slots, max_rows)
-        self.buffer = torch.zeros(2 * self.num_slots + self.num_active + max_rows, dtype=torch.int32, device=device)
+        self.buffer = torch.zeros(2 * self.num_slots + 2 * self.num_active + max_rows, dtype=torch.int32,
+                                  device=device)
         # two pinned host buffers used in turn (see CUDAGraphRunner's staging): the host fills one while the
         # copy from the other, of the step before, may still be pending
         pin = torch.device(device).type == "cuda"
@@ -62,16 +63,18 @@ class LoRAGraphInputs:
 
     def size(self, rows: int) -> int:
         """Entries of :attr:`buffer` a step of ``rows`` rows uses (the groups of its rows and the slots)."""
-        return 2 * self.num_slots + self.num_active + rows
+        return 2 * self.num_slots + 2 * self.num_active + rows
 
     def meta(self, rows: int) -> LoRAKernelMeta:
         """The static meta of a graph of ``rows`` rows: views of :attr:`buffer` (its addresses are what the
         graph captures), ``static`` set (:class:`~infer.kernels.lora_reference.LoRAKernelMeta`); its
-        ``active_slots`` has ``min(L, rows)`` entries, the most adapters ``rows`` rows can use."""
-        n, a = self.num_slots, self.num_active
-        return LoRAKernelMeta(rows, self.buffer[2 * n + a: 2 * n + a + rows], self.buffer[:n], self.buffer[n: 2 * n],
-                              self.buffer[2 * n: 2 * n + min(n, rows)], segments=[], num_lora_rows=rows,
-                              first_rows=[], static=True, slot_ranks=self.mapping.slot_ranks,
+        ``active_slots`` (and ``active_ranks``) has ``min(L, rows)`` entries, the most adapters ``rows`` rows
+        can use."""
+        n, a, used = self.num_slots, self.num_active, min(self.num_slots, rows)
+        return LoRAKernelMeta(rows, self.buffer[2 * n + 2 * a: 2 * n + 2 * a + rows], self.buffer[:n],
+                              self.buffer[n: 2 * n], self.buffer[2 * n: 2 * n + used], segments=[],
+                              num_lora_rows=rows, first_rows=[], static=True,
+                              active_ranks=self.buffer[2 * n + a: 2 * n + a + used],
                               split_counters=self.mapping.split_counters)
 
     def stage(self, token_slots: list[int] | None = None) -> int:
@@ -116,7 +119,9 @@ class LoRAGraphInputs:
         a = self.num_active
         active = np.flatnonzero(counts[1:])
         h[2 * n: 2 * n + a] = -1
+        h[2 * n + a: 2 * n + 2 * a] = 0
         h[2 * n: 2 * n + len(active)] = active
-        h[2 * n + a: 2 * n + a + t - counts[0]] = np.argsort(slots, kind="stable")[counts[0]:]
+        h[2 * n + a: 2 * n + a + len(active)] = self.mapping.slot_ranks[active]
+        h[2 * n + 2 * a: 2 * n + 2 * a + t - counts[0]] = np.argsort(slots, kind="stable")[counts[0]:]
         self.buffer[:size].copy_(host[:size], non_blocking=True)
         return size

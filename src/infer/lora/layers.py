@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,7 +34,7 @@ class LoRAMapping:
     Args:
         ops: the module whose ``add_lora`` runs (:func:`infer.kernels.lora_ops`).
         num_slots: ``max_loras``.
-        device: the model's (of :attr:`slot_ranks` and :attr:`split_counters`).
+        device: the model's (of :attr:`split_counters`).
         max_rank: ``max_lora_rank`` (sizes :attr:`split_counters`).
 
     Attributes:
@@ -45,9 +46,10 @@ class LoRAMapping:
     def __init__(self, ops, num_slots: int, device: torch.device | str = "cpu", max_rank: int = 64) -> None:
         self.ops = ops
         self.num_slots = num_slots
-        # each slot's adapter rank (LoRAKernelMeta.slot_ranks), written when an adapter is loaded into it; until
-        # then "all of R" (a rank past R reads to R)
-        self.slot_ranks = torch.full((num_slots,), 1 << 30, dtype=torch.int32, device=device)
+        self.device = torch.device(device)
+        # each slot's adapter rank (on the host; a step's meta carries its adapters' as active_ranks), written
+        # when an adapter is loaded into it; until then "all of R" (a rank past R reads to R)
+        self.slot_ranks = np.full(num_slots, 1 << 30, dtype=np.int32)
         # the split-K shrink's arrival counters (LoRAKernelMeta.split_counters): one per output tile of a
         # launch of up to 4,096 rows (64 row blocks; a merged projection's 3 R columns in blocks of >= 16)
         self.split_counters = torch.zeros(64 * -(-3 * max_rank // 16) * num_slots, dtype=torch.int32,
@@ -66,8 +68,8 @@ class LoRAMapping:
         if self._capture is not None:
             return self._capture[0]
         if self._meta is None and self.has_lora:
-            self._meta = make_lora_meta(self.token_slots, self.num_slots, self._device)
-            self._meta.slot_ranks, self._meta.split_counters = self.slot_ranks, self.split_counters
+            self._meta = make_lora_meta(self.token_slots, self.num_slots, self._device, self.slot_ranks)
+            self._meta.split_counters = self.split_counters
         return self._meta
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
@@ -224,7 +226,7 @@ class LoRAOps:
     def __init__(self, ops, mapping: LoRAMapping) -> None:
         self.base_ops = ops
         self.mapping = mapping
-        device = mapping.slot_ranks.device
+        device = mapping.device
         # the multi-row shrinks' stream (_shrink_beside): beside the base GEMM, which reads the same input
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -303,7 +305,7 @@ class LoRAOps:
                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False):
         """``lora_shrink_row`` of ``x`` for :meth:`_row_lora`'s ``row`` (optionally after the norm): ``(t, h, s)``."""
         return self.mapping.ops.lora_shrink_row(x, row[1], self.mapping.meta.active_slots, residual, norm_weight, eps,
-                                                unit_offset, slot_ranks=self.mapping.slot_ranks,
+                                                unit_offset, rank=self.mapping.meta.active_ranks,
                                                 part_rank=row[2].shape[2])
 
     def _row_product(self, x: torch.Tensor, row, residual: torch.Tensor | None = None,
@@ -315,9 +317,9 @@ class LoRAOps:
         base, _, b, starts = row
         if t is None:
             t = self._row_shrink(x, row)[0]
-        slot = self.mapping.meta.active_slots  # one row: its slot, first (a CUDA graph's input)
+        meta = self.mapping.meta  # one row: its slot and its rank, first (a CUDA graph's inputs)
         return skinny_gemm.skinny_linear(x, base.weight, base.bias, config, residual=residual, activation=activation,
-                                         lora=skinny_gemm.LoRAEpilogue(t, b, slot, starts, self.mapping.slot_ranks))
+                                         lora=skinny_gemm.LoRAEpilogue(t, b, meta.active_slots, starts, meta.active_ranks))
 
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         row = self._row_lora(x, layer)
