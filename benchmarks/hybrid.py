@@ -18,7 +18,8 @@ measured in the same run: :func:`common.decode_floor_s`).
 and 16: the plain-PyTorch reference, infer's Triton kernels, and flash-linear-attention's
 ``fused_recurrent_gated_delta_rule`` when the ``fla`` package is importable (``pip install --no-deps
 flash-linear-attention fla-core``); and the chunked prefill form over 4,096 tokens (infer's plain
-PyTorch against fla's ``chunk_gated_delta_rule``).
+PyTorch against fla's ``chunk_gated_delta_rule``). ``--engine-args linear_attention_backend=fla`` runs the
+engines' prefills through fla's kernels (``EngineConfig.linear_attention_backend``).
 
 Writes ``hybrid.json``, ``hybrid.md`` and ``hybrid.png`` into ``--out`` (default ``benchmarks/runs/hybrid``).
 """

@@ -358,9 +358,13 @@ def test_gated_qk_norm_rope_at_qwen35_4b_shapes():
     torch.testing.assert_close(out, ref, atol=2.0 ** -7, rtol=2.0 ** -7)
 
 
-def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory):
+@pytest.mark.parametrize("linear_attention_backend", ["torch", "fla"])
+def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory, linear_attention_backend):
     """The tiny Qwen3.5 (3 Gated DeltaNet layers, 1 gated attention), float32 on CUDA with the Triton
-    attention and decode-step kernels, paged KV and chunked prefill: HF transformers' greedy tokens."""
+    attention and decode-step kernels, paged KV and chunked prefill: HF transformers' greedy tokens; the
+    prefills' chunked rule in plain PyTorch or in flash-linear-attention's kernels."""
+    if linear_attention_backend == "fla":
+        pytest.importorskip("fla")
     from transformers import AutoModelForCausalLM
 
     from tests.test_generation import hf_greedy
@@ -374,8 +378,34 @@ def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory):
     want = [hf_greedy(hf, p, 8) for p in prompts]
     got, _ = _generate(path, prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                        dtype="float32", block_size=16, chunked_prefill=True, max_num_batched_tokens=32,
-                       attention_backend="triton")
+                       attention_backend="triton", linear_attention_backend=linear_attention_backend)
     assert [t for t, _ in got] == want
+
+
+def test_fla_chunked_rule_matches_the_reference_at_qwen35_4b_shapes():
+    """flash-linear-attention's chunked gated delta rule behind :mod:`infer.kernels.gated_delta_fla` against the
+    plain-PyTorch form, at Qwen3.5-4B's linear-attention shapes (32 value heads, 128 x 128 state): three
+    sequences side by side (1, 100 and 300 tokens), two from a state (a later prompt chunk), the outputs and
+    the final states."""
+    pytest.importorskip("fla")
+    from infer.kernels import gated_delta_fla as fla
+    from infer.kernels import gated_delta_reference as gdr
+
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    lens, h, d = [1, 100, 300], 32, 128
+    t = sum(lens)
+    q = gdr.l2norm(torch.randn(t, h, d, generator=gen, device="cuda"))
+    k = gdr.l2norm(torch.randn(t, h, d, generator=gen, device="cuda"))
+    v = torch.randn(t, h, d, generator=gen, device="cuda")
+    g = -torch.rand(t, h, generator=gen, device="cuda") * 0.3
+    beta = torch.rand(t, h, generator=gen, device="cuda")
+    inits = [torch.randn(h, d, d, generator=gen, device="cuda") * 0.1, None,
+             torch.randn(h, d, d, generator=gen, device="cuda") * 0.1]
+    want_o, want_s = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits)
+    got_o, got_s = fla.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits)
+    for got, want in ((got_o, want_o), (got_s, want_s)):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2 * scale)
 
 
 # ------------------------------------------------------------------------ phase 12: speculation on the GPU

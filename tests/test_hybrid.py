@@ -62,6 +62,21 @@ def test_chunked_form_returns_the_states_at_chunk_ends():
         gdr.chunk_gated_delta_rule(q, k, v, g, beta, s0, states_out={48: None})
 
 
+def test_fla_form_takes_the_reference_for_snapshots():
+    """``linear_attention_backend="fla"``'s chunked rule (:mod:`infer.kernels.gated_delta_fla`) returns only
+    final states, so a call that asks for states inside the prefills (prefix caching's snapshots) runs the
+    plain-PyTorch form: the same outputs and states, on any device (flash-linear-attention not imported).
+    Its own kernels run on a GPU (tests/test_gpu_phases.py)."""
+    from infer.kernels import gated_delta_fla
+
+    q, k, v, g, beta, s0 = _rule_inputs(150, 3, 16, 8, seed=5)
+    want_states, got_states = [{64: None, 128: None}], [{64: None, 128: None}]
+    want = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, [150], [s0], states_out=want_states)
+    got = gated_delta_fla.chunk_gated_delta_rule_varlen(q, k, v, g, beta, [150], [s0], states_out=got_states)
+    for a, b in zip((*got, got_states[0][64], got_states[0][128]), (*want, want_states[0][64], want_states[0][128])):
+        assert torch.equal(a, b)
+
+
 def test_varlen_forms_equal_one_sequence_at_a_time():
     """A step's prefills in one call: four sequences of 150, 1, 64 and 70 tokens back to back (one ending
     on a chunk, one shorter than a chunk, two zero states, two resumed ones), their outputs, final states
@@ -296,7 +311,8 @@ def test_abort_and_forks_free_slots(tiny_qwen35, hf_greedy_tokens):
 
 def test_hybrid_flags_and_budget_split(tiny_qwen35):
     """prefix_caching is accepted for a hybrid model (and kept under ``optimize``); what does not handle
-    the state yet is refused with its reason; the stride is checked; the budget splits follow their rules."""
+    the state yet is refused with its reason; the stride and the linear-attention backend are checked; the
+    budget splits follow their rules."""
     from infer.config import EngineConfig
     from infer.engine.memory import split_snapshot_budget, split_state_budget
     from infer.engine.state_snapshots import snapshot_stride
@@ -313,6 +329,11 @@ def test_hybrid_flags_and_budget_split(tiny_qwen35):
             EngineConfig(model="x", device="cpu", **kw).validate().validate_model(cfg)
     with pytest.raises(ValueError, match="state_snapshot_stride must be .* multiple of block_size=16"):
         EngineConfig(model="x", device="cpu", kv_cache="paged", state_snapshot_stride=24).validate()
+    # flash-linear-attention's chunked rule: Triton kernels for GPUs only
+    with pytest.raises(ValueError, match="linear_attention_backend='fla' needs a CUDA device"):
+        EngineConfig(model="x", device="cpu", linear_attention_backend="fla").validate()
+    with pytest.raises(ValueError, match="linear_attention_backend must be one of torch, fla"):
+        EngineConfig(model="x", device="cpu", linear_attention_backend="triton").validate()
     assert snapshot_stride(0, 16) == 256 and snapshot_stride(0, 48) == 288 and snapshot_stride(32, 16) == 32
     assert split_state_budget(10_000, 100, 8) == 8 and split_state_budget(1_000, 100, 8) == 5
     with pytest.raises(ValueError, match="recurrent-state slot"):

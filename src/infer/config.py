@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import typing
 from collections.abc import Iterable
@@ -35,6 +36,7 @@ KV_CACHE_LAYOUTS = ("contiguous", "paged")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_OFFLOAD_MODES = ("none", "host", "disk")
 MOE_BACKENDS = ("auto", "torch", "triton")
+LINEAR_ATTENTION_BACKENDS = ("torch", "fla")
 ALL_REDUCE_BACKENDS = ("nccl", "symm_mem")
 ALL2ALL_BACKENDS = ("dynamic", "fixed_capacity")
 
@@ -128,6 +130,12 @@ class EngineConfig(PhaseChecks):
                              "projection (vLLM's fused_moe; graph-capturable); auto: triton on CUDA, torch on the "
                              "CPU (triton there only under TRITON_INTERPRET=1)", choices=MOE_BACKENDS,
                              ablation=("torch", "triton"), phase=15)
+    # ---- phase 17: hybrid linear attention
+    linear_attention_backend: str = _flag("torch", "hybrid models (Qwen3.5): the chunked form of the Gated DeltaNet "
+                                          "layers' prefills. torch: plain PyTorch (the reference); fla: "
+                                          "flash-linear-attention's Triton kernels (CUDA; pip install "
+                                          "flash-linear-attention fla-core)", choices=LINEAR_ATTENTION_BACKENDS,
+                                          phase=17)
     cuda_graph_max_batch_size: int = _flag(256, "cuda_graphs: the largest decode batch captured (buckets 1, 2, "
                                            "4, 8, then steps of 8 up to this); larger decode steps run eagerly", phase=9)
     cuda_graph_prefill_max_tokens: int | None = _flag(None, "cuda_graphs: also capture steps that prefill one "
@@ -368,6 +376,16 @@ class EngineConfig(PhaseChecks):
             raise ValueError("cuda_graphs needs moe_backend='triton' (or 'auto' on CUDA): the torch loop over experts "
                              "finds each expert's tokens on the host (data-dependent shapes), which a captured graph "
                              "cannot replay")
+        if self.linear_attention_backend not in LINEAR_ATTENTION_BACKENDS:
+            raise ValueError(f"linear_attention_backend must be one of {', '.join(LINEAR_ATTENTION_BACKENDS)}, got "
+                             f"{self.linear_attention_backend!r}")
+        if self.linear_attention_backend == "fla":
+            if dev.type != "cuda":
+                raise ValueError("linear_attention_backend='fla' needs a CUDA device (flash-linear-attention's kernels "
+                                 "are Triton kernels for GPUs); use 'torch'")
+            if importlib.util.find_spec("fla") is None:
+                raise ValueError("linear_attention_backend='fla' needs flash-linear-attention, which is not installed: "
+                                 "pip install flash-linear-attention fla-core")
         if self.cuda_graph_max_batch_size < 1:
             raise ValueError(f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}")
         if self.cuda_graph_prefill_max_tokens < 0:

@@ -33,7 +33,7 @@ from infer.engine.scheduler import ScheduledSeq
 from infer.engine.sequence import Sequence
 from infer.engine.state_snapshots import snapshot_stride
 from infer.engine.step import ForwardOutput, StepInputs, StepResult, block_table_array, patch_input_ids
-from infer.kernels import fused_ops, moe_ops, pdl
+from infer.kernels import fused_ops, linear_attention_ops, moe_ops, pdl
 from infer.loader import LoadedModel
 from infer.sampling import SamplingTensors, sample
 
@@ -178,6 +178,8 @@ class ModelRunner:
         loaded.model.set_fused_ops(fused_ops(backend) if config.fused_kernels else None, max_model_len)
         if hasattr(loaded.model, "set_moe_impl"):  # an MoE model (phase 15): how its experts run
             loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
+        if hasattr(loaded.model, "set_prefill_rule"):  # a hybrid model (phase 17): its linear layers' prefills
+            loaded.model.set_prefill_rule(linear_attention_ops(config.linear_attention_backend))
         # decode buckets up to max_num_seqs rows; with speculative decoding (phase 12) up to max_num_seqs x (1 + k):
         # its verify steps replay them with every token a decode row (CUDAGraphRunner._run_verify; vLLM's capture
         # sizes grow the same way)

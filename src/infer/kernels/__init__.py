@@ -44,6 +44,19 @@ def fused_ops(backend: str) -> ModuleType:
     raise ValueError(f"unknown backend {backend!r}; expected 'torch' or 'triton'")
 
 
+def linear_attention_ops(backend: str) -> ModuleType:
+    """The module whose ``chunk_gated_delta_rule_varlen`` runs a hybrid model's Gated DeltaNet prefills (phase
+    17, ``EngineConfig.linear_attention_backend``): :mod:`infer.kernels.gated_delta_fla` for ``"fla"``,
+    :mod:`infer.kernels.gated_delta_reference` (plain PyTorch) for ``"torch"``."""
+    if backend == "fla":
+        from infer.kernels import gated_delta_fla
+
+        return gated_delta_fla
+    from infer.kernels import gated_delta_reference
+
+    return gated_delta_reference
+
+
 def moe_ops(backend: str) -> ModuleType:
     """The module whose ``fused_experts`` runs an MoE layer's experts (phase 15,
     ``EngineConfig.moe_backend``): :mod:`infer.kernels.moe_triton` for ``"triton"``,

@@ -126,6 +126,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
         self.decode_ops = gdr  # the decode step's implementation (Qwen3_5ForCausalLM.set_attention_backend)
+        self.prefill_ops = gdr  # the prefills' chunked rule (Qwen3_5ForCausalLM.set_prefill_rule)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``x [T, hidden]`` (every sequence's new tokens) -> ``[T, hidden]``."""
@@ -213,8 +214,9 @@ class GatedDeltaNet(nn.Module):
         convolution and the chunked rule from each one's slot (zeros for a first chunk), the output into
         ``out``, the states back into the slots and into the snapshot slots the step asked for.
 
-        All of them in one pass (:func:`~infer.kernels.gated_delta_reference.causal_conv1d_varlen`,
-        :func:`~infer.kernels.gated_delta_reference.chunk_gated_delta_rule_varlen`), the snapshots taken at
+        All of them in one pass (:func:`~infer.kernels.gated_delta_reference.causal_conv1d_varlen`, then
+        ``chunk_gated_delta_rule_varlen`` of :attr:`prefill_ops`: the reference's or flash-linear-attention's,
+        :mod:`infer.kernels.gated_delta_fla`), the snapshots taken at
         chunk ends on the way, when every snapshot offset ends a chunk (the default stride's do for prefills
         that start on one); otherwise each sequence alone, split at its snapshot offsets."""
         cache, idx = meta.state_cache, self.state_idx
@@ -233,7 +235,7 @@ class GatedDeltaNet(nn.Module):
                 mixed[lo:hi], weight, lens, [cache.conv[idx, slots[i]] if resume[i] else None for i in seqs])
             q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
             states = [{end: None for end, _ in snaps[i]} for i in seqs]
-            out[lo:hi], ssm = gdr.chunk_gated_delta_rule_varlen(
+            out[lo:hi], ssm = self.prefill_ops.chunk_gated_delta_rule_varlen(
                 q, k, v, g[lo:hi], beta[lo:hi], lens, [cache.ssm[idx, slots[i]] if resume[i] else None for i in seqs],
                 states_out=states)
             if cache is None:
@@ -340,6 +342,14 @@ class Qwen3_5ForCausalLM(CausalLM):
                     layer.linear_attn.merge_in_proj()
                 else:
                     layer.self_attn.merge_qkv()
+
+    def set_prefill_rule(self, ops) -> None:
+        """The module whose ``chunk_gated_delta_rule_varlen`` runs the Gated DeltaNet layers' prefills
+        (:func:`infer.kernels.linear_attention_ops`: the plain-PyTorch reference, the default, or
+        flash-linear-attention's kernels); the engine calls it once (``EngineConfig.linear_attention_backend``)."""
+        for layer in self.model.layers:
+            if layer.is_linear:
+                layer.linear_attn.prefill_ops = ops
 
     def set_attention_backend(self, backend) -> None:
         """The attention layers' backend; the Gated DeltaNet layers' decode step follows it (the Triton

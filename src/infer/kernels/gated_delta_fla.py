@@ -1,0 +1,58 @@
+"""flash-linear-attention's chunked gated delta rule: phase 17's optional prefill form on the GPU.
+
+:func:`chunk_gated_delta_rule_varlen` has the signature and the values of
+:func:`infer.kernels.gated_delta_reference.chunk_gated_delta_rule_varlen` (read its docstring: the UT
+transform, the chunk-to-chunk recurrence); here the chunks run in flash-linear-attention's Triton kernels
+(``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, Yang et al., arXiv:2412.06464; the kernels vLLM and
+SGLang serve Qwen3-Next and Qwen3.5 with), the sequences side by side through its ``cu_seqlens``. The
+plain-PyTorch form materializes ``[H, chunks, C, C]`` matrices and solves them with
+``torch.linalg.solve_triangular``, several dozen launches a layer; these are a few fused kernels.
+
+Chosen with ``EngineConfig.linear_attention_backend = "fla"`` (CUDA, ``pip install flash-linear-attention
+fla-core``). A step that takes prefix-caching snapshots inside a prefill (``states_out`` with counts) runs
+the reference form instead: the public kernel returns only the final state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.kernels import gated_delta_reference as reference
+
+__all__ = ["chunk_gated_delta_rule_varlen"]
+
+
+def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, seq_lens: list[int],
+                                  initial_states: list[torch.Tensor | None] | None = None, scale: float | None = None,
+                                  chunk_size: int = reference.CHUNK_SIZE,
+                                  states_out: list[dict[int, torch.Tensor]] | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~infer.kernels.gated_delta_reference.chunk_gated_delta_rule_varlen` in flash-linear-attention's
+    kernels: ``q, k [T, H, Dk]`` (L2-normalized, one key head per value head), ``v [T, H, Dv]``, ``g, beta
+    [T, H]`` (``g`` the log of the decay), ``T = sum(seq_lens)``, on a CUDA device.
+
+    Returns:
+        ``(o [T, H, Dv] float32, final states [B, H, Dk, Dv] float32)``.
+
+    Raises:
+        ValueError: lengths that do not add up to ``T``.
+    """
+    if states_out and any(states_out):  # snapshots inside the prefills: only the reference form gives them
+        return reference.chunk_gated_delta_rule_varlen(q, k, v, g, beta, seq_lens, initial_states, scale, chunk_size,
+                                                       states_out)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    if sum(seq_lens) != t or min(seq_lens) < 1:
+        raise ValueError(f"seq_lens {seq_lens} must be positive and add up to the {t} tokens")
+    inits = initial_states or [None] * len(seq_lens)
+    h0 = torch.stack([q.new_zeros(h, dk, dv, dtype=torch.float32) if s is None else s.float() for s in inits])
+    bounds = torch.tensor([0, *seq_lens], dtype=torch.long).cumsum(0)
+    q, k, v = (x.contiguous()[None] for x in (q, k, v))  # ([1, T, H, D]: cu_seqlens' layout)
+    o, final = chunk_gated_delta_rule(q, k, v, g.float().contiguous()[None], beta.to(v.dtype).contiguous()[None],
+                                      scale=dk ** -0.5 if scale is None else scale, initial_state=h0,
+                                      output_final_state=True, cu_seqlens=bounds.to(q.device),
+                                      cu_seqlens_cpu=bounds, chunk_size=chunk_size)
+    return o[0].float(), final.float()
