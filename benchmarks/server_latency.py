@@ -85,9 +85,20 @@ def stream_http(conn: http.client.HTTPConnection, prompt: list[int], n: int) -> 
     server's and the socket's, with little of its own; see ``stream_httpx``)."""
     body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
                        "stream": True}).encode()
-    start = time.perf_counter()
-    conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
-    r = conn.getresponse()
+    for attempt in (0, 1):
+        start = time.perf_counter()
+        try:
+            conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            break
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # the server closed the kept-alive connection while it sat idle (uvicorn does after 5 s; the
+            # offline run between two requests can be longer on a slow machine) before reading the request:
+            # connect again, outside the timing, and send it once more
+            if attempt:
+                raise
+            conn.close()
+            conn.connect()
     if r.status != 200:
         raise RuntimeError(f"HTTP {r.status}: {r.read()[:500]!r}")
     first, count = None, 0
