@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--ranks", type=int, nargs="+", default=None,
                     help="adapter i gets ranks[i %% len(ranks)] (engine runs; default: --rank for every adapter)")
+    ap.add_argument("--max-loras", type=int, default=None,
+                    help="the engine's adapter slots (default: the most distinct adapters of --num-adapters); a "
+                         "graph's grids have a program column per slot a step could use")
     ap.add_argument("--targets", nargs="+", default=list(LORA_PROJS), choices=LORA_PROJS)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
@@ -279,8 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     adapters = [LoRARequest(f"adapter{i}", i + 1, str(write_random_adapter(adir / f"adapter{i}", cfg, ranks[i],
                                                                           args.targets, args.seed + i)))
                 for i in range(n_max)]
-    lora = LLMEngine(EngineConfig(**kw, enable_lora=True, max_loras=n_max, max_lora_rank=max(ranks),
-                                  max_cpu_loras=n_max), progress=False)
+    slots = args.max_loras or n_max
+    if slots < n_max:
+        ap.error(f"--max-loras {slots} is fewer than the {n_max} distinct adapters asked for")
+    lora = LLMEngine(EngineConfig(**kw, enable_lora=True, max_loras=slots, max_lora_rank=max(ranks),
+                                  max_cpu_loras=slots), progress=False)
     rows: list[dict[str, Any]] = []
     for b in args.batch:
         configs = [("base", base, [None] * b)]
