@@ -9,7 +9,8 @@
 For each model (two checkpoints of ``scripts/make_synthetic_checkpoint.py`` presets, written with
 ``--random-weights``: config and tokenizer only, the loader generates the weights on the device) and
 each context length ``L``: one request with an ``L``-token prompt runs alone; after its prefill,
-``--steps`` decode steps are timed one by one (TPOT: their median). Beside it the bytes one sequence
+``--steps`` decode steps are timed one by one (TPOT: their median; ``prefill_ms``: the prefill's steps, after
+a 64-token warm-up request has compiled the kernels). Beside it the bytes one sequence
 holds (K/V of ``L`` tokens in the attention layers, plus the hybrid's recurrent state) and the
 batch-1 bandwidth floor (weights + that cache + the state read and written, over the bandwidth
 measured in the same run: :func:`common.decode_floor_s`).
@@ -61,18 +62,23 @@ def make_model_dir(preset: str, root: Path) -> Path:
     return make_checkpoint(preset, root / preset, dtype="bf16", device="cpu", random_weights=True)
 
 
-def decode_tpot(engine, prompt: list[int], steps: int) -> tuple[float, float, int]:
-    """``(median, min)`` seconds of ``steps`` decode steps of one request running alone, after its prefill
-    (the minimum is the steadier number on a shared CPU, where other processes stretch some steps), and how
-    many of the timed steps replayed a CUDA graph."""
+def prefill_and_decode(engine, prompt: list[int], steps: int) -> tuple[float, float, float, int]:
+    """Seconds of one request's prefill running alone (its steps until the first token: the TTFT less the
+    request's set-up), then ``(median, min)`` seconds of ``steps`` decode steps after it (the minimum is
+    the steadier number on a shared CPU, where other processes stretch some steps), and how many of the
+    timed steps replayed a CUDA graph."""
     from infer.sampling import SamplingParams
 
+    dev = engine.runner.device
     engine.add_request(prompt, SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+    sync(dev)
+    start = time.perf_counter()
     while engine.scheduler.running == [] or engine.scheduler.running[0].in_prefill:
         engine.step()  # the prefill (in chunks when chunked prefill is on)
+    sync(dev)
+    prefill = time.perf_counter() - start
     engine.step()  # the first decode: out of the timing (lazy allocations)
     times, routes = [], []
-    dev = engine.runner.device
     traced = engine.runner.on_executed  # a step tracer's, if any: still called
 
     def note(out) -> None:
@@ -90,7 +96,7 @@ def decode_tpot(engine, prompt: list[int], steps: int) -> tuple[float, float, in
     engine.runner.on_executed = traced
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times), min(times), routes.count("decode")
+    return prefill, statistics.median(times), min(times), routes.count("decode")
 
 
 def measure_model(path: Path, contexts: list[int], steps: int, device: str, dtype: str, overrides: dict[str, Any],
@@ -106,12 +112,14 @@ def measure_model(path: Path, contexts: list[int], steps: int, device: str, dtyp
     cfg, dt = engine.loaded.config, engine.runner.dtype
     rows = []
     rng = random.Random(0)
+    prefill_and_decode(engine, [rng.randrange(cfg.vocab_size - 8) for _ in range(64)], 2)  # warm-up (compiles)
     for n in contexts:
         prompt = [rng.randrange(cfg.vocab_size - 8) for _ in range(n)]
-        tpot, best, graphed = decode_tpot(engine, prompt, steps)
+        prefill, tpot, best, graphed = prefill_and_decode(engine, prompt, steps)
         kv, state = cfg.kv_bytes_per_token(dt) * n, cfg.state_bytes_per_seq(dt)
         row = {"model": path.name, "layers": f"{cfg.num_layers - cfg.num_kv_layers} linear + {cfg.num_kv_layers} attn",
-               "context": n, "tpot_ms": tpot * 1e3, "min_step_ms": best * 1e3, "kv_mib": kv / 2**20,
+               "context": n, "prefill_ms": prefill * 1e3, "tpot_ms": tpot * 1e3, "min_step_ms": best * 1e3,
+               "kv_mib": kv / 2**20,
                "state_mib": state / 2**20, "graph_steps": f"{graphed}/{steps}",
                "floor_ms": decode_floor_s(cfg, dt, n, bandwidth) * 1e3}
         row["floor_ratio"] = row["tpot_ms"] / row["floor_ms"]
@@ -233,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         r["vs_hybrid"] = r["tpot_ms"] / hybrid[r["context"]]["tpot_ms"]
         r["min_vs_hybrid"] = r["min_step_ms"] / hybrid[r["context"]]["min_step_ms"]
     cols = ["model", "layers", "context", "tpot_ms", "vs_hybrid", "min_step_ms", "min_vs_hybrid", "floor_ms",
-            "floor_ratio", "kv_mib", "state_mib", "graph_steps"]
+            "floor_ratio", "kv_mib", "state_mib", "graph_steps", "prefill_ms"]
     table = markdown_table(rows, cols)
     krows = []
     if args.kernels:
