@@ -275,11 +275,26 @@ class LoRAOps:
             return None
         return base, a, b, starts
 
+    def _beside(self, x: torch.Tensor, work) -> None:
+        """Run ``work()`` (LoRA kernels that read ``x``) on the side stream of a GPU, so that it runs while the
+        caller's base GEMM (which reads the same ``x``) runs on the current stream; :meth:`_join` before what
+        reads its results. On the CPU, or with ops that cannot take it, it runs here and now. A CUDA graph
+        captures the fork and the join like any two streams' work."""
+        if self._side is None or not x.is_cuda or not hasattr(self.mapping.ops, "lora_expand_stacked"):
+            work()
+            return
+        self._side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self._side):
+            work()
+
+    def _join(self, y: torch.Tensor) -> None:
+        if self._side is not None and y.is_cuda:
+            torch.cuda.current_stream(y.device).wait_stream(self._side)
+
     def _shrink_beside(self, x: torch.Tensor, layer: nn.Module):
-        """A multi-row step on the GPU: start the shrink of ``x`` on the side stream, where it runs while the
-        caller's base GEMM (which reads the same ``x``) runs on the current one, so only the expand follows
-        the GEMM. Returns ``(t, B, part starts)`` for :meth:`_expand_after`, or None (this layer takes the
-        path on one stream). A CUDA graph captures the fork and the join like any two streams' work."""
+        """A multi-row step on the GPU: the shrink of ``x`` beside the base GEMM (:meth:`_beside`), so only the
+        expand follows the GEMM. Returns ``(t, B, part starts)`` for :meth:`_expand_after`, or None (this layer
+        takes the path on one stream)."""
         meta = self.mapping.meta
         if self._side is None or meta is None or meta.num_lora_rows == 0 or not x.is_cuda \
                 or not hasattr(self.mapping.ops, "lora_expand_stacked"):
@@ -288,18 +303,32 @@ class LoRAOps:
         if stacked is None:
             return None
         _, a, b, starts = stacked
-        main = torch.cuda.current_stream(x.device)
         t = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)  # (main's: freed after the join)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            self.mapping.ops.lora_shrink(x, a, meta, t, part_rank=b.shape[2])
+        self._beside(x, lambda: self.mapping.ops.lora_shrink(x, a, meta, t, part_rank=b.shape[2]))
         return t, b, starts
 
     def _expand_after(self, y: torch.Tensor, shrunk) -> torch.Tensor:
         """Join the side stream (:meth:`_shrink_beside`), then the expand adds the delta to the base product ``y``."""
         t, b, starts = shrunk
-        torch.cuda.current_stream(y.device).wait_stream(self._side)
+        self._join(y)
         return self.mapping.ops.lora_expand_stacked(t, b, starts, self.mapping.meta, y)
+
+    def _delta_into_residual(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None):
+        """A block's last projection (o, down) of a multi-row step, whose sum with the residual stream is the
+        block's output: its LoRA delta, shrink and expand, goes into ``residual`` in place (``y + (residual +
+        delta)`` is ``(y + delta) + residual`` within a rounding), on the side stream beside the base GEMM
+        (:meth:`_beside`). After the join nothing of LoRA is left on the stream: the next norm adds the
+        residual, as without adapters. Returns ``(y, residual)``, or None (this layer adds its delta to ``y``)."""
+        meta = self.mapping.meta
+        stacked = self._stacked(layer)
+        if (meta is None or stacked is None or residual is None or residual.dim() != 2 or residual.stride(-1) != 1
+                or residual.shape != (x.shape[0], stacked[0].weight.shape[0])):
+            return None
+        base, a, b, starts = stacked
+        self._beside(x, lambda: self.mapping.ops.add_lora_stacked(residual, x, a, b, starts, meta))
+        y = self.base_ops.linear(x, base)
+        self._join(y)
+        return y, residual
 
     def _row_shrink(self, x: torch.Tensor, row, residual: torch.Tensor | None = None,
                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, unit_offset: bool = False):
@@ -347,6 +376,9 @@ class LoRAOps:
             return self._row_product(x, row), residual
         if not self._active(layer):
             return self.base_ops.linear_residual(x, self._parts(layer)[0], residual)
+        added = self._delta_into_residual(x, layer, residual)
+        if added is not None:
+            return added
         return self.linear(x, layer), residual  # the add rides with the next norm, as the reference's
 
     def add_rms_norm_linear(self, x, residual, weight, eps, unit_offset, layer, activation=None):
