@@ -45,8 +45,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
     t, h, dk = k.shape
     dv = v.shape[-1]
-    if sum(seq_lens) != t or min(seq_lens) < 1:
-        raise ValueError(f"seq_lens {seq_lens} must be positive and add up to the {t} tokens")
+    reference.check_seq_lens(seq_lens, t)
     inits = initial_states or [None] * len(seq_lens)
     h0 = torch.stack([q.new_zeros(h, dk, dv, dtype=torch.float32) if s is None else s.float() for s in inits])
     bounds = torch.tensor([0, *seq_lens], dtype=torch.long).cumsum(0)

@@ -182,6 +182,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return o, states[0]
 
 
+def check_seq_lens(seq_lens: list[int], num_tokens: int) -> None:
+    """Raise ``ValueError`` unless ``seq_lens`` (a step's prefills, back to back) are positive and add up to
+    ``num_tokens``."""
+    if sum(seq_lens) != num_tokens or min(seq_lens) < 1:
+        raise ValueError(f"seq_lens {seq_lens} must be positive and add up to the {num_tokens} tokens")
+
+
 def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                   beta: torch.Tensor, seq_lens: list[int],
                                   initial_states: list[torch.Tensor | None] | None = None, scale: float | None = None,
@@ -210,8 +217,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     dv = v.shape[-1]
     scale = dk ** -0.5 if scale is None else scale
     c, dev, nseq = chunk_size, q.device, len(seq_lens)
-    if sum(seq_lens) != t or min(seq_lens) < 1:
-        raise ValueError(f"seq_lens {seq_lens} must be positive and add up to the {t} tokens")
+    check_seq_lens(seq_lens, t)
     for n_tokens, wanted in zip(seq_lens, states_out or ()):
         if any(n % c or not 0 <= n <= n_tokens for n in wanted):
             raise ValueError(f"states_out: token counts must be multiples of {c} in [0, {n_tokens}], got "

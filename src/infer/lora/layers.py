@@ -278,17 +278,20 @@ class LoRAOps:
     def _beside(self, x: torch.Tensor, work) -> None:
         """Run ``work()`` (LoRA kernels that read ``x``) on the side stream of a GPU, so that it runs while the
         caller's base GEMM (which reads the same ``x``) runs on the current stream; :meth:`_join` before what
-        reads its results. On the CPU, or with ops that cannot take it, it runs here and now. A CUDA graph
-        captures the fork and the join like any two streams' work."""
-        if self._side is None or not x.is_cuda or not hasattr(self.mapping.ops, "lora_expand_stacked"):
+        reads its results. On the CPU it runs here and now. A CUDA graph captures the fork and the join like
+        any two streams' work."""
+        if not self._forks(x):
             work()
             return
         self._side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(self._side):
             work()
 
+    def _forks(self, x: torch.Tensor) -> bool:
+        return self._side is not None and x.is_cuda
+
     def _join(self, y: torch.Tensor) -> None:
-        if self._side is not None and y.is_cuda:
+        if self._forks(y):
             torch.cuda.current_stream(y.device).wait_stream(self._side)
 
     def _shrink_beside(self, x: torch.Tensor, layer: nn.Module):
@@ -296,8 +299,7 @@ class LoRAOps:
         expand follows the GEMM. Returns ``(t, B, part starts)`` for :meth:`_expand_after`, or None (this layer
         takes the path on one stream)."""
         meta = self.mapping.meta
-        if self._side is None or meta is None or meta.num_lora_rows == 0 or not x.is_cuda \
-                or not hasattr(self.mapping.ops, "lora_expand_stacked"):
+        if not self._forks(x) or meta is None or meta.num_lora_rows == 0:
             return None
         stacked = self._stacked(layer)
         if stacked is None:
