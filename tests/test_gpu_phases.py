@@ -315,6 +315,24 @@ def test_gated_delta_decode_step_at_qwen35_4b_shapes(dtype):
 
 
 @pytest.mark.gpu
+def test_prefill_convolution_at_qwen35_4b_shapes():
+    """The prefills' convolution kernel in bfloat16 at Qwen3.5-4B's width (8,192 channels, 4 taps): three
+    prefills of 1, 300 and 1,500 tokens (two after a state), ``x`` a column slice of the merged
+    in-projection, against the plain-PyTorch form: nearly every value bit for bit."""
+    from infer.kernels import gated_delta_reference as gdr
+    from infer.kernels import gated_delta_triton as tri
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    lens, c = [1, 300, 1500], 8192
+    wide = torch.randn(sum(lens), c + 4096, generator=gen, device="cuda").bfloat16()
+    x, weight = wide[:, :c], (torch.randn(c, 4, generator=gen, device="cuda") * 0.5).bfloat16()
+    convs = [torch.randn(c, 3, generator=gen, device="cuda").bfloat16(), None,
+             torch.randn(c, 3, generator=gen, device="cuda").bfloat16()]
+    got, want = tri.causal_conv1d_varlen(x, weight, lens, convs), gdr.causal_conv1d_varlen(x, weight, lens, convs)
+    assert (got == want).float().mean() >= 0.99
+    torch.testing.assert_close(got, want, atol=2.0 ** -7, rtol=2.0 ** -7)
+
+
 def test_gated_rms_norm_at_qwen35_4b_shapes():
     """The one-kernel gated norm in bfloat16 at Qwen3.5-4B's shapes (32 value heads of 128), its gate a slice of
     the merged in-projection: the reference's roundings to nearest, so nearly every value bit for bit."""
@@ -359,13 +377,19 @@ def test_gated_qk_norm_rope_at_qwen35_4b_shapes():
 
 
 @pytest.mark.parametrize("linear_attention_backend", ["torch", "fla"])
-def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory, linear_attention_backend):
+def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory, monkeypatch, linear_attention_backend):
     """The tiny Qwen3.5 (3 Gated DeltaNet layers, 1 gated attention), float32 on CUDA with the Triton
-    attention and decode-step kernels, paged KV and chunked prefill: HF transformers' greedy tokens; the
-    prefills' chunked rule in plain PyTorch or in flash-linear-attention's kernels."""
+    attention and decode-step kernels, paged KV and chunked prefill: HF transformers' greedy tokens (its
+    plain-PyTorch rule on the CPU: with flash-linear-attention importable, transformers would call fla's
+    Triton kernels on CPU tensors); the prefills' chunked rule in plain PyTorch or in fla's kernels."""
     if linear_attention_backend == "fla":
         pytest.importorskip("fla")
     from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen35
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        fn = getattr(hf_qwen35, name)
+        monkeypatch.setattr(hf_qwen35, name, getattr(fn, "__wrapped__", fn))
 
     from tests.test_generation import hf_greedy
 
@@ -465,12 +489,16 @@ def test_trace_records_graph_replays(qwen3_4b_2l, tmp_path):
             assert a["graph"] == "decode", a
 
 
-def test_hybrid_prefix_hits_with_cuda_graphs_equal_cold_runs(tmp_path_factory):
-    """Hybrid prefix caching (state snapshots every 32 tokens) with decode graphs: prompts sharing prefixes of
-    several lengths, one request at a time so each hits the previous ones' blocks, including a hit that
-    leaves one token to compute (a decode-shaped step that must restore its snapshot, so it runs eagerly)
-    and decodes that end on a stride (a snapshot taken); the greedy tokens of an engine without prefix
-    caching, float32 on CUDA."""
+@pytest.mark.parametrize("backend,stride", [("torch", 32), ("fla", 64)])
+def test_hybrid_prefix_hits_with_cuda_graphs_equal_cold_runs(tmp_path_factory, backend, stride):
+    """Hybrid prefix caching (state snapshots every 32 tokens, off the 64-token chunks: each prefill split at
+    them; or every 64 with flash-linear-attention's prefills: the pieces between them in rounds of its
+    kernel) with decode graphs: prompts sharing prefixes of several lengths, one request at a time so each
+    hits the previous ones' blocks, including a hit that leaves one token to compute (a decode-shaped step
+    that must restore its snapshot, so it runs eagerly) and decodes that end on a stride (a snapshot
+    taken); the greedy tokens of an engine without prefix caching, float32 on CUDA."""
+    if backend == "fla":
+        pytest.importorskip("fla")
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_synthetic_checkpoint import make_checkpoint
 
@@ -478,7 +506,8 @@ def test_hybrid_prefix_hits_with_cuda_graphs_equal_cold_runs(tmp_path_factory):
     base = list(range(100, 164))
     prompts = [base + [7, 8, 9], base[:32] + [5] * 10, base + [7, 8, 9, 10], base[:48] + [300], base + [7]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    flags = dict(dtype="float32", block_size=16, cuda_graphs=True, state_snapshot_stride=32)
+    flags = dict(dtype="float32", block_size=16, cuda_graphs=True, state_snapshot_stride=stride,
+                 linear_attention_backend=backend)
     cold = [_generate(path, [p], params, **flags)[0][0][0] for p in prompts]
     from infer.llm import LLM
 

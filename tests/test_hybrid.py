@@ -62,19 +62,41 @@ def test_chunked_form_returns_the_states_at_chunk_ends():
         gdr.chunk_gated_delta_rule(q, k, v, g, beta, s0, states_out={48: None})
 
 
-def test_fla_form_takes_the_reference_for_snapshots():
-    """``linear_attention_backend="fla"``'s chunked rule (:mod:`infer.kernels.gated_delta_fla`) returns only
-    final states, so a call that asks for states inside the prefills (prefix caching's snapshots) runs the
-    plain-PyTorch form: the same outputs and states, on any device (flash-linear-attention not imported).
-    Its own kernels run on a GPU (tests/test_gpu_phases.py)."""
+def test_fla_form_takes_snapshots_in_rounds(monkeypatch):
+    """``linear_attention_backend="fla"``'s chunked rule (:mod:`infer.kernels.gated_delta_fla`): its kernel
+    returns only final states, so a call that asks for states inside the prefills (prefix caching's
+    snapshots) cuts each sequence at them and runs the pieces in rounds
+    (:func:`~infer.kernels.gated_delta_reference.chunk_rule_in_rounds`). Here the kernel's call is the
+    plain-PyTorch varlen form without ``states_out`` (fla's kernels run on a GPU, tests/test_gpu_phases.py):
+    outputs, final states and the states asked for (0, chunk ends, the last token) equal one pass of the
+    reference that takes them itself, in as many calls as the most-cut sequence has pieces, none of which
+    asks the kernel for inner states."""
     from infer.kernels import gated_delta_fla
 
-    q, k, v, g, beta, s0 = _rule_inputs(150, 3, 16, 8, seed=5)
-    want_states, got_states = [{64: None, 128: None}], [{64: None, 128: None}]
-    want = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, [150], [s0], states_out=want_states)
-    got = gated_delta_fla.chunk_gated_delta_rule_varlen(q, k, v, g, beta, [150], [s0], states_out=got_states)
-    for a, b in zip((*got, got_states[0][64], got_states[0][128]), (*want, want_states[0][64], want_states[0][128])):
-        assert torch.equal(a, b)
+    calls = []
+
+    def kernel(q, k, v, g, beta, lens, inits, scale, chunk_size):
+        calls.append(list(lens))
+        return gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, scale, chunk_size)
+
+    monkeypatch.setattr(gated_delta_fla, "_fla_rule", kernel)
+    lens = [150, 1, 192, 70]
+    q, k, v, g, beta, _ = _rule_inputs(sum(lens), 3, 16, 8, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    inits = [torch.randn(3, 16, 8, generator=gen), None, None, torch.randn(3, 16, 8, generator=gen)]
+    asked = [{64: None, 128: None}, {}, {0: None, 64: None, 192: None}, {}]
+    want_states, got_states = [dict(a) for a in asked], [dict(a) for a in asked]
+    want = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=want_states)
+    got = gated_delta_fla.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=got_states)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    for got_i, want_i in zip(got_states, want_states):
+        assert got_i.keys() == want_i.keys()
+        for n in want_i:
+            torch.testing.assert_close(got_i[n], want_i[n], atol=2e-5, rtol=1e-5)
+    assert calls == [[64, 1, 64, 70], [64, 128], [22]]  # round r: every sequence's r-th piece
+    with pytest.raises(ValueError, match="multiples of 64"):
+        gated_delta_fla.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=[{32: None}, {}, {}, {}])
 
 
 def test_varlen_forms_equal_one_sequence_at_a_time():
@@ -105,13 +127,41 @@ def test_varlen_forms_equal_one_sequence_at_a_time():
 
     x, weight = torch.randn(sum(lens), 6, generator=gen), torch.randn(6, 4, generator=gen)
     convs = [torch.randn(6, 3, generator=gen), None, torch.randn(6, 3, generator=gen), None]
-    y, inputs, offsets = gdr.causal_conv1d_varlen(x, weight, lens, convs)
+    y = gdr.causal_conv1d_varlen(x, weight, lens, convs)
     at = 0
     for i, n in enumerate(lens):
         want_y, want_state = gdr.causal_conv1d(x[at:at + n], weight, convs[i])
         torch.testing.assert_close(y[at:at + n], want_y, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(inputs[:, offsets[i] + n:offsets[i] + n + 3], want_state)
+        torch.testing.assert_close(gdr.conv_state_after(x[at:at + n], convs[i], n, 3), want_state)
+        torch.testing.assert_close(gdr.conv_state_after(x[at:at + n], convs[i], 0, 3),
+                                   torch.zeros(6, 3) if convs[i] is None else convs[i])
+        for m in {1, 2, 3, n // 2} - {0}:  # the state after fewer tokens: causal_conv1d over those
+            if m <= n:
+                torch.testing.assert_close(gdr.conv_state_after(x[at:at + n], convs[i], m, 3),
+                                           gdr.causal_conv1d(x[at:at + m], weight, convs[i])[1])
         at += n
+
+
+@interpreted
+def test_triton_varlen_convolution_matches_the_reference():
+    """The prefills' convolution kernel (:func:`infer.kernels.gated_delta_triton.causal_conv1d_varlen`)
+    against the plain-PyTorch form: five sequences back to back (1, 2, 3 and 40 tokens and one of 70, so
+    taps reach into a state, into zeros, and across several row blocks), states for some, ``x`` a column
+    slice of a wider tensor (the merged in-projection), a channel count off the block size."""
+    from infer.kernels import gated_delta_triton as tri
+
+    gen = torch.Generator().manual_seed(11)
+    lens, c = [1, 40, 2, 70, 3], 200
+    wide = torch.randn(sum(lens), c + 24, generator=gen)
+    x, weight = wide[:, 8:8 + c], torch.randn(c, 4, generator=gen)
+    convs = [torch.randn(c, 3, generator=gen), None, torch.randn(c, 3, generator=gen), None,
+             torch.randn(c, 3, generator=gen)]
+    want = gdr.causal_conv1d_varlen(x, weight, lens, convs)
+    torch.testing.assert_close(tri.causal_conv1d_varlen(x, weight, lens, convs), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tri.causal_conv1d_varlen(x, weight, lens, [None] * 5),
+                               gdr.causal_conv1d_varlen(x, weight, lens, [None] * 5), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="add up"):
+        tri.causal_conv1d_varlen(x, weight, [1, 2], [None, None])
 
 
 def test_conv1d_update_steps_equal_the_prefill_convolution():

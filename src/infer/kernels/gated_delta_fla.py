@@ -9,8 +9,14 @@ plain-PyTorch form materializes ``[H, chunks, C, C]`` matrices and solves them w
 ``torch.linalg.solve_triangular``, several dozen launches a layer; these are a few fused kernels.
 
 Chosen with ``EngineConfig.linear_attention_backend = "fla"`` (CUDA, ``pip install flash-linear-attention
-fla-core``). A step that takes prefix-caching snapshots inside a prefill (``states_out`` with counts) runs
-the reference form instead: the public kernel returns only the final state.
+fla-core``). The kernels read q, k, v in the model's dtype (bf16) and accumulate in float32. The public
+kernel returns only final states, so a step that takes prefix-caching snapshots inside a prefill
+(``states_out`` with counts) cuts the sequences at them and runs the pieces in rounds
+(:func:`~infer.kernels.gated_delta_reference.chunk_rule_in_rounds`): the same kernels everywhere, so a
+prefix hit that starts from a snapshot repeats a cold run's pieces exactly. Each call costs about 1 ms of
+host time on an H200 (its kernels take 0.06-0.18 ms at 256-2,048 tokens of Qwen3.5-4B), and each snapshot
+inside a step adds a call per layer: with prefix caching this backend's prefills are slower than the
+reference's one pass (the phase 17 page has the numbers).
 """
 
 from __future__ import annotations
@@ -38,9 +44,16 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     Raises:
         ValueError: lengths that do not add up to ``T``.
     """
-    if states_out and any(states_out):  # snapshots inside the prefills: only the reference form gives them
-        return reference.chunk_gated_delta_rule_varlen(q, k, v, g, beta, seq_lens, initial_states, scale, chunk_size,
-                                                       states_out)
+    if states_out and any(states_out):  # snapshots inside the prefills: the sequences cut at them
+        return reference.chunk_rule_in_rounds(_fla_rule, q, k, v, g, beta, seq_lens, initial_states, scale,
+                                              chunk_size, states_out)
+    return _fla_rule(q, k, v, g, beta, seq_lens, initial_states, scale, chunk_size)
+
+
+def _fla_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              seq_lens: list[int], initial_states: list[torch.Tensor | None] | None, scale: float | None,
+              chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call of fla's ``chunk_gated_delta_rule`` over the sequences side by side (``cu_seqlens``)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     t, h, dk = k.shape

@@ -62,14 +62,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[int],
-                         conv_states: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+                         conv_states: list[torch.Tensor | None]) -> torch.Tensor:
     """:func:`causal_conv1d` over several sequences' tokens back to back (``seq_lens``, as
-    :func:`chunk_gated_delta_rule_varlen` takes them), each after its own ``conv_states[i]`` (None: zeros),
-    in one convolution: each sequence's ``K - 1`` previous inputs, then its tokens, laid side by side.
+    :func:`chunk_gated_delta_rule_varlen` takes them), each after its own ``conv_states[i]`` (``[C, K - 1]``,
+    None: zeros), in one convolution: each sequence's ``K - 1`` previous inputs, then its tokens, laid side
+    by side. (:func:`conv_state_after` gives the states after any token count.)
 
     Returns:
-        ``(y [T, C] in x.dtype, inputs [C, sum(K - 1 + T_i)], offsets)``: sequence ``i``'s conv state after
-        ``n`` of its tokens is ``inputs[:, offsets[i] + n : offsets[i] + n + K - 1]`` (``n = T_i``: its new state).
+        ``y [T, C]`` in ``x.dtype``.
     """
     c, k = weight.shape
     zeros = x.new_zeros(c, k - 1)
@@ -81,7 +81,18 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[i
     inputs = torch.cat(pieces, dim=1)
     y = F.conv1d(inputs[None].float(), weight.float()[:, None, :], groups=c)[0]  # output j: inputs j .. j + K - 1
     keep = np.concatenate([np.arange(o, o + n) for o, n in zip(offsets, seq_lens)])
-    return F.silu(y[:, torch.from_numpy(keep).to(x.device)]).t().to(x.dtype), inputs, offsets
+    return F.silu(y[:, torch.from_numpy(keep).to(x.device)]).t().to(x.dtype)
+
+
+def conv_state_after(x: torch.Tensor, conv_state: torch.Tensor | None, n: int, width: int) -> torch.Tensor:
+    """A sequence's conv state after ``n`` of its new tokens ``x [T, C]`` (``0 <= n <= T``) from
+    ``conv_state [C, width]`` (None: zeros; ``width = K - 1``): the ``K - 1`` inputs before token ``n``,
+    oldest first, ``[C, K - 1]`` in ``x.dtype`` (the state a prefill leaves, and prefix caching's snapshots
+    inside one)."""
+    if n >= width:
+        return x[n - width:n].t()
+    before = x.new_zeros(x.shape[1], width) if conv_state is None else conv_state.to(x.dtype)
+    return torch.cat([before[:, n:], x[:n].t()], dim=1)
 
 
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
@@ -279,17 +290,67 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return o.transpose(0, 1), finals.transpose(0, 1)
 
 
-def split_qkv(y: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The convolution's output ``[T, C]`` (q, then k, then v channels) as float32 ``q, k [T, Hv, Dk]``
-    (L2-normalized; each key head repeated for the ``Hv / Hk`` consecutive value heads it serves) and
-    ``v [T, Hv, Dv]``."""
+def chunk_rule_in_rounds(rule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, seq_lens: list[int], initial_states: list[torch.Tensor | None] | None,
+                         scale: float | None, chunk_size: int, states_out: list[dict[int, torch.Tensor]]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_gated_delta_rule_varlen`'s ``states_out`` for a varlen ``rule`` that returns final
+    states only (flash-linear-attention's kernels): each sequence is cut at the token counts it wants a
+    state at, and round ``r`` runs every sequence's ``r``-th piece side by side through ``rule``, each from
+    the final state round ``r - 1`` left it. The counts are chunk ends, so the cut changes no chunk: a
+    piece's outputs are the ones an uncut run computes, and a later run that starts from a stored state
+    (a prefix-cache hit) repeats the pieces after it exactly. ``max(pieces)`` calls instead of one.
+
+    Args:
+        rule: ``rule(q, k, v, g, beta, seq_lens, initial_states, scale, chunk_size) -> (o, finals)``, the
+            contract of :func:`chunk_gated_delta_rule_varlen` without ``states_out``.
+        the others: as :func:`chunk_gated_delta_rule_varlen`'s (``states_out`` filled in place).
+
+    Returns:
+        ``(o [T, H, Dv] float32, final states [B, H, Dk, Dv] float32)``.
+
+    Raises:
+        ValueError: lengths that do not add up to ``T``, or a ``states_out`` count off the chunks.
+    """
+    t, h, dk = k.shape
+    check_seq_lens(seq_lens, t)
+    for n_tokens, wanted in zip(seq_lens, states_out):
+        if any(n % chunk_size or not 0 <= n <= n_tokens for n in wanted):
+            raise ValueError(f"states_out: token counts must be multiples of {chunk_size} in [0, {n_tokens}], got "
+                             f"{sorted(wanted)}")
+    starts = np.concatenate(([0], np.cumsum(seq_lens)))
+    cuts = [sorted({n for n in wanted if 0 < n < total} | {total}) for total, wanted in zip(seq_lens, states_out)]
+    states = [None if s is None else s.float() for s in (initial_states or [None] * len(seq_lens))]
+    for i, wanted in enumerate(states_out):
+        if 0 in wanted:
+            wanted[0] = q.new_zeros(h, dk, v.shape[-1], dtype=torch.float32) if states[i] is None else states[i].clone()
+    out = torch.empty(t, h, v.shape[-1], dtype=torch.float32, device=v.device)
+    for r in range(max(len(c) for c in cuts)):  # round r: every sequence's r-th piece
+        seqs = [i for i, c in enumerate(cuts) if r < len(c)]
+        spans = [(starts[i] + (cuts[i][r - 1] if r else 0), starts[i] + cuts[i][r]) for i in seqs]
+        rows = torch.from_numpy(np.concatenate([np.arange(lo, hi) for lo, hi in spans])).to(v.device)
+        o, finals = rule(q[rows], k[rows], v[rows], g[rows], beta[rows], [hi - lo for lo, hi in spans],
+                         [states[i] for i in seqs], scale, chunk_size)
+        out[rows] = o
+        for j, i in enumerate(seqs):
+            states[i] = finals[j]
+            if cuts[i][r] in states_out[i]:
+                states_out[i][cuts[i][r]] = finals[j].clone()
+    return out, torch.stack(states)
+
+
+def split_qkv(y: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
+              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolution's output ``[T, C]`` (q, then k, then v channels) as ``q, k [T, Hv, Dk]``
+    (L2-normalized in float32; each key head repeated for the ``Hv / Hk`` consecutive value heads it serves)
+    and ``v [T, Hv, Dv]``, all three in ``dtype`` (float32 for this module's chunked rule; the model's dtype
+    for flash-linear-attention's kernels, which read bf16 and accumulate in float32)."""
     t, key_dim = y.shape[0], num_k_heads * head_k_dim
     q, k, v = torch.split(y.float(), [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
     rep = num_v_heads // num_k_heads
-    q = l2norm(q.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(rep, dim=1)
-    k = l2norm(k.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(rep, dim=1)
-    return q, k, v.reshape(t, num_v_heads, head_v_dim)
+    q = l2norm(q.reshape(t, num_k_heads, head_k_dim)).to(dtype).repeat_interleave(rep, dim=1)
+    k = l2norm(k.reshape(t, num_k_heads, head_k_dim)).to(dtype).repeat_interleave(rep, dim=1)
+    return q, k, v.reshape(t, num_v_heads, head_v_dim).to(dtype)
 
 
 def gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor

@@ -1,5 +1,6 @@
-"""Triton kernels of the Gated DeltaNet decode step (phase 17): the conv1d update and the recurrent
-gated delta rule, each reading and writing the sequences' state slots in place.
+"""Triton kernels of the Gated DeltaNet layer (phase 17): the decode step's conv1d update and recurrent
+gated delta rule, each reading and writing the sequences' state slots in place; the prefills'
+convolution; the gated output norm.
 
 A decode step of a linear-attention layer is memory-bound: per sequence and value head it reads and
 writes a ``[Dk, Dv]`` float32 state (64 KiB at Qwen3.5's 128 x 128) to do ``~4 * Dk * Dv`` flops. The
@@ -11,6 +12,8 @@ read by the query and stored back, in registers (flash-linear-attention's
 
 * :func:`causal_conv1d_update`: one program per (sequence, channel block): the ``K``-tap dot product,
   SiLU, and the state shifted by one token.
+* :func:`causal_conv1d_varlen`: the same convolution over a step's prefills back to back, one program
+  per block of rows and channels, the taps before a sequence's first token read from its state.
 * :func:`gated_delta_step`: one program per (sequence, value head, ``BV`` columns of the state): the
   gating (decay and beta from the projections' ``a`` and ``b``), the L2 norms of q and k, the decay,
   the delta-rule write and the output, with the state tile in registers.
@@ -25,6 +28,9 @@ Tested against the reference under ``TRITON_INTERPRET=1`` (tests/test_hybrid.py)
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -77,6 +83,75 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     _conv_update_kernel[(b, triton.cdiv(c, bc))](x, x.stride(0), conv_state, conv_state.stride(0),
                                                   conv_state.stride(1), weight.contiguous(), slots, has_state, out,
                                                   out.stride(0), c, K=k, BC=bc, **launch_options(x))
+    return out
+
+
+@triton.jit
+def _conv_varlen_kernel(x_ptr, x_stride, state_ptr, st_seq, st_c, w_ptr, start_ptr, seq_ptr, out_ptr, out_stride, T, C,
+                        K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, USE_PDL: tl.constexpr):
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mt, mc = offs_t < T, offs_c < C
+    start = tl.load(start_ptr + offs_t, mask=mt, other=0)  # the row's sequence's first row
+    seq = tl.load(seq_ptr + offs_t, mask=mt, other=-1).to(tl.int64)  # its conv state's row, -1: zeros
+    wait_for_previous(USE_PDL)  # (infer.kernels.pdl) x is the projection's, just before
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(K):  # tap j reads the input K - 1 - j tokens back
+        src = offs_t - (K - 1) + j
+        inside = src >= start  # else one of the K - 1 inputs before the sequence's first new token
+        xv = tl.load(x_ptr + src[:, None] * x_stride + offs_c[None, :], mask=(mt & inside)[:, None] & mc[None, :],
+                     other=0.0).to(tl.float32)
+        col = src - start + (K - 1)  # that input's column of the state (oldest first)
+        sv = tl.load(state_ptr + seq[:, None] * st_seq + offs_c[None, :] * st_c + col[:, None],
+                     mask=(mt & ~inside & (seq >= 0))[:, None] & mc[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_c * K + j, mask=mc, other=0.0).to(tl.float32)
+        acc += (xv + sv.to(out_ptr.dtype.element_ty).to(tl.float32)) * w[None, :]
+    y = acc / (1.0 + tl.exp(-acc))  # SiLU
+    tl.store(out_ptr + offs_t[:, None] * out_stride + offs_c[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mt[:, None] & mc[None, :])
+
+
+@functools.lru_cache(maxsize=8)
+def _varlen_rows(seq_lens: tuple[int, ...], has_state: tuple[bool, ...], device: torch.device) -> torch.Tensor:
+    """int32 ``[2, T]``: each row's sequence's first row, and its conv state's index (-1: zeros); one host
+    copy per step's shape, shared by its layers (read only)."""
+    lens = np.array(seq_lens)
+    firsts = np.repeat(np.cumsum(lens) - lens, lens)
+    states = np.where(has_state, np.cumsum(has_state) - 1, -1)
+    return torch.from_numpy(np.stack([firsts, np.repeat(states, lens)]).astype(np.int32)).to(device)
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[int],
+                         conv_states: list[torch.Tensor | None]) -> torch.Tensor:
+    """:func:`infer.kernels.gated_delta_reference.causal_conv1d_varlen` in one kernel: a step's prefills
+    back to back, each after its own conv state (None: zeros), ``silu`` of the ``K``-tap causal
+    convolution. One program per ``BT`` rows and ``BC`` channels; a tap that reaches before its row's
+    sequence reads the sequence's state instead of ``x`` (the reference lays states and tokens side by side
+    in a copy, convolves in float32 and gathers the rows back: five passes over the step's activations).
+
+    Args:
+        x: ``[T, C]`` (rows may be strided: a column slice of the merged in-projection), ``T = sum(seq_lens)``;
+        weight: ``[C, K]``; conv_states: per sequence ``[C, K - 1]`` or None.
+
+    Returns:
+        ``y [T, C]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: lengths that do not add up to ``T``, or ``x`` without contiguous rows.
+    """
+    t, c = x.shape
+    k = weight.shape[1]
+    if sum(seq_lens) != t or x.stride(1) != 1:
+        raise ValueError(f"seq_lens must add up to the {t} rows of an x with contiguous rows, got {seq_lens} "
+                         f"and strides {x.stride()}")
+    given = [s for s in conv_states if s is not None]
+    states = torch.stack(given) if given else x.new_zeros(1, c, k - 1)
+    rows = _varlen_rows(tuple(seq_lens), tuple(s is not None for s in conv_states), x.device)
+    out = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    bt, bc = 32, min(128, triton.next_power_of_2(c))
+    _conv_varlen_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](
+        x, x.stride(0), states, states.stride(0), states.stride(1), weight.contiguous(), rows[0], rows[1], out,
+        out.stride(0), t, c, K=k, BT=bt, BC=bc, **launch_options(x))
     return out
 
 

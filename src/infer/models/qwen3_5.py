@@ -125,7 +125,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = RMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
-        self.decode_ops = gdr  # the decode step's implementation (Qwen3_5ForCausalLM.set_attention_backend)
+        self.decode_ops = gdr  # the decode step, prefill convolution and norm (Qwen3_5ForCausalLM.set_attention_backend)
         self.prefill_ops = gdr  # the prefills' chunked rule (Qwen3_5ForCausalLM.set_prefill_rule)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -214,7 +214,8 @@ class GatedDeltaNet(nn.Module):
         convolution and the chunked rule from each one's slot (zeros for a first chunk), the output into
         ``out``, the states back into the slots and into the snapshot slots the step asked for.
 
-        All of them in one pass (:func:`~infer.kernels.gated_delta_reference.causal_conv1d_varlen`, then
+        All of them in one pass (``causal_conv1d_varlen`` of :attr:`decode_ops`: the reference's or the
+        Triton kernel of :mod:`infer.kernels.gated_delta_triton`, then
         ``chunk_gated_delta_rule_varlen`` of :attr:`prefill_ops`: the reference's or flash-linear-attention's,
         :mod:`infer.kernels.gated_delta_fla`), the snapshots taken at
         chunk ends on the way, when every snapshot offset ends a chunk (the default stride's do for prefills
@@ -231,21 +232,24 @@ class GatedDeltaNet(nn.Module):
         lo, hi = starts[nd], starts[meta.num_seqs]
         if all(end % gdr.CHUNK_SIZE == 0 for i in seqs for end, _ in snaps[i]):
             lens = [starts[i + 1] - starts[i] for i in seqs]
-            y, inputs, offsets = gdr.causal_conv1d_varlen(
-                mixed[lo:hi], weight, lens, [cache.conv[idx, slots[i]] if resume[i] else None for i in seqs])
-            q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv)
+            convs = [cache.conv[idx, slots[i]] if resume[i] else None for i in seqs]
+            y = self.decode_ops.causal_conv1d_varlen(mixed[lo:hi], weight, lens, convs)
+            # float32 for the reference's matrix products; the model's dtype (bf16) for fla's kernels
+            q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv,
+                                    torch.float32 if self.prefill_ops is gdr else y.dtype)
             states = [{end: None for end, _ in snaps[i]} for i in seqs]
             out[lo:hi], ssm = self.prefill_ops.chunk_gated_delta_rule_varlen(
                 q, k, v, g[lo:hi], beta[lo:hi], lens, [cache.ssm[idx, slots[i]] if resume[i] else None for i in seqs],
                 states_out=states)
             if cache is None:
                 return
-            kk = weight.shape[1] - 1
+            width = weight.shape[1] - 1
             for j, i in enumerate(seqs):
+                x = mixed[starts[i]:starts[i + 1]]
                 for end, snap in snaps[i]:  # the conv state after `end` tokens: the K - 1 inputs before token `end`
-                    cache.conv[idx, snap] = inputs[:, offsets[j] + end:offsets[j] + end + kk]
+                    cache.conv[idx, snap] = gdr.conv_state_after(x, convs[j], end, width)
                     cache.ssm[idx, snap] = states[j][end]
-                cache.conv[idx, slots[i]] = inputs[:, offsets[j] + lens[j]:offsets[j] + lens[j] + kk]
+                cache.conv[idx, slots[i]] = gdr.conv_state_after(x, convs[j], lens[j], width)
                 cache.ssm[idx, slots[i]] = ssm[j]
             return
         for i in seqs:
