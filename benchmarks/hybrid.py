@@ -19,8 +19,9 @@ measured in the same run: :func:`common.decode_floor_s`).
 and 16: the plain-PyTorch reference, infer's Triton kernels, and flash-linear-attention's
 ``fused_recurrent_gated_delta_rule`` when the ``fla`` package is importable (``pip install --no-deps
 flash-linear-attention fla-core``); and the chunked prefill form over 4,096 tokens (infer's plain
-PyTorch against fla's ``chunk_gated_delta_rule``). ``--engine-args linear_attention_backend=fla`` runs the
-engines' prefills through fla's kernels (``EngineConfig.linear_attention_backend``).
+PyTorch and infer's two Triton kernels against fla's ``chunk_gated_delta_rule``). ``--engine-args
+linear_attention_backend=triton`` (or ``fla``) runs the engines' prefills through those kernels
+(``EngineConfig.linear_attention_backend``).
 
 Writes ``hybrid.json``, ``hybrid.md`` and ``hybrid.png`` into ``--out`` (default ``benchmarks/runs/hybrid``).
 """
@@ -180,6 +181,12 @@ def kernel_rows(cfg, device: torch.device) -> list[dict[str, Any]]:
     v, g, beta = torch.randn(t, hv, dv, device=device), -torch.rand(t, hv, device=device), torch.rand(t, hv, device=device)
     row = {"op": f"chunked prefill, {t} tokens"}
     row["torch_us"] = timed(lambda: ref.chunk_gated_delta_rule(q, kk, v, g, beta), device, 5, 1) * 1e6
+    if device.type == "cuda":  # infer's two Triton kernels, on bf16 inputs as the engine gives them
+        from infer.kernels import gated_delta_triton as tri
+
+        low = [a.to(torch.bfloat16) for a in (q, kk, v)]
+        row["infer_triton_us"] = timed(lambda: tri.chunk_gated_delta_rule_varlen(*low, g, beta, [t]), device, 5,
+                                       1) * 1e6
     if fla is not None:
         args = [a.to(torch.bfloat16)[None] for a in (q, kk, v)] + [g[None], beta.to(torch.bfloat16)[None]]
         row["fla_us"] = timed(lambda: fla[0](*args, output_final_state=True), device, 5, 1) * 1e6

@@ -376,12 +376,12 @@ def test_gated_qk_norm_rope_at_qwen35_4b_shapes():
     torch.testing.assert_close(out, ref, atol=2.0 ** -7, rtol=2.0 ** -7)
 
 
-@pytest.mark.parametrize("linear_attention_backend", ["torch", "fla"])
+@pytest.mark.parametrize("linear_attention_backend", ["torch", "triton", "fla"])
 def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory, monkeypatch, linear_attention_backend):
     """The tiny Qwen3.5 (3 Gated DeltaNet layers, 1 gated attention), float32 on CUDA with the Triton
     attention and decode-step kernels, paged KV and chunked prefill: HF transformers' greedy tokens (its
     plain-PyTorch rule on the CPU: with flash-linear-attention importable, transformers would call fla's
-    Triton kernels on CPU tensors); the prefills' chunked rule in plain PyTorch or in fla's kernels."""
+    Triton kernels on CPU tensors); the prefills' chunked rule in plain PyTorch, infer's Triton kernels or fla's."""
     if linear_attention_backend == "fla":
         pytest.importorskip("fla")
     from transformers import AutoModelForCausalLM
@@ -406,14 +406,21 @@ def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory, monkeypatch,
     assert [t for t, _ in got] == want
 
 
-def test_fla_chunked_rule_matches_the_reference_at_qwen35_4b_shapes():
-    """flash-linear-attention's chunked gated delta rule behind :mod:`infer.kernels.gated_delta_fla` against the
-    plain-PyTorch form, at Qwen3.5-4B's linear-attention shapes (32 value heads, 128 x 128 state): three
-    sequences side by side (1, 100 and 300 tokens), two from a state (a later prompt chunk), the outputs and
-    the final states."""
-    pytest.importorskip("fla")
-    from infer.kernels import gated_delta_fla as fla
+@pytest.mark.parametrize("backend,dtype", [("fla", torch.float32), ("triton", torch.bfloat16),
+                                           ("triton", torch.float32)])
+def test_chunked_rule_kernels_match_the_reference_at_qwen35_4b_shapes(backend, dtype):
+    """The prefills' chunked gated delta rule in flash-linear-attention's kernels
+    (:mod:`infer.kernels.gated_delta_fla`) or infer's two Triton kernels (bf16 inputs as the engine gives
+    them, and float32) against the plain-PyTorch form on the same inputs, at Qwen3.5-4B's linear-attention
+    shapes (32 value heads, 128 x 128 state): three sequences side by side (1, 100 and 300 tokens), two from
+    a state (a later prompt chunk), the outputs and the final states (and, for infer's kernels, a state
+    inside a prefill)."""
+    if backend == "fla":
+        pytest.importorskip("fla")
     from infer.kernels import gated_delta_reference as gdr
+    from infer.kernels import linear_attention_ops
+
+    fla = linear_attention_ops(backend)
 
     gen = torch.Generator(device="cuda").manual_seed(17)
     lens, h, d = [1, 100, 300], 32, 128
@@ -425,9 +432,13 @@ def test_fla_chunked_rule_matches_the_reference_at_qwen35_4b_shapes():
     beta = torch.rand(t, h, generator=gen, device="cuda")
     inits = [torch.randn(h, d, d, generator=gen, device="cuda") * 0.1, None,
              torch.randn(h, d, d, generator=gen, device="cuda") * 0.1]
-    want_o, want_s = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits)
-    got_o, got_s = fla.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits)
-    for got, want in ((got_o, want_o), (got_s, want_s)):
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    asked = [{}, {}, {256: None}] if backend == "triton" else None
+    want_states = [dict(a) for a in asked] if asked else None
+    want_o, want_s = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=want_states)
+    got_o, got_s = fla.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=asked)
+    pairs = [(got_o, want_o), (got_s, want_s)] + ([(asked[2][256], want_states[2][256])] if asked else [])
+    for got, want in pairs:
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2 * scale)
 
@@ -489,11 +500,11 @@ def test_trace_records_graph_replays(qwen3_4b_2l, tmp_path):
             assert a["graph"] == "decode", a
 
 
-@pytest.mark.parametrize("backend,stride", [("torch", 32), ("fla", 64)])
+@pytest.mark.parametrize("backend,stride", [("torch", 32), ("triton", 64), ("fla", 64)])
 def test_hybrid_prefix_hits_with_cuda_graphs_equal_cold_runs(tmp_path_factory, backend, stride):
     """Hybrid prefix caching (state snapshots every 32 tokens, off the 64-token chunks: each prefill split at
-    them; or every 64 with flash-linear-attention's prefills: the pieces between them in rounds of its
-    kernel) with decode graphs: prompts sharing prefixes of several lengths, one request at a time so each
+    them; or every 64 with infer's Triton chunked rule, which stores them from its recurrence, or with
+    flash-linear-attention's, the pieces between them in rounds of its kernel) with decode graphs: prompts sharing prefixes of several lengths, one request at a time so each
     hits the previous ones' blocks, including a hit that leaves one token to compute (a decode-shaped step
     that must restore its snapshot, so it runs eagerly) and decodes that end on a stride (a snapshot
     taken); the greedy tokens of an engine without prefix caching, float32 on CUDA."""

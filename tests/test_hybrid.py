@@ -143,6 +143,39 @@ def test_varlen_forms_equal_one_sequence_at_a_time():
 
 
 @interpreted
+def test_triton_chunked_rule_matches_the_reference():
+    """The prefills' chunked rule in infer's two Triton kernels
+    (:func:`infer.kernels.gated_delta_triton.chunk_gated_delta_rule_varlen`: the UT transform per chunk, then
+    the chunk-to-chunk recurrence per sequence) against the plain-PyTorch form and the token-by-token one:
+    four sequences of 150, 1, 64 and 70 tokens (a partial last chunk, a one-token one, one ending on a
+    chunk), two from a state, slow to fast decays; the outputs, the final states, and the states asked for
+    inside the prefills (0, chunk ends, the last token), which the kernel stores in the same pass."""
+    from infer.kernels import gated_delta_triton as tri
+
+    lens = [150, 1, 64, 70]
+    q, k, v, g, beta, _ = _rule_inputs(sum(lens), 3, 16, 16, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    inits = [torch.randn(3, 16, 16, generator=gen), None, None, torch.randn(3, 16, 16, generator=gen)]
+    asked = [{64: None, 128: None}, {}, {0: None, 64: None}, {}]
+    want_states, got_states = [dict(a) for a in asked], [dict(a) for a in asked]
+    want = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=want_states)
+    got = tri.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=got_states)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    for got_i, want_i in zip(got_states, want_states):
+        assert got_i.keys() == want_i.keys()
+        for n in want_i:
+            torch.testing.assert_close(got_i[n], want_i[n], atol=2e-5, rtol=1e-5)
+    o_rec, s_rec = gdr.recurrent_gated_delta_rule(q[:150], k[:150], v[:150], g[:150], beta[:150], inits[0])
+    torch.testing.assert_close(got[0][:150], o_rec, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1][0], s_rec, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="chunks of 64"):
+        tri.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, chunk_size=32)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        tri.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, states_out=[{32: None}, {}, {}, {}])
+
+
+@interpreted
 def test_triton_varlen_convolution_matches_the_reference():
     """The prefills' convolution kernel (:func:`infer.kernels.gated_delta_triton.causal_conv1d_varlen`)
     against the plain-PyTorch form: five sequences back to back (1, 2, 3 and 40 tokens and one of 70, so
@@ -272,8 +305,10 @@ ENGINES = {
     # chunks beside the others' decodes), async scheduling
     "paged-chunked-async": dict(batching="continuous", kv_cache="paged", block_size=8, chunked_prefill=True,
                                 max_num_batched_tokens=16, async_scheduling=True),
-    # the Triton attention kernels and Gated DeltaNet decode step (interpreted on the CPU)
-    "triton": dict(batching="continuous", kv_cache="paged", block_size=8, attention_backend="triton"),
+    # the Triton attention kernels and the Gated DeltaNet kernels: decode step, prefill convolution and
+    # chunked rule (interpreted on the CPU)
+    "triton": dict(batching="continuous", kv_cache="paged", block_size=8, attention_backend="triton",
+                   linear_attention_backend="triton"),
 }
 
 
@@ -359,7 +394,7 @@ def test_abort_and_forks_free_slots(tiny_qwen35, hf_greedy_tokens):
     _assert_drained(engine)
 
 
-def test_hybrid_flags_and_budget_split(tiny_qwen35):
+def test_hybrid_flags_and_budget_split(tiny_qwen35, monkeypatch):
     """prefix_caching is accepted for a hybrid model (and kept under ``optimize``); what does not handle
     the state yet is refused with its reason; the stride and the linear-attention backend are checked; the
     budget splits follow their rules."""
@@ -382,7 +417,10 @@ def test_hybrid_flags_and_budget_split(tiny_qwen35):
     # flash-linear-attention's chunked rule: Triton kernels for GPUs only
     with pytest.raises(ValueError, match="linear_attention_backend='fla' needs a CUDA device"):
         EngineConfig(model="x", device="cpu", linear_attention_backend="fla").validate()
-    with pytest.raises(ValueError, match="linear_attention_backend must be one of torch, fla"):
+    with pytest.raises(ValueError, match="linear_attention_backend must be one of torch, triton, fla"):
+        EngineConfig(model="x", device="cpu", linear_attention_backend="cuda").validate()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # infer's Triton kernels: on a CPU only interpreted
+    with pytest.raises(ValueError, match="linear_attention_backend='triton' on the CPU needs the Triton interpreter"):
         EngineConfig(model="x", device="cpu", linear_attention_backend="triton").validate()
     assert snapshot_stride(0, 16) == 256 and snapshot_stride(0, 48) == 288 and snapshot_stride(32, 16) == 32
     assert split_state_budget(10_000, 100, 8) == 8 and split_state_budget(1_000, 100, 8) == 5
@@ -468,16 +506,19 @@ def test_prefix_hits_restore_snapshots_and_equal_a_cold_run(tiny_qwen35):
             families["infer:prefix_cache_snapshots_evicted"]) == (4, 8, 1)
 
 
-def test_snapshots_on_chunk_ends_come_from_one_pass_and_equal_a_cold_run(tiny_qwen35):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
+def test_snapshots_on_chunk_ends_come_from_one_pass_and_equal_a_cold_run(tiny_qwen35, backend):
     """A 64-token stride (a multiple of the chunked form's 64-token chunks): a whole prompt's prefill runs
-    as one pass that takes its snapshots on the way. A 150-token prompt, then prompts sharing 140 and 70
-    tokens of it: each hit is cut back to the snapshot at 128 or 64, and every greedy output equals an
-    engine's without prefix caching."""
+    as one pass that takes its snapshots on the way (the plain-PyTorch form, or infer's Triton kernels,
+    which store them from the recurrence). A 150-token prompt, then prompts sharing 140 and 70 tokens of it:
+    each hit is cut back to the snapshot at 128 or 64, and every greedy output equals an engine's without
+    prefix caching."""
     from infer.sampling import SamplingParams
     from tests.test_batching import make_engine
 
     loaded, _ = tiny_qwen35
-    flags = dict(max_model_len=256, max_num_seqs=4, batching="continuous", kv_cache="paged", block_size=8)
+    flags = dict(max_model_len=256, max_num_seqs=4, batching="continuous", kv_cache="paged", block_size=8,
+                 linear_attention_backend=backend)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     p = HYBRID_PREFIX + HYBRID_PREFIX[::-1] + [5] * 10
     prompts = [p, p[:140] + [1, 2, 3], p[:70] + [4, 5]]

@@ -36,7 +36,7 @@ KV_CACHE_LAYOUTS = ("contiguous", "paged")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_OFFLOAD_MODES = ("none", "host", "disk")
 MOE_BACKENDS = ("auto", "torch", "triton")
-LINEAR_ATTENTION_BACKENDS = ("torch", "fla")
+LINEAR_ATTENTION_BACKENDS = ("torch", "triton", "fla")
 ALL_REDUCE_BACKENDS = ("nccl", "symm_mem")
 ALL2ALL_BACKENDS = ("dynamic", "fixed_capacity")
 
@@ -132,7 +132,8 @@ class EngineConfig(PhaseChecks):
                              ablation=("torch", "triton"), phase=15)
     # ---- phase 17: hybrid linear attention
     linear_attention_backend: str = _flag("torch", "hybrid models (Qwen3.5): the chunked form of the Gated DeltaNet "
-                                          "layers' prefills. torch: plain PyTorch (the reference); fla: "
+                                          "layers' prefills. torch: plain PyTorch (the reference); triton: infer's "
+                                          "two Triton kernels (on a CPU only under TRITON_INTERPRET=1); fla: "
                                           "flash-linear-attention's Triton kernels (CUDA; pip install "
                                           "flash-linear-attention fla-core)", choices=LINEAR_ATTENTION_BACKENDS,
                                           phase=17)
@@ -379,6 +380,9 @@ class EngineConfig(PhaseChecks):
         if self.linear_attention_backend not in LINEAR_ATTENTION_BACKENDS:
             raise ValueError(f"linear_attention_backend must be one of {', '.join(LINEAR_ATTENTION_BACKENDS)}, got "
                              f"{self.linear_attention_backend!r}")
+        if self.linear_attention_backend == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("linear_attention_backend='triton' on the CPU needs the Triton interpreter (set "
+                             "TRITON_INTERPRET=1 before starting Python); use 'torch'")
         if self.linear_attention_backend == "fla":
             if dev.type != "cuda":
                 raise ValueError("linear_attention_backend='fla' needs a CUDA device (flash-linear-attention's kernels "

@@ -47,11 +47,16 @@ def fused_ops(backend: str) -> ModuleType:
 def linear_attention_ops(backend: str) -> ModuleType:
     """The module whose ``chunk_gated_delta_rule_varlen`` runs a hybrid model's Gated DeltaNet prefills (phase
     17, ``EngineConfig.linear_attention_backend``): :mod:`infer.kernels.gated_delta_fla` for ``"fla"``,
-    :mod:`infer.kernels.gated_delta_reference` (plain PyTorch) for ``"torch"``."""
+    :mod:`infer.kernels.gated_delta_triton` for ``"triton"``, :mod:`infer.kernels.gated_delta_reference`
+    (plain PyTorch) for ``"torch"``."""
     if backend == "fla":
         from infer.kernels import gated_delta_fla
 
         return gated_delta_fla
+    if backend == "triton":
+        from infer.kernels import gated_delta_triton
+
+        return gated_delta_triton
     from infer.kernels import gated_delta_reference
 
     return gated_delta_reference

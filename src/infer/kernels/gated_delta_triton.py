@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import gated_delta_reference as reference
 from infer.kernels.pdl import launch_options, wait_for_previous
 
 
@@ -266,3 +267,173 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     _gated_rms_norm_kernel[(t * h,)](x, x.stride(0), gate, gate.stride(0), weight, out, h, eps, DV=dv,
                                      BD=triton.next_power_of_2(dv), **launch_options(gate))
     return out
+
+
+# ------------------------------------------------------------------ the prefills' chunked gated delta rule
+
+
+@triton.jit
+def _chunk_prepare_kernel(k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, beta_ptr, beta_stride, chunks_ptr,
+                          num_chunks, w_ptr, u_ptr, H, DK, DV, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    c, h = tl.program_id(0), tl.program_id(1)
+    t0 = tl.load(chunks_ptr + c)
+    n = tl.load(chunks_ptr + num_chunks + c)  # the chunk's tokens (C, or fewer for a sequence's last)
+    rows = tl.arange(0, C)
+    mr = rows < n
+    offs_k, offs_v = tl.arange(0, BK), tl.arange(0, BV)
+    mk, mv = offs_k < DK, offs_v < DV
+    tok = (t0 + rows).to(tl.int64)
+    k = tl.load(k_ptr + tok[:, None] * k_stride + h * DK + offs_k[None, :], mask=mr[:, None] & mk[None, :],
+                other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + tok[:, None] * v_stride + h * DV + offs_v[None, :], mask=mr[:, None] & mv[None, :],
+                other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + tok * g_stride + h, mask=mr, other=0.0).to(tl.float32)  # a padded row: g = 0, beta = 0
+    beta = tl.load(beta_ptr + tok * beta_stride + h, mask=mr, other=0.0).to(tl.float32)
+    gc = tl.cumsum(g, 0)  # log G_t
+    kb = k * beta[:, None]
+    below = rows[:, None] > rows[None, :]
+    decay = tl.exp(tl.where(below, gc[:, None] - gc[None, :], float("-inf")))
+    strict = tl.dot(kb, tl.trans(k), input_precision=PRECISION) * decay  # L: [C, C], zero on and above the diagonal
+    # (I + L)^-1 by forward substitution, one row at a time: row i = e_i - L[i, :i] @ rows < i
+    inv = tl.zeros((C, C), dtype=tl.float32)
+    for i in range(C):
+        l_i = tl.sum(tl.where(rows[:, None] == i, strict, 0.0), axis=0)  # row i of L
+        x_i = tl.where(rows == i, 1.0, 0.0) - tl.sum(l_i[:, None] * inv, axis=0)
+        inv = tl.where(rows[:, None] == i, x_i[None, :], inv)
+    w = tl.dot(inv, kb * tl.exp(gc)[:, None], input_precision=PRECISION)  # the WY form's W and U
+    u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)
+    out = (c * C + rows).to(tl.int64)  # w, u: [chunks * C, H, D], a padded chunk's rows included
+    tl.store(w_ptr + (out[:, None] * H + h) * DK + offs_k[None, :], w, mask=mk[None, :])
+    tl.store(u_ptr + (out[:, None] * H + h) * DV + offs_v[None, :], u, mask=mv[None, :])
+
+
+@triton.jit
+def _chunk_recurrence_kernel(q_ptr, q_stride, k_ptr, k_stride, g_ptr, g_stride, w_ptr, u_ptr, chunks_ptr, num_chunks,
+                             seqs_ptr, num_seqs, s0_ptr, o_ptr, final_ptr, states_ptr, scale, H, DK, DV,
+                             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    s, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = tl.arange(0, C)
+    offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    mk, mv = offs_k < DK, offs_v < DV
+    m2 = mk[:, None] & mv[None, :]
+    state_off = h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]  # [Dk, BV] of one [H, Dk, Dv] state
+    S = tl.load(s0_ptr + s.to(tl.int64) * H * DK * DV + state_off, mask=m2, other=0.0)
+    first = tl.load(seqs_ptr + s)
+    count = tl.load(seqs_ptr + num_seqs + s)
+    causal = rows[:, None] >= rows[None, :]
+    for c in range(first, first + count):  # this sequence's chunks, in order: the state carries across
+        t0 = tl.load(chunks_ptr + c)
+        n = tl.load(chunks_ptr + num_chunks + c)
+        store = tl.load(chunks_ptr + 2 * num_chunks + c)  # >= 0: keep the state after this chunk there
+        mr = rows < n
+        tok = (t0 + rows).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * q_stride + h * DK + offs_k[None, :], mask=mr[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32) * scale
+        k = tl.load(k_ptr + tok[:, None] * k_stride + h * DK + offs_k[None, :], mask=mr[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + tok * g_stride + h, mask=mr, other=0.0).to(tl.float32)
+        row = (c * C + rows).to(tl.int64)
+        w = tl.load(w_ptr + (row[:, None] * H + h) * DK + offs_k[None, :], mask=mk[None, :], other=0.0)
+        u = tl.load(u_ptr + (row[:, None] * H + h) * DV + offs_v[None, :], mask=mv[None, :], other=0.0)
+        gc = tl.cumsum(g, 0)
+        g_last = tl.sum(g, 0)  # padded rows add nothing
+        v_new = u - tl.dot(w, S, input_precision=PRECISION)  # what each token writes, given the state before the chunk
+        attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * tl.exp(
+            tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
+        o = tl.dot(q * tl.exp(gc)[:, None], S, input_precision=PRECISION) + tl.dot(attn, v_new,
+                                                                                  input_precision=PRECISION)
+        tl.store(o_ptr + (tok[:, None] * H + h) * DV + offs_v[None, :], o, mask=mr[:, None] & mv[None, :])
+        k_to_end = k * tl.exp(g_last - gc)[:, None]
+        S = S * tl.exp(g_last) + tl.dot(tl.trans(k_to_end), v_new, input_precision=PRECISION)
+        if store >= 0:
+            tl.store(states_ptr + store.to(tl.int64) * H * DK * DV + state_off, S, mask=m2)
+    tl.store(final_ptr + s.to(tl.int64) * H * DK * DV + state_off, S, mask=m2)
+
+
+def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, seq_lens: list[int],
+                                  initial_states: list[torch.Tensor | None] | None = None, scale: float | None = None,
+                                  chunk_size: int = 64, states_out: list[dict[int, torch.Tensor]] | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`infer.kernels.gated_delta_reference.chunk_gated_delta_rule_varlen` in two kernels (same
+    arguments, same values; read the reference's docstring for the UT transform and the chunk-to-chunk
+    recurrence):
+
+    * ``_chunk_prepare_kernel``, one program per (chunk, head), every chunk of every sequence at once: the
+      chunk's ``L = (beta k) k^T`` under the decay mask, ``(I + L)^-1`` by forward substitution (one row at
+      a time, in registers), and the WY form's ``W`` and ``U`` with two matrix products;
+    * ``_chunk_recurrence_kernel``, one program per (sequence, head, ``BV`` state columns), walking the
+      sequence's chunks in order with its state tile in registers: the chunk's new values, its outputs
+      (from the state and within the chunk), the state carried to the next chunk, and the states asked for
+      in ``states_out`` stored on the way (prefix caching's snapshots in the same pass, float32).
+
+    Two launches a layer for the step's prefills, against the reference's ~100 small ones; the inputs may
+    be bf16 (products in bf16, accumulated in float32, as flash-linear-attention's kernels do), or
+    float32 (IEEE products: the reference's values).
+
+    Args:
+        q, k: ``[T, H, Dk]`` (L2-normalized, one key head per value head); v: ``[T, H, Dv]``;
+        g, beta: ``[T, H]``; ``T = sum(seq_lens)``; initial_states: per sequence float32 ``[H, Dk, Dv]`` or
+        None; states_out: per sequence, token counts (multiples of ``chunk_size``) to fill in.
+
+    Returns:
+        ``(o [T, H, Dv] float32, final states [B, H, Dk, Dv] float32)``.
+
+    Raises:
+        ValueError: lengths that do not add up to ``T``, a ``states_out`` count off the chunks, or a chunk
+            size other than 64.
+    """
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    reference.check_seq_lens(seq_lens, t)
+    if chunk_size != reference.CHUNK_SIZE:
+        raise ValueError(f"the Triton chunked rule works in chunks of {reference.CHUNK_SIZE}, got {chunk_size}")
+    q, k, v = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (q, k, v))
+    wanted = states_out or [{} for _ in seq_lens]
+    for n_tokens, counts in zip(seq_lens, wanted):
+        if any(n % chunk_size or not 0 <= n <= n_tokens for n in counts):
+            raise ValueError(f"states_out: token counts must be multiples of {chunk_size} in [0, {n_tokens}], got "
+                             f"{sorted(counts)}")
+    c = chunk_size
+    lens = np.array(seq_lens)
+    n_chunks = -(-lens // c)
+    firsts = np.concatenate(([0], np.cumsum(n_chunks)[:-1]))
+    seq_starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    j = np.arange(int(n_chunks.sum())) - np.repeat(firsts, n_chunks)  # each chunk's place in its sequence
+    starts = np.repeat(seq_starts, n_chunks) + j * c
+    sizes = np.minimum(c, np.repeat(lens, n_chunks) - j * c)
+    store = np.full(len(starts), -1)
+    kept = []  # (sequence, count) of each state stored by the kernel
+    for i, counts in enumerate(wanted):
+        for n in sorted(counts):
+            if n:
+                store[firsts[i] + n // c - 1] = len(kept)
+                kept.append((i, n))
+    total = len(starts)
+    table = np.concatenate([starts, sizes, store, firsts, n_chunks]).astype(np.int32)
+    table = torch.from_numpy(table).to(q.device)
+    chunks, seqs = table[:3 * total], table[3 * total:]
+    inits = initial_states or [None] * len(seq_lens)
+    s0 = torch.stack([torch.zeros(h, dk, dv, device=q.device) if s is None else s.float() for s in inits])
+    w = torch.empty(total * c, h, dk, dtype=torch.float32, device=q.device)
+    u = torch.empty(total * c, h, dv, dtype=torch.float32, device=q.device)
+    o = torch.empty(t, h, dv, dtype=torch.float32, device=q.device)
+    finals = torch.empty_like(s0)
+    states = torch.empty(max(len(kept), 1), h, dk, dv, dtype=torch.float32, device=q.device)
+    g, beta = g.float(), beta.float()
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    bk, bv_prep, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv), min(32, triton.next_power_of_2(dv))
+    _chunk_prepare_kernel[(total, h)](k, k.stride(0), v, v.stride(0), g, g.stride(0), beta, beta.stride(0), chunks,
+                                      total, w, u, h, dk, dv, C=c, BK=bk, BV=bv_prep, PRECISION=precision,
+                                      num_warps=8)
+    _chunk_recurrence_kernel[(len(seq_lens), h, triton.cdiv(dv, bv))](
+        q, q.stride(0), k, k.stride(0), g, g.stride(0), w, u, chunks, total, seqs, len(seq_lens), s0, o, finals,
+        states, dk ** -0.5 if scale is None else scale, h, dk, dv, C=c, BK=bk, BV=bv, PRECISION=precision,
+        num_warps=8)
+    for i, counts in enumerate(wanted):
+        if 0 in counts:
+            counts[0] = s0[i].clone()
+    for r, (i, n) in enumerate(kept):
+        wanted[i][n] = states[r]
+    return o, finals
