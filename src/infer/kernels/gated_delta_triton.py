@@ -351,6 +351,30 @@ def _chunk_recurrence_kernel(q_ptr, q_stride, k_ptr, k_stride, g_ptr, g_stride, 
     tl.store(final_ptr + s.to(tl.int64) * H * DK * DV + state_off, S, mask=m2)
 
 
+@functools.lru_cache(maxsize=8)
+def _chunk_table(seq_lens: tuple[int, ...], counts: tuple[tuple[int, ...], ...], c: int, device: torch.device
+                 ) -> tuple[torch.Tensor, int, tuple[tuple[int, int], ...]]:
+    """The chunked rule's int32 table, one host copy per step's shape, shared by its layers (read only):
+    per chunk its first row, its tokens and where to store the state after it (-1: nowhere), then per
+    sequence its first chunk and its number of chunks; the chunk count; ``(sequence, token count)`` of each
+    stored state, in store order."""
+    lens = np.array(seq_lens)
+    n_chunks = -(-lens // c)
+    firsts = np.concatenate(([0], np.cumsum(n_chunks)[:-1]))
+    seq_starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    j = np.arange(int(n_chunks.sum())) - np.repeat(firsts, n_chunks)  # each chunk's place in its sequence
+    starts = np.repeat(seq_starts, n_chunks) + j * c
+    sizes = np.minimum(c, np.repeat(lens, n_chunks) - j * c)
+    store = np.full(len(starts), -1)
+    kept = []
+    for i, wanted in enumerate(counts):
+        for n in wanted:
+            store[firsts[i] + n // c - 1] = len(kept)
+            kept.append((i, n))
+    table = np.concatenate([starts, sizes, store, firsts, n_chunks]).astype(np.int32)
+    return torch.from_numpy(table).to(device), len(starts), tuple(kept)
+
+
 def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                   beta: torch.Tensor, seq_lens: list[int],
                                   initial_states: list[torch.Tensor | None] | None = None, scale: float | None = None,
@@ -396,23 +420,9 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             raise ValueError(f"states_out: token counts must be multiples of {chunk_size} in [0, {n_tokens}], got "
                              f"{sorted(counts)}")
     c = chunk_size
-    lens = np.array(seq_lens)
-    n_chunks = -(-lens // c)
-    firsts = np.concatenate(([0], np.cumsum(n_chunks)[:-1]))
-    seq_starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
-    j = np.arange(int(n_chunks.sum())) - np.repeat(firsts, n_chunks)  # each chunk's place in its sequence
-    starts = np.repeat(seq_starts, n_chunks) + j * c
-    sizes = np.minimum(c, np.repeat(lens, n_chunks) - j * c)
-    store = np.full(len(starts), -1)
-    kept = []  # (sequence, count) of each state stored by the kernel
-    for i, counts in enumerate(wanted):
-        for n in sorted(counts):
-            if n:
-                store[firsts[i] + n // c - 1] = len(kept)
-                kept.append((i, n))
-    total = len(starts)
-    table = np.concatenate([starts, sizes, store, firsts, n_chunks]).astype(np.int32)
-    table = torch.from_numpy(table).to(q.device)
+    table, total, kept = _chunk_table(tuple(int(n) for n in seq_lens),
+                                      tuple(tuple(sorted(int(n) for n in counts if n)) for counts in wanted), c,
+                                      q.device)
     chunks, seqs = table[:3 * total], table[3 * total:]
     inits = initial_states or [None] * len(seq_lens)
     s0 = torch.stack([torch.zeros(h, dk, dv, device=q.device) if s is None else s.float() for s in inits])
