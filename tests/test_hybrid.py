@@ -62,6 +62,25 @@ def test_chunked_form_returns_the_states_at_chunk_ends():
         gdr.chunk_gated_delta_rule(q, k, v, g, beta, s0, states_out={48: None})
 
 
+def _against_the_reference(rule, lens: list[int], dv: int, seed: int, asked: list[dict]):
+    """``rule`` (a ``chunk_gated_delta_rule_varlen``) against the plain-PyTorch one over sequences of ``lens``
+    tokens (the first and last from a state, the others from zeros), with the states ``asked`` for inside
+    the prefills: outputs, final states and those states. Returns ``(got, inputs, inits)``."""
+    q, k, v, g, beta, _ = _rule_inputs(sum(lens), 3, 16, dv, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    inits = [torch.randn(3, 16, dv, generator=gen), None, None, torch.randn(3, 16, dv, generator=gen)]
+    want_states, got_states = [dict(a) for a in asked], [dict(a) for a in asked]
+    want = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=want_states)
+    got = rule(q, k, v, g, beta, lens, inits, states_out=got_states)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    for got_i, want_i in zip(got_states, want_states):
+        assert got_i.keys() == want_i.keys()
+        for n in want_i:
+            torch.testing.assert_close(got_i[n], want_i[n], atol=2e-5, rtol=1e-5)
+    return got, (q, k, v, g, beta), inits
+
+
 def test_fla_form_takes_snapshots_in_rounds(monkeypatch):
     """``linear_attention_backend="fla"``'s chunked rule (:mod:`infer.kernels.gated_delta_fla`): its kernel
     returns only final states, so a call that asks for states inside the prefills (prefix caching's
@@ -81,19 +100,9 @@ def test_fla_form_takes_snapshots_in_rounds(monkeypatch):
 
     monkeypatch.setattr(gated_delta_fla, "_fla_rule", kernel)
     lens = [150, 1, 192, 70]
-    q, k, v, g, beta, _ = _rule_inputs(sum(lens), 3, 16, 8, seed=5)
-    gen = torch.Generator().manual_seed(6)
-    inits = [torch.randn(3, 16, 8, generator=gen), None, None, torch.randn(3, 16, 8, generator=gen)]
-    asked = [{64: None, 128: None}, {}, {0: None, 64: None, 192: None}, {}]
-    want_states, got_states = [dict(a) for a in asked], [dict(a) for a in asked]
-    want = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=want_states)
-    got = gated_delta_fla.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=got_states)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
-    for got_i, want_i in zip(got_states, want_states):
-        assert got_i.keys() == want_i.keys()
-        for n in want_i:
-            torch.testing.assert_close(got_i[n], want_i[n], atol=2e-5, rtol=1e-5)
+    _, (q, k, v, g, beta), inits = _against_the_reference(
+        gated_delta_fla.chunk_gated_delta_rule_varlen, lens, 8, 5, [{64: None, 128: None}, {}, {0: None, 64: None,
+                                                                                           192: None}, {}])
     assert calls == [[64, 1, 64, 70], [64, 128], [22]]  # round r: every sequence's r-th piece
     with pytest.raises(ValueError, match="multiples of 64"):
         gated_delta_fla.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=[{32: None}, {}, {}, {}])
@@ -153,19 +162,8 @@ def test_triton_chunked_rule_matches_the_reference():
     from infer.kernels import gated_delta_triton as tri
 
     lens = [150, 1, 64, 70]
-    q, k, v, g, beta, _ = _rule_inputs(sum(lens), 3, 16, 16, seed=12)
-    gen = torch.Generator().manual_seed(13)
-    inits = [torch.randn(3, 16, 16, generator=gen), None, None, torch.randn(3, 16, 16, generator=gen)]
-    asked = [{64: None, 128: None}, {}, {0: None, 64: None}, {}]
-    want_states, got_states = [dict(a) for a in asked], [dict(a) for a in asked]
-    want = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=want_states)
-    got = tri.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=got_states)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
-    for got_i, want_i in zip(got_states, want_states):
-        assert got_i.keys() == want_i.keys()
-        for n in want_i:
-            torch.testing.assert_close(got_i[n], want_i[n], atol=2e-5, rtol=1e-5)
+    got, (q, k, v, g, beta), inits = _against_the_reference(
+        tri.chunk_gated_delta_rule_varlen, lens, 16, 12, [{64: None, 128: None}, {}, {0: None, 64: None}, {}])
     o_rec, s_rec = gdr.recurrent_gated_delta_rule(q[:150], k[:150], v[:150], g[:150], beta[:150], inits[0])
     torch.testing.assert_close(got[0][:150], o_rec, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(got[1][0], s_rec, atol=2e-5, rtol=1e-5)
