@@ -21,6 +21,8 @@ reference's one pass (the phase 17 page has the numbers).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from infer.kernels import gated_delta_reference as reference
@@ -61,10 +63,19 @@ def _fla_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     reference.check_seq_lens(seq_lens, t)
     inits = initial_states or [None] * len(seq_lens)
     h0 = torch.stack([q.new_zeros(h, dk, dv, dtype=torch.float32) if s is None else s.float() for s in inits])
-    bounds = torch.tensor([0, *seq_lens], dtype=torch.long).cumsum(0)
+    bounds, bounds_dev = _cu_seqlens(tuple(int(n) for n in seq_lens), q.device)
     q, k, v = (x.contiguous()[None] for x in (q, k, v))  # ([1, T, H, D]: cu_seqlens' layout)
     o, final = chunk_gated_delta_rule(q, k, v, g.float().contiguous()[None], beta.to(v.dtype).contiguous()[None],
                                       scale=dk ** -0.5 if scale is None else scale, initial_state=h0,
-                                      output_final_state=True, cu_seqlens=bounds.to(q.device),
-                                      cu_seqlens_cpu=bounds, chunk_size=chunk_size)
+                                      output_final_state=True, cu_seqlens=bounds_dev, cu_seqlens_cpu=bounds,
+                                      chunk_size=chunk_size)
     return o[0].float(), final.float()
+
+
+@functools.lru_cache(maxsize=8)
+def _cu_seqlens(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cu_seqlens`` on the host and on ``device``, the same two tensors for every layer of a step: fla
+    caches what it derives from them (chunk indices and offsets) by the tensors' identity, so its later
+    layers skip that work and its host-to-device copies (read only)."""
+    bounds = torch.tensor([0, *seq_lens], dtype=torch.long).cumsum(0)
+    return bounds, bounds.to(device)
