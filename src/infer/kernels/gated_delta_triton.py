@@ -273,39 +273,104 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 @triton.jit
-def _chunk_prepare_kernel(k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, beta_ptr, beta_stride, chunks_ptr,
-                          num_chunks, w_ptr, u_ptr, H, DK, DV, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          PRECISION: tl.constexpr):
-    c, h = tl.program_id(0), tl.program_id(1)
-    t0 = tl.load(chunks_ptr + c)
-    n = tl.load(chunks_ptr + num_chunks + c)  # the chunk's tokens (C, or fewer for a sequence's last)
-    rows = tl.arange(0, C)
+def _chunk_block(k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, beta_ptr, beta_stride, t0, n, b, h, DK, DV,
+                 g_before, BK: tl.constexpr, BV: tl.constexpr):
+    """Rows ``16 b .. 16 b + 15`` of a chunk: ``k``, ``beta k``, ``beta v``, the log-decay from the chunk's
+    start at each row (``g_before``: the block's start), and the log-decay at the block's end. Rows past the
+    chunk's ``n`` tokens read as zeros (``g = 0``, ``beta = 0``: no effect)."""
+    rows = b * 16 + tl.arange(0, 16)
     mr = rows < n
     offs_k, offs_v = tl.arange(0, BK), tl.arange(0, BV)
-    mk, mv = offs_k < DK, offs_v < DV
     tok = (t0 + rows).to(tl.int64)
-    k = tl.load(k_ptr + tok[:, None] * k_stride + h * DK + offs_k[None, :], mask=mr[:, None] & mk[None, :],
+    k = tl.load(k_ptr + tok[:, None] * k_stride + h * DK + offs_k[None, :], mask=mr[:, None] & (offs_k < DK)[None, :],
                 other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + tok[:, None] * v_stride + h * DV + offs_v[None, :], mask=mr[:, None] & mv[None, :],
+    v = tl.load(v_ptr + tok[:, None] * v_stride + h * DV + offs_v[None, :], mask=mr[:, None] & (offs_v < DV)[None, :],
                 other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + tok * g_stride + h, mask=mr, other=0.0).to(tl.float32)  # a padded row: g = 0, beta = 0
+    g = tl.load(g_ptr + tok * g_stride + h, mask=mr, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + tok * beta_stride + h, mask=mr, other=0.0).to(tl.float32)
-    gc = tl.cumsum(g, 0)  # log G_t
-    kb = k * beta[:, None]
-    below = rows[:, None] > rows[None, :]
-    decay = tl.exp(tl.where(below, gc[:, None] - gc[None, :], float("-inf")))
-    strict = tl.dot(kb, tl.trans(k), input_precision=PRECISION) * decay  # L: [C, C], zero on and above the diagonal
-    # (I + L)^-1 by forward substitution, one row at a time: row i = e_i - L[i, :i] @ rows < i
-    inv = tl.zeros((C, C), dtype=tl.float32)
-    for i in range(C):
-        l_i = tl.sum(tl.where(rows[:, None] == i, strict, 0.0), axis=0)  # row i of L
-        x_i = tl.where(rows == i, 1.0, 0.0) - tl.sum(l_i[:, None] * inv, axis=0)
-        inv = tl.where(rows[:, None] == i, x_i[None, :], inv)
-    w = tl.dot(inv, kb * tl.exp(gc)[:, None], input_precision=PRECISION)  # the WY form's W and U
-    u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)
-    out = (c * C + rows).to(tl.int64)  # w, u: [chunks * C, H, D], a padded chunk's rows included
-    tl.store(w_ptr + (out[:, None] * H + h) * DK + offs_k[None, :], w, mask=mk[None, :])
-    tl.store(u_ptr + (out[:, None] * H + h) * DV + offs_v[None, :], u, mask=mv[None, :])
+    gc = tl.cumsum(g, 0) + g_before
+    return k, k * beta[:, None], v * beta[:, None], gc, g_before + tl.sum(g, 0)
+
+
+@triton.jit
+def _l_block(kb_i, k_j, gc_i, gc_j, DIAG: tl.constexpr, PRECISION: tl.constexpr):
+    """Block ``(i, j)`` (16 x 16) of ``L = (beta k) k^T`` under the decay mask: strictly lower on the diagonal."""
+    d = gc_i[:, None] - gc_j[None, :]
+    if DIAG:
+        r = tl.arange(0, 16)
+        d = tl.where(r[:, None] > r[None, :], d, float("-inf"))
+    return tl.dot(kb_i, tl.trans(k_j), input_precision=PRECISION) * tl.exp(d)
+
+
+@triton.jit
+def _inv_unit_lower16(lower):
+    """``(I + lower)^-1`` for a strictly lower 16 x 16 block, by forward substitution one row at a time:
+    row ``i`` is ``e_i - lower[i, :i] @ (the rows before it)``."""
+    r = tl.arange(0, 16)
+    inv = tl.zeros((16, 16), dtype=tl.float32)
+    for i in range(16):
+        l_i = tl.sum(tl.where(r[:, None] == i, lower, 0.0), axis=0)
+        x_i = tl.where(r == i, 1.0, 0.0) - tl.sum(l_i[:, None] * inv, axis=0)
+        inv = tl.where(r[:, None] == i, x_i[None, :], inv)
+    return inv
+
+
+@triton.jit
+def _store_block(w_ptr, u_ptr, w, u, c, b, h, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
+    """Rows ``16 b ..`` of chunk ``c``'s ``W`` and ``U`` into ``[chunks * 64, H, D]`` float32 buffers."""
+    out = (c * 64 + b * 16 + tl.arange(0, 16)).to(tl.int64)
+    offs_k, offs_v = tl.arange(0, BK), tl.arange(0, BV)
+    tl.store(w_ptr + (out[:, None] * H + h) * DK + offs_k[None, :], w, mask=(offs_k < DK)[None, :])
+    tl.store(u_ptr + (out[:, None] * H + h) * DV + offs_v[None, :], u, mask=(offs_v < DV)[None, :])
+
+
+@triton.jit
+def _chunk_prepare_kernel(k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, beta_ptr, beta_stride, chunks_ptr,
+                          num_chunks, w_ptr, u_ptr, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    # one chunk (64 tokens) of one head, in four blocks of 16 rows: M = I + L is block lower triangular, so
+    # X = M^-1 has X_ii = (I + L_ii)^-1 (forward substitution) and, below the diagonal,
+    # X_ij = -X_ii @ sum_{j <= m < i} L_im @ X_mj (matrix products); then W = X (beta k e^gc), U = X (beta v)
+    # (flash-linear-attention's solve_tril merges its 16-row blocks the same way)
+    c, h = tl.program_id(0), tl.program_id(1)
+    t0 = tl.load(chunks_ptr + c)
+    n = tl.load(chunks_ptr + num_chunks + c)  # the chunk's tokens (64, or fewer for a sequence's last)
+    a = (k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, beta_ptr, beta_stride, t0, n)
+    k0, kb0, vb0, gc0, e0 = _chunk_block(*a, 0, h, DK, DV, 0.0, BK, BV)
+    k1, kb1, vb1, gc1, e1 = _chunk_block(*a, 1, h, DK, DV, e0, BK, BV)
+    k2, kb2, vb2, gc2, e2 = _chunk_block(*a, 2, h, DK, DV, e1, BK, BV)
+    k3, kb3, vb3, gc3, _ = _chunk_block(*a, 3, h, DK, DV, e2, BK, BV)
+    P: tl.constexpr = PRECISION
+    x00 = _inv_unit_lower16(_l_block(kb0, k0, gc0, gc0, True, P))
+    x11 = _inv_unit_lower16(_l_block(kb1, k1, gc1, gc1, True, P))
+    x22 = _inv_unit_lower16(_l_block(kb2, k2, gc2, gc2, True, P))
+    x33 = _inv_unit_lower16(_l_block(kb3, k3, gc3, gc3, True, P))
+    l10, l20, l30 = _l_block(kb1, k0, gc1, gc0, False, P), _l_block(kb2, k0, gc2, gc0, False, P), \
+        _l_block(kb3, k0, gc3, gc0, False, P)
+    l21, l31, l32 = _l_block(kb2, k1, gc2, gc1, False, P), _l_block(kb3, k1, gc3, gc1, False, P), \
+        _l_block(kb3, k2, gc3, gc2, False, P)
+    x10 = -tl.dot(x11, tl.dot(l10, x00, input_precision=P), input_precision=P)
+    x21 = -tl.dot(x22, tl.dot(l21, x11, input_precision=P), input_precision=P)
+    x32 = -tl.dot(x33, tl.dot(l32, x22, input_precision=P), input_precision=P)
+    x20 = -tl.dot(x22, tl.dot(l20, x00, input_precision=P) + tl.dot(l21, x10, input_precision=P), input_precision=P)
+    x31 = -tl.dot(x33, tl.dot(l31, x11, input_precision=P) + tl.dot(l32, x21, input_precision=P), input_precision=P)
+    x30 = -tl.dot(x33, tl.dot(l30, x00, input_precision=P) + tl.dot(l31, x10, input_precision=P)
+                  + tl.dot(l32, x20, input_precision=P), input_precision=P)
+    kg0, kg1, kg2, kg3 = (kb0 * tl.exp(gc0)[:, None], kb1 * tl.exp(gc1)[:, None], kb2 * tl.exp(gc2)[:, None],
+                          kb3 * tl.exp(gc3)[:, None])
+    _store_block(w_ptr, u_ptr, tl.dot(x00, kg0, input_precision=P), tl.dot(x00, vb0, input_precision=P), c, 0, h, H,
+                 DK, DV, BK, BV)
+    _store_block(w_ptr, u_ptr, tl.dot(x10, kg0, input_precision=P) + tl.dot(x11, kg1, input_precision=P),
+                 tl.dot(x10, vb0, input_precision=P) + tl.dot(x11, vb1, input_precision=P), c, 1, h, H, DK, DV, BK, BV)
+    _store_block(w_ptr, u_ptr, tl.dot(x20, kg0, input_precision=P) + tl.dot(x21, kg1, input_precision=P)
+                 + tl.dot(x22, kg2, input_precision=P),
+                 tl.dot(x20, vb0, input_precision=P) + tl.dot(x21, vb1, input_precision=P)
+                 + tl.dot(x22, vb2, input_precision=P), c, 2, h, H, DK, DV, BK, BV)
+    _store_block(w_ptr, u_ptr, tl.dot(x30, kg0, input_precision=P) + tl.dot(x31, kg1, input_precision=P)
+                 + tl.dot(x32, kg2, input_precision=P) + tl.dot(x33, kg3, input_precision=P),
+                 tl.dot(x30, vb0, input_precision=P) + tl.dot(x31, vb1, input_precision=P)
+                 + tl.dot(x32, vb2, input_precision=P) + tl.dot(x33, vb3, input_precision=P), c, 3, h, H, DK, DV,
+                 BK, BV)
 
 
 @triton.jit
@@ -385,8 +450,9 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     recurrence):
 
     * ``_chunk_prepare_kernel``, one program per (chunk, head), every chunk of every sequence at once: the
-      chunk's ``L = (beta k) k^T`` under the decay mask, ``(I + L)^-1`` by forward substitution (one row at
-      a time, in registers), and the WY form's ``W`` and ``U`` with two matrix products;
+      chunk's ``L = (beta k) k^T`` under the decay mask, ``(I + L)^-1`` in blocks of 16 rows (each diagonal
+      block by forward substitution, one row at a time in registers; the blocks below by matrix products),
+      and the WY form's ``W`` and ``U``;
     * ``_chunk_recurrence_kernel``, one program per (sequence, head, ``BV`` state columns), walking the
       sequence's chunks in order with its state tile in registers: the chunk's new values, its outputs
       (from the state and within the chunk), the state carried to the next chunk, and the states asked for
@@ -435,8 +501,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     bk, bv_prep, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv), min(32, triton.next_power_of_2(dv))
     _chunk_prepare_kernel[(total, h)](k, k.stride(0), v, v.stride(0), g, g.stride(0), beta, beta.stride(0), chunks,
-                                      total, w, u, h, dk, dv, C=c, BK=bk, BV=bv_prep, PRECISION=precision,
-                                      num_warps=8)
+                                      total, w, u, h, dk, dv, BK=bk, BV=bv_prep, PRECISION=precision, num_warps=4)
     _chunk_recurrence_kernel[(len(seq_lens), h, triton.cdiv(dv, bv))](
         q, q.stride(0), k, k.stride(0), g, g.stride(0), w, u, chunks, total, seqs, len(seq_lens), s0, o, finals,
         states, dk ** -0.5 if scale is None else scale, h, dk, dv, C=c, BK=bk, BV=bv, PRECISION=precision,
