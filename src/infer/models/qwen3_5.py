@@ -216,8 +216,8 @@ class GatedDeltaNet(nn.Module):
 
         All of them in one pass (``causal_conv1d_varlen`` of :attr:`decode_ops`: the reference's or the
         Triton kernel of :mod:`infer.kernels.gated_delta_triton`, then
-        ``chunk_gated_delta_rule_varlen`` of :attr:`prefill_ops`: the reference's or flash-linear-attention's,
-        :mod:`infer.kernels.gated_delta_fla`), the snapshots taken at
+        ``chunk_gated_delta_rule_varlen`` of :attr:`prefill_ops`: the reference's, infer's Triton kernels or
+        flash-linear-attention's, :mod:`infer.kernels.gated_delta_fla`), the snapshots taken at
         chunk ends on the way, when every snapshot offset ends a chunk (the default stride's do for prefills
         that start on one); otherwise each sequence alone, split at its snapshot offsets."""
         cache, idx = meta.state_cache, self.state_idx
@@ -234,7 +234,7 @@ class GatedDeltaNet(nn.Module):
             lens = [starts[i + 1] - starts[i] for i in seqs]
             convs = [cache.conv[idx, slots[i]] if resume[i] else None for i in seqs]
             y = self.decode_ops.causal_conv1d_varlen(mixed[lo:hi], weight, lens, convs)
-            # float32 for the reference's matrix products; the model's dtype (bf16) for fla's kernels
+            # float32 for the reference's matrix products; the model's dtype (bf16) for the kernels (Triton, fla)
             q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv,
                                     torch.float32 if self.prefill_ops is gdr else y.dtype)
             states = [{end: None for end, _ in snaps[i]} for i in seqs]
@@ -349,8 +349,8 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def set_prefill_rule(self, ops) -> None:
         """The module whose ``chunk_gated_delta_rule_varlen`` runs the Gated DeltaNet layers' prefills
-        (:func:`infer.kernels.linear_attention_ops`: the plain-PyTorch reference, the default, or
-        flash-linear-attention's kernels); the engine calls it once (``EngineConfig.linear_attention_backend``)."""
+        (:func:`infer.kernels.linear_attention_ops`: the plain-PyTorch reference, the default, infer's Triton
+        kernels or flash-linear-attention's); the engine calls it once (``EngineConfig.linear_attention_backend``)."""
         for layer in self.model.layers:
             if layer.is_linear:
                 layer.linear_attn.prefill_ops = ops
