@@ -443,6 +443,29 @@ def test_chunked_rule_kernels_match_the_reference_at_qwen35_4b_shapes(backend, d
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2 * scale)
 
 
+def test_triton_prefill_rule_at_qwen35_4b_shapes():
+    """infer's two kernels fed what the layer has (:func:`infer.kernels.gated_delta_triton.prefill_rule`: the
+    convolution's bf16 output, 16 key heads for 32 value heads of 128, the raw ``a`` and ``b``; norms and
+    gating inside) against the reference's ``prefill_rule`` on the same inputs: two prefills of 100 and 300
+    tokens, one from a state, a state at 256 tokens, outputs and final states."""
+    from infer.kernels import gated_delta_reference as gdr
+    from infer.kernels import gated_delta_triton as tri
+
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    lens, hk, hv, d = [100, 300], 16, 32, 128
+    t = sum(lens)
+    y = torch.randn(t, (2 * hk + hv) * d, generator=gen, device="cuda").bfloat16()
+    a, b = (torch.randn(t, hv, generator=gen, device="cuda") * 2).bfloat16(), torch.randn(
+        t, hv, generator=gen, device="cuda").bfloat16()
+    a_log, dt_bias = torch.rand(hv, generator=gen, device="cuda"), torch.rand(hv, generator=gen, device="cuda")
+    inits = [torch.randn(hv, d, d, generator=gen, device="cuda") * 0.1, None]
+    args = (y, a, b, a_log, dt_bias, hk, d, hv, d, lens, inits)
+    want_states, got_states = [{}, {256: None}], [{}, {256: None}]
+    want, got = gdr.prefill_rule(*args, states_out=want_states), tri.prefill_rule(*args, states_out=got_states)
+    for x, ref in [*zip(got, want), (got_states[1][256], want_states[1][256])]:
+        torch.testing.assert_close(x, ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item())
+
+
 # ------------------------------------------------------------------------ phase 12: speculation on the GPU
 
 

@@ -174,6 +174,33 @@ def test_triton_chunked_rule_matches_the_reference():
 
 
 @interpreted
+def test_triton_prefill_rule_normalizes_and_gates_in_its_kernels():
+    """:func:`infer.kernels.gated_delta_triton.prefill_rule`: the same two kernels fed the convolution's output
+    and the projections' ``a`` and ``b`` as the layer has them (column slices of wider tensors), the L2
+    norms, the key head each value head reads (2 key heads for 4 value heads) and the gating (``a`` past
+    softplus's linear threshold included) computed inside, against the reference's ``prefill_rule``
+    (:func:`~infer.kernels.gated_delta_reference.split_qkv`, ``gating``, the chunked rule): outputs, final
+    states and a state inside a prefill."""
+    from infer.kernels import gated_delta_triton as tri
+
+    gen = torch.Generator().manual_seed(21)
+    lens, hk, hv, dk, dv = [70, 1, 130], 2, 4, 16, 16
+    t, width = sum(lens), 2 * hk * dk + hv * dv
+    y = torch.randn(t, width + 8, generator=gen)[:, 8:]
+    ab = torch.randn(t, 2 * hv + 3, generator=gen) * 3.0
+    ab[0, 0] = 100.0  # softplus(a + dt_bias) is linear there (exp would overflow float32)
+    a, b = ab[:, :hv], ab[:, hv:2 * hv]
+    a_log, dt_bias = torch.rand(hv, generator=gen) - 0.5, torch.rand(hv, generator=gen)
+    inits = [torch.randn(hv, dk, dv, generator=gen), None, torch.randn(hv, dk, dv, generator=gen)]
+    args = (y, a, b, a_log, dt_bias, hk, dk, hv, dv, lens, inits)
+    want_states, got_states = [{64: None}, {}, {128: None}], [{64: None}, {}, {128: None}]
+    want = gdr.prefill_rule(*args, states_out=want_states)
+    got = tri.prefill_rule(*args, states_out=got_states)
+    for x, ref in [*zip(got, want), (got_states[0][64], want_states[0][64]), (got_states[2][128], want_states[2][128])]:
+        torch.testing.assert_close(x, ref, atol=5e-5, rtol=1e-5)
+
+
+@interpreted
 def test_triton_varlen_convolution_matches_the_reference():
     """The prefills' convolution kernel (:func:`infer.kernels.gated_delta_triton.causal_conv1d_varlen`)
     against the plain-PyTorch form: five sequences back to back (1, 2, 3 and 40 tokens and one of 70, so

@@ -45,7 +45,7 @@ def fused_ops(backend: str) -> ModuleType:
 
 
 def linear_attention_ops(backend: str) -> ModuleType:
-    """The module whose ``chunk_gated_delta_rule_varlen`` runs a hybrid model's Gated DeltaNet prefills (phase
+    """The module whose ``prefill_rule`` runs a hybrid model's Gated DeltaNet prefills (phase
     17, ``EngineConfig.linear_attention_backend``): :mod:`infer.kernels.gated_delta_fla` for ``"fla"``,
     :mod:`infer.kernels.gated_delta_triton` for ``"triton"``, :mod:`infer.kernels.gated_delta_reference`
     (plain PyTorch) for ``"torch"``."""

@@ -27,7 +27,7 @@ import torch
 
 from infer.kernels import gated_delta_reference as reference
 
-__all__ = ["chunk_gated_delta_rule_varlen"]
+__all__ = ["chunk_gated_delta_rule_varlen", "prefill_rule"]
 
 
 def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -50,6 +50,17 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         return reference.chunk_rule_in_rounds(_fla_rule, q, k, v, g, beta, seq_lens, initial_states, scale,
                                               chunk_size, states_out)
     return _fla_rule(q, k, v, g, beta, seq_lens, initial_states, scale, chunk_size)
+
+
+def prefill_rule(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                 num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, seq_lens: list[int],
+                 initial_states: list[torch.Tensor | None] | None = None,
+                 states_out: list[dict[int, torch.Tensor]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`infer.kernels.gated_delta_reference.prefill_rule` with fla's chunked rule, q, k and v in the
+    model's dtype (``y``'s)."""
+    return reference.prefill_rule(y, a, b, A_log, dt_bias, num_k_heads, head_k_dim, num_v_heads, head_v_dim,
+                                  seq_lens, initial_states, states_out, rule=chunk_gated_delta_rule_varlen,
+                                  dtype=y.dtype)
 
 
 def _fla_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

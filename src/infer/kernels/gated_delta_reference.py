@@ -339,6 +339,28 @@ def chunk_rule_in_rounds(rule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out, torch.stack(states)
 
 
+def prefill_rule(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                 num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, seq_lens: list[int],
+                 initial_states: list[torch.Tensor | None] | None = None,
+                 states_out: list[dict[int, torch.Tensor]] | None = None, rule=None,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's prefills through a Gated DeltaNet layer after the convolution: :func:`split_qkv`,
+    :func:`gating`, then the chunked rule over the sequences side by side (``rule``: a
+    ``chunk_gated_delta_rule_varlen``, this module's by default, fed q, k, v in ``dtype``).
+    :func:`infer.kernels.gated_delta_triton.prefill_rule` does all of it in its two kernels.
+
+    Args:
+        y: ``[T, C]`` the convolution's output; a, b: ``[T, Hv]`` the ``in_proj_a`` / ``in_proj_b`` outputs;
+        A_log, dt_bias: ``[Hv]``; seq_lens, initial_states, states_out: as :func:`chunk_gated_delta_rule_varlen`.
+
+    Returns:
+        ``(o [T, Hv, Dv] float32, final states [B, Hv, Dk, Dv] float32)``.
+    """
+    q, k, v = split_qkv(y, num_k_heads, head_k_dim, num_v_heads, head_v_dim, dtype)
+    g, beta = gating(a, b, A_log, dt_bias)
+    return (rule or chunk_gated_delta_rule_varlen)(q, k, v, g, beta, seq_lens, initial_states, states_out=states_out)
+
+
 def split_qkv(y: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The convolution's output ``[T, C]`` (q, then k, then v channels) as ``q, k [T, Hv, Dk]``

@@ -273,21 +273,46 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 @triton.jit
-def _chunk_block(k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, beta_ptr, beta_stride, t0, n, b, h, DK, DV,
-                 g_before, BK: tl.constexpr, BV: tl.constexpr):
+def _load_qk(ptr, stride, tok, mr, kh, DK, BK: tl.constexpr, RAW: tl.constexpr):
+    """Rows ``tok`` of key head ``kh`` of q or k as float32 ``[rows, BK]``; ``RAW``: the convolution's output,
+    L2-normalized here and rounded to its dtype (:func:`~infer.kernels.gated_delta_reference.split_qkv`)."""
+    offs = tl.arange(0, BK)
+    x = tl.load(ptr + tok[:, None] * stride + kh * DK + offs[None, :], mask=mr[:, None] & (offs < DK)[None, :],
+                other=0.0).to(tl.float32)
+    if RAW:
+        x = (x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6))[:, None]).to(ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_gates(g_ptr, g_stride, beta_ptr, beta_stride, tok, mr, h, alog_ptr, dtb_ptr, RAW: tl.constexpr):
+    """Rows ``tok`` of head ``h``'s log-decay ``g`` and write strength ``beta`` (float32, zeros past the
+    chunk: no effect on the state); ``RAW``: computed from the projections' ``a`` and ``b`` as
+    :func:`~infer.kernels.gated_delta_reference.gating` does (and :func:`gated_delta_step`)."""
+    g = tl.load(g_ptr + tok * g_stride + h, mask=mr, other=0.0).to(tl.float32)
+    braw = tl.load(beta_ptr + tok * beta_stride + h, mask=mr, other=0.0)
+    beta = braw.to(tl.float32)
+    if RAW:  # g = -exp(A_log) softplus(a + dt_bias) (linear past 20, PyTorch's), beta = sigmoid(b) in b's dtype
+        a = g + tl.load(dtb_ptr + h).to(tl.float32)
+        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        beta = tl.sigmoid(beta).to(braw.dtype).to(tl.float32)
+    return tl.where(mr, g, 0.0), tl.where(mr, beta, 0.0)
+
+
+@triton.jit
+def _chunk_block(k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, beta_ptr, beta_stride, alog_ptr, dtb_ptr, t0, n,
+                 b, h, kh, DK, DV, g_before, BK: tl.constexpr, BV: tl.constexpr, RAW: tl.constexpr):
     """Rows ``16 b .. 16 b + 15`` of a chunk: ``k``, ``beta k``, ``beta v``, the log-decay from the chunk's
     start at each row (``g_before``: the block's start), and the log-decay at the block's end. Rows past the
     chunk's ``n`` tokens read as zeros (``g = 0``, ``beta = 0``: no effect)."""
     rows = b * 16 + tl.arange(0, 16)
     mr = rows < n
-    offs_k, offs_v = tl.arange(0, BK), tl.arange(0, BV)
+    offs_v = tl.arange(0, BV)
     tok = (t0 + rows).to(tl.int64)
-    k = tl.load(k_ptr + tok[:, None] * k_stride + h * DK + offs_k[None, :], mask=mr[:, None] & (offs_k < DK)[None, :],
-                other=0.0).to(tl.float32)
+    k = _load_qk(k_ptr, k_stride, tok, mr, kh, DK, BK, RAW)
     v = tl.load(v_ptr + tok[:, None] * v_stride + h * DV + offs_v[None, :], mask=mr[:, None] & (offs_v < DV)[None, :],
                 other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + tok * g_stride + h, mask=mr, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + tok * beta_stride + h, mask=mr, other=0.0).to(tl.float32)
+    g, beta = _load_gates(g_ptr, g_stride, beta_ptr, beta_stride, tok, mr, h, alog_ptr, dtb_ptr, RAW)
     gc = tl.cumsum(g, 0) + g_before
     return k, k * beta[:, None], v * beta[:, None], gc, g_before + tl.sum(g, 0)
 
@@ -325,9 +350,9 @@ def _store_block(w_ptr, u_ptr, w, u, c, b, h, H, DK, DV, BK: tl.constexpr, BV: t
 
 
 @triton.jit
-def _chunk_prepare_kernel(k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, beta_ptr, beta_stride, chunks_ptr,
-                          num_chunks, w_ptr, u_ptr, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr,
-                          PRECISION: tl.constexpr):
+def _chunk_prepare_kernel(k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, beta_ptr, beta_stride, alog_ptr, dtb_ptr,
+                          chunks_ptr, num_chunks, w_ptr, u_ptr, H, DK, DV, REP: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, PRECISION: tl.constexpr, RAW: tl.constexpr):
     # one chunk (64 tokens) of one head, in four blocks of 16 rows: M = I + L is block lower triangular, so
     # X = M^-1 has X_ii = (I + L_ii)^-1 (forward substitution) and, below the diagonal,
     # X_ij = -X_ii @ sum_{j <= m < i} L_im @ X_mj (matrix products); then W = X (beta k e^gc), U = X (beta v)
@@ -335,11 +360,12 @@ def _chunk_prepare_kernel(k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, bet
     c, h = tl.program_id(0), tl.program_id(1)
     t0 = tl.load(chunks_ptr + c)
     n = tl.load(chunks_ptr + num_chunks + c)  # the chunk's tokens (64, or fewer for a sequence's last)
-    a = (k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, beta_ptr, beta_stride, t0, n)
-    k0, kb0, vb0, gc0, e0 = _chunk_block(*a, 0, h, DK, DV, 0.0, BK, BV)
-    k1, kb1, vb1, gc1, e1 = _chunk_block(*a, 1, h, DK, DV, e0, BK, BV)
-    k2, kb2, vb2, gc2, e2 = _chunk_block(*a, 2, h, DK, DV, e1, BK, BV)
-    k3, kb3, vb3, gc3, _ = _chunk_block(*a, 3, h, DK, DV, e2, BK, BV)
+    a = (k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, beta_ptr, beta_stride, alog_ptr, dtb_ptr, t0, n)
+    kh = h // REP  # the key head this value head reads
+    k0, kb0, vb0, gc0, e0 = _chunk_block(*a, 0, h, kh, DK, DV, 0.0, BK, BV, RAW)
+    k1, kb1, vb1, gc1, e1 = _chunk_block(*a, 1, h, kh, DK, DV, e0, BK, BV, RAW)
+    k2, kb2, vb2, gc2, e2 = _chunk_block(*a, 2, h, kh, DK, DV, e1, BK, BV, RAW)
+    k3, kb3, vb3, gc3, _ = _chunk_block(*a, 3, h, kh, DK, DV, e2, BK, BV, RAW)
     P: tl.constexpr = PRECISION
     x00 = _inv_unit_lower16(_l_block(kb0, k0, gc0, gc0, True, P))
     x11 = _inv_unit_lower16(_l_block(kb1, k1, gc1, gc1, True, P))
@@ -374,9 +400,10 @@ def _chunk_prepare_kernel(k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, bet
 
 
 @triton.jit
-def _chunk_recurrence_kernel(q_ptr, q_stride, k_ptr, k_stride, g_ptr, g_stride, w_ptr, u_ptr, chunks_ptr, num_chunks,
-                             seqs_ptr, num_seqs, s0_ptr, o_ptr, final_ptr, states_ptr, scale, H, DK, DV,
-                             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+def _chunk_recurrence_kernel(q_ptr, q_stride, k_ptr, k_stride, g_ptr, g_stride, alog_ptr, dtb_ptr, w_ptr, u_ptr,
+                             chunks_ptr, num_chunks, seqs_ptr, num_seqs, s0_ptr, o_ptr, final_ptr, states_ptr, scale, H,
+                             DK, DV, REP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                             PRECISION: tl.constexpr, RAW: tl.constexpr):
     s, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, C)
     offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
@@ -393,11 +420,9 @@ def _chunk_recurrence_kernel(q_ptr, q_stride, k_ptr, k_stride, g_ptr, g_stride, 
         store = tl.load(chunks_ptr + 2 * num_chunks + c)  # >= 0: keep the state after this chunk there
         mr = rows < n
         tok = (t0 + rows).to(tl.int64)
-        q = tl.load(q_ptr + tok[:, None] * q_stride + h * DK + offs_k[None, :], mask=mr[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32) * scale
-        k = tl.load(k_ptr + tok[:, None] * k_stride + h * DK + offs_k[None, :], mask=mr[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + tok * g_stride + h, mask=mr, other=0.0).to(tl.float32)
+        q = _load_qk(q_ptr, q_stride, tok, mr, h // REP, DK, BK, RAW) * scale
+        k = _load_qk(k_ptr, k_stride, tok, mr, h // REP, DK, BK, RAW)
+        g, _ = _load_gates(g_ptr, g_stride, g_ptr, g_stride, tok, mr, h, alog_ptr, dtb_ptr, RAW)
         row = (c * C + rows).to(tl.int64)
         w = tl.load(w_ptr + (row[:, None] * H + h) * DK + offs_k[None, :], mask=mk[None, :], other=0.0)
         u = tl.load(u_ptr + (row[:, None] * H + h) * DV + offs_v[None, :], mask=mv[None, :], other=0.0)
@@ -475,11 +500,48 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             size other than 64.
     """
     t, h, dk = k.shape
-    dv = v.shape[-1]
     reference.check_seq_lens(seq_lens, t)
+    q, k, v = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (q, k, v))
+    return _chunk_rule(q, k, v, g.float(), beta.float(), None, None, 1, False, h, dk, v.shape[-1], seq_lens,
+                       initial_states, scale, chunk_size, states_out)
+
+
+def prefill_rule(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                 num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, seq_lens: list[int],
+                 initial_states: list[torch.Tensor | None] | None = None,
+                 states_out: list[dict[int, torch.Tensor]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`infer.kernels.gated_delta_reference.prefill_rule` in the same two kernels: they read q, k and v
+    from the convolution's output and L2-normalize q and k themselves (each value head reading its key
+    head), and compute the gating from ``a`` and ``b``, as the decode step's kernel does: no copies of q, k
+    and v and no gating kernels before them.
+
+    Args:
+        y: ``[T, C]`` the convolution's output (q, k, v channels; rows may be strided); a, b: ``[T, Hv]``
+        the projections'; A_log, dt_bias: ``[Hv]``; the rest as :func:`chunk_gated_delta_rule_varlen`'s.
+
+    Returns:
+        ``(o [T, Hv, Dv] float32, final states [B, Hv, Dk, Dv] float32)``.
+
+    Raises:
+        ValueError: as :func:`chunk_gated_delta_rule_varlen`.
+    """
+    reference.check_seq_lens(seq_lens, y.shape[0])
+    y, a, b = (x if x.stride(1) == 1 else x.contiguous() for x in (y, a, b))  # (the reference convolution's y)
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = y[:, :key_dim], y[:, key_dim:2 * key_dim], y[:, 2 * key_dim:]
+    return _chunk_rule(q, k, v, a, b, A_log, dt_bias, num_v_heads // num_k_heads, True, num_v_heads, head_k_dim,
+                       head_v_dim, seq_lens, initial_states, None, reference.CHUNK_SIZE, states_out)
+
+
+def _chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, rep: int, raw: bool, h: int, dk: int, dv: int,
+                seq_lens: list[int], initial_states: list[torch.Tensor | None] | None, scale: float | None,
+                chunk_size: int, states_out: list[dict[int, torch.Tensor]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both kernels over rows whose head ``i`` starts at column ``i * D`` (q, k: key heads, ``rep`` value
+    heads each; ``raw``: q and k not yet normalized, ``g`` / ``beta`` the projections' ``a`` / ``b``)."""
+    t = q.shape[0]
     if chunk_size != reference.CHUNK_SIZE:
         raise ValueError(f"the Triton chunked rule works in chunks of {reference.CHUNK_SIZE}, got {chunk_size}")
-    q, k, v = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (q, k, v))
     wanted = states_out or [{} for _ in seq_lens]
     for n_tokens, counts in zip(seq_lens, wanted):
         if any(n % chunk_size or not 0 <= n <= n_tokens for n in counts):
@@ -497,15 +559,16 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     o = torch.empty(t, h, dv, dtype=torch.float32, device=q.device)
     finals = torch.empty_like(s0)
     states = torch.empty(max(len(kept), 1), h, dk, dv, dtype=torch.float32, device=q.device)
-    g, beta = g.float(), beta.float()
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    alog, dtb = (A_log, dt_bias) if raw else (g, g)  # (unread without raw)
     bk, bv_prep, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv), min(32, triton.next_power_of_2(dv))
-    _chunk_prepare_kernel[(total, h)](k, k.stride(0), v, v.stride(0), g, g.stride(0), beta, beta.stride(0), chunks,
-                                      total, w, u, h, dk, dv, BK=bk, BV=bv_prep, PRECISION=precision, num_warps=4)
+    _chunk_prepare_kernel[(total, h)](k, k.stride(0), v, v.stride(0), g, g.stride(0), beta, beta.stride(0), alog, dtb,
+                                      chunks, total, w, u, h, dk, dv, REP=rep, BK=bk, BV=bv_prep, PRECISION=precision,
+                                      RAW=raw, num_warps=4)
     _chunk_recurrence_kernel[(len(seq_lens), h, triton.cdiv(dv, bv))](
-        q, q.stride(0), k, k.stride(0), g, g.stride(0), w, u, chunks, total, seqs, len(seq_lens), s0, o, finals,
-        states, dk ** -0.5 if scale is None else scale, h, dk, dv, C=c, BK=bk, BV=bv, PRECISION=precision,
-        num_warps=8)
+        q, q.stride(0), k, k.stride(0), g, g.stride(0), alog, dtb, w, u, chunks, total, seqs, len(seq_lens), s0, o,
+        finals, states, dk ** -0.5 if scale is None else scale, h, dk, dv, REP=rep, C=c, BK=bk, BV=bv,
+        PRECISION=precision, RAW=raw, num_warps=8, num_stages=2)  # (3 stages: ~200 KB of shared memory on sm_90)
     for i, counts in enumerate(wanted):
         if 0 in counts:
             counts[0] = s0[i].clone()

@@ -216,14 +216,13 @@ class GatedDeltaNet(nn.Module):
 
         All of them in one pass (``causal_conv1d_varlen`` of :attr:`decode_ops`: the reference's or the
         Triton kernel of :mod:`infer.kernels.gated_delta_triton`, then
-        ``chunk_gated_delta_rule_varlen`` of :attr:`prefill_ops`: the reference's, infer's Triton kernels or
-        flash-linear-attention's, :mod:`infer.kernels.gated_delta_fla`), the snapshots taken at
+        ``prefill_rule`` of :attr:`prefill_ops`: the norms, the gating and the chunked rule, in the reference's
+        PyTorch, infer's two Triton kernels or flash-linear-attention's), the snapshots taken at
         chunk ends on the way, when every snapshot offset ends a chunk (the default stride's do for prefills
         that start on one); otherwise each sequence alone, split at its snapshot offsets."""
         cache, idx = meta.state_cache, self.state_idx
         weight = self.conv1d.weight[:, 0]
         first, starts = meta.first_positions(), meta.query_start_loc_cpu
-        g, beta = gdr.gating(a, b, self.A_log, self.dt_bias)
         seqs = range(nd, meta.num_seqs)
         slots = {i: meta.state_slots_cpu[i] if cache is not None else None for i in seqs}
         resume = {i: cache is not None and first[i] > 0 for i in seqs}  # a later chunk (a decode came above)
@@ -234,13 +233,10 @@ class GatedDeltaNet(nn.Module):
             lens = [starts[i + 1] - starts[i] for i in seqs]
             convs = [cache.conv[idx, slots[i]] if resume[i] else None for i in seqs]
             y = self.decode_ops.causal_conv1d_varlen(mixed[lo:hi], weight, lens, convs)
-            # float32 for the reference's matrix products; the model's dtype (bf16) for the kernels (Triton, fla)
-            q, k, v = gdr.split_qkv(y, self.nk, self.dk, self.nv, self.dv,
-                                    torch.float32 if self.prefill_ops is gdr else y.dtype)
             states = [{end: None for end, _ in snaps[i]} for i in seqs]
-            out[lo:hi], ssm = self.prefill_ops.chunk_gated_delta_rule_varlen(
-                q, k, v, g[lo:hi], beta[lo:hi], lens, [cache.ssm[idx, slots[i]] if resume[i] else None for i in seqs],
-                states_out=states)
+            out[lo:hi], ssm = self.prefill_ops.prefill_rule(
+                y, a[lo:hi], b[lo:hi], self.A_log, self.dt_bias, self.nk, self.dk, self.nv, self.dv, lens,
+                [cache.ssm[idx, slots[i]] if resume[i] else None for i in seqs], states_out=states)
             if cache is None:
                 return
             width = weight.shape[1] - 1
@@ -252,6 +248,7 @@ class GatedDeltaNet(nn.Module):
                 cache.conv[idx, slots[i]] = gdr.conv_state_after(x, convs[j], lens[j], width)
                 cache.ssm[idx, slots[i]] = ssm[j]
             return
+        g, beta = gdr.gating(a, b, self.A_log, self.dt_bias)
         for i in seqs:
             lo, hi = starts[i], starts[i + 1]
             conv = cache.conv[idx, slots[i]] if resume[i] else None
@@ -348,7 +345,7 @@ class Qwen3_5ForCausalLM(CausalLM):
                     layer.self_attn.merge_qkv()
 
     def set_prefill_rule(self, ops) -> None:
-        """The module whose ``chunk_gated_delta_rule_varlen`` runs the Gated DeltaNet layers' prefills
+        """The module whose ``prefill_rule`` runs the Gated DeltaNet layers' prefills
         (:func:`infer.kernels.linear_attention_ops`: the plain-PyTorch reference, the default, infer's Triton
         kernels or flash-linear-attention's); the engine calls it once (``EngineConfig.linear_attention_backend``)."""
         for layer in self.model.layers:
