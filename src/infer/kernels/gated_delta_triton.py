@@ -553,7 +553,8 @@ def _chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                                       q.device)
     chunks, seqs = table[:3 * total], table[3 * total:]
     inits = initial_states or [None] * len(seq_lens)
-    s0 = torch.stack([torch.zeros(h, dk, dv, device=q.device) if s is None else s.float() for s in inits])
+    zeros = torch.zeros(h, dk, dv, device=q.device)  # one for every fresh sequence (stack copies it)
+    s0 = torch.stack([zeros if s is None else s.float() for s in inits])
     w = torch.empty(total * c, h, dk, dtype=torch.float32, device=q.device)
     u = torch.empty(total * c, h, dv, dtype=torch.float32, device=q.device)
     o = torch.empty(t, h, dv, dtype=torch.float32, device=q.device)
