@@ -200,6 +200,15 @@ def check_seq_lens(seq_lens: list[int], num_tokens: int) -> None:
         raise ValueError(f"seq_lens {seq_lens} must be positive and add up to the {num_tokens} tokens")
 
 
+def check_states_out(seq_lens: list[int], states_out: list[dict[int, torch.Tensor]] | None, chunk_size: int) -> None:
+    """Raise ``ValueError`` unless every token count ``states_out`` asks a state at is a chunk end within its
+    sequence (a multiple of ``chunk_size`` in ``[0, seq_lens[i]]``)."""
+    for n_tokens, wanted in zip(seq_lens, states_out or ()):
+        if any(n % chunk_size or not 0 <= n <= n_tokens for n in wanted):
+            raise ValueError(f"states_out: token counts must be multiples of {chunk_size} in [0, {n_tokens}], got "
+                             f"{sorted(wanted)}")
+
+
 def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                   beta: torch.Tensor, seq_lens: list[int],
                                   initial_states: list[torch.Tensor | None] | None = None, scale: float | None = None,
@@ -229,10 +238,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     scale = dk ** -0.5 if scale is None else scale
     c, dev, nseq = chunk_size, q.device, len(seq_lens)
     check_seq_lens(seq_lens, t)
-    for n_tokens, wanted in zip(seq_lens, states_out or ()):
-        if any(n % c or not 0 <= n <= n_tokens for n in wanted):
-            raise ValueError(f"states_out: token counts must be multiples of {c} in [0, {n_tokens}], got "
-                             f"{sorted(wanted)}")
+    check_states_out(seq_lens, states_out, c)
     # The chunks' layout: the sequences sorted by their number of chunks (most first), then every sequence's
     # chunk 0, every one's chunk 1 that has one, ...: the j-th step below reads and writes a contiguous range
     # of chunks and a prefix of the states (views, no gathers). One sequence: its chunks in order.
@@ -314,10 +320,7 @@ def chunk_rule_in_rounds(rule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     t, h, dk = k.shape
     check_seq_lens(seq_lens, t)
-    for n_tokens, wanted in zip(seq_lens, states_out):
-        if any(n % chunk_size or not 0 <= n <= n_tokens for n in wanted):
-            raise ValueError(f"states_out: token counts must be multiples of {chunk_size} in [0, {n_tokens}], got "
-                             f"{sorted(wanted)}")
+    check_states_out(seq_lens, states_out, chunk_size)
     starts = np.concatenate(([0], np.cumsum(seq_lens)))
     cuts = [sorted({n for n in wanted if 0 < n < total} | {total}) for total, wanted in zip(seq_lens, states_out)]
     states = [None if s is None else s.float() for s in (initial_states or [None] * len(seq_lens))]

@@ -484,8 +484,8 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
       in ``states_out`` stored on the way (prefix caching's snapshots in the same pass, float32).
 
     Two launches a layer for the step's prefills, against the reference's ~100 small ones; the inputs may
-    be bf16 (products in bf16, accumulated in float32, as flash-linear-attention's kernels do), or
-    float32 (IEEE products: the reference's values).
+    be bf16 (loaded into float32 tiles, products in TF32, accumulated in float32), or float32 (IEEE
+    products: the reference's values).
 
     Args:
         q, k: ``[T, H, Dk]`` (L2-normalized, one key head per value head); v: ``[T, H, Dv]``;
@@ -542,11 +542,8 @@ def _chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     t = q.shape[0]
     if chunk_size != reference.CHUNK_SIZE:
         raise ValueError(f"the Triton chunked rule works in chunks of {reference.CHUNK_SIZE}, got {chunk_size}")
+    reference.check_states_out(seq_lens, states_out, chunk_size)
     wanted = states_out or [{} for _ in seq_lens]
-    for n_tokens, counts in zip(seq_lens, wanted):
-        if any(n % chunk_size or not 0 <= n <= n_tokens for n in counts):
-            raise ValueError(f"states_out: token counts must be multiples of {chunk_size} in [0, {n_tokens}], got "
-                             f"{sorted(counts)}")
     c = chunk_size
     table, total, kept = _chunk_table(tuple(int(n) for n in seq_lens),
                                       tuple(tuple(sorted(int(n) for n in counts if n)) for counts in wanted), c,
