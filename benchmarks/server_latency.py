@@ -165,9 +165,15 @@ def server_histograms(client: httpx.Client, port: int) -> dict[str, float]:
     return out
 
 
+def _with_children(pid: int) -> list[psutil.Process]:
+    """``pid`` and its descendants (the engine process of ``--engine-process``)."""
+    proc = psutil.Process(pid)
+    return [proc, *proc.children(recursive=True)]
+
+
 def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of ``pid``."""
-    return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
+    """CPU seconds (user + system) of each thread of ``pid`` and of its child processes."""
+    return {t.id: t.user_time + t.system_time for p in _with_children(pid) for t in p.threads()}
 
 
 def machine_cpu() -> tuple[float, float] | None:
@@ -183,8 +189,8 @@ def machine_cpu() -> tuple[float, float] | None:
 
 
 def process_cpu(*pids: int) -> float:
-    """CPU seconds (user + system) used so far by the processes ``pids``."""
-    return sum(sum(psutil.Process(p).cpu_times()[:2]) for p in pids)
+    """CPU seconds (user + system) used so far by the processes ``pids`` and their child processes."""
+    return sum(sum(p.cpu_times()[:2]) for pid in pids for p in _with_children(pid))
 
 
 def http_run(client: httpx.Client, conn: http.client.HTTPConnection, port: int, pid: int, prompt: list[int],
@@ -217,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-args", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="EngineConfig overrides for both the server (as its CLI flags) and the offline engine, "
                          "e.g. device=cuda dtype=bfloat16 optimize=true")
+    ap.add_argument("--server-args", nargs="*", default=[], metavar="FLAG",
+                    help="more flags for the server only, e.g. --server-args=--engine-process (the engine in a "
+                         "process of its own)")
     ap.add_argument("--httpx", action="store_true",
                     help="also stream each pair's prompt through httpx (the openai package's client), to show what "
                          "such a client adds on its own side")
@@ -230,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides.setdefault("max_model_len", args.prompt_len + args.output_len + 16)
     port = free_port()
     cmd = [sys.executable, "-m", "infer.server", "--model", args.model, "--port", str(port),
-           *server_flags(overrides), "--log-level", "warning"]
+           *server_flags(overrides), *args.server_args, "--log-level", "warning"]
     client = httpx.Client(timeout=600)  # one client throughout (see stream_httpx); /health, /metrics
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

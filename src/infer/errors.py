@@ -18,6 +18,9 @@ class ModelLoadError(Exception):
         self.reason = reason
         super().__init__(f"{path}: {reason}")
 
+    def __reduce__(self):  # pickled with what __init__ takes (an engine process sends it to the server's)
+        return type(self), (self.path, self.reason)
+
 
 class InvalidRequestError(ValueError):
     """A request the engine cannot serve as given (the server answers HTTP 400).
@@ -29,6 +32,9 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         self.param = param
         super().__init__(message)
+
+    def __reduce__(self):  # keeps ``param`` through pickle (an engine process sends it to the server's)
+        return type(self), (str(self), self.param)
 
 
 class EngineStepError(RuntimeError):

@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH", type=lora_module,
                    help="LoRA adapters to serve (needs --enable-lora): each NAME=PATH a PEFT adapter directory, "
                         "selected by requests whose model is NAME (vLLM's flag)")
+    s.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own (vLLM's engine core process), so that the server's "
+                        "HTTP work and the engine's steps run in parallel instead of taking turns on one Python "
+                        "interpreter (docs/phases/02-server.md; not with --live-page); default: off, the engine on a "
+                        "thread of the server's process")
     add_engine_args(p)
     return p
 
@@ -143,13 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         config = engine_config_from_args(args)
-        # built on the engine thread, which then steps it: one OpenMP pool in the process (see
-        # async_engine.py's docstring for what a second one costs)
-        async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=args.max_waiting_requests)
+        if args.engine_process:
+            from infer.server.engine_core import EngineProcess
+
+            async_engine = EngineProcess(config, max_waiting=args.max_waiting_requests, log_level=args.log_level)
+        else:  # built on the engine thread, which then steps it: one OpenMP pool in the process (see
+            # async_engine.py's docstring for what a second one costs)
+            async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=args.max_waiting_requests)
     except (ValueError, TypeError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = async_engine.engine
     name = args.served_model_name or args.model
     api_key = resolve_api_key(args.api_key)
     try:
@@ -161,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     warn_if_exposed(args.host, api_key, log)
     frozen = freeze_startup_heap()
-    log.info("model %s loaded on %s in %.1f s (%d start-up objects frozen out of garbage collection); "
-             "serving on http://%s:%d%s", name, engine.runner.device, time.perf_counter() - start, frozen,
+    log.info("model %s loaded on %s in %.1f s (%d start-up objects frozen out of garbage collection; the engine %s); "
+             "serving on http://%s:%d%s", name, async_engine.info.device, time.perf_counter() - start, frozen,
+             "in a process of its own" if async_engine.engine is None else "on a thread of this process",
              args.host, args.port, " (API key required)" if api_key else "")
     if args.live_page:
         log.info("live page: http://%s:%d/live%s", args.host, args.port, "#key=<your key>" if api_key else "")

@@ -31,6 +31,7 @@ routers of ``routes/`` (each endpoint's code), the API key's check attached to t
 
 from __future__ import annotations
 
+import operator
 import time
 from typing import Any
 
@@ -44,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from infer.engine.live_view import LiveView
 from infer.server.async_engine import AsyncEngine
 from infer.server.auth import api_key_dependency
-from infer.server.metrics import Metrics, cache_config_labels
+from infer.server.metrics import Metrics
 from infer.server.protocol import MAX_N
 from infer.server.responses import Reject, error_response
 from infer.server.routes import admin, chat, completions, health, live, lora, models
@@ -202,23 +203,26 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
             cannot serve (the reason).
     """
     app = FastAPI(title="infer", description="OpenAI-compatible API of the infer engine")
-    eng = engine.engine
-    limits = {"vocab": eng.vocab_size - 1, "context": eng.max_model_len - 1,
-              "n": min(MAX_N, eng.scheduler.max_num_seqs)}
+    info = engine.info
+    limits = {"vocab": info.vocab_size - 1, "context": info.max_model_len - 1, "n": min(MAX_N, info.max_num_seqs)}
     app.openapi = lambda: openapi_schema(app, limits)
 
-    metrics = Metrics(model_name, eng.max_model_len, cache_config_labels(eng))
+    metrics = Metrics(model_name, info.max_model_len, info.cache_config)
     engine.on_finished = metrics.request_finished
     app.state.engine = engine
     app.state.metrics = metrics
-    app.state.server = state = ServerState(engine, model_name, metrics, eng.tokenizer, eng.config.prefix_caching,
+    app.state.server = state = ServerState(engine, model_name, metrics, info.tokenizer, info.prefix_caching,
                                            int(time.time()))
-    if lora_modules and eng.lora_manager is None:
+    if lora_modules and not info.lora_enabled:
         raise ValueError("--lora-modules needs --enable-lora")
     for name, path in (lora_modules or {}).items():
         if name == model_name:
             raise ValueError(f"LoRA module name {name!r} is the served model's name")
-        eng.add_lora(state.add_lora_name(name, path))  # read and checked now (nothing runs yet)
+        # read and checked now (nothing runs yet)
+        engine.call_blocking(operator.methodcaller("add_lora", state.add_lora_name(name, path)))
+    if live_page and engine.engine is None:
+        raise ValueError("the live page (--live-page) watches the engine's steps in the server's process: it does "
+                         "not work with --engine-process")
 
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -241,9 +245,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
     app.include_router(completions.router, dependencies=protected)
     app.include_router(chat.router, dependencies=protected)
     if live_page:  # the engine thread is idle (no request yet): hooking the listener in here is safe
-        app.state.live = live.LiveState(engine, LiveView(eng))
+        app.state.live = live.LiveState(engine, LiveView(engine.engine))
         app.include_router(live.page_router)
         app.include_router(live.data_router, dependencies=protected)
-    if eng.lora_manager is not None:
+    if info.lora_enabled:
         app.include_router(lora.router, dependencies=protected)
     return app

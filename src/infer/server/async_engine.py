@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import queue
@@ -51,6 +52,7 @@ from infer.errors import EngineStepError
 from infer.lora import LoRARequest
 from infer.outputs import RequestOutput
 from infer.sampling import SamplingParams
+from infer.server.metrics import cache_config_labels
 
 log = logging.getLogger("infer.server")
 
@@ -84,6 +86,29 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]], taken: threading.Event | No
         # pump), then the ones they woke (the SSE body that formats and sends the chunk)
         loop = asyncio.get_running_loop()
         loop.call_soon(loop.call_soon, taken.set)
+
+
+@dataclass
+class EngineInfo:
+    """What the server's routes know of the engine without asking it: fixed at start-up, so that they read
+    them on the event loop even when the engine runs in another process
+    (:class:`~infer.server.engine_core.EngineProcess`, which receives them from there)."""
+
+    tokenizer: Any  # encode, decode, id_to_token, the chat template
+    input_processor: Any  # InputProcessor: checks and tokenizes prompts (AsyncEngine.tokenize)
+    max_model_len: int  # tokens
+    vocab_size: int
+    max_num_seqs: int
+    prefix_caching: bool
+    lora_enabled: bool  # enable_lora (phase 16): the LoRA routes are served
+    cache_config: dict[str, str]  # the labels of infer:cache_config_info (metrics.cache_config_labels)
+    device: str
+
+    @classmethod
+    def of(cls, eng: LLMEngine) -> EngineInfo:
+        return cls(eng.tokenizer, eng.input_processor, eng.max_model_len, eng.vocab_size, eng.scheduler.max_num_seqs,
+                   bool(eng.config.prefix_caching), eng.lora_manager is not None, cache_config_labels(eng),
+                   str(eng.runner.device))
 
 
 class RequestStream:
@@ -142,6 +167,19 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int = 256,
                  on_finished=None, max_step_failures: int = 3, first_token_handoff_s: float = 0.001) -> None:
+        self._setup(max_waiting, on_finished, max_step_failures, first_token_handoff_s)
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(engine, built), name="infer-engine", daemon=True)
+        self._thread.start()
+        self.engine: LLMEngine | None = built.result()  # the build's exception, if any, is raised here
+
+    @functools.cached_property
+    def info(self) -> EngineInfo:
+        """The engine's fixed facts (tokenizer, limits) for the routes."""
+        return EngineInfo.of(self.engine)
+
+    def _setup(self, max_waiting: int, on_finished, max_step_failures: int, first_token_handoff_s: float) -> None:
+        """The event-loop side's state (shared with :class:`~infer.server.engine_core.EngineProcess`)."""
         self.max_waiting = max_waiting
         self.first_token_handoff_s = first_token_handoff_s
         self.first_token_handoff_max_outputs = 8  # (see _deliver_step)
@@ -161,10 +199,6 @@ class AsyncEngine:
         self.num_running = 0
         self.num_waiting = 0
         self.num_preemptions = 0  # cumulative (the engine's ``num_preemptions``, where it has one)
-        built: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(engine, built), name="infer-engine", daemon=True)
-        self._thread.start()
-        self.engine: LLMEngine = built.result()  # the build's exception, if any, is raised here
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -224,7 +258,7 @@ class AsyncEngine:
             InvalidRequestError: the first bad prompt's, its message starting with ``prompt[i]:`` when
                 there are several.
         """
-        process = self.engine.input_processor.process
+        process = self.info.input_processor.process
         if all(not isinstance(p, str) for p in prompts):
             # token ids are only checked (no tokenizer): on the event loop, sparing a short request
             # two thread hand-offs on its way to the first token
@@ -318,6 +352,27 @@ class AsyncEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", fn, fut))
         return await asyncio.wrap_future(fut)
+
+    def call_blocking(self, fn: Callable[[LLMEngine], Any], timeout: float | None = None) -> Any:
+        """:meth:`call` from a thread that is not the event loop's, waiting for the result (start-up:
+        loading the ``--lora-modules`` before the server serves).
+
+        Raises:
+            EngineDead: the engine is not running. What ``fn`` raised is re-raised.
+        """
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        return fut.result(timeout)
+
+    async def metrics_sources(self) -> tuple[Any, Any, float]:
+        """What ``/metrics`` reads at a scrape: the engine's scheduler and output processor (their per-step
+        statistics, :class:`~infer.server.metrics.SchedulerCollector`) and the KV cache's usage (0-1). Here the
+        live objects, read from the event loop while the engine thread steps (counters and histograms: a
+        scrape may see one step more in one than in another)."""
+        eng = self.engine
+        return eng.scheduler, eng.output_processor, eng.scheduler.kv_cache_usage()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, returns at once)."""

@@ -162,12 +162,16 @@ class Metrics:
         last scrape. With the engine's ``scheduler`` and ``output_processor``, the statistics they
         keep per step are exposed too (:class:`SchedulerCollector`, :class:`OutputCollector`)."""
         m = self.model_name
-        if scheduler is not None and not hasattr(self, "_scheduler_collector"):
-            self._scheduler_collector = SchedulerCollector(scheduler, m)
-            self.registry.register(self._scheduler_collector)
-        if output_processor is not None and not hasattr(self, "_output_collector"):
-            self._output_collector = OutputCollector(output_processor, m)
-            self.registry.register(self._output_collector)
+        if scheduler is not None:  # registered at the first scrape; later ones read the latest (a snapshot
+            if not hasattr(self, "_scheduler_collector"):  # each time when the engine runs in another process)
+                self._scheduler_collector = SchedulerCollector(scheduler, m)
+                self.registry.register(self._scheduler_collector)
+            self._scheduler_collector.scheduler = scheduler
+        if output_processor is not None:
+            if not hasattr(self, "_output_collector"):
+                self._output_collector = OutputCollector(output_processor, m)
+                self.registry.register(self._output_collector)
+            self._output_collector.output_processor = output_processor
         self.running.labels(m).set(running)
         self.waiting.labels(m).set(waiting)
         self.kv_usage.labels(m).set(kv_usage)

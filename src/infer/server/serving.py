@@ -40,7 +40,7 @@ Streams = list[tuple[AsyncIterator[RequestOutput], RequestOutput | None]]
 class ServerState:
     """What the route handlers need, built once by ``build_app``."""
 
-    engine: AsyncEngine  # the engine thread's handle; ``engine.engine`` is the LLMEngine it steps
+    engine: AsyncEngine  # the engine thread's handle (or the engine process's: EngineProcess); ``engine.info``: its facts
     model_name: str  # the name clients send in ``model``
     metrics: Metrics
     tokenizer: Any  # the engine's tokenizer (encode, decode, id_to_token, chat template)

@@ -4,6 +4,8 @@ the scraper)."""
 
 from __future__ import annotations
 
+import operator
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -21,7 +23,7 @@ metrics_router = APIRouter()
 async def reset_prefix_cache(state: State) -> JSONResponse:
     """vLLM's endpoint: forget every cached KV block (phase 7), e.g. between benchmark runs."""
     try:
-        dropped = await state.engine.call(lambda eng: eng.reset_prefix_cache())
+        dropped = await state.engine.call(operator.methodcaller("reset_prefix_cache"))
     except EngineDead:
         return error_response(503, "the engine is not running", None, "server_unavailable")
     return JSONResponse({"prefix_caching": state.prefix_caching, "num_blocks_dropped": dropped})
@@ -32,7 +34,10 @@ async def reset_prefix_cache(state: State) -> JSONResponse:
                                      "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def prom(state: State) -> Response:
     engine = state.engine
-    eng = engine.engine
-    body = state.metrics.render(engine.num_running, engine.num_waiting, eng.scheduler.kv_cache_usage(),
-                                engine.num_preemptions, scheduler=eng.scheduler, output_processor=eng.output_processor)
+    try:
+        scheduler, output_processor, kv_usage = await engine.metrics_sources()
+    except EngineDead:  # the counters recorded so far are still served
+        scheduler, output_processor, kv_usage = None, None, 0.0
+    body = state.metrics.render(engine.num_running, engine.num_waiting, kv_usage, engine.num_preemptions,
+                                scheduler=scheduler, output_processor=output_processor)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

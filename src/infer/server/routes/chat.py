@@ -71,7 +71,7 @@ async def parse_chat(req: ChatCompletionRequest, state: ServerState) -> tuple[li
     if tools.template_tools is not None:
         template_kwargs = {**(template_kwargs or {}), "tools": tools.template_tools}
     messages = req.message_dicts()
-    inputs = state.engine.engine.input_processor
+    inputs = state.engine.info.input_processor
     try:
         inputs.check_chars(_text_size(messages), "messages")
     except InvalidRequestError as e:

@@ -12,6 +12,8 @@ unloaded adapter can never be hit by a later one of the same name.
 
 from __future__ import annotations
 
+import operator
+
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
@@ -34,7 +36,7 @@ async def load_lora_adapter(req: LoadLoRAAdapterRequest, state: State) -> Respon
     lora = LoRARequest(name, state.next_lora_id, req.lora_path)
     state.next_lora_id += 1
     try:
-        await state.engine.call(lambda eng: eng.add_lora(lora))
+        await state.engine.call(operator.methodcaller("add_lora", lora))
     except InvalidRequestError as e:
         return error_response(400, str(e), "lora_path")
     except EngineDead:
@@ -54,7 +56,7 @@ async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, state: State) -> Re
         return error_response(404, f"The lora adapter {name!r} cannot be found.", "lora_name", "not_found_error",
                               "model_not_found")
     try:
-        await state.engine.call(lambda eng: eng.remove_lora(lora.lora_int_id))
+        await state.engine.call(operator.methodcaller("remove_lora", lora.lora_int_id))
     except InvalidRequestError as e:
         return error_response(400, str(e), "lora_name")
     except EngineDead:

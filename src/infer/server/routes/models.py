@@ -29,7 +29,7 @@ router = APIRouter()
 def model_card(state: ServerState) -> dict:
     """OpenAI's model object for the served model (vLLM adds ``max_model_len``)."""
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "infer",
-            "max_model_len": state.engine.engine.max_model_len}
+            "max_model_len": state.engine.info.max_model_len}
 
 
 def lora_card(state: ServerState, lora: LoRARequest) -> dict:
@@ -67,7 +67,7 @@ async def tokenize(req: TokenizeRequest, state: State) -> JSONResponse:
     text = parse_tokenize(req, state)
     ids = state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     strs = [state.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
-    return JSONResponse({"count": len(ids), "max_model_len": state.engine.engine.max_model_len, "tokens": ids,
+    return JSONResponse({"count": len(ids), "max_model_len": state.engine.info.max_model_len, "tokens": ids,
                          "token_strs": strs})
 
 
@@ -75,7 +75,7 @@ async def tokenize(req: TokenizeRequest, state: State) -> JSONResponse:
                                                         413))
 async def detokenize(req: DetokenizeRequest, state: State) -> JSONResponse:
     check_model(req.model, state)
-    vocab = state.engine.engine.vocab_size
+    vocab = state.engine.info.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         return error_response(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
@@ -91,8 +91,8 @@ def tokenizer_info_body(state: ServerState) -> dict:
         **{k: specials.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")},
         "chat_template": getattr(tokenizer, "chat_template", None),
         "add_bos_token": bool(getattr(tokenizer, "add_bos_token", False)),
-        "model_max_length": state.engine.engine.max_model_len,
-        "vocab_size": state.engine.engine.vocab_size,
+        "model_max_length": state.engine.info.max_model_len,
+        "vocab_size": state.engine.info.vocab_size,
     }
 
 

@@ -1,0 +1,237 @@
+"""The engine in a process of its own (``python -m infer.server --engine-process``,
+:class:`infer.server.engine_core.EngineProcess`): the same answers as the engine on a thread, the same
+behaviour on disconnects, bad input, failed steps and a dead engine, and no engine process left behind.
+
+One engine process serves most tests (module scope: a spawned process imports torch and builds the
+engine, ~3 s); the tests that break an engine start their own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import operator
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from infer.config import EngineConfig
+from infer.engine import LLMEngine
+from infer.errors import InvalidRequestError
+from infer.server.app import build_app
+from infer.server.async_engine import AsyncEngine, EngineDead
+from infer.server.engine_core import EngineProcess
+from tests.server_fixture import ServerProcess, metric_value, wait_until
+
+
+def _config(path) -> EngineConfig:
+    return EngineConfig(model=str(path), device="cpu", dtype="float32", max_model_len=256, batching="continuous",
+                        kv_cache="paged", block_size=16, prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    """``(engine process, engine thread)``: the same configuration both ways."""
+    proc = EngineProcess(_config(tiny_llama.path))
+    thread = AsyncEngine(lambda: LLMEngine(_config(tiny_llama.path), loaded=tiny_llama, progress=False))
+    yield proc, thread
+    proc.shutdown()
+    thread.shutdown()
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
+
+
+def sse(text: str) -> list:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def _strip(body: dict) -> dict:
+    """A completion without what differs between two servers (ids, timestamps)."""
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+BODIES = [
+    {"prompt": [5, 17, 99, 3, 42], "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+    {"prompt": "The capital of", "max_tokens": 9, "temperature": 0, "ignore_eos": True, "logprobs": 2},
+    {"prompt": [7, 7, 8], "max_tokens": 6, "temperature": 0.8, "seed": 3, "n": 2, "ignore_eos": True},
+    {"prompt": [1, 2, 3, 4], "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True},
+]
+
+
+async def _answers(app) -> list:
+    async with client(app) as c:  # one at a time: the same batches (the same float sums) both ways
+        rs = [await c.post("/v1/completions", json=b) for b in BODIES]
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    return [[_strip(e) for e in sse(r.text)] if b.get("stream") else _strip(r.json()) for b, r in zip(BODIES, rs)]
+
+
+def test_engine_process_answers_as_the_engine_thread(engines):
+    """Greedy, sampled (seeded, n=2), logprob and streamed completions: the engine process's answers equal
+    the engine thread's, field by field."""
+    proc, thread = engines
+    assert proc.engine is None and proc.process.pid != os.getpid()
+    assert proc.info.max_model_len == thread.info.max_model_len == 256
+    assert proc.info.cache_config == thread.info.cache_config
+    got, want = asyncio.run(_answers(build_app(proc, "tiny"))), asyncio.run(_answers(build_app(thread, "tiny")))
+    assert got == want
+    assert len(got[3]) >= 10 and got[0]["usage"]["completion_tokens"] == 12
+
+
+def _refuse(eng) -> None:
+    """Run in the engine process: raise an error the server answers 400 to."""
+    raise InvalidRequestError("refused in the engine process", param="prompt")
+
+
+def test_bad_requests_and_calls_leave_the_engine_process_serving(engines):
+    """A prompt outside the vocabulary is a 400 (refused in the server's process); a call the pipe cannot
+    carry (a lambda) raises TypeError, one that raises in the engine process raises the same error here;
+    the engine serves the next request."""
+    proc, _ = engines
+    app = build_app(proc, "tiny")
+
+    async def go():
+        async with client(app) as c:
+            bad = await c.post("/v1/completions", json={"prompt": [10 ** 6], "max_tokens": 2})
+            with pytest.raises(TypeError, match="cannot send 'call'"):
+                await proc.call(lambda eng: eng.num_running)
+            with pytest.raises(InvalidRequestError, match="refused in the engine process") as refused:
+                await proc.call(_refuse)
+            assert refused.value.param == "prompt"
+            good = await c.post("/v1/completions", json=BODIES[0])
+            return bad, good
+
+    bad, good = asyncio.run(go())
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 12
+    assert proc.alive
+
+
+def test_abort_in_the_engine_process_and_metrics_come_from_it(engines):
+    """A stream closed after its first output (a client that went away) aborts the request in the engine
+    process: its final output says ``abort`` and is counted, running falls back to 0; /metrics reads the
+    scheduler's and output processor's statistics from the engine process (steps, prefix-cache queries),
+    and /reset_prefix_cache reaches its cache."""
+    from infer.sampling import SamplingParams
+
+    proc, _ = engines
+    app = build_app(proc, "tiny")
+    finished = []
+    record = proc.on_finished
+    proc.on_finished = lambda out: (finished.append(out), record(out))
+
+    async def go():
+        stream = await proc.submit([3, 4, 5, 6], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        first = await stream.__anext__()
+        await stream.aclose()
+        for _ in range(200):
+            if finished:
+                break
+            await asyncio.sleep(0.02)
+        async with client(app) as c:
+            await c.post("/v1/completions", json=BODIES[0])
+            return first, (await c.get("/metrics")).text, (await c.post("/reset_prefix_cache")).json()
+
+    try:
+        first, text, reset = asyncio.run(go())
+    finally:
+        proc.on_finished = record
+    assert not first.finished and finished[0].request_id == first.request_id
+    assert finished[0].outputs[0].finish_reason == "abort" and proc.num_running == 0
+    assert metric_value(text, "infer:request_success_total", finished_reason="abort") == 1
+    assert metric_value(text, "infer:iteration_tokens_total_count") > 0
+    assert metric_value(text, "infer:prefix_cache_queries_total") > 0
+    assert reset["prefix_caching"] is True and reset["num_blocks_dropped"] >= 1
+
+
+def _failing_step(eng) -> None:
+    """Run in the engine process: its next forward raises (once)."""
+    execute = eng.runner.execute
+
+    def fail(*args, **kwargs):
+        eng.runner.execute = execute
+        raise RuntimeError("injected fault")
+
+    eng.runner.execute = fail
+
+
+def test_failed_step_and_dead_engine_process(tiny_llama):
+    """A step that raises fails its request with a 500 and the engine process serves on; when the engine
+    process dies (SIGKILL) an open stream ends with EngineDead (the routes' 503 / error event), /health says
+    503, a new request gets 503, and shutdown returns at once."""
+    from infer.sampling import SamplingParams
+
+    proc = EngineProcess(_config(tiny_llama.path))
+    app = build_app(proc, "tiny")
+    try:
+        async def go():
+            async with client(app) as c:
+                await proc.call(_failing_step)
+                failed = await c.post("/v1/completions", json=BODIES[0])
+                served = await c.post("/v1/completions", json=BODIES[0])
+                stream = await proc.submit([3, 4, 5], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+                await stream.__anext__()
+                os.kill(proc.process.pid, signal.SIGKILL)
+                with pytest.raises(EngineDead, match="engine process exited"):
+                    async for _ in stream:
+                        pass
+                for _ in range(200):
+                    if not proc.alive:
+                        break
+                    await asyncio.sleep(0.02)
+                return failed, served, await c.get("/health"), await c.post("/v1/completions", json=BODIES[0])
+
+        failed, served, health, after = asyncio.run(go())
+    finally:
+        start = time.monotonic()
+        proc.shutdown()
+        stopped = time.monotonic() - start
+    assert failed.status_code == 500 and "injected fault" in failed.json()["error"]["message"]
+    assert served.status_code == 200
+    assert health.status_code == 503 and after.status_code == 503
+    assert stopped < 5 and not proc.process.is_alive()
+    with pytest.raises(EngineDead):
+        proc.call_blocking(operator.methodcaller("reset_prefix_cache"))
+
+
+def test_cli_engine_process_with_the_openai_client(tiny_llama, tmp_path):
+    """``python -m infer.server --engine-process``: the official ``openai`` client gets the tokens the offline
+    engine makes; SIGTERM ends the server and its engine process; ``--live-page`` is refused with the reason."""
+    import openai
+
+    server = ServerProcess(tmp_path, ["--model", str(tiny_llama.path), "--max-model-len", "256", "--engine-process"],
+                           name="engine-process").wait_ready()
+    try:
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        assert children, "no engine process"
+        out = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none").completions.create(
+            model=str(tiny_llama.path), prompt=[5, 17, 99, 3, 42], max_tokens=12, temperature=0,
+            extra_body={"ignore_eos": True})
+        assert "in a process of its own" in server.stderr()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.proc.wait(30)
+        server.stop()
+    wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children), 10,
+               "the engine process to exit")
+    eng = LLMEngine(EngineConfig(model=str(tiny_llama.path), device="cpu", dtype="float32", max_model_len=256),
+                    loaded=tiny_llama, progress=False)
+    from infer.sampling import SamplingParams
+
+    eng.add_request([5, 17, 99, 3, 42], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), request_id="r")
+    final = None
+    while eng.has_unfinished_requests():
+        final = [o for o in eng.step(stream=False) if o.finished] or final
+    assert out.choices[0].text == final[0].outputs[0].text
+
+    refused = ServerProcess(tmp_path, ["--model", str(tiny_llama.path), "--engine-process", "--live-page"],
+                            name="live-refused")
+    try:
+        assert refused.proc.wait(60) == 2
+        assert "live page" in refused.stderr() and "--engine-process" in refused.stderr()
+    finally:
+        refused.stop()
