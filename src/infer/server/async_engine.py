@@ -347,11 +347,7 @@ class AsyncEngine:
         Raises:
             EngineDead: the engine is not running. What ``fn`` raised is re-raised.
         """
-        if not self.alive:
-            raise EngineDead("the engine is not running")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", fn, fut))
-        return await asyncio.wrap_future(fut)
+        return await asyncio.wrap_future(self._post_call(fn))
 
     def call_blocking(self, fn: Callable[[LLMEngine], Any], timeout: float | None = None) -> Any:
         """:meth:`call` from a thread that is not the event loop's, waiting for the result (start-up:
@@ -360,11 +356,14 @@ class AsyncEngine:
         Raises:
             EngineDead: the engine is not running. What ``fn`` raised is re-raised.
         """
+        return self._post_call(fn).result(timeout)
+
+    def _post_call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         if not self.alive:
             raise EngineDead("the engine is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", fn, fut))
-        return fut.result(timeout)
+        return fut
 
     async def metrics_sources(self) -> tuple[Any, Any, float]:
         """What ``/metrics`` reads at a scrape: the engine's scheduler and output processor (their per-step
