@@ -133,10 +133,16 @@ def test_varlen_forms_equal_one_sequence_at_a_time():
         at += n
     with pytest.raises(ValueError, match="add up"):
         gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, [150, 1])
+    stacked = torch.stack([torch.zeros(3, 16, 8) if s is None else s for s in inits])  # one gathered tensor
+    o2, finals2 = gdr.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, stacked)
+    torch.testing.assert_close(o2, o)
+    torch.testing.assert_close(finals2, finals)
 
     x, weight = torch.randn(sum(lens), 6, generator=gen), torch.randn(6, 4, generator=gen)
     convs = [torch.randn(6, 3, generator=gen), None, torch.randn(6, 3, generator=gen), None]
     y = gdr.causal_conv1d_varlen(x, weight, lens, convs)
+    torch.testing.assert_close(gdr.causal_conv1d_varlen(x, weight, lens, torch.stack(
+        [torch.zeros(6, 3) if c is None else c for c in convs])), y)
     at = 0
     for i, n in enumerate(lens):
         want_y, want_state = gdr.causal_conv1d(x[at:at + n], weight, convs[i])
@@ -198,6 +204,9 @@ def test_triton_prefill_rule_normalizes_and_gates_in_its_kernels():
     got = tri.prefill_rule(*args, states_out=got_states)
     for x, ref in [*zip(got, want), (got_states[0][64], want_states[0][64]), (got_states[2][128], want_states[2][128])]:
         torch.testing.assert_close(x, ref, atol=5e-5, rtol=1e-5)
+    stacked = torch.stack([torch.zeros(hv, dk, dv) if s is None else s for s in inits])  # the states gathered at once
+    for x, ref in zip(tri.prefill_rule(*args[:-1], stacked), want):
+        torch.testing.assert_close(x, ref, atol=5e-5, rtol=1e-5)
 
 
 @interpreted
@@ -218,8 +227,46 @@ def test_triton_varlen_convolution_matches_the_reference():
     torch.testing.assert_close(tri.causal_conv1d_varlen(x, weight, lens, convs), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(tri.causal_conv1d_varlen(x, weight, lens, [None] * 5),
                                gdr.causal_conv1d_varlen(x, weight, lens, [None] * 5), atol=1e-5, rtol=1e-5)
+    stacked = torch.stack([torch.zeros(c, 3) if s is None else s for s in convs])  # zeros: a fresh sequence
+    torch.testing.assert_close(tri.causal_conv1d_varlen(x, weight, lens, stacked), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="add up"):
         tri.causal_conv1d_varlen(x, weight, [1, 2], [None, None])
+
+
+def test_prefill_states_gather_and_conv_states_equal_the_per_sequence_forms():
+    """:class:`~infer.models.qwen3_5.PrefillStates`, which reads and writes every prefill's state in one op per
+    layer: its gather gives each resumed sequence its slot's state and a fresh one zeros (its slot holds NaN
+    leftovers here), and its conv states after each prefill and after the snapshot counts equal
+    :func:`~infer.kernels.gated_delta_reference.conv_state_after` per sequence, for sequences shorter than
+    the ``K - 1`` taps (part of the state comes from before the step), with and without a state."""
+    from infer.models.qwen3_5 import PrefillStates
+
+    gen = torch.Generator().manual_seed(5)
+    lens, resume, slots, c, w = [1, 2, 7, 40], [True, False, True, False], [6, 0, 3, 2], 5, 3
+    starts = [sum(lens[:j]) for j in range(len(lens))]
+    snaps = [(3, 0, 9), (2, 2, 8), (3, 33, 7), (0, 1, 5)]  # (prefill, token count, snapshot slot)
+    pool = torch.full((10, c, w), float("nan"))
+    for slot, keep in zip(slots, resume):
+        if keep:
+            pool[slot] = torch.randn(c, w, generator=gen)
+    io = PrefillStates(slots, resume, starts, lens, snaps, w, torch.device("cpu"))
+    conv0 = io.gather(pool)
+    inits = [pool[slot] if keep else None for slot, keep in zip(slots, resume)]
+    for j, init in enumerate(inits):
+        torch.testing.assert_close(conv0[j], torch.zeros(c, w) if init is None else init)
+    x = torch.randn(sum(lens), c + 4, generator=gen)[:, 2:2 + c]  # a column slice, as the layer's rows are
+    seq = [x[s:s + n] for s, n in zip(starts, lens)]
+    got = io.conv_states_after(x, conv0, io.ends)
+    for j, n in enumerate(lens):
+        torch.testing.assert_close(got[j], gdr.conv_state_after(seq[j], inits[j], n, w))
+    got = io.conv_states_after(x, conv0, io.snap_ends)
+    for m, (j, end, _) in enumerate(snaps):
+        torch.testing.assert_close(got[m], gdr.conv_state_after(seq[j], inits[j], end, w))
+    assert io.snap_slots.tolist() == [9, 8, 7, 5] and io.snaps == [(3, 0), (2, 2), (3, 33), (0, 1)]
+    fresh = PrefillStates([1, 4], [False, False], [0, 1], [1, 2], [], w, torch.device("cpu"))
+    assert fresh.gather(pool) is None and not fresh.snaps
+    torch.testing.assert_close(fresh.conv_states_after(x[:3], None, fresh.ends)[0],
+                               gdr.conv_state_after(x[:1], None, 1, w))
 
 
 def test_conv1d_update_steps_equal_the_prefill_convolution():

@@ -72,9 +72,7 @@ def _fla_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     t, h, dk = k.shape
     dv = v.shape[-1]
     reference.check_seq_lens(seq_lens, t)
-    inits = initial_states or [None] * len(seq_lens)
-    zeros = q.new_zeros(h, dk, dv, dtype=torch.float32)  # one for every fresh sequence (stack copies it)
-    h0 = torch.stack([zeros if s is None else s.float() for s in inits])
+    h0 = reference.stacked_initial_states(initial_states, len(seq_lens), h, dk, dv, q.device)
     bounds, bounds_dev = _cu_seqlens(tuple(int(n) for n in seq_lens), q.device)
     q, k, v = (x.contiguous()[None] for x in (q, k, v))  # ([1, T, H, D]: cu_seqlens' layout)
     o, final = chunk_gated_delta_rule(q, k, v, g.float().contiguous()[None], beta.to(v.dtype).contiguous()[None],

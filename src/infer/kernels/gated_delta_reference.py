@@ -62,10 +62,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[int],
-                         conv_states: list[torch.Tensor | None]) -> torch.Tensor:
+                         conv_states: list[torch.Tensor | None] | torch.Tensor) -> torch.Tensor:
     """:func:`causal_conv1d` over several sequences' tokens back to back (``seq_lens``, as
     :func:`chunk_gated_delta_rule_varlen` takes them), each after its own ``conv_states[i]`` (``[C, K - 1]``,
-    None: zeros), in one convolution: each sequence's ``K - 1`` previous inputs, then its tokens, laid side
+    None: zeros; or all of them stacked, ``[B, C, K - 1]``), in one convolution: each sequence's ``K - 1`` previous inputs, then its tokens, laid side
     by side. (:func:`conv_state_after` gives the states after any token count.)
 
     Returns:
@@ -209,6 +209,26 @@ def check_states_out(seq_lens: list[int], states_out: list[dict[int, torch.Tenso
                              f"{sorted(wanted)}")
 
 
+def initial_state_list(initial_states: list[torch.Tensor | None] | torch.Tensor | None, n: int
+                       ) -> list[torch.Tensor | None]:
+    """The chunked rules' ``initial_states`` as a list of ``n``: None (every sequence fresh), a list (None for a
+    fresh one), or one stacked float32 ``[n, H, Dk, Dv]`` tensor (its rows; zeros for a fresh one: what a
+    step's prefills gather from their state slots in one read)."""
+    if initial_states is None:
+        return [None] * n
+    return list(initial_states.unbind(0)) if isinstance(initial_states, torch.Tensor) else list(initial_states)
+
+
+def stacked_initial_states(initial_states: list[torch.Tensor | None] | torch.Tensor | None, n: int, h: int, dk: int,
+                           dv: int, device: torch.device) -> torch.Tensor:
+    """``initial_states`` (as :func:`initial_state_list` takes them) as one float32 ``[n, H, Dk, Dv]`` tensor:
+    a stacked tensor as it is (no copy), else the states stacked, zeros for the fresh sequences."""
+    if isinstance(initial_states, torch.Tensor):
+        return initial_states.float().contiguous()
+    zeros = torch.zeros(h, dk, dv, device=device)  # one for every fresh sequence (stack copies it)
+    return torch.stack([zeros if s is None else s.float() for s in initial_state_list(initial_states, n)])
+
+
 def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                   beta: torch.Tensor, seq_lens: list[int],
                                   initial_states: list[torch.Tensor | None] | None = None, scale: float | None = None,
@@ -224,7 +244,8 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     Args:
         q, k: ``[T, H, Dk]``; v: ``[T, H, Dv]``; g, beta: ``[T, H]`` with ``T = sum(seq_lens)``.
         seq_lens: each sequence's tokens (>= 1).
-        initial_states: per sequence a float32 ``[H, Dk, Dv]`` state or None (zeros); default all zeros.
+        initial_states: per sequence a float32 ``[H, Dk, Dv]`` state or None (zeros), or all of them stacked
+            (``[B, H, Dk, Dv]``, :func:`initial_state_list`); default all zeros.
         states_out: per sequence, as :func:`chunk_gated_delta_rule`'s (token counts of that sequence).
 
     Returns:
@@ -273,9 +294,8 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     q_decayed = q * gc.exp()[..., None]
     k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
     chunk_decay = gc[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
-    inits = initial_states or [None] * nseq
-    state = torch.stack([q.new_zeros(h, dk, dv) if inits[i] is None else inits[i].float() for i in order],
-                        dim=1)  # [H, B, Dk, Dv], the sorted order
+    state = stacked_initial_states(initial_states, nseq, h, dk, dv, q.device)[order].transpose(0, 1)  # [H, B, Dk,
+    # Dv], the sorted order
     wanted = [(r, states_out[i]) for r, i in enumerate(order) if states_out[i]] if states_out else []
     for r, counts in wanted:
         if 0 in counts:
@@ -323,7 +343,7 @@ def chunk_rule_in_rounds(rule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     check_states_out(seq_lens, states_out, chunk_size)
     starts = np.concatenate(([0], np.cumsum(seq_lens)))
     cuts = [sorted({n for n in wanted if 0 < n < total} | {total}) for total, wanted in zip(seq_lens, states_out)]
-    states = [None if s is None else s.float() for s in (initial_states or [None] * len(seq_lens))]
+    states = [None if s is None else s.float() for s in initial_state_list(initial_states, len(seq_lens))]
     for i, wanted in enumerate(states_out):
         if 0 in wanted:
             wanted[0] = q.new_zeros(h, dk, v.shape[-1], dtype=torch.float32) if states[i] is None else states[i].clone()

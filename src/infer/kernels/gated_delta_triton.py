@@ -123,7 +123,7 @@ def _varlen_rows(seq_lens: tuple[int, ...], has_state: tuple[bool, ...], device:
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[int],
-                         conv_states: list[torch.Tensor | None]) -> torch.Tensor:
+                         conv_states: list[torch.Tensor | None] | torch.Tensor) -> torch.Tensor:
     """:func:`infer.kernels.gated_delta_reference.causal_conv1d_varlen` in one kernel: a step's prefills
     back to back, each after its own conv state (None: zeros), ``silu`` of the ``K``-tap causal
     convolution. One program per ``BT`` rows and ``BC`` channels; a tap that reaches before its row's
@@ -132,7 +132,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[i
 
     Args:
         x: ``[T, C]`` (rows may be strided: a column slice of the merged in-projection), ``T = sum(seq_lens)``;
-        weight: ``[C, K]``; conv_states: per sequence ``[C, K - 1]`` or None.
+        weight: ``[C, K]``; conv_states: per sequence ``[C, K - 1]`` or None, or all of them stacked
+        (``[B, C, K - 1]``, zeros for a fresh sequence).
 
     Returns:
         ``y [T, C]`` in ``x.dtype``.
@@ -145,9 +146,13 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[i
     if sum(seq_lens) != t or x.stride(1) != 1:
         raise ValueError(f"seq_lens must add up to the {t} rows of an x with contiguous rows, got {seq_lens} "
                          f"and strides {x.stride()}")
-    given = [s for s in conv_states if s is not None]
-    states = torch.stack(given) if given else x.new_zeros(1, c, k - 1)
-    rows = _varlen_rows(tuple(seq_lens), tuple(s is not None for s in conv_states), x.device)
+    if isinstance(conv_states, torch.Tensor):  # stacked, zeros for a fresh sequence: every row reads its own
+        states, has = conv_states, (True,) * len(seq_lens)
+    else:
+        given = [s for s in conv_states if s is not None]
+        states = torch.stack(given) if given else x.new_zeros(1, c, k - 1)
+        has = tuple(s is not None for s in conv_states)
+    rows = _varlen_rows(tuple(seq_lens), has, x.device)
     out = torch.empty(t, c, dtype=x.dtype, device=x.device)
     bt, bc = 32, min(128, triton.next_power_of_2(c))
     _conv_varlen_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](
@@ -549,9 +554,7 @@ def _chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                                       tuple(tuple(sorted(int(n) for n in counts if n)) for counts in wanted), c,
                                       q.device)
     chunks, seqs = table[:3 * total], table[3 * total:]
-    inits = initial_states or [None] * len(seq_lens)
-    zeros = torch.zeros(h, dk, dv, device=q.device)  # one for every fresh sequence (stack copies it)
-    s0 = torch.stack([zeros if s is None else s.float() for s in inits])
+    s0 = reference.stacked_initial_states(initial_states, len(seq_lens), h, dk, dv, q.device)
     w = torch.empty(total * c, h, dk, dtype=torch.float32, device=q.device)
     u = torch.empty(total * c, h, dv, dtype=torch.float32, device=q.device)
     o = torch.empty(t, h, dv, dtype=torch.float32, device=q.device)
