@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         client.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hello", "max_tokens": 1},
                     timeout=120).raise_for_status()
         first_answer = time.perf_counter() - t0
-        idle_rss = psutil.Process(proc.pid).memory_info().rss / 2**20
+        idle_rss = sum(p.memory_info().rss for p in _with_children(proc.pid)) / 2**20  # (with its engine process)
         print(f"server ready in {ready:.2f} s, first answer at {first_answer:.2f} s, idle RSS {idle_rss:.0f} MB",
               flush=True)
 
@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": environment("cpu" if not torch.cuda.is_available() else "cuda"),
         "model": args.model,
         "engine_config": dataclasses.asdict(llm.config),  # the server's too: same flags, same defaults
+        "server_args": args.server_args,  # --engine-process: the server's engine in a process of its own
         "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len, "pairs": args.repeats,
                      "greedy": True, "ignore_eos": True,
                      "client": "http.client, one kept-alive connection" + (" (and one httpx.Client)" if args.httpx else "")},
