@@ -36,6 +36,8 @@ class ServerProcess:
         name: names the log files.
         env: extra environment variables. ``INFER_API_KEY`` and ``VLLM_API_KEY`` are emptied unless
             given here: a key in the developer's environment would make every server require it.
+
+    ``INFER_TEST_SERVER_ARGS`` (environment) adds flags to every server, e.g. ``--engine-process``.
     """
 
     def __init__(self, log_dir: Path, args: list[str], name: str = "server", env: dict[str, str] | None = None):
@@ -43,7 +45,13 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.stdout_path = Path(log_dir) / f"{name}.stdout"
         self.stderr_path = Path(log_dir) / f"{name}.stderr"
-        self.cmd = [sys.executable, "-m", "infer.server", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        # INFER_TEST_SERVER_ARGS: flags for every server the tests start, e.g. "--engine-process" to run the
+        # server suites against the engine in its own process (the live page's servers keep the thread)
+        extra = os.environ.get("INFER_TEST_SERVER_ARGS", "").split()
+        if "--live-page" in args:
+            extra = [a for a in extra if a != "--engine-process"]
+        self.cmd = [sys.executable, "-m", "infer.server", "--host", "127.0.0.1", "--port", str(self.port), *args,
+                    *extra]
         self._out = open(self.stdout_path, "wb")  # noqa: SIM115 (closed in stop())
         self._err = open(self.stderr_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(self.cmd, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
