@@ -217,7 +217,8 @@ def test_failed_step_and_dead_engine_process(tiny_llama):
 
 def test_cli_engine_process_with_the_openai_client(tiny_llama, tmp_path):
     """``python -m infer.server --engine-process``: the official ``openai`` client gets the tokens the offline
-    engine makes; SIGTERM ends the server and its engine process; ``--live-page`` is refused with the reason."""
+    engine makes; SIGTERM ends the server and its engine process; ``--live-page`` is refused with the reason, and
+    a model the engine process cannot load exits with its error (status 2)."""
     import openai
 
     server = ServerProcess(tmp_path, ["--model", str(tiny_llama.path), "--max-model-len", "256", "--engine-process"],
@@ -247,8 +248,12 @@ def test_cli_engine_process_with_the_openai_client(tiny_llama, tmp_path):
 
     refused = ServerProcess(tmp_path, ["--model", str(tiny_llama.path), "--engine-process", "--live-page"],
                             name="live-refused")
+    missing = ServerProcess(tmp_path, ["--model", str(tmp_path / "no-such-model"), "--engine-process"],
+                            name="missing")  # the engine process's ModelLoadError, raised in the server's
     try:
         assert refused.proc.wait(60) == 2
         assert "live page" in refused.stderr() and "--engine-process" in refused.stderr()
+        assert missing.proc.wait(60) == 2 and "no-such-model: no such file" in missing.stderr()
     finally:
         refused.stop()
+        missing.stop()
