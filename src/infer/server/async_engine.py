@@ -111,6 +111,29 @@ class EngineInfo:
                    str(eng.runner.device))
 
 
+def failure_message(e: EngineStepError) -> str:
+    """What a request whose step failed is told (its stream ends with :class:`RequestFailed`)."""
+    cause = e.__cause__ or e
+    return f"internal error while running this request: {type(cause).__name__}: {cause}"
+
+
+def step_engine(eng: LLMEngine, failures: int, on_failure: Callable[[EngineStepError, int], None]
+                ) -> tuple[list[RequestOutput], int]:
+    """One streamed step of ``eng`` if a request is unfinished: ``(its outputs, failed steps in a row)``. A
+    step that raises :class:`~infer.errors.EngineStepError` (the engine has aborted its requests) is logged
+    with its cause and handed to ``on_failure(error, failures in a row)``, which may re-raise it."""
+    if not eng.has_unfinished_requests():
+        return [], failures
+    try:
+        return eng.step(stream=True), 0
+    except EngineStepError as e:
+        failures += 1
+        log.error("engine step failed (%d in a row); failing its requests %s", failures, ", ".join(e.request_ids),
+                  exc_info=e.__cause__ or e)
+        on_failure(e, failures)
+        return [], failures
+
+
 class RequestStream:
     """The outputs of one submitted request, as an async iterator (see :meth:`AsyncEngine.submit`)."""
 
@@ -495,19 +518,16 @@ class AsyncEngine:
         # <<< EXERCISE abort_request
 
     def _fail_step(self, e: EngineStepError, failures: int) -> None:
-        """A step failed: log it once, count its requests as finished (``finish_reason="error"``,
-        from the final outputs ``e`` carries), end their streams with :class:`RequestFailed` (the
-        engine has aborted them), and re-raise ``e`` after ``max_step_failures`` in a row."""
-        cause = e.__cause__ or e
-        log.error("engine step failed (%d in a row); failing its requests %s", failures, ", ".join(e.request_ids),
-                  exc_info=cause)
+        """A step failed (:func:`step_engine` logged it): count its requests as finished
+        (``finish_reason="error"``, from the final outputs ``e`` carries), end their streams with
+        :class:`RequestFailed` (the engine has aborted them), and re-raise ``e`` after
+        ``max_step_failures`` in a row."""
         for out in e.outputs:
             self._record_finished(out)
         if failures >= self.max_step_failures:
             raise e
         for rid in e.request_ids:
-            self._deliver(rid, RequestFailed(f"internal error while running this request: "
-                                             f"{type(cause).__name__}: {cause}"))
+            self._deliver(rid, RequestFailed(failure_message(e)))
             self._streams.pop(rid, None)
             self._awaiting_first.discard(rid)
 
@@ -538,14 +558,7 @@ class AsyncEngine:
                     pass
                 if self._stopping.is_set():
                     break
-                outs = []
-                if eng.has_unfinished_requests():
-                    try:
-                        outs = eng.step(stream=True)
-                        failures = 0
-                    except EngineStepError as e:
-                        failures += 1
-                        self._fail_step(e, failures)
+                outs, failures = step_engine(eng, failures, self._fail_step)
                 # published before the delivery, which may wait for the event loop (the first-token hand-off):
                 # whoever reads an output must not then read the counts of before its step
                 self.num_running, self.num_waiting = eng.num_running, eng.num_waiting

@@ -51,7 +51,14 @@ from infer.config import EngineConfig
 from infer.engine.output_processor import OutputProcessor
 from infer.errors import EngineStepError
 from infer.outputs import RequestOutput
-from infer.server.async_engine import AsyncEngine, EngineDead, EngineInfo, RequestFailed
+from infer.server.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    EngineInfo,
+    RequestFailed,
+    failure_message,
+    step_engine,
+)
 
 log = logging.getLogger("infer.server")
 
@@ -135,6 +142,14 @@ class _EngineLoop:
             self.send("reply", key, result)
         return kind == "shutdown"
 
+    def _fail_step(self, e: EngineStepError, failures: int) -> None:
+        """A failed step: its requests' final outputs and message to the server; re-raised after
+        ``max_step_failures`` in a row (the process ends)."""
+        fatal = failures >= self.max_step_failures
+        self.send("failed", fatal, (e.request_ids, e.outputs, failure_message(e)))
+        if fatal:
+            raise e
+
     def run(self) -> None:
         eng, conn = self.eng, self.conn
         failures = 0
@@ -147,21 +162,7 @@ class _EngineLoop:
                     stop = self.handle(*conn.recv())  # EOFError: the server is gone
                 if stop:
                     break
-                outs: list[RequestOutput] = []
-                if eng.has_unfinished_requests():
-                    try:
-                        outs = eng.step(stream=True)
-                        failures = 0
-                    except EngineStepError as e:
-                        failures += 1
-                        cause = e.__cause__ or e
-                        log.error("engine step failed (%d in a row); failing its requests %s", failures,
-                                  ", ".join(e.request_ids), exc_info=cause)
-                        fatal = failures >= self.max_step_failures
-                        message = f"internal error while running this request: {type(cause).__name__}: {cause}"
-                        self.send("failed", fatal, (e.request_ids, e.outputs, message))
-                        if fatal:
-                            raise
+                outs, failures = step_engine(eng, failures, self._fail_step)
                 counts = self._counts()
                 if outs or counts != self.counts:
                     self.counts = counts
