@@ -104,10 +104,15 @@ def _refuse(eng) -> None:
     raise InvalidRequestError("refused in the engine process", param="prompt")
 
 
+def _unsendable_result(eng):
+    """Run in the engine process: a result pickle cannot carry."""
+    return lambda: eng
+
+
 def test_bad_requests_and_calls_leave_the_engine_process_serving(engines):
     """A prompt outside the vocabulary is a 400 (refused in the server's process); a call the pipe cannot
-    carry (a lambda) raises TypeError, one that raises in the engine process raises the same error here;
-    the engine serves the next request."""
+    carry (a lambda) raises TypeError, one that raises in the engine process raises the same error here, one
+    whose result the pipe cannot carry raises TypeError; the engine serves the next request."""
     proc, _ = engines
     app = build_app(proc, "tiny")
 
@@ -119,6 +124,8 @@ def test_bad_requests_and_calls_leave_the_engine_process_serving(engines):
             with pytest.raises(InvalidRequestError, match="refused in the engine process") as refused:
                 await proc.call(_refuse)
             assert refused.value.param == "prompt"
+            with pytest.raises(TypeError, match="cannot be sent back"):
+                await proc.call(_unsendable_result)
             good = await c.post("/v1/completions", json=BODIES[0])
             return bad, good
 

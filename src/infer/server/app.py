@@ -31,7 +31,7 @@ routers of ``routes/`` (each endpoint's code), the API key's check attached to t
 
 from __future__ import annotations
 
-import operator
+import functools
 import time
 from typing import Any
 
@@ -219,7 +219,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = MAX_BO
         if name == model_name:
             raise ValueError(f"LoRA module name {name!r} is the served model's name")
         # read and checked now (nothing runs yet)
-        engine.call_blocking(operator.methodcaller("add_lora", state.add_lora_name(name, path)))
+        engine.call_blocking(functools.partial(lora.load_adapter, state.add_lora_name(name, path)))
     if live_page and engine.engine is None:
         raise ValueError("the live page (--live-page) watches the engine's steps in the server's process: it does "
                          "not work with --engine-process")

@@ -139,7 +139,10 @@ class _EngineLoop:
                 result = (True, arg(eng))
             except Exception as e:
                 result = (False, _portable(e))
-            self.send("reply", key, result)
+            try:
+                self.send("reply", key, result)
+            except (pickle.PicklingError, TypeError, AttributeError) as e:  # a result the pipe cannot carry
+                self.send("reply", key, (False, TypeError(f"the call's result cannot be sent back: {e}")))
         return kind == "shutdown"
 
     def _fail_step(self, e: EngineStepError, failures: int) -> None:

@@ -12,6 +12,7 @@ unloaded adapter can never be hit by a later one of the same name.
 
 from __future__ import annotations
 
+import functools
 import operator
 
 from fastapi import APIRouter
@@ -27,6 +28,12 @@ from infer.server.serving import State
 router = APIRouter()
 
 
+def load_adapter(lora: LoRARequest, eng) -> None:
+    """Run by the engine (its thread or process): load ``lora``; nothing comes back (the adapter's weights
+    stay with the engine)."""
+    eng.add_lora(lora)
+
+
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
              responses=text_responses("The adapter is loaded and served under lora_name", 400, 503))
 async def load_lora_adapter(req: LoadLoRAAdapterRequest, state: State) -> Response:
@@ -36,7 +43,7 @@ async def load_lora_adapter(req: LoadLoRAAdapterRequest, state: State) -> Respon
     lora = LoRARequest(name, state.next_lora_id, req.lora_path)
     state.next_lora_id += 1
     try:
-        await state.engine.call(operator.methodcaller("add_lora", lora))
+        await state.engine.call(functools.partial(load_adapter, lora))
     except InvalidRequestError as e:
         return error_response(400, str(e), "lora_path")
     except EngineDead:
