@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -202,7 +203,7 @@ def qk_case(g, t, hq, hkv, d, dtype, norm, max_pos=50, theta=10000.0, pad=0):
 @pytest.mark.parametrize("t", [1, 5])
 def test_qk_norm_rope_matches_reference(dtype, norm, shape, t):
     hq, hkv, d = shape
-    g = torch.Generator().manual_seed(hash((str(dtype), norm, shape, t)) % 10000)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {norm} {shape} {t}".encode()) % 10000)  # (not hash(): varies by run)
     qkv, pos, cache, (qw, kw) = qk_case(g, t, hq, hkv, d, dtype, norm, pad=2 if t > 1 else 0)
     if t > 1:
         pos = pos.to(torch.int32)  # both index dtypes

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import zlib
 
 import pytest
 import torch
@@ -212,7 +213,7 @@ def test_one_row_gemv_scale_paths(method, path, inputs):
 
     if path.startswith("zero") and method != "int4":
         pytest.skip("zero points are int4's")
-    g = torch.Generator().manual_seed(hash((method, path)) % 1000)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{method} {path}".encode()) % 1000)  # (hash() of a str varies by run)
     k = 384 if "one group" in path else 328
     w = torch.randn(37, k, generator=g) + 0.3
     blk, config = {"row scale": ((1, k), (1, 4, 64, 2, False)),
