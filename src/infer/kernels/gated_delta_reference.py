@@ -65,8 +65,9 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[i
                          conv_states: list[torch.Tensor | None] | torch.Tensor) -> torch.Tensor:
     """:func:`causal_conv1d` over several sequences' tokens back to back (``seq_lens``, as
     :func:`chunk_gated_delta_rule_varlen` takes them), each after its own ``conv_states[i]`` (``[C, K - 1]``,
-    None: zeros; or all of them stacked, ``[B, C, K - 1]``), in one convolution: each sequence's ``K - 1`` previous inputs, then its tokens, laid side
-    by side. (:func:`conv_state_after` gives the states after any token count.)
+    None: zeros; or all of them stacked, ``[B, C, K - 1]``), in one convolution: each sequence's ``K - 1``
+    previous inputs, then its tokens, laid side by side. (:func:`conv_state_after` gives the states after any
+    token count.)
 
     Returns:
         ``y [T, C]`` in ``x.dtype``.
@@ -294,8 +295,8 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     q_decayed = q * gc.exp()[..., None]
     k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
     chunk_decay = gc[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
-    state = stacked_initial_states(initial_states, nseq, h, dk, dv, q.device)[order].transpose(0, 1)  # [H, B, Dk,
-    # Dv], the sorted order
+    # [H, B, Dk, Dv], the sorted order
+    state = stacked_initial_states(initial_states, nseq, h, dk, dv, q.device)[order].transpose(0, 1)
     wanted = [(r, states_out[i]) for r, i in enumerate(order) if states_out[i]] if states_out else []
     for r, counts in wanted:
         if 0 in counts:

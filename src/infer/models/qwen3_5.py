@@ -225,8 +225,6 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0]
         first, starts = meta.first_positions(), meta.query_start_loc_cpu
         seqs = range(nd, meta.num_seqs)
-        slots = {i: meta.state_slots_cpu[i] if cache is not None else None for i in seqs}
-        resume = {i: cache is not None and first[i] > 0 for i in seqs}  # a later chunk (a decode came above)
         snaps = {i: [(end, snap) for end, snap in (meta.state_snapshots[i] if cache is not None and
                                                    meta.state_snapshots else ()) if snap >= 0] for i in seqs}
         lo, hi = starts[nd], starts[meta.num_seqs]
@@ -243,7 +241,9 @@ class GatedDeltaNet(nn.Module):
                 io = meta.scratch["prefill_states"] = PrefillStates.of(meta, nd, weight.shape[1] - 1, x.device)
             conv0 = io.gather(cache.conv[idx])  # [N, C, K - 1], zeros for a first chunk (None: all first chunks)
             y = self.decode_ops.causal_conv1d_varlen(x, weight, lens, [None] * len(lens) if conv0 is None else conv0)
-            states = [{end: None for end, _ in snaps[i]} for i in seqs]
+            states = [{} for _ in seqs]
+            for j, end in io.snaps:
+                states[j][end] = None
             out[lo:hi], ssm = self.prefill_ops.prefill_rule(
                 y, a[lo:hi], b[lo:hi], self.A_log, self.dt_bias, self.nk, self.dk, self.nv, self.dv, lens,
                 io.gather(cache.ssm[idx]), states_out=states)
@@ -255,6 +255,8 @@ class GatedDeltaNet(nn.Module):
                 cache.ssm[idx].index_copy_(0, io.snap_slots, torch.stack([states[j][end] for j, end in io.snaps]))
             return
         g, beta = gdr.gating(a, b, self.A_log, self.dt_bias)
+        slots = {i: meta.state_slots_cpu[i] if cache is not None else None for i in seqs}
+        resume = {i: cache is not None and first[i] > 0 for i in seqs}  # a later chunk (a decode came above)
         for i in seqs:
             lo, hi = starts[i], starts[i + 1]
             conv = cache.conv[idx, slots[i]] if resume[i] else None
@@ -302,7 +304,7 @@ class PrefillStates:
 
     def __init__(self, slots: list[int], resume: list[bool], starts: list[int], lens: list[int],
                  snaps: list[tuple[int, int, int]], width: int, device: torch.device) -> None:
-        self.n, self.width = len(slots), width
+        self.width = width
         self.slots = torch.tensor(slots, dtype=torch.int64, device=device)
         self.any_resume, self.all_resume = any(resume), all(resume)
         self.resume = torch.tensor(resume, dtype=torch.bool, device=device)
