@@ -228,7 +228,8 @@ def test_cli_engine_process_with_the_openai_client(tiny_llama, tmp_path):
     a model the engine process cannot load exits with its error (status 2)."""
     import openai
 
-    server = ServerProcess(tmp_path, ["--model", str(tiny_llama.path), "--max-model-len", "256", "--engine-process"],
+    server = ServerProcess(tmp_path, ["--model", str(tiny_llama.path), "--device", "cpu", "--dtype", "float32",
+                                      "--max-model-len", "256", "--engine-process"],
                            name="engine-process").wait_ready()
     try:
         children = psutil.Process(server.proc.pid).children(recursive=True)
