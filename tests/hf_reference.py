@@ -51,6 +51,24 @@ def fast_gguf_reader():
         gguf.GGUFReader = stock
 
 
+@contextlib.contextmanager
+def hf_qwen35_plain_pytorch():
+    """Inside: HF's Qwen3.5 runs its plain-PyTorch gated delta rules. With flash-linear-attention importable
+    (a GPU machine with the extra), transformers' kernel decorator swaps in fla's Triton kernels, which refuse
+    the CPU tensors of an HF reference on the CPU ("Pointer argument ... cannot be accessed from Triton")."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen35
+
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    stock = {name: getattr(hf_qwen35, name) for name in names}
+    for name, fn in stock.items():
+        setattr(hf_qwen35, name, getattr(fn, "__wrapped__", fn))
+    try:
+        yield
+    finally:
+        for name, fn in stock.items():
+            setattr(hf_qwen35, name, fn)
+
+
 def tiny_hf_model(kind: str, seed: int = 0, **overrides):
     """A tiny random-init transformers model: ``kind`` in llama, llama3-scaled, qwen3, gemma3, qwen3_moe,
     qwen3_moe-sparse-step."""

@@ -377,7 +377,7 @@ def test_gated_qk_norm_rope_at_qwen35_4b_shapes():
 
 
 @pytest.mark.parametrize("linear_attention_backend", ["torch", "triton", "fla"])
-def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory, monkeypatch, linear_attention_backend):
+def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory, linear_attention_backend):
     """The tiny Qwen3.5 (3 Gated DeltaNet layers, 1 gated attention), float32 on CUDA with the Triton
     attention and decode-step kernels, paged KV and chunked prefill: HF transformers' greedy tokens (its
     plain-PyTorch rule on the CPU: with flash-linear-attention importable, transformers would call fla's
@@ -385,12 +385,8 @@ def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory, monkeypatch,
     if linear_attention_backend == "fla":
         pytest.importorskip("fla")
     from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen35
 
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-        fn = getattr(hf_qwen35, name)
-        monkeypatch.setattr(hf_qwen35, name, getattr(fn, "__wrapped__", fn))
-
+    from tests.hf_reference import hf_qwen35_plain_pytorch
     from tests.test_generation import hf_greedy
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -398,8 +394,9 @@ def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory, monkeypatch,
 
     path = make_checkpoint("tiny-qwen3.5", tmp_path_factory.mktemp("q35"), dtype="float32", device="cpu")
     prompts = [[5, 6, 7], list(range(100, 164)), [300] * 17, list(range(200, 240))]
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()  # the reference, on the CPU
-    want = [hf_greedy(hf, p, 8) for p in prompts]
+    with hf_qwen35_plain_pytorch():
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()  # the reference, on the CPU
+        want = [hf_greedy(hf, p, 8) for p in prompts]
     got, _ = _generate(path, prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                        dtype="float32", block_size=16, chunked_prefill=True, max_num_batched_tokens=32,
                        attention_backend="triton", linear_attention_backend=linear_attention_backend)

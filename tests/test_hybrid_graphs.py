@@ -24,6 +24,7 @@ from infer.config import EngineConfig
 from infer.engine.cuda_graphs import CUDAGraphRunner, bucket_for, stage_decodes
 from infer.kernels.triton_common import INTERPRET
 from infer.sampling import SamplingParams
+from tests.hf_reference import hf_qwen35_plain_pytorch
 from tests.test_batching import assert_pool_full, drive, make_engine, mixed_workload
 from tests.test_generation import hf_greedy
 
@@ -32,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
-    """``tiny-qwen3.5`` in float32, and HF's model of it on the CPU (HF's reference runs on CPU tensors)."""
+    """``tiny-qwen3.5`` in float32, and HF's model of it on the CPU (HF's reference runs on CPU tensors, through its
+    plain-PyTorch rules)."""
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -40,8 +42,8 @@ def tiny_ckpt(tmp_path_factory):
 
     path = make_checkpoint("tiny-qwen3.5", tmp_path_factory.mktemp("tiny-qwen3.5-graphs"), dtype="float32",
                            device="cpu")
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return path, hf
+    with hf_qwen35_plain_pytorch():  # (on a GPU machine with flash-linear-attention: not its kernels on the CPU)
+        yield path, AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
