@@ -489,11 +489,15 @@ def test_hybrid_flags_and_budget_split(tiny_qwen35, monkeypatch):
     # flash-linear-attention's chunked rule: Triton kernels for GPUs only
     with pytest.raises(ValueError, match="linear_attention_backend='fla' needs a CUDA device"):
         EngineConfig(model="x", device="cpu", linear_attention_backend="fla").validate()
-    with pytest.raises(ValueError, match="linear_attention_backend must be one of torch, triton, fla"):
+    with pytest.raises(ValueError, match="linear_attention_backend must be one of auto, torch, triton, fla"):
         EngineConfig(model="x", device="cpu", linear_attention_backend="cuda").validate()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # infer's Triton kernels: on a CPU only interpreted
     with pytest.raises(ValueError, match="linear_attention_backend='triton' on the CPU needs the Triton interpreter"):
         EngineConfig(model="x", device="cpu", linear_attention_backend="triton").validate()
+    # the default: infer's Triton kernels on CUDA (measured faster than the reference and fla), the reference on a CPU
+    assert EngineConfig(model="x", device="cpu").validate().resolved_linear_attention_backend() == "torch"
+    assert EngineConfig(model="x", device="cuda").resolved_linear_attention_backend() == "triton"
+    assert EngineConfig(model="x", device="cuda", linear_attention_backend="fla").resolved_linear_attention_backend() == "fla"
     assert snapshot_stride(0, 16) == 256 and snapshot_stride(0, 48) == 288 and snapshot_stride(32, 16) == 32
     assert split_state_budget(10_000, 100, 8) == 8 and split_state_budget(1_000, 100, 8) == 5
     with pytest.raises(ValueError, match="recurrent-state slot"):

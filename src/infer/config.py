@@ -36,7 +36,7 @@ KV_CACHE_LAYOUTS = ("contiguous", "paged")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_OFFLOAD_MODES = ("none", "host", "disk")
 MOE_BACKENDS = ("auto", "torch", "triton")
-LINEAR_ATTENTION_BACKENDS = ("torch", "triton", "fla")
+LINEAR_ATTENTION_BACKENDS = ("auto", "torch", "triton", "fla")
 ALL_REDUCE_BACKENDS = ("nccl", "symm_mem")
 ALL2ALL_BACKENDS = ("dynamic", "fixed_capacity")
 
@@ -131,12 +131,13 @@ class EngineConfig(PhaseChecks):
                              "CPU (triton there only under TRITON_INTERPRET=1)", choices=MOE_BACKENDS,
                              ablation=("torch", "triton"), phase=15)
     # ---- phase 17: hybrid linear attention
-    linear_attention_backend: str = _flag("torch", "hybrid models (Qwen3.5): the chunked form of the Gated DeltaNet "
+    linear_attention_backend: str = _flag("auto", "hybrid models (Qwen3.5): the chunked form of the Gated DeltaNet "
                                           "layers' prefills. torch: plain PyTorch (the reference); triton: infer's "
                                           "two Triton kernels (on a CPU only under TRITON_INTERPRET=1); fla: "
                                           "flash-linear-attention's Triton kernels (CUDA; pip install "
-                                          "flash-linear-attention fla-core)", choices=LINEAR_ATTENTION_BACKENDS,
-                                          phase=17)
+                                          "flash-linear-attention fla-core); auto: triton on CUDA, torch on the CPU",
+                                          choices=LINEAR_ATTENTION_BACKENDS, ablation=("torch", "triton"),
+                                          ablation_opt_in=True, phase=17)
     cuda_graph_max_batch_size: int = _flag(256, "cuda_graphs: the largest decode batch captured (buckets 1, 2, "
                                            "4, 8, then steps of 8 up to this); larger decode steps run eagerly", phase=9)
     cuda_graph_prefill_max_tokens: int | None = _flag(None, "cuda_graphs: also capture steps that prefill one "
@@ -681,6 +682,12 @@ class EngineConfig(PhaseChecks):
         """``"torch"`` or ``"triton"``: ``auto`` is triton on CUDA, torch on the CPU."""
         if self.moe_backend != "auto":
             return self.moe_backend
+        return "triton" if self.resolved_device().type == "cuda" else "torch"
+
+    def resolved_linear_attention_backend(self) -> str:
+        """``"torch"``, ``"triton"`` or ``"fla"``: ``auto`` is triton on CUDA, torch on the CPU."""
+        if self.linear_attention_backend != "auto":
+            return self.linear_attention_backend
         return "triton" if self.resolved_device().type == "cuda" else "torch"
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:

@@ -179,7 +179,7 @@ class ModelRunner:
         if hasattr(loaded.model, "set_moe_impl"):  # an MoE model (phase 15): how its experts run
             loaded.model.set_moe_impl(moe_ops(config.resolved_moe_backend()))
         if hasattr(loaded.model, "set_prefill_rule"):  # a hybrid model (phase 17): its linear layers' prefills
-            loaded.model.set_prefill_rule(linear_attention_ops(config.linear_attention_backend))
+            loaded.model.set_prefill_rule(linear_attention_ops(config.resolved_linear_attention_backend()))
         # decode buckets up to max_num_seqs rows; with speculative decoding (phase 12) up to max_num_seqs x (1 + k):
         # its verify steps replay them with every token a decode row (CUDAGraphRunner._run_verify; vLLM's capture
         # sizes grow the same way)
