@@ -94,6 +94,23 @@ def _limit(kind: str) -> dict:
 
 #: A token id: ``0 <= id < vocab_size``.
 TokenId = _int(ge=0, json_schema_extra=_limit("vocab"))
+
+
+def _integral_items(value: Any) -> Any:
+    """:func:`_integral` over a list of token ids in one call: a prompt of token ids costs one Python call
+    while it is validated, not one per token (the rest is pydantic's compiled validation)."""
+    if isinstance(value, list) and float in map(type, value):  # (JSON gives plain floats; the scan runs in C)
+        return [_integral(v) for v in value]
+    return value
+
+
+def _token_ids(**constraints: Any) -> Any:
+    """A list of :data:`TokenId` (the same JSON schema), with ``Field`` constraints on the list."""
+    item = Annotated[StrictInt, Field(ge=0, json_schema_extra=_limit("vocab"))]
+    return Annotated[list[item], Field(**constraints), BeforeValidator(_integral_items)]
+
+
+TokenIds = _token_ids()
 #: The ``model`` field: the served model's name (another one is answered 404), or none.
 ModelName = Annotated[str, Field(json_schema_extra=_limit("model"))] | None
 #: Most sequences (prompts x n) one completions request may carry.
@@ -268,7 +285,7 @@ class _Common(BaseModel):
     repetition_penalty: _number_in(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY) | None = None
     ignore_eos: StrictBool = False
     min_tokens: _int(ge=0, json_schema_extra=_limit("context")) = 0
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: TokenIds | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     # structured output (phase 13): OpenAI's response_format, vLLM's structured_outputs and its
@@ -374,8 +391,8 @@ class CompletionRequest(_Common):
     model_config = ConfigDict(json_schema_extra={"allOf": [*_COMMON_RULES, *_COMPLETION_RULES]})
     prompt: (PromptText
              | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_SEQS_PER_REQUEST)]
-             | Annotated[list[TokenId], Field(min_length=1, json_schema_extra=_limit("context"))]
-             | Annotated[list[Annotated[list[TokenId], Field(min_length=1, json_schema_extra=_limit("context"))]],
+             | _token_ids(min_length=1, json_schema_extra=_limit("context"))
+             | Annotated[list[_token_ids(min_length=1, json_schema_extra=_limit("context"))],
                          Field(min_length=1, max_length=MAX_SEQS_PER_REQUEST)])
     max_tokens: _int(ge=0, json_schema_extra=_limit("context")) | None = \
         DEFAULT_COMPLETION_MAX_TOKENS
@@ -540,7 +557,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: ModelName = None
-    tokens: list[TokenId]
+    tokens: TokenIds
 
 
 def _tokenize_kind(body: Any) -> str:
