@@ -258,3 +258,29 @@ def test_schema_and_server_agree(server, openapi, path, body, status, param):
 
 def test_same_greedy_answer_after_all_of_them(server):
     assert greedy_text(server) == server.baseline
+
+
+def test_token_ids_are_json_schema_integers():
+    """Token ids (a prompt, a batch of prompts, ``stop_token_ids``, ``/detokenize``'s tokens) are JSON Schema
+    integers: an integral float is taken as the int; a fraction, a boolean or a negative id is refused; a list
+    of strings is a batch of text prompts; and every form meets the same schema (integer items, minimum 0)."""
+    from pydantic import ValidationError
+
+    from infer.server.protocol import CompletionRequest, DetokenizeRequest
+
+    req = CompletionRequest.model_validate({"prompt": [1.0, 2, 3.0], "stop_token_ids": [7.0, 8]})
+    assert req.prompt == [1, 2, 3] and all(type(t) is int for t in req.prompt) and req.stop_token_ids == [7, 8]
+    assert CompletionRequest.model_validate({"prompt": [[3.0], [4, 5.0]]}).prompt == [[3], [4, 5]]
+    assert DetokenizeRequest.model_validate({"tokens": [9.0, 10]}).tokens == [9, 10]
+    assert CompletionRequest.model_validate({"prompt": ["1", "2"]}).prompt == ["1", "2"]
+    for bad in ([1.5], [True], [-1.0], [[2], [0.5]], []):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"prompt": bad})
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": [1], "stop_token_ids": [2.5]})
+    item = {"type": "integer", "minimum": 0, "x-infer-limit": "vocab"}
+    schema = CompletionRequest.model_json_schema()
+    forms = schema["properties"]["prompt"]["anyOf"]
+    assert {"type": "array", "items": item, "minItems": 1, "x-infer-limit": "context"} in forms
+    assert any(f.get("items", {}).get("items") == item for f in forms)
+    assert DetokenizeRequest.model_json_schema()["properties"]["tokens"]["items"] == item
