@@ -50,6 +50,7 @@ import http.client
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -223,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-args", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="EngineConfig overrides for both the server (as its CLI flags) and the offline engine, "
                          "e.g. device=cuda dtype=bfloat16 optimize=true")
-    ap.add_argument("--server-args", nargs="*", default=[], metavar="FLAG",
-                    help="more flags for the server only, e.g. --server-args=--engine-process (the engine in a "
-                         "process of its own)")
+    ap.add_argument("--server-args", type=shlex.split, default=[], metavar="FLAGS",
+                    help="more flags for the server only, one string, e.g. --server-args=--no-engine-process (the "
+                         "engine on a thread of the server's process) or --server-args='--engine-process "
+                         "--busy-poll-ms 0'")
     ap.add_argument("--httpx", action="store_true",
                     help="also stream each pair's prompt through httpx (the openai package's client), to show what "
                          "such a client adds on its own side")

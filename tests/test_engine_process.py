@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import operator
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -265,3 +267,45 @@ def test_cli_engine_process_with_the_openai_client(tiny_llama, tmp_path):
     finally:
         refused.stop()
         missing.stop()
+
+
+@pytest.mark.parametrize("busy_poll_s", [0.0, 0.4])
+def test_idle_engine_process_busy_polls_then_sleeps(busy_poll_s):
+    """``wait_for_command`` returns as soon as a command is in the pipe; until ``busy_poll_s`` after the last
+    step it polls the pipe on the CPU (its thread's CPU time grows with the wait), after that, or with 0, it
+    sleeps (almost no CPU time)."""
+    from infer.server.engine_core import _EngineLoop
+
+    here, there = multiprocessing.Pipe(duplex=True)
+    loop = _EngineLoop(None, here, 3, busy_poll_s)
+    sender = threading.Timer(0.15, there.send, args=(("abort", None, "r"),))
+    start, cpu = time.perf_counter(), time.thread_time()
+    sender.start()
+    loop.wait_for_command(start)
+    waited, used = time.perf_counter() - start, time.thread_time() - cpu
+    assert here.recv() == ("abort", None, "r") and 0.1 < waited < 2
+    if busy_poll_s:
+        assert used > 0.25 * waited, (used, waited)  # on the CPU all along (a busy 2-core machine shares it)
+    else:
+        assert used < 0.05, (used, waited)  # asleep in the kernel
+    sender = threading.Timer(0.15, there.send, args=(("abort", None, "s"),))
+    cpu = time.thread_time()
+    sender.start()
+    loop.wait_for_command(time.perf_counter() - 1.0)  # the window ended long ago: asleep at once
+    assert here.recv() == ("abort", None, "s") and time.thread_time() - cpu < 0.05
+    sender.join()
+
+
+def test_engine_placement_defaults():
+    """``--engine-process`` and ``--busy-poll-ms`` as given; else the engine process with ``--optimize`` on a
+    GPU (not with the live page), busy polling 50 ms on a GPU and none on the CPU; a negative value refused."""
+    from infer.server.__main__ import engine_placement
+
+    assert engine_placement(None, None, True, True, False) == (True, 50.0)
+    assert engine_placement(None, None, True, True, True) == (False, 50.0)  # the live page reads the engine here
+    assert engine_placement(None, None, False, True, False) == (False, 50.0)
+    assert engine_placement(None, None, True, False, False) == (False, 0.0)  # the CPU: the thread, no polling
+    assert engine_placement(True, 5.0, False, False, False) == (True, 5.0)
+    assert engine_placement(False, 0.0, True, True, False) == (False, 0.0)
+    with pytest.raises(ValueError, match="--busy-poll-ms must be >= 0"):
+        engine_placement(True, -1.0, True, True, False)

@@ -49,13 +49,35 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH", type=lora_module,
                    help="LoRA adapters to serve (needs --enable-lora): each NAME=PATH a PEFT adapter directory, "
                         "selected by requests whose model is NAME (vLLM's flag)")
-    s.add_argument("--engine-process", action="store_true",
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in a process of its own (vLLM's engine core process), so that the server's "
                         "HTTP work and the engine's steps run in parallel instead of taking turns on one Python "
-                        "interpreter (docs/phases/02-server.md; not with --live-page); default: off, the engine on a "
-                        "thread of the server's process")
+                        "interpreter (docs/phases/02-server.md; not with --live-page); default: on with --optimize "
+                        "on a GPU, else off (the engine on a thread of the server's process)")
+    s.add_argument("--busy-poll-ms", type=float, default=None, metavar="MS",
+                   help="with --engine-process: how long the idle engine process polls for the next request after "
+                        "its last step before it sleeps, sparing that request a wake-up (costs a CPU core meanwhile); "
+                        "default: 50 on a GPU, 0 on the CPU (where the engine's threads need every core)")
     add_engine_args(p)
     return p
+
+
+def engine_placement(engine_process: bool | None, busy_poll_ms: float | None, optimize: bool, on_gpu: bool,
+                     live_page: bool) -> tuple[bool, float]:
+    """Where the engine runs and how long its process busy-polls when idle (ms): the flags as given, else
+    the engine in its own process with ``--optimize`` on a GPU (but not with the live page, which reads the
+    engine in-process) and 50 ms of busy polling on a GPU, none on the CPU.
+
+    Raises:
+        ValueError: a negative ``busy_poll_ms``.
+    """
+    if engine_process is None:  # --optimize on a GPU: the engine's host work beside the server's
+        engine_process = optimize and on_gpu and not live_page
+    if busy_poll_ms is None:
+        busy_poll_ms = 50.0 if on_gpu else 0.0
+    if busy_poll_ms < 0:
+        raise ValueError(f"--busy-poll-ms must be >= 0, got {busy_poll_ms}")
+    return engine_process, busy_poll_ms
 
 
 def lora_module(value: str) -> tuple[str, str]:
@@ -148,10 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         config = engine_config_from_args(args)
-        if args.engine_process:
+        engine_process, busy_poll_ms = engine_placement(args.engine_process, args.busy_poll_ms, config.optimize,
+                                                        config.resolved_device().type == "cuda", args.live_page)
+        if engine_process:
             from infer.server.engine_core import EngineProcess
 
-            async_engine = EngineProcess(config, max_waiting=args.max_waiting_requests, log_level=args.log_level)
+            async_engine = EngineProcess(config, max_waiting=args.max_waiting_requests, log_level=args.log_level,
+                                         busy_poll_s=busy_poll_ms / 1e3)
         else:  # built on the engine thread, which then steps it: one OpenMP pool in the process (see
             # async_engine.py's docstring for what a second one costs)
             async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=args.max_waiting_requests)
@@ -171,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     frozen = freeze_startup_heap()
     log.info("model %s loaded on %s in %.1f s (%d start-up objects frozen out of garbage collection; the engine %s); "
              "serving on http://%s:%d%s", name, async_engine.info.device, time.perf_counter() - start, frozen,
-             "in a process of its own" if async_engine.engine is None else "on a thread of this process",
+             f"in a process of its own, busy polling {busy_poll_ms:g} ms when idle" if async_engine.engine is None
+             else "on a thread of this process",
              args.host, args.port, " (API key required)" if api_key else "")
     if args.live_page:
         log.info("live page: http://%s:%d/live%s", args.host, args.port, "#key=<your key>" if api_key else "")
