@@ -228,7 +228,7 @@ def test_cli_engine_process_with_the_openai_client(tiny_llama, tmp_path):
     """``python -m infer.server --engine-process``: the official ``openai`` client gets the tokens the offline
     engine makes; SIGTERM ends the server and its engine process; ``--live-page`` is refused with the reason, and
     a model the engine process cannot load exits with its error (status 2)."""
-    import openai
+    openai = pytest.importorskip("openai")  # (in the dev extras; a GPU image may lack it)
 
     server = ServerProcess(tmp_path, ["--model", str(tiny_llama.path), "--device", "cpu", "--dtype", "float32",
                                       "--max-model-len", "256", "--engine-process"],
