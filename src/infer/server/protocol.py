@@ -92,10 +92,6 @@ def _limit(kind: str) -> dict:
     return {"x-infer-limit": kind}
 
 
-#: A token id: ``0 <= id < vocab_size``.
-TokenId = _int(ge=0, json_schema_extra=_limit("vocab"))
-
-
 def _integral_items(value: Any) -> Any:
     """:func:`_integral` over a list of token ids in one call: a prompt of token ids costs one Python call
     while it is validated, not one per token (the rest is pydantic's compiled validation)."""
@@ -105,11 +101,13 @@ def _integral_items(value: Any) -> Any:
 
 
 def _token_ids(**constraints: Any) -> Any:
-    """A list of :data:`TokenId` (the same JSON schema), with ``Field`` constraints on the list."""
+    """A list of token ids, each ``0 <= id < vocab_size`` (integral floats taken as ints: :func:`_integral`,
+    once for the list), with ``Field`` constraints on the list."""
     item = Annotated[StrictInt, Field(ge=0, json_schema_extra=_limit("vocab"))]
     return Annotated[list[item], Field(**constraints), BeforeValidator(_integral_items)]
 
 
+#: A list of token ids (``stop_token_ids``, ``/detokenize``'s ``tokens``).
 TokenIds = _token_ids()
 #: The ``model`` field: the served model's name (another one is answered 404), or none.
 ModelName = Annotated[str, Field(json_schema_extra=_limit("model"))] | None
