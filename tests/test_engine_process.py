@@ -297,14 +297,17 @@ def test_idle_engine_process_busy_polls_then_sleeps(busy_poll_s):
 
 
 def test_engine_placement_defaults():
-    """``--engine-process`` and ``--busy-poll-ms`` as given; else the engine process with ``--optimize`` on a
-    GPU (not with the live page), busy polling 50 ms on a GPU and none on the CPU; a negative value refused."""
+    """``--engine-process`` and ``--busy-poll-ms`` as given; else the engine process with ``--optimize`` on one
+    GPU (not with the live page or several ranks), busy polling 50 ms on a GPU and none on the CPU; a negative
+    value refused."""
     from infer.server.__main__ import engine_placement
 
     assert engine_placement(None, None, True, True, False) == (True, 50.0)
     assert engine_placement(None, None, True, True, True) == (False, 50.0)  # the live page reads the engine here
     assert engine_placement(None, None, False, True, False) == (False, 50.0)
     assert engine_placement(None, None, True, False, False) == (False, 0.0)  # the CPU: the thread, no polling
+    assert engine_placement(None, None, True, True, False, parallel=True) == (False, 50.0)  # several ranks: asked for
+    assert engine_placement(True, None, True, True, False, parallel=True) == (True, 50.0)
     assert engine_placement(True, 5.0, False, False, False) == (True, 5.0)
     assert engine_placement(False, 0.0, True, True, False) == (False, 0.0)
     with pytest.raises(ValueError, match="--busy-poll-ms must be >= 0"):

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the engine in a process of its own (vLLM's engine core process), so that the server's "
                         "HTTP work and the engine's steps run in parallel instead of taking turns on one Python "
                         "interpreter (docs/phases/02-server.md; not with --live-page); default: on with --optimize "
-                        "on a GPU, else off (the engine on a thread of the server's process)")
+                        "on one GPU, else off (the engine on a thread of the server's process)")
     s.add_argument("--busy-poll-ms", type=float, default=None, metavar="MS",
                    help="with --engine-process: how long the idle engine process polls for the next request after "
                         "its last step before it sleeps, sparing that request a wake-up (costs a CPU core meanwhile); "
@@ -63,16 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_placement(engine_process: bool | None, busy_poll_ms: float | None, optimize: bool, on_gpu: bool,
-                     live_page: bool) -> tuple[bool, float]:
+                     live_page: bool, parallel: bool = False) -> tuple[bool, float]:
     """Where the engine runs and how long its process busy-polls when idle (ms): the flags as given, else
-    the engine in its own process with ``--optimize`` on a GPU (but not with the live page, which reads the
-    engine in-process) and 50 ms of busy polling on a GPU, none on the CPU.
+    the engine in its own process with ``--optimize`` on one GPU (not with the live page, which reads the
+    engine in-process, nor yet by default with several ranks, ``parallel``: measured on one GPU only) and
+    50 ms of busy polling on a GPU, none on the CPU.
 
     Raises:
         ValueError: a negative ``busy_poll_ms``.
     """
     if engine_process is None:  # --optimize on a GPU: the engine's host work beside the server's
-        engine_process = optimize and on_gpu and not live_page
+        engine_process = optimize and on_gpu and not live_page and not parallel
     if busy_poll_ms is None:
         busy_poll_ms = 50.0 if on_gpu else 0.0
     if busy_poll_ms < 0:
@@ -170,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         config = engine_config_from_args(args)
-        engine_process, busy_poll_ms = engine_placement(args.engine_process, args.busy_poll_ms, config.optimize,
-                                                        config.resolved_device().type == "cuda", args.live_page)
+        engine_process, busy_poll_ms = engine_placement(
+            args.engine_process, args.busy_poll_ms, config.optimize, config.resolved_device().type == "cuda",
+            args.live_page, parallel=config.tensor_parallel_size > 1 or config.expert_parallel_size > 1)
         if engine_process:
             from infer.server.engine_core import EngineProcess
 
