@@ -180,7 +180,7 @@ _ALL = [
     _m("chunk_schedule", "shortest_prefill_first", "prefill chunks go shortest first, not in admission order",
        ("order.sort(key=lambda s: s.num_uncomputed_tokens > 1)", "order.sort(key=lambda s: s.num_uncomputed_tokens)")),
     _m("chunk_schedule", "threshold_ignored", "a chunk is whatever the budget leaves: no per-request cap, and "
-       "without chunking a prompt is cut too", ("n = self._chunk(want, budget)", "n = min(want, budget)")),
+       "without chunking a prompt is cut too", ("n = self._chunk(want, budget, seq.num_computed_tokens)", "n = min(want, budget)")),
     _m("chunk_schedule", "budget_not_given_back", "a preemption takes sequences out of the batch but not their "
        "tokens out of the budget spent", ("                budget = self.max_num_batched_tokens - sum(s.num_tokens for s in "
                                            "scheduled)\n", "")),

@@ -206,6 +206,25 @@ def test_chunk_extent_by_hand(tiny_llama):
     assert chunk_extent(seq, 7) == (16, 23, True)
 
 
+def test_partial_chunks_end_on_the_alignment(tiny_llama):
+    """``prefill_chunk_alignment``: a chunk that leaves part of its prefill ends at a multiple of the alignment
+    of its sequence's tokens; when the budget left reaches none it waits (0), unless even a step's whole budget
+    less its decodes might not reach one (then it runs where the budget ends: progress before alignment); a
+    chunk that finishes the prefill ends where the prompt does; alignment 1 is the plain rule."""
+    eng = make_engine(tiny_llama, **KW, chunked_prefill=True, max_num_batched_tokens=100)
+    sched = eng.scheduler
+    assert sched._chunk(300, 100, 0) == 100  # alignment 1 (a dense model): the budget
+    sched.prefill_chunk_alignment = 64
+    assert sched._chunk(300, 100, 0) == 64
+    assert sched._chunk(300, 100, 10) == 54 and sched._chunk(300, 200, 10) == 182  # to token 64, to 192
+    assert sched._chunk(300, 40, 10) == 0  # token 50 is no boundary: the next step's budget reaches 64
+    assert sched._chunk(90, 100, 10) == 90  # the rest of the prefill: all of it, wherever it ends
+    sched.max_num_batched_tokens = 60  # 60 - 6 decodes < 64: waiting might never end
+    assert sched._chunk(300, 40, 10) == 40 and sched._chunk(300, 16, 0) == 16
+    with pytest.raises(ValueError, match="prefill_chunk_alignment must be >= 1"):
+        type(sched)(sched.kv, prefill_chunk_alignment=0)
+
+
 def test_decodes_go_first_and_prefill_chunks_fill_the_rest(tiny_llama):
     """Decode-maximal batching: every running decode is in every step; a long prompt takes the rest."""
     budget = 10

@@ -605,6 +605,49 @@ def test_snapshots_on_chunk_ends_come_from_one_pass_and_equal_a_cold_run(tiny_qw
     assert [w[1] for w in warm] == [0, 128, 64]
 
 
+def test_prefill_chunks_resume_on_chunk_boundaries_and_keep_the_one_pass(tiny_qwen35, monkeypatch):
+    """Hybrid prefix caching with chunked prefill: the scheduler cuts a partial chunk back to a multiple of
+    the chunked rule's 64 tokens (``prefill_chunk_alignment``), so the next chunk's snapshots fall on chunk
+    ends and every step's prefills run in the one pass; without the cut (alignment 1) a step falls back to
+    each sequence alone. Prompts admitted together over a 100-token budget; the greedy tokens equal an
+    engine's without prefix caching either way."""
+    from infer.kernels import gated_delta_reference as gdr
+    from infer.sampling import SamplingParams
+    from tests.test_batching import make_engine
+
+    loaded, _ = tiny_qwen35
+    flags = dict(max_model_len=256, max_num_seqs=8, batching="continuous", kv_cache="paged", block_size=8,
+                 chunked_prefill=True, max_num_batched_tokens=100)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((90, 150, 70, 130))]
+    per_sequence = []
+    stock = gdr.chunk_gated_delta_rule
+    monkeypatch.setattr(gdr, "chunk_gated_delta_rule", lambda *a, **k: per_sequence.append(1) or stock(*a, **k))
+
+    def run(**kw):
+        engine = make_engine(loaded, **flags, **kw)
+        for p in prompts:
+            engine.add_request(p, params)
+        got = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step(stream=False):
+                if o.finished:
+                    got[o.request_id] = o.outputs[0].token_ids
+        return [got[k] for k in sorted(got, key=lambda r: int(r.split("-")[1]))], engine
+
+    cold, _ = run()
+    per_sequence.clear()
+    warm, engine = run(prefix_caching=True, state_snapshot_stride=64)
+    assert engine.scheduler.prefill_chunk_alignment == 64 and engine.scheduler.num_chunked_steps > 0
+    assert warm == cold and not per_sequence
+    engine.scheduler.prefill_chunk_alignment = 1  # the cut undone: a chunk resumes mid-chunk
+    for p in prompts:
+        engine.add_request([t + 1 for t in p], params)
+    while engine.has_unfinished_requests():
+        engine.step(stream=False)
+    assert per_sequence, "no step fell back to the per-sequence path without the cut"
+
+
 def test_snapshot_pool_stress_eviction_preemption_abort(tiny_qwen35):
     """Three running slots, three snapshot slots and 25 blocks of 8 tokens for requests that share
     prefixes of two prompts at several lengths, arriving over time: snapshots are evicted for room and

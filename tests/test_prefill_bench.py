@@ -136,9 +136,11 @@ def test_prefill_benchmark_end_to_end_on_cpu(tmp_path):
         assert parts["gemm_ms"] > 0 and parts["attention_ms"] > 0
         for key in ("gemm_frac_peak", "attention_frac_peak"):
             assert math.isfinite(parts[key]) and 0 < parts[key] <= 5, (key, parts[key])
-    # the real CPU ops were classified: the projections are aten::mm/addmm
+    # the real CPU ops were classified: the projections are aten::mm/addmm, among the top kernels (which one
+    # ranks first at 40 tokens of a tiny model depends on the machine's load: a norm has been seen first)
     top = rep["top_kernels"]["40"]
-    assert top[0]["category"] == "gemm"
+    gemms = [k["name"] for k in top if k["category"] == "gemm"]
+    assert "aten::mm" in gemms or "aten::addmm" in gemms, top
     cases = [(a["prompt_tokens"], a["case"], a["prefix"]) for a in rep["attention"]]
     assert cases == [(24, "prefill", 0), (24, "extend", 8), (40, "prefill", 0), (40, "extend", 24)]
     for a in rep["attention"]:

@@ -147,6 +147,9 @@ class LLMEngine:
             chunked_prefill=config.chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_loras=config.max_loras if config.enable_lora else None,
+            # hybrid prefix caching: chunks that resume on a chunk boundary keep the prefills' one pass
+            prefill_chunk_alignment=getattr(self.loaded.model, "prefill_chunk_alignment", 1)
+            if self.kv_manager.snapshots is not None else 1,
         )
         self.lora_manager = self.runner.lora_manager  # LoRA (phase 16), or None
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,

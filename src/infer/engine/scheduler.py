@@ -100,6 +100,13 @@ class Scheduler:
         max_loras: LoRA (phase 16): the most distinct adapters among the running requests (the
             device's adapter slots), or None without LoRA. A request whose adapter would be one more
             waits, like one that does not fit the KV cache.
+        prefill_chunk_alignment: with chunked prefill, a chunk that leaves part of its prefill for
+            later ends at a multiple of this many tokens of its sequence; when the budget left does not
+            reach one, the chunk waits for a later step (whose budget does reach one as long as
+            ``max_num_batched_tokens - max_num_seqs`` is at least the alignment; below that it runs where
+            the budget ends). Hybrid models with prefix caching (phase 17) set it to
+            their chunked rule's chunk size: a chunk that starts on a chunk boundary has its state
+            snapshots at chunk ends, which the prefill kernels store in the same pass.
 
     Attributes:
         num_preemptions: requests preempted so far (``infer:num_preemptions_total``).
@@ -123,6 +130,7 @@ class Scheduler:
         chunked_prefill: bool = False,
         long_prefill_token_threshold: int | None = None,
         max_loras: int | None = None,
+        prefill_chunk_alignment: int = 1,
     ) -> None:
         self.policy = make_batching_policy(policy, max_num_seqs, batch_wait_timeout_s)
         self.kv = kv
@@ -135,6 +143,9 @@ class Scheduler:
             raise ValueError(f"long_prefill_token_threshold must be >= 1, got {long_prefill_token_threshold}")
         self.long_prefill_token_threshold = long_prefill_token_threshold if chunked_prefill else None
         self.max_loras = max_loras
+        if prefill_chunk_alignment < 1:
+            raise ValueError(f"prefill_chunk_alignment must be >= 1, got {prefill_chunk_alignment}")
+        self.prefill_chunk_alignment = prefill_chunk_alignment
         self.num_prefill_tokens = 0
         self.num_chunked_steps = 0
         self.prefill_tokens_buckets = [0] * (len(PREFILL_TOKEN_BUCKETS) + 1)
@@ -185,13 +196,22 @@ class Scheduler:
         n = request.prompt_len if request.shares_prefill else len(request.unfinished_seqs[0].token_ids)
         return n - self.kv.cached_prefix_tokens(request) if self.kv.prefix_caching else n
 
-    def _chunk(self, num_tokens: int, budget: int) -> int:
-        """Tokens of a ``num_tokens``-token prefill to run this step with ``budget`` tokens left:
-        all of it, or nothing when it does not fit; with chunked prefill, as many as the budget
-        and ``long_prefill_token_threshold`` allow (0 when the budget is spent)."""
+    def _chunk(self, num_tokens: int, budget: int, start: int = 0) -> int:
+        """Tokens of a ``num_tokens``-token prefill starting at token ``start`` of its sequence to run this
+        step with ``budget`` tokens left: all of it, or nothing when it does not fit; with chunked prefill,
+        as many as the budget and ``long_prefill_token_threshold`` allow (0 when the budget is spent), a
+        partial chunk cut back to end at a multiple of ``prefill_chunk_alignment`` (see ``__init__``)."""
         if not self.chunked_prefill:
             return num_tokens if num_tokens <= budget else 0
-        return min(num_tokens, budget, self.long_prefill_token_threshold or num_tokens)
+        n = min(num_tokens, budget, self.long_prefill_token_threshold or num_tokens)
+        align = self.prefill_chunk_alignment
+        if n < num_tokens and align > 1:
+            aligned = max(0, (start + n) // align * align - start)
+            # no boundary within this budget: wait (0) when a later step's is sure to reach one (the first
+            # prefill in line gets at least the budget less one token per running decode), else run unaligned
+            if aligned or self.max_num_batched_tokens - self.max_num_seqs >= align:
+                n = aligned
+        return n
 
     def _admit(self, request: Request, budget: int, scheduled: list[ScheduledSeq]) -> int:
         """Give ``request`` its KV blocks, make it running, and schedule the prefills (or, with
@@ -209,7 +229,7 @@ class Scheduler:
         else:
             items = [ScheduledSeq(s, s.num_uncomputed_tokens) for s in seqs]
         for item in items:
-            n = self._chunk(item.num_tokens, budget)
+            n = self._chunk(item.num_tokens, budget, item.seq.num_computed_tokens)
             if n:
                 if n < item.num_tokens:  # a first chunk: the forks join the last one
                     item = ScheduledSeq(item.seq, n)
@@ -261,7 +281,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or self._waits_for_shared_prefill(seq):
                 continue  # preempted earlier in this step, or a fork
             want = seq.num_uncomputed_tokens
-            n = self._chunk(want, budget)
+            n = self._chunk(want, budget, seq.num_computed_tokens)
             if n == 0:
                 if want == 1 or self.chunked_prefill:
                     break  # the budget is spent

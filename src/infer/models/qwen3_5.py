@@ -403,6 +403,10 @@ class Qwen3_5ForCausalLM(CausalLM):
     (:meth:`EngineConfig.validate_model`)."""
 
     layer_cls = Qwen3_5DecoderLayer
+    #: prefill chunks that start on a multiple of this many tokens have their state snapshots (prefix caching)
+    #: at the chunked rule's chunk ends, taken in the one pass over the step's prefills (``_prefills``); the
+    #: engine has the scheduler cut chunks there (``Scheduler.prefill_chunk_alignment``)
+    prefill_chunk_alignment = gdr.CHUNK_SIZE
 
     @staticmethod
     def checkpoint_name(name: str) -> str | None:
