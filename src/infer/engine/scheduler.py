@@ -104,9 +104,9 @@ class Scheduler:
             later ends at a multiple of this many tokens of its sequence; when the budget left does not
             reach one, the chunk waits for a later step (whose budget does reach one as long as
             ``max_num_batched_tokens - max_num_seqs`` is at least the alignment; below that it runs where
-            the budget ends). Hybrid models with prefix caching (phase 17) set it to
-            their chunked rule's chunk size: a chunk that starts on a chunk boundary has its state
-            snapshots at chunk ends, which the prefill kernels store in the same pass.
+            the budget ends). Hybrid models with prefix caching (phase 17) set it to their chunked
+            rule's chunk size: a chunk that starts on a chunk boundary has its state snapshots at chunk
+            ends, which the prefill kernels store in the same pass.
 
     Attributes:
         num_preemptions: requests preempted so far (``infer:num_preemptions_total``).
