@@ -9,8 +9,8 @@
 For each model (two checkpoints of ``scripts/make_synthetic_checkpoint.py`` presets, written with
 ``--random-weights``: config and tokenizer only, the loader generates the weights on the device) and
 each context length ``L``: one request with an ``L``-token prompt runs alone; after its prefill,
-``--steps`` decode steps are timed one by one (TPOT: their median; ``prefill_ms``: the prefill's steps, after
-a 64-token warm-up request has compiled the kernels). Beside it the bytes one sequence
+``--steps`` decode steps are timed as the engine runs them (TPOT: their wall time over ``steps``;
+``prefill_ms``: the prefill's steps, after a 64-token warm-up request has compiled the kernels). Beside it the bytes one sequence
 holds (K/V of ``L`` tokens in the attention layers, plus the hybrid's recurrent state) and the
 batch-1 bandwidth floor (weights + that cache + the state read and written, over the bandwidth
 measured in the same run: :func:`common.decode_floor_s`).
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -65,9 +64,15 @@ def make_model_dir(preset: str, root: Path) -> Path:
 
 def prefill_and_decode(engine, prompt: list[int], steps: int) -> tuple[float, float, float, int]:
     """Seconds of one request's prefill running alone (its steps until the first token: the TTFT less the
-    request's set-up), then ``(median, min)`` seconds of ``steps`` decode steps after it (the minimum is
-    the steadier number on a shared CPU, where other processes stretch some steps), and how many of the
-    timed steps replayed a CUDA graph."""
+    request's set-up), then the TPOT of ``steps`` decode steps after it, the minimum step, and how many of
+    the timed steps replayed a CUDA graph.
+
+    The decode steps run as the engine runs them, not synchronized one by one: with async scheduling the
+    host prepares step ``k + 1`` while the device runs step ``k``, and a synchronization around every step
+    would add that host work to each (~0.5 ms a step on an H200's host, session 73). TPOT is the wall
+    time of the ``steps`` steps up to the device's end over ``steps`` (the tokens they produced); the
+    minimum step (the steadier number on a shared CPU, where other processes stretch some steps) is
+    the shortest call of ``engine.step()`` after the first."""
     from infer.sampling import SamplingParams
 
     dev = engine.runner.device
@@ -88,16 +93,18 @@ def prefill_and_decode(engine, prompt: list[int], steps: int) -> tuple[float, fl
             traced(out)
 
     engine.runner.on_executed = note
+    sync(dev)
+    start = time.perf_counter()
     for _ in range(steps):
-        sync(dev)
         t = time.perf_counter()
         engine.step()
-        sync(dev)
         times.append(time.perf_counter() - t)
+    sync(dev)
+    tpot = (time.perf_counter() - start) / steps
     engine.runner.on_executed = traced
     while engine.has_unfinished_requests():
         engine.step()
-    return prefill, statistics.median(times), min(times), routes.count("decode")
+    return prefill, tpot, min(times[1:] or times), routes.count("decode")
 
 
 def measure_model(path: Path, contexts: list[int], steps: int, device: str, dtype: str, overrides: dict[str, Any],
@@ -236,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     overrides = engine_overrides(args.engine_args)
-    bw = ceilings(device, quick=True)["bandwidth_gb_s"]
+    bw = ceilings(device, quick=device.type != "cuda")["bandwidth_gb_s"]  # the 2 GiB copy on a GPU (decode reads GBs)
     print(f"measured bandwidth {bw:.1f} GB/s")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -318,3 +318,70 @@ def test_cuda_graphs_with_a_padding_bucket_and_a_one_token_prompt(tiny_ckpt, tin
     eng.reset_prefix_cache()
     assert_pool_full(eng)
     _assert_state_slots_free(eng)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU tensors through Triton kernels need TRITON_INTERPRET=1 (on a GPU "
+                    "machine: tests/test_gpu_phases.py)")
+def test_decode_snapshots_on_the_graph_route_equal_a_cold_run(tiny_ckpt, tiny_cpu):
+    """Hybrid prefix caching beside the decode graphs: a decode step whose row ends a snapshot stride (16
+    tokens here) goes through its bucket's graph route (run uncaptured on the CPU) and the row's slot is
+    copied into its snapshot slot after it (``ModelRunner._copy_decode_snapshots``); a next turn that takes
+    the reply in restores the snapshot the decodes left at 32 tokens and gives a cold engine's greedy tokens
+    and HF's. With the copy undone the restored state is not the decode's, and the tokens differ (so the
+    snapshot steps did take the graph route: the eager forward copies on its own)."""
+    from tests.test_hybrid import _one_at_a_time
+
+    _, hf = tiny_ckpt
+    flags = dict(max_model_len=64, max_num_seqs=4, batching="continuous", kv_cache="paged", block_size=8,
+                 attention_backend="triton")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = [(7 * i + 3) % 500 for i in range(10)]
+    cold = _one_at_a_time(make_engine(tiny_cpu, **flags), [prompt], params)
+    follow = prompt + cold[0][0][:23] + [4, 4, 4]  # positions 10..32 were computed by the decodes
+    cold += _one_at_a_time(make_engine(tiny_cpu, **flags), [follow], params)
+    assert cold[1][0] == hf_greedy(hf, follow, 24)
+
+    def warm_run(copy: bool) -> tuple[list, list[int]]:
+        engine = make_engine(tiny_cpu, prefix_caching=True, state_snapshot_stride=16, **flags)
+        _uncaptured_graphs(engine, 4)
+        runner, copies = engine.runner, []
+        real = runner.state_cache.copy_slots
+        runner.state_cache.copy_slots = lambda src, dst: (copies.append(src.tolist()), copy and real(src, dst))
+        routes = []
+        runner.on_executed = lambda out: routes.append(out.graph)
+        warm = _one_at_a_time(engine, [prompt, follow], params)
+        assert routes.count("decode") >= 40, routes
+        return warm, copies
+
+    warm, copies = warm_run(copy=True)
+    assert warm == [(cold[0][0], 0), (cold[1][0], 32)]  # the hit: 33 cached tokens cut back to the snapshot at 32
+    assert len(copies) == 3, copies  # decodes reaching 16 and 32 tokens, then 48 (the next turn's), on the graph route
+    broken, _ = warm_run(copy=False)
+    assert broken[0] == warm[0] and broken[1][1] == 32 and broken[1][0] != warm[1][0]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decodes_take_snapshots_that_a_hit_restores(tiny_ckpt, tiny_cuda):
+    """The CPU test's snapshots through captured graphs, under ``optimize`` (prefix caching, async scheduling,
+    the fused kernels): decodes that end a 16-token stride replay their graph, their slots copied into the
+    snapshot slots after it; the next turn restores the one at 32 tokens and gives the eager cold engine's
+    tokens and HF's."""
+    from tests.test_hybrid import _one_at_a_time
+
+    _, hf = tiny_ckpt
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = [(7 * i + 3) % 500 for i in range(10)]
+    cold_engine = _gpu_engine(tiny_cuda)
+    cold = _one_at_a_time(cold_engine, [prompt], params)
+    follow = prompt + cold[0][0][:23] + [4, 4, 4]
+    cold += _one_at_a_time(cold_engine, [follow], params)
+    assert cold[1][0] == hf_greedy(hf, follow, 24)
+    eng = _gpu_engine(tiny_cuda, optimize=True, state_snapshot_stride=16, cuda_graph_max_batch_size=4)
+    assert eng.config.prefix_caching and eng.runner.graphs is not None
+    state, copies, routes = eng.runner.state_cache, [], []
+    real = state.copy_slots
+    state.copy_slots = lambda src, dst: (copies.append(src.tolist()), real(src, dst))
+    eng.runner.on_executed = lambda out: routes.append(out.graph)
+    warm = _one_at_a_time(eng, [prompt, follow], params)
+    assert warm == [(cold[0][0], 0), (cold[1][0], 32)]
+    assert len(copies) == 3 and routes.count("decode") >= 40, (copies, routes)

@@ -66,3 +66,9 @@ class RecurrentStateCache:
         shared prompt left)."""
         self.conv[:, dst] = self.conv[:, src]
         self.ssm[:, dst] = self.ssm[:, src]
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots ``src[i]`` into ``dst[i]`` in every layer (int64 ``[N]`` device tensors; the ``dst`` distinct
+        from each other and from every ``src``): a decode step's state snapshots after its CUDA graph."""
+        self.conv[:, dst] = self.conv[:, src]
+        self.ssm[:, dst] = self.ssm[:, src]
