@@ -320,6 +320,23 @@ def test_cuda_graphs_with_a_padding_bucket_and_a_one_token_prompt(tiny_ckpt, tin
     _assert_state_slots_free(eng)
 
 
+#: a 10-token prompt and its 24 greedy tokens; the next turn takes 23 of them in (positions 10..32, computed by
+#: decode steps that crossed the 16-token snapshot stride at 16 and 32) and 3 tokens more
+SNAPSHOT_PROMPT = [(7 * i + 3) % 500 for i in range(10)]
+SNAPSHOT_PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _snapshot_turns(engine, hf) -> tuple[list[list[int]], list]:
+    """The two turns' prompts and ``engine``'s outputs for them (cold: no prefix caching), the second HF's."""
+    from tests.test_hybrid import _one_at_a_time
+
+    cold = _one_at_a_time(engine, [SNAPSHOT_PROMPT], SNAPSHOT_PARAMS)
+    follow = SNAPSHOT_PROMPT + cold[0][0][:23] + [4, 4, 4]
+    cold += _one_at_a_time(engine, [follow], SNAPSHOT_PARAMS)
+    assert cold[1][0] == hf_greedy(hf, follow, SNAPSHOT_PARAMS.max_tokens)
+    return [SNAPSHOT_PROMPT, follow], cold
+
+
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors through Triton kernels need TRITON_INTERPRET=1 (on a GPU "
                     "machine: tests/test_gpu_phases.py)")
 def test_decode_snapshots_on_the_graph_route_equal_a_cold_run(tiny_ckpt, tiny_cpu):
@@ -334,22 +351,17 @@ def test_decode_snapshots_on_the_graph_route_equal_a_cold_run(tiny_ckpt, tiny_cp
     _, hf = tiny_ckpt
     flags = dict(max_model_len=64, max_num_seqs=4, batching="continuous", kv_cache="paged", block_size=8,
                  attention_backend="triton")
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompt = [(7 * i + 3) % 500 for i in range(10)]
-    cold = _one_at_a_time(make_engine(tiny_cpu, **flags), [prompt], params)
-    follow = prompt + cold[0][0][:23] + [4, 4, 4]  # positions 10..32 were computed by the decodes
-    cold += _one_at_a_time(make_engine(tiny_cpu, **flags), [follow], params)
-    assert cold[1][0] == hf_greedy(hf, follow, 24)
+    prompts, cold = _snapshot_turns(make_engine(tiny_cpu, **flags), hf)
 
     def warm_run(copy: bool) -> tuple[list, list[int]]:
         engine = make_engine(tiny_cpu, prefix_caching=True, state_snapshot_stride=16, **flags)
         _uncaptured_graphs(engine, 4)
         runner, copies = engine.runner, []
-        real = runner.state_cache.copy_slots
-        runner.state_cache.copy_slots = lambda src, dst: (copies.append(src.tolist()), copy and real(src, dst))
+        real = runner.state_cache.copy_slot
+        runner.state_cache.copy_slot = lambda src, dst: (copies.append(src.tolist()), copy and real(src, dst))
         routes = []
         runner.on_executed = lambda out: routes.append(out.graph)
-        warm = _one_at_a_time(engine, [prompt, follow], params)
+        warm = _one_at_a_time(engine, prompts, SNAPSHOT_PARAMS)
         assert routes.count("decode") >= 40, routes
         return warm, copies
 
@@ -369,19 +381,13 @@ def test_cuda_graph_decodes_take_snapshots_that_a_hit_restores(tiny_ckpt, tiny_c
     from tests.test_hybrid import _one_at_a_time
 
     _, hf = tiny_ckpt
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompt = [(7 * i + 3) % 500 for i in range(10)]
-    cold_engine = _gpu_engine(tiny_cuda)
-    cold = _one_at_a_time(cold_engine, [prompt], params)
-    follow = prompt + cold[0][0][:23] + [4, 4, 4]
-    cold += _one_at_a_time(cold_engine, [follow], params)
-    assert cold[1][0] == hf_greedy(hf, follow, 24)
+    prompts, cold = _snapshot_turns(_gpu_engine(tiny_cuda), hf)
     eng = _gpu_engine(tiny_cuda, optimize=True, state_snapshot_stride=16, cuda_graph_max_batch_size=4)
     assert eng.config.prefix_caching and eng.runner.graphs is not None
     state, copies, routes = eng.runner.state_cache, [], []
-    real = state.copy_slots
-    state.copy_slots = lambda src, dst: (copies.append(src.tolist()), real(src, dst))
+    real = state.copy_slot
+    state.copy_slot = lambda src, dst: (copies.append(src.tolist()), real(src, dst))
     eng.runner.on_executed = lambda out: routes.append(out.graph)
-    warm = _one_at_a_time(eng, [prompt, follow], params)
+    warm = _one_at_a_time(eng, prompts, SNAPSHOT_PARAMS)
     assert warm == [(cold[0][0], 0), (cold[1][0], 32)]
     assert len(copies) == 3 and routes.count("decode") >= 40, (copies, routes)

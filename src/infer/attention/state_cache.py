@@ -61,14 +61,9 @@ class RecurrentStateCache:
         """Bytes of one slot, across all linear-attention layers."""
         return self.nbytes // self.conv.shape[1]
 
-    def copy_slot(self, src: int, dst: int) -> None:
+    def copy_slot(self, src: int | torch.Tensor, dst: int | torch.Tensor) -> None:
         """Copy slot ``src`` into ``dst`` in every layer (``n > 1``: each fork starts from the state its
-        shared prompt left)."""
-        self.conv[:, dst] = self.conv[:, src]
-        self.ssm[:, dst] = self.ssm[:, src]
-
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy slots ``src[i]`` into ``dst[i]`` in every layer (int64 ``[N]`` device tensors; the ``dst`` distinct
-        from each other and from every ``src``): a decode step's state snapshots after its CUDA graph."""
+        shared prompt left), or slots ``src[i]`` into ``dst[i]`` (int64 ``[N]`` device tensors, the ``dst``
+        distinct from each other and from every ``src``: a decode step's state snapshots after its CUDA graph)."""
         self.conv[:, dst] = self.conv[:, src]
         self.ssm[:, dst] = self.ssm[:, src]

@@ -393,7 +393,7 @@ class ModelRunner:
 
     def _copy_decode_snapshots(self, scheduled: list[ScheduledSeq]) -> None:
         """After a decode graph's replay: copy the state slot of each row that ends a snapshot stride into its
-        snapshot slot, every linear layer at once (:meth:`RecurrentStateCache.copy_slots`). A row runs one token,
+        snapshot slot, every linear layer at once (:meth:`RecurrentStateCache.copy_slot`). A row runs one token,
         so its snapshot is the state after the step, what the eager forward copies layer by layer
         (:meth:`~infer.models.qwen3_5.GatedDeltaNet.forward`). Before this, every such step ran eagerly: with
         128 sequences decoding, ~40% of the steps (a stride of 256 tokens), each ~3x a replayed one (an H200,
@@ -401,7 +401,7 @@ class ModelRunner:
         pairs = [(item.seq.state_slot, snap) for item in scheduled for _, snap in item.state_snapshots if snap >= 0]
         if pairs:
             src, dst = self._to_device(list(zip(*pairs)), torch.int64)  # [2, N]: one copy to the device
-            self.state_cache.copy_slots(src, dst)
+            self.state_cache.copy_slot(src, dst)
 
     def _run_eager(self, step: StepInputs) -> ForwardOutput:
         """The step's forward, launched kernel by kernel: the hidden states of every token."""
