@@ -5,6 +5,8 @@
     # GPU (H100/H200): Qwen3.5-4B shapes beside Qwen3-4B, bf16, random weights generated on the device
     python benchmarks/hybrid.py --device cuda --hybrid qwen3.5-4b --dense qwen3-4b \\
         --contexts 1024 8192 32768 --engine-args attention_backend=triton --kernels --out /tmp/phase17-gpu
+    # the Gated DeltaNet kernels alone (no engine): infer's Triton decode step against fla's, the prefill rule
+    python benchmarks/hybrid.py --device cuda --hybrid qwen3.5-4b --contexts --kernels --out /tmp/phase17-kernels
 
 For each model (two checkpoints of ``scripts/make_synthetic_checkpoint.py`` presets, written with
 ``--random-weights``: config and tokenizer only, the loader generates the weights on the device) and
@@ -18,8 +20,10 @@ measured in the same run: :func:`common.decode_floor_s`).
 ``--kernels`` (GPU) also times the Gated DeltaNet decode step alone at the hybrid's shapes, batch 1
 and 16: the plain-PyTorch reference, infer's Triton kernels, and flash-linear-attention's
 ``fused_recurrent_gated_delta_rule`` when the ``fla`` package is importable (``pip install --no-deps
-flash-linear-attention fla-core``); and the chunked prefill form over 4,096 tokens (infer's plain
-PyTorch and infer's two Triton kernels against fla's ``chunk_gated_delta_rule``). ``--engine-args
+flash-linear-attention fla-core``), with infer's state bandwidth (the float32 states read and written
+over its time); and the chunked prefill form over ``--kernel-tokens`` (4,096) tokens (infer's plain
+PyTorch and infer's two Triton kernels against fla's ``chunk_gated_delta_rule``). With no ``--contexts``
+the kernels run alone. ``--engine-args
 linear_attention_backend=triton`` (or ``fla``) runs the engines' prefills through those kernels
 (``EngineConfig.linear_attention_backend``).
 
@@ -120,7 +124,8 @@ def measure_model(path: Path, contexts: list[int], steps: int, device: str, dtyp
     cfg, dt = engine.loaded.config, engine.runner.dtype
     rows = []
     rng = random.Random(0)
-    prefill_and_decode(engine, [rng.randrange(cfg.vocab_size - 8) for _ in range(64)], 2)  # warm-up (compiles)
+    warm = min(64, max(contexts))  # a warm-up request (compiles)
+    prefill_and_decode(engine, [rng.randrange(cfg.vocab_size - 8) for _ in range(warm)], 2)
     for n in contexts:
         prompt = [rng.randrange(cfg.vocab_size - 8) for _ in range(n)]
         prefill, tpot, best, graphed = prefill_and_decode(engine, prompt, steps)
@@ -148,7 +153,9 @@ def _fla():
 
 
 def decode_kernel_row(cfg, b: int, device: torch.device, fla) -> dict[str, Any]:
-    """One Gated DeltaNet layer's decode step for ``b`` sequences: plain PyTorch, infer's Triton, fla's."""
+    """One Gated DeltaNet layer's decode step for ``b`` sequences: plain PyTorch, infer's Triton, fla's (its
+    recurrent rule alone, without the convolution). ``infer_state_gb_s``: the float32 states read and written
+    (``2 b Hv Dk Dv`` x 4 bytes, what bounds the step) over infer's time."""
     from infer.kernels import gated_delta_reference as ref
     from infer.kernels import gated_delta_triton as tri
 
@@ -168,6 +175,7 @@ def decode_kernel_row(cfg, b: int, device: torch.device, fla) -> dict[str, Any]:
                             20, 3) * 1e6
     row["infer_triton_us"] = timed(lambda: tri.decode_step(x, a, bb, a_log, dt_bias, conv, ssm, slots, has, w, nk),
                                    device, 20, 3) * 1e6
+    row["infer_state_gb_s"] = 2 * b * hv * dk * dv * 4 / row["infer_triton_us"] / 1e3
     if fla is not None:  # its recurrent rule alone (the convolution done beforehand), [B, T=1, H, D] inputs
         q, kk, v = (t.to(dtype)[:, None] for t in ref.split_qkv(ref.causal_conv1d_update(x, conv[:b], w)[0],
                                                                 nk, dk, hv, dv))
@@ -177,13 +185,13 @@ def decode_kernel_row(cfg, b: int, device: torch.device, fla) -> dict[str, Any]:
     return row
 
 
-def kernel_rows(cfg, device: torch.device) -> list[dict[str, Any]]:
-    """The decode step (batch 1 and 16) and a 4,096-token chunked prefill of one Gated DeltaNet layer."""
+def kernel_rows(cfg, device: torch.device, tokens: int = 4096) -> list[dict[str, Any]]:
+    """The decode step (batch 1 and 16) and a ``tokens``-token chunked prefill of one Gated DeltaNet layer."""
     from infer.kernels import gated_delta_reference as ref
 
     fla, why = _fla()
     rows = [decode_kernel_row(cfg, b, device, fla) for b in (1, 16)]
-    hv, dk, dv, t = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, 4096
+    hv, dk, dv, t = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, tokens
     q, kk = (ref.l2norm(torch.randn(t, hv, dk, device=device)) for _ in range(2))
     v, g, beta = torch.randn(t, hv, dv, device=device), -torch.rand(t, hv, device=device), torch.rand(t, hv, device=device)
     row = {"op": f"chunked prefill, {t} tokens"}
@@ -215,9 +223,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for model in dict.fromkeys(r["model"] for r in rows):
         rs = [r for r in rows if r["model"] == model]
         label = f"{model} ({rs[0]['layers']})"
-        line = ax1.plot([r["context"] for r in rs], [r["min_step_ms"] for r in rs], "o-", label=f"{label}, fastest")
-        ax1.plot([r["context"] for r in rs], [r["tpot_ms"] for r in rs], "o--", color=line[0].get_color(), alpha=0.5,
-                 label=f"{label}, median")
+        line = ax1.plot([r["context"] for r in rs], [r["tpot_ms"] for r in rs], "o-", label=f"{label}, TPOT")
+        ax1.plot([r["context"] for r in rs], [r["min_step_ms"] for r in rs], "o--", color=line[0].get_color(), alpha=0.5,
+                 label=f"{label}, shortest step")
         ax2.plot([r["context"] for r in rs], [r["kv_mib"] + r["state_mib"] for r in rs], "o-", label=label)
     for ax, what in ((ax1, "decode step, batch 1 (ms)"), (ax2, "KV + state per sequence (MiB)")):
         ax.set_xscale("log", base=2)
@@ -234,12 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="default float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--hybrid", default="small-qwen3.5", help="preset of scripts/make_synthetic_checkpoint.py")
     ap.add_argument("--dense", default="small-qwen3", help="preset of the attention-only model beside it")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[256, 1024, 4096],
+                    help="context lengths of the engine runs (none, with --kernels: the kernels alone)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per context")
     ap.add_argument("--engine-args", nargs="*", default=[], help="EngineConfig overrides, FIELD=VALUE")
     ap.add_argument("--kernels", action="store_true", help="also time the decode step's kernels (GPU)")
+    ap.add_argument("--kernel-tokens", type=int, default=4096, help="--kernels: the chunked prefill's tokens")
     out_argument(ap, "hybrid", "output folder")
     args = ap.parse_args(argv)
+    if not args.contexts and not args.kernels:
+        ap.error("no --contexts and no --kernels: nothing to measure")
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     overrides = engine_overrides(args.engine_args)
@@ -247,27 +259,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measured bandwidth {bw:.1f} GB/s")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in (args.hybrid, args.dense):
+        for preset in (args.hybrid, args.dense) if args.contexts else ():
             rows += measure_model(make_model_dir(preset, Path(tmp)), args.contexts, args.steps, str(device), dtype,
                                   overrides, bw)
     hybrid = {r["context"]: r for r in rows if r["model"] == args.hybrid}
-    for r in rows:  # the dense model's step over the hybrid's, at the same context (median and min)
+    for r in rows:  # the dense model's step over the hybrid's, at the same context (TPOT and shortest step)
         r["vs_hybrid"] = r["tpot_ms"] / hybrid[r["context"]]["tpot_ms"]
         r["min_vs_hybrid"] = r["min_step_ms"] / hybrid[r["context"]]["min_step_ms"]
     cols = ["model", "layers", "context", "tpot_ms", "vs_hybrid", "min_step_ms", "min_vs_hybrid", "floor_ms",
             "floor_ratio", "kv_mib", "state_mib", "graph_steps", "prefill_ms"]
-    table = markdown_table(rows, cols)
+    table = markdown_table(rows, cols) if rows else ""
     krows = []
     if args.kernels:
         from infer.loader import read_model_config
 
         with tempfile.TemporaryDirectory() as tmp:
-            krows = kernel_rows(read_model_config(make_model_dir(args.hybrid, Path(tmp))), device)
-        table += "\n\n" + markdown_table(krows, ["op", "torch_us", "infer_triton_us", "fla_us"])
+            krows = kernel_rows(read_model_config(make_model_dir(args.hybrid, Path(tmp))), device, args.kernel_tokens)
+        table += ("\n\n" if table else "") + markdown_table(krows, ["op", "torch_us", "infer_triton_us",
+                                                                     "infer_state_gb_s", "fla_us"])
     out = Path(args.out)
     report = {"env": environment(device), "bandwidth_gb_s": bw, "args": vars(args), "rows": rows, "kernels": krows}
     write_report(report, out / "hybrid.json", table)
-    plot(rows, out / "hybrid.png")
+    if rows:
+        plot(rows, out / "hybrid.png")
     return 0
 
 

@@ -461,6 +461,45 @@ def test_cpu_gemv_smoke(tmp_path):
     assert set(rep["per_token_ms"]) == {"linear_row_major", "mm_column_major", "split_k"}
 
 
+def test_hybrid_bench_runs_both_models_then_the_kernels_alone(tmp_path):
+    """benchmarks/hybrid.py at tiny shapes: a row per model and context, the floor ratio TPOT over the floor, no
+    graph on the CPU; then ``--kernels`` with no contexts times the Gated DeltaNet kernels alone (the decode
+    step at batch 1 and 16, the chunked prefill), the state bandwidth being the float32 states' bytes read and
+    written over infer's time; neither contexts nor kernels is an error."""
+    import hybrid
+
+    from infer.kernels.triton_common import INTERPRET
+
+    out = tmp_path / "engines"
+    assert hybrid.main(["--device", "cpu", "--hybrid", "tiny-qwen3.5", "--dense", "tiny-qwen3", "--contexts", "24",
+                        "40", "--steps", "3", "--out", str(out)]) == 0
+    rows = json.loads((out / "hybrid.json").read_text())["rows"]
+    assert [(r["model"], r["context"]) for r in rows] == [("tiny-qwen3.5", 24), ("tiny-qwen3.5", 40),
+                                                          ("tiny-qwen3", 24), ("tiny-qwen3", 40)]
+    for r in rows:
+        assert r["tpot_ms"] > 0 and r["floor_ratio"] == pytest.approx(r["tpot_ms"] / r["floor_ms"])
+        assert r["graph_steps"] == "0/3" and (r["state_mib"] > 0) == (r["model"] == "tiny-qwen3.5")
+    assert (out / "hybrid.png").exists()
+    if INTERPRET:  # infer's Triton decode step on CPU tensors
+        out = tmp_path / "kernels"
+        assert hybrid.main(["--device", "cpu", "--hybrid", "tiny-qwen3.5", "--contexts", "--kernels",
+                            "--kernel-tokens", "64", "--out", str(out)]) == 0
+        report = json.loads((out / "hybrid.json").read_text())
+        assert report["rows"] == [] and not (out / "hybrid.png").exists()
+        decode, prefill = report["kernels"][:2], report["kernels"][2]
+        assert [r["op"] for r in decode] == ["decode step, batch 1", "decode step, batch 16"]
+        assert prefill["op"] == "chunked prefill, 64 tokens" and prefill["torch_us"] > 0
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from make_synthetic_checkpoint import PRESETS
+
+        cfg = PRESETS["tiny-qwen3.5"].fields
+        for r, b in zip(decode, (1, 16)):
+            state = 2 * b * cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"] * 4
+            assert r["infer_state_gb_s"] == pytest.approx(state / r["infer_triton_us"] / 1e3)
+    with pytest.raises(SystemExit):
+        hybrid.main(["--device", "cpu", "--contexts"])
+
+
 # ---------------------------------------------------------------------------------- greedy agreement
 
 def test_greedy_agreement_counts_divergences_and_their_margins():
