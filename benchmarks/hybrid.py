@@ -12,10 +12,10 @@ For each model (two checkpoints of ``scripts/make_synthetic_checkpoint.py`` pres
 ``--random-weights``: config and tokenizer only, the loader generates the weights on the device) and
 each context length ``L``: one request with an ``L``-token prompt runs alone; after its prefill,
 ``--steps`` decode steps are timed as the engine runs them (TPOT: their wall time over ``steps``;
-``prefill_ms``: the prefill's steps, after a 64-token warm-up request has compiled the kernels). Beside it the bytes one sequence
-holds (K/V of ``L`` tokens in the attention layers, plus the hybrid's recurrent state) and the
-batch-1 bandwidth floor (weights + that cache + the state read and written, over the bandwidth
-measured in the same run: :func:`common.decode_floor_s`).
+``prefill_ms``: the prefill's steps, after a warm-up request of up to 64 tokens has compiled the
+kernels). Beside it the bytes one sequence holds (K/V of ``L`` tokens in the attention layers, plus
+the hybrid's recurrent state) and the batch-1 bandwidth floor (weights + that cache + the state read
+and written, over the bandwidth measured in the same run: :func:`common.decode_floor_s`).
 
 ``--kernels`` (GPU) also times the Gated DeltaNet decode step alone at the hybrid's shapes, batch 1
 and 16: the plain-PyTorch reference, infer's Triton kernels, and flash-linear-attention's

@@ -29,10 +29,9 @@ batch size, the same ``batch`` prompts (random tokens, ``--prompt-len``, greedy,
 * **lora, N adapters**: the rows spread round-robin over N distinct adapters (``max_loras`` = the largest
   N), every adapter resident (one warm-up run loads them).
 
-TPOT is the median decode step (after every row has its first token; steps timed as the engine runs them,
-not synchronized one by one) over ``--repeats`` runs, the
-configurations interleaved, and decode throughput ``batch / TPOT``; the ratio to the base row is the
-claim.
+TPOT is the median decode step (after every row has its first token; steps timed as the engine runs
+them, not synchronized one by one) over ``--repeats`` runs, the configurations interleaved, and decode
+throughput ``batch / TPOT``; the ratio to the base row is the claim.
 ``offline_tok_per_s`` is the whole run's (prefills included): ``batch x output_len`` over the median wall
 time of a run, the offline-throughput ratio of the issue (each run's prompts are rotated its own way, so
 with ``prefix_caching`` no run reuses another's KV). The engines run the same ``--engine-args``,

@@ -396,8 +396,8 @@ class ModelRunner:
         snapshot slot, every linear layer at once (:meth:`RecurrentStateCache.copy_slot`). A row runs one token,
         so its snapshot is the state after the step, what the eager forward copies layer by layer
         (:meth:`~infer.models.qwen3_5.GatedDeltaNet.forward`). Before this, every such step ran eagerly: with
-        128 sequences decoding, ~40% of the steps (a stride of 256 tokens), each ~3x a replayed one (an H200,
-        Qwen3.5-4B shapes)."""
+        128 sequences decoding at a 256-token stride, ~40% of the steps (on an H200, Qwen3.5-4B shapes, the
+        offline workload's TPOT p50 went from 14.0 to 8.2 ms)."""
         pairs = [(item.seq.state_slot, snap) for item in scheduled for _, snap in item.state_snapshots if snap >= 0]
         if pairs:
             src, dst = self._to_device(list(zip(*pairs)), torch.int64)  # [2, N]: one copy to the device
