@@ -354,8 +354,10 @@ def test_gated_rms_norm_at_qwen35_4b_shapes():
 def test_gated_qk_norm_rope_at_qwen35_4b_shapes():
     """The gated attention's fused steps in bfloat16 at Qwen3.5-4B's shapes (16 query heads with their gates,
     4 KV heads of 256, 64 rotated dimensions), 8 tokens at positions up to 30,000, against the plain-PyTorch
-    reference: nearly every value bit for bit (the device's fused multiply-adds may flip a rounding)."""
+    reference: nearly every value bit for bit (the device's fused multiply-adds may flip a rounding); with the
+    KV-cache write, the cache as ``reshape_and_cache`` writes the same k and v."""
     from infer.kernels import fused_reference, fused_triton
+    from infer.kernels.attention_reference import reshape_and_cache
     from infer.models.layers import rope_cos_sin
 
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -374,6 +376,17 @@ def test_gated_qk_norm_rope_at_qwen35_4b_shapes():
     out, ref = fused_triton.sigmoid_gate_mul(o, gate), fused_reference.sigmoid_gate_mul(o, gate_ref)
     assert (out == ref).float().mean() >= 0.99
     torch.testing.assert_close(out, ref, atol=2.0 ** -7, rtol=2.0 ** -7)
+    # with the KV-cache write (a 16-token block size, two tokens on padding slots): the cache holds the
+    # kernel's own rotated k and the v heads at each slot, bit for bit
+    cache = [torch.zeros(4, 16, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    slots = torch.tensor([3, -1, 17, 40, 41, -1, 63, 0], device="cuda")
+    c = qkv.clone()
+    _, k_w, v_w, _ = fused_triton.gated_qk_norm_rope(c, cos, sin, hq, hkv, d, r, qw, kw, 1e-6, kv_cache=cache,
+                                                     slot_mapping=slots)
+    assert torch.equal(k_w, k)
+    want = [torch.zeros_like(x) for x in cache]
+    reshape_and_cache(k, v_w, *want, slots)
+    assert torch.equal(cache[0], want[0]) and torch.equal(cache[1], want[1])
 
 
 @pytest.mark.parametrize("linear_attention_backend", ["torch", "triton", "fla"])

@@ -381,23 +381,34 @@ ENGINES = {
     # chunked rule (interpreted on the CPU)
     "triton": dict(batching="continuous", kv_cache="paged", block_size=8, attention_backend="triton",
                    linear_attention_backend="triton"),
+    # and the fused forward: the gated attention's norm + RoPE kernel writing the KV cache
+    "triton-fused": dict(batching="continuous", kv_cache="paged", block_size=8, attention_backend="triton",
+                         linear_attention_backend="triton", fused_kernels=True),
 }
 
 
-@pytest.mark.parametrize("flags", [pytest.param(f, marks=interpreted) if f == "triton" else f for f in ENGINES])
-def test_engine_greedy_tokens_equal_hf_generate(tiny_qwen35, hf_greedy_tokens, flags):
+@pytest.mark.parametrize("flags", [pytest.param(f, marks=interpreted) if f.startswith("triton") else f
+                                   for f in ENGINES])
+def test_engine_greedy_tokens_equal_hf_generate(tiny_qwen35, hf_greedy_tokens, flags, monkeypatch):
+    from infer.kernels import fused_triton
     from infer.sampling import SamplingParams
     from tests.test_batching import drive, make_engine
 
     loaded, _ = tiny_qwen35
     params = SamplingParams(max_tokens=N_OUT, temperature=0.0, ignore_eos=True)
+    writes = []  # (triton-fused) the steps whose KV-cache write the norm + RoPE kernel did
+    real = fused_triton.gated_qk_norm_rope
+    monkeypatch.setattr(fused_triton, "gated_qk_norm_rope", lambda *a, **kw: (
+        writes.append(kw.get("kv_cache") is not None), real(*a, **kw))[1])
     engine = make_engine(loaded, max_model_len=128, max_num_seqs=4, **ENGINES[flags])
-    which = [0, 3, 2] if flags == "triton" else range(len(PROMPTS))  # interpreted kernels: the short ones
+    which = [0, 3, 2] if flags.startswith("triton") else range(len(PROMPTS))  # interpreted kernels: the short ones
     got = drive(engine, [(i % 3, PROMPTS[p], params) for i, p in enumerate(which)], check=_slots_consistent)
     for i, p in enumerate(which):
         assert got[i][0] == hf_greedy_tokens[p], f"prompt {p}"
     if flags == "paged-chunked-async":
         assert engine.scheduler.num_chunked_steps > 0, "no prompt was chunked"
+    if flags == "triton-fused":
+        assert writes and all(writes), writes
     _assert_drained(engine)
 
 
@@ -846,3 +857,41 @@ def test_gated_qk_norm_rope_and_output_gate(ops, dtype):
     with pytest.raises(ValueError, match="cos must be"):
         impl.gated_qk_norm_rope(qkv, cos.to(dtype) if dtype != torch.float32 else cos[:2], sin, hq, hkv, d, r, qw,
                                 kw, 1e-6)
+
+
+@pytest.mark.parametrize("ops", ["reference", pytest.param("triton", marks=interpreted)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["f32", "bf16", "fp8-cache"])
+def test_gated_qk_norm_rope_writes_the_kv_cache(ops, dtype):
+    """``gated_qk_norm_rope`` with ``kv_cache``: the rotated k and the v heads of each token stored at its slot, as
+    ``reshape_and_cache`` stores the step's k and v (float32, bfloat16, and an FP8 cache of a bfloat16 model with
+    per-layer scales); a padding token (slot -1) writes nothing; q, k and v are those of the call without the
+    cache (the Triton kernel's cache bit for bit the reference's)."""
+    from infer.kernels import fused_reference, fused_triton
+    from infer.kernels.attention_reference import reshape_and_cache
+    from infer.models.layers import rope_cos_sin
+
+    impl = fused_triton if ops == "triton" else fused_reference
+    fp8 = dtype == torch.float8_e4m3fn
+    model_dtype = torch.bfloat16 if fp8 else dtype
+    hq, hkv, d, r, blocks, bs = 4, 2, 32, 8, 3, 4
+    qkv = _gated_qkv(3, hq, hkv, d, model_dtype, seed=9)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
+    cos, sin = rope_cos_sin(torch.tensor([5, 6, 40]), inv_freq, torch.float32)
+    g = torch.Generator().manual_seed(10)
+    qw, kw = (torch.randn(d, generator=g) * 0.1).to(model_dtype), (torch.randn(d, generator=g) * 0.1).to(model_dtype)
+    slots = torch.tensor([5, -1, 10])
+    cache = [torch.zeros(blocks, bs, hkv, d, dtype=dtype) for _ in range(2)]
+    scales = (torch.tensor([0.05]), torch.tensor([0.07])) if fp8 else None
+    plain = impl.gated_qk_norm_rope(qkv.clone(), cos, sin, hq, hkv, d, r, qw, kw, 1e-6)
+    got = impl.gated_qk_norm_rope(qkv, cos, sin, hq, hkv, d, r, qw, kw, 1e-6, kv_cache=cache, slot_mapping=slots,
+                                  kv_scales=scales)
+    for a, b in zip(got, plain):
+        assert torch.equal(a, b)
+    want = [torch.zeros_like(c) for c in cache]
+    reshape_and_cache(plain[1], plain[2], *want, slots, *(scales or (None, None)))
+    for c, w in zip(cache, want):
+        assert torch.equal(c.view(torch.uint8), w.view(torch.uint8))
+    written = [5, 10]
+    rest = [i for i in range(blocks * bs) if i not in written]
+    assert not any(c.view(blocks * bs, -1)[rest].view(torch.uint8).any() for c in cache)
+    assert all(c.view(blocks * bs, -1)[written].view(torch.uint8).any() for c in cache)

@@ -254,7 +254,10 @@ def qk_norm_rope(
 
 def gated_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                        head_dim: int, rotary_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                       unit_offset: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       unit_offset: bool = True, kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       slot_mapping: torch.Tensor | None = None,
+                       kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gated attention of Qwen3.5 / Qwen3-Next (phase 17) before its attention: split the merged
     projection, RMS-normalize q and k per head, rotate their first ``rotary_dim`` dimensions (partial RoPE).
 
@@ -270,6 +273,8 @@ def gated_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
             overwritten.
         cos, sin: float32 ``[T, rotary_dim]`` (:func:`infer.models.layers.rope_cos_sin`: the halves equal).
         q_weight, k_weight: ``[D]``; eps, unit_offset: as in :func:`rms_norm` (Qwen3.5: ``1 + w``).
+        kv_cache, slot_mapping, kv_scales: as in :func:`qk_norm_rope`: the rotated k and v also stored into
+            the KV cache.
 
     Returns:
         ``(q, k, v, gate)``: ``q`` a new contiguous ``[T, Hq, D]``; ``k`` (rotated), ``v`` and ``gate`` views of
@@ -294,6 +299,9 @@ def gated_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
     q = norm_rope(qg[..., :d], q_weight).to(qkv.dtype)
     k.copy_(norm_rope(k, k_weight))
+    if kv_cache is not None:
+        check_cache_write(qkv, kv_cache, slot_mapping, num_kv_heads, head_dim)
+        reshape_and_cache(k, v, *kv_cache, slot_mapping, *(kv_scales or (None, None)))
     return q, k, v, qg[..., d:]
 
 

@@ -392,15 +392,18 @@ def qk_norm_rope(
 @triton.jit
 def _gated_qk_norm_rope_kernel(
     qkv_ptr, q_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, stride_t, stride_cs, eps,
+    k_cache_ptr, v_cache_ptr, slot_ptr, stride_cb, stride_ct, stride_ch, block_size, k_scale_ptr, v_scale_ptr,
     NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, UNIT_OFFSET: tl.constexpr, MANUAL_BF16: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    WRITE_CACHE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Grid (T, cdiv(Hq + Hkv, BLOCK_H)): program (t, j) normalizes and rotates BLOCK_H of token t's q / k heads.
     # A q head is read at h * 2D (its gate follows it) and written to q [T, Hq, D]; a k head is read and
     # written in place at Hq * 2D + (h - Hq) D. Each head is loaded twice: as is, and permuted to its rotation
     # partners (dimension i < HALF pairs with i + HALF, for i < 2 HALF = rotary_dim; the rest pair with
-    # themselves and pass through), so that each output element needs no shuffle.
+    # themselves and pass through), so that each output element needs no shuffle. With WRITE_CACHE the grid
+    # covers the v heads too (they follow the k heads in qkv), and the rotated k and the v heads are stored into
+    # the KV cache at the token's slot (reshape_and_cache fused in, as _qk_norm_rope_kernel does).
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs = tl.arange(0, D_PAD)
@@ -419,11 +422,18 @@ def _gated_qk_norm_rope_kernel(
                  tl.load(kw_ptr + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :])
     wp = tl.where(is_q[:, None], tl.load(qw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :],
                   tl.load(kw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + t)
     wait_for_previous(USE_PDL)
 
+    # k heads, then (WRITE_CACHE) v heads, each D columns after the q / gate pairs
     col = tl.where(is_q, heads * 2 * HEAD_DIM, NUM_Q_HEADS * 2 * HEAD_DIM + (heads - NUM_Q_HEADS) * HEAD_DIM)
     src = qkv_ptr + t * stride_t + col.to(tl.int64)[:, None]
-    x = tl.load(src + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    load_mask = mask
+    if WRITE_CACHE:
+        load_mask = (heads < NUM_HEADS + NUM_KV_HEADS)[:, None] & d_mask[None, :]
+    x = tl.load(src + offs[None, :], mask=load_mask, other=0.0).to(tl.float32)
+    v = x  # the v heads' values, as loaded
     xp = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty
     r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
@@ -437,25 +447,52 @@ def _gated_qk_norm_rope_kernel(
     q_dst = q_ptr + (t * NUM_Q_HEADS + heads).to(tl.int64)[:, None] * HEAD_DIM + offs[None, :]
     tl.store(q_dst, y, mask=mask & is_q[:, None])
     tl.store(src + offs[None, :], y, mask=mask & (heads >= NUM_Q_HEADS)[:, None])
+    if WRITE_CACHE:  # the token's cache row (slot < 0: padding, nothing written)
+        row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
+        is_k = (heads >= NUM_Q_HEADS) & h_mask & (slot >= 0)
+        is_v = (heads >= NUM_HEADS) & (heads < NUM_HEADS + NUM_KV_HEADS) & (slot >= 0)
+        k_ptr = k_cache_ptr + row + (heads - NUM_Q_HEADS)[:, None] * stride_ch + offs[None, :]
+        v_ptr = v_cache_ptr + row + (heads - NUM_HEADS)[:, None] * stride_ch + offs[None, :]
+        k_mask = is_k[:, None] & d_mask[None, :]
+        v_mask = is_v[:, None] & d_mask[None, :]
+        if FP8:  # an FP8 cache (phase 11): the rounded k and the loaded v, divided by the layer's scale, in e4m3
+            cdt = k_cache_ptr.dtype.element_ty
+            tl.store(k_ptr, to_fp8_e4m3(y.to(tl.float32), tl.load(k_scale_ptr), cdt), mask=k_mask)
+            tl.store(v_ptr, to_fp8_e4m3(v, tl.load(v_scale_ptr), cdt), mask=v_mask)
+        else:
+            tl.store(k_ptr, y, mask=k_mask)
+            tl.store(v_ptr, v.to(dtype), mask=v_mask)
 
 
 def gated_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                        head_dim: int, rotary_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                       unit_offset: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       unit_offset: bool = True, kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       slot_mapping: torch.Tensor | None = None,
+                       kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`infer.kernels.fused_reference.gated_qk_norm_rope` (its arguments, values and returns) in one
     launch: replaces the gated attention's ~20 small PyTorch steps (two norms, the partial rotation, the
-    concatenations and copies) per layer."""
+    concatenations and copies) per layer, and with ``kv_cache`` the KV-cache write of the new k and v."""
     check_gated_qk_norm_rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim, rotary_dim)
+    if kv_cache is not None:
+        check_cache_write(qkv, kv_cache, slot_mapping, num_kv_heads, head_dim)
     t, d = qkv.shape[0], head_dim
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     if t > 0:
         check_launchable(qkv)
         d_pad = triton.next_power_of_2(d)
-        block_h = max(1, min(triton.next_power_of_2(num_heads + num_kv_heads), 512 // d_pad))
-        _gated_qk_norm_rope_kernel[(t, triton.cdiv(num_heads + num_kv_heads, block_h))](
+        heads = num_heads + num_kv_heads
+        block_h = max(1, min(triton.next_power_of_2(heads), 512 // d_pad))
+        write = kv_cache is not None
+        k_cache, v_cache = kv_cache if write else (qkv, qkv)
+        k_scale, v_scale = check_kv_scales(k_cache, *(kv_scales or (None, None)))
+        _gated_qk_norm_rope_kernel[(t, triton.cdiv(heads + (num_kv_heads if write else 0), block_h))](
             qkv, q, cos, sin, q_weight, k_weight, qkv.stride(0), cos.stride(0), eps,
-            NUM_Q_HEADS=num_heads, NUM_HEADS=num_heads + num_kv_heads, HEAD_DIM=d, D_PAD=d_pad, HALF=rotary_dim // 2,
-            BLOCK_H=block_h, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(qkv),
+            k_cache, v_cache, slot_mapping if write else cos, *(k_cache.stride()[:3] if write else (0, 0, 0)),
+            k_cache.shape[1] if write else 1, k_scale, v_scale,
+            NUM_Q_HEADS=num_heads, NUM_HEADS=heads, HEAD_DIM=d, D_PAD=d_pad, HALF=rotary_dim // 2,
+            BLOCK_H=block_h, UNIT_OFFSET=bool(unit_offset), MANUAL_BF16=manual_bf16(qkv), WRITE_CACHE=write,
+            NUM_KV_HEADS=num_kv_heads, FP8=k_cache.dtype == torch.float8_e4m3fn,
             num_warps=num_warps_for(block_h * d_pad), **launch_options(qkv))
     qg, k, v = split_gated_qkv(qkv, num_heads, num_kv_heads, head_dim)
     return q, k, v, qg[..., d:]

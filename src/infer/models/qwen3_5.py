@@ -74,10 +74,17 @@ class GatedAttention(nn.Module):
         output gate in ``ops.sigmoid_gate_mul`` (two launches for ~25 small PyTorch ones). ``cos`` and ``sin``
         are float32 here (the fused ops round once)."""
         qkv = ops.linear(x, self.qkv_proj)
-        q, k, v, gate = ops.gated_qk_norm_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
-                                               self.rotary_dim, self.q_norm.weight, self.k_norm.weight,
-                                               self.q_norm.eps, self.q_norm.unit_offset)
-        o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, None)
+        # the Triton backend lets the norm + RoPE kernel write the new K/V into the cache (one launch fewer), as
+        # the dense attention does (not while an FP8 cache calibrates this layer's scales)
+        write = (meta.kv_cache is not None and getattr(self.backend, "cache_write_in_rope", False)
+                 and not meta.kv_cache.needs_calibration(self.layer_idx))
+        q, k, v, gate = ops.gated_qk_norm_rope(
+            qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim, self.q_norm.weight,
+            self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset,
+            kv_cache=meta.kv_cache.layer(self.layer_idx) if write else None,
+            slot_mapping=meta.slot_mapping if write else None,
+            kv_scales=meta.kv_cache.scales(self.layer_idx) if write else None)
+        o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, None, kv_written=write)
         return ops.linear(ops.sigmoid_gate_mul(o, gate), self.o_proj)
 
     def merge_qkv(self) -> None:
