@@ -92,6 +92,18 @@ def bench(fn, device: torch.device, cpu_repeats: int = 1, cpu_warmup: int = 0) -
     return timed(fn, device, repeats=cpu_repeats, warmup=cpu_warmup)
 
 
+def bench_graphed(fn, device: torch.device, cpu_repeats: int = 1, cpu_warmup: int = 0) -> float:
+    """Median seconds of ``fn()`` replayed from a CUDA graph on a GPU (``triton.testing.do_bench_cudagraph``):
+    the device's time without the host's launch cost, as the engine's decode steps replay them. A
+    microsecond kernel timed by :func:`timed` measures its launch (~20-150 us of Python and driver work);
+    :func:`timed` with ``cpu_repeats`` calls after ``cpu_warmup`` on the CPU."""
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e3
+    return timed(fn, device, repeats=cpu_repeats, warmup=cpu_warmup)
+
+
 def ttft_alone(engine, prompt: list[int]) -> float:
     """Seconds from ``engine.add_request(prompt)`` (greedy, ``max_tokens=1``) until its token is
     on the host, in the output a step returns: the TTFT of a request running alone (the device is

@@ -21,7 +21,8 @@ and written, over the bandwidth measured in the same run: :func:`common.decode_f
 and 16: the plain-PyTorch reference, infer's Triton kernels, and flash-linear-attention's
 ``fused_recurrent_gated_delta_rule`` when the ``fla`` package is importable (``pip install --no-deps
 flash-linear-attention fla-core``), with infer's state bandwidth (the float32 states read and written
-over its time); and the chunked prefill form over ``--kernel-tokens`` (4,096) tokens (infer's plain
+over its time). The decode rows time the device's work replayed from a CUDA graph, as the engine
+replays it: a step of a few microseconds timed call by call would measure its launch; and the chunked prefill form over ``--kernel-tokens`` (4,096) tokens (infer's plain
 PyTorch and infer's two Triton kernels against fla's ``chunk_gated_delta_rule``). With no ``--contexts``
 the kernels run alone. ``--engine-args
 linear_attention_backend=triton`` (or ``fla``) runs the engines' prefills through those kernels
@@ -43,6 +44,8 @@ from typing import Any
 import common  # noqa: F401  (before torch: it sets the OpenMP spin, which libgomp reads once)
 import torch
 from common import (
+    bench,
+    bench_graphed,
     ceilings,
     decode_floor_s,
     engine_overrides,
@@ -53,7 +56,6 @@ from common import (
     print_row,
     save_figure,
     sync,
-    timed,
     write_report,
 )
 
@@ -171,18 +173,19 @@ def decode_kernel_row(cfg, b: int, device: torch.device, fla) -> dict[str, Any]:
     a_log, dt_bias = torch.randn(hv, device=device), torch.randn(hv, device=device)
     g, beta = ref.gating(a, bb, a_log, dt_bias)  # fla's kernel takes them computed
     row = {"op": f"decode step, batch {b}"}
-    reps, warm = (20, 3) if device.type == "cuda" else (2, 1)  # (on the CPU the Triton kernels are interpreted)
-    row["torch_us"] = timed(lambda: ref.decode_step(x, a, bb, a_log, dt_bias, conv, ssm, slots, has, w, nk), device,
-                            reps, warm) * 1e6
-    row["infer_triton_us"] = timed(lambda: tri.decode_step(x, a, bb, a_log, dt_bias, conv, ssm, slots, has, w, nk),
-                                   device, reps, warm) * 1e6
+
+    def us(fn) -> float:  # microseconds of the device's work (CUDA graph replays); on the CPU 2 interpreted calls
+        return bench_graphed(fn, device, cpu_repeats=2, cpu_warmup=1) * 1e6
+
+    row["torch_us"] = us(lambda: ref.decode_step(x, a, bb, a_log, dt_bias, conv, ssm, slots, has, w, nk))
+    row["infer_triton_us"] = us(lambda: tri.decode_step(x, a, bb, a_log, dt_bias, conv, ssm, slots, has, w, nk))
     row["infer_state_gb_s"] = 2 * b * hv * dk * dv * 4 / row["infer_triton_us"] / 1e3
     if fla is not None:  # its recurrent rule alone (the convolution done beforehand), [B, T=1, H, D] inputs
-        q, kk, v = (t.to(dtype)[:, None] for t in ref.split_qkv(ref.causal_conv1d_update(x, conv[:b], w)[0],
+        q, kk, v = (u.to(dtype)[:, None] for u in ref.split_qkv(ref.causal_conv1d_update(x, conv[:b], w)[0],
                                                                 nk, dk, hv, dv))
         state = ssm[:b]
-        row["fla_us"] = timed(lambda: fla[1](q, kk, v, g[:, None], beta[:, None], initial_state=state,
-                                             output_final_state=True), device, reps, warm) * 1e6
+        row["fla_us"] = us(lambda: fla[1](q, kk, v, g[:, None], beta[:, None], initial_state=state,
+                                          output_final_state=True))
     return row
 
 
@@ -196,16 +199,17 @@ def kernel_rows(cfg, device: torch.device, tokens: int = 4096) -> list[dict[str,
     q, kk = (ref.l2norm(torch.randn(t, hv, dk, device=device)) for _ in range(2))
     v, g, beta = torch.randn(t, hv, dv, device=device), -torch.rand(t, hv, device=device), torch.rand(t, hv, device=device)
     row = {"op": f"chunked prefill, {t} tokens"}
-    row["torch_us"] = timed(lambda: ref.chunk_gated_delta_rule(q, kk, v, g, beta), device, 5, 1) * 1e6
+    # (timed with triton's do_bench on a GPU: calls queued back to back, the host's launches hidden behind the
+    # device's work where that is longer, as in a prefill step; no graph: fla's chunked rule is not captured)
+    row["torch_us"] = bench(lambda: ref.chunk_gated_delta_rule(q, kk, v, g, beta), device, 2, 1) * 1e6
     if device.type == "cuda":  # infer's two Triton kernels, on bf16 inputs as the engine gives them
         from infer.kernels import gated_delta_triton as tri
 
         low = [a.to(torch.bfloat16) for a in (q, kk, v)]
-        row["infer_triton_us"] = timed(lambda: tri.chunk_gated_delta_rule_varlen(*low, g, beta, [t]), device, 5,
-                                       1) * 1e6
+        row["infer_triton_us"] = bench(lambda: tri.chunk_gated_delta_rule_varlen(*low, g, beta, [t]), device) * 1e6
     if fla is not None:
         args = [a.to(torch.bfloat16)[None] for a in (q, kk, v)] + [g[None], beta.to(torch.bfloat16)[None]]
-        row["fla_us"] = timed(lambda: fla[0](*args, output_final_state=True), device, 5, 1) * 1e6
+        row["fla_us"] = bench(lambda: fla[0](*args, output_final_state=True), device) * 1e6
     rows.append(row)
     for r in rows:
         print_row(r)
