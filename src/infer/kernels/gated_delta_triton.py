@@ -569,7 +569,7 @@ def _chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     _chunk_recurrence_kernel[(len(seq_lens), h, triton.cdiv(dv, bv))](
         q, q.stride(0), k, k.stride(0), g, g.stride(0), alog, dtb, w, u, chunks, total, seqs, len(seq_lens), s0, o,
         finals, states, dk ** -0.5 if scale is None else scale, h, dk, dv, REP=rep, C=c, BK=bk, BV=bv,
-        PRECISION=precision, RAW=raw, num_warps=8, num_stages=2)  # (3 stages: ~200 KB of shared memory on sm_90)
+        PRECISION=precision, RAW=raw, num_warps=4, num_stages=2)  # (H200, 4,096 tokens: 840 us, 8 warps 1,046)
     for i, counts in enumerate(wanted):
         if 0 in counts:
             counts[0] = s0[i].clone()
