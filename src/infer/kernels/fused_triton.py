@@ -220,6 +220,20 @@ def fused_add_rms_norm(
 # ============================================================================ QK-norm + RoPE
 
 
+@triton.jit
+def _cache_rows(k_cache_ptr, v_cache_ptr, slot, block_size, stride_cb, stride_ct, stride_ch, heads, offs, h_mask,
+                d_mask, NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
+    """The KV-cache addresses of a token's k and v heads among a program's ``heads`` (of q, k, v in one row):
+    block ``slot // block_size``, offset ``slot % block_size``; ``(k_ptr, v_ptr, k_mask, v_mask)``, nothing
+    written for a padding token (``slot < 0``)."""
+    row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
+    is_k = (heads >= NUM_Q_HEADS) & h_mask & (slot >= 0)
+    is_v = (heads >= NUM_HEADS) & (heads < NUM_HEADS + NUM_KV_HEADS) & (slot >= 0)
+    k_ptr = k_cache_ptr + row + (heads - NUM_Q_HEADS)[:, None] * stride_ch + offs[None, :]
+    v_ptr = v_cache_ptr + row + (heads - NUM_HEADS)[:, None] * stride_ch + offs[None, :]
+    return k_ptr, v_ptr, is_k[:, None] & d_mask[None, :], is_v[:, None] & d_mask[None, :]
+
+
 @triton.jit(do_not_specialize=["max_positions"], do_not_specialize_on_alignment=["pos_ptr"])
 def _qk_norm_rope_kernel(
     qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, stride_t, max_positions, eps,
@@ -282,15 +296,10 @@ def _qk_norm_rope_kernel(
     tl.store(ptr1, y1, mask=mask)
     tl.store(ptr2, y2, mask=mask)
     if WRITE_CACHE:
-        # the token's cache row: block slot // block_size, offset slot % block_size (slot < 0: padding,
-        # nothing written); k heads get their rotated values, v heads their loaded ones
-        row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
-        is_k = (heads >= NUM_Q_HEADS) & h_mask & (slot >= 0)
-        is_v = (heads >= NUM_HEADS) & (heads < NUM_HEADS + NUM_KV_HEADS) & (slot >= 0)
-        k_ptr = k_cache_ptr + row + (heads - NUM_Q_HEADS)[:, None] * stride_ch + offs[None, :]
-        v_ptr = v_cache_ptr + row + (heads - NUM_HEADS)[:, None] * stride_ch + offs[None, :]
-        k_mask = is_k[:, None] & d_mask[None, :]
-        v_mask = is_v[:, None] & d_mask[None, :]
+        # the token's cache rows: k heads get their rotated values, v heads their loaded ones
+        k_ptr, v_ptr, k_mask, v_mask = _cache_rows(k_cache_ptr, v_cache_ptr, slot, block_size, stride_cb, stride_ct,
+                                                   stride_ch, heads, offs, h_mask, d_mask, NUM_Q_HEADS, NUM_HEADS,
+                                                   NUM_KV_HEADS)
         if FP8:  # an FP8 cache (phase 11): the rounded k and the loaded v, divided by the layer's scale, in e4m3
             cdt = k_cache_ptr.dtype.element_ty
             ks = tl.load(k_scale_ptr)
@@ -447,14 +456,10 @@ def _gated_qk_norm_rope_kernel(
     q_dst = q_ptr + (t * NUM_Q_HEADS + heads).to(tl.int64)[:, None] * HEAD_DIM + offs[None, :]
     tl.store(q_dst, y, mask=mask & is_q[:, None])
     tl.store(src + offs[None, :], y, mask=mask & (heads >= NUM_Q_HEADS)[:, None])
-    if WRITE_CACHE:  # the token's cache row (slot < 0: padding, nothing written)
-        row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
-        is_k = (heads >= NUM_Q_HEADS) & h_mask & (slot >= 0)
-        is_v = (heads >= NUM_HEADS) & (heads < NUM_HEADS + NUM_KV_HEADS) & (slot >= 0)
-        k_ptr = k_cache_ptr + row + (heads - NUM_Q_HEADS)[:, None] * stride_ch + offs[None, :]
-        v_ptr = v_cache_ptr + row + (heads - NUM_HEADS)[:, None] * stride_ch + offs[None, :]
-        k_mask = is_k[:, None] & d_mask[None, :]
-        v_mask = is_v[:, None] & d_mask[None, :]
+    if WRITE_CACHE:  # the token's cache rows (slot < 0: padding, nothing written)
+        k_ptr, v_ptr, k_mask, v_mask = _cache_rows(k_cache_ptr, v_cache_ptr, slot, block_size, stride_cb, stride_ct,
+                                                   stride_ch, heads, offs, h_mask, d_mask, NUM_Q_HEADS, NUM_HEADS,
+                                                   NUM_KV_HEADS)
         if FP8:  # an FP8 cache (phase 11): the rounded k and the loaded v, divided by the layer's scale, in e4m3
             cdt = k_cache_ptr.dtype.element_ty
             tl.store(k_ptr, to_fp8_e4m3(y.to(tl.float32), tl.load(k_scale_ptr), cdt), mask=k_mask)
