@@ -222,7 +222,8 @@ def environment(device: str | torch.device) -> dict[str, Any]:
     return env
 
 
-def decode_floor_s(model_config, dtype: torch.dtype, context_len: int, bandwidth_gb_s: float) -> float:
+def decode_floor_s(model_config, dtype: torch.dtype, context_len: int, bandwidth_gb_s: float,
+                   ssm_dtype: torch.dtype = torch.float32) -> float:
     """Seconds one batch-1 decode step must take at least: bytes read / bandwidth.
 
     Bytes: every weight once (the embedding table only for its one row, unless it is tied to
@@ -236,7 +237,7 @@ def decode_floor_s(model_config, dtype: torch.dtype, context_len: int, bandwidth
     if not model_config.tie_word_embeddings:
         params -= model_config.vocab_size * model_config.hidden_size  # input embeddings: one row
     kv = model_config.kv_bytes_per_token(dtype) * context_len
-    state = 2 * model_config.state_bytes_per_seq(dtype)  # a hybrid model's recurrent state: read and written
+    state = 2 * model_config.state_bytes_per_seq(dtype, ssm_dtype)  # a hybrid's recurrent state: read and written
     return (params * item + kv + state) / (bandwidth_gb_s * 1e9)
 
 

@@ -124,6 +124,7 @@ def measure_model(path: Path, contexts: list[int], steps: int, device: str, dtyp
     engine = LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype, max_model_len=max_len, **kw),
                        progress=False)
     cfg, dt = engine.loaded.config, engine.runner.dtype
+    sdt = engine.config.resolved_ssm_state_dtype()  # the state slots' dtype (ssm_state_dtype=bfloat16: 2 bytes)
     rows = []
     rng = random.Random(0)
     warm = min(64, max(contexts))  # a warm-up request (compiles)
@@ -131,12 +132,12 @@ def measure_model(path: Path, contexts: list[int], steps: int, device: str, dtyp
     for n in contexts:
         prompt = [rng.randrange(cfg.vocab_size - 8) for _ in range(n)]
         prefill, tpot, best, graphed = prefill_and_decode(engine, prompt, steps)
-        kv, state = cfg.kv_bytes_per_token(dt) * n, cfg.state_bytes_per_seq(dt)
+        kv, state = cfg.kv_bytes_per_token(dt) * n, cfg.state_bytes_per_seq(dt, sdt)
         row = {"model": path.name, "layers": f"{cfg.num_layers - cfg.num_kv_layers} linear + {cfg.num_kv_layers} attn",
                "context": n, "prefill_ms": prefill * 1e3, "tpot_ms": tpot * 1e3, "min_step_ms": best * 1e3,
                "kv_mib": kv / 2**20,
                "state_mib": state / 2**20, "graph_steps": f"{graphed}/{steps}",
-               "floor_ms": decode_floor_s(cfg, dt, n, bandwidth) * 1e3}
+               "floor_ms": decode_floor_s(cfg, dt, n, bandwidth, sdt) * 1e3}
         row["floor_ratio"] = row["tpot_ms"] / row["floor_ms"]
         print_row(row)
         rows.append(row)

@@ -387,6 +387,33 @@ ENGINES = {
 }
 
 
+def test_bfloat16_state_engine_keeps_hfs_greedy_tokens(tiny_qwen35, hf_greedy_tokens):
+    """The engine with ``ssm_state_dtype='bfloat16'`` (chunked prefill carrying the state across chunks in its
+    bfloat16 slots, decode steps rounding it once a step): its state slots take the bytes hand-computed for a
+    bfloat16 ``[Hv, Dk, Dv]`` per linear layer, and its greedy tokens are HF's float32 ones for every prompt."""
+    from infer.sampling import SamplingParams
+    from tests.test_batching import drive, make_engine
+
+    loaded, _ = tiny_qwen35
+    cfg = loaded.config
+    engine = make_engine(loaded, max_model_len=128, max_num_seqs=4, ssm_state_dtype="bfloat16",
+                         **ENGINES["paged-chunked-async"])
+    cache = engine.runner.state_cache
+    layers = cfg.layer_types.count("linear_attention")
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * \
+        cfg.linear_value_head_dim
+    assert cache.ssm.dtype == torch.bfloat16
+    assert cache.slot_nbytes == layers * (conv_dim * (cfg.linear_conv_kernel_dim - 1) * 4 + cfg.linear_num_value_heads
+                                          * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 2)
+    assert cache.slot_nbytes == cfg.state_bytes_per_seq(torch.float32, torch.bfloat16)
+    params = SamplingParams(max_tokens=N_OUT, temperature=0.0, ignore_eos=True)
+    got = drive(engine, [(i % 3, p, params) for i, p in enumerate(PROMPTS)], check=_slots_consistent)
+    assert engine.scheduler.num_chunked_steps > 0, "no prompt was chunked"
+    for i in range(len(PROMPTS)):
+        assert got[i][0] == hf_greedy_tokens[i], f"prompt {i}"
+    _assert_drained(engine)
+
+
 @pytest.mark.parametrize("flags", [pytest.param(f, marks=interpreted) if f.startswith("triton") else f
                                    for f in ENGINES])
 def test_engine_greedy_tokens_equal_hf_generate(tiny_qwen35, hf_greedy_tokens, flags, monkeypatch):
@@ -745,6 +772,35 @@ def test_triton_decode_step_equals_reference(dtype):
     torch.testing.assert_close(conv, conv_ref, atol=0, rtol=0)  # a shift: exact
     untouched = [s for s in range(num_slots) if s not in slots.tolist()]
     assert torch.equal(ssm[untouched], ssm_ref[untouched])
+
+
+@pytest.mark.parametrize("ops", ["reference", pytest.param("triton", marks=interpreted)])
+def test_bfloat16_state_slots_hold_the_float32_update_rounded(ops):
+    """``ssm_state_dtype='bfloat16'``: a decode step reads a bfloat16 slot into float32, updates it there and
+    stores it rounded once. So its output equals a float32 step's from the same (bf16-valued) state, and the
+    slot it leaves equals that step's new state rounded to bfloat16 (the reference bit for bit; the kernel to
+    within its float32 summation order); slots of other sequences are untouched."""
+    from infer.kernels import gated_delta_triton as tri
+
+    impl = tri if ops == "triton" else gdr
+    gen = torch.Generator().manual_seed(8)
+    nk, hv, dk, dv, kernel, num_slots = 2, 4, 16, 48, 4, 5
+    c = 2 * nk * dk + hv * dv
+    mixed, a, b = torch.randn(3, c, generator=gen), torch.randn(3, hv, generator=gen), torch.randn(3, hv, generator=gen)
+    a_log, dt_bias = torch.randn(hv, generator=gen), torch.randn(hv, generator=gen)
+    weight, conv = torch.randn(c, kernel, generator=gen), torch.randn(num_slots, c, kernel - 1, generator=gen)
+    state = torch.randn(num_slots, hv, dk, dv, generator=gen).to(torch.bfloat16)
+    slots, has = torch.tensor([3, 0, 1]), torch.tensor([True, True, False])
+    full = state.float()
+    want = gdr.decode_step(mixed, a, b, a_log, dt_bias, conv.clone(), full, slots, has, weight, nk)
+    got = impl.decode_step(mixed, a, b, a_log, dt_bias, conv.clone(), state, slots, has, weight, nk)
+    assert state.dtype == torch.bfloat16
+    if ops == "reference":
+        assert torch.equal(got, want) and torch.equal(state, full.to(torch.bfloat16))
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state.float(), full.to(torch.bfloat16).float(), atol=1e-5, rtol=2.0 ** -7)
+    assert torch.equal(state[[2, 4]].float(), full[[2, 4]])
 
 
 def test_gating_is_hf_qwen35s():

@@ -37,6 +37,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_OFFLOAD_MODES = ("none", "host", "disk")
 MOE_BACKENDS = ("auto", "torch", "triton")
 LINEAR_ATTENTION_BACKENDS = ("auto", "torch", "triton", "fla")
+SSM_STATE_DTYPES = ("float32", "bfloat16")
 ALL_REDUCE_BACKENDS = ("nccl", "symm_mem")
 ALL2ALL_BACKENDS = ("dynamic", "fixed_capacity")
 
@@ -268,6 +269,13 @@ class EngineConfig(PhaseChecks):
     max_cpu_loras: int | None = _flag(None, "enable_lora: adapters kept loaded in host memory (an LRU cache in "
                                       "front of the disk); at least max_loras; default: max_loras", phase=16)
     # ---- phase 17: hybrid models (linear attention)
+    ssm_state_dtype: str = _flag("float32", "hybrid models: storage of the linear-attention layers' delta-rule "
+                                 "state (vLLM's mamba_ssm_cache_dtype): float32, or bfloat16 (half the bytes a "
+                                 "decode step reads and writes per sequence, and twice the state slots in the same "
+                                 "memory; the kernels still compute in float32, the state rounded once a step, so a prefix hit "
+                                 "restores a rounded snapshot: not bit-identical to a cold run)",
+                                 choices=SSM_STATE_DTYPES, ablation=("float32", "bfloat16"), ablation_opt_in=True,
+                                 phase=17)
     state_snapshot_stride: int = _flag(0, "hybrid models with prefix_caching: tokens between two snapshots of the "
                                        "linear-attention state (a multiple of block_size; a prefix hit is cut back to "
                                        "the last snapshot, so up to this many tokens are recomputed); 0: 256 rounded "
@@ -378,6 +386,9 @@ class EngineConfig(PhaseChecks):
             raise ValueError("cuda_graphs needs moe_backend='triton' (or 'auto' on CUDA): the torch loop over experts "
                              "finds each expert's tokens on the host (data-dependent shapes), which a captured graph "
                              "cannot replay")
+        if self.ssm_state_dtype not in SSM_STATE_DTYPES:
+            raise ValueError(f"ssm_state_dtype must be one of {', '.join(SSM_STATE_DTYPES)}, got "
+                             f"{self.ssm_state_dtype!r}")
         if self.linear_attention_backend not in LINEAR_ATTENTION_BACKENDS:
             raise ValueError(f"linear_attention_backend must be one of {', '.join(LINEAR_ATTENTION_BACKENDS)}, got "
                              f"{self.linear_attention_backend!r}")
@@ -683,6 +694,10 @@ class EngineConfig(PhaseChecks):
         if self.moe_backend != "auto":
             return self.moe_backend
         return "triton" if self.resolved_device().type == "cuda" else "torch"
+
+    def resolved_ssm_state_dtype(self) -> torch.dtype:
+        """The torch dtype of :attr:`ssm_state_dtype`."""
+        return torch.bfloat16 if self.ssm_state_dtype == "bfloat16" else torch.float32
 
     def resolved_linear_attention_backend(self) -> str:
         """``"torch"``, ``"triton"`` or ``"fla"``: ``auto`` is triton on CUDA, torch on the CPU."""

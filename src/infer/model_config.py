@@ -121,15 +121,16 @@ class ModelConfig:
         """Layers that cache K/V (every layer but the linear-attention ones)."""
         return sum(t != "linear_attention" for t in self.layer_types)
 
-    def state_bytes_per_seq(self, dtype: torch.dtype) -> int:
+    def state_bytes_per_seq(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
         """Bytes of recurrent state one sequence holds across the linear-attention layers (0 for a
         model without any): the conv state (``K - 1`` inputs of the q/k/v channels, in ``dtype``) and
-        the delta-rule state (``[Hv, Dk, Dv]``, float32) of each."""
+        the delta-rule state (``[Hv, Dk, Dv]``, in ``ssm_dtype``) of each."""
         n = len(self.layer_types) - self.num_kv_layers
         conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
         itemsize = torch.empty((), dtype=dtype).element_size()
-        ssm = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        ssm = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * \
+            torch.empty((), dtype=ssm_dtype).element_size()
         return n * (conv_dim * (self.linear_conv_kernel_dim - 1) * itemsize + ssm)
 
     def window_of(self, layer_idx: int) -> int | None:

@@ -110,7 +110,8 @@ class ModelRunner:
                  cuda_graphs: bool = False, cuda_graph_max_batch_size: int = 256, block_major: bool = False,
                  cuda_graph_prefill_max_tokens: int = 0, cuda_graph_mixed_max_tokens: int = 0,
                  pdl: bool = False, num_state_slots: int = 0, num_snapshot_slots: int = 0,
-                 kv_cache_dtype: torch.dtype | None = None, calculate_kv_scales: bool = False) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, calculate_kv_scales: bool = False,
+                 ssm_state_dtype: torch.dtype = torch.float32) -> None:
         self.model = loaded.model
         self.pdl = pdl
         cfg = loaded.config
@@ -129,7 +130,8 @@ class ModelRunner:
             # with CUDA graphs, one more slot that no sequence owns (after the snapshots): the decode buckets'
             # padding rows write it
             self.state_cache = RecurrentStateCache.for_model(cfg, self.num_state_slots + num_snapshot_slots,
-                                                             self.dtype, self.device, pad_slot=cuda_graphs)
+                                                             self.dtype, self.device, pad_slot=cuda_graphs,
+                                                             ssm_dtype=ssm_state_dtype)
         self.attention_backend = make_attention_backend(attention_backend, self.device)
         self.model.set_attention_backend(self.attention_backend)
         if hasattr(self.model, "keep_aux_hidden_states"):  # an EAGLE-3 proposer of this engine asks again
@@ -200,7 +202,7 @@ class ModelRunner:
         num_blocks, num_slots, num_snapshots = cache_sizes(
             loaded, block_size, max_model_len, config.max_num_seqs, budget, config.kv_cache_memory_bytes,
             config.gpu_memory_utilization, graph_bs, graph_prefill, graph_mixed,
-            mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype),
+            mcfg.state_bytes_per_seq(next(loaded.model.parameters()).dtype, config.resolved_ssm_state_dtype()),
             cuda_graph_variants=2 if lora is not None else 1, state_pad_slots=int(config.cuda_graphs),
             snapshot_stride=stride, kv_cache_dtype=config.resolved_kv_cache_dtype())
         if agree_num_blocks is not None:
@@ -212,7 +214,7 @@ class ModelRunner:
                      cuda_graph_prefill_max_tokens=graph_prefill, cuda_graph_mixed_max_tokens=graph_mixed,
                      pdl=config.pdl, num_state_slots=num_slots, num_snapshot_slots=num_snapshots,
                      kv_cache_dtype=config.resolved_kv_cache_dtype(), calculate_kv_scales=config.calculate_kv_scales,
-                     **kwargs)
+                     ssm_state_dtype=config.resolved_ssm_state_dtype(), **kwargs)
         runner.lora_manager = lora
         if lora is not None and runner.graphs is not None:  # the graphs' LoRA variants (before capture)
             runner.graphs.enable_lora(lora.mapping)

@@ -427,7 +427,8 @@ def decode_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: to
             wider tensor (rows strided).
         a, b: ``[B, Hv]`` the ``in_proj_a`` / ``in_proj_b`` outputs; A_log, dt_bias: ``[Hv]``.
         conv_state: ``[S, C, K - 1]`` one layer's conv states (all slots); updated in place.
-        ssm_state: float32 ``[S, Hv, Dk, Dv]`` one layer's delta-rule states; updated in place.
+        ssm_state: float32 (or bfloat16: ``EngineConfig.ssm_state_dtype``) ``[S, Hv, Dk, Dv]`` one layer's
+            delta-rule states; updated in place, in float32 and stored back in their dtype.
         slots: int64 ``[B]`` each sequence's slot; has_state: bool ``[B]``, False for a sequence that
             starts here (its slot is read as zeros).
         weight: ``[C, K]`` the convolution's weights.
@@ -439,12 +440,12 @@ def decode_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: to
     g, beta = gating(a, b, A_log, dt_bias)
     keep = has_state[:, None, None]
     conv = torch.where(keep, conv_state[slots], 0)
-    ssm = torch.where(keep[..., None], ssm_state[slots], 0)
+    ssm = torch.where(keep[..., None], ssm_state[slots].float(), 0)
     y, conv = causal_conv1d_update(mixed, conv, weight)
     q, k, v = split_qkv(y, num_k_heads, dk, num_v_heads, dv)
     o, ssm = gated_delta_step(ssm, q, k, v, g, beta, scale)
     conv_state.index_copy_(0, slots, conv.to(conv_state.dtype))
-    ssm_state.index_copy_(0, slots, ssm)
+    ssm_state.index_copy_(0, slots, ssm.to(ssm_state.dtype))
     return o
 
 

@@ -190,11 +190,12 @@ def _delta_step_kernel(y_ptr, y_stride, a_ptr, a_stride, b_ptr, b_stride, alog_p
     beta = tl.sigmoid(braw.to(tl.float32)).to(braw.dtype).to(tl.float32)
     ptrs = s_ptr + slot * s_slot + h * s_head + offs_k[:, None] * s_k + offs_v[None, :]
     m2 = mk[:, None] & mv[None, :]
-    s = tl.load(ptrs, mask=m2 & has, other=0.0)  # [BK, BV]: this program's columns of S
+    # [BK, BV]: this program's columns of S, in float32 whatever the slots store (ssm_state_dtype)
+    s = tl.load(ptrs, mask=m2 & has, other=0.0).to(tl.float32)
     s = s * tl.exp(g)
     u = (v - tl.sum(s * k[:, None], axis=0)) * beta  # the delta: what S^T k misses of v
     s = s + k[:, None] * u[None, :]
-    tl.store(ptrs, s, mask=m2)
+    tl.store(ptrs, s.to(s_ptr.dtype.element_ty), mask=m2)  # (rounded once a step in a bfloat16 slot)
     tl.store(o_ptr + seq * o_stride + h * DV + offs_v, tl.sum(s * q[:, None], axis=0), mask=mv)
 
 
@@ -207,7 +208,8 @@ def gated_delta_step(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: t
     Args:
         y: ``[B, C]`` the convolution's output: ``Hk * Dk`` q channels, as many k, then ``Hv * Dv`` v.
         a, b: ``[B, Hv]`` (contiguous columns; rows may be strided); A_log, dt_bias: ``[Hv]``;
-        ssm_state: float32 ``[S, Hv, Dk, Dv]`` (contiguous Dv).
+        ssm_state: float32 or bfloat16 ``[S, Hv, Dk, Dv]`` (contiguous Dv; ``EngineConfig.ssm_state_dtype``):
+            updated in float32, stored back in its dtype.
         slots: int64 ``[B]``; has_state: bool ``[B]``.
         scale: multiplies q after its L2 norm (default ``Dk ** -0.5``).
 
@@ -216,8 +218,10 @@ def gated_delta_step(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: t
     """
     n = y.shape[0]
     _, hv, dk, dv = ssm_state.shape
-    if ssm_state.dtype != torch.float32 or ssm_state.stride(3) != 1 or a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError("need a float32 state with contiguous Dv and [B, Hv] a / b with contiguous columns")
+    if ssm_state.dtype not in (torch.float32, torch.bfloat16) or ssm_state.stride(3) != 1 or a.stride(1) != 1 \
+            or b.stride(1) != 1:
+        raise ValueError("need a float32 or bfloat16 state with contiguous Dv and [B, Hv] a / b with contiguous "
+                         "columns")
     out = torch.empty(n, hv, dv, dtype=torch.float32, device=y.device)
     bk, bv = triton.next_power_of_2(dk), min(32, triton.next_power_of_2(dv))
     scale = dk ** -0.5 if scale is None else scale

@@ -251,15 +251,17 @@ class GatedDeltaNet(nn.Module):
             states = [{} for _ in seqs]
             for j, end in io.snaps:
                 states[j][end] = None
+            ssm0 = io.gather(cache.ssm[idx])  # float32 for the rule, whatever the slots store (ssm_state_dtype)
             out[lo:hi], ssm = self.prefill_ops.prefill_rule(
                 y, a[lo:hi], b[lo:hi], self.A_log, self.dt_bias, self.nk, self.dk, self.nv, self.dv, lens,
-                io.gather(cache.ssm[idx]), states_out=states)
+                None if ssm0 is None else ssm0.float(), states_out=states)
             cache.conv[idx].index_copy_(0, io.slots, io.conv_states_after(x, conv0, io.ends).to(cache.conv.dtype))
-            cache.ssm[idx].index_copy_(0, io.slots, ssm)
+            cache.ssm[idx].index_copy_(0, io.slots, ssm.to(cache.ssm.dtype))
             if io.snaps:  # prefix caching's snapshots inside the prefills: their slots, the same way
                 cache.conv[idx].index_copy_(0, io.snap_slots,
                                             io.conv_states_after(x, conv0, io.snap_ends).to(cache.conv.dtype))
-                cache.ssm[idx].index_copy_(0, io.snap_slots, torch.stack([states[j][end] for j, end in io.snaps]))
+                cache.ssm[idx].index_copy_(0, io.snap_slots, torch.stack([states[j][end] for j, end in io.snaps])
+                                           .to(cache.ssm.dtype))
             return
         g, beta = gdr.gating(a, b, self.A_log, self.dt_bias)
         slots = {i: meta.state_slots_cpu[i] if cache is not None else None for i in seqs}
@@ -267,7 +269,7 @@ class GatedDeltaNet(nn.Module):
         for i in seqs:
             lo, hi = starts[i], starts[i + 1]
             conv = cache.conv[idx, slots[i]] if resume[i] else None
-            ssm = cache.ssm[idx, slots[i]] if resume[i] else None
+            ssm = cache.ssm[idx, slots[i]].float() if resume[i] else None
             done = 0
             for end, snap in [*snaps[i], (hi - lo, -1)]:  # segments between snapshots
                 if end > done:
