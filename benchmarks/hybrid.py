@@ -21,10 +21,10 @@ and written, over the bandwidth measured in the same run: :func:`common.decode_f
 and 16: the plain-PyTorch reference, infer's Triton kernels, and flash-linear-attention's
 ``fused_recurrent_gated_delta_rule`` when the ``fla`` package is importable (``pip install --no-deps
 flash-linear-attention fla-core``), with infer's state bandwidth (the float32 states read and written
-over its time). The decode rows time the device's work replayed from a CUDA graph, as the engine
-replays it: a step of a few microseconds timed call by call would measure its launch; and the chunked prefill form over ``--kernel-tokens`` (4,096) tokens (infer's plain
-PyTorch and infer's two Triton kernels against fla's ``chunk_gated_delta_rule``). With no ``--contexts``
-the kernels run alone. ``--engine-args
+over its time), replayed from a CUDA graph as the engine replays them (a step of a few microseconds
+timed call by call would measure its launch); and the chunked prefill form over ``--kernel-tokens``
+(4,096) tokens (infer's plain PyTorch and infer's two Triton kernels against fla's
+``chunk_gated_delta_rule``). With no ``--contexts`` the kernels run alone. ``--engine-args
 linear_attention_backend=triton`` (or ``fla``) runs the engines' prefills through those kernels
 (``EngineConfig.linear_attention_backend``).
 

@@ -272,8 +272,8 @@ class EngineConfig(PhaseChecks):
     ssm_state_dtype: str = _flag("float32", "hybrid models: storage of the linear-attention layers' delta-rule "
                                  "state (vLLM's mamba_ssm_cache_dtype): float32, or bfloat16 (half the bytes a "
                                  "decode step reads and writes per sequence, and twice the state slots in the same "
-                                 "memory; the kernels still compute in float32, the state rounded once a step, so a prefix hit "
-                                 "restores a rounded snapshot: not bit-identical to a cold run)",
+                                 "memory; the kernels still compute in float32, the state rounded once a step, so "
+                                 "a prefix hit restores a rounded snapshot: not bit-identical to a cold run)",
                                  choices=SSM_STATE_DTYPES, ablation=("float32", "bfloat16"), ablation_opt_in=True,
                                  phase=17)
     state_snapshot_stride: int = _flag(0, "hybrid models with prefix_caching: tokens between two snapshots of the "

@@ -128,10 +128,8 @@ class ModelConfig:
         n = len(self.layer_types) - self.num_kv_layers
         conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        ssm = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * \
-            torch.empty((), dtype=ssm_dtype).element_size()
-        return n * (conv_dim * (self.linear_conv_kernel_dim - 1) * itemsize + ssm)
+        ssm = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * ssm_dtype.itemsize
+        return n * (conv_dim * (self.linear_conv_kernel_dim - 1) * dtype.itemsize + ssm)
 
     def window_of(self, layer_idx: int) -> int | None:
         """Sliding window (tokens) of a layer, or None for a full-attention layer."""
