@@ -23,7 +23,7 @@ and 16: the plain-PyTorch reference, infer's Triton kernels, and flash-linear-at
 flash-linear-attention fla-core``), with infer's state bandwidth (the float32 states read and written
 over its time), replayed from a CUDA graph as the engine replays them (a step of a few microseconds
 timed call by call would measure its launch); and the chunked prefill form over ``--kernel-tokens``
-(4,096) tokens (infer's plain PyTorch and infer's two Triton kernels against fla's
+(4,096) tokens (infer's plain PyTorch and infer's three Triton kernels against fla's
 ``chunk_gated_delta_rule``). With no ``--contexts`` the kernels run alone. ``--engine-args
 linear_attention_backend=triton`` (or ``fla``) runs the engines' prefills through those kernels
 (``EngineConfig.linear_attention_backend``).
@@ -203,7 +203,7 @@ def kernel_rows(cfg, device: torch.device, tokens: int = 4096) -> list[dict[str,
     # (timed with triton's do_bench on a GPU: calls queued back to back, the host's launches hidden behind the
     # device's work where that is longer, as in a prefill step; no graph: fla's chunked rule is not captured)
     row["torch_us"] = bench(lambda: ref.chunk_gated_delta_rule(q, kk, v, g, beta), device, 2, 1) * 1e6
-    if device.type == "cuda":  # infer's two Triton kernels, on bf16 inputs as the engine gives them
+    if device.type == "cuda":  # infer's three Triton kernels, on bf16 inputs as the engine gives them
         from infer.kernels import gated_delta_triton as tri
 
         low = [a.to(torch.bfloat16) for a in (q, kk, v)]

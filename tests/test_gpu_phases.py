@@ -425,7 +425,7 @@ def test_hybrid_engine_equals_hf_generate_on_cuda(tmp_path_factory, linear_atten
                                            ("triton", torch.float32)])
 def test_chunked_rule_kernels_match_the_reference_at_qwen35_4b_shapes(backend, dtype):
     """The prefills' chunked gated delta rule in flash-linear-attention's kernels
-    (:mod:`infer.kernels.gated_delta_fla`) or infer's two Triton kernels (bf16 inputs as the engine gives
+    (:mod:`infer.kernels.gated_delta_fla`) or infer's three Triton kernels (bf16 inputs as the engine gives
     them, and float32) against the plain-PyTorch form on the same inputs, at Qwen3.5-4B's linear-attention
     shapes (32 value heads, 128 x 128 state): three sequences side by side (1, 100 and 300 tokens), two from
     a state (a later prompt chunk), the outputs and the final states (and, for infer's kernels, a state
@@ -459,7 +459,7 @@ def test_chunked_rule_kernels_match_the_reference_at_qwen35_4b_shapes(backend, d
 
 
 def test_triton_prefill_rule_at_qwen35_4b_shapes():
-    """infer's two kernels fed what the layer has (:func:`infer.kernels.gated_delta_triton.prefill_rule`: the
+    """infer's three kernels fed what the layer has (:func:`infer.kernels.gated_delta_triton.prefill_rule`: the
     convolution's bf16 output, 16 key heads for 32 value heads of 128, the raw ``a`` and ``b``; norms and
     gating inside) against the reference's ``prefill_rule`` on the same inputs: two prefills of 100 and 300
     tokens, one from a state, a state at 256 tokens, outputs and final states."""
@@ -541,7 +541,7 @@ def test_trace_records_graph_replays(qwen3_4b_2l, tmp_path):
 @pytest.mark.parametrize("backend,stride", [("torch", 32), ("triton", 64), ("fla", 64)])
 def test_hybrid_prefix_hits_with_cuda_graphs_equal_cold_runs(tmp_path_factory, backend, stride):
     """Hybrid prefix caching (state snapshots every 32 tokens, off the 64-token chunks: each prefill split at
-    them; or every 64 with infer's Triton chunked rule, which stores them from its recurrence, or with
+    them; or every 64 with infer's Triton chunked rule, whose recurrence leaves them in its chunk states, or with
     flash-linear-attention's, the pieces between them in rounds of its kernel) with decode graphs: prompts sharing prefixes of several lengths, one request at a time so each
     hits the previous ones' blocks, including a hit that leaves one token to compute (a decode-shaped step
     that must restore its snapshot, so it runs eagerly) and decodes that end on a stride (a snapshot

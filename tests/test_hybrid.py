@@ -159,12 +159,13 @@ def test_varlen_forms_equal_one_sequence_at_a_time():
 
 @interpreted
 def test_triton_chunked_rule_matches_the_reference():
-    """The prefills' chunked rule in infer's two Triton kernels
-    (:func:`infer.kernels.gated_delta_triton.chunk_gated_delta_rule_varlen`: the UT transform per chunk, then
-    the chunk-to-chunk recurrence per sequence) against the plain-PyTorch form and the token-by-token one:
-    four sequences of 150, 1, 64 and 70 tokens (a partial last chunk, a one-token one, one ending on a
-    chunk), two from a state, slow to fast decays; the outputs, the final states, and the states asked for
-    inside the prefills (0, chunk ends, the last token), which the kernel stores in the same pass."""
+    """The prefills' chunked rule in infer's three Triton kernels
+    (:func:`infer.kernels.gated_delta_triton.chunk_gated_delta_rule_varlen`: the UT transform per chunk, the
+    chunk-to-chunk recurrence per sequence, the outputs per chunk) against the plain-PyTorch form and the
+    token-by-token one: four sequences of 150, 1, 64 and 70 tokens (a partial last chunk, a one-token one,
+    one ending on a chunk), two from a state, slow to fast decays; the outputs, the final states, and the
+    states asked for inside the prefills (0, chunk ends, the last token), which the recurrence leaves in
+    its buffer of chunk states."""
     from infer.kernels import gated_delta_triton as tri
 
     lens = [150, 1, 64, 70]
@@ -181,7 +182,7 @@ def test_triton_chunked_rule_matches_the_reference():
 
 @interpreted
 def test_triton_prefill_rule_normalizes_and_gates_in_its_kernels():
-    """:func:`infer.kernels.gated_delta_triton.prefill_rule`: the same two kernels fed the convolution's output
+    """:func:`infer.kernels.gated_delta_triton.prefill_rule`: the same three kernels fed the convolution's output
     and the projections' ``a`` and ``b`` as the layer has them (column slices of wider tensors), the L2
     norms, the key head each value head reads (2 key heads for 4 value heads) and the gating (``a`` past
     softplus's linear threshold included) computed inside, against the reference's ``prefill_rule``

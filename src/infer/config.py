@@ -134,7 +134,7 @@ class EngineConfig(PhaseChecks):
     # ---- phase 17: hybrid linear attention
     linear_attention_backend: str = _flag("auto", "hybrid models (Qwen3.5): the chunked form of the Gated DeltaNet "
                                           "layers' prefills. torch: plain PyTorch (the reference); triton: infer's "
-                                          "two Triton kernels (on a CPU only under TRITON_INTERPRET=1); fla: "
+                                          "three Triton kernels (on a CPU only under TRITON_INTERPRET=1); fla: "
                                           "flash-linear-attention's Triton kernels (CUDA; pip install "
                                           "flash-linear-attention fla-core); auto: triton on CUDA, torch on the CPU",
                                           choices=LINEAR_ATTENTION_BACKENDS, ablation=("torch", "triton"),

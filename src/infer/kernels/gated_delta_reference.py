@@ -371,7 +371,7 @@ def prefill_rule(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch
     """A step's prefills through a Gated DeltaNet layer after the convolution: :func:`split_qkv`,
     :func:`gating`, then the chunked rule over the sequences side by side (``rule``: a
     ``chunk_gated_delta_rule_varlen``, this module's by default, fed q, k, v in ``dtype``).
-    :func:`infer.kernels.gated_delta_triton.prefill_rule` does all of it in its two kernels.
+    :func:`infer.kernels.gated_delta_triton.prefill_rule` does all of it in its three kernels.
 
     Args:
         y: ``[T, C]`` the convolution's output; a, b: ``[T, Hv]`` the ``in_proj_a`` / ``in_proj_b`` outputs;

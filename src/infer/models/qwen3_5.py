@@ -225,7 +225,7 @@ class GatedDeltaNet(nn.Module):
         All of them in one pass (``causal_conv1d_varlen`` of :attr:`decode_ops`: the reference's or the
         Triton kernel of :mod:`infer.kernels.gated_delta_triton`, then
         ``prefill_rule`` of :attr:`prefill_ops`: the norms, the gating and the chunked rule, in the reference's
-        PyTorch, infer's two Triton kernels or flash-linear-attention's), the snapshots taken at
+        PyTorch, infer's three Triton kernels or flash-linear-attention's), the snapshots taken at
         chunk ends on the way, when every snapshot offset ends a chunk (the default stride's do for prefills
         that start on one); otherwise each sequence alone, split at its snapshot offsets."""
         cache, idx = meta.state_cache, self.state_idx
