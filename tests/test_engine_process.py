@@ -296,6 +296,40 @@ def test_idle_engine_process_busy_polls_then_sleeps(busy_poll_s):
     sender.join()
 
 
+def test_event_loop_polls_after_the_last_output_then_sleeps(engines):
+    """With ``loop_busy_poll_s`` (the server's ``--busy-poll-ms``), the event loop that read a request's last
+    output keeps polling (its thread on the CPU while it has nothing to do) until that long after it, then
+    sleeps in the kernel; with 0 (the engine process's default here) it sleeps at once. The request's
+    tokens are the same either way."""
+    from infer.sampling import SamplingParams
+
+    proc, _ = engines
+
+    async def go():
+        stream = await proc.submit([3, 4, 5, 6], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        tokens = [out async for out in stream][-1].outputs[0].token_ids
+        polling = proc._poller is not None
+        cpu = time.thread_time()
+        await asyncio.sleep(0.2)  # inside the window
+        used_in = time.thread_time() - cpu
+        await asyncio.sleep(max(0.0, proc.loop_busy_poll_s - 0.2) + 0.05)
+        cpu = time.thread_time()
+        await asyncio.sleep(0.2)  # past it
+        return tokens, polling, used_in, time.thread_time() - cpu, proc._poller
+
+    try:
+        proc.loop_busy_poll_s = 0.4
+        tokens, polling, used_in, used_after, poller = asyncio.run(go())
+        assert polling and used_in > 0.25 * 0.2, used_in  # on the CPU (a busy 2-core machine shares it)
+        assert used_after < 0.05 and poller is None, used_after  # asleep
+        proc.loop_busy_poll_s = 0.0
+        tokens_0, polling, used_in, _, _ = asyncio.run(go())
+        assert not polling and used_in < 0.05, used_in
+        assert tokens == tokens_0 and len(tokens) == 4
+    finally:
+        proc.loop_busy_poll_s = 0.0
+
+
 def test_engine_placement_defaults():
     """``--engine-process`` and ``--busy-poll-ms`` as given; else the engine process with ``--optimize`` on one
     GPU (not with the live page or several ranks), busy polling 50 ms on a GPU and none on the CPU; a negative

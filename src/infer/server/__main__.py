@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "on one GPU, else off (the engine on a thread of the server's process)")
     s.add_argument("--busy-poll-ms", type=float, default=None, metavar="MS",
                    help="with --engine-process: how long the idle engine process polls for the next request after "
-                        "its last step before it sleeps, sparing that request a wake-up (costs a CPU core meanwhile); "
+                        "its last step before it sleeps, and the server's event loop its sockets after the last "
+                        "output, sparing the next request their wake-ups (costs two CPU cores meanwhile); "
                         "default: 50 on a GPU, 0 on the CPU (where the engine's threads need every core)")
     add_engine_args(p)
     return p

@@ -150,6 +150,7 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
+        self.engine.keep_loop_polling()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -222,12 +223,36 @@ class AsyncEngine:
         self.num_running = 0
         self.num_waiting = 0
         self.num_preemptions = 0  # cumulative (the engine's ``num_preemptions``, where it has one)
+        self.loop_busy_poll_s = 0.0  # (see keep_loop_polling; EngineProcess sets it)
+        self._poll_until = 0.0
+        self._poller: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ event-loop side
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
+
+    def keep_loop_polling(self) -> None:
+        """On the event loop, as each output reaches its stream: keep the loop polling its sockets and its
+        wake-up pipe instead of sleeping until ``loop_busy_poll_s`` seconds from now (0: never). A task
+        yields (``asyncio.sleep(0)``) in a loop, so each turn of the event loop polls with a zero timeout
+        and the next request or output is picked up without a wake-up from sleep; the engine process's
+        own busy polling (:meth:`~infer.server.engine_core._EngineLoop.wait_for_command`) does the same on
+        its side of the pipe. Only with the engine in another process: on a thread the polling would take
+        the GIL from the engine's steps."""
+        if self.loop_busy_poll_s <= 0:
+            return
+        self._poll_until = time.perf_counter() + self.loop_busy_poll_s
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+
+    async def _poll_loop(self) -> None:
+        try:
+            while time.perf_counter() < self._poll_until and not self._stopping.is_set():
+                await asyncio.sleep(0)
+        finally:
+            self._poller = None
 
     async def submit(
         self, prompt: str | list[int] | TokensPrompt, params: SamplingParams, request_id: str | None = None,

@@ -271,7 +271,8 @@ class EngineProcess(AsyncEngine):
         max_waiting, on_finished, max_step_failures: as :class:`AsyncEngine`'s.
         log_level: the engine process's logging level.
         busy_poll_s: how long the idle engine process polls the pipe after its last step before it sleeps
-            (seconds; 0: it sleeps at once; see :meth:`_EngineLoop.wait_for_command`).
+            (seconds; 0: it sleeps at once; see :meth:`_EngineLoop.wait_for_command`), and the server's
+            event loop its sockets after the last output (:meth:`AsyncEngine.keep_loop_polling`).
 
     ``__init__`` returns once the engine is built and re-raises what building it raised (a
     :class:`~infer.errors.ModelLoadError`, a ``ValueError`` of the configuration).
@@ -284,6 +285,7 @@ class EngineProcess(AsyncEngine):
                  log_level: str = "INFO", busy_poll_s: float = 0.0) -> None:
         # no first-token hand-off: the reader thread waiting for the loop would delay no engine step here
         self._setup(max_waiting, on_finished, max_step_failures, 0.0)
+        self.loop_busy_poll_s = busy_poll_s  # the event loop polls as long (keep_loop_polling)
         self.engine = None
         self._inbox = _PipeInbox(self)
         self._keys = itertools.count()
