@@ -174,6 +174,12 @@ def _delta_step_kernel(y_ptr, y_stride, a_ptr, a_stride, b_ptr, b_stride, alog_p
     has = tl.load(has_ptr + seq) != 0
     decay_rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    ptrs = s_ptr + slot * s_slot + h * s_head + offs_k[:, None] * s_k + offs_v[None, :]
+    m2 = mk[:, None] & mv[None, :]
+    # [BK, BV]: this program's columns of S, in float32 whatever the slots store (ssm_state_dtype), loaded
+    # before the PDL wait: no kernel of the step before this one writes the slot (the layer's previous
+    # step did, and the prefills of this step write other sequences' slots), only y, a and b are new
+    s = tl.load(ptrs, mask=m2 & has, other=0.0).to(tl.float32)
     wait_for_previous(USE_PDL)  # (infer.kernels.pdl) y is the convolution's, a and b the projection's
     row = y_ptr + seq * y_stride
     kh = h // REP  # the key head this value head reads
@@ -188,10 +194,6 @@ def _delta_step_kernel(y_ptr, y_stride, a_ptr, a_stride, b_ptr, b_stride, alog_p
     g = -decay_rate * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # softplus, linear past 20 (PyTorch's)
     braw = tl.load(b_ptr + seq * b_stride + h)
     beta = tl.sigmoid(braw.to(tl.float32)).to(braw.dtype).to(tl.float32)
-    ptrs = s_ptr + slot * s_slot + h * s_head + offs_k[:, None] * s_k + offs_v[None, :]
-    m2 = mk[:, None] & mv[None, :]
-    # [BK, BV]: this program's columns of S, in float32 whatever the slots store (ssm_state_dtype)
-    s = tl.load(ptrs, mask=m2 & has, other=0.0).to(tl.float32)
     s = s * tl.exp(g)
     u = (v - tl.sum(s * k[:, None], axis=0)) * beta  # the delta: what S^T k misses of v
     s = s + k[:, None] * u[None, :]
