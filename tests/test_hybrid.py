@@ -181,6 +181,35 @@ def test_triton_chunked_rule_matches_the_reference():
 
 
 @interpreted
+def test_triton_chunked_rule_takes_16_bit_products_on_16_bit_inputs():
+    """On 16-bit inputs the Triton chunked rule keeps ``W``, ``U`` and the new values in the inputs' dtype and
+    multiplies the walk's and the outputs' products in it (float32 accumulation; the UT transform stays in
+    float32 tiles), as flash-linear-attention does: against the reference on the same values in float32,
+    outputs, final and inner states within the 16-bit operands' rounding (fp16 here: bf16 is wrong in the
+    Triton interpreter, its GPU twin is ``tests/test_gpu_phases.py``'s bf16 case). A float32 walk would
+    agree to ~1e-6, so the bound also shows the 16-bit path is the one taken (errors ~5e-4 of the scale)."""
+    from infer.kernels import gated_delta_triton as tri
+
+    gen = torch.Generator().manual_seed(5)
+    lens, h, d = [150, 1, 70], 4, 16
+    t = sum(lens)
+    q, k = (gdr.l2norm(torch.randn(t, h, d, generator=gen)).half() for _ in range(2))
+    v = torch.randn(t, h, d, generator=gen).half()
+    g, beta = -torch.rand(t, h, generator=gen) * 0.3, torch.rand(t, h, generator=gen)
+    inits = [torch.randn(h, d, d, generator=gen) * 0.1, None, None]
+    asked, want_states = [{64: None, 128: None}, {}, {}], [{64: None, 128: None}, {}, {}]
+    want = gdr.chunk_gated_delta_rule_varlen(q.float(), k.float(), v.float(), g, beta, lens, inits,
+                                             states_out=want_states)
+    got = tri.chunk_gated_delta_rule_varlen(q, k, v, g, beta, lens, inits, states_out=asked)
+    errors = []
+    for a, b in [*zip(got, want), *((asked[0][n], want_states[0][n]) for n in (64, 128))]:
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=0, atol=3e-3 * scale)
+        errors.append((a - b).abs().max().item() / scale)
+    assert max(errors) > 2e-5  # not the float32 walk's agreement
+
+
+@interpreted
 def test_triton_prefill_rule_normalizes_and_gates_in_its_kernels():
     """:func:`infer.kernels.gated_delta_triton.prefill_rule`: the same three kernels fed the convolution's output
     and the projections' ``a`` and ``b`` as the layer has them (column slices of wider tensors), the L2

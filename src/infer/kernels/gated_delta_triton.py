@@ -353,11 +353,14 @@ def _inv_unit_lower16(lower):
 
 @triton.jit
 def _store_block(w_ptr, u_ptr, w, u, c, b, h, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
-    """Rows ``16 b ..`` of chunk ``c``'s ``W`` and ``U`` into ``[chunks * 64, H, D]`` float32 buffers."""
+    """Rows ``16 b ..`` of chunk ``c``'s ``W`` and ``U`` into ``[chunks * 64, H, D]`` buffers (float32, or
+    bf16 for bf16 inputs)."""
     out = (c * 64 + b * 16 + tl.arange(0, 16)).to(tl.int64)
     offs_k, offs_v = tl.arange(0, BK), tl.arange(0, BV)
-    tl.store(w_ptr + (out[:, None] * H + h) * DK + offs_k[None, :], w, mask=(offs_k < DK)[None, :])
-    tl.store(u_ptr + (out[:, None] * H + h) * DV + offs_v[None, :], u, mask=(offs_v < DV)[None, :])
+    tl.store(w_ptr + (out[:, None] * H + h) * DK + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=(offs_k < DK)[None, :])
+    tl.store(u_ptr + (out[:, None] * H + h) * DV + offs_v[None, :], u.to(u_ptr.dtype.element_ty),
+             mask=(offs_v < DV)[None, :])
 
 
 @triton.jit
@@ -411,6 +414,17 @@ def _chunk_prepare_kernel(k_ptr, k_stride, v_ptr, v_stride, g_ptr, g_stride, bet
 
 
 @triton.jit
+def _mm(a, b, PRECISION: tl.constexpr, DT: tl.constexpr):
+    """``a @ b`` accumulated in float32: for ``"16-bit"`` in ``DT`` operands (the walk and the outputs on bf16
+    or fp16 inputs, as flash-linear-attention's chunk_fwd_h and chunk_fwd_o take them), else float32 tiles
+    multiplied in ``PRECISION`` (``"tf32"`` or ``"ieee"``)."""
+    if PRECISION == "16-bit":
+        return tl.dot(a.to(DT), b.to(DT))
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def _chunk_recurrence_kernel(k_ptr, k_stride, g_ptr, g_stride, alog_ptr, dtb_ptr, w_ptr, u_ptr, seqs_ptr, num_seqs,
                              s0_ptr, h_ptr, final_ptr, H, DK, DV, REP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                              BV: tl.constexpr, PRECISION: tl.constexpr, RAW: tl.constexpr):
@@ -439,14 +453,14 @@ def _chunk_recurrence_kernel(k_ptr, k_stride, g_ptr, g_stride, alog_ptr, dtb_ptr
         row = c * C + rows
         w = tl.load(w_ptr + (row[:, None] * H + h) * DK + offs_k[None, :], mask=mk[None, :], other=0.0)
         u_ptrs = u_ptr + (row[:, None] * H + h) * DV + offs_v[None, :]
-        u = tl.load(u_ptrs, mask=mv[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=mv[None, :], other=0.0).to(tl.float32)
         tl.store(h_ptr + c * H * DK * DV + state_off, S, mask=m2)
-        v_new = u - tl.dot(w, S, input_precision=PRECISION)  # what each token writes, given the state before the chunk
-        tl.store(u_ptrs, v_new, mask=mv[None, :])
+        v_new = u - _mm(w, S, PRECISION, w_ptr.dtype.element_ty)  # what each token writes, given the state before the chunk
+        tl.store(u_ptrs, v_new.to(u_ptr.dtype.element_ty), mask=mv[None, :])
         gc = tl.cumsum(g, 0)
         g_last = tl.sum(g, 0)  # padded rows add nothing
         k_to_end = k * tl.exp(g_last - gc)[:, None]
-        S = S * tl.exp(g_last) + tl.dot(tl.trans(k_to_end), v_new, input_precision=PRECISION)
+        S = S * tl.exp(g_last) + _mm(tl.trans(k_to_end), v_new, PRECISION, w_ptr.dtype.element_ty)
     tl.store(final_ptr + s.to(tl.int64) * H * DK * DV + state_off, S, mask=m2)
 
 
@@ -473,9 +487,9 @@ def _chunk_output_kernel(q_ptr, q_stride, k_ptr, k_stride, g_ptr, g_stride, alog
     row = (c * C + rows).to(tl.int64)
     v_new = tl.load(vn_ptr + (row[:, None] * H + h) * DV + offs_v[None, :], mask=mv[None, :], other=0.0)
     causal = rows[:, None] >= rows[None, :]
-    attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * tl.exp(
-        tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
-    o = tl.dot(q * tl.exp(gc)[:, None], S, input_precision=PRECISION) + tl.dot(attn, v_new, input_precision=PRECISION)
+    dt: tl.constexpr = vn_ptr.dtype.element_ty
+    attn = _mm(q, tl.trans(k), PRECISION, dt) * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
+    o = _mm(q * tl.exp(gc)[:, None], S, PRECISION, dt) + _mm(attn, v_new.to(tl.float32), PRECISION, dt)
     tl.store(o_ptr + (tok[:, None] * H + h) * DV + offs_v[None, :], o, mask=mr[:, None] & mv[None, :])
 
 
@@ -532,9 +546,11 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     The states ``states_out`` asks for (prefix caching's snapshots, float32) are rows of that buffer, the
     state before the chunk that follows (or the final state), gathered in one copy.
 
-    Three launches a layer for the step's prefills, against the reference's ~100 small ones; the inputs may
-    be bf16 (loaded into float32 tiles, products in TF32, accumulated in float32), or float32 (IEEE
-    products: the reference's values).
+    Three launches a layer for the step's prefills, against the reference's ~100 small ones. The inputs may
+    be float32 (IEEE products: the reference's values) or bf16 / fp16: the UT transform in float32 tiles
+    with TF32 products, then ``W``, ``U`` and the new values stored in the inputs' dtype and the walk's and
+    the outputs' products taken with 16-bit operands, accumulated in float32 (flash-linear-attention's
+    choice; the chunk states and the snapshots stay float32).
 
     Args:
         q, k: ``[T, H, Dk]`` (L2-normalized, one key head per value head); v: ``[T, H, Dv]``;
@@ -600,11 +616,14 @@ def _chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     n_seqs = len(seq_lens)
     chunks, seqs, gather = table[:2 * total], table[2 * total:2 * total + 4 * n_seqs], table[2 * total + 4 * n_seqs:]
     s0 = reference.stacked_initial_states(initial_states, len(seq_lens), h, dk, dv, q.device)
-    w = torch.empty(total * c, h, dk, dtype=torch.float32, device=q.device)
-    u = torch.empty(total * c, h, dv, dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # the walk's and the outputs' products: 16-bit operands on 16-bit inputs (W, U and the new values kept so)
+    walk_precision = "16-bit" if q.dtype in (torch.bfloat16, torch.float16) else precision
+    wu_dtype = q.dtype if walk_precision == "16-bit" else torch.float32
+    w = torch.empty(total * c, h, dk, dtype=wu_dtype, device=q.device)
+    u = torch.empty(total * c, h, dv, dtype=wu_dtype, device=q.device)
     o = torch.empty(t, h, dv, dtype=torch.float32, device=q.device)
     finals = torch.empty_like(s0)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     alog, dtb = (A_log, dt_bias) if raw else (g, g)  # (unread without raw)
     bk, bv_prep, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv), min(32, triton.next_power_of_2(dv))
     _chunk_prepare_kernel[(total, h)](k, k.stride(0), v, v.stride(0), g, g.stride(0), beta, beta.stride(0), alog, dtb,
@@ -613,11 +632,11 @@ def _chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     hs = torch.empty(total, h, dk, dv, dtype=torch.float32, device=q.device)  # the state before each chunk
     _chunk_recurrence_kernel[(n_seqs, h, triton.cdiv(dv, bv))](
         k, k.stride(0), g, g.stride(0), alog, dtb, w, u, seqs, n_seqs, s0, hs, finals, h, dk, dv, REP=rep, C=c, BK=bk,
-        BV=bv, PRECISION=precision, RAW=raw, num_warps=4, num_stages=2)
+        BV=bv, PRECISION=walk_precision, RAW=raw, num_warps=4, num_stages=2)
     bv_out = min(64, triton.next_power_of_2(dv))
     _chunk_output_kernel[(total, h, triton.cdiv(dv, bv_out))](
         q, q.stride(0), k, k.stride(0), g, g.stride(0), alog, dtb, u, chunks, total, hs, o,
-        dk ** -0.5 if scale is None else scale, h, dk, dv, REP=rep, C=c, BK=bk, BV=bv_out, PRECISION=precision,
+        dk ** -0.5 if scale is None else scale, h, dk, dv, REP=rep, C=c, BK=bk, BV=bv_out, PRECISION=walk_precision,
         RAW=raw, num_warps=4)
     for i, counts in enumerate(wanted):
         if 0 in counts:
