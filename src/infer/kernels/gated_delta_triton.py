@@ -353,8 +353,8 @@ def _inv_unit_lower16(lower):
 
 @triton.jit
 def _store_block(w_ptr, u_ptr, w, u, c, b, h, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
-    """Rows ``16 b ..`` of chunk ``c``'s ``W`` and ``U`` into ``[chunks * 64, H, D]`` buffers (float32, or
-    bf16 for bf16 inputs)."""
+    """Rows ``16 b ..`` of chunk ``c``'s ``W`` and ``U`` into ``[chunks * 64, H, D]`` buffers (float32, or the
+    inputs' dtype for 16-bit inputs)."""
     out = (c * 64 + b * 16 + tl.arange(0, 16)).to(tl.int64)
     offs_k, offs_v = tl.arange(0, BK), tl.arange(0, BV)
     tl.store(w_ptr + (out[:, None] * H + h) * DK + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
@@ -489,7 +489,7 @@ def _chunk_output_kernel(q_ptr, q_stride, k_ptr, k_stride, g_ptr, g_stride, alog
     causal = rows[:, None] >= rows[None, :]
     dt: tl.constexpr = vn_ptr.dtype.element_ty
     attn = _mm(q, tl.trans(k), PRECISION, dt) * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
-    o = _mm(q * tl.exp(gc)[:, None], S, PRECISION, dt) + _mm(attn, v_new.to(tl.float32), PRECISION, dt)
+    o = _mm(q * tl.exp(gc)[:, None], S, PRECISION, dt) + _mm(attn, v_new, PRECISION, dt)
     tl.store(o_ptr + (tok[:, None] * H + h) * DV + offs_v[None, :], o, mask=mr[:, None] & mv[None, :])
 
 
