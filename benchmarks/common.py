@@ -20,6 +20,7 @@ requests they send, in workloads.py.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 
@@ -484,3 +485,37 @@ def plot_throughput(rows: list[dict[str, Any]], path: str | Path, title: str) ->
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
     save_figure(fig, path)
+
+
+def stream_http(conn: http.client.HTTPConnection, prompt: list[int], n: int) -> tuple[float, float]:
+    """TTFT and TPOT of one streamed request over ``conn``, a kept-alive connection of the standard
+    library's ``http.client`` (the lean client: the time between its send and its first chunk is the
+    server's and the socket's, with little of its own; see ``server_latency.stream_httpx``)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+    for attempt in (0, 1):
+        start = time.perf_counter()
+        try:
+            conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            break
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # the server closed the kept-alive connection while it sat idle (uvicorn does after 5 s; the
+            # offline run between two requests can be longer on a slow machine) before reading the request:
+            # connect again, outside the timing, and send it once more
+            if attempt:
+                raise
+            conn.close()
+            conn.connect()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:500]!r}")
+    first, count = None, 0
+    for line in iter(r.readline, b""):  # http.client undoes the chunked transfer encoding
+        if not line.startswith(b"data: {"):
+            continue
+        if json.loads(line[6:])["choices"]:
+            if first is None:
+                first = time.perf_counter()
+            count += 1
+    end = time.perf_counter()
+    return first - start, (end - first) / max(count - 1, 1)

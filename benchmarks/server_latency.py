@@ -75,43 +75,10 @@ from common import (  # noqa: E402
     markdown_table,
     out_argument,
     server_flags,
+    stream_http,
     write_report,
 )
 from workloads import random_prompt  # noqa: E402
-
-
-def stream_http(conn: http.client.HTTPConnection, prompt: list[int], n: int) -> tuple[float, float]:
-    """TTFT and TPOT of one streamed request over ``conn``, a kept-alive connection of the standard
-    library's ``http.client`` (the lean client: the time between its send and its first chunk is the
-    server's and the socket's, with little of its own; see ``stream_httpx``)."""
-    body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                       "stream": True}).encode()
-    for attempt in (0, 1):
-        start = time.perf_counter()
-        try:
-            conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
-            r = conn.getresponse()
-            break
-        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
-            # the server closed the kept-alive connection while it sat idle (uvicorn does after 5 s; the
-            # offline run between two requests can be longer on a slow machine) before reading the request:
-            # connect again, outside the timing, and send it once more
-            if attempt:
-                raise
-            conn.close()
-            conn.connect()
-    if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status}: {r.read()[:500]!r}")
-    first, count = None, 0
-    for line in iter(r.readline, b""):  # http.client undoes the chunked transfer encoding
-        if not line.startswith(b"data: {"):
-            continue
-        if json.loads(line[6:])["choices"]:
-            if first is None:
-                first = time.perf_counter()
-            count += 1
-    end = time.perf_counter()
-    return first - start, (end - first) / max(count - 1, 1)
 
 
 def stream_httpx(client: httpx.Client, port: int, prompt: list[int], n: int) -> tuple[float, float]:

@@ -500,6 +500,32 @@ def test_hybrid_bench_runs_both_models_then_the_kernels_alone(tmp_path):
         hybrid.main(["--device", "cpu", "--contexts"])
 
 
+def test_server_path_traces_every_point_of_a_request_in_causal_order(tmp_path):
+    """benchmarks/server_path.py on a tiny checkpoint with the engine in its own process: every point of a
+    streamed request's path is traced for every request (the hooks reach the spawned engine process too), and
+    the medians follow the request's causal order (each point happens after the one that causes it, in every
+    request, so in the medians too)."""
+    import server_path
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_synthetic_checkpoint import make_checkpoint
+
+    model = make_checkpoint("tiny-llama", tmp_path / "tiny", dtype="float32", device="cpu")
+    out = tmp_path / "path.json"
+    assert server_path.main(["--model", str(model), "--requests", "6", "--warmup", "2", "--prompt-len", "16",
+                             "--output-len", "4", "--engine-args", "dtype=float32", "--server-args=--engine-process",
+                             "--out", str(out)]) == 0
+    rows = {r["point"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == set(server_path.POINTS) and all(r["requests"] == 6 for r in rows.values())
+    chain = ["app", "body", "handler", "submit", "pipe_send", "engine_add", "engine_added", "first_step_end",
+             "engine_out_sent", "first_out", "sse_send", "client"]
+    medians = [rows[p]["median_ms"] for p in chain]
+    assert medians == sorted(medians) and medians[0] > 0
+    assert rows["engine_added"]["median_ms"] <= rows["accepted"]["median_ms"]
+    assert rows["first_step_end"]["median_ms"] <= rows["second_step_end"]["median_ms"]
+    assert out.with_suffix(".png").exists()
+
+
 # ---------------------------------------------------------------------------------- greedy agreement
 
 def test_greedy_agreement_counts_divergences_and_their_margins():
