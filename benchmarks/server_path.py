@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     import http.client
     import random
     import shlex
+    import shutil
     import subprocess
     import tempfile
     import time
@@ -312,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(60)
+        shutil.rmtree(trace_file.parent, ignore_errors=True)
     if len(requests) != len(client):
         raise SystemExit(f"the trace holds {len(requests)} requests, the client sent {len(client)}")
     rows = path_rows(client, requests)
